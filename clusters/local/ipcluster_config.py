@@ -1,0 +1,7 @@
+# The default profile: MPI engines on this machine, started by the venv's mpiexec
+# (ddlab.cluster fills in the mpiexec path and its flags).
+c = get_config()  # noqa: F821 (provided by ipyparallel when it loads this file)
+
+c.Cluster.engine_launcher_class = "mpi"
+# Listen on loopback only: nobody else on the network can reach the engines.
+c.Cluster.controller_ip = "127.0.0.1"

@@ -1,0 +1,92 @@
+"""Test-suite plumbing shared by library tests and notebook runs (nbval).
+
+- Every run gets a private IPython directory, so its clusters are its own, and at
+  the end every cluster in it is stopped and no engine process may remain.
+- Notebook cells: a timeout fails the cell. In labs/, a cell tagged `check` must
+  raise, and raise because of an exercise stub: a check that passes on a stub
+  checks nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+STUB_ERROR = "NotImplementedError"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "DDLAB_TEST_IPYTHONDIR" not in os.environ:
+        os.environ["DDLAB_TEST_IPYTHONDIR"] = tempfile.mkdtemp(prefix="ddlab-ipython-")
+    os.environ["IPYTHONDIR"] = os.environ["DDLAB_TEST_IPYTHONDIR"]
+    os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def _is_lab_notebook(item: pytest.Item) -> bool:
+    return Path(str(item.path)).parent.name == "labs"
+
+
+def _cell_error(item: pytest.Item) -> str:
+    outputs = getattr(item, "test_outputs", None) or []
+    return "\n".join(
+        f"{o.get('ename', '')}: {o.get('evalue', '')}\n" + "\n".join(o.get("traceback", []))
+        for o in outputs
+        if o.get("output_type") == "error"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    cell = getattr(item, "cell", None)
+    if cell is None or call.when != "call" or not report.passed:
+        return
+    if getattr(item.parent, "timed_out", False):
+        report.outcome = "failed"
+        report.longrepr = f"{item.name}: the cell timed out (see --nbval-cell-timeout)."
+    elif _is_lab_notebook(item) and "check" in cell.metadata.get("tags", []):
+        error = _cell_error(item)
+        if STUB_ERROR not in error:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.name}: this check cell must fail on the lab's stub, but it "
+                + ("raised something else:\n" + error if error else "passed: it checks nothing.")
+            )
+
+
+def _our_processes(ipython_dir: str) -> list[psutil.Process]:
+    """Controller, engine and mpiexec processes started under this run's IPython dir."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if not any(word in cmdline for word in ("ipyparallel", "mpiexec", "prterun", "hydra")):
+            continue
+        try:
+            if proc.environ().get("IPYTHONDIR") == ipython_dir:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop clusters left by killed kernels; fail the run if any process survives."""
+    from ddlab.cluster import cleanup_orphans
+
+    ipython_dir = os.environ["IPYTHONDIR"]
+    for profile_dir in Path(ipython_dir).glob("profile_ddlab-*"):
+        cleanup_orphans(profile_dir.name[len("profile_ddlab-"):])
+    deadline = time.monotonic() + 20
+    while (left := _our_processes(ipython_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        for proc in left:
+            print(f"left behind: pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+            proc.kill()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,286 @@
+"""Start, stop and restart a cluster of MPI engines, quietly and with a way out.
+
+    rc = ddlab.cluster.start(n=4)      # %px / %%px now run on 4 MPI ranks
+    ddlab.cluster.restart()            # after a hang or a crashed engine
+    ddlab.cluster.stop()
+
+A profile is a folder of `clusters/` (local, slurm, jupyterhub) holding an
+`ipcluster_config.py`. Runtime files (connection files, logs) live in the user's
+IPython directory under `profile_ddlab-<profile>`, never in the course folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import ipyparallel as ipp
+import psutil
+from traitlets.config import Config, PyFileConfigLoader
+
+from . import mpi
+
+#: Where `clusters/` lives: next to lib/ in the course folder, or $DDLAB_CLUSTERS.
+CLUSTERS_DIR = Path(os.environ.get("DDLAB_CLUSTERS", Path(__file__).resolve().parents[2] / "clusters"))
+
+_ID_PREFIX = "ddlab-"
+
+
+class ClusterError(RuntimeError):
+    """The engines did not start or stopped; the message says why and what to do."""
+
+
+@dataclass
+class _Running:
+    cluster: ipp.Cluster
+    client: ipp.Client
+    view: ipp.DirectView
+    n: int
+    profile: str
+
+
+_current: _Running | None = None
+
+
+def profile_config(profile: str) -> Config:
+    """The ipyparallel configuration of `clusters/<profile>/ipcluster_config.py`."""
+    folder = CLUSTERS_DIR / profile
+    config_file = folder / "ipcluster_config.py"
+    if not config_file.exists():
+        known = sorted(p.name for p in CLUSTERS_DIR.glob("*/ipcluster_config.py") for p in [p.parent])
+        raise ClusterError(
+            f"No cluster profile {profile!r}: {config_file} does not exist. "
+            f"Known profiles: {', '.join(known) or 'none'} (in {CLUSTERS_DIR})."
+        )
+    return PyFileConfigLoader(config_file.name, path=str(folder)).load_config()
+
+
+def _make_cluster(n: int, profile: str) -> ipp.Cluster:
+    config = profile_config(profile)
+    config.MPILauncher.mpi_cmd = [mpi.mpiexec_path()]
+    config.MPILauncher.mpi_args = mpi.launcher_args(n)
+    config.MPILauncher.environment = mpi.root_env()
+    return ipp.Cluster(
+        profile=f"ddlab-{profile}",
+        cluster_id=f"{_ID_PREFIX}{os.getpid()}",
+        n=n,
+        config=config,
+        log_level=logging.ERROR,
+        shutdown_atexit=True,
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_orphans(profile: str = "local") -> list[str]:
+    """Stop clusters of this profile whose notebook kernel has died; return their ids.
+
+    ddlab names each cluster after the pid of the process that started it, so a
+    cluster whose owner is gone (a kernel killed without `stop()`) is an orphan.
+    """
+    stopped = []
+    for cluster in _saved_clusters(profile):
+        owner = cluster.cluster_id[len(_ID_PREFIX):]
+        orphaned = owner.isdigit() and not _pid_alive(int(owner))
+        if orphaned or owner == str(os.getpid()):
+            with contextlib.suppress(Exception):
+                cluster.stop_cluster_sync()
+            with contextlib.suppress(OSError):
+                os.remove(cluster.cluster_file)
+            stopped.append(cluster.cluster_id)
+    return stopped
+
+
+def _saved_clusters(profile: str) -> list[ipp.Cluster]:
+    from IPython.paths import get_ipython_dir
+
+    security = Path(get_ipython_dir()) / f"profile_ddlab-{profile}" / "security"
+    clusters = []
+    for path in sorted(security.glob(f"cluster-{_ID_PREFIX}*.json")):
+        try:
+            clusters.append(ipp.Cluster.from_file(str(path), log_level=logging.ERROR))
+        except Exception:  # a half-written file from a killed kernel: just remove it
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return clusters
+
+
+def _engine_output(cluster: ipp.Cluster, lines: int = 15) -> str:
+    """The last lines the engines (and mpiexec) printed, for error messages."""
+    text = ""
+    for engine_set in cluster.engines.values():
+        with contextlib.suppress(Exception):
+            text += engine_set.get_output() or ""
+    tail = [line for line in text.splitlines() if line.strip()][-lines:]
+    return "\n".join("    " + line for line in tail) or "    (the engines printed nothing)"
+
+
+def _engines_alive(cluster: ipp.Cluster) -> bool:
+    """True while the engines' launcher (mpiexec, or a batch job) has not exited."""
+    for engine_set in cluster.engines.values():
+        process = getattr(engine_set, "process", None)  # batch launchers have none
+        if process is None:
+            return True
+        with contextlib.suppress(psutil.Error):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False
+
+
+def _quiet_magics() -> None:
+    """No progress bars in %px cells: they make notebook output change from run to run."""
+    from ipyparallel.client.magics import ParallelMagics
+
+    ParallelMagics.progress_after_seconds = -1
+
+
+def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(client.ids) < n:
+        if not _engines_alive(cluster):
+            raise ClusterError(
+                f"The MPI engines exited before registering ({len(client.ids)} of {n} up). "
+                f"Their last output:\n{_engine_output(cluster)}\n"
+                "If mpi4py cannot initialise MPI, run `make setup` again; "
+                "`python -m ddlab.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
+            )
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"Only {len(client.ids)} of {n} engines registered within {timeout:.0f} s. "
+                f"Their last output:\n{_engine_output(cluster)}\n"
+                "On a busy or small machine pass a longer timeout, e.g. start(n, timeout=180), "
+                "or start fewer engines."
+            )
+        client.spin()
+        time.sleep(0.1)
+
+
+def start(n: int = 4, profile: str = "local", timeout: float = 120.0) -> ipp.Client:
+    """Start n MPI engines and return a client whose view is active for %px and %%px.
+
+    Running it again with the same n and profile returns the running cluster; with
+    other values it stops the old one first. Orphans of killed kernels are stopped.
+    """
+    global _current
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive number of engines, got {n!r}")
+    if _current is not None:
+        if (_current.n, _current.profile) == (n, profile) and len(_current.client.ids) == n:
+            return _current.client
+        stop()
+    cleanup_orphans(profile)
+    cluster = _make_cluster(n, profile)
+    try:
+        cluster.start_controller_sync()
+        cluster.start_engines_sync(n)
+        client = cluster.connect_client_sync()
+        _wait_for_engines(cluster, client, n, timeout)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            cluster.stop_cluster_sync()
+        raise
+    _quiet_magics()
+    view = client.activate()
+    view.block = True
+    _current = _Running(cluster, client, view, n, profile)
+    _watch_engines()
+    return client
+
+
+def stop() -> None:
+    """Stop the engines and the controller of the running cluster (if any)."""
+    global _current
+    running, _current = _current, None
+    if running is None:
+        return
+    with contextlib.suppress(Exception):
+        running.client.close()
+    running.cluster.stop_cluster_sync()
+
+
+def restart(timeout: float = 120.0) -> ipp.Client:
+    """Kill the engines (hung in MPI, or crashed) and start as many fresh ones.
+
+    The notebook's own variables survive; the engines' do not, so rerun the
+    cells that set them up (imports, `comm = MPI.COMM_WORLD`, ...).
+    """
+    if _current is None:
+        raise ClusterError("No cluster is running: start one with ddlab.cluster.start(n=4).")
+    running = _current
+    cluster, client, n = running.cluster, running.client, running.n
+    cluster.stop_engines_sync()
+    # Forget the old engines so their ids and queued tasks do not linger.
+    deadline = time.monotonic() + 30
+    while client.ids and time.monotonic() < deadline:
+        client.spin()
+        time.sleep(0.1)
+    cluster.start_engines_sync(n)
+    try:
+        _wait_for_engines(cluster, client, n, timeout)
+    except ClusterError:
+        stop()
+        raise
+    running.view = client.activate()
+    running.view.block = True
+    return client
+
+
+@contextlib.contextmanager
+def running(n: int = 4, profile: str = "local", timeout: float = 120.0) -> Iterator[ipp.Client]:
+    """`with ddlab.cluster.running(4) as rc:` starts a cluster and always stops it."""
+    client = start(n, profile, timeout)
+    try:
+        yield client
+    finally:
+        stop()
+
+
+def status() -> str:
+    """One line on the running cluster: how many engines are up, and what to do if not."""
+    if _current is None:
+        return "No cluster is running: start one with ddlab.cluster.start(n=4)."
+    up, n = len(_current.client.ids), _current.n
+    if up == n:
+        return f"{n} engines up (MPI ranks 0..{n - 1}), profile {_current.profile!r}."
+    return (
+        f"Only {up} of {n} engines are up: an engine crashed and MPI ended the job. "
+        f"Last engine output:\n{_engine_output(_current.cluster)}\n"
+        "Run ddlab.cluster.restart() to start fresh engines (the notebook's variables stay)."
+    )
+
+
+def _report_dead_engines(*_args: object) -> None:
+    """After each notebook cell: if engines died, say so once, with the way out."""
+    if _current is None:
+        return
+    with contextlib.suppress(Exception):
+        _current.client.spin()
+    if len(_current.client.ids) < _current.n:
+        print(status(), file=sys.stderr)
+
+
+def _watch_engines() -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    callbacks = shell.events.callbacks["post_run_cell"]
+    if _report_dead_engines not in callbacks:
+        shell.events.register("post_run_cell", _report_dead_engines)

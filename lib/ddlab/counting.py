@@ -1,0 +1,212 @@
+"""A communicator that counts: messages and bytes per rank, and rounds on the critical path.
+
+Checks hand a `CountingComm` to a student's collective instead of the real
+communicator. It forwards point-to-point calls to MPI, records each one, and
+refuses the MPI library's own collectives, so a hand-written broadcast cannot
+quietly call `Bcast`. `traffic(...)` then gathers what every rank did.
+
+Rounds model the alpha term: a message's round is one more than the latest round
+its sender has seen, counting both the messages it received and the ones it sent
+before (a rank sends one message at a time). A linear broadcast on P ranks takes
+P-1 rounds, a binomial tree ceil(log2 P).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+COLLECTIVES = {
+    "Bcast", "bcast", "Reduce", "reduce", "Allreduce", "allreduce", "Gather", "gather",
+    "Gatherv", "Scatter", "scatter", "Scatterv", "Allgather", "allgather", "Allgatherv",
+    "Alltoall", "alltoall", "Alltoallv", "Reduce_scatter", "Reduce_scatter_block",
+    "Scan", "Exscan", "Ibcast", "Ireduce", "Iallreduce", "Iallgather", "Ialltoall",
+    "Ireduce_scatter", "Ireduce_scatter_block", "Igather", "Iscatter", "Barrier", "barrier",
+    "Ibarrier",
+}
+
+
+class ForbiddenCollective(RuntimeError):
+    """A hand-written collective called the MPI library's own collectives."""
+
+
+@dataclass
+class Event:
+    kind: str  # "send" or "recv"
+    peer: int
+    tag: int
+    nbytes: int
+
+
+@dataclass
+class Traffic:
+    """What one rank sent and received through a CountingComm."""
+
+    rank: int
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def sends(self) -> list[Event]:
+        return [e for e in self.events if e.kind == "send"]
+
+    @property
+    def recvs(self) -> list[Event]:
+        return [e for e in self.events if e.kind == "recv"]
+
+    @property
+    def messages_sent(self) -> int:
+        return len(self.sends)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(e.nbytes for e in self.sends)
+
+    @property
+    def messages_received(self) -> int:
+        return len(self.recvs)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(e.nbytes for e in self.recvs)
+
+
+def _nbytes(buf: Any) -> int:
+    """Bytes in an mpi4py buffer argument: an array, or [array, type] / [array, count, type]."""
+    if isinstance(buf, (list, tuple)):
+        data = np.asarray(buf[0])
+        if len(buf) == 3 and isinstance(buf[1], int):
+            return buf[1] * buf[2].Get_size()
+        return data.nbytes
+    return np.asarray(buf).nbytes
+
+
+class CountingComm:
+    """Wraps an mpi4py communicator; forwards point-to-point calls and records them."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm
+        self.traffic = Traffic(comm.Get_rank())
+
+    # Identity -----------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+    def Get_rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def Get_size(self) -> int:
+        return self.comm.Get_size()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in COLLECTIVES:
+            raise ForbiddenCollective(
+                f"comm.{name} is the MPI library's own collective: this exercise builds it "
+                "from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only."
+            )
+        return getattr(self.comm, name)
+
+    def _log(self, kind: str, peer: int, tag: int, nbytes: int) -> None:
+        self.traffic.events.append(Event(kind, int(peer), int(tag), int(nbytes)))
+
+    # Buffer API ---------------------------------------------------------------
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        self._log("send", dest, tag, _nbytes(buf))
+        self.comm.Send(buf, dest, tag)
+
+    Ssend = Send
+
+    def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
+             status: MPI.Status | None = None) -> None:
+        status = status if status is not None else MPI.Status()
+        self.comm.Recv(buf, source, tag, status)
+        self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
+                 status: MPI.Status | None = None) -> None:
+        status = status if status is not None else MPI.Status()
+        self._log("send", dest, sendtag, _nbytes(sendbuf))
+        self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+        self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
+        self._log("send", dest, tag, _nbytes(buf))
+        return self.comm.Isend(buf, dest, tag)
+
+    def Irecv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
+        self._log("recv", source, tag, _nbytes(buf))
+        return self.comm.Irecv(buf, source, tag)
+
+    # Object (pickle) API ------------------------------------------------------
+    def send(self, obj: Any, dest: int, tag: int = 0) -> None:
+        self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
+        self.comm.send(obj, dest, tag)
+
+    def recv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
+             status: MPI.Status | None = None) -> Any:
+        status = status if status is not None else MPI.Status()
+        obj = self.comm.recv(buf, source, tag, status)
+        self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+        return obj
+
+    def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
+                 status: MPI.Status | None = None) -> Any:
+        status = status if status is not None else MPI.Status()
+        self._log("send", dest, sendtag, len(pickle.dumps(sendobj, pickle.HIGHEST_PROTOCOL)))
+        obj = self.comm.sendrecv(sendobj, dest, sendtag, recvbuf, source, recvtag, status)
+        self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+        return obj
+
+    def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
+        self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
+        return self.comm.isend(obj, dest, tag)
+
+    def irecv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
+        self._log("recv", source, tag, 0)
+        return self.comm.irecv(buf, source, tag)
+
+
+def rounds(all_traffic: list[Traffic]) -> int:
+    """Length of the longest chain of messages, each sent after the previous arrived.
+
+    A message's round is one more than the largest round its sender had seen when
+    sending it (rounds of messages it received before, and of its own earlier sends).
+    Sends and receives are matched in order per (source, dest, tag), as MPI does.
+    """
+    pending: dict[tuple[int, int, int], list[int]] = {}
+    cursor = {t.rank: 0 for t in all_traffic}
+    seen = {t.rank: 0 for t in all_traffic}
+    events = {t.rank: t.events for t in all_traffic}
+    longest, progress = 0, True
+    while progress:
+        progress = False
+        for rank, evs in events.items():
+            while cursor[rank] < len(evs):
+                e = evs[cursor[rank]]
+                if e.kind == "send":
+                    seen[rank] += 1
+                    pending.setdefault((rank, e.peer, e.tag), []).append(seen[rank])
+                    longest = max(longest, seen[rank])
+                else:
+                    queue = pending.get((e.peer, rank, e.tag))
+                    if not queue:
+                        break  # its message is not sent yet in this replay: try later
+                    seen[rank] = max(seen[rank], queue.pop(0))
+                cursor[rank] += 1
+                progress = True
+    return longest
+
+
+def gather_traffic(counting: CountingComm) -> list[Traffic]:
+    """Every rank's Traffic, on every rank (a collective on the real communicator)."""
+    return counting.comm.allgather(counting.traffic)
