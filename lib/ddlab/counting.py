@@ -9,13 +9,18 @@ Rounds model the alpha term: a message's round is one more than the latest round
 its sender has seen, counting both the messages it received and the ones it sent
 before (a rank sends one message at a time). A linear broadcast on P ranks takes
 P-1 rounds, a binomial tree ceil(log2 P).
+
+Blocking calls never hang a check: they poll, give up after `timeout` seconds
+with a message naming the message waited for, and give up at once when another
+rank reports a failure through `fail_all`.
 """
 
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -32,6 +37,14 @@ COLLECTIVES = {
 
 class ForbiddenCollective(RuntimeError):
     """A hand-written collective called the MPI library's own collectives."""
+
+
+class Stalled(RuntimeError):
+    """A blocking call waited longer than the timeout: most likely a deadlock."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed, so the message this rank waits for will never come."""
 
 
 @dataclass
@@ -84,12 +97,60 @@ def _nbytes(buf: Any) -> int:
     return np.asarray(buf).nbytes
 
 
+def _peer(source: int) -> str:
+    return "any rank" if source == MPI.ANY_SOURCE else f"rank {source}"
+
+
+def _tag(tag: int) -> str:
+    return "any" if tag == MPI.ANY_TAG else str(tag)
+
+
 class CountingComm:
     """Wraps an mpi4py communicator; forwards point-to-point calls and records them."""
 
-    def __init__(self, comm: MPI.Comm):
+    def __init__(self, comm: MPI.Comm, timeout: float = 20.0):
         self.comm = comm
+        self.timeout = timeout
         self.traffic = Traffic(comm.Get_rank())
+        self._alarm = comm.Dup()  # carries failure notices, never student data
+
+    def free(self) -> None:
+        """Release the private alarm communicator (a collective call)."""
+        self._alarm.Free()
+
+    def fail_all(self, reason: str) -> None:
+        """Tell every other rank that this one failed, so none waits for it forever."""
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._alarm.isend(reason, peer)
+
+    def _wait(self, requests: list[MPI.Request], statuses: list[MPI.Status], what: str) -> None:
+        """Wait for requests, but not past the timeout nor past another rank's failure."""
+        try:
+            self._poll(lambda: MPI.Request.Testall(requests, statuses), what)
+        except (Stalled, PeerFailed):
+            for request in requests:
+                if request != MPI.REQUEST_NULL:
+                    request.Cancel()
+            raise
+
+    def _poll(self, done: Callable[[], bool], what: str) -> None:
+        """Call done() until it is true; raise Stalled or PeerFailed instead of hanging."""
+        deadline, spins = time.monotonic() + self.timeout, 0
+        while not done():
+            notice = MPI.Status()
+            if self._alarm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, notice):
+                reason = self._alarm.recv(source=notice.Get_source())
+                raise PeerFailed(f"gave up on {what}: rank {notice.Get_source()} failed ({reason})")
+            if time.monotonic() > deadline:
+                raise Stalled(
+                    f"waited {self.timeout:.0f} s for {what} and it never completed: "
+                    "is the matching call missing on the other rank, or are both ranks "
+                    "waiting for each other (a deadlock)?"
+                )
+            spins += 1
+            if spins > 1000:
+                time.sleep(1e-4)  # leave the core to ranks that have work (oversubscribed)
 
     # Identity -----------------------------------------------------------------
     @property
@@ -120,14 +181,14 @@ class CountingComm:
     # Buffer API ---------------------------------------------------------------
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
         self._log("send", dest, tag, _nbytes(buf))
-        self.comm.Send(buf, dest, tag)
+        self._wait([self.comm.Issend(buf, dest, tag)], [MPI.Status()], f"Send to rank {dest} (tag {tag}) to be received")
 
     Ssend = Send
 
     def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
              status: MPI.Status | None = None) -> None:
         status = status if status is not None else MPI.Status()
-        self.comm.Recv(buf, source, tag, status)
+        self._wait([self.comm.Irecv(buf, source, tag)], [status], f"Recv from {_peer(source)} (tag {_tag(tag)})")
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
@@ -135,7 +196,8 @@ class CountingComm:
                  status: MPI.Status | None = None) -> None:
         status = status if status is not None else MPI.Status()
         self._log("send", dest, sendtag, _nbytes(sendbuf))
-        self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+        requests = [self.comm.Irecv(recvbuf, source, recvtag), self.comm.Isend(sendbuf, dest, sendtag)]
+        self._wait(requests, [status, MPI.Status()], f"Sendrecv with rank {dest} / {_peer(source)}")
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
@@ -148,23 +210,25 @@ class CountingComm:
 
     # Object (pickle) API ------------------------------------------------------
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
-        self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
-        self.comm.send(obj, dest, tag)
+        payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        self._log("send", dest, tag, len(payload))
+        self._wait([self.comm.issend(obj, dest, tag)], [MPI.Status()], f"send to rank {dest} (tag {tag}) to be received")
 
     def recv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
              status: MPI.Status | None = None) -> Any:
         status = status if status is not None else MPI.Status()
-        obj = self.comm.recv(buf, source, tag, status)
+        probe = MPI.Status()
+        self._poll(lambda: self.comm.Iprobe(source, tag, probe), f"recv from {_peer(source)} (tag {_tag(tag)})")
+        obj = self.comm.recv(buf, probe.Get_source(), probe.Get_tag(), status)
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
         return obj
 
     def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
                  source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
                  status: MPI.Status | None = None) -> Any:
-        status = status if status is not None else MPI.Status()
-        self._log("send", dest, sendtag, len(pickle.dumps(sendobj, pickle.HIGHEST_PROTOCOL)))
-        obj = self.comm.sendrecv(sendobj, dest, sendtag, recvbuf, source, recvtag, status)
-        self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+        request = self.isend(sendobj, dest, sendtag)
+        obj = self.recv(recvbuf, source, recvtag, status)
+        self._wait([request], [MPI.Status()], f"sendrecv's send to rank {dest}")
         return obj
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:

@@ -1,0 +1,88 @@
+"""What every check shares: run a student's collective safely, agree on failures, report."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+from ..counting import CountingComm, Traffic, gather_traffic
+
+
+class CheckFailed(AssertionError):
+    """A check found a wrong answer; the message says which rank and what."""
+
+
+def fail_together(comm: MPI.Comm, problem: str | None, context: str) -> None:
+    """Raise the same CheckFailed on every rank if any rank found a problem."""
+    problems = comm.allgather(problem)
+    found = [(rank, text) for rank, text in enumerate(problems) if text]
+    if found:
+        lines = [f"  rank {rank}: {text}" for rank, text in found[:4]]
+        if len(found) > 4:
+            lines.append(f"  ... and {len(found) - 4} more ranks")
+        raise CheckFailed(f"{context}:\n" + "\n".join(lines))
+
+
+def passed(comm: MPI.Comm, message: str) -> None:
+    """One line on rank 0 when a check passes."""
+    if comm.Get_rank() == 0:
+        print(f"passed: {message}")
+
+
+@contextlib.contextmanager
+def sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterator[list[tuple[int, MPI.Comm | None]]]:
+    """Communicators of the first P ranks for each P (None on ranks outside), freed after."""
+    sizes = sizes or list(range(1, comm.Get_size() + 1))
+    subs = []
+    for size in sizes:
+        color = 0 if comm.Get_rank() < size else MPI.UNDEFINED
+        subs.append((size, comm.Split(color, comm.Get_rank())))
+    try:
+        yield [(size, None if sub == MPI.COMM_NULL else sub) for size, sub in subs]
+    finally:
+        for _, sub in subs:
+            if sub != MPI.COMM_NULL:
+                sub.Free()
+
+
+def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: str,
+                timeout: float = 20.0) -> tuple[Any, list[Traffic]]:
+    """Call fn(counting_comm, *args) on every rank of comm; return (result, all ranks' traffic).
+
+    An exercise stub's NotImplementedError passes straight through (all ranks raise
+    it together). Any other exception, a stall or a forbidden collective on any
+    rank becomes one CheckFailed on every rank.
+    """
+    counting = CountingComm(comm, timeout=timeout)
+    problem, result = None, None
+    try:
+        result = fn(counting, *args)
+    except NotImplementedError:
+        counting.free()
+        raise
+    except Exception as err:  # the student's code failed: tell the others, report it
+        problem = f"{type(err).__name__}: {err}"
+        counting.fail_all(problem)
+    comm.Barrier()
+    counting.free()
+    fail_together(comm, problem, f"{context} raised an error")
+    return result, gather_traffic(counting)
+
+
+def array_problem(got: Any, want: np.ndarray, what: str) -> str | None:
+    """None if `got` equals `want` (same shape, dtype and values), else what differs."""
+    if not isinstance(got, np.ndarray):
+        return f"{what} should be a NumPy array, got {type(got).__name__}"
+    if got.shape != want.shape:
+        return f"{what} has shape {got.shape}, expected {want.shape}"
+    if got.dtype != want.dtype:
+        return f"{what} has dtype {got.dtype}, expected {want.dtype}"
+    close = np.isclose(got, want, rtol=1e-6, atol=1e-9) if want.dtype.kind == "f" else got == want
+    if not np.all(close):
+        bad = np.flatnonzero(~close)
+        shown = ", ".join(f"[{i}] got {got.flat[i]} expected {want.flat[i]}" for i in bad[:3])
+        return f"{what} is wrong at {len(bad)} of {want.size} elements: {shown}"
+    return None

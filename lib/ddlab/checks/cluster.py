@@ -1,0 +1,25 @@
+"""Checks for lab 00."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..partition import block_range
+from ._core import CheckFailed
+
+
+def check_block_range(fn: Callable[[int, int, int], range]) -> None:
+    """fn(n, rank, size) must give contiguous blocks that tile range(n), sizes within one."""
+    for size in (1, 2, 3, 4, 7):
+        for n in (0, 1, 3, 4, 10, 101):
+            got = [fn(n, rank, size) for rank in range(size)]
+            want = [block_range(n, rank, size) for rank in range(size)]
+            for rank, (g, w) in enumerate(zip(got, want)):
+                if list(g) != list(w):
+                    raise CheckFailed(
+                        f"n={n} items over size={size} ranks: rank {rank} got indices "
+                        f"{list(g)[:8]}{'...' if len(g) > 8 else ''}, expected {list(w)[:8]}"
+                        f"{'...' if len(w) > 8 else ''} (blocks in rank order, the first "
+                        f"n % size = {n % size} ranks one item larger)"
+                    )
+    print("passed: block_range splits n items into contiguous, balanced blocks")

@@ -1,0 +1,1 @@
+"""Synthetic data sets made locally (no downloads), and sharding over ranks."""
