@@ -65,7 +65,7 @@ def _make_cluster(n: int, profile: str) -> ipp.Cluster:
     config = profile_config(profile)
     config.MPILauncher.mpi_cmd = [mpi.mpiexec_path()]
     config.MPILauncher.mpi_args = mpi.launcher_args(n)
-    config.MPILauncher.environment = mpi.root_env()
+    config.MPILauncher.environment = mpi.rank_env(n)
     return ipp.Cluster(
         profile=f"ddlab-{profile}",
         cluster_id=f"{_ID_PREFIX}{os.getpid()}",

@@ -66,9 +66,20 @@ def root_env() -> dict[str, str]:
     return {}
 
 
-def launch_env() -> dict[str, str]:
-    """The environment for mpiexec: this process's, plus what running as root needs."""
-    return {**os.environ, **root_env()}
+def rank_env(n: int) -> dict[str, str]:
+    """Variables for n ranks on this machine: root permission, and threads per rank.
+
+    Math libraries (OpenMP, torch) default to one thread per core in every rank, so
+    4 ranks on 2 cores would run 8 threads fighting for 2 cores; give each rank its share.
+    """
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    env = {name: os.environ.get(name, threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    return {**env, **root_env()}
+
+
+def launch_env(n: int = 1) -> dict[str, str]:
+    """The environment for mpiexec -n n: this process's, plus rank_env(n)."""
+    return {**os.environ, **rank_env(n)}
 
 
 def launcher_args(n: int) -> list[str]:
@@ -114,7 +125,7 @@ def run_ranks(n: int, command: list[str], timeout: float | None = None, **kwargs
     kwargs.setdefault("stdout", subprocess.PIPE)
     kwargs.setdefault("stderr", subprocess.STDOUT)
     proc = subprocess.Popen(
-        mpiexec_command(n) + command, env=launch_env(), text=True, start_new_session=True, **kwargs
+        mpiexec_command(n) + command, env=launch_env(n), text=True, start_new_session=True, **kwargs
     )
     try:
         out, err = proc.communicate(timeout=timeout)

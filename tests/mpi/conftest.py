@@ -1,0 +1,12 @@
+"""Multi-rank tests: every rank runs the same tests; only rank 0's report is worth reading."""
+
+from mpi4py import MPI
+import pytest
+
+
+@pytest.fixture
+def comm() -> MPI.Comm:
+    """The world communicator, with a barrier after each test so ranks stay in step."""
+    world = MPI.COMM_WORLD
+    yield world
+    world.Barrier()
