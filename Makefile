@@ -31,7 +31,7 @@ lab: setup
 	$(BIN)/jupyter lab --notebook-dir=labs --no-browser $(ROOT_FLAG)
 
 test: setup
-	$(BIN)/python -m ddlab.testrun
+	$(BIN)/python -m pytest
 
 labs: setup
 	$(BIN)/python -m ddlab.labgen solutions labs

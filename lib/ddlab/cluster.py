@@ -141,11 +141,20 @@ def _engines_alive(cluster: ipp.Cluster) -> bool:
     return False
 
 
-def _quiet_magics() -> None:
-    """No progress bars in %px cells: they make notebook output change from run to run."""
+def _activate(client: ipp.Client) -> ipp.DirectView:
+    """A blocking view on all engines, registered for %px/%%px when running in IPython.
+
+    No progress bars in %px cells: they make notebook output change from run to run.
+    """
+    from IPython import get_ipython
     from ipyparallel.client.magics import ParallelMagics
 
-    ParallelMagics.progress_after_seconds = -1
+    view = client.direct_view("all")
+    view.block = True
+    if get_ipython() is not None:
+        ParallelMagics.progress_after_seconds = -1
+        view.activate()
+    return view
 
 
 def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout: float) -> None:
@@ -193,10 +202,7 @@ def start(n: int = 4, profile: str = "local", timeout: float = 120.0) -> ipp.Cli
         with contextlib.suppress(Exception):
             cluster.stop_cluster_sync()
         raise
-    _quiet_magics()
-    view = client.activate()
-    view.block = True
-    _current = _Running(cluster, client, view, n, profile)
+    _current = _Running(cluster, client, _activate(client), n, profile)
     _watch_engines()
     return client
 
@@ -234,8 +240,7 @@ def restart(timeout: float = 120.0) -> ipp.Client:
     except ClusterError:
         stop()
         raise
-    running.view = client.activate()
-    running.view.block = True
+    running.view = _activate(client)
     return client
 
 
@@ -274,10 +279,8 @@ def _report_dead_engines(*_args: object) -> None:
 
 
 def _watch_engines() -> None:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
+    from IPython import get_ipython
+
     shell = get_ipython()
     if shell is None:
         return
