@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class _Running:
     view: ipp.DirectView
     n: int
     profile: str
+    reported_up: int = -1  # engine count at the last crash report, so each crash is told once
 
 
 _current: _Running | None = None
@@ -119,14 +121,18 @@ def _saved_clusters(profile: str) -> list[ipp.Cluster]:
     return clusters
 
 
+# ipyparallel's own log lines ("2026-01-31 12:00:00.123 [IPEngine.0] ..."), unless errors.
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \[[^\]]+\] (?!.*(ERROR|CRITICAL))")
+
+
 def _engine_output(cluster: ipp.Cluster, lines: int = 15) -> str:
-    """The last lines the engines (and mpiexec) printed, for error messages."""
+    """The last lines the engines and mpiexec printed (not ipyparallel's chatter)."""
     text = ""
     for engine_set in cluster.engines.values():
         with contextlib.suppress(Exception):
             text += engine_set.get_output() or ""
-    tail = [line for line in text.splitlines() if line.strip()][-lines:]
-    return "\n".join("    " + line for line in tail) or "    (the engines printed nothing)"
+    kept = [line for line in text.splitlines() if line.strip() and not _LOG_LINE.match(line)]
+    return "\n".join("    " + line for line in kept[-lines:]) or "    (nothing besides ipyparallel's log)"
 
 
 def _engines_alive(cluster: ipp.Cluster) -> bool:
@@ -269,13 +275,15 @@ def status() -> str:
 
 
 def _report_dead_engines(*_args: object) -> None:
-    """After each notebook cell: if engines died, say so once, with the way out."""
+    """After each notebook cell: if engines died since the last report, say so, with the way out."""
     if _current is None:
         return
     with contextlib.suppress(Exception):
         _current.client.spin()
-    if len(_current.client.ids) < _current.n:
+    up = len(_current.client.ids)
+    if up < _current.n and up != _current.reported_up:
         print(status(), file=sys.stderr)
+    _current.reported_up = up
 
 
 def _watch_engines() -> None:

@@ -1,0 +1,80 @@
+"""In a real kernel, as a student would: a %%px cell stuck in MPI is interrupted, the
+engines are restarted, and the notebook's own variables survive."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+
+def run(client, code: str, timeout: float = 180) -> tuple[str, str]:
+    """Execute code; return (status, everything printed or raised)."""
+    msg_id = client.execute(code)
+    text = []
+    while True:
+        msg = client.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            text.append(content["text"])
+        elif kind == "error":
+            text.append(f"{content['ename']}: {content['evalue']}")
+        elif kind in ("execute_result", "display_data"):
+            text.append(content["data"].get("text/plain", ""))
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    while (reply := client.get_shell_msg(timeout=timeout))["parent_header"].get("msg_id") != msg_id:
+        pass
+    return reply["content"]["status"], "".join(text)
+
+
+@pytest.fixture
+def kernel():
+    manager, client = start_new_kernel(kernel_name="ddlab")
+    try:
+        yield manager, client
+    finally:
+        run(client, "import ddlab.cluster; ddlab.cluster.stop()")
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_interrupt_a_hung_cell_then_restart_the_engines(kernel):
+    manager, client = kernel
+    status, out = run(client, "import ddlab.cluster\nrc = ddlab.cluster.start(n=2)\nnotebook_value = 42")
+    assert status == "ok", out
+    msg_id = client.execute("%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)")
+    time.sleep(5)
+    manager.interrupt_kernel()
+    deadline = time.monotonic() + 60
+    while True:  # the stuck cell ends (with an error) once interrupted
+        msg = client.get_iopub_msg(timeout=60)
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"):
+            break
+        assert time.monotonic() < deadline, "the interrupted cell never finished"
+    client.get_shell_msg(timeout=60)
+
+    status, out = run(client, "rc = ddlab.cluster.restart()\nprint(ddlab.cluster.status(), notebook_value)")
+    assert status == "ok", out
+    assert "2 engines up" in out and "42" in out, out
+    status, out = run(client, "%px from mpi4py import MPI; r = MPI.COMM_WORLD.Get_rank()\nprint(rc[:].pull('r', block=True))")
+    assert status == "ok" and "[0, 1]" in out, out
+
+
+def test_a_crashed_engine_is_reported_with_the_way_out(kernel):
+    _, client = kernel
+    status, out = run(client, "import ddlab.cluster\nrc = ddlab.cluster.start(n=2)")
+    assert status == "ok", out
+    status, out = run(client, "%%px --targets 1\nimport os\nos._exit(1)")
+    assert "EngineError" in out, out
+    deadline = time.monotonic() + 60
+    while "ddlab.cluster.restart()" not in out:  # reported after a cell, once MPI ended the job
+        assert time.monotonic() < deadline, f"no report of the crash: {out}"
+        status, out = run(client, "import time; time.sleep(1)")
+    assert "engines are up" in out
+    status, out = run(client, "rc = ddlab.cluster.restart()\nprint(ddlab.cluster.status())")
+    assert status == "ok" and "2 engines up" in out, out
