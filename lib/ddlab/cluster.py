@@ -50,6 +50,11 @@ class _Running:
 _current: _Running | None = None
 
 
+def default_profile() -> str:
+    """The profile used when none is given: $DDLAB_PROFILE (e.g. slurm on a cluster), else local."""
+    return os.environ.get("DDLAB_PROFILE") or "local"
+
+
 def profile_config(profile: str) -> Config:
     """The ipyparallel configuration of `clusters/<profile>/ipcluster_config.py`."""
     folder = CLUSTERS_DIR / profile
@@ -88,12 +93,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def cleanup_orphans(profile: str = "local") -> list[str]:
+def cleanup_orphans(profile: str | None = None) -> list[str]:
     """Stop clusters of this profile whose notebook kernel has died; return their ids.
 
     ddlab names each cluster after the pid of the process that started it, so a
     cluster whose owner is gone (a kernel killed without `stop()`) is an orphan.
     """
+    profile = profile or default_profile()
     stopped = []
     for cluster in _saved_clusters(profile):
         owner = cluster.cluster_id[len(_ID_PREFIX):]
@@ -139,8 +145,10 @@ def _engines_alive(cluster: ipp.Cluster) -> bool:
     """True while the engines' launcher (mpiexec, or a batch job) has not exited."""
     for engine_set in cluster.engines.values():
         process = getattr(engine_set, "process", None)  # batch launchers have none
-        if process is None:
-            return True
+        if process is None:  # ask the batch system: poll() is None while queued or running
+            if engine_set.poll() is None:
+                return True
+            continue
         with contextlib.suppress(psutil.Error):
             if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                 return True
@@ -151,6 +159,8 @@ def _activate(client: ipp.Client) -> ipp.DirectView:
     """A blocking view on all engines, registered for %px/%%px when running in IPython.
 
     No progress bars in %px cells: they make notebook output change from run to run.
+    The magic shows one only after `progress_after_seconds`; a value of -1 would also
+    skip its wait for the engines' last output, so use a wait longer than any cell.
     """
     from IPython import get_ipython
     from ipyparallel.client.magics import ParallelMagics
@@ -158,7 +168,7 @@ def _activate(client: ipp.Client) -> ipp.DirectView:
     view = client.direct_view("all")
     view.block = True
     if get_ipython() is not None:
-        ParallelMagics.progress_after_seconds = -1
+        ParallelMagics.progress_after_seconds = 1e6
         view.activate()
     return view
 
@@ -184,13 +194,15 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
         time.sleep(0.1)
 
 
-def start(n: int = 4, profile: str = "local", timeout: float = 120.0) -> ipp.Client:
+def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp.Client:
     """Start n MPI engines and return a client whose view is active for %px and %%px.
 
+    The profile is a folder of clusters/ (default: $DDLAB_PROFILE, else local).
     Running it again with the same n and profile returns the running cluster; with
     other values it stops the old one first. Orphans of killed kernels are stopped.
     """
     global _current
+    profile = profile or default_profile()
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive number of engines, got {n!r}")
     if _current is not None:
@@ -251,7 +263,7 @@ def restart(timeout: float = 120.0) -> ipp.Client:
 
 
 @contextlib.contextmanager
-def running(n: int = 4, profile: str = "local", timeout: float = 120.0) -> Iterator[ipp.Client]:
+def running(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> Iterator[ipp.Client]:
     """`with ddlab.cluster.running(4) as rc:` starts a cluster and always stops it."""
     client = start(n, profile, timeout)
     try:

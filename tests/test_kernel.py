@@ -1,5 +1,6 @@
-"""In a real kernel, as a student would: a %%px cell stuck in MPI is interrupted, the
-engines are restarted, and the notebook's own variables survive."""
+"""ddlab.cluster in a real kernel, as a student uses it: every rank's output shows, a
+%%px cell stuck in MPI is interrupted and the engines restarted with the notebook's
+variables intact, and a crashed engine is reported with the way out."""
 
 from __future__ import annotations
 
@@ -78,3 +79,16 @@ def test_a_crashed_engine_is_reported_with_the_way_out(kernel):
     assert "engines are up" in out
     status, out = run(client, "rc = ddlab.cluster.restart()\nprint(ddlab.cluster.status())")
     assert status == "ok" and "2 engines up" in out, out
+
+
+def test_every_rank_output_shows_and_no_progress_bar(kernel):
+    _, client = kernel
+    status, out = run(client, "import ddlab.cluster\nrc = ddlab.cluster.start(n=4)")
+    assert status == "ok", out
+    for attempt in range(3):
+        status, out = run(client, "%%px\nimport time\nfrom mpi4py import MPI\ntime.sleep(0.5)\n"
+                                  "print('hello from rank', MPI.COMM_WORLD.Get_rank())")
+        assert status == "ok", out
+        lines = sorted(line.split("] ", 1)[-1] for line in out.splitlines() if "hello" in line)
+        assert lines == [f"hello from rank {r}" for r in range(4)], (attempt, out)
+        assert "%" not in out and "tasks" not in out, f"progress bar in the output: {out}"
