@@ -33,11 +33,18 @@ def _is_lab_notebook(item: pytest.Item) -> bool:
 
 def _cell_error(item: pytest.Item) -> str:
     outputs = getattr(item, "test_outputs", None) or []
-    return "\n".join(
-        f"{o.get('ename', '')}: {o.get('evalue', '')}\n" + "\n".join(o.get("traceback", []))
-        for o in outputs
-        if o.get("output_type") == "error"
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    text = "\n".join(
+        f"{o.get('ename', '')}: {o.get('evalue', '')}\n" + "\n".join(o.get("traceback", [])) for o in errors
     )
+    if any(o.get("ename") == "AlreadyDisplayedError" for o in errors):
+        # %%px streamed the engines' errors as output before raising, so they are there
+        text += "\n" + "\n".join(
+            o.get("text") or o.get("data", {}).get("text/plain", "")
+            for o in outputs
+            if o.get("output_type") in ("stream", "display_data")
+        )
+    return text
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -63,7 +70,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 def _our_processes(ipython_dir: str) -> list[psutil.Process]:
     """Controller, engine and mpiexec processes started under this run's IPython dir."""
     found = []
+    launchers = {p.pid for p in psutil.Process().parents()}  # the mpiexec running this very pytest
     for proc in psutil.process_iter(["cmdline"]):
+        if proc.pid in launchers:
+            continue
         cmdline = " ".join(proc.info["cmdline"] or [])
         if not any(word in cmdline for word in ("ipyparallel", "mpiexec", "prterun", "hydra")):
             continue

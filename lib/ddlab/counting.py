@@ -239,13 +239,26 @@ class CountingComm:
         self._log("recv", source, tag, 0)
         return self.comm.irecv(buf, source, tag)
 
+    def Probe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
+              status: MPI.Status | None = None) -> bool:
+        """MPI's Probe (waits for a message without receiving it), with the timeout."""
+        status = status if status is not None else MPI.Status()
+        self._poll(lambda: self.comm.Iprobe(source, tag, status), f"Probe for a message from {_peer(source)} (tag {_tag(tag)})")
+        return True
 
-def rounds(all_traffic: list[Traffic]) -> int:
+    probe = Probe
+
+
+def rounds(all_traffic: list[Traffic], *, one_receive_at_a_time: bool = False) -> int:
     """Length of the longest chain of messages, each sent after the previous arrived.
 
     A message's round is one more than the largest round its sender had seen when
     sending it (rounds of messages it received before, and of its own earlier sends).
-    Sends and receives are matched in order per (source, dest, tag), as MPI does.
+    Sends and receives are matched in order per (source, dest, tag), as MPI does;
+    receives posted with ANY_SOURCE or ANY_TAG match any sender or tag.
+
+    With `one_receive_at_a_time`, a rank also takes its receives one round after
+    another, so a linear reduce (P-1 messages into the root) counts P-1 rounds, not 1.
     """
     pending: dict[tuple[int, int, int], list[int]] = {}
     cursor = {t.rank: 0 for t in all_traffic}
@@ -262,13 +275,32 @@ def rounds(all_traffic: list[Traffic]) -> int:
                     pending.setdefault((rank, e.peer, e.tag), []).append(seen[rank])
                     longest = max(longest, seen[rank])
                 else:
-                    queue = pending.get((e.peer, rank, e.tag))
-                    if not queue:
+                    arrived = _take_message(pending, e.peer, rank, e.tag)
+                    if arrived is None:
                         break  # its message is not sent yet in this replay: try later
-                    seen[rank] = max(seen[rank], queue.pop(0))
+                    seen[rank] = max(seen[rank] + one_receive_at_a_time, arrived)
+                    longest = max(longest, seen[rank])
                 cursor[rank] += 1
                 progress = True
     return longest
+
+
+def _take_message(pending: dict[tuple[int, int, int], list[int]], source: int, dest: int, tag: int) -> int | None:
+    """Pop the round of the message a receive matches (the earliest, for wildcards), or None."""
+    queues = [
+        queue for (s, d, t), queue in pending.items()
+        if queue and d == dest and source in (s, MPI.ANY_SOURCE) and tag in (t, MPI.ANY_TAG)
+    ]
+    return min(queues, key=lambda queue: queue[0]).pop(0) if queues else None
+
+
+def underlying(comm: Any) -> MPI.Comm:
+    """The real communicator: comm itself, or the one a CountingComm wraps.
+
+    For bookkeeping that is not the algorithm's own traffic (agreeing on input
+    shapes before an allreduce), so it is neither counted nor refused.
+    """
+    return comm.comm if isinstance(comm, CountingComm) else comm
 
 
 def gather_traffic(counting: CountingComm) -> list[Traffic]:

@@ -1,0 +1,261 @@
+"""Lab 01 under mpiexec: the reference functions, and every check against wrong answers.
+
+Every rank runs the same tests in the same order; a check raises the same error on
+every rank, so each rank's pytest.raises sees it. Wrong implementations that block
+get a short timeout, so a deadlock costs seconds, not a hung job.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ddlab import p2p
+from ddlab.checks import CheckFailed, check_collect, check_exchange, check_ping_pong
+
+SHORT = 3.0  # seconds a wrong implementation may block before the check gives up
+
+
+def expect_failure(check, fn, *words: str) -> str:
+    """Run check on fn (which must fail on every rank); the message must name every word."""
+    with pytest.raises(CheckFailed) as info:
+        check(fn, timeout=SHORT)
+    message = str(info.value)
+    for word in words:
+        assert word in message, message
+    return message
+
+
+# Reference functions ---------------------------------------------------------------
+def test_exchange_reference_swaps_pairs(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    data = np.full(2**18, float(rank))  # 2 MiB: a blocking Send-then-Recv would deadlock
+    got = p2p.exchange(comm, data)
+    partner = rank ^ 1 if rank ^ 1 < size else rank
+    assert np.all(got == partner) and np.all(data == rank) and got is not data
+
+
+def test_collect_reference_gathers_any_lengths(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    got = p2p.collect(comm, np.arange(rank * 3, dtype=float))
+    if rank == 0:
+        assert [list(a) for a in got] == [list(range(r * 3)) for r in range(size)]
+    else:
+        assert got is None
+
+
+def test_ping_pong_reference_times_on_ranks_0_and_1(comm):
+    result = p2p.ping_pong(comm, np.ones(1000), 5)
+    if comm.Get_rank() < 2:
+        assert isinstance(result, float) and result > 0
+    else:
+        assert result is None
+
+
+def test_sweep_gives_every_rank_rank_0s_times(comm):
+    sizes = [8, 4096, 2**20]
+    times = p2p.sweep(comm, sizes, repeats=2, trials=1)
+    everyone = comm.allgather(times)
+    assert times.shape == (3,) and np.all(times > 0)
+    assert all(np.array_equal(t, everyone[0]) for t in everyone)
+
+
+def test_ping_pong_alone_is_an_error():
+    with pytest.raises(ValueError, match="two ranks"):
+        p2p.ping_pong(MPI.COMM_SELF, np.ones(1), 1)
+
+
+# The checks pass on the references ----------------------------------------------------
+def test_checks_pass_on_references(comm):
+    check_collect(p2p.collect)
+    check_exchange(p2p.exchange)
+    check_ping_pong(p2p.ping_pong)
+
+
+def test_checks_let_stubs_through_on_every_rank(comm):
+    def stub(*args):
+        raise NotImplementedError("Exercise 1.x is not done yet")
+
+    for check in (check_collect, check_exchange, check_ping_pong):
+        with pytest.raises(NotImplementedError):
+            check(stub)
+
+
+# exchange: wrong answers ------------------------------------------------------------
+def _partner(comm):
+    partner = comm.Get_rank() ^ 1
+    return partner if partner < comm.Get_size() else None
+
+
+def test_exchange_check_catches_the_deadlock(comm):
+    def send_then_recv(comm, data):
+        partner = _partner(comm)
+        if partner is None:
+            return data.copy()
+        received = np.empty_like(data)
+        comm.Send(data, dest=partner)
+        comm.Recv(received, source=partner)
+        return received
+
+    start = time.monotonic()
+    expect_failure(check_exchange, send_then_recv, "deadlock", "Sendrecv", "parity")
+    assert time.monotonic() - start < 60  # gave up after the short timeout, not never
+
+
+def test_exchange_check_catches_the_wrong_partner(comm):
+    def ring_shift(comm, data):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        if size == 1:
+            return data.copy()
+        received = np.empty_like(data)
+        comm.Sendrecv(data, dest=(rank + 1) % size, recvbuf=received, source=(rank - 1) % size)
+        return received
+
+    expect_failure(check_exchange, ring_shift, "returned rank")
+
+
+def test_exchange_check_catches_a_changed_input(comm):
+    def in_place(comm, data):
+        partner = _partner(comm)
+        if partner is not None:
+            comm.Sendrecv_replace(data, dest=partner, source=partner)
+        return data
+
+    expect_failure(check_exchange, in_place, "changed its input")
+
+
+def test_exchange_check_catches_pickled_messages(comm):
+    def pickled(comm, data):
+        partner = _partner(comm)
+        return data.copy() if partner is None else comm.sendrecv(data, dest=partner, source=partner)
+
+    expect_failure(check_exchange, pickled, "bytes", "buffer API")
+
+
+def test_exchange_check_catches_a_lone_rank_that_talks(comm):
+    def lone_rank_sends_to_itself(comm, data):
+        partner = comm.Get_rank() ^ 1
+        partner = partner if partner < comm.Get_size() else comm.Get_rank()
+        received = np.empty_like(data)
+        comm.Sendrecv(data, dest=partner, recvbuf=received, source=partner)
+        return received
+
+    expect_failure(check_exchange, lone_rank_sends_to_itself, "no partner")
+
+
+# ping_pong: wrong answers -----------------------------------------------------------
+def _bounce(comm, buf, repeats):
+    """The right message pattern; returns the elapsed seconds (not yet per message)."""
+    rank = comm.Get_rank()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        if rank == 0:
+            comm.Send(buf, dest=1)
+            comm.Recv(buf, source=1)
+        elif rank == 1:
+            comm.Recv(buf, source=0)
+            comm.Send(buf, dest=0)
+    return time.perf_counter() - start
+
+
+def test_ping_pong_check_catches_a_message_to_rank_2(comm):
+    def also_rank_2(comm, buf, repeats):
+        rank = comm.Get_rank()
+        elapsed = _bounce(comm, buf, repeats)
+        if comm.Get_size() > 2 and rank == 0:
+            comm.Send(buf, dest=2)
+        if comm.Get_size() > 2 and rank == 2:
+            comm.Recv(np.empty_like(buf), source=0)
+        return elapsed / (2 * repeats) if rank < 2 else None
+
+    if comm.Get_size() > 2:
+        expect_failure(check_ping_pong, also_rank_2, "rank 2", "only ranks 0 and 1")
+
+
+def test_ping_pong_check_catches_an_unanswered_message_to_rank_2(comm):
+    def rank_2_never_receives(comm, buf, repeats):
+        if comm.Get_size() > 2 and comm.Get_rank() == 0:
+            comm.Send(buf, dest=2)
+        elapsed = _bounce(comm, buf, repeats)
+        return elapsed / (2 * repeats) if comm.Get_rank() < 2 else None
+
+    if comm.Get_size() > 2:
+        expect_failure(check_ping_pong, rank_2_never_receives, "rank 2")
+
+
+def test_ping_pong_check_catches_one_message_too_many(comm):
+    def one_more(comm, buf, repeats):
+        rank = comm.Get_rank()
+        elapsed = _bounce(comm, buf, repeats)
+        if rank == 0:
+            comm.Send(buf, dest=1)
+        elif rank == 1:
+            comm.Recv(buf, source=0)
+        return elapsed / (2 * repeats) if rank < 2 else None
+
+    expect_failure(check_ping_pong, one_more, "expected 2 * repeats")
+
+
+def test_ping_pong_check_catches_pickled_messages(comm):
+    def pickled(comm, buf, repeats):
+        rank = comm.Get_rank()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            if rank == 0:
+                comm.send(buf, dest=1)
+                comm.recv(source=1)
+            elif rank == 1:
+                comm.send(comm.recv(source=0), dest=0)
+        return (time.perf_counter() - start) / (2 * repeats) if rank < 2 else None
+
+    expect_failure(check_ping_pong, pickled, "buf.nbytes", "buffer API")
+
+
+def test_ping_pong_check_catches_a_missing_time_on_rank_1(comm):
+    def rank_0_only(comm, buf, repeats):
+        elapsed = _bounce(comm, buf, repeats)
+        return elapsed / (2 * repeats) if comm.Get_rank() == 0 else None
+
+    expect_failure(check_ping_pong, rank_0_only, "rank 1", "one-way time")
+
+
+def test_ping_pong_check_catches_milliseconds(comm):
+    def milliseconds(comm, buf, repeats):
+        elapsed = _bounce(comm, buf, repeats)
+        return 1000 * elapsed / (2 * repeats) if comm.Get_rank() < 2 else None
+
+    expect_failure(check_ping_pong, milliseconds, "reference ping-pong")
+
+
+# collect: wrong answers --------------------------------------------------------------
+def test_collect_check_catches_a_fixed_buffer(comm):
+    def fixed_length(comm, data):
+        if comm.Get_rank() != 0:
+            comm.Send(data, dest=0)
+            return None
+        arrays = [data.copy()]
+        for source in range(1, comm.Get_size()):
+            buf = np.zeros(len(data))  # assumes every rank's length is rank 0's
+            comm.Recv(buf, source=source)
+            arrays.append(buf)
+        return arrays
+
+    expect_failure(check_collect, fixed_length, "rank 0")
+
+
+def test_collect_check_catches_a_missing_own_array(comm):
+    def others_only(comm, data):
+        if comm.Get_rank() != 0:
+            comm.Send(data, dest=0)
+            return None
+        arrays, status = [None] * comm.Get_size(), MPI.Status()
+        for _ in range(comm.Get_size() - 1):
+            comm.Probe(status=status)
+            arrays[status.Get_source()] = np.empty(status.Get_count(MPI.DOUBLE))
+            comm.Recv(arrays[status.Get_source()], source=status.Get_source())
+        return arrays[1:]  # forgot item 0, rank 0's own array
+
+    expect_failure(check_collect, others_only, "expected a list of")
