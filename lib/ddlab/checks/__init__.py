@@ -4,7 +4,55 @@ Each `check_<exercise>(fn)` is called on all ranks at once (in a %%px cell), run
 the student's function on sub-communicators of every size up to the world's,
 compares with the reference, counts messages and bytes, and raises the same
 AssertionError on every rank, saying what was wrong and where.
+
+Checks load on first use, so a lab imports only its own (and lab 01 does not pay
+for torch, which the data-parallel checks import).
 """
 
-from ._core import CheckFailed
-from .cluster import check_block_range
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module of this package that defines it
+_WHERE = {
+    "CheckFailed": "errors",
+    "check_block_range": "cluster",
+    "check_collect": "point_to_point",
+    "check_exchange": "point_to_point",
+    "check_fit_alpha_beta": "point_to_point",
+    "check_ping_pong": "point_to_point",
+    "check_bcast_linear": "collectives",
+    "check_bcast_tree": "collectives",
+    "check_reduce_linear": "collectives",
+    "check_reduce_tree": "collectives",
+    "check_allreduce_rabenseifner": "allreduce",
+    "check_allreduce_recursive_doubling": "allreduce",
+    "check_allreduce_ring": "allreduce",
+    "check_average_gradients": "data_parallel",
+    "check_broadcast_parameters": "data_parallel",
+    "check_shard_indices": "data_parallel",
+    "check_train_step": "data_parallel",
+    "check_trains_with_allreduce": "data_parallel",
+    "check_balanced_split": "model_parallel",
+    "check_recv_tensor": "model_parallel",
+    "check_send_tensor": "model_parallel",
+    "check_allreduce_bucketed": "scaling",
+    "check_lr_factor": "scaling",
+    "check_scaling_efficiency": "scaling",
+    "check_gpipe": "pipeline",
+    "check_one_f_one_b": "pipeline",
+    "check_pipedream_partition": "pipeline",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"ddlab.checks has no {name!r}; the checks are: {', '.join(sorted(_WHERE))}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -8,11 +8,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from mpi4py import MPI
 
+from .errors import CheckFailed
 from ..counting import CountingComm, Traffic, gather_traffic
-
-
-class CheckFailed(AssertionError):
-    """A check found a wrong answer; the message says which rank and what."""
 
 
 def fail_together(comm: MPI.Comm, problem: str | None, context: str) -> None:

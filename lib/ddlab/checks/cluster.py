@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..partition import block_range
-from ._core import CheckFailed
+from .errors import CheckFailed
 
 
 def check_block_range(fn: Callable[[int, int, int], range]) -> None:

@@ -1,0 +1,158 @@
+"""ddlab.allreduce under mpiexec: every algorithm, any rank count, length and dtype.
+
+Examples come from hypothesis, derandomized so every rank draws the same ones; each
+example runs on the first P ranks of the world and all ranks agree on the outcome
+before asserting, so a failure on one rank fails the example everywhere.
+With 4 or fewer ranks, P runs over 1..world; on more, over 5..world (the smaller
+counts are covered by the 3- and 4-rank runs).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+from ddlab import costmodel
+from ddlab.allreduce import ALGORITHMS, allreduce_mpi
+from ddlab.checks import check_allreduce_rabenseifner, check_allreduce_recursive_doubling, check_allreduce_ring
+from ddlab.checks._core import run_counted
+from ddlab.counting import rounds
+
+WORLD = MPI.COMM_WORLD
+SIZES = list(range(1, WORLD.size + 1)) if WORLD.size <= 4 else list(range(5, WORLD.size + 1))
+DTYPES = [np.float32, np.float64, np.int64]
+COLLECTIVE = settings(
+    derandomize=True, database=None, deadline=None, max_examples=40 if WORLD.size <= 4 else 8,
+    suppress_health_check=list(HealthCheck),  # timing-based checks could differ between ranks
+)
+lengths = st.integers(0, 70) | st.sampled_from([0, 1, 2, 1000, 4099])
+
+
+def on_first(size: int, body: Callable[[MPI.Comm], str | None]) -> list[str]:
+    """Run body on the first `size` ranks; every rank gets every problem found (empty if none).
+
+    A body that raises on one rank while another waits for it would hang: the runner's
+    timeout ends that. Bodies that count messages go through run_counted, which cannot hang.
+    """
+    sub = WORLD.Split(0 if WORLD.rank < size else MPI.UNDEFINED, WORLD.rank)
+    problem = None
+    if sub != MPI.COMM_NULL:
+        try:
+            problem = body(sub)
+        except Exception as err:  # reported by every rank below, so none waits alone
+            problem = f"{type(err).__name__}: {err}"
+        finally:
+            sub.Free()
+    return [p for p in WORLD.allgather(problem) if p]
+
+
+def inputs(n: int, dtype: type, size: int, seed: int) -> list[np.ndarray]:
+    """Every rank's input: random floats (exercising rounding) or integers."""
+    rngs = [np.random.default_rng([seed, rank]) for rank in range(size)]
+    if np.dtype(dtype).kind == "f":
+        return [rng.standard_normal(n).astype(dtype) for rng in rngs]
+    return [rng.integers(-2**40, 2**40, n) for rng in rngs]
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+@COLLECTIVE
+@given(n=lengths, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 999))
+def test_every_rank_gets_the_same_sum(name: str, n: int, dtype: type, seed: int) -> None:
+    """On every rank count in SIZES: the sum, new and identical on all ranks, x untouched."""
+    fn = ALGORITHMS[name]
+
+    def body(comm: MPI.Comm) -> str | None:
+        size = comm.Get_size()
+        xs = inputs(n, dtype, size, seed)
+        x = xs[comm.rank]
+        before = x.copy()
+        out = fn(comm, x)  # the real communicator: the path that is timed against MPI
+        exact = np.sum(np.stack(xs).astype(np.float64 if dtype != np.int64 else np.int64), axis=0)
+        copies = comm.allgather(out.tobytes())
+        if not np.array_equal(x, before):
+            return f"P={size}: x changed"
+        if out is x or np.shares_memory(out, x) or out.dtype != x.dtype or out.shape != x.shape:
+            return f"P={size}: not a new array of x's shape and dtype: {out.dtype} {out.shape}"
+        if len(set(copies)) != 1:
+            return f"P={size}: ranks hold different results (they would drift apart in training)"
+        scale = np.sum(np.abs(np.stack(xs)), axis=0, dtype=np.float64)
+        tolerance = 0 if dtype == np.int64 else size * np.finfo(dtype).eps * scale
+        if np.any(np.abs(out - exact) > tolerance):
+            return f"P={size}: wrong sum at {np.flatnonzero(np.abs(out - exact) > tolerance)[:5]}"
+        return None
+
+    assert [problem for size in SIZES for problem in on_first(size, body)] == []
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+@COLLECTIVE
+@given(size=st.sampled_from([s for s in SIZES if s > 1]), n=st.integers(0, 9),
+       mismatch=st.sampled_from(["length", "dtype", "2-D", "list"]), culprit=st.integers(0, 5))
+def test_mismatched_inputs_raise_the_same_error_everywhere(name: str, size: int, n: int, mismatch: str,
+                                                           culprit: int) -> None:
+    culprit %= size
+
+    def body(comm: MPI.Comm) -> str | None:
+        x = np.ones(n, dtype=np.float64)
+        if comm.rank == culprit:
+            x = {"length": np.ones(n + 1), "dtype": x.astype(np.float32), "2-D": x.reshape(1, n),
+                 "list": list(x)}[mismatch]
+        try:
+            ALGORITHMS[name](comm, x)
+        except ValueError as err:
+            messages = comm.allgather(str(err))
+            return None if len(set(messages)) == 1 and f"rank {culprit}" in messages[0] else f"{messages}"
+        comm.allgather(None)
+        return "no error"
+
+    assert on_first(size, body) == []
+
+
+def test_mpi_allreduce_wrapper_matches() -> None:
+    x = np.arange(10.0) + WORLD.rank
+    assert np.array_equal(allreduce_mpi(WORLD, x), np.arange(10.0) * WORLD.size + sum(range(WORLD.size)))
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_critical_path_matches_the_cost_model(name: str) -> None:
+    """Messages on the critical path are the model's alpha terms; bytes never beat the lower bound.
+
+    Reduce-then-broadcast receives at the root one message after another, each costing
+    an alpha: counted with one_receive_at_a_time. The exchanges of the others overlap
+    a send and a receive (Sendrecv), one alpha for both.
+    """
+    serial = name in ("naive", "tree")
+    for size in SIZES:
+        n = 24 * size
+
+        def body(comm: MPI.Comm) -> str | None:
+            _, traffic = run_counted(comm, ALGORITHMS[name], (np.ones(n),), name)
+            model = costmodel.terms(name, size, n * 8)
+            heaviest = max(t.bytes_sent for t in traffic)
+            path = rounds(traffic, one_receive_at_a_time=serial)
+            if path != model.messages:
+                return f"P={size}: {path} rounds, model says {model.messages}"
+            if heaviest < costmodel.terms("lower_bound", size, n * 8).bytes:
+                return f"P={size}: a rank sent {heaviest} B, below the lower bound"
+            exact = name == "ring" or (name == "rabenseifner" and size & (size - 1) == 0)
+            if exact and heaviest != model.bytes:
+                return f"P={size}: the busiest rank sent {heaviest} B, model says {model.bytes}"
+            return None
+
+        assert on_first(size, body) == []
+
+
+@pytest.mark.parametrize("check, reference", [
+    (check_allreduce_recursive_doubling, ALGORITHMS["recursive_doubling"]),
+    (check_allreduce_ring, ALGORITHMS["ring"]),
+    (check_allreduce_rabenseifner, ALGORITHMS["rabenseifner"]),
+])
+def test_checks_pass_the_references(check: Callable, reference: Callable, capsys: pytest.CaptureFixture) -> None:
+    check(reference)
+    out = capsys.readouterr().out
+    assert ("passed:" in out) == (WORLD.rank == 0)
