@@ -37,7 +37,7 @@ labs: setup
 	$(BIN)/python -m ddlab.labgen solutions labs
 
 bench: setup
-	$(BIN)/python bench/run_all.py
+	for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
 
 clean:
 	rm -rf $(VENV)

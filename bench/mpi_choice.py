@@ -73,6 +73,11 @@ def main() -> None:
     parser.add_argument("venvs", nargs="*", type=Path, default=[ROOT / ".venv", ROOT / ".venv-mpich"])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    missing = [v for v in args.venvs if not (v / "bin" / "python").exists()]
+    if missing:
+        print(f"skipped: no venv at {', '.join(map(str, missing))} "
+              "(make one with `make setup VENV=.venv-mpich MPI=mpich`)")
+        return
     runs: dict[Path, list[dict]] = {v: [] for v in args.venvs}
     for _ in range(args.rounds):
         for venv in args.venvs:  # alternate, so load on the machine hits both alike
