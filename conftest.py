@@ -25,6 +25,22 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["DDLAB_TEST_IPYTHONDIR"] = tempfile.mkdtemp(prefix="ddlab-ipython-")
     os.environ["IPYTHONDIR"] = os.environ["DDLAB_TEST_IPYTHONDIR"]
     os.environ.setdefault("MPLBACKEND", "Agg")
+    os.environ.setdefault("DDLAB_PROGRESS", "0")  # no progress bars in executed notebooks
+
+
+MPI_TESTS = Path(__file__).resolve().parent / "tests" / "mpi"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--mpi-suite", action="store_true",
+                     help="collect tests/mpi/ (tests/test_mpi_suites.py runs them under mpiexec)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/mpi/ runs only under mpiexec, launched by tests/test_mpi_suites.py."""
+    if not config.getoption("--mpi-suite") and MPI_TESTS in (collection_path, *collection_path.parents):
+        return True
+    return None
 
 
 def _is_lab_notebook(item: pytest.Item) -> bool:

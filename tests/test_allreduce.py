@@ -89,7 +89,7 @@ SIX_RANK_TIMEOUT = 420
 @pytest.mark.timeout(SIX_RANK_TIMEOUT + 60)
 def test_allreduce_on_six_ranks() -> None:
     """6 ranks on a small machine are slow: the deadlock test (a 20 s wait) runs on 3 and 4 only."""
-    command = [sys.executable, "-m", "pytest", *map(str, MPI_FILES), "-q", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", *map(str, MPI_FILES), "--mpi-suite", "-q", "-p", "no:cacheprovider",
                "-p", "no:warnings", "-k", "not deadlock"]
     try:
         done = run_ranks(6, command, timeout=SIX_RANK_TIMEOUT)

@@ -23,7 +23,7 @@ TIMEOUT = 600
 @pytest.mark.parametrize("ranks", [4, 3])
 @pytest.mark.parametrize("path", MPI_TESTS, ids=lambda p: p.stem)
 def test_under_mpiexec(path: Path, ranks: int) -> None:
-    command = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", str(path), "--mpi-suite", "-q", "-p", "no:cacheprovider",
                "-p", "no:warnings", "--timeout", str(TIMEOUT - 60), "--timeout-method", "thread"]
     try:
         done = run_ranks(ranks, command, timeout=TIMEOUT)
