@@ -1,0 +1,305 @@
+"""Checks for lab 04 (data parallelism): sharding, broadcast, gradient averaging, a training step.
+
+The checks that need several ranks run on all engines at once (%%px) and compare with
+what one process computes, in float64, to a relative 1e-10: data parallelism done
+right is not approximately the same as one process with the global batch, it is the
+same up to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from ..data.curves import StressStrainCurves
+from ..data_parallel import DataParallel, squared_error, train
+from ..models.mlp import make_mlp
+from ._core import fail_together, passed, sub_communicators
+from .errors import CheckFailed
+
+TOLERANCE = 1e-10
+
+
+def _call(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: str) -> Any:
+    """fn(*args) on every rank; an error anywhere becomes the same CheckFailed everywhere.
+
+    A stub's NotImplementedError passes through (every rank raises it).
+    """
+    problem, result = None, None
+    try:
+        result = fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as err:  # the student's code failed: report it on every rank
+        problem = f"{type(err).__name__}: {err}"
+    fail_together(comm, problem, f"{context} raised an error")
+    return result
+
+
+def _relative(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-300))
+
+
+# Exercise 4.1 ---------------------------------------------------------------------
+
+def _shard_problem(fn: Callable[..., np.ndarray], n: int, size: int, epoch: int, seed: int) -> str | None:
+    shards = []
+    for rank in range(size):
+        got = fn(n, rank, size, epoch, seed)
+        if not isinstance(got, np.ndarray) or got.ndim != 1 or (got.size and got.dtype.kind not in "iu"):
+            return f"n={n}, size={size}: rank {rank} should get a 1-D NumPy array of integers, got {got!r:.80}"
+        shards.append(got)
+    want = -(-n // size)
+    lengths = [len(s) for s in shards]
+    if any(length != want for length in lengths):
+        return (f"n={n} samples over size={size} ranks: shard lengths {lengths}, expected {want} on every rank. "
+                "Every rank must take the same number of steps, or the last allreduce waits forever: "
+                "pad by repeating samples from the start of the epoch's order")
+    everything = np.concatenate(shards) if shards else np.array([], dtype=np.int64)
+    if everything.size and (everything.min() < 0 or everything.max() >= n):
+        return f"n={n}, size={size}: indices must lie in [0, {n}), got {everything.min()}..{everything.max()}"
+    missing = sorted(set(range(n)) - set(everything.tolist()))
+    if missing:
+        return f"n={n}, size={size}, epoch={epoch}: no rank gets samples {missing[:5]}{'...' if len(missing) > 5 else ''}"
+    repeats = everything.size - n
+    if repeats != want * size - n:
+        return f"n={n}, size={size}: {repeats} samples appear twice, expected only the {want * size - n} of padding"
+    return None
+
+
+def check_shard_indices(fn: Callable[[int, int, int, int, int], np.ndarray]) -> None:
+    """fn(n, rank, size, epoch, seed): disjoint shards of equal length covering all samples,
+    padded when size does not divide n, the same on every call, reshuffled each epoch and seed."""
+    n, size = 64, 4
+    first = [np.asarray(fn(n, r, size, 0, 0)) for r in range(size)]
+    if any(not np.array_equal(a, np.asarray(fn(n, r, size, 0, 0))) for r, a in enumerate(first)):
+        raise CheckFailed("two calls with the same (n, rank, size, epoch, seed) gave different shards: "
+                          "every rank must compute the same order without talking, so draw it from a "
+                          "generator seeded with (seed, epoch), e.g. np.random.default_rng([seed, epoch])")
+    for n_, size_ in [(12, 4), (10, 4), (13, 3), (1, 3), (100, 7), (64, 1), (0, 2)]:
+        for epoch, seed in [(0, 0), (1, 0), (0, 7)]:
+            problem = _shard_problem(fn, n_, size_, epoch, seed)
+            if problem:
+                raise CheckFailed(problem)
+    if all(np.array_equal(a, fn(n, r, size, 1, 0)) for r, a in enumerate(first)):
+        raise CheckFailed("epoch 0 and epoch 1 give the same shards: reshuffle every epoch (seed the order "
+                          "with the epoch number), or every epoch sees the same batches")
+    if all(np.array_equal(a, fn(n, r, size, 0, 1)) for r, a in enumerate(first)):
+        raise CheckFailed("seeds 0 and 1 give the same shards: the order must depend on the seed")
+    print("passed: shard_indices gives equal, disjoint shards, padded, reshuffled each epoch")
+
+
+# Exercise 4.2 ---------------------------------------------------------------------
+
+def _tiny_model(seed: int) -> nn.Module:
+    """Linear layers and a BatchNorm (whose running statistics are buffers), different per seed."""
+    generator = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+            else:
+                tensor.fill_(seed)
+    return model
+
+
+def _state(model: nn.Module) -> dict[str, np.ndarray]:
+    return {name: t.detach().numpy().copy() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def _broadcast_problem(fn: Callable[..., None], comm: MPI.Comm, root: int) -> str | None:
+    """What is wrong after fn(model, comm, root) on this rank of `comm`, or None."""
+    model = _tiny_model(seed=100 + comm.Get_rank())
+    objects = [id(t) for t in [*model.parameters(), *model.buffers()]]
+    try:
+        fn(model, comm, root)
+    except NotImplementedError:
+        raise
+    except Exception as err:  # the student's code failed: report it
+        return f"broadcast_parameters raised {type(err).__name__}: {err}"
+    if objects != [id(t) for t in [*model.parameters(), *model.buffers()]]:
+        return ("the model's parameters were replaced by new tensors: copy into them in place "
+                "(the optimizer holds the old ones), e.g. comm.Bcast(p.detach().numpy(), root)")
+    want, got, buffers = _state(_tiny_model(seed=100 + root)), _state(model), dict(model.named_buffers())
+    for name in want:
+        if not np.array_equal(got[name], want[name]):
+            kind = "buffer" if name in buffers else "parameter"
+            return (f"{kind} {name!r} differs from rank {root}'s (largest difference "
+                    f"{np.max(np.abs(got[name] - want[name])):.3g})"
+                    + (": buffers (BatchNorm's running statistics) must be broadcast too" if kind == "buffer" else ""))
+    return None
+
+
+def check_broadcast_parameters(fn: Callable[..., None]) -> None:
+    """fn(model, comm, root=0) gives every rank root's parameters and buffers, in place.
+
+    Runs on the first P ranks for every P; ranks outside wait, and every rank of the
+    world learns the outcome (a stub's NotImplementedError included), so none is left behind.
+    """
+    world = MPI.COMM_WORLD
+    with sub_communicators(world) as subs:
+        for size, comm in subs:
+            for root in sorted({0, size - 1}):
+                stub, problem = None, None
+                if comm is not None:
+                    try:
+                        problem = _broadcast_problem(fn, comm, root)
+                    except NotImplementedError as err:
+                        stub = str(err) or "not implemented"
+                stubs = [s for s in world.allgather(stub) if s]
+                if stubs:
+                    raise NotImplementedError(stubs[0])
+                fail_together(world, problem, f"broadcast_parameters on {size} ranks, root {root}")
+    passed(world, "broadcast_parameters copies the root's parameters and buffers to every rank, in place")
+
+
+# Exercise 4.3 ---------------------------------------------------------------------
+
+def _counting(log: list[int]) -> Callable[[MPI.Comm, np.ndarray], np.ndarray]:
+    """The MPI library's allreduce, noting the length of each call in `log`."""
+    def allreduce(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
+        log.append(int(np.asarray(x).size))
+        out = np.empty_like(x)
+        comm.Allreduce(x, out, op=MPI.SUM)
+        return out
+    return allreduce
+
+
+def _set_gradients(model: nn.Module, rank: int) -> None:
+    """Gradients that differ from rank to rank and are known to every rank."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+
+
+def check_average_gradients(fn: Callable[..., None]) -> None:
+    """fn(model, comm, allreduce) replaces every gradient by its mean over ranks, with one allreduce."""
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = make_mlp(seed=3, dtype=torch.float64)
+    before = _state(model)
+    _set_gradients(model, rank)
+    log: list[int] = []
+    _call(comm, fn, (model, comm, _counting(log)), "average_gradients(model, comm, allreduce)")
+    problem = None
+    references = []
+    for r in range(size):
+        other = make_mlp(seed=3, dtype=torch.float64)
+        _set_gradients(other, r)
+        references.append([p.grad for p in other.parameters()])
+    numel = sum(p.numel() for p in model.parameters())
+    if not log:
+        problem = ("the allreduce passed in was never called: use it (not comm.Allreduce), "
+                   "so that any allreduce, your ring from lab 03 too, can be plugged in")
+    elif len(log) > 1:
+        problem = (f"{len(log)} allreduce calls of {log[:6]}{'...' if len(log) > 6 else ''} elements: flatten "
+                   f"all gradients into one array of {numel} and call allreduce once (each call costs one alpha)")
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if problem:
+            break
+        grads = torch.stack([reference[i] for reference in references])
+        if p.grad is None:
+            problem = f"{name} has no gradient after average_gradients"
+        elif _relative(p.grad, grads.mean(0)) > TOLERANCE:
+            hint = (" (that is the sum over ranks: divide by comm.Get_size())"
+                    if _relative(p.grad, grads.sum(0)) < TOLERANCE else
+                    " (that is this rank's own gradient: nothing was averaged)"
+                    if _relative(p.grad, grads[rank]) < TOLERANCE else "")
+            problem = f"the gradient of {name} is not the mean over the {size} ranks{hint}"
+    if problem is None and any(not np.array_equal(v, _state(model)[k]) for k, v in before.items()):
+        problem = "the parameters changed: average_gradients must change only the gradients"
+    fail_together(comm, problem, "average_gradients")
+    passed(comm, f"average_gradients averages all {numel} gradient entries in one allreduce")
+
+
+# Exercise 4.4 ---------------------------------------------------------------------
+
+def _global_batches(steps: int, per_rank: int, size: int) -> list[np.ndarray]:
+    order = np.random.default_rng(11).permutation(steps * per_rank * size)
+    return [order[k * per_rank * size:(k + 1) * per_rank * size] for k in range(steps)]
+
+
+def _one_process(batches: list[np.ndarray], data: StressStrainCurves, lr: float) -> list[torch.Tensor]:
+    """Parameters after one process takes SGD steps on `batches` (float64)."""
+    model = make_mlp(seed=5, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for batch in batches:
+        x, y = data[batch]
+        loss = squared_error(model(x), y).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_train_step(fn: Callable[..., float]) -> None:
+    """fn(model, optimizer, x, y, comm) on P ranks with batch b = one process with batch P*b."""
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    per_rank, steps, lr = 8, 3, 0.1
+    data = StressStrainCurves(n=steps * per_rank * size, seed=3, dtype=torch.float64)
+    batches = _global_batches(steps, per_rank, size)
+    model = make_mlp(seed=5, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step, batch in enumerate(batches):
+        x, y = data[batch[rank::size]]
+        loss = _call(comm, fn, (model, optimizer, x, y, comm), f"train_step (step {step})")
+        if not isinstance(loss, float):
+            fail_together(comm, f"train_step should return the loss as a float (loss.item()), got {type(loss).__name__}",
+                          "train_step")
+    got = [p.detach() for p in model.parameters()]
+    worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr)))
+    problem = None
+    if worst > TOLERANCE:
+        problem = (f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} "
+                   f"by up to {worst:.2e} (relative; at most {TOLERANCE:g} expected)")
+        summed = _one_process(batches, data, lr * size)
+        local = _one_process([b[rank::size] for b in batches], data, lr)
+        if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE:
+            problem += ": they match the SUM of the gradients; average them (divide by the number of ranks)"
+        elif size > 1 and max(_relative(g, w) for g, w in zip(got, local)) <= TOLERANCE:
+            problem += ": they match training on this rank's batch alone; average the gradients before the step"
+        else:
+            problem += (". The order is: zero the gradients, loss = squared_error(model(x), y).mean(), "
+                        "backward, average the gradients over ranks, optimizer step")
+    fail_together(comm, problem, "train_step")
+    passed(comm, f"train_step on {size} ranks x batch {per_rank} = one process with batch {size * per_rank} "
+                 f"(relative difference {worst:.1e})")
+
+
+# Exercise 4.5 ---------------------------------------------------------------------
+
+def check_trains_with_allreduce(allreduce: Callable[[MPI.Comm, np.ndarray], np.ndarray]) -> None:
+    """DataParallel with this allreduce (3 buckets) ends where it ends with MPI's Allreduce."""
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    x = np.arange(1001, dtype=np.float64) * (comm.Get_rank() + 1)
+    total = _call(comm, allreduce, (comm, x.copy()), "allreduce(comm, x)")
+    want = np.arange(1001, dtype=np.float64) * size * (size + 1) / 2
+    problem = None
+    if not isinstance(total, np.ndarray) or total.shape != want.shape:
+        problem = f"allreduce(comm, x) should return an array of shape {want.shape}, got {total!r:.80}"
+    elif _relative(total, want) > TOLERANCE:
+        bad = np.flatnonzero(~np.isclose(total, want))
+        problem = f"allreduce(comm, x) is wrong at {len(bad)} of {want.size} elements, e.g. [{bad[0]}] {total[bad[0]]} != {want[bad[0]]}"
+    fail_together(comm, problem, "your allreduce on a 1001-element vector")
+    data = StressStrainCurves(n=size * 16 * 3, seed=4, dtype=torch.float64)
+    finals = []
+    for choice in (allreduce, None):
+        model = make_mlp(seed=6, dtype=torch.float64)
+        wrapped = DataParallel(model, comm, allreduce=choice, bucket_cap_mb=0.1)
+        optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
+        args = (wrapped, optimizer, data, comm)
+        _call(comm, lambda *a: train(*a, epochs=1, batch_size=16, progress=False), args, "training with your allreduce")
+        finals.append([p.detach().clone() for p in model.parameters()])
+    worst = max(_relative(a, b) for a, b in zip(*finals))
+    problem = None if worst <= TOLERANCE else (
+        f"training with your allreduce ends {worst:.2e} (relative) away from training with MPI's Allreduce")
+    fail_together(comm, problem, "training with your allreduce")
+    passed(comm, f"your allreduce trains the model to the same parameters as MPI_Allreduce (difference {worst:.1e})")

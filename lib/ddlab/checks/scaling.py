@@ -1,0 +1,103 @@
+"""Checks for lab 05 (scaling): efficiency, bucketed allreduce, learning-rate rules."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..scaling import efficiency, lr_factor
+from ._core import fail_together, passed
+from .errors import CheckFailed
+
+
+def check_scaling_efficiency(fn: Callable[[dict[int, float], bool], dict[int, float]]) -> None:
+    """fn(times, weak) -> {P: efficiency}: T(1)/(P T(P)) strong, T(1)/T(P) weak."""
+    cases = [{1: 10.0, 2: 5.0, 4: 2.5}, {1: 8.0, 2: 6.0, 4: 5.0, 8: 4.5}, {1: 3.0}, {4: 1.0, 1: 2.0, 2: 1.5}]
+    for times in cases:
+        for weak in (False, True):
+            got = fn(dict(times), weak)
+            want = {p: efficiency(times[1], t, p, weak) for p, t in times.items()}
+            if not isinstance(got, dict) or set(got) != set(want):
+                raise CheckFailed(f"times {times}, weak={weak}: expected a dict with keys {sorted(want)}, got {got!r}")
+            for p in want:
+                if not math.isclose(got[p], want[p], rel_tol=1e-9):
+                    formula = "T(1) / T(P)" if weak else "T(1) / (P * T(P))"
+                    raise CheckFailed(f"times {times}, weak={weak}: efficiency at P={p} is {got[p]:.4g}, expected "
+                                      f"{want[p]:.4g} = {formula}")
+    print("passed: scaling_efficiency for strong and weak scaling")
+
+
+def _expected_calls(sizes: list[int], itemsize: int, cap: float) -> list[int]:
+    """Elements per allreduce for arrays of `sizes` packed greedily, in order, into buckets <= cap bytes."""
+    calls: list[int] = []
+    used = math.inf
+    for size in sizes:
+        nbytes = size * itemsize
+        if calls and used + nbytes <= cap:
+            calls[-1] += size
+            used += nbytes
+        else:
+            calls.append(size)
+            used = nbytes
+    return calls
+
+
+def check_allreduce_bucketed(fn: Callable[..., list[np.ndarray]]) -> None:
+    """fn(comm, arrays, cap_bytes, allreduce) sums each array over ranks, one allreduce per bucket."""
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    shapes = [(3, 4), (100,), (7,), (50, 2), (1,), (64,)]
+    for cap in (0, 16, 400, 1000, math.inf):
+        arrays = [np.arange(np.prod(s), dtype=np.float32).reshape(s) * (rank + 1) + i for i, s in enumerate(shapes)]
+        originals = [a.copy() for a in arrays]
+        calls: list[int] = []
+
+        def allreduce(c: MPI.Comm, x: np.ndarray) -> np.ndarray:
+            calls.append(int(x.size))
+            out = np.empty_like(x)
+            c.Allreduce(x, out, op=MPI.SUM)
+            return out
+
+        problem = None
+        try:
+            got = fn(comm, arrays, cap, allreduce)
+        except NotImplementedError:
+            raise
+        except Exception as err:  # the student's code failed: report it on every rank
+            got, problem = None, f"raised {type(err).__name__}: {err}"
+        want_calls = _expected_calls([int(np.prod(s)) for s in shapes], 4, cap)
+        if problem is None:
+            if not isinstance(got, list) or len(got) != len(arrays):
+                problem = f"should return a list of {len(arrays)} arrays, got {type(got).__name__}"
+            elif calls != want_calls:
+                problem = (f"allreduce calls of {calls} elements, expected {want_calls}: fill buckets in order, "
+                           f"starting a new one when the next array would pass {cap} bytes "
+                           "(an array larger than the cap travels alone)")
+            elif any(not np.array_equal(a, o) for a, o in zip(arrays, originals)):
+                problem = "the input arrays were changed: return new arrays"
+            else:
+                for i, (g, s) in enumerate(zip(got, shapes)):
+                    want = (np.arange(np.prod(s), dtype=np.float32).reshape(s) * size * (size + 1) / 2
+                            + i * size).astype(np.float32)
+                    if not isinstance(g, np.ndarray) or g.shape != want.shape or not np.allclose(g, want):
+                        problem = f"array {i} (shape {s}) is not the sum over ranks"
+                        break
+        fail_together(comm, problem, f"allreduce_bucketed with cap {cap} bytes")
+    passed(comm, "allreduce_bucketed packs arrays into buckets in order and sums them, one allreduce per bucket")
+
+
+def check_lr_factor(fn: Callable[..., float]) -> None:
+    """fn(step, k, rule, warmup_steps) equals ddlab.scaling.lr_factor."""
+    for rule in ("none", "linear", "sqrt"):
+        for k in (1, 4, 16):
+            for warmup in (0, 10):
+                for step in (0, 1, 5, 9, 10, 50):
+                    got, want = fn(step, k, rule, warmup), lr_factor(step, k, rule, warmup)
+                    if not isinstance(got, (int, float)) or not math.isclose(got, want, rel_tol=1e-9):
+                        ramp = f", ramping up linearly from 1 over {warmup} steps" if warmup and step < warmup else ""
+                        raise CheckFailed(f"lr_factor(step={step}, k={k}, rule={rule!r}, warmup_steps={warmup}) "
+                                          f"returned {got!r}, expected {want:.4g}{ramp}")
+    print("passed: lr_factor gives the linear and square-root rules, with warm-up")

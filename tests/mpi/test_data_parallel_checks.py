@@ -1,0 +1,186 @@
+"""Lab 04's multi-rank checks pass on right answers and fail, on every rank, on wrong ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from ddlab import checks
+from ddlab import data_parallel as dp
+from ddlab.allreduce import allreduce_ring
+
+
+def fails(check, fn, *words):
+    """The check raises CheckFailed on every rank, with all of `words` in its message."""
+    with pytest.raises(checks.CheckFailed) as caught:
+        check(fn)
+    message = str(caught.value)
+    assert all(word in message for word in words), message
+
+
+# broadcast_parameters -------------------------------------------------------------
+
+def broadcast_parameters_only(model, comm, root=0):
+    for p in model.parameters():
+        comm.Bcast(p.detach().numpy(), root=root)
+
+
+def broadcast_into_new_tensors(model, comm, root=0):
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            value = comm.bcast(p.detach().clone(), root=root)
+            setattr(module, name, torch.nn.Parameter(value))
+    for b in model.buffers():
+        comm.Bcast(b.numpy(), root=root)
+
+
+def broadcast_from_rank_0_always(model, comm, root=0):
+    dp.broadcast_parameters(model, comm, root=0)
+
+
+def test_broadcast_check_passes_the_reference(comm):
+    checks.check_broadcast_parameters(dp.broadcast_parameters)
+
+
+def test_broadcast_check_fails_without_buffers(comm):
+    fails(checks.check_broadcast_parameters, broadcast_parameters_only, "buffer")
+
+
+def test_broadcast_check_fails_on_new_tensors(comm):
+    fails(checks.check_broadcast_parameters, broadcast_into_new_tensors, "in place")
+
+
+def test_broadcast_check_fails_when_root_is_ignored(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank has one root")
+    fails(checks.check_broadcast_parameters, broadcast_from_rank_0_always, "differs")
+
+
+def test_broadcast_check_passes_a_stub_error_through(comm):
+    def stub(model, comm, root=0):
+        raise NotImplementedError("Exercise 4.2")
+    with pytest.raises(NotImplementedError):
+        checks.check_broadcast_parameters(stub)
+
+
+# average_gradients ------------------------------------------------------------------
+
+def summed_gradients(model, comm, allreduce):
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+    total = torch.from_numpy(allreduce(comm, flat))
+    offset = 0
+    for p in model.parameters():
+        p.grad.copy_(total[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def per_parameter(model, comm, allreduce):
+    for p in model.parameters():
+        p.grad.copy_(torch.from_numpy(allreduce(comm, p.grad.reshape(-1).numpy())).view_as(p) / comm.Get_size())
+
+
+def ignores_the_allreduce_given(model, comm, allreduce):
+    dp.average_gradients(model, comm, None)
+
+
+def nothing(model, comm, allreduce):
+    allreduce(comm, np.zeros(1))
+
+
+def test_average_check_passes_the_reference(comm):
+    checks.check_average_gradients(dp.average_gradients)
+
+
+def test_average_check_fails_on_sums(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("the sum of one is the mean")
+    fails(checks.check_average_gradients, summed_gradients, "sum over ranks")
+
+
+def test_average_check_fails_on_one_allreduce_per_parameter(comm):
+    fails(checks.check_average_gradients, per_parameter, "8 allreduce calls")
+
+
+def test_average_check_fails_when_the_allreduce_given_is_not_used(comm):
+    fails(checks.check_average_gradients, ignores_the_allreduce_given, "never called")
+
+
+def test_average_check_fails_when_nothing_is_averaged(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank's gradient is the mean")
+    fails(checks.check_average_gradients, nothing, "not the mean")
+
+
+# train_step -----------------------------------------------------------------------------
+
+def reference_step(model, optimizer, x, y, comm, allreduce=None):
+    optimizer.zero_grad()
+    loss = dp.squared_error(model(x), y).mean()
+    loss.backward()
+    dp.average_gradients(model, comm, allreduce)
+    optimizer.step()
+    return loss.item()
+
+
+def step_without_averaging(model, optimizer, x, y, comm, allreduce=None):
+    optimizer.zero_grad()
+    loss = dp.squared_error(model(x), y).mean()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def step_with_sums(model, optimizer, x, y, comm, allreduce=None):
+    optimizer.zero_grad()
+    loss = dp.squared_error(model(x), y).mean() * comm.Get_size()
+    loss.backward()
+    dp.average_gradients(model, comm, allreduce)
+    optimizer.step()
+    return loss.item() / comm.Get_size()
+
+
+def step_before_averaging(model, optimizer, x, y, comm, allreduce=None):
+    optimizer.zero_grad()
+    loss = dp.squared_error(model(x), y).mean()
+    loss.backward()
+    optimizer.step()
+    dp.average_gradients(model, comm, allreduce)
+    return loss.item()
+
+
+def test_train_step_check_passes_the_reference(comm):
+    checks.check_train_step(reference_step)
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (step_without_averaging, "this rank's batch alone"),
+    (step_with_sums, "SUM"),
+    (step_before_averaging, "differ"),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_train_step_check_fails_on_wrong_steps(comm, wrong, words):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank needs no averaging")
+    fails(checks.check_train_step, wrong, words)
+
+
+# trains_with_allreduce ---------------------------------------------------------------
+
+def no_communication(comm, x):
+    return x.copy()
+
+
+def doubled(comm, x):
+    return 2 * allreduce_ring(comm, x)
+
+
+def test_trains_with_check_passes_lab_03_algorithms(comm):
+    checks.check_trains_with_allreduce(allreduce_ring)
+
+
+@pytest.mark.parametrize("wrong", [no_communication, doubled], ids=lambda f: f.__name__)
+def test_trains_with_check_fails_on_wrong_sums(comm, wrong):
+    if comm.Get_size() == 1 and wrong is no_communication:
+        pytest.skip("on one rank the input is the sum")
+    fails(checks.check_trains_with_allreduce, wrong, "wrong at")

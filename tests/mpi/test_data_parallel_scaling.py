@@ -1,0 +1,83 @@
+"""Lab 05 on several ranks: the bucketed-allreduce check, timings every rank agrees on."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ddlab import checks, scaling
+
+
+def bucketed(comm, arrays, cap_bytes, allreduce):
+    buckets, used = [], math.inf
+    for i, array in enumerate(arrays):
+        if buckets and used + array.nbytes <= cap_bytes:
+            buckets[-1].append(i)
+            used += array.nbytes
+        else:
+            buckets.append([i])
+            used = array.nbytes
+    out = [None] * len(arrays)
+    for bucket in buckets:
+        total = allreduce(comm, np.concatenate([arrays[i].ravel() for i in bucket]))
+        offset = 0
+        for i in bucket:
+            out[i] = total[offset:offset + arrays[i].size].reshape(arrays[i].shape)
+            offset += arrays[i].size
+    return out
+
+
+def one_per_array(comm, arrays, cap_bytes, allreduce):
+    return [allreduce(comm, a.ravel()).reshape(a.shape) for a in arrays]
+
+
+def all_fused(comm, arrays, cap_bytes, allreduce):
+    return bucketed(comm, arrays, math.inf, allreduce)
+
+
+def in_place(comm, arrays, cap_bytes, allreduce):
+    out = bucketed(comm, arrays, cap_bytes, allreduce)
+    for a, o in zip(arrays, out):
+        a[...] = o
+    return out
+
+
+def cap_exceeded(comm, arrays, cap_bytes, allreduce):
+    return bucketed(comm, arrays, cap_bytes * 2 + 1, allreduce)
+
+
+def test_bucketed_check_passes_the_reference(comm):
+    checks.check_allreduce_bucketed(bucketed)
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (one_per_array, "allreduce calls"), (all_fused, "allreduce calls"), (in_place, "changed"),
+    (cap_exceeded, "allreduce calls"),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_bucketed_check_fails_on_wrong_packing(comm, wrong, words):
+    with pytest.raises(checks.CheckFailed, match=words):
+        checks.check_allreduce_bucketed(wrong)
+
+
+def test_bucketed_check_passes_a_stub_error_through(comm):
+    def stub(comm, arrays, cap_bytes, allreduce):
+        raise NotImplementedError("Exercise 5.2")
+    with pytest.raises(NotImplementedError):
+        checks.check_allreduce_bucketed(stub)
+
+
+def test_timings_agree_on_every_rank(comm):
+    times = scaling.time_pieces(comm, 10_000, [1, 8], repeats=3)
+    alpha, beta = scaling.fit_allreduce(comm, sizes=[64, 4096, 2**18], repeats=3)
+    assert comm.allgather((times, alpha, beta)) == [(times, alpha, beta)] * comm.Get_size()
+
+
+def test_measure_training_returns_every_rank_its_phases(comm):
+    result = scaling.measure_training(8, steps=3, warmup=1, n=512, bucket_cap_mb=0.1)
+    gathered = comm.allgather((result["rank"], result["size"], sorted(result["phases"])))
+    assert gathered == [(r, comm.Get_size(), sorted(["data", "forward", "backward", "allreduce", "optimizer"]))
+                        for r in range(comm.Get_size())]
+    assert any(s.track == "allreduce in flight" for s in result["spans"])
