@@ -1,0 +1,137 @@
+"""The lab 07 pipeline against its theory: bubble, activation memory, stage balance.
+
+One MPI job of 4 ranks pipelines the lab's UNet (4 levels, 4 channels, 128x128 images,
+micro-batches of one image) and prints:
+
+- for M = 1, 2, 4, 8, 16 micro-batches and both schedules, the measured bubble on the
+  busy clock (median over rounds) and |bubble - (K-1)/(M+K-1)|, with the bubble
+  expected from the run's own stage times and their max/mean beside it;
+- GPipe / 1F1B peak activation memory per rank, against M / min(K-s, M);
+- max/mean stage time of the naive and the balanced (dynamic programming, then
+  calibrated) split, 1F1B with 8 micro-batches, and their throughput ratio.
+
+The schedules take turns within every round (and so do the two splits), each round
+starting with the other one, so that other work on the machine hits them alike.
+
+    .venv/bin/python bench/pipeline.py [--rounds 5]
+
+It starts its own MPI job through ddlab.mpi; `--child` marks the run inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+
+TIMEOUT = 1800
+MS = (1, 2, 4, 8, 16)
+
+
+def child(rounds: int) -> None:
+    import torch
+    from mpi4py import MPI
+
+    from ddlab.data.images import make_segmentation
+    from ddlab.model_parallel import naive_split
+    from ddlab.models.unet import UNet
+    from ddlab.pipeline import (calibrate, expected_bubble, gpipe, measure_pipeline, measured_stage_times,
+                                one_f_one_b, theory_bubble)
+
+    comm = MPI.COMM_WORLD
+    rank, k = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = UNet(width=4, depth=4)
+    images, masks = make_segmentation(16, 128, seed=0)
+    times = measured_stage_times(comm, model, images[:1], masks[:1])
+    calibration = calibrate(comm, model, images[:8], masks[:8], times, m=8)
+    splits = {"naive": naive_split(len(model.layers), k), "balanced": calibration.best}
+    schedules = (gpipe, one_f_one_b)
+
+    bubbles = {(s.__name__, m): [] for s in schedules for m in MS}
+    expected = {(s.__name__, m): [] for s in schedules for m in MS}
+    imbalance = {(s.__name__, m): [] for s in schedules for m in MS}
+    peaks: dict[tuple[str, int], list[int]] = {}
+    stage_times = {name: [] for name in splits}
+    makespans = {name: [] for name in splits}
+    for round_ in range(rounds):
+        order = schedules if round_ % 2 == 0 else schedules[::-1]
+        for m in MS:
+            for schedule in order:
+                run = measure_pipeline(comm, model, splits["balanced"], schedule, m, images[:m], masks[:m], repeats=1)
+                bubbles[schedule.__name__, m].append(run.bubble)
+                expected[schedule.__name__, m].append(expected_bubble(run, schedule))
+                imbalance[schedule.__name__, m].append(run.imbalance)
+                peaks[schedule.__name__, m] = run.peak_activations
+        for name in (list(splits) if round_ % 2 == 0 else list(splits)[::-1]):
+            run = measure_pipeline(comm, model, splits[name], one_f_one_b, 8, images[:8], masks[:8], repeats=1)
+            stage_times[name].append(run.stage_times)
+            makespans[name].append(run.makespan)
+    if rank != 0:
+        return
+
+    print(f"{k} ranks, UNet(width=4, depth=4), 128x128 images, micro-batches of 1, {rounds} rounds")
+    print(f"splits: naive {splits['naive']}, balanced {splits['balanced']} "
+          f"(calibration rounds: {[round(calibration.imbalance(m), 2) for _, _, m in calibration.rounds]})")
+    print("\nbubble on the busy clock (median over rounds); theory (K-1)/(M+K-1); expected: the schedule")
+    print("replayed with the run's own stage times; max/mean: slowest stage over the mean in that run")
+    print(f"{'M':>3} {'theory':>7} | {'GPipe':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8} | "
+          f"{'1F1B':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8}")
+    worst = 0.0
+    for m in MS:
+        cells = []
+        for name in ("gpipe", "one_f_one_b"):
+            got = statistics.median(bubbles[name, m])
+            diff = abs(got - theory_bubble(k, m))
+            if m >= 4:
+                worst = max(worst, diff)
+            cells.append(f"{got:6.3f} {diff:6.3f} {statistics.median(expected[name, m]):8.3f} "
+                         f"{statistics.median(imbalance[name, m]):8.2f}")
+        print(f"{m:3d} {theory_bubble(k, m):7.3f} | " + " | ".join(cells))
+    print(f"largest |bubble - theory| for M >= 4: {worst:.3f} (target <= 0.05: {'met' if worst <= 0.05 else 'missed'})")
+
+    print("\npeak activations, GPipe / 1F1B per rank, against M / min(K-s, M)")
+    for m in MS:
+        g, f = peaks["gpipe", m], peaks["one_f_one_b", m]
+        ratios = [a / b for a, b in zip(g, f)]
+        want = [m / min(k - s, m) for s in range(k)]
+        print(f"M={m:2d}: measured {[round(r, 2) for r in ratios]}  expected {[round(w, 2) for w in want]}")
+    ok = all(max(peaks["one_f_one_b", m]) <= max(peaks["gpipe", m]) * k / m * 1.1 for m in MS if m >= 2 * k)
+    print(f"1F1B peak <= GPipe peak x K/M + 10% for M >= 2K (largest rank): {'met' if ok else 'missed'}")
+
+    print("\nstage balance, 1F1B with M=8 (per stage: median over rounds of its busy time)")
+    ratio = {}
+    for name, per_round in stage_times.items():
+        per_stage = [statistics.median(t) for t in zip(*per_round)]
+        ratio[name] = max(per_stage) / (sum(per_stage) / k)
+        print(f"{name:9} {splits[name]}: ms per micro-batch {[round(t / 8 * 1e3, 2) for t in per_stage]}, "
+              f"max/mean {ratio[name]:.3f}")
+    speed = statistics.median(makespans["naive"]) / statistics.median(makespans["balanced"])
+    print(f"balanced max/mean <= 1.15: {'met' if ratio['balanced'] <= 1.15 else 'missed'}; "
+          f"throughput balanced / naive = {speed:.2f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.rounds)
+        return 0
+    from ddlab.mpi import run_ranks
+
+    command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds)]
+    try:
+        done = run_ranks(4, command, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as err:
+        print(f"killed after {TIMEOUT} s\n{err.output or ''}")
+        return 1
+    print(done.stdout, end="")
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

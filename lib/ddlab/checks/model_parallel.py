@@ -1,0 +1,161 @@
+"""Checks for lab 06: send and receive as autograd functions, and the balanced split.
+
+The autograd checks train one step of a tiny float64 UNet split over the first P
+ranks (P = 2 .. world size), with skip connections crossing ranks, using the
+student's function on one side of every message and the reference on the other.
+Each rank's parameter gradients must equal one process's, and each rank must send
+exactly one message per tensor it owes (activations forward, gradients backward)
+with the right number of bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from mpi4py import MPI
+
+from ..counting import CountingComm, gather_traffic
+from ..data.images import make_segmentation
+from ..model_parallel import RecvTensor, SendTensor, Stage, attempt, balanced_split, stage_costs, train_step
+from ..model_parallel.stage import gradient_error, reference_gradients
+from ..models.unet import UNet
+from ._core import CheckFailed, fail_together, passed, sub_communicators
+
+TIMEOUT = 15.0
+SIDE, BATCH = 8, 2
+#: Splits of the 15-layer toy UNet that send skip connections across ranks (to neighbours and beyond).
+TOY_SPLITS = {2: [0, 8, 15], 3: [0, 5, 10, 15], 4: [0, 4, 8, 12, 15], 5: [0, 3, 6, 9, 12, 15]}
+
+HINTS = {
+    "send": ("SendTensor.forward posts x to `peer` (mailbox.post(x, peer, tag)) and returns a 0-dim "
+             "placeholder (x.new_zeros(())); its backward receives x's gradient from `peer` with the "
+             "same tag (mailbox.take(shape, dtype, peer, tag), shape and dtype saved on ctx in forward) "
+             "and returns it, with None for mailbox, peer and tag."),
+    "recv": ("RecvTensor.forward returns mailbox.take(shape, dtype, peer, tag); its backward posts the "
+             "gradient it gets back to `peer` with the same tag (mailbox.post(grad, peer, tag)) and "
+             "returns None for each of the six inputs of forward."),
+}
+
+
+def _toy() -> tuple[UNet, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = UNet(in_channels=3, classes=3, width=2, depth=2).double()
+    images, masks = make_segmentation(BATCH, SIDE, seed=1, dtype=torch.float64)
+    return model, images, masks
+
+
+def _expected_sends(stage: Stage) -> Counter:
+    """(peer, bytes) of every message this stage owes: its outputs forward, its inputs' gradients backward."""
+    size = torch.empty((), dtype=torch.float64).element_size() * BATCH
+    owed = Counter()
+    for edge in stage.outputs:
+        owed[(edge.dst, size * torch.Size(edge.shape).numel())] += 1
+    for edge in stage.inputs:
+        owed[(edge.src, size * torch.Size(edge.shape).numel())] += 1
+    return owed
+
+
+def _describe(sends: Counter) -> str:
+    return ", ".join(f"{n} x {nbytes} B to rank {peer}" for (peer, nbytes), n in sorted(sends.items())) or "nothing"
+
+
+def _one_split(comm: MPI.Comm, which: str, fn: type) -> str | None:
+    """Train one step over comm's ranks with fn on the `which` side; this rank's problem, or None."""
+    model, images, masks = _toy()
+    bounds = TOY_SPLITS[comm.Get_size()]
+    counting = CountingComm(comm, timeout=TIMEOUT)
+    functions = {"send_function": SendTensor, "recv_function": RecvTensor, f"{which}_function": fn}
+    stage = Stage(model, bounds, counting, (3, SIDE, SIDE), timeout=TIMEOUT, **functions)
+    _, problems = attempt(stage, lambda: train_step(stage, images, masks))
+    if not any(problems):
+        stage.mailbox.recover()  # receive what a wrong backward left unreceived
+    traffic = gather_traffic(counting)[comm.Get_rank()]
+    stage.mailbox.free()
+    counting.free()
+    stub = next((p for p in problems if p and p.startswith("NotImplementedError")), None)
+    if stub:
+        raise NotImplementedError(stub.partition(": ")[2])
+    where = f"{comm.Get_size()} ranks, split {bounds}"
+    if problems[comm.Get_rank()]:
+        return f"({where}) raised {problems[comm.Get_rank()]}"
+    if any(problems):
+        return None  # this rank only stopped because another failed
+    sent = Counter((e.peer, e.nbytes) for e in traffic.sends)
+    owed = _expected_sends(stage)
+    if sent != owed:
+        return f"({where}) sent {_describe(sent)}; expected {_describe(owed)}"
+    error = gradient_error(stage, reference_gradients(model, images, masks))
+    if error > 1e-10:
+        layers = f"layers {bounds[stage.index]}-{bounds[stage.index + 1] - 1}"
+        what = "are missing" if error == float("inf") else f"differ from one process's by up to {error:.3g}"
+        return f"({where}) the gradients of stage {stage.index}'s parameters ({layers}) {what}"
+    return None
+
+
+def _check_autograd(which: str, fn: type) -> None:
+    world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        raise CheckFailed("this check needs at least 2 engines: start the cluster with ddlab.cluster.start(n=4)")
+    with sub_communicators(world, [p for p in sorted(TOY_SPLITS) if p <= world.Get_size()]) as subs:
+        for size, sub in subs:
+            problem = None
+            stubbed = None
+            if sub is not None:
+                try:
+                    problem = _one_split(sub, which, fn)
+                except NotImplementedError as err:
+                    stubbed = str(err)
+            stubbed = next((s for s in world.allgather(stubbed) if s), None)
+            if stubbed:
+                raise NotImplementedError(stubbed)
+            fail_together(world, problem, f"{fn.__name__} is wrong. {HINTS[which]}\nWhat went wrong")
+    passed(world, f"{fn.__name__}: the split UNet's gradients equal one process's; one message per tensor, "
+                  "activations forward and gradients backward")
+
+
+def check_send_tensor(fn: type) -> None:
+    """fn: an autograd Function like ddlab.model_parallel.SendTensor, tested with the reference RecvTensor."""
+    _check_autograd("send", fn)
+
+
+def check_recv_tensor(fn: type) -> None:
+    """fn: an autograd Function like ddlab.model_parallel.RecvTensor, tested with the reference SendTensor."""
+    _check_autograd("recv", fn)
+
+
+def _split_cases() -> list[tuple[list[float], int]]:
+    rng = random.Random(6)
+    cases = [([5.0], 1), ([1.0, 1.0, 1.0, 1.0], 2), ([1.0, 2.0, 3.0, 4.0, 5.0], 2), ([9.0, 1.0, 1.0, 1.0], 2),
+             ([1.0, 1.0, 1.0, 9.0], 3), ([0.0, 0.0, 3.0, 0.0], 2), ([2.0, 2.0, 2.0], 3), ([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], 4)]
+    for _ in range(40):
+        n = rng.randint(1, 14)
+        costs = [round(rng.choice([rng.uniform(0, 1), rng.uniform(0, 10), float(rng.randint(0, 3))]), 3) for _ in range(n)]
+        cases.append((costs, rng.randint(1, n)))
+    return cases
+
+
+def check_balanced_split(fn: Callable[[list[float], int], Any]) -> None:
+    """fn(costs, k) must return bounds of k contiguous non-empty stages with the smallest largest cost."""
+    for costs, k in _split_cases():
+        n = len(costs)
+        got = fn(list(costs), k)
+        want = balanced_split(costs, k)
+        case = f"costs={costs}, k={k}"
+        if not isinstance(got, (list, tuple)) or not all(isinstance(b, int) for b in got):
+            raise CheckFailed(f"{case}: got {got!r}; return a list of k+1 ints (the stage bounds)")
+        got = list(got)
+        if len(got) != k + 1 or got[0] != 0 or got[-1] != n or any(a >= b for a, b in zip(got, got[1:])):
+            raise CheckFailed(
+                f"{case}: bounds {got} are not {k} contiguous non-empty stages of {n} layers: "
+                f"they must be k+1 = {k + 1} increasing ints from 0 to {n} (e.g. {want})"
+            )
+        mine, best = max(stage_costs(costs, got)), max(stage_costs(costs, want))
+        if mine > best + 1e-9 * max(1.0, best):
+            raise CheckFailed(
+                f"{case}: your bounds {got} give stage costs {stage_costs(costs, got)}, the largest {mine:g}; "
+                f"bounds {want} get the largest down to {best:g}"
+            )
+    print("passed: balanced_split finds contiguous stages with the smallest possible largest cost")

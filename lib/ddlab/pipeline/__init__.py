@@ -1,0 +1,19 @@
+"""Pipeline parallelism (lab 07): micro-batches flowing through the lab 06 stages.
+
+- `gpipe`, `one_f_one_b`: per-stage op orders; `simulate`, `in_flight`, `theory_bubble`.
+- `pipedream_partition`: balanced stages by dynamic programming over stage times;
+  `measured_stage_times`: those times from measured layer and message costs;
+  `calibrate`: correct them with measured pipeline steps and solve again.
+- `pipeline_step`: one training step of M micro-batches on a `ddlab.model_parallel.Stage`
+  (`Stage(..., recompute=True)` recomputes activations in backward).
+- `measure_pipeline`, `PipelineRun`: per-rank timelines on the busy and wall clocks,
+  bubble, stage times and peak activation memory of one step.
+- `TorchPipeline`, `RelayStage`, `forward_bytes`: the same stages in torch.distributed.pipelining,
+  which relays skip connections through the stages in between.
+"""
+
+from .partition import StageTimes, measured_stage_times, message_cost, pipedream_partition
+from .balance import Calibration, calibrate
+from .runner import PipelineRun, expected_bubble, measure_pipeline, micro_batches, pipeline_step
+from .schedules import Op, Schedule, as_spans, bubble, gpipe, in_flight, one_f_one_b, simulate, theory_bubble
+from .torch_pipelining import RelayStage, TorchPipeline, alternate_wall_times, forward_bytes

@@ -1,0 +1,58 @@
+"""Balance stages from measured pipeline steps: the profile proposes, a real step corrects.
+
+A per-layer profile is taken one layer at a time, with its inputs warm in the cache
+and nothing else going on. Inside a pipeline a stage starts from tensors that just
+arrived, shares its core with other ranks, and pays for its messages, so it can run
+slower than its layers' profile says, and not by the same factor on every stage.
+Calibration closes the loop: run a step with the proposed split, scale each layer's
+cost by how much slower its stage really was, solve again; keep the split whose
+measured stages were most even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..models.unet import UNet
+from .partition import StageTimes, pipedream_partition
+from .runner import measure_pipeline
+from .schedules import one_f_one_b
+
+Partition = Callable[[int, int, Callable[[int, int], float]], list[int]]
+
+
+@dataclass
+class Calibration:
+    """Each round's split, its predicted and measured stage seconds (per micro-batch), and the best split."""
+
+    rounds: list[tuple[list[int], list[float], list[float]]]
+    best: list[int]
+
+    @staticmethod
+    def imbalance(times: list[float]) -> float:
+        return max(times) / (sum(times) / len(times))
+
+
+def calibrate(comm: Any, model: UNet, images: torch.Tensor, masks: torch.Tensor, stage_times: StageTimes,
+              m: int, rounds: int = 3, partition: Partition = pipedream_partition, repeats: int = 3) -> Calibration:
+    """Solve, measure a 1F1B step of m micro-batches (images holds m of them), rescale, solve again.
+
+    A collective over comm; every rank returns the same Calibration.
+    """
+    n, k = len(model.layers), comm.Get_size()
+    times, history = stage_times, []
+    for _ in range(rounds):
+        bounds = partition(n, k, times)
+        run = measure_pipeline(comm, model, bounds, one_f_one_b, m, images, masks, repeats=repeats)
+        measured, predicted = [t / m for t in run.stage_times], times.of(bounds)
+        history.append((bounds, predicted, measured))
+        compute = list(times.compute)
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            for i in range(a, b):
+                compute[i] *= measured[s] / predicted[s]
+        times = StageTimes(compute, times.crossings, times.alpha, times.beta)
+    best = min(history, key=lambda h: Calibration.imbalance(h[2]))[0]
+    return Calibration(history, best)

@@ -1,0 +1,89 @@
+"""Lab 06's autograd checks catch wrong send/receive functions, on every rank, without hanging.
+
+Every rank runs the same tests; the checks make all ranks raise the same error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddlab.checks.model_parallel as checks
+from ddlab.checks import CheckFailed, check_recv_tensor, check_send_tensor
+from ddlab.model_parallel import RecvTensor, SendTensor
+
+
+class SendKeepsGradient(SendTensor):
+    """Receives the gradient but does not pass it on: earlier stages get no gradients."""
+
+    @staticmethod
+    def backward(ctx, _):
+        ctx.mailbox.take(ctx.shape, ctx.dtype, ctx.peer, ctx.tag)
+        return None, None, None, None
+
+
+class SendNeverReceives(SendTensor):
+    """Makes up a zero gradient instead of receiving it: wrong gradients, one message short."""
+
+    @staticmethod
+    def backward(ctx, _):
+        return torch.zeros(ctx.shape, dtype=ctx.dtype), None, None, None
+
+
+class SendTwice(SendTensor):
+    """Posts every activation twice."""
+
+    @staticmethod
+    def forward(ctx, x, mailbox, peer, tag):
+        mailbox.post(x, peer, tag + 1000)
+        return SendTensor.forward(ctx, x, mailbox, peer, tag)
+
+
+class SendStub(SendTensor):
+    @staticmethod
+    def forward(ctx, x, mailbox, peer, tag):
+        raise NotImplementedError("Exercise 6.1 (SendTensor) is not done yet: write it where this line is.")
+
+
+class RecvSendsNothingBack(RecvTensor):
+    """Never sends the gradient back: the sender waits for it until the timeout."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None, None, None
+
+
+class RecvSendsDoubleGradient(RecvTensor):
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.mailbox.post(2 * grad, ctx.peer, ctx.tag)
+        return None, None, None, None, None, None
+
+
+def test_reference_functions_pass():
+    check_send_tensor(SendTensor)
+    check_recv_tensor(RecvTensor)
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (SendKeepsGradient, "are missing"),
+    (SendNeverReceives, "differ from one process"),
+    (SendTwice, "expected"),
+])
+def test_wrong_send_fails(wrong, says):
+    with pytest.raises(CheckFailed, match=says):
+        check_send_tensor(wrong)
+
+
+def test_wrong_recv_fails(monkeypatch):
+    with pytest.raises(CheckFailed, match="differ from one process"):
+        check_recv_tensor(RecvSendsDoubleGradient)
+    monkeypatch.setattr(checks, "TIMEOUT", 3.0)
+    with pytest.raises(CheckFailed, match="Stalled"):
+        check_recv_tensor(RecvSendsNothingBack)
+
+
+def test_stub_raises_not_implemented_on_every_rank():
+    with pytest.raises(NotImplementedError, match="Exercise 6.1"):
+        check_send_tensor(SendStub)
+    check_send_tensor(SendTensor)  # and the ranks are still in step afterwards
