@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 SIZES = [2**10, 2**16, 2**20, 2**24, 2**26]
@@ -92,19 +91,10 @@ def main() -> int:
     if args.child:
         child(args.repeats_scale)
         return 0
-    from ddlab.mpi import run_ranks
+    from ddlab.mpi import run_for_each
 
-    status = 0
-    for n in args.ranks:
-        command = [sys.executable, __file__, "--child", "--repeats-scale", str(args.repeats_scale)]
-        try:
-            done = run_ranks(n, command, timeout=TIMEOUT)
-        except subprocess.TimeoutExpired as err:
-            print(f"{n} ranks: killed after {TIMEOUT} s\n{err.output or ''}")
-            return 1
-        print(done.stdout, end="")
-        status = status or done.returncode
-    return status
+    command = [sys.executable, __file__, "--child", "--repeats-scale", str(args.repeats_scale)]
+    return run_for_each(args.ranks, command, TIMEOUT)
 
 
 if __name__ == "__main__":

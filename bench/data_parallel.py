@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 TIMEOUT = 1800
@@ -118,19 +117,10 @@ def main() -> int:
     if args.child:
         child(args.rounds, args.steps)
         return 0
-    from ddlab.mpi import run_ranks
+    from ddlab.mpi import run_for_each
 
-    status = 0
-    for n in args.ranks:
-        command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--steps", str(args.steps)]
-        try:
-            done = run_ranks(n, command, timeout=TIMEOUT)
-        except subprocess.TimeoutExpired as err:
-            print(f"{n} ranks: killed after {TIMEOUT} s\n{err.output or ''}")
-            return 1
-        print(done.stdout, end="")
-        status = status or done.returncode
-    return status
+    command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    return run_for_each(args.ranks, command, TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,23 @@ def run_ranks(n: int, command: list[str], timeout: float | None = None, **kwargs
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def run_for_each(rank_counts: list[int], command: list[str], timeout: float) -> int:
+    """Run command on each rank count in turn, printing what it printed; 0 if all succeeded.
+
+    For benchmarks that relaunch themselves under mpiexec for 2 ranks, then 4.
+    """
+    status = 0
+    for n in rank_counts:
+        try:
+            done = run_ranks(n, command, timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            print(f"{n} ranks: killed after {timeout} s\n{err.output or ''}")
+            return 1
+        print(done.stdout, end="")
+        status = status or done.returncode
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m ddlab.mpi -n 4 CMD...`: run CMD on n ranks with this environment's MPI."""
     import argparse

@@ -47,6 +47,16 @@ def _byte_label(n: float) -> str:
     return f"{n:g} B"
 
 
+def _size_axis(ax: plt.Axes, sizes: Sequence[float], label: str, every: int = 3, legend_size: int = 8) -> None:
+    """A log x-axis of byte sizes: power-of-two ticks named in B/KiB/MiB, a grid, the legend."""
+    ticks = [2**k for k in range(0, 40, every) if min(sizes) <= 2**k <= max(sizes)]
+    ax.set_xticks(ticks, [_byte_label(k) for k in ticks], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel(label)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
 def latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], alpha: float, beta: float) -> plt.Figure:
     """Ping-pong times against the model T(n) = alpha + beta*n (log-log), and bandwidth n/T(n)."""
     n, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
@@ -65,13 +75,8 @@ def latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], alpha: 
         right.axvline(half, color="gray", ls=":", lw=1, label=f"n_1/2 = alpha / beta = {_byte_label(half)}")
     right.set_ylabel("bandwidth (GB/s)")
     right.set_title("Bandwidth: half of the peak at n_1/2", fontsize=10)
-    ticks = [2**k for k in range(0, 40, 3) if n.min() <= 2**k <= n.max()]
     for ax in (left, right):
-        ax.set_xticks(ticks, [_byte_label(k) for k in ticks], fontsize=8)
-        ax.minorticks_off()
-        ax.set_xlabel("message size")
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=8)
+        _size_axis(ax, n, "message size")
     fig.tight_layout()
     return fig
 
@@ -134,17 +139,12 @@ def data_movement(before: Sequence[np.ndarray | None], after: Sequence[np.ndarra
 def time_vs_size(nbytes: Sequence[float], panels: dict[str, dict[str, Sequence[float]]]) -> plt.Figure:
     """Time against message size (log-log), one panel per title, one line per algorithm."""
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    ticks = [2**k for k in range(0, 40, 3) if min(nbytes) <= 2**k <= max(nbytes)]
     for ax, (title, lines) in zip(axes[0], panels.items()):
         for label, seconds in lines.items():
             ax.loglog(nbytes, np.asarray(seconds) * 1e6, "o-", ms=4, label=label)
-        ax.set_xticks(ticks, [_byte_label(k) for k in ticks], fontsize=8)
-        ax.minorticks_off()
-        ax.set_xlabel("array size")
+        _size_axis(ax, nbytes, "array size")
         ax.set_ylabel("time (microseconds)")
         ax.set_title(title, fontsize=10)
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -442,13 +442,8 @@ def allreduce_sweep(nbytes: Sequence[float], measured: dict[str, Sequence[float]
         left.plot([], [], "k--", lw=1, label="model (dashed)")
     if memcpy_bandwidth:
         right.axhline(memcpy_bandwidth / 1e9, color="gray", ls="--", label="memcpy, one rank")
-    ticks = [2**k for k in range(0, 40, 2) if n.min() <= 2**k <= n.max()]
     for ax in (left, right):
-        ax.set_xticks(ticks, [_byte_label(k) for k in ticks], fontsize=8)
-        ax.minorticks_off()
-        ax.set_xlabel("vector size")
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=7)
+        _size_axis(ax, n, "vector size", every=2, legend_size=7)
     left.set_ylabel("time (microseconds)")
     left.set_title(f"Allreduce on {size} ranks", fontsize=10)
     right.set_ylabel("bus bandwidth (GB/s)")
