@@ -213,8 +213,11 @@ def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp
     cluster = _make_cluster(n, profile)
     try:
         cluster.start_controller_sync()
+        # Connect before starting engines: that waits until the controller is fully up, and a
+        # controller stopped earlier (sbatch refusing the engines' job fails at once) leaves its
+        # schedulers running. ipyparallel's default 10 s to connect is short on a loaded machine.
+        client = cluster.connect_client_sync(timeout=min(timeout, 60.0))
         cluster.start_engines_sync(n)
-        client = cluster.connect_client_sync()
         _wait_for_engines(cluster, client, n, timeout)
     except BaseException:
         with contextlib.suppress(Exception):
