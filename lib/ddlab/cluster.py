@@ -190,8 +190,7 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
                 "On a busy or small machine pass a longer timeout, e.g. start(n, timeout=180), "
                 "or start fewer engines."
             )
-        client.spin()
-        time.sleep(0.1)
+        time.sleep(0.1)  # engine (un)registrations arrive on the client's IO thread
 
 
 def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp.Client:
@@ -253,8 +252,7 @@ def restart(timeout: float = 120.0) -> ipp.Client:
     # Forget the old engines so their ids and queued tasks do not linger.
     deadline = time.monotonic() + 30
     while client.ids and time.monotonic() < deadline:
-        client.spin()
-        time.sleep(0.1)
+        time.sleep(0.1)  # engine (un)registrations arrive on the client's IO thread
     cluster.start_engines_sync(n)
     try:
         _wait_for_engines(cluster, client, n, timeout)
@@ -293,8 +291,6 @@ def _report_dead_engines(*_args: object) -> None:
     """After each notebook cell: if engines died since the last report, say so, with the way out."""
     if _current is None:
         return
-    with contextlib.suppress(Exception):
-        _current.client.spin()
     up = len(_current.client.ids)
     if up < _current.n and up != _current.reported_up:
         print(status(), file=sys.stderr)

@@ -238,7 +238,6 @@ def _engines_leave(launcher: Any, timeout: float = 15.0) -> None:
                 client.send_signal("SIGKILL", targets=list(client.ids), block=False)
             deadline = time.monotonic() + timeout
             while client.ids and time.monotonic() < deadline:
-                client.spin()
                 time.sleep(0.2)
         finally:
             client.close()
