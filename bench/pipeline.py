@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 
 TIMEOUT = 1800
@@ -121,16 +120,10 @@ def main() -> int:
     if args.child:
         child(args.rounds)
         return 0
-    from ddlab.mpi import run_ranks
+    from ddlab.mpi import run_for_each
 
     command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds)]
-    try:
-        done = run_ranks(4, command, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as err:
-        print(f"killed after {TIMEOUT} s\n{err.output or ''}")
-        return 1
-    print(done.stdout, end="")
-    return done.returncode
+    return run_for_each([4], command, TIMEOUT)
 
 
 if __name__ == "__main__":
