@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -14,7 +14,41 @@ from ..counting import CountingComm, Traffic, gather_traffic
 
 def fail_together(comm: MPI.Comm, problem: str | None, context: str) -> None:
     """Raise the same CheckFailed on every rank if any rank found a problem."""
-    problems = comm.allgather(problem)
+    _raise_found(comm.allgather(problem), context)
+
+
+def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: str,
+              sizes: Sequence[int] | None = None) -> None:
+    """Run body(sub) on the first P ranks of comm for each P in sizes (default 1..size); one verdict for all.
+
+    The one loop every check uses. body runs on the ranks of each sub-communicator
+    and either returns this rank's problem (a string) or None, or raises CheckFailed
+    (already the same on every rank of sub) or the lab stub's NotImplementedError.
+    After each size, every rank of comm raises the same error: the stub's first,
+    then a CheckFailed, then the ranks' problems listed under `context`. Ranks
+    outside a sub-communicator wait for its verdict, so none is left behind.
+    """
+    with sub_communicators(comm, list(sizes) if sizes is not None else None) as subs:
+        for size, sub in subs:
+            stub = failed = problem = None
+            if sub is not None:
+                try:
+                    problem = body(sub)
+                except NotImplementedError as err:
+                    stub = str(err) or "not implemented"
+                except CheckFailed as err:
+                    failed = str(err)
+            outcomes = comm.allgather((stub, failed, problem))
+            stubs = [s for s, _, _ in outcomes if s]
+            if stubs:
+                raise NotImplementedError(stubs[0])
+            failures = [f for _, f, _ in outcomes if f]
+            if failures:
+                raise CheckFailed(failures[0])
+            _raise_found([p for _, _, p in outcomes], f"{context} on {size} rank{'s' * (size != 1)}")
+
+
+def _raise_found(problems: list[str | None], context: str) -> None:
     found = [(rank, text) for rank, text in enumerate(problems) if text]
     if found:
         lines = [f"  rank {rank}: {text}" for rank, text in found[:4]]

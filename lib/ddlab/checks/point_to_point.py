@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from .. import p2p
 from ..counting import Event, Traffic
-from ._core import CheckFailed, array_problem, passed, run_counted, sub_communicators
+from ._core import CheckFailed, array_problem, each_size, passed, run_counted
 
 DEADLOCK_HINT = (
     "If both ranks of a pair call a blocking Send before their Recv, each waits for the other "
@@ -44,38 +44,6 @@ def _describe(events: list[Event]) -> str:
     )
     more = f", ... ({len(events) - 4} more)" if len(events) > 4 else ""
     return f"{len(events)} message{'s' * (len(events) != 1)}: {shown}{more}"
-
-
-def _per_size(comm: MPI.Comm, sizes: list[int], context: str,
-              body: Callable[[MPI.Comm], str | None]) -> None:
-    """Run body(sub) on the first P ranks for each P in sizes; all ranks raise together.
-
-    body returns a problem of this rank (or None), or raises CheckFailed (already the
-    same on every rank of sub) or the stub's NotImplementedError.
-    """
-    with sub_communicators(comm, sizes) as subs:
-        for size, sub in subs:
-            stub = failed = problem = None
-            if sub is not None:
-                try:
-                    problem = body(sub)
-                except NotImplementedError as err:
-                    stub = str(err)
-                except CheckFailed as err:
-                    failed = str(err)
-            outcomes = comm.allgather((stub, failed, problem))
-            stubs = [s for s, _, _ in outcomes if s]
-            if stubs:
-                raise NotImplementedError(stubs[0])
-            failures = [f for _, f, _ in outcomes if f]
-            if failures:
-                raise CheckFailed(failures[0])
-            found = [(rank, p) for rank, (_, _, p) in enumerate(outcomes) if p]
-            if found:
-                lines = [f"  rank {rank}: {text}" for rank, text in found[:4]]
-                if len(found) > 4:
-                    lines.append(f"  ... and {len(found) - 4} more ranks")
-                raise CheckFailed(f"{context} on {size} rank{'s' * (size != 1)}:\n" + "\n".join(lines))
 
 
 # Exercise: collect -------------------------------------------------------------
@@ -121,7 +89,7 @@ def check_collect(fn: Callable[[Any, np.ndarray], list | None], timeout: float =
     """Rank 0 gets every rank's array (of a length it does not know), in a list by rank."""
     comm = MPI.COMM_WORLD
     sizes = list(range(1, comm.Get_size() + 1))
-    _per_size(comm, sizes, "collect", lambda sub: _collect_problem(sub, fn, timeout))
+    each_size(comm, lambda sub: _collect_problem(sub, fn, timeout), "collect", sizes)
     passed(comm, "collect receives every rank's array, whatever its length, on rank 0")
 
 
@@ -179,7 +147,7 @@ def check_exchange(fn: Callable[[Any, np.ndarray], np.ndarray], timeout: float =
     """Pairs (0,1), (2,3), ... swap arrays of 512 KiB without deadlock; a last odd rank keeps its own."""
     comm = MPI.COMM_WORLD
     sizes = list(range(1, comm.Get_size() + 1))
-    _per_size(comm, sizes, "exchange", lambda sub: _exchange_problem(sub, fn, timeout))
+    each_size(comm, lambda sub: _exchange_problem(sub, fn, timeout), "exchange", sizes)
     passed(comm, "exchange swaps arrays between rank pairs without deadlock, one message each way")
 
 
@@ -268,7 +236,7 @@ def check_ping_pong(fn: Callable[[Any, np.ndarray, int], float | None], timeout:
         raise CheckFailed("a ping-pong needs two ranks: start the cluster with at least 2 engines")
     sizes = sorted({2, comm.Get_size()})
     timed = sizes[-1]
-    _per_size(comm, sizes, "ping_pong", lambda sub: _ping_pong_problem(sub, fn, timeout, sub.Get_size() == timed))
+    each_size(comm, lambda sub: _ping_pong_problem(sub, fn, timeout, sub.Get_size() == timed), "ping_pong", sizes)
     passed(comm, "ping_pong bounces 2 * repeats messages between ranks 0 and 1 and times one way")
 
 
