@@ -12,9 +12,9 @@ from .errors import CheckFailed
 from ..counting import CountingComm, Traffic, gather_traffic
 
 
-def fail_together(comm: MPI.Comm, problem: str | None, context: str) -> None:
-    """Raise the same CheckFailed on every rank if any rank found a problem."""
-    _raise_found(comm.allgather(problem), context)
+def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str = "") -> None:
+    """Raise the same CheckFailed on every rank if any rank found a problem (hint: what to do, appended)."""
+    _raise_found(comm.allgather(problem), context, hint)
 
 
 def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: str,
@@ -28,7 +28,7 @@ def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: s
     then a CheckFailed, then the ranks' problems listed under `context`. Ranks
     outside a sub-communicator wait for its verdict, so none is left behind.
     """
-    with sub_communicators(comm, list(sizes) if sizes is not None else None) as subs:
+    with _sub_communicators(comm, list(sizes) if sizes is not None else None) as subs:
         for size, sub in subs:
             stub = failed = problem = None
             if sub is not None:
@@ -48,12 +48,14 @@ def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: s
             _raise_found([p for _, _, p in outcomes], f"{context} on {size} rank{'s' * (size != 1)}")
 
 
-def _raise_found(problems: list[str | None], context: str) -> None:
+def _raise_found(problems: list[str | None], context: str, hint: str = "") -> None:
     found = [(rank, text) for rank, text in enumerate(problems) if text]
     if found:
         lines = [f"  rank {rank}: {text}" for rank, text in found[:4]]
         if len(found) > 4:
             lines.append(f"  ... and {len(found) - 4} more ranks")
+        if hint:
+            lines.append(hint)
         raise CheckFailed(f"{context}:\n" + "\n".join(lines))
 
 
@@ -64,7 +66,7 @@ def passed(comm: MPI.Comm, message: str) -> None:
 
 
 @contextlib.contextmanager
-def sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterator[list[tuple[int, MPI.Comm | None]]]:
+def _sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterator[list[tuple[int, MPI.Comm | None]]]:
     """Communicators of the first P ranks for each P (None on ranks outside), freed after."""
     sizes = sizes or list(range(1, comm.Get_size() + 1))
     subs = []
