@@ -10,20 +10,22 @@ its sender has seen, counting both the messages it received and the ones it sent
 before (a rank sends one message at a time). A linear broadcast on P ranks takes
 P-1 rounds, a binomial tree ceil(log2 P).
 
-Blocking calls never hang a check: they poll, give up after `timeout` seconds
-with a message naming the message waited for, and give up at once when another
-rank reports a failure through `fail_all`.
+Blocking calls never hang a check: they wait through a `ddlab.waiting.Watch`,
+giving up after `timeout` seconds with a message naming the message waited for,
+and at once when another rank reports a failure through `fail_all`. The requests
+Isend/Irecv return are watched too, so `Wait`/`Waitall` on them cannot hang.
 """
 
 from __future__ import annotations
 
 import pickle
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+
+from .waiting import PeerFailed, Stalled, Watch
 
 COLLECTIVES = {
     "Bcast", "bcast", "Reduce", "reduce", "Allreduce", "allreduce", "Gather", "gather",
@@ -37,14 +39,6 @@ COLLECTIVES = {
 
 class ForbiddenCollective(RuntimeError):
     """A hand-written collective called the MPI library's own collectives."""
-
-
-class Stalled(RuntimeError):
-    """A blocking call waited longer than the timeout: most likely a deadlock."""
-
-
-class PeerFailed(RuntimeError):
-    """Another rank failed, so the message this rank waits for will never come."""
 
 
 @dataclass
@@ -112,45 +106,25 @@ class CountingComm:
         self.comm = comm
         self.timeout = timeout
         self.traffic = Traffic(comm.Get_rank())
-        self._alarm = comm.Dup()  # carries failure notices, never student data
+        self.watch = Watch(comm, timeout)
 
     def free(self) -> None:
-        """Release the private alarm communicator (a collective call)."""
-        self._alarm.Free()
+        """Release the watch's notice communicator (a collective call)."""
+        self.watch.free()
 
     def fail_all(self, reason: str) -> None:
         """Tell every other rank that this one failed, so none waits for it forever."""
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._alarm.isend(reason, peer)
+        self.watch.fail_all(reason)
 
     def _wait(self, requests: list[MPI.Request], statuses: list[MPI.Status], what: str) -> None:
         """Wait for requests, but not past the timeout nor past another rank's failure."""
         try:
-            self._poll(lambda: MPI.Request.Testall(requests, statuses), what)
+            self.watch.poll(lambda: MPI.Request.Testall(requests, statuses), what)
         except (Stalled, PeerFailed):
             for request in requests:
                 if request != MPI.REQUEST_NULL:
                     request.Cancel()
             raise
-
-    def _poll(self, done: Callable[[], bool], what: str) -> None:
-        """Call done() until it is true; raise Stalled or PeerFailed instead of hanging."""
-        deadline, spins = time.monotonic() + self.timeout, 0
-        while not done():
-            notice = MPI.Status()
-            if self._alarm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, notice):
-                reason = self._alarm.recv(source=notice.Get_source())
-                raise PeerFailed(f"gave up on {what}: rank {notice.Get_source()} failed ({reason})")
-            if time.monotonic() > deadline:
-                raise Stalled(
-                    f"waited {self.timeout:.0f} s for {what} and it never completed: "
-                    "is the matching call missing on the other rank, or are both ranks "
-                    "waiting for each other (a deadlock)?"
-                )
-            spins += 1
-            if spins > 1000:
-                time.sleep(1e-4)  # leave the core to ranks that have work (oversubscribed)
 
     # Identity -----------------------------------------------------------------
     @property
@@ -202,11 +176,11 @@ class CountingComm:
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, _nbytes(buf))
-        return self.comm.Isend(buf, dest, tag)
+        return self.watch.watched(self.comm.Isend(buf, dest, tag), f"Isend to rank {dest} (tag {tag}) to complete")
 
     def Irecv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, _nbytes(buf))
-        return self.comm.Irecv(buf, source, tag)
+        return self.watch.watched(self.comm.Irecv(buf, source, tag), f"Irecv from {_peer(source)} (tag {_tag(tag)})")
 
     # Object (pickle) API ------------------------------------------------------
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
@@ -218,7 +192,7 @@ class CountingComm:
              status: MPI.Status | None = None) -> Any:
         status = status if status is not None else MPI.Status()
         probe = MPI.Status()
-        self._poll(lambda: self.comm.Iprobe(source, tag, probe), f"recv from {_peer(source)} (tag {_tag(tag)})")
+        self.watch.poll(lambda: self.comm.Iprobe(source, tag, probe), f"recv from {_peer(source)} (tag {_tag(tag)})")
         obj = self.comm.recv(buf, probe.Get_source(), probe.Get_tag(), status)
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
         return obj
@@ -233,17 +207,17 @@ class CountingComm:
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
-        return self.comm.isend(obj, dest, tag)
+        return self.watch.watched(self.comm.isend(obj, dest, tag), f"isend to rank {dest} (tag {tag}) to complete", pickled=True)
 
     def irecv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, 0)
-        return self.comm.irecv(buf, source, tag)
+        return self.watch.watched(self.comm.irecv(buf, source, tag), f"irecv from {_peer(source)} (tag {_tag(tag)})", pickled=True)
 
     def Probe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
               status: MPI.Status | None = None) -> bool:
         """MPI's Probe (waits for a message without receiving it), with the timeout."""
         status = status if status is not None else MPI.Status()
-        self._poll(lambda: self.comm.Iprobe(source, tag, status), f"Probe for a message from {_peer(source)} (tag {_tag(tag)})")
+        self.watch.poll(lambda: self.comm.Iprobe(source, tag, status), f"Probe for a message from {_peer(source)} (tag {_tag(tag)})")
         return True
 
     probe = Probe

@@ -259,3 +259,28 @@ def test_collect_check_catches_a_missing_own_array(comm):
         return arrays[1:]  # forgot item 0, rank 0's own array
 
     expect_failure(check_collect, others_only, "expected a list of")
+
+
+def test_a_never_completing_irecv_fails_within_the_timeout(comm):
+    """Waiting on an Irecv nobody sends to (Waitall, or the request's own Wait) fails the check in time."""
+    def forgets_to_send(comm, data):
+        partner = _partner(comm)
+        if partner is None:
+            return data.copy()
+        received = np.empty_like(data)
+        MPI.Request.Waitall([comm.Irecv(received, source=partner)])
+        return received
+
+    def forgets_to_send_and_waits_on_the_request(comm, data):
+        partner = _partner(comm)
+        if partner is None:
+            return data.copy()
+        received = np.empty_like(data)
+        comm.Irecv(received, source=partner).Wait()
+        return received
+
+    for fn in (forgets_to_send, forgets_to_send_and_waits_on_the_request):
+        start = time.monotonic()
+        message = expect_failure(check_exchange, fn, "Irecv from rank", "never completed", "deadlock", "Waitall")
+        assert "Stalled" in message
+        assert time.monotonic() - start < 4 * SHORT  # the timeout, plus the sizes that pass

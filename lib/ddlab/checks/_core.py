@@ -86,8 +86,9 @@ def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: st
     """Call fn(counting_comm, *args) on every rank of comm; return (result, all ranks' traffic).
 
     An exercise stub's NotImplementedError passes straight through (all ranks raise
-    it together). Any other exception, a stall or a forbidden collective on any
-    rank becomes one CheckFailed on every rank.
+    it together). Any other exception, a stall (of a blocking call, or of a request
+    fn waits for) or a forbidden collective on any rank becomes one CheckFailed on
+    every rank.
     """
     counting = CountingComm(comm, timeout=timeout)
     problem, result = None, None
@@ -98,6 +99,10 @@ def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: st
         raise
     except Exception as err:  # the student's code failed: tell the others, report it
         problem = f"{type(err).__name__}: {err}"
+    if counting.watch.failure is not None:  # a request of fn's gave up (or a peer failed): the cause
+        kind, message = counting.watch.failure
+        problem = f"{kind.__name__}: {message}"
+    if problem is not None:
         counting.fail_all(problem)
     comm.Barrier()
     counting.free()
