@@ -464,7 +464,7 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
         problem = _slurm_preflight(profile)
         if problem:
             return [problem]
-    running = clusters._current  # a notebook's own cluster: probe it rather than start a second one
+    running = clusters.current()  # a notebook's own cluster: probe it rather than start a second one
     if running is not None and (running.profile, running.n) != (profile, n):
         return [Finding("engines", WARN, f"this kernel already runs {running.n} engines on profile "
                         f"{running.profile!r}; the doctor does not stop them",
@@ -473,8 +473,8 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
     cluster = None
     try:
         if running is None:
-            cluster = clusters._make_cluster(n, profile)
-            client = _start(cluster, n, timeout)
+            cluster = clusters.make_cluster(n, profile)
+            client = clusters.bring_up(cluster, n, timeout)
             how = f"up in {time.monotonic() - started:.1f} s"
         else:
             client, how = running.client, "already running"
@@ -486,23 +486,6 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
         if cluster is not None:
             with contextlib.suppress(Exception):
                 cluster.stop_cluster_sync()
-
-
-def _start(cluster: object, n: int, timeout: float) -> object:
-    """Controller, engines, client; raise what went wrong (the caller stops the cluster)."""
-    from . import cluster as clusters
-
-    cluster.start_controller_sync()
-    # Connecting first waits for the controller to be fully up: stopped any earlier (sbatch
-    # refusing the engines' job fails at once), it would leave its schedulers running.
-    client = cluster.connect_client_sync(timeout=max(10.0, min(timeout, 60.0)))
-    try:
-        cluster.start_engines_sync(n)
-        clusters._wait_for_engines(cluster, client, n, timeout)
-    except Exception:
-        client.close()
-        raise
-    return client
 
 
 def _probe_engines(client: object, profile: str, n: int, how: str, nbytes: int, repetitions: int) -> list[Finding]:
