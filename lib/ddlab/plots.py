@@ -229,12 +229,12 @@ def pipeline_gantt(spans_by_rank: Sequence[Sequence[object]], title: str = "", a
     end = max((s.end for spans in spans_by_rank for s in spans), default=1.0) * unit
     for rank, spans in enumerate(spans_by_rank):
         for span in spans:
-            kind, _, mb = span.name.partition(" ")
+            kind, mb = span.name, span.number
             width = (span.end - span.start) * unit
             ax.barh(rank, width, left=span.start * unit, height=0.7, color=_PIPELINE_COLOURS.get(kind, "#999999"),
                     edgecolor="white" if kind in ("forward", "backward") else "none", linewidth=0.5)
-            if kind in ("forward", "backward") and mb and width > end / 90:
-                ax.text(span.start * unit + width / 2, rank, mb, ha="center", va="center", fontsize=7, color="white")
+            if kind in ("forward", "backward") and mb is not None and width > end / 90:
+                ax.text(span.start * unit + width / 2, rank, str(mb), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(spans_by_rank)), [f"rank {r}" for r in range(len(spans_by_rank))])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
@@ -508,17 +508,17 @@ def step_timeline(spans_by_rank: Sequence[Sequence[object]], title: str = "", un
     end = max((s.end for _, _, spans in rows for s in spans), default=1.0) * unit
     for row, (_, _, spans) in enumerate(rows):
         for span in sorted(spans, key=lambda s: (s.start, -s.end)):  # enclosing spans first, nested on top
-            kind, _, number = span.name.partition(" ")
+            kind, number = span.name, span.number
             width = (span.end - span.start) * unit
             ax.barh(row, width, left=span.start * unit, height=0.7,
                     color=_PHASE_COLOURS.get(kind, "#999999"), edgecolor="white", linewidth=0.4)
-            if number and width > end / 60:
-                ax.text(span.start * unit + width / 2, row, number, ha="center", va="center", fontsize=7)
+            if number is not None and width > end / 60:
+                ax.text(span.start * unit + width / 2, row, str(number), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), [f"rank {r}" + ("" if t == "main" else f" ({t})") for r, t, _ in rows],
                   fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit_name})")
-    kinds = [k for k in _PHASE_COLOURS if any(s.name.split(" ")[0] == k for _, _, ss in rows for s in ss)]
+    kinds = [k for k in _PHASE_COLOURS if any(s.name == k for _, _, ss in rows for s in ss)]
     ax.legend([plt.Rectangle((0, 0), 1, 1, color=_PHASE_COLOURS[k]) for k in kinds], kinds, fontsize=7,
               ncol=len(kinds), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)), frameon=False)
     ax.set_title(title, fontsize=10)

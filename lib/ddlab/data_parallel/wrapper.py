@@ -158,7 +158,7 @@ class DataParallel(nn.Module):
 
     def _traced(self, bucket: Bucket, end: float | None) -> None:
         if end is not None:
-            self.tracer.add(f"bucket {bucket.index}", bucket.started, end, IN_FLIGHT)
+            self.tracer.add("bucket", bucket.started, end, IN_FLIGHT, number=bucket.index)
 
     def _poll(self) -> None:
         """Let MPI progress the allreduces in flight; note those that have completed."""

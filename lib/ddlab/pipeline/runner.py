@@ -16,7 +16,7 @@ import torch
 from ..counting import underlying
 from ..memory import Ledger
 from ..model_parallel import Stage, Timeline, polite_barrier, utilisation
-from ..model_parallel.timeline import BUSY_KINDS, kind_of, kind_totals
+from ..model_parallel.timeline import BUSY_KINDS, kind_totals
 from ..models.unet import UNet
 from ..trace import Span, gather_spans
 from .schedules import Schedule, bubble, simulate
@@ -112,7 +112,7 @@ def expected_bubble(run: PipelineRun, schedule: Schedule) -> float:
 
 
 def _stage_time(spans: list[Span]) -> float:
-    return sum(s.duration for s in spans if kind_of(s) in BUSY_KINDS)
+    return sum(s.duration for s in spans if s.name in BUSY_KINDS)
 
 
 def measure_pipeline(comm: Any, model: UNet, bounds: list[int], schedule: Schedule, m: int,

@@ -94,9 +94,9 @@ def simulate(schedules: list[list[Op]], forward: float | list[float] = 1.0,
 
 
 def as_spans(timeline: list[list[tuple[Op, float, float]]]) -> list[list[Span]]:
-    """A simulated timeline as spans named like measured ones ('forward 3'), for the same Gantt charts."""
+    """A simulated timeline as spans like measured ones (kind and micro-batch), for the same Gantt charts."""
     names = {"F": "forward", "B": "backward"}
-    return [[Span(f"{names[kind]} {i}", start, end, rank=s) for (kind, i), start, end in ops]
+    return [[Span(names[kind], start, end, rank=s, number=i) for (kind, i), start, end in ops]
             for s, ops in enumerate(timeline)]
 
 
