@@ -197,6 +197,15 @@ class Ledger:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
+    @contextlib.contextmanager
+    def running(self, where: str) -> Iterator[None]:
+        """Within the block, allocations are charged to `where` (e.g. "layer 3 (Conv)") in OutOfMemory messages."""
+        previous, self.where = self.where, where
+        try:
+            yield
+        finally:
+            self.where = previous
+
     def hold(self, tensor: torch.Tensor, what: str = "a received tensor") -> None:
         """Charge tensor (e.g. one that arrived by message) as activations until it is garbage collected."""
         release = self._hold_storage(tensor, f"{what} {tuple(tensor.shape)}")
