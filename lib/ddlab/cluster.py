@@ -170,11 +170,10 @@ def _activate(client: ipp.Client) -> ipp.DirectView:
     The magic shows one only after `progress_after_seconds`; a value of -1 would also
     skip its wait for the engines' last output, so use a wait longer than any cell.
     """
-    from IPython import get_ipython
     from ipyparallel.client.magics import ParallelMagics
+    from IPython import get_ipython
 
-    view = client.direct_view("all")
-    view.block = True
+    view = client.direct_view("all")  # blocking, as every view of the client
     if get_ipython() is not None:
         ParallelMagics.progress_after_seconds = 1e6
         view.activate()
@@ -204,14 +203,16 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
 def bring_up(cluster: ipp.Cluster, n: int, timeout: float) -> ipp.Client:
     """Start the controller and n engines of `cluster`; return a client once all registered.
 
-    Raises ClusterError (or ipyparallel's error) saying what went wrong; the caller
-    stops the cluster then.
+    The client's views block by default (`rc[:].pull("x")` returns the values, not
+    an AsyncResult). Raises ClusterError (or ipyparallel's error) saying what went
+    wrong; the caller stops the cluster then.
     """
     cluster.start_controller_sync()
     # Connect before starting engines: that waits until the controller is fully up, and a
     # controller stopped earlier (sbatch refusing the engines' job fails at once) leaves its
     # schedulers running. ipyparallel's default 10 s to connect is short on a loaded machine.
     client = cluster.connect_client_sync(timeout=max(10.0, min(timeout, 60.0)))
+    client.block = True  # views take it as their default
     try:
         cluster.start_engines_sync(n)
         _wait_for_engines(cluster, client, n, timeout)
@@ -222,7 +223,7 @@ def bring_up(cluster: ipp.Cluster, n: int, timeout: float) -> ipp.Client:
 
 
 def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp.Client:
-    """Start n MPI engines and return a client whose view is active for %px and %%px.
+    """Start n MPI engines and return a client (its views block) whose view is active for %px and %%px.
 
     The profile is a folder of clusters/ (default: $DDLAB_PROFILE, else local).
     Running it again with the same n and profile returns the running cluster; with
