@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
 
+from .comm import Comm
 from .waiting import PeerFailed, Stalled, Watch
 
 COLLECTIVES = {
@@ -268,13 +269,13 @@ def _take_message(pending: dict[tuple[int, int, int], list[int]], source: int, d
     return min(queues, key=lambda queue: queue[0]).pop(0) if queues else None
 
 
-def underlying(comm: Any) -> MPI.Comm:
+def underlying(comm: Comm) -> MPI.Comm:
     """The real communicator: comm itself, or the one a CountingComm wraps.
 
     For bookkeeping that is not the algorithm's own traffic (agreeing on input
     shapes before an allreduce), so it is neither counted nor refused.
     """
-    return comm.comm if isinstance(comm, CountingComm) else comm
+    return comm.comm if isinstance(comm, CountingComm) else cast(MPI.Comm, comm)
 
 
 def gather_traffic(counting: CountingComm) -> list[Traffic]:

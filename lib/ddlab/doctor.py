@@ -24,6 +24,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import __version__, mpi
 
@@ -385,7 +386,9 @@ def _diagnose_slurm_start(error: BaseException, cluster: object) -> tuple[str, s
     text = str(error)
     sets = list(getattr(cluster, "engines", {}).values()) if cluster is not None else []
     engine_set = sets[0] if sets else None
-    state, reason = engine_set.job_status() if isinstance(engine_set, slurm.SlurmEngines) else ("", "")
+    jobs = engine_set if isinstance(engine_set, slurm.SlurmEngines) else None
+    state, reason = jobs.job_status() if jobs is not None else ("", "")
+    job_id = jobs.job_id if jobs is not None else "?"
     if engine_set is not None and "Their last output" not in text:  # not from cluster: add the engines' words
         with contextlib.suppress(Exception):
             text += "\n" + engine_set.get_output()
@@ -396,21 +399,21 @@ def _diagnose_slurm_start(error: BaseException, cluster: object) -> tuple[str, s
     if state == "PENDING":
         fix = _PENDING_FIXES.get(reason, "see the reason under JOB REASON CODES in `man squeue`; "
                                  "change the settings in {path}.")
-        return (f"the engines' job {engine_set.job_id} is still queued (reason: {reason}), so no engine started",
+        return (f"the engines' job {job_id} is still queued (reason: {reason}), so no engine started",
                 fix.format(path=path))
     if state == "TIMEOUT":
-        return (f"the engines' job {engine_set.job_id} reached its time limit", f"raise time in {path}.")
+        return (f"the engines' job {job_id} reached its time limit", f"raise time in {path}.")
     known = _slurm_problem(text, path)
     if known:
         return f"{known[0]}.\n{_tail(text)}", known[1]
     if state == "RUNNING" and "registering with controller" in text.lower():
         address = slurm.controller_address(slurm.load_settings())
-        return (f"the engines of job {engine_set.job_id} run and tried to register, "
+        return (f"the engines of job {job_id} run and tried to register, "
                 f"but never reached the controller at {address}",
                 f"set controller_address in {path} to an address of this machine that compute nodes can reach "
                 f"(this machine has {', '.join(slurm.host_addresses())}); ask the admins whether a firewall blocks it.")
     if state == "RUNNING":
-        return (f"the job {engine_set.job_id} runs, but its engines have not even tried to register yet",
+        return (f"the job {job_id} runs, but its engines have not even tried to register yet",
                 "Python starts slowly from a busy shared file system or on busy nodes: give them longer "
                 "(`ddlab doctor --timeout 600`, start(n, timeout=600)).")
     return (f"the engines did not register.\n{_tail(text)}",
@@ -488,7 +491,7 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
                 cluster.stop_cluster_sync()
 
 
-def _probe_engines(client: object, profile: str, n: int, how: str, nbytes: int, repetitions: int) -> list[Finding]:
+def _probe_engines(client: Any, profile: str, n: int, how: str, nbytes: int, repetitions: int) -> list[Finding]:
     """One MPI world with engine id == rank, and a correct, timed allreduce."""
     view = client[:]
     ranks = view.apply_sync(_probe)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 
@@ -189,7 +189,7 @@ class Ledger:
 
     @staticmethod
     def _unpack(saved: object) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
+        return saved.tensor if isinstance(saved, _Saved) else cast(torch.Tensor, saved)
 
     @contextlib.contextmanager
     def activations(self) -> Iterator[None]:

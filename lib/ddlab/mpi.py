@@ -41,7 +41,7 @@ def mpiexec_path() -> str:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def implementation(mpiexec: str | None = None) -> str:
     """'openmpi' or 'mpich', read from `mpiexec --version` without initialising MPI here."""
     exe = mpiexec or mpiexec_path()
@@ -50,7 +50,7 @@ def implementation(mpiexec: str | None = None) -> str:
             [exe, "--version"], capture_output=True, text=True, timeout=30, env=launch_env()
         )
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise MPISetupError(f"`{exe} --version` failed: {err}. Reinstall with `make setup`.")
+        raise MPISetupError(f"`{exe} --version` failed: {err}. Reinstall with `make setup`.") from None
     text = (out.stdout + out.stderr).lower()
     if "open mpi" in text or "open-mpi" in text or "openrte" in text:
         return "openmpi"
@@ -132,7 +132,7 @@ def run_ranks(n: int, command: list[str], timeout: float | None = None, **kwargs
     except subprocess.TimeoutExpired:
         kill_session(proc)
         out, err = proc.communicate()
-        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+        raise subprocess.TimeoutExpired(proc.args, timeout or 0.0, output=out, stderr=err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

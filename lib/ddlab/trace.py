@@ -26,7 +26,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, overload
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 #: The track spans go to unless told otherwise.
 MAIN = "main"
@@ -70,7 +73,7 @@ class Tracer:
         """Seconds since the origin."""
         return time.perf_counter() - self.origin
 
-    def align(self, comm: Any) -> None:
+    def align(self, comm: MPI.Comm) -> None:
         """Forget recorded spans and restart the clock on every rank right after a barrier.
 
         Ranks leave a barrier within microseconds of each other, so their origins agree
@@ -135,7 +138,15 @@ def _self_times(spans: list[Span]) -> list[tuple[Span, float]]:
     return done
 
 
-def gather_spans(tracer: Tracer, comm: Any, root: int | None = None) -> list[list[Span]] | None:
+@overload
+def gather_spans(tracer: Tracer, comm: MPI.Comm, root: None = None) -> list[list[Span]]: ...
+
+
+@overload
+def gather_spans(tracer: Tracer, comm: MPI.Comm, root: int) -> list[list[Span]] | None: ...
+
+
+def gather_spans(tracer: Tracer, comm: MPI.Comm, root: int | None = None) -> list[list[Span]] | None:
     """All ranks' spans, one list per rank: on every rank, or only on `root` (None elsewhere)."""
     if root is None:
         return comm.allgather(tracer.spans)

@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .errors import CheckFailed
 from ..counting import CountingComm, Traffic, gather_traffic
+from .errors import CheckFailed
 
 
 def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str = "") -> None:

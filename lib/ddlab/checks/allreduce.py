@@ -141,7 +141,7 @@ def rabenseifner_problem(traffic: list[Traffic], size: int, n: int, itemsize: in
             sends = sends[:-1]
         for peer, _ in sends:
             other = _group(peer, size) if 0 <= peer < size else None
-            if other is None or bin(other ^ group).count("1") != 1:
+            if group is None or other is None or bin(other ^ group).count("1") != 1:
                 return (f"rank {t.rank} (member {group} of the {pof2}-rank group) sent to rank {peer}; each "
                         f"step pairs members whose numbers differ in one bit (member XOR distance)."
                         f"{_fold_note(size)}")

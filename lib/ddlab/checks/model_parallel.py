@@ -50,7 +50,7 @@ def _toy() -> tuple[UNet, torch.Tensor, torch.Tensor]:
 def _expected_sends(stage: Stage) -> Counter:
     """(peer, bytes) of every message this stage owes: its outputs forward, its inputs' gradients backward."""
     size = torch.empty((), dtype=torch.float64).element_size() * BATCH
-    owed = Counter()
+    owed: Counter[tuple[int, int]] = Counter()
     for edge in stage.outputs:
         owed[(edge.dst, size * torch.Size(edge.shape).numel())] += 1
     for edge in stage.inputs:
@@ -67,7 +67,7 @@ def _one_split(comm: MPI.Comm, which: str, fn: type) -> str | None:
     model, images, masks = _toy()
     bounds = TOY_SPLITS[comm.Get_size()]
     counting = CountingComm(comm, timeout=TIMEOUT)
-    functions = {"send_function": SendTensor, "recv_function": RecvTensor, f"{which}_function": fn}
+    functions: dict[str, Any] = {"send_function": SendTensor, "recv_function": RecvTensor, f"{which}_function": fn}
     stage = Stage(model, bounds, counting, (3, SIDE, SIDE), timeout=TIMEOUT, **functions)
     _, problems = attempt(stage, lambda: train_step(stage, images, masks))
     if not any(problems):

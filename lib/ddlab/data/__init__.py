@@ -1,5 +1,5 @@
 """Synthetic data sets made locally (no downloads), and sharding over ranks."""
 
 from .curves import StressStrainCurves, physical_targets
-from .sharding import ShardedSampler, epoch_permutation, eval_shard, shard_indices
 from .images import make_segmentation
+from .sharding import ShardedSampler, epoch_permutation, eval_shard, shard_indices

@@ -11,12 +11,12 @@ be used, so the next step starts clean.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..comm import Comm
 from ..counting import CountingComm, underlying
 from ..waiting import Watch
 from .timeline import Timeline
@@ -32,14 +32,14 @@ class Mailbox:
     sender's busy-clock time.
     """
 
-    def __init__(self, comm: Any, timeout: float = 60.0, clock: Timeline | None = None):
+    def __init__(self, comm: Comm, timeout: float = 60.0, clock: Timeline | None = None):
         self.comm, self.raw = comm, underlying(comm)
         self.rank, self.size = self.raw.Get_rank(), self.raw.Get_size()
         self.timeout = timeout
         self.clock = clock or Timeline(self.rank, enabled=False)
         self.stamped = self.clock.enabled
         self._own_watch = not isinstance(comm, CountingComm)
-        self.watch = Watch(self.raw, timeout) if self._own_watch else comm.watch
+        self.watch = comm.watch if isinstance(comm, CountingComm) else Watch(self.raw, timeout)
         self._sends: list[tuple[MPI.Request, np.ndarray]] = []
         self._open_recv: MPI.Request | None = None
         self._open_source = -1
@@ -72,10 +72,14 @@ class Mailbox:
         if self._sends:
             self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
+    def _all_sent(self) -> bool:
+        self.progress()
+        return not self._sends
+
     def flush(self) -> None:
         """Wait until every posted send has been received (with the timeout)."""
         self.clock.wait_begin()
-        self.watch.poll(lambda: (self.progress(), not self._sends)[1], f"{len(self._sends)} sends to be received")
+        self.watch.poll(self._all_sent, f"{len(self._sends)} sends to be received")
         self.clock.wait_end(None)
 
     # Receiving ----------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..comm import Comm
 from ..counting import PeerFailed, underlying
 from ..memory import Ledger
 from ..models.unet import UNet, layer_names
@@ -35,7 +36,7 @@ class Stage:
     (`torch.utils.checkpoint`). Creating a stage is a collective over comm.
     """
 
-    def __init__(self, model: UNet, bounds: list[int], comm: Any, image_shape: tuple[int, int, int], *,
+    def __init__(self, model: UNet, bounds: list[int], comm: Comm, image_shape: tuple[int, ...], *,
                  ledger: Ledger | None = None, clock: Timeline | None = None, recompute: bool = False,
                  timeout: float = 60.0, send_function: type = SendTensor, recv_function: type = RecvTensor):
         self.index, size = underlying(comm).Get_rank(), underlying(comm).Get_size()
@@ -177,7 +178,7 @@ def reference_gradients(model: UNet, images: torch.Tensor, masks: torch.Tensor) 
     single = copy.deepcopy(model)
     single.zero_grad(set_to_none=True)
     nn.functional.cross_entropy(single(images), masks).backward()
-    return [[p.grad.clone() for p in layer.parameters()] for layer in single.layers]
+    return [[p.grad.clone() for p in layer.parameters() if p.grad is not None] for layer in single.layers]
 
 
 def gradient_error(stage: Stage, reference: list[list[torch.Tensor]]) -> float:

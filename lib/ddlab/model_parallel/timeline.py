@@ -22,6 +22,7 @@ import contextlib
 import time
 from typing import Any, Iterator
 
+from ..comm import Comm
 from ..counting import underlying
 from ..trace import Span, Tracer
 
@@ -29,7 +30,7 @@ KINDS = ("forward", "backward", "send", "recv", "idle", "other")
 BUSY_KINDS = ("forward", "backward", "send", "recv")
 
 
-def polite_barrier(comm: Any, pause: float = 1e-3) -> None:
+def polite_barrier(comm: Comm, pause: float = 1e-3) -> None:
     """A barrier that sleeps while it waits, leaving the cores to ranks that compute."""
     request = underlying(comm).Ibarrier()
     while not request.Test():
@@ -52,7 +53,7 @@ class Timeline:
         self._wall_mark = self._cpu_mark = 0.0
         self.start()
 
-    def start(self, comm: Any | None = None) -> None:
+    def start(self, comm: Comm | None = None) -> None:
         """Forget what was recorded and start both clocks at 0 (after a barrier on comm, if given)."""
         if comm is not None:
             polite_barrier(comm)

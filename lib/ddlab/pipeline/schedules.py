@@ -67,7 +67,8 @@ def simulate(schedules: list[list[Op]], forward: float | list[float] = 1.0,
     forward = forward if isinstance(forward, list) else [forward] * k
     backward = backward if isinstance(backward, list) else [backward] * k
     done: dict[tuple[int, Op], float] = {}
-    cursor, clock, out = [0] * k, [0.0] * k, [[] for _ in range(k)]
+    cursor, clock = [0] * k, [0.0] * k
+    out: list[list[tuple[Op, float, float]]] = [[] for _ in range(k)]
     progress = True
     while progress:
         progress = False

@@ -11,12 +11,25 @@ New labs put their own figures in their package and reuse these (the Gantt chart
 
 from ._helpers import _arrow, _box, _byte_label, _rank_colour, _size_axis
 from .cluster import cluster_diagram
-from .messages import (allreduce_sweep, bytes_against_lower_bound, data_movement, exchange_pattern,
-                       latency_bandwidth, ring_allreduce_steps, time_vs_size)
+from .messages import (
+                       allreduce_sweep,
+                       bytes_against_lower_bound,
+                       data_movement,
+                       exchange_pattern,
+                       latency_bandwidth,
+                       ring_allreduce_steps,
+                       time_vs_size,
+)
 from .model_parallel import memory_fit, per_layer_bars, rank_bars, unet_diagram
 from .timelines import COLOURS, bubble_vs_theory, gantt, gantt_pair
-from .training import (batch_size_tradeoff, fusion_costs, learning_curves, scaling_curves, stress_strain_curves,
-                       time_breakdown)
+from .training import (
+                       batch_size_tradeoff,
+                       fusion_costs,
+                       learning_curves,
+                       scaling_curves,
+                       stress_strain_curves,
+                       time_breakdown,
+)
 
 __all__ = [
     "COLOURS", "allreduce_sweep", "batch_size_tradeoff", "bubble_vs_theory", "bytes_against_lower_bound",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 
@@ -13,7 +15,7 @@ def _box(ax: plt.Axes, x: float, y: float, w: float, h: float, text: str, color:
     ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=9)
 
 
-def _arrow(ax: plt.Axes, start: tuple[float, float], end: tuple[float, float], **style: object) -> None:
+def _arrow(ax: plt.Axes, start: tuple[float, float], end: tuple[float, float], **style: Any) -> None:
     ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=10, **style))
 
 
@@ -25,7 +27,7 @@ def _byte_label(n: float) -> str:
     return f"{n:g} B"
 
 
-def _size_axis(ax: plt.Axes, sizes: Sequence[float], label: str, every: int = 3, legend_size: int = 8) -> None:
+def _size_axis(ax: plt.Axes, sizes: Sequence[float] | np.ndarray, label: str, every: int = 3, legend_size: int = 8) -> None:
     """A log x-axis of byte sizes: power-of-two ticks named in B/KiB/MiB, a grid, the legend."""
     ticks = [2**k for k in range(0, 40, every) if min(sizes) <= 2**k <= max(sizes)]
     ax.set_xticks(ticks, [_byte_label(k) for k in ticks], fontsize=8)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import FancyArrowPatch
 
 from ._helpers import _arrow, _byte_label, _rank_colour, _size_axis
 
@@ -120,7 +121,8 @@ def ring_allreduce_steps(p: int = 4) -> plt.Figure:
     Red outlines mark the chunks that just arrived; thick black ones the complete sums.
     """
     held = [[{r} for _ in range(p)] for r in range(p)]
-    stages = [("start: each rank's own vector, in P chunks", held, set())]
+    stages: list[tuple[str, list[list[set[int]]], set[tuple[int, int]]]] = [
+        ("start: each rank's own vector, in P chunks", held, set())]
     for phase, first, verb in (("reduce-scatter", 0, "adds it"), ("allgather", 1, "keeps it")):
         for step in range(p - 1):
             new = [[set(cell) for cell in row] for row in held]

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import FancyArrowPatch
 
 from ._helpers import _box
-
 
 _STAGE_COLOURS = ("#a6cee3", "#fdbf6f", "#b2df8a", "#fb9a99", "#cab2d6", "#ffff99", "#1f78b4", "#33a02c")
 
@@ -51,7 +51,7 @@ def unet_diagram(names: Sequence[str], bounds: Sequence[int] | None = None, titl
     return fig
 
 
-def memory_fit(sides: Sequence[int], peaks: dict[str, Sequence[Sequence[float] | None]], budget: float,
+def memory_fit(sides: Sequence[int], peaks: dict[str, Sequence[Sequence[float]]], budget: float,
                fits: dict[str, Sequence[bool]]) -> plt.Figure:
     """Largest per-rank peak memory against image side, one line per split, the budget as a line; x marks OOM.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -31,7 +32,7 @@ def gantt(spans_by_rank: Sequence[Sequence[Span]], title: str = "", ax: plt.Axes
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.4))
     else:
-        fig = ax.figure
+        fig = cast(plt.Figure, ax.figure)
     end = max((s.end for _, _, spans in rows for s in spans), default=1.0) * unit
     for row, (_, _, spans) in enumerate(rows):
         for span in sorted(spans, key=lambda s: (s.start, -s.end)):  # enclosing spans first, nested on top

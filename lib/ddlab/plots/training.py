@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -11,7 +12,7 @@ from ._helpers import _byte_label
 from .timelines import COLOURS
 
 
-def stress_strain_curves(data: object, indices: Sequence[int]) -> plt.Figure:
+def stress_strain_curves(data: Any, indices: Sequence[int]) -> plt.Figure:
     """Tensile tests of a ddlab.data.StressStrainCurves set; x marks fracture, legend the targets."""
     strain, stress, flag = data.curves(indices)
     params = data.parameters(indices)
@@ -35,16 +36,16 @@ def stress_strain_curves(data: object, indices: Sequence[int]) -> plt.Figure:
 def scaling_curves(ranks: Sequence[int], strong: Sequence[float], weak: Sequence[float] | None = None,
                    title: str = "") -> plt.Figure:
     """Speedup and efficiency from times per step (strong: fixed global work; weak: fixed work per rank)."""
-    p, strong = np.asarray(ranks, dtype=float), np.asarray(strong, dtype=float)
+    p, strong_t = np.asarray(ranks, dtype=float), np.asarray(strong, dtype=float)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     left.plot(p, p, "k--", lw=1, label="ideal: speedup = P")
-    left.plot(p, strong[0] / strong, "o-", label="strong scaling: T(1) / T(P)")
+    left.plot(p, strong_t[0] / strong_t, "o-", label="strong scaling: T(1) / T(P)")
     left.set_ylabel("speedup")
     right.axhline(1.0, color="black", ls="--", lw=1, label="ideal")
-    right.plot(p, strong[0] / (p * strong), "o-", label="strong: T(1) / (P T(P))")
+    right.plot(p, strong_t[0] / (p * strong_t), "o-", label="strong: T(1) / (P T(P))")
     if weak is not None:
-        weak = np.asarray(weak, dtype=float)
-        right.plot(p, weak[0] / weak, "s-", label="weak: T(1) / T(P)")
+        weak_t = np.asarray(weak, dtype=float)
+        right.plot(p, weak_t[0] / weak_t, "s-", label="weak: T(1) / T(P)")
     right.set_ylabel("efficiency")
     right.set_ylim(0, 1.15)
     for ax in (left, right):
