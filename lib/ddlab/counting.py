@@ -70,12 +70,12 @@ class Traffic:
         return len(self.sends)
 
     @property
-    def bytes_sent(self) -> int:
-        return sum(e.nbytes for e in self.sends)
-
-    @property
     def messages_received(self) -> int:
         return len(self.recvs)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(e.nbytes for e in self.sends)
 
     @property
     def bytes_received(self) -> int:
