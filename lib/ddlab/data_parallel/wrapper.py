@@ -123,7 +123,7 @@ class DataParallel(nn.Module):
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """After the last gradient: start what is left, wait for everything, write gradients back."""
+        """After the last gradient: start what is left, wait for everything, average the gradients."""
         try:
             while self._next < len(self.buckets):
                 self._start(self.buckets[self._next])
