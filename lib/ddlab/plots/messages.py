@@ -164,7 +164,7 @@ def exchange_pattern(p: int = 6, algorithm: str = "recursive_doubling") -> plt.F
     sends to odd) and out at the end; the even ones sit out in between (grey). Labels
     give the items each message carries, for n items in all.
     """
-    from .allreduce import largest_power_of_two, member_rank
+    from ..allreduce import largest_power_of_two, member_rank
 
     pof2 = largest_power_of_two(p)
     extra, steps = p - pof2, pof2.bit_length() - 1
@@ -213,7 +213,7 @@ def allreduce_sweep(nbytes: Sequence[float], measured: dict[str, Sequence[float]
                     predicted: dict[str, Sequence[float]] | None = None,
                     memcpy_bandwidth: float | None = None) -> plt.Figure:
     """Allreduce time against size (measured dots, predicted dashes) and bus bandwidth against memcpy's."""
-    from .costmodel import bus_bandwidth
+    from ..costmodel import bus_bandwidth
 
     n = np.asarray(nbytes, dtype=float)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
