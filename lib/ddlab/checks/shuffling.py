@@ -23,7 +23,7 @@ from ..data.shuffling import exchange_plan
 from ..partition import block_bounds
 from ._core import array_problem, each_size, passed, run_counted
 
-PLAN_CASES = [(n, q, epoch, seed) for n in (1, 10, 37, 200) for q in (0.0, 0.1, 0.3, 1.0)
+PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0)
               for epoch, seed in ((0, 0), (3, 11))]
 
 
@@ -100,10 +100,10 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
                 if _plan_shape_problem(again, size, counts[rank]) or any(
                         not np.array_equal(a, b) for a, b in zip(plan[0], again[0])):
                     problem = "two calls with the same arguments gave different plans: seed the choice from them"
-            problems = comm.allgather(problem)
-            if any(problems):
+            everyone = comm.allgather((problem, plan if problem is None else None))
+            if any(p for p, _ in everyone):
                 return f"{case}: {problem}" if problem else None
-            plans = comm.allgather(plan)
+            plans = [plan for _, plan in everyone]
             problem = _plan_problem(plans, counts, rank, q) or _replay_problem(plans, counts)
             if problem:
                 return f"{case}: {problem}"
@@ -124,8 +124,7 @@ def _samples(rank: int, m: int, dtype: str, shape: tuple[int, ...]) -> np.ndarra
     return (base + features).astype(dtype)
 
 
-EXCHANGE_CASES = ((37, 0.3, "float64", (3,)), (20, 1.0, "int64", ()), (41, 0.5, "float32", (2, 2)),
-                  (10, 0.0, "float64", (4,)))
+EXCHANGE_CASES = ((37, 0.3, "float64", (3,)), (20, 1.0, "int64", ()), (41, 0.5, "float32", (2, 2)))
 
 
 def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
