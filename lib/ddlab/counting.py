@@ -10,6 +10,12 @@ its sender has seen, counting both the messages it received and the ones it sent
 before (a rank sends one message at a time). A linear broadcast on P ranks takes
 P-1 rounds, a binomial tree ceil(log2 P).
 
+A check may allow named collectives (`allow=("Alltoallv",)`) for exercises that are
+about calling one: the call is forwarded, its buffer arguments validated first (so a
+count or displacement past the end of a buffer is an error, not a crash), and its
+bytes logged as one send per destination and one receive per source, tag
+COLLECTIVE_TAG. Only Alltoallv is supported so far.
+
 Blocking calls never hang a check: they wait through a `ddlab.waiting.Watch`,
 giving up after `timeout` seconds with a message naming the message waited for,
 and at once when another rank reports a failure through `fail_all`. The requests
@@ -38,6 +44,11 @@ COLLECTIVES = {
 }
 
 
+#: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
+COLLECTIVE_TAG = -1
+ALLOWABLE = ("Alltoallv",)
+
+
 class ForbiddenCollective(RuntimeError):
     """A hand-written collective called the MPI library's own collectives."""
 
@@ -56,6 +67,7 @@ class Traffic:
 
     rank: int
     events: list[Event] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)  # allowed collectives, in the order called
 
     @property
     def sends(self) -> list[Event]:
@@ -92,6 +104,32 @@ def _nbytes(buf: Any) -> int:
     return np.asarray(buf).nbytes
 
 
+def _vector_blocks(spec: Any, size: int, what: str) -> list[int]:
+    """Bytes per rank of an mpi4py vector buffer spec, e.g. [array, (counts, displs)] or
+    [array, counts, displs, datatype]; ValueError if a block lies outside the array."""
+    if not isinstance(spec, (list, tuple)) or len(spec) < 2:
+        raise ValueError(f"Alltoallv: give the {what} buffer as [array, (counts, displacements)] "
+                         "or [array, counts, displacements, datatype]")
+    data, rest = np.asarray(spec[0]), list(spec[1:])
+    datatype = rest.pop() if rest and isinstance(rest[-1], MPI.Datatype) else None
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)) and len(rest[0]) == 2 and np.ndim(rest[0][0]) == 1:
+        rest = list(rest[0])
+    counts = np.asarray(rest[0], dtype=np.int64)
+    displs = (np.asarray(rest[1], dtype=np.int64) if len(rest) > 1 and rest[1] is not None
+              else np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64))
+    if counts.shape != (size,) or displs.shape != (size,):
+        raise ValueError(f"Alltoallv: the {what} counts and displacements need one entry per rank ({size}), "
+                         f"got {counts.size} and {displs.size}")
+    unit = datatype.Get_extent()[1] if datatype is not None else data.itemsize
+    ends = (displs + counts) * unit
+    bad = np.flatnonzero((counts < 0) | (displs < 0) | (ends > data.nbytes))
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(f"Alltoallv: the {what} block for rank {r} (displacement {displs[r]}, count {counts[r]}) "
+                         f"lies outside the {what} buffer of {data.nbytes // unit} elements")
+    return (counts * unit).tolist()
+
+
 def _peer(source: int) -> str:
     return "any rank" if source == MPI.ANY_SOURCE else f"rank {source}"
 
@@ -103,9 +141,13 @@ def _tag(tag: int) -> str:
 class CountingComm:
     """Wraps an mpi4py communicator; forwards point-to-point calls and records them."""
 
-    def __init__(self, comm: MPI.Comm, timeout: float = 20.0):
+    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allow: tuple[str, ...] = ()):
+        unknown = set(allow) - set(ALLOWABLE)
+        if unknown:
+            raise ValueError(f"CountingComm can allow only {ALLOWABLE}, not {sorted(unknown)}")
         self.comm = comm
         self.timeout = timeout
+        self.allow = tuple(allow)
         self.traffic = Traffic(comm.Get_rank())
         self.watch = Watch(comm, timeout)
 
@@ -117,12 +159,15 @@ class CountingComm:
         """Tell every other rank that this one failed, so none waits for it forever."""
         self.watch.fail_all(reason)
 
-    def _wait(self, requests: list[MPI.Request], statuses: list[MPI.Status], what: str) -> None:
-        """Wait for requests, but not past the timeout nor past another rank's failure."""
+    def _wait(self, requests: list[MPI.Request], statuses: list[MPI.Status], what: str, cancel: bool = True) -> None:
+        """Wait for requests, but not past the timeout nor past another rank's failure.
+
+        cancel=False for collectives' requests, which MPI cannot cancel.
+        """
         try:
             self.watch.poll(lambda: MPI.Request.Testall(requests, statuses), what)
         except (Stalled, PeerFailed):
-            for request in requests:
+            for request in requests if cancel else ():
                 if request != MPI.REQUEST_NULL:
                     request.Cancel()
             raise
@@ -143,12 +188,45 @@ class CountingComm:
         return self.comm.Get_size()
 
     def __getattr__(self, name: str) -> Any:
-        if name in COLLECTIVES:
-            raise ForbiddenCollective(
-                f"comm.{name} is the MPI library's own collective: this exercise builds it "
-                "from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only."
-            )
+        if name in COLLECTIVES and name not in self.allow:
+            uses = (f"may call only comm.{', comm.'.join(self.allow)}" if self.allow else
+                    "builds it from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only")
+            raise ForbiddenCollective(f"comm.{name} is the MPI library's own collective: this exercise {uses}.")
         return getattr(self.comm, name)
+
+    # Allowed collectives --------------------------------------------------------
+    def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
+        """MPI's Alltoallv, if allowed: every rank's buffers checked and agreed on first, bytes logged.
+
+        All ranks first share their byte counts (an Iallgather on the private
+        communicator), so that all of them refuse together a call whose counts do not
+        match pairwise, or that runs past a buffer, instead of crashing or hanging.
+        """
+        if "Alltoallv" not in self.allow:
+            return self.__getattr__("Alltoallv")
+        size, problem = self.size, None
+        try:
+            mine = [_vector_blocks(sendbuf, size, "send"), _vector_blocks(recvbuf, size, "receive")]
+        except ValueError as err:
+            problem, mine = str(err), [[-1] * size, [-1] * size]
+        everyone = np.empty((size, 2, size), dtype=np.int64)
+        self._wait([self.watch.alarm.Iallgather(np.array(mine, dtype=np.int64), everyone)], [MPI.Status()],
+                   "the other ranks to call Alltoallv", cancel=False)
+        if problem is not None:
+            raise ValueError(problem)
+        sends, recvs = everyone[:, 0, :], everyone[:, 1, :]
+        if (sends < 0).any():
+            raise ValueError(f"Alltoallv: rank {int(np.flatnonzero((sends < 0).any(1))[0])} passed invalid buffers")
+        if not np.array_equal(sends, recvs.T):
+            s, d = (int(v) for v in np.argwhere(sends != recvs.T)[0])
+            raise ValueError(f"Alltoallv: rank {s} sends rank {d} {sends[s, d]} bytes but rank {d}'s receive counts "
+                             f"and displacements make room for {recvs[d, s]} bytes from it (they must match pairwise)")
+        for peer in range(size):
+            self._log("send", peer, COLLECTIVE_TAG, int(sends[self.rank, peer]))
+        self._wait([self.comm.Ialltoallv(sendbuf, recvbuf)], [MPI.Status()], "Alltoallv to complete", cancel=False)
+        for peer in range(size):
+            self._log("recv", peer, COLLECTIVE_TAG, int(recvs[self.rank, peer]))
+        self.traffic.calls.append("Alltoallv")
 
     def _log(self, kind: str, peer: int, tag: int, nbytes: int) -> None:
         self.traffic.events.append(Event(kind, int(peer), int(tag), int(nbytes)))

@@ -43,6 +43,8 @@ _WHERE = {
     "check_gpipe": "pipeline",
     "check_one_f_one_b": "pipeline",
     "check_pipedream_partition": "pipeline",
+    "check_exchange_plan": "shuffling",
+    "check_exchange_samples": "shuffling",
 }
 
 __all__ = list(_WHERE)
