@@ -14,8 +14,10 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from playwright.sync_api import Page
+if TYPE_CHECKING:  # Playwright is installed by the tests' set-up, not needed to import this
+    from playwright.sync_api import Page
 
 KERNEL = "Python (ddlab)"
 #: The check harness's line on success (ddlab.checks._core.passed), as %%px shows it or not.
