@@ -196,6 +196,8 @@ def test_student_runs_lab_02_on_a_hub_spawning_into_slurm(page, hub) -> None:
     while (left := job_processes(job["JobId"])) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"processes of job {job['JobId']} outlived it: {left}"
+    [port] = re.findall(rf"job {job['JobId']} started at \S+:(\d+)", (folder / "jupyterhub.log").read_text())
+    assert not listening(int(port)), f"the server's port {port} still listens"
 
 
 def job_processes(job_id: str) -> list[str]:
