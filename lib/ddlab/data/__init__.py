@@ -3,5 +3,5 @@
 from .curves import StressStrainCurves, physical_targets
 from .images import make_segmentation
 from .sharding import ShardedSampler, epoch_permutation, eval_shard, shard_indices
-from .storage import SampleFiles, remove_store, stage, write_shared
 from .shuffling import STRATEGIES, IOCounters, Shuffler, exchange_plan, exchange_samples, exchanged_count
+from .storage import SampleFiles, remove_store, stage, write_shared

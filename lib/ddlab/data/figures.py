@@ -38,9 +38,9 @@ def loss_and_bytes(losses: dict[str, Sequence[float]], moved: dict[str, dict[str
     labels = list(moved)
     bottom = np.zeros(len(labels))
     for source, colour in (("shared", "tab:red"), ("exchanged", "tab:orange"), ("local", "tab:green")):
-        values = np.array([moved[label][source] for label in labels]) / 1e6
-        right.bar(labels, values, bottom=bottom, label=source, color=colour)
-        bottom += values
+        megabytes = np.array([moved[label][source] for label in labels]) / 1e6
+        right.bar(labels, megabytes, bottom=bottom, label=source, color=colour)
+        bottom += megabytes
     right.set_ylabel("MB over the run")
     right.legend(fontsize=8)
     right.tick_params(axis="x", labelsize=8, rotation=20)

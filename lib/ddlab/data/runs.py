@@ -87,7 +87,6 @@ def train_for_seconds(comm: MPI.Comm, seconds: float, global_batch: int, lr: flo
     size = comm.Get_size()
     if global_batch % size:
         raise ValueError(f"the global batch ({global_batch}) must be a multiple of the ranks ({size})")
-    batch = global_batch // size
     torch.manual_seed(seed)
     x_all, y_all = _in_memory(n, seed)
     model = make_mlp(seed)
