@@ -23,6 +23,7 @@ layer's compute time from a run on one device).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -184,40 +185,47 @@ def describe(model: nn.Module, sample_shape: tuple[int, ...], name: str = "",
 
 
 def profile_seconds(info: ModelInfo, model: nn.Module, batch: torch.Tensor, loss: LossFn,
-                    optimizer: torch.optim.Optimizer | None = None, repeats: int = 3) -> ModelInfo:
+                    optimizer: torch.optim.Optimizer | None = None, repeats: int = 5) -> ModelInfo:
     """info with measured compute seconds per layer and sample, for this batch, on this process.
 
-    Each leaf's forward time is the CPU time (`time.thread_time`, so other programs do
-    not count) from its start to the next leaf's start; the backward of the whole
-    model is timed once and shared out in proportion to the layers' backward FLOPs.
-    The fastest of `repeats` steps counts. The layers must be those `describe` found.
+    Each leaf's forward time is the wall-clock time from its start to the next leaf's
+    start; the backward of the whole model is timed once and shared out in proportion
+    to the layers' backward FLOPs. The median of `repeats` steps counts (the wall clock
+    and the median, as the runs the predictions are compared with are timed; on a busy
+    machine other programs slow both alike). The layers must be those `describe` found.
     """
     leaves = [m for m in model.modules() if not list(m.children()) and not isinstance(m, nn.Sequential)]
     n = len(info.layers)
-    best_fwd, best_bwd, best_update = [math.inf] * n, math.inf, math.inf
-    for _ in range(repeats + 1):  # the first run pays for allocations
+    fwds: list[list[float]] = []
+    bwds: list[float] = []
+    updates: list[float] = []
+    for repeat in range(repeats + 1):  # the first run pays for allocations
         stamps: list[float] = []
-        hooks = [leaf.register_forward_pre_hook(lambda *_: stamps.append(time.thread_time())) for leaf in leaves]
+        hooks = [leaf.register_forward_pre_hook(lambda *_: stamps.append(time.perf_counter())) for leaf in leaves]
         try:
-            start = time.thread_time()
+            start = time.perf_counter()
             value = loss(model(batch))
-            end = time.thread_time()
+            end = time.perf_counter()
         finally:
             for hook in hooks:
                 hook.remove()
         if len(stamps) != n:
             raise ValueError(f"the model ran {len(stamps)} leaf modules but info has {n} layers: describe this model")
         stamps.append(end)
-        start = time.thread_time()
+        start = time.perf_counter()
         value.backward()
-        bwd = time.thread_time() - start
-        start = time.thread_time()
+        bwd = time.perf_counter() - start
+        start = time.perf_counter()
         if optimizer is not None:
             optimizer.step()
-        update = time.thread_time() - start
+        update = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
-        best_fwd = [min(b, t1 - t0) for b, t0, t1 in zip(best_fwd, stamps, stamps[1:])]
-        best_bwd, best_update = min(best_bwd, bwd), min(best_update, update)
+        if repeat:
+            fwds.append([t1 - t0 for t0, t1 in zip(stamps, stamps[1:])])
+            bwds.append(bwd)
+            updates.append(update)
+    best_fwd = [statistics.median(column) for column in zip(*fwds)]
+    best_bwd, best_update = statistics.median(bwds), statistics.median(updates)
     samples = batch.shape[0]
     total_flops = sum(layer.flops_backward for layer in info.layers) or 1.0
     layers = tuple(replace(layer, seconds_forward=f / samples,
