@@ -108,9 +108,10 @@ def _tag(tag: int) -> str:
 class CountingComm:
     """Wraps an mpi4py communicator; forwards point-to-point calls and records them."""
 
-    def __init__(self, comm: MPI.Comm, timeout: float = 20.0):
+    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allowed: tuple[str, ...] = ()):
         self.comm = comm
         self.timeout = timeout
+        self.allowed = allowed  # collectives forwarded (uncounted) for exercises that use them, not build them
         self.traffic = Traffic(comm.Get_rank())
         self._alarm = comm.Dup()  # carries failure notices, never student data
 
@@ -167,13 +168,31 @@ class CountingComm:
     def Get_size(self) -> int:
         return self.comm.Get_size()
 
+    def wait(self, requests: list[MPI.Request], what: str) -> None:
+        """Wait for requests (e.g. from Isend/Irecv), with the timeout and failure notices of blocking calls."""
+        self._wait(requests, [MPI.Status() for _ in requests], what)
+
     def __getattr__(self, name: str) -> Any:
+        if name in self.allowed and name in COLLECTIVES:
+            return self._collective(name)
         if name in COLLECTIVES:
             raise ForbiddenCollective(
                 f"comm.{name} is the MPI library's own collective: this exercise builds it "
                 "from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only."
             )
         return getattr(self.comm, name)
+
+    def _collective(self, name: str) -> Callable[..., None]:
+        """A blocking buffer collective run as its non-blocking twin (Iallreduce...), with the timeout."""
+        start = getattr(self.comm, "I" + name, None)
+        if start is None:
+            raise ForbiddenCollective(f"comm.{name} has no non-blocking twin to wait on with a timeout; use a buffer collective")
+
+        def run(*args: Any, **kwargs: Any) -> None:
+            request = start(*args, **kwargs)
+            self._poll(request.Test, f"{name} to be called on every rank")
+
+        return run
 
     def _log(self, kind: str, peer: int, tag: int, nbytes: int) -> None:
         self.traffic.events.append(Event(kind, int(peer), int(tag), int(nbytes)))
