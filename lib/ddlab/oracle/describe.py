@@ -92,8 +92,29 @@ class ModelInfo:
         """Forward plus backward FLOPs per sample."""
         return sum(layer.flops_forward + layer.flops_backward for layer in self.layers)
 
-    def slice(self, start: int, stop: int) -> tuple[LayerInfo, ...]:
-        return self.layers[start:stop]
+    def at_side(self, side: int) -> ModelInfo:
+        """The same model for square images of `side` (sample_shape (C, H, H)), without tracing again.
+
+        Layers on feature maps scale their FLOPs, activations and shapes with the area; the
+        layers after global pooling stay as they are. Exact for convolutions and pooling
+        up to rounding at odd sizes; compute seconds scale with the FLOPs.
+        """
+        if len(self.sample_shape) != 3:
+            raise ValueError(f"at_side needs images (C, H, W), this model takes {self.sample_shape}")
+        factor = side / self.sample_shape[1]
+        area = factor * factor
+
+        def grow(shape: tuple[int, ...]) -> tuple[int, ...]:
+            return shape if len(shape) != 3 else (shape[0], max(1, round(shape[1] * factor)), max(1, round(shape[2] * factor)))
+
+        layers = []
+        for layer in self.layers:
+            k = area if len(layer.input_shape) == 3 and layer.input_shape[1] > 1 else 1.0
+            layers.append(replace(layer, flops_forward=layer.flops_forward * k, flops_backward=layer.flops_backward * k,
+                                  activation_bytes=round(layer.activation_bytes * k),
+                                  seconds_forward=layer.seconds_forward * k, seconds_backward=layer.seconds_backward * k,
+                                  input_shape=grow(layer.input_shape), output_shape=grow(layer.output_shape)))
+        return replace(self, sample_shape=grow(self.sample_shape), layers=tuple(layers))
 
 
 def _flops(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from .describe import ModelInfo
 from .platform import Platform
-from .strategies import (Prediction, channel_parallel, data, filter_parallel, pipeline, spatial, _split)
+from ..model_parallel.splits import balanced_split
+from .strategies import (Prediction, _split, channel_parallel, data, filter_parallel, layer_seconds, pipeline,
+                         spatial)
 
 GIB = 2**30
 
@@ -69,6 +71,7 @@ def candidates(model: ModelInfo, batch: int, devices: int, platform: Platform,
     """(strategy, prediction or structural reason) for every layout of `devices`."""
     out: list[tuple[str, Prediction | str]] = []
     copies = optimizer_copies
+    costs = [layer_seconds(layer, platform) for layer in model.layers]
     for d in divisors(devices):
         inner = devices // d
         if batch < d:
@@ -91,11 +94,12 @@ def candidates(model: ModelInfo, batch: int, devices: int, platform: Platform,
             out.append((prefix + "pipeline", f"{inner} stages for {len(model.layers)} layers"))
             continue
         samples = batch // d
+        bounds = balanced_split(costs, inner)
         best = None
         m = inner
         while m <= samples:
             if samples % m == 0:
-                pred = pipeline(model, batch, inner, m, platform, copies, data_ways=d)
+                pred = pipeline(model, batch, inner, m, platform, copies, data_ways=d, bounds=bounds)
                 if best is None or pred.time < best.time:
                     best = pred
             m *= 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -24,6 +24,7 @@ from torch import nn
 from ..memory import Ledger
 from ..model_parallel import Crossings, polite_barrier
 from .describe import ModelInfo, describe, profile_seconds
+from .measure import measure_contention
 from .platform import Platform
 from .strategies import Prediction, data, pipeline, unet_edges
 
@@ -69,16 +70,34 @@ class Validation:
 
 
 def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, Callable]], name: str,
-             sample_shape: tuple[int, ...]) -> ModelInfo:
-    """Rank 0 describes and profiles the model on its per-rank batch alone; every rank gets the result."""
+             sample_shape: tuple[int, ...], pieces: int = 1) -> ModelInfo:
+    """Rank 0 describes the model and profiles it alone on one rank's work; every rank gets the result.
+
+    `make()` returns (model, the batch one rank computes, loss). When a rank computes
+    1/pieces of each sample (a slab), the batch holds slabs and the seconds are scaled
+    back to whole samples, so that the small slabs' own speed is what the oracle uses.
+    """
     info = None
     if comm.Get_rank() == 0:
         torch.manual_seed(0)
         model, batch, loss = make()
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         info = profile_seconds(describe(model, sample_shape, name, loss=loss), model, batch, loss, optimizer)
+        layers = tuple(replace(layer, seconds_forward=layer.seconds_forward * pieces,
+                               seconds_backward=layer.seconds_backward * pieces) for layer in info.layers)
+        info = replace(info, layers=layers)
     polite_barrier(comm)
     return comm.bcast(info, root=0)
+
+
+def now(comm: MPI.Comm, platform: Platform) -> Platform:
+    """The platform with its compute rate and contention measured again, now (about a second).
+
+    Other programs on a shared machine change both from minute to minute; the
+    collectives' curves are kept.
+    """
+    flops, contention = measure_contention(comm, repeats=3)
+    return replace(platform, flops=flops, contention=contention)
 
 
 def timed_steps(comm: Any, step: Callable[[], object], steps: int) -> float:
@@ -111,7 +130,7 @@ def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple
     x, y = torch.randn(batch, 600), torch.randn(batch, 2)
     loss = lambda out, target=y[:local]: ((out - target) ** 2).sum(dim=1).mean()  # noqa: E731
     info = _profile(comm, lambda: (make_mlp(hidden=hidden), x[:local], loss), "MLP", (600,))
-    prediction = data(info, batch, p, platform)
+    prediction = data(info, batch, p, now(comm, platform))
     model = DataParallel(make_mlp(hidden=hidden), comm)
     optimizer = _sgd(model.parameters())
     ledger = Ledger(stage=f"rank {comm.Get_rank()}")
@@ -137,8 +156,10 @@ def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple
 
 # Labs 06-07: layer and pipeline parallelism -------------------------------------------------------
 def _unet_loss(masks: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    # a slice of its own: a view would be charged the whole batch's storage
-    return lambda out: nn.functional.cross_entropy(out, masks[:out.shape[0]].clone(), reduction="sum") / masks.numel()
+    """The UNet's loss for profiling: cross-entropy against a target of the output's own size and storage."""
+    pixels = masks.numel()
+    return lambda out: nn.functional.cross_entropy(
+        out, torch.zeros(out.shape[0], *out.shape[2:], dtype=torch.long), reduction="sum") / pixels
 
 
 def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8, side: int = 64,
@@ -157,7 +178,7 @@ def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8,
     shape = (3, side, side)
     info = _profile(comm, lambda: (copy.deepcopy(unet), images[:micro], _unet_loss(masks[:micro])), "UNet", shape)
     crossings = Crossings(unet, shape, batch=1)
-    prediction = pipeline(info, batch, k, m, platform, schedule=schedule, edges=unet_edges(crossings))
+    prediction = pipeline(info, batch, k, m, now(comm, platform), schedule=schedule, edges=unet_edges(crossings))
     bounds = [int(b) for b in prediction.notes.split("bounds ")[1].strip("[]").split(", ")]
     ledger = Ledger(stage=f"stage {comm.Get_rank()}")
     stage = Stage(unet, bounds, comm, shape, ledger=ledger)
@@ -169,3 +190,114 @@ def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8,
     stage.mailbox.free()
     report = {**ledger.report(), "buffers": 0}
     return Validation(prediction, seconds, comm.allgather(report), list(range(k)))
+
+
+# Lab 08: spatial, filter, data x spatial -----------------------------------------------------------
+def _unet_setup(batch: int, side: int, width: int, depth: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    from ..data.images import make_segmentation
+    from ..models.unet import UNet
+
+    torch.manual_seed(0)
+    images, masks = make_segmentation(batch, side, seed=0)
+    return UNet(width=width, depth=depth), images, masks
+
+
+def _lab08_report(ledger: Ledger) -> dict[str, int]:
+    return {**ledger.report(), "buffers": 0}
+
+
+def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: int = 4, side: int = 64,
+                width: int = 4, depth: int = 3, steps: int = 5) -> Validation:
+    """lab 08's SpatialUNet: slabs of rows over P / D ranks, D groups of samples (D > 1: data x spatial).
+
+    The ledger's activations include the halo strips lab 08's convolution keeps (the
+    prediction's buffers, `halo_rows_lab08`), so measured buffers are 0 and the
+    comparison is of totals.
+    """
+    from ..data_parallel import average_gradients
+    from ..intra_layer import SpatialUNet, group_samples, make_grid
+    from .strategies import halo_rows_lab08, spatial
+
+    unet, images, masks = _unet_setup(batch, side, width, depth)
+    p = comm.Get_size()
+    s = p // data_ways
+    grid = make_grid(comm, data_ways) if data_ways > 1 else None
+    scomm = grid.spatial if grid else comm
+    samples = group_samples(batch, grid) if grid else slice(0, batch)
+    group = batch // data_ways
+    slab_rows = side // s
+    info = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
+                                   _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side), s)
+    prediction = spatial(info, batch, s, now(comm, platform), halo_rows=halo_rows_lab08, data_ways=data_ways)
+    net = SpatialUNet(unet, scomm, side)
+    rows = net.rows
+    slab = images[samples][:, :, rows].contiguous()
+    target = masks[samples][:, rows].contiguous()
+    optimizer = _sgd(net.model.parameters())
+    ledger = Ledger(stage=f"rank {comm.Get_rank()}")
+    ledger.watch(net.model, optimizer)
+
+    def step() -> None:
+        with ledger.activations():
+            logits = net(slab)
+            value = nn.functional.cross_entropy(logits, target, reduction="sum") * (s / (group * side * side))
+        value.backward()
+        average_gradients(net.model, scomm)
+        if grid:
+            average_gradients(net.model, grid.data)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    seconds = timed_steps(comm, step, steps)
+    ledger.close()
+    if grid:
+        grid.free()
+    kinds = [0 if r % s in (0, s - 1) else min(1, len(prediction.memory) - 1) for r in range(p)]
+    return Validation(prediction, seconds, comm.allgather(_lab08_report(ledger)), kinds)
+
+
+def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 64, width: int = 8,
+               depth: int = 3, steps: int = 5) -> Validation:
+    """lab 08's FilterUNet: every 3x3 convolution's output channels split over the ranks."""
+    from ..intra_layer import FilterUNet, filter_step
+    from .strategies import filter_parallel
+
+    unet, images, masks = _unet_setup(batch, side, width, depth)
+    p = comm.Get_size()
+    info = _profile(comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side))
+    prediction = filter_parallel(info, batch, p, now(comm, platform))
+    net = FilterUNet(unet, comm)
+    optimizer = _sgd(net.parameters())
+    ledger = Ledger(stage=f"rank {comm.Get_rank()}")
+    ledger.watch(net, optimizer)
+
+    def step() -> None:
+        with ledger.activations():
+            value = nn.functional.cross_entropy(net(images), masks)
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    seconds = timed_steps(comm, step, steps)
+    ledger.close()
+    return Validation(prediction, seconds, comm.allgather(_lab08_report(ledger)), [0] * p)
+
+
+#: The runs of `run_all`: (name, function, keyword arguments); small sizes, a few seconds each.
+RUNS: tuple[tuple[str, Callable[..., Validation], dict[str, Any]], ...] = (
+    ("data", run_data, {}),
+    ("layer (M=1)", run_pipeline, {"m": 1}),
+    ("pipeline (M=4)", run_pipeline, {"m": 4}),
+    ("spatial", run_spatial, {}),
+    ("filter", run_filter, {}),
+    ("data x spatial", run_spatial, {"data_ways": 2}),
+)
+
+
+def run_all(comm: MPI.Comm, platform: Platform, steps: int = 5, scale: int = 1) -> list[Validation]:
+    """Every run of RUNS on comm (4 ranks expected), `scale` times the default batch. A collective."""
+    results = []
+    for _, fn, kwargs in RUNS:
+        extra = {"batch": kwargs.get("batch", {"run_data": 256}.get(fn.__name__, 8 if fn is run_pipeline else 4)) * scale}
+        results.append(fn(comm, platform, steps=steps, **kwargs, **extra))
+    return results
