@@ -24,7 +24,6 @@ from torch import nn
 from ..memory import Ledger
 from ..model_parallel import Crossings, polite_barrier
 from .describe import ModelInfo, describe, profile_seconds
-from .measure import measure_contention
 from .platform import Platform
 from .strategies import Prediction, data, pipeline, unet_edges
 
@@ -70,34 +69,47 @@ class Validation:
 
 
 def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, Callable]], name: str,
-             sample_shape: tuple[int, ...], pieces: int = 1) -> ModelInfo:
-    """Rank 0 describes the model and profiles it alone on one rank's work; every rank gets the result.
+             sample_shape: tuple[int, ...], platform: Platform, pieces: int = 1) -> tuple[ModelInfo, Platform]:
+    """Rank 0 describes the model and profiles it alone on one rank's work; the contention of that work.
 
     `make()` returns (model, the batch one rank computes, loss). When a rank computes
     1/pieces of each sample (a slab), the batch holds slabs and the seconds are scaled
     back to whole samples, so that the small slabs' own speed is what the oracle uses.
+    Then every rank runs the same work at once, and the platform's contention becomes
+    this workload's: c(P) = (time with all P ranks computing) / (time alone), c(n)
+    linear between 1 and c(P). (A matrix product contends less for memory bandwidth
+    than a network's many small layers; on a shared machine both change by the minute.)
+    Every rank gets the same (ModelInfo, Platform).
     """
+    torch.manual_seed(0)
+    model, batch, loss = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     info = None
     if comm.Get_rank() == 0:
-        torch.manual_seed(0)
-        model, batch, loss = make()
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         info = profile_seconds(describe(model, sample_shape, name, loss=loss), model, batch, loss, optimizer)
         layers = tuple(replace(layer, seconds_forward=layer.seconds_forward * pieces,
                                seconds_backward=layer.seconds_backward * pieces) for layer in info.layers)
         info = replace(info, layers=layers)
+
+    def work(repeats: int = 3) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            loss(model(batch)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
     polite_barrier(comm)
-    return comm.bcast(info, root=0)
-
-
-def now(comm: MPI.Comm, platform: Platform) -> Platform:
-    """The platform with its compute rate and contention measured again, now (about a second).
-
-    Other programs on a shared machine change both from minute to minute; the
-    collectives' curves are kept.
-    """
-    flops, contention = measure_contention(comm, repeats=3)
-    return replace(platform, flops=flops, contention=contention)
+    alone = work() if comm.Get_rank() == 0 else 0.0
+    polite_barrier(comm)
+    together = comm.allreduce(work(), op=MPI.MAX)
+    alone = comm.bcast(alone, root=0)
+    p = comm.Get_size()
+    worst = max(1.0, together / alone)
+    contention = tuple(1.0 + (worst - 1.0) * (n - 1) / max(p - 1, 1) for n in range(1, p + 1))
+    return comm.bcast(info, root=0), replace(platform, contention=contention)
 
 
 def timed_steps(comm: Any, step: Callable[[], object], steps: int) -> float:
@@ -128,9 +140,10 @@ def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple
     p = comm.Get_size()
     local = batch // p
     x, y = torch.randn(batch, 600), torch.randn(batch, 2)
-    loss = lambda out, target=y[:local]: ((out - target) ** 2).sum(dim=1).mean()  # noqa: E731
-    info = _profile(comm, lambda: (make_mlp(hidden=hidden), x[:local], loss), "MLP", (600,))
-    prediction = data(info, batch, p, now(comm, platform))
+    loss = lambda out: ((out - torch.zeros_like(out)) ** 2).sum(dim=1).mean()  # noqa: E731  (the run's, shapes alike)
+    info, platform = _profile(comm, lambda: (make_mlp(hidden=hidden), x[:local].clone(), loss), "MLP", (600,),
+                              platform)
+    prediction = data(info, batch, p, platform)
     model = DataParallel(make_mlp(hidden=hidden), comm)
     optimizer = _sgd(model.parameters())
     ledger = Ledger(stage=f"rank {comm.Get_rank()}")
@@ -176,9 +189,10 @@ def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8,
     images, masks = make_segmentation(batch, side, seed=0)
     micro = batch // m
     shape = (3, side, side)
-    info = _profile(comm, lambda: (copy.deepcopy(unet), images[:micro], _unet_loss(masks[:micro])), "UNet", shape)
+    info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:micro].clone(), _unet_loss(masks[:micro])),
+                              "UNet", shape, platform)
     crossings = Crossings(unet, shape, batch=1)
-    prediction = pipeline(info, batch, k, m, now(comm, platform), schedule=schedule, edges=unet_edges(crossings))
+    prediction = pipeline(info, batch, k, m, platform, schedule=schedule, edges=unet_edges(crossings))
     bounds = [int(b) for b in prediction.notes.split("bounds ")[1].strip("[]").split(", ")]
     ledger = Ledger(stage=f"stage {comm.Get_rank()}")
     stage = Stage(unet, bounds, comm, shape, ledger=ledger)
@@ -226,9 +240,10 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     samples = group_samples(batch, grid) if grid else slice(0, batch)
     group = batch // data_ways
     slab_rows = side // s
-    info = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
-                                   _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side), s)
-    prediction = spatial(info, batch, s, now(comm, platform), halo_rows=halo_rows_lab08, data_ways=data_ways)
+    info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
+                                   _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side),
+                              platform, s)
+    prediction = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
     net = SpatialUNet(unet, scomm, side)
     rows = net.rows
     slab = images[samples][:, :, rows].contiguous()
@@ -264,8 +279,9 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
 
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
-    info = _profile(comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side))
-    prediction = filter_parallel(info, batch, p, now(comm, platform))
+    info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side),
+                              platform)
+    prediction = filter_parallel(info, batch, p, platform)
     net = FilterUNet(unet, comm)
     optimizer = _sgd(net.parameters())
     ledger = Ledger(stage=f"rank {comm.Get_rank()}")
