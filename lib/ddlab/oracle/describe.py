@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -76,7 +76,6 @@ class ModelInfo:
     layers: tuple[LayerInfo, ...]
     update_seconds: float = 0.0
     profiled: bool = False
-    notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def parameter_bytes(self) -> int:

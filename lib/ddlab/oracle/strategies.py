@@ -89,11 +89,9 @@ def compute_seconds(layers: Sequence[LayerInfo], samples: float, platform: Platf
     return samples * sum(layer_seconds(layer, platform) for layer in layers)
 
 
-def _update(model: ModelInfo, share: float, platform: Platform) -> float:
-    """The optimizer step on `share` of the parameters (measured if profiled, else memory bound: 3 passes)."""
-    if model.profiled:
-        return model.update_seconds * share
-    return 0.0
+def _update(model: ModelInfo, share: float) -> float:
+    """The optimizer step on `share` of the parameters, as profiled (0 if not: negligible on a GPU)."""
+    return model.update_seconds * share
 
 
 def _state(params: float, copies: int) -> dict[str, float]:
@@ -119,7 +117,7 @@ def data(model: ModelInfo, batch: int, p: int, platform: Platform, optimizer_cop
     """B/P samples per rank, whole model everywhere, one allreduce of the gradients per bucket."""
     samples = batch / p
     w = model.parameter_bytes
-    compute = (compute_seconds(model.layers, samples, platform) + _update(model, 1.0, platform)) * _busy(p, platform)
+    compute = (compute_seconds(model.layers, samples, platform) + _update(model, 1.0)) * _busy(p, platform)
     comm = _grad_allreduce(w, p, platform, stride, sharing) if p > 1 else 0.0
     mem = {**_state(w, optimizer_copies), "activations": model.activation_bytes * samples,
            "buffers": w if bucket_buffers else 0.0}
@@ -159,7 +157,7 @@ def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_
     sliced = _spatial_layers(model, s)
     work = sum(layer_seconds(l, platform) * (1 / s if cut else 1.0) for l, cut in zip(model.layers, sliced))
     p = s * data_ways
-    compute = (work * samples + _update(model, 1.0, platform)) * _busy(p, platform)
+    compute = (work * samples + _update(model, 1.0)) * _busy(p, platform)
     busiest = max(neighbours(r, s) for r in range(s))
     halo = 0.0
     for layer, cut in zip(model.layers, sliced):
@@ -199,7 +197,7 @@ def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform:
     p = f * data_ways
     work = sum(layer_seconds(l, platform) * s for l, s in zip(model.layers, share))
     w = sum(l.parameter_bytes * s for l, s in zip(model.layers, share))
-    compute = (work * samples + _update(model, w / max(model.parameter_bytes, 1), platform)) * _busy(p, platform)
+    compute = (work * samples + _update(model, w / max(model.parameter_bytes, 1))) * _busy(p, platform)
     ops = ("allgather", "allreduce") if kind == "filter" else ("allreduce", "allgather")
     comm = 0.0
     acts = 0.0
@@ -287,7 +285,7 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
     slots = [c + t for c, t in zip(stage_compute, stage_comm)]
     worst = max(range(k), key=lambda s: slots[s])
     share = max(sum(r["parameters"] for r in ranks[s:s + 1]) for s in range(k)) / max(model.parameter_bytes, 1)
-    compute = m * stage_compute[worst] + _update(model, share, platform) * slow
+    compute = m * stage_compute[worst] + _update(model, share) * slow
     comm = m * stage_comm[worst]
     if data_ways > 1:
         comm += _grad_allreduce(max(r["parameters"] for r in ranks), data_ways, platform, stride=k,
