@@ -11,6 +11,8 @@ A collective over comm; every rank gets the same Platform. All ranks count as on
   coefficient: how much longer the same product takes while n ranks run it at once
   (n = 1 .. P), the median of `repeats` rounds. On a laptop with fewer cores than ranks,
   or cores sharing memory bandwidth, it is well above 1.
+- Sync: what a blocking exchange costs beyond its message while every rank computes
+  (`measure_sync`): a partner descheduled on a shared core must run before it answers.
 """
 
 from __future__ import annotations
@@ -80,6 +82,28 @@ def measure_contention(comm: MPI.Comm, repeats: int = 5, n: int = 384) -> tuple[
     return 2 * n**3 / alone, slowdown
 
 
+def measure_sync(comm: MPI.Comm, rounds: int = 10, n: int = 192) -> float:
+    """Seconds each blocking exchange adds while every rank computes: (with - without) / rounds.
+
+    Every rank runs `rounds` small matrix products, once alone and once with an 8-byte
+    Allreduce after each; the slowest rank's difference per exchange, at least 0.
+    """
+    token = np.zeros(1)
+
+    def loop(sync: bool) -> float:
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            _matmul_seconds(n, 4)
+            if sync:
+                comm.Allreduce(MPI.IN_PLACE, token)
+        return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+    loop(True)
+    without, with_sync = loop(False), loop(True)
+    return max(0.0, (with_sync - without) / rounds)
+
+
 def measure_platform(comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int = 5,
                      name: str = "this machine") -> Platform:
     """This machine's Platform (see the module docstring); every rank gets the same one."""
@@ -98,11 +122,12 @@ def measure_platform(comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int 
     alpha, beta = fit_alpha_beta(list(sizes), list(ping))
     link = Link(max(alpha, 0.0), max(beta, 1e-12))
     flops, contention = measure_contention(comm, repeats)
+    sync = comm.bcast(measure_sync(comm), root=0)
     memory = psutil.virtual_memory().total // size
     table = comm.bcast(curves.table, root=0)
     contention = comm.bcast(contention, root=0)
     flops = comm.bcast(flops, root=0)
     return Platform(name=name, devices_per_node=size, flops=flops, memory=int(memory), intra=link, inter=link,
-                    curves=Curves(dict(table)), contention=contention,
+                    curves=Curves(dict(table)), contention=contention, sync=sync,
                     sources={"all": "measured by ddlab.oracle.measure_platform on this machine",
                              "inter": "one machine: the same link as intra"})

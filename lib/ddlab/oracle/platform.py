@@ -17,8 +17,11 @@ nodes the inter-node link (the slowest edge of the ring sets its pace). `sharing
 is how many such flows share one node's network link at once (hybrid strategies).
 
 `contention[n-1]` is how much slower a device computes while n devices of a node
-compute at once (1 on a GPU; on a CPU the cores and memory bandwidth are shared):
-measured here by `ddlab.oracle.measure.measure_platform`.
+compute at once (1 on a GPU; on a CPU the cores and memory bandwidth are shared), and
+`sync` what each blocking exchange costs beyond its message time when the ranks that
+must meet share cores with each other and other programs (a partner that is not
+running must first be scheduled; 0 with a core or device per rank): both measured by
+`ddlab.oracle.measure`.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class Platform:
     inter: Link
     curves: Curves = field(default_factory=Curves)
     contention: tuple[float, ...] = (1.0,)
+    sync: float = 0.0  # seconds a blocking exchange loses while ranks compute on shared cores
     sources: dict[str, str] = field(default_factory=dict)
 
     def link(self, ranks: int) -> Link:

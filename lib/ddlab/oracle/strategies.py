@@ -12,6 +12,8 @@ The strategies (P devices, batch B):
   buckets of at most 25 MiB (lab 04); buffers: the flat bucket buffers.
 - spatial(P): each rank a slab of H/P rows of every sample; a halo exchange per k x k
   convolution forward and backward; allreduce of the gradients (lab 08).
+
+Every blocking exchange also pays the platform's `sync` (0 on dedicated devices).
 - pipeline(K, M): stages of consecutive layers, M micro-batches; (M + K - 1) slots of
   the slowest stage, K - 1 of them the bubble; a stage keeps the activations of the
   micro-batches in flight: M under GPipe, min(K - s, M) under 1F1B (labs 06-07).
@@ -104,7 +106,9 @@ def _buckets(nbytes: float, cap: float = BUCKET_CAP) -> list[float]:
 
 
 def _grad_allreduce(nbytes: float, ranks: int, platform: Platform, stride: int = 1, sharing: int = 1) -> float:
-    return sum(platform.comm("allreduce", b, ranks, stride, sharing) for b in _buckets(nbytes))
+    if ranks <= 1:
+        return 0.0
+    return sum(platform.comm("allreduce", b, ranks, stride, sharing) + platform.sync for b in _buckets(nbytes))
 
 
 def _busy(devices: int, platform: Platform) -> float:
@@ -163,7 +167,7 @@ def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_
     for layer, cut in zip(model.layers, sliced):
         if cut and layer.halo and s > 1:
             nbytes = _halo_bytes(layer, layer.halo) * samples
-            halo += 2 * busiest * platform.comm("p2p", nbytes, min(s, platform.devices_per_node))
+            halo += 2 * (busiest * platform.comm("p2p", nbytes, min(s, platform.devices_per_node)) + platform.sync)
     w = model.parameter_bytes
     comm = halo + _grad_allreduce(w, s, platform)
     if data_ways > 1:
@@ -203,8 +207,8 @@ def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform:
     acts = 0.0
     for layer, cut in zip(model.layers, split):
         if cut and f > 1:
-            comm += platform.comm(ops[0], layer.output_bytes * samples, f)
-            comm += platform.comm(ops[1], layer.input_bytes * samples, f)
+            comm += platform.comm(ops[0], layer.output_bytes * samples, f) + platform.sync
+            comm += platform.comm(ops[1], layer.input_bytes * samples, f) + platform.sync
         # filter: every rank keeps whole inputs; channel: the split layers keep their input's channels
         acts += layer.activation_bytes * (1 / f if cut and kind == "channel" else 1.0) * samples
     if data_ways > 1:
@@ -276,7 +280,8 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
         layers = model.layers[a:b]
         stage_compute.append(compute_seconds(layers, micro, platform) * slow)
         crossing = edges(a, b)
-        stage_comm.append(sum(2 * platform.comm("p2p", nbytes * micro, 2) for _, nbytes in crossing) if k > 1 else 0.0)
+        stage_comm.append(sum(2 * (platform.comm("p2p", nbytes * micro, 2) + platform.sync)
+                              for _, nbytes in crossing) if k > 1 else 0.0)
         in_flight = m if schedule == "gpipe" else min(k - s, m)
         w = sum(layer.parameter_bytes for layer in layers)
         received = sum(nbytes for kind, nbytes in crossing if kind == "in" and layers[0].input_saved_before)

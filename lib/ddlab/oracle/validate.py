@@ -24,6 +24,7 @@ from torch import nn
 from ..memory import Ledger
 from ..model_parallel import Crossings, polite_barrier
 from .describe import ModelInfo, describe, profile_seconds
+from .measure import measure_sync
 from .platform import Platform
 from .strategies import Prediction, data, pipeline, unet_edges
 
@@ -79,6 +80,7 @@ def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, C
     this workload's: c(P) = (time with all P ranks computing) / (time alone), c(n)
     linear between 1 and c(P). (A matrix product contends less for memory bandwidth
     than a network's many small layers; on a shared machine both change by the minute.)
+    The platform's `sync` is measured again too.
     Every rank gets the same (ModelInfo, Platform).
     """
     torch.manual_seed(0)
@@ -86,7 +88,7 @@ def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, C
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     info = None
     if comm.Get_rank() == 0:
-        info = profile_seconds(describe(model, sample_shape, name, loss=loss), model, batch, loss, optimizer)
+        info = profile_seconds(describe(model, sample_shape, name, loss=loss), model, batch, loss, optimizer, repeats=3)
         layers = tuple(replace(layer, seconds_forward=layer.seconds_forward * pieces,
                                seconds_backward=layer.seconds_backward * pieces) for layer in info.layers)
         info = replace(info, layers=layers)
@@ -109,7 +111,8 @@ def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, C
     p = comm.Get_size()
     worst = max(1.0, together / alone)
     contention = tuple(1.0 + (worst - 1.0) * (n - 1) / max(p - 1, 1) for n in range(1, p + 1))
-    return comm.bcast(info, root=0), replace(platform, contention=contention)
+    sync = comm.bcast(measure_sync(comm), root=0)
+    return comm.bcast(info, root=0), replace(platform, contention=contention, sync=sync)
 
 
 def timed_steps(comm: Any, step: Callable[[], object], steps: int) -> float:
