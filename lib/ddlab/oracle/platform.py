@@ -113,10 +113,12 @@ class Platform:
             link = Link(link.alpha, link.beta * sharing)
         return alpha_beta_seconds(op, nbytes, ranks, link)
 
-    def slowdown(self, busy: int) -> float:
-        """Compute slowdown with `busy` devices of a node computing at once."""
-        busy = max(1, min(busy, self.devices_per_node))
-        return self.contention[min(busy, len(self.contention)) - 1]
+    def slowdown(self, busy: float) -> float:
+        """Compute slowdown with `busy` devices of a node computing at once (fractions interpolate)."""
+        busy = max(1.0, min(float(busy), self.devices_per_node, len(self.contention)))
+        low = int(busy)
+        high = min(low + 1, len(self.contention))
+        return float(np.interp(busy, [low, high], [self.contention[low - 1], self.contention[high - 1]]))
 
 
 def gpu_cluster() -> Platform:

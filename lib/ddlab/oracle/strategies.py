@@ -262,7 +262,8 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
     flight, the activation it received if the layer before had already saved it (else
     its own first layer's count holds it); received skips are freed once concatenated. The step takes
     the sum of the stage slots plus M - 1 slots of the slowest stage; the bubble is
-    what is left after the slowest stage's M slots. Contention: min(K, M) ranks busy.
+    what is left after the slowest stage's M slots. Contention: ranks are busy only
+    outside the bubble, so on average K M / (M + K - 1) of them compute at once.
     """
     if schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
@@ -274,7 +275,7 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
     edges = edges or boundary_edges(model)
     micro = batch / (data_ways * m)
     p = k * data_ways
-    slow = _busy(min(k, m) * data_ways, platform)
+    slow = platform.slowdown(min(k * m / (m + k - 1) * data_ways, platform.devices_per_node))
     stage_compute, stage_comm, ranks = [], [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layers = model.layers[a:b]
