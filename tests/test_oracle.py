@@ -150,3 +150,15 @@ def test_planner_prefers_data_parallelism_when_it_fits_and_computes_dominate():
     assert result.best.strategy == "data"
     assert all(p.time >= result.best.time for p in result.ranked)
     assert math.isclose(result.best.compute, 64 / 4 * 4 * 30 / gpu_cluster().flops)
+
+
+def test_a_received_skip_waits_until_its_layer():
+    model = _toy(4, act=100)
+
+    def edges(a, b):  # a skip of 500 bytes per sample made by layer 0, concatenated by layer 3
+        found = [("in", 100, a)] if a else []
+        return found + ([("skip in", 500, 3)] if a <= 3 < b and a > 0 else [])
+
+    pred = pipeline(model, 2, 2, 1, FLAT, bounds=[0, 2, 4], edges=edges)
+    # stage 1 holds layers 2-3: before layer 3 it keeps layer 2's 100 bytes and the waiting skip
+    assert pred.memory[1]["activations"] == 2 * (100 + 500)

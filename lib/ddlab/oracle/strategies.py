@@ -40,7 +40,7 @@ from .platform import Platform
 MEMORY = ("parameters", "gradients", "optimizer", "activations", "buffers")
 BUCKET_CAP = 25 * 2**20  # lab 04's DataParallel, as PyTorch DDP
 SPLIT_KINDS = ("Conv2d", "Linear")  # what filter and channel parallelism split
-Edges = Callable[[int, int], list[tuple[str, int]]]  # (kind, bytes per sample) crossing in/out of layers a..b-1
+Edges = Callable[[int, int], list[tuple[str, int, int]]]  # (kind, bytes per sample, layer using or making it)
 HaloRows = Callable[[int, int], int]  # (halo rows k // 2, neighbours) -> halo rows a rank keeps
 
 
@@ -233,20 +233,20 @@ def channel_parallel(model: ModelInfo, batch: int, f: int, platform: Platform, o
 # Layer (pipeline) parallelism -----------------------------------------------------------
 def boundary_edges(model: ModelInfo) -> Edges:
     """What a stage of layers a..b-1 receives ("in") and sends ("out") when only neighbouring layers talk."""
-    def edges(a: int, b: int) -> list[tuple[str, int]]:
-        found = [("in", model.layers[a - 1].output_bytes)] if a > 0 else []
-        return found + ([("out", model.layers[b - 1].output_bytes)] if b < len(model.layers) else [])
+    def edges(a: int, b: int) -> list[tuple[str, int, int]]:
+        found = [("in", model.layers[a - 1].output_bytes, a)] if a > 0 else []
+        return found + ([("out", model.layers[b - 1].output_bytes, b - 1)] if b < len(model.layers) else [])
     return edges
 
 
 def unet_edges(crossings: object) -> Edges:
     """Edges of lab 06's UNet from its `Crossings` (built with batch=1): the activations and the skips."""
-    def edges(a: int, b: int) -> list[tuple[str, int]]:
-        found = [("in", crossings.activation[a - 1])] if a > 0 else []
-        found += [("out", crossings.activation[b - 1])] if b < crossings.n else []
+    def edges(a: int, b: int) -> list[tuple[str, int, int]]:
+        found = [("in", crossings.activation[a - 1], a)] if a > 0 else []
+        found += [("out", crossings.activation[b - 1], b - 1)] if b < crossings.n else []
         for src, dst, nbytes in crossings.skips:
             if (a <= src < b) != (a <= dst < b):
-                found.append(("skip in" if a <= dst < b else "skip out", nbytes))
+                found.append(("skip in", nbytes, dst) if a <= dst < b else ("skip out", nbytes, src))
         return found
     return edges
 
@@ -260,7 +260,9 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
     (default: the activations at its two ends; the UNet's skips too: `unet_edges`).
     Each message goes forward and its gradient back. A stage keeps, per micro-batch in
     flight, the activation it received if the layer before had already saved it (else
-    its own first layer's count holds it); received skips are freed once concatenated. The step takes
+    its own first layer's count holds it). A received skip lives until the layer that
+    concatenates it: the micro-batch in forward peaks either at its end or just before
+    such a layer, with the skips still waiting. The step takes
     the sum of the stage slots plus M - 1 slots of the slowest stage; the bubble is
     what is left after the slowest stage's M slots. Contention: ranks are busy only
     outside the bubble, so on average K M / (M + K - 1) of them compute at once.
@@ -282,11 +284,17 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
         stage_compute.append(compute_seconds(layers, micro, platform) * slow)
         crossing = edges(a, b)
         stage_comm.append(sum(2 * (platform.comm("p2p", nbytes * micro, 2) + platform.sync)
-                              for _, nbytes in crossing) if k > 1 else 0.0)
+                              for _, nbytes, _ in crossing) if k > 1 else 0.0)
         in_flight = m if schedule == "gpipe" else min(k - s, m)
         w = sum(layer.parameter_bytes for layer in layers)
-        received = sum(nbytes for kind, nbytes in crossing if kind == "in" and layers[0].input_saved_before)
-        acts = in_flight * micro * (sum(layer.activation_bytes for layer in layers) + received)
+        received = sum(nbytes for kind, nbytes, _ in crossing if kind == "in" and layers[0].input_saved_before)
+        saved = received + sum(layer.activation_bytes for layer in layers)
+        current = saved
+        for kind, _, at in crossing:
+            if kind == "skip in":
+                waiting = sum(n for kind2, n, j in crossing if kind2 == "skip in" and j >= at)
+                current = max(current, received + sum(l.activation_bytes for l in model.layers[a:at]) + waiting)
+        acts = micro * ((in_flight - 1) * saved + current)
         ranks.append({**_state(w, optimizer_copies), "activations": acts, "buffers": 0.0})
     slots = [c + t for c, t in zip(stage_compute, stage_comm)]
     worst = max(range(k), key=lambda s: slots[s])

@@ -179,8 +179,12 @@ def _unet_loss(masks: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8, side: int = 64,
-                 width: int = 4, depth: int = 3, schedule: str = "1f1b", steps: int = 5) -> Validation:
-    """lab 06's UNet stages, one per rank, run with lab 07's schedule on M micro-batches (M=1: lab 06)."""
+                 width: int = 4, depth: int = 3, schedule: str = "1f1b", steps: int = 5,
+                 bounds: list[int] | None = None) -> Validation:
+    """lab 06's UNet stages, one per rank, run with lab 07's schedule on M micro-batches (M=1: lab 06).
+
+    The stages are the oracle's balanced cut (from the profile) unless `bounds` are given.
+    """
     from ..data.images import make_segmentation
     from ..model_parallel import Stage
     from ..models.unet import UNet
@@ -195,7 +199,8 @@ def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8,
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:micro].clone(), _unet_loss(masks[:micro])),
                               "UNet", shape, platform)
     crossings = Crossings(unet, shape, batch=1)
-    prediction = pipeline(info, batch, k, m, platform, schedule=schedule, edges=unet_edges(crossings))
+    prediction = pipeline(info, batch, k, m, platform, schedule=schedule, edges=unet_edges(crossings),
+                          bounds=bounds)
     bounds = [int(b) for b in prediction.notes.split("bounds ")[1].strip("[]").split(", ")]
     ledger = Ledger(stage=f"stage {comm.Get_rank()}")
     stage = Stage(unet, bounds, comm, shape, ledger=ledger)
