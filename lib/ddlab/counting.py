@@ -187,6 +187,10 @@ class CountingComm:
     def Get_size(self) -> int:
         return self.comm.Get_size()
 
+    def wait(self, requests: list[MPI.Request], what: str) -> None:
+        """Wait for requests (e.g. from Isend/Irecv), with the timeout and failure notices of blocking calls."""
+        self._wait(requests, [MPI.Status() for _ in requests], what)
+
     def __getattr__(self, name: str) -> Any:
         if name in COLLECTIVES and name not in self.allow:
             uses = (f"may call only comm.{', comm.'.join(self.allow)}" if self.allow else
