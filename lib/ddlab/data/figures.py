@@ -7,6 +7,8 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots._helpers import finish_panels
+
 
 def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
     """Samples rank r sends to rank d (row r, column d): the plan of one epoch."""
@@ -83,9 +85,4 @@ def equal_time(results: dict[str, list[dict]], title: str = "") -> plt.Figure:
     right.set_yscale("log")
     for ax in (left, right):
         ax.set_xscale("log")
-        ax.set_xlabel("global batch size")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+    return finish_panels(fig, (left, right), "global batch size", title)

@@ -37,5 +37,16 @@ def _size_axis(ax: plt.Axes, sizes: Sequence[float] | np.ndarray, label: str, ev
     ax.legend(fontsize=legend_size)
 
 
+def finish_panels(fig: plt.Figure, axes: Sequence[plt.Axes], xlabel: str, title: str) -> plt.Figure:
+    """Side-by-side panels sharing an x quantity: each gets the label, a grid and its legend; one title above."""
+    for ax in axes:
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _rank_colour(rank: int) -> tuple[float, float, float, float]:
     return plt.get_cmap("tab10")(rank % 10)

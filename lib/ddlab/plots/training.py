@@ -8,7 +8,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ._helpers import _byte_label
+from ._helpers import _byte_label, finish_panels
 from .timelines import COLOURS
 
 
@@ -50,12 +50,7 @@ def scaling_curves(ranks: Sequence[int], strong: Sequence[float], weak: Sequence
     right.set_ylim(0, 1.15)
     for ax in (left, right):
         ax.set_xticks(p, [str(int(v)) for v in p])
-        ax.set_xlabel("ranks P")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+    return finish_panels(fig, (left, right), "ranks P", title)
 
 
 def time_breakdown(rows: Sequence[dict[str, float]], labels: Sequence[str], title: str = "",
