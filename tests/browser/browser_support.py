@@ -73,14 +73,19 @@ def free_port() -> int:
 
 
 def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Wait until `url` answers (any HTTP status); fail with the log if the process exits or time runs out."""
+    """Wait until the server behind `url` answers; fail with the log if the process exits or time runs out.
+
+    Any status is an answer (a server without a token says 403) except the gateway errors
+    502-504: those come from a proxy that is up while the server behind it is not yet.
+    """
     deadline = time.monotonic() + timeout
     while True:
         try:
             urllib.request.urlopen(url, timeout=5)
             return
-        except urllib.error.HTTPError:
-            return
+        except urllib.error.HTTPError as err:
+            if err.code not in (502, 503, 504):
+                return
         except OSError:
             pass
         if process.poll() is not None or time.monotonic() > deadline:

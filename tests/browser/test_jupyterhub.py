@@ -160,7 +160,8 @@ def test_student_runs_lab_02_on_a_hub_spawning_into_slurm(page, hub) -> None:
     url, user, password, node, folder = hub
     known = {job["JobId"] for job in spawner_jobs(node)}
 
-    page.goto(f"{url}/hub/login")
+    login = page.goto(f"{url}/hub/login")
+    assert login is not None and login.ok, f"the login page answered {login and login.status}: {page.content()[:2000]}"
     page.fill("#username_input", user)
     page.fill("#password_input", password)
     page.click("#login_submit")
