@@ -72,19 +72,20 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Wait until the server behind `url` answers; fail with the log if the process exits or time runs out.
+def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout: float, status: int | None = None) -> None:
+    """Wait until `url` answers, with `status` if given (else any: a server without a token says 403).
 
-    Any status is an answer (a server without a token says 403) except the gateway errors
-    502-504: those come from a proxy that is up while the server behind it is not yet.
+    Fail with the log if the process exits or time runs out. Behind a proxy, ask for the
+    server's own status: the proxy may answer (404, 503) before the server listens.
     """
     deadline = time.monotonic() + timeout
     while True:
         try:
-            urllib.request.urlopen(url, timeout=5)
-            return
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                if status in (None, answer.status):
+                    return
         except urllib.error.HTTPError as err:
-            if err.code not in (502, 503, 504):
+            if status in (None, err.code):
                 return
         except OSError:
             pass

@@ -141,7 +141,7 @@ def hub(browser, slurm, tmp_path_factory: pytest.TempPathFactory):
                                    cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{ports['public']}"
     try:
-        wait_for_http(f"{url}/hub/api", process, log, timeout=120)
+        wait_for_http(f"{url}/hub/api", process, log, timeout=120, status=200)  # the hub, not its proxy
         yield url, user, password, slurm, folder
     finally:
         left = stop_process_tree(process)
