@@ -10,7 +10,7 @@ time >= 0.85 on average and >= 0.75 for each.
 
     .venv/bin/python bench/oracle.py [--steps 7] [--scale 2]
 
-It starts its own MPI job through ddlab.mpi; `--child` marks the run inside it.
+It relaunches itself under mpiexec (ddlab.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -51,18 +51,12 @@ def child(steps: int, scale: int) -> None:
 
 
 def main() -> int:
+    from ddlab.mpi import bench_main
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--scale", type=int, default=2, help="batch multiple of the notebook's sizes")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args.steps, args.scale)
-        return 0
-    from ddlab.mpi import run_for_each
-
-    command = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--scale", str(args.scale)]
-    return run_for_each([4], command, TIMEOUT)
+    return bench_main(parser, lambda a: child(a.steps, a.scale), TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Then whether partial-local with Q = 0.3 ends within 5% of global's loss while re
 
     .venv/bin/python bench/shuffling.py [--seeds 3] [--epochs 8]
 
-It starts its own MPI job through ddlab.mpi; `--child` marks the run inside it.
+It relaunches itself under mpiexec (ddlab.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -71,18 +71,12 @@ def child(seeds: int, epochs: int) -> None:
 
 
 def main() -> int:
+    from ddlab.mpi import bench_main
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args.seeds, args.epochs)
-        return 0
-    from ddlab.mpi import run_for_each
-
-    command = [sys.executable, __file__, "--child", "--seeds", str(args.seeds), "--epochs", str(args.epochs)]
-    return run_for_each([4], command, TIMEOUT)
+    return bench_main(parser, lambda a: child(a.seeds, a.epochs), TIMEOUT)
 
 
 if __name__ == "__main__":
