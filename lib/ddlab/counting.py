@@ -3,7 +3,8 @@
 Checks hand a `CountingComm` to a student's collective instead of the real
 communicator. It forwards point-to-point calls to MPI, records each one, and
 refuses the MPI library's own collectives, so a hand-written broadcast cannot
-quietly call `Bcast`. `traffic(...)` then gathers what every rank did.
+quietly call `Bcast`, and the point-to-point calls it cannot count (persistent and
+buffered sends, matched probes), naming what to use instead. `traffic(...)` then gathers what every rank did.
 
 Rounds model the alpha term: a message's round is one more than the latest round
 its sender has seen, counting both the messages it received and the ones it sent
@@ -34,14 +35,31 @@ from mpi4py import MPI
 from .comm import Comm
 from .waiting import PeerFailed, Stalled, Watch
 
+#: The MPI collectives, by base name: their non-blocking (I...) and persistent (..._init)
+#: forms and the lower-case object API are collectives too.
 COLLECTIVES = {
-    "Bcast", "bcast", "Reduce", "reduce", "Allreduce", "allreduce", "Gather", "gather",
-    "Gatherv", "Scatter", "scatter", "Scatterv", "Allgather", "allgather", "Allgatherv",
-    "Alltoall", "alltoall", "Alltoallv", "Reduce_scatter", "Reduce_scatter_block",
-    "Scan", "Exscan", "Ibcast", "Ireduce", "Iallreduce", "Iallgather", "Ialltoall",
-    "Ireduce_scatter", "Ireduce_scatter_block", "Igather", "Iscatter", "Barrier", "barrier",
-    "Ibarrier",
+    "barrier", "bcast", "reduce", "allreduce", "gather", "gatherv", "scatter", "scatterv",
+    "allgather", "allgatherv", "alltoall", "alltoallv", "alltoallw", "reduce_scatter",
+    "reduce_scatter_block", "scan", "exscan",
 }
+
+#: Point-to-point calls the counting communicator does not count, and what to use instead.
+UNCOUNTED = {
+    **dict.fromkeys(("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init"),
+                    "Isend (a new request each time)"),
+    **dict.fromkeys(("Recv_init", "Precv_init"), "Irecv (a new request each time)"),
+    **dict.fromkeys(("Bsend", "Rsend", "bsend"), "Send (or Isend and Wait)"),
+    **dict.fromkeys(("Ibsend", "Irsend", "ibsend"), "Isend"),
+    **dict.fromkeys(("Mprobe", "Improbe", "mprobe", "improbe"), "Probe, then Recv from the status's source and tag"),
+    **dict.fromkeys(("Isendrecv", "Isendrecv_replace"), "Isend and Irecv"),
+    "Attach_buffer": "Send or Isend (no buffer to attach)",
+}
+
+
+def is_collective(name: str) -> bool:
+    """True for the name of an MPI collective in any form: Bcast, Ibcast, Bcast_init, bcast."""
+    base = name.lower().removesuffix("_init")
+    return base in COLLECTIVES or (base.startswith("i") and base[1:] in COLLECTIVES)
 
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
@@ -51,6 +69,10 @@ ALLOWABLE = ("Alltoallv",)
 
 class ForbiddenCollective(RuntimeError):
     """A hand-written collective called the MPI library's own collectives."""
+
+
+class UncountedCall(RuntimeError):
+    """A student's code called a point-to-point operation the counting communicator cannot count."""
 
 
 @dataclass
@@ -192,10 +214,14 @@ class CountingComm:
         self._wait(requests, [MPI.Status() for _ in requests], what)
 
     def __getattr__(self, name: str) -> Any:
-        if name in COLLECTIVES and name not in self.allow:
+        if is_collective(name) and name not in self.allow:
             uses = (f"may call only comm.{', comm.'.join(self.allow)}" if self.allow else
                     "builds it from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only")
             raise ForbiddenCollective(f"comm.{name} is the MPI library's own collective: this exercise {uses}.")
+        if name in UNCOUNTED:
+            raise UncountedCall(f"comm.{name} is not counted by the check's communicator: use comm.{UNCOUNTED[name]} "
+                                f"instead (the check counts Send/Recv, Isend/Irecv/Issend, Sendrecv, "
+                                f"Sendrecv_replace, Probe and their lower-case object forms).")
         return getattr(self.comm, name)
 
     # Allowed collectives --------------------------------------------------------
@@ -257,9 +283,21 @@ class CountingComm:
         self._wait(requests, [status, MPI.Status()], f"Sendrecv with rank {dest} / {_peer(source)}")
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
 
+    def Sendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0, source: int = MPI.ANY_SOURCE,
+                         recvtag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> None:
+        status = status if status is not None else MPI.Status()
+        self._log("send", dest, sendtag, _nbytes(buf))
+        self._wait([self.comm.Isendrecv_replace(buf, dest, sendtag, source, recvtag)], [status],
+                   f"Sendrecv_replace with rank {dest} / {_peer(source)}")
+        self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, _nbytes(buf))
         return self.watch.watched(self.comm.Isend(buf, dest, tag), f"Isend to rank {dest} (tag {tag}) to complete")
+
+    def Issend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
+        self._log("send", dest, tag, _nbytes(buf))
+        return self.watch.watched(self.comm.Issend(buf, dest, tag), f"Issend to rank {dest} (tag {tag}) to be received")
 
     def Irecv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, _nbytes(buf))
@@ -270,6 +308,8 @@ class CountingComm:
         payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
         self._log("send", dest, tag, len(payload))
         self._wait([self.comm.issend(obj, dest, tag)], [MPI.Status()], f"send to rank {dest} (tag {tag}) to be received")
+
+    ssend = send
 
     def recv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
              status: MPI.Status | None = None) -> Any:
@@ -291,6 +331,10 @@ class CountingComm:
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
         return self.watch.watched(self.comm.isend(obj, dest, tag), f"isend to rank {dest} (tag {tag}) to complete", pickled=True)
+
+    def issend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
+        self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
+        return self.watch.watched(self.comm.issend(obj, dest, tag), f"issend to rank {dest} (tag {tag}) to be received", pickled=True)
 
     def irecv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, 0)
