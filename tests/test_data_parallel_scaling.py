@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -73,6 +74,7 @@ def test_efficiency_check_fails_on_wrong_formulas(wrong, words):
 
 def test_lr_check_passes_the_reference():
     checks.check_lr_factor(scaling.lr_factor)
+    checks.check_lr_factor(lambda *args: np.float64(scaling.lr_factor(*args)))  # a NumPy float is a float
 
 
 @pytest.mark.parametrize("wrong, words", [

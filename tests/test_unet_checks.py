@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ddlab.checks import CheckFailed, check_balanced_split, check_gpipe, check_one_f_one_b, check_pipedream_partition
@@ -24,7 +25,9 @@ def greedy_without_search(costs, k):
 
 def test_balanced_split_check_passes_the_reference(capsys):
     check_balanced_split(balanced_split)
-    assert "passed" in capsys.readouterr().out
+    check_balanced_split(lambda costs, k: [np.int64(b) for b in balanced_split(costs, k)])  # NumPy ints are ints
+    check_balanced_split(lambda costs, k: tuple(balanced_split(costs, k)))
+    assert capsys.readouterr().out.count("passed") == 3
 
 
 @pytest.mark.parametrize("wrong, says", [
@@ -32,6 +35,8 @@ def test_balanced_split_check_passes_the_reference(capsys):
     (greedy_without_search, "bounds"),
     (lambda costs, k: balanced_split(costs, k)[1:], "are not"),
     (lambda costs, k: None, "return a list"),
+    (lambda costs, k: [float(b) for b in balanced_split(costs, k)], "return a list"),
+    (lambda costs, k: [True, *balanced_split(costs, k)[1:]], "return a list"),
 ])
 def test_balanced_split_check_fails_wrong_answers(wrong, says):
     with pytest.raises(CheckFailed, match=says):

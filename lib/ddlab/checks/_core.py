@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -110,6 +111,16 @@ def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: st
     counting.free()
     fail_together(comm, problem, f"{context} raised an error")
     return result, gather_traffic(counting)
+
+
+def is_integer(x: Any) -> bool:
+    """An int as the lab means it: Python's or NumPy's, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def is_number(x: Any) -> bool:
+    """A real number as the lab means it: int or float, Python's or NumPy's, not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def array_problem(got: Any, want: np.ndarray, what: str) -> str | None:

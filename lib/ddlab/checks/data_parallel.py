@@ -244,7 +244,7 @@ def check_train_step(fn: Callable[..., float]) -> None:
     for step, batch in enumerate(batches):
         x, y = data[batch[rank::size]]
         loss = _call(comm, fn, (model, optimizer, x, y, comm), f"train_step (step {step})")
-        if not isinstance(loss, float):
+        if not isinstance(loss, (float, np.floating)):
             fail_together(comm, f"train_step should return the loss as a float (loss.item()), got {type(loss).__name__}",
                           "train_step")
     got = [p.detach() for p in model.parameters()]

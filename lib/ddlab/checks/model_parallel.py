@@ -22,7 +22,7 @@ from ..data.images import make_segmentation
 from ..model_parallel import RecvTensor, SendTensor, Stage, attempt, balanced_split, stage_costs, train_step
 from ..model_parallel.stage import gradient_error, reference_gradients
 from ..models.unet import UNet
-from ._core import CheckFailed, each_size, passed
+from ._core import CheckFailed, each_size, is_integer, passed
 
 TIMEOUT = 15.0
 SIDE, BATCH = 8, 2
@@ -133,7 +133,7 @@ def check_balanced_split(fn: Callable[[list[float], int], Any]) -> None:
         got = fn(list(costs), k)
         want = balanced_split(costs, k)
         case = f"costs={costs}, k={k}"
-        if not isinstance(got, (list, tuple)) or not all(isinstance(b, int) for b in got):
+        if not isinstance(got, (list, tuple)) or not all(is_integer(b) for b in got):
             raise CheckFailed(f"{case}: got {got!r}; return a list of k+1 ints (the stage bounds)")
         got = list(got)
         if len(got) != k + 1 or got[0] != 0 or got[-1] != n or any(a >= b for a, b in zip(got, got[1:])):

@@ -13,7 +13,7 @@ import random
 from typing import Any, Callable
 
 from ..pipeline import gpipe, in_flight, one_f_one_b, simulate
-from ._core import CheckFailed
+from ._core import CheckFailed, is_integer
 
 HINTS = {
     "gpipe": "GPipe runs the forwards of micro-batches 0..M-1, then their backwards in the same order.",
@@ -100,7 +100,7 @@ def check_pipedream_partition(fn: Callable[[int, int, Callable[[int, int], float
         got = fn(n, k, stage_time)
         best, want = _brute_force(n, k, stage_time)
         case = f"n={n}, k={k}, {label}"
-        if not isinstance(got, (list, tuple)) or not all(isinstance(b, int) for b in got):
+        if not isinstance(got, (list, tuple)) or not all(is_integer(b) for b in got):
             raise CheckFailed(f"{case}: got {got!r}; return a list of k+1 ints (the stage bounds)")
         got = list(got)
         if len(got) != k + 1 or got[0] != 0 or got[-1] != n or any(a >= b for a, b in zip(got, got[1:])):

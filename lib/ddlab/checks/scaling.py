@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..scaling import efficiency, lr_factor
-from ._core import fail_together, passed
+from ._core import fail_together, is_number, passed
 from .errors import CheckFailed
 
 
@@ -96,7 +96,7 @@ def check_lr_factor(fn: Callable[..., float]) -> None:
             for warmup in (0, 10):
                 for step in (0, 1, 5, 9, 10, 50):
                     got, want = fn(step, k, rule, warmup), lr_factor(step, k, rule, warmup)
-                    if not isinstance(got, (int, float)) or not math.isclose(got, want, rel_tol=1e-9):
+                    if not is_number(got) or not math.isclose(got, want, rel_tol=1e-9):
                         ramp = f", ramping up linearly from 1 over {warmup} steps" if warmup and step < warmup else ""
                         raise CheckFailed(f"lr_factor(step={step}, k={k}, rule={rule!r}, warmup_steps={warmup}) "
                                           f"returned {got!r}, expected {want:.4g}{ramp}")
