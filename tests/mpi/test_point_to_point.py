@@ -230,6 +230,37 @@ def test_ping_pong_check_catches_milliseconds(comm):
     expect_failure(check_ping_pong, milliseconds, "reference ping-pong")
 
 
+def test_ping_pong_check_catches_round_trips_and_half_times(comm):
+    def round_trip(comm, buf, repeats):
+        elapsed = _bounce(comm, buf, repeats)
+        return elapsed / repeats if comm.Get_rank() < 2 else None
+
+    def per_repeat_quarter(comm, buf, repeats):
+        elapsed = _bounce(comm, buf, repeats)
+        return elapsed / (4 * repeats) if comm.Get_rank() < 2 else None
+
+    expect_failure(check_ping_pong, round_trip, "one-way time (a round trip is two messages)")
+    expect_failure(check_ping_pong, per_repeat_quarter, "divide by the number of one-way messages")
+
+
+def test_ping_pong_check_accepts_mpi_wtime_and_rank_1_first(comm):
+    def wtime(comm, buf, repeats):
+        rank = comm.Get_rank()
+        if rank > 1:
+            return None
+        start = MPI.Wtime()
+        for _ in range(repeats):
+            if rank == 1:
+                comm.Recv(buf, source=0)
+                comm.Send(buf, dest=0)
+            else:
+                comm.Send(buf, dest=1)
+                comm.Recv(buf, source=1)
+        return (MPI.Wtime() - start) / (2 * repeats)
+
+    check_ping_pong(wtime, timeout=SHORT)
+
+
 # collect: wrong answers --------------------------------------------------------------
 def test_collect_check_catches_a_fixed_buffer(comm):
     def fixed_length(comm, data):
@@ -277,3 +308,44 @@ def test_a_never_completing_irecv_fails_within_the_timeout(comm):
                                  "deadlock", "Waitall")
         assert "Stalled" in message
         assert time.monotonic() - start < 4 * SHORT  # the timeout, plus the sizes that pass
+
+
+# Point-to-point calls beyond Send/Recv -----------------------------------------------
+def test_exchange_check_accepts_other_valid_point_to_point_calls(comm):
+    def with_sendrecv_replace(comm, data):
+        partner, received = _partner(comm), data.copy()
+        if partner is not None:
+            comm.Sendrecv_replace(received, dest=partner, source=partner)
+        return received
+
+    def with_issend(comm, data):
+        partner, received = _partner(comm), np.empty_like(data)
+        if partner is None:
+            return data.copy()
+        MPI.Request.Waitall([comm.Irecv(received, source=partner), comm.Issend(data, dest=partner)])
+        return received
+
+    for fn in (with_sendrecv_replace, with_issend):
+        check_exchange(fn, timeout=SHORT)  # raises CheckFailed on every rank if it fails
+
+
+def test_uncounted_calls_are_refused_with_what_to_use(comm):
+    def buffered(comm, data):
+        partner, received = _partner(comm), np.empty_like(data)
+        if partner is None:
+            return data.copy()
+        comm.Bsend(data, dest=partner)
+        comm.Recv(received, source=partner)
+        return received
+
+    def persistent(comm, data):
+        partner, received = _partner(comm), np.empty_like(data)
+        if partner is None:
+            return data.copy()
+        requests = [comm.Send_init(data, dest=partner), comm.Recv_init(received, source=partner)]
+        MPI.Prequest.Startall(requests)
+        MPI.Request.Waitall(requests)
+        return received
+
+    expect_failure(check_exchange, buffered, "UncountedCall", "comm.Bsend", "comm.Send")
+    expect_failure(check_exchange, persistent, "UncountedCall", "comm.Send_init", "comm.Isend")

@@ -9,6 +9,7 @@ shows up as a deadlock here rather than on the first big array.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -188,31 +189,47 @@ def _seconds_problem(rank: int, result: Any) -> str | None:
     return None
 
 
-def _timed(sub: MPI.Comm, fn: Callable, buf: np.ndarray, repeats: int) -> Any:
-    """fn(sub, buf, repeats), then an idle barrier so no rank spins while others measure."""
+def _timed(sub: MPI.Comm, fn: Callable, buf: np.ndarray, repeats: int) -> tuple[Any, float]:
+    """fn(sub, buf, repeats) and the seconds the call took; then an idle barrier so no rank spins."""
+    start = time.perf_counter()
     result = fn(sub, buf, repeats)
+    elapsed = time.perf_counter() - start
     p2p.idle_wait(sub.Ibarrier())
-    return result
+    return result, elapsed
+
+
+def _one_way_problem(result: float, elapsed: float, repeats: int) -> str | None:
+    """The returned time against the call's own duration: 2 * repeats one-way messages fit inside it."""
+    share = result * 2 * repeats / elapsed
+    if share > 1.1:
+        return (f"returned {result:.3g} s, but the whole call took {elapsed:.3g} s for 2 * repeats = {2 * repeats} "
+                f"one-way messages, so one way takes at most {elapsed / (2 * repeats):.3g} s: return the one-way "
+                "time (a round trip is two messages)")
+    if share < 0.5:
+        return (f"returned {result:.3g} s, but {2 * repeats} one-way messages at that time make only "
+                f"{100 * share:.0f}% of the {elapsed:.3g} s the call took: time all the repeats and divide "
+                "by the number of one-way messages, 2 * repeats")
+    return None
 
 
 def _plausibility_problem(sub: MPI.Comm, fn: Callable) -> str | None:
-    """The student's time against the reference's for the same 1 MiB buffer, best of two each."""
+    """The student's time against the reference's (units), then the call's own duration (one way), 1 MiB buffer."""
     buf, repeats = np.ones(2**17), 32
     got, want = [], []
     for _ in range(2):  # alternate, so both see the same load on the machine
-        want.append(_timed(sub, p2p.ping_pong, buf, repeats))
+        want.append(_timed(sub, p2p.ping_pong, buf, repeats)[0])
         got.append(_timed(sub, fn, buf, repeats))
     if sub.Get_rank() > 1:
         return None
-    problem = next(filter(None, (_seconds_problem(sub.Get_rank(), g) for g in got)), None)
+    problem = next(filter(None, (_seconds_problem(sub.Get_rank(), g) for g, _ in got)), None)
     if problem:
         return problem
-    mine, reference = min(got), min(want)
+    mine, reference = min(g for g, _ in got), min(want)
     if not reference / PLAUSIBLE <= mine <= reference * PLAUSIBLE:
         return (f"returned {mine:.3g} s for a 1 MiB buffer and {repeats} repeats, but a reference ping-pong "
                 f"takes {reference:.3g} s per one-way message here: return seconds (not ms), "
                 "and divide the elapsed time by the number of one-way messages, 2 * repeats")
-    return None
+    return next(filter(None, (_one_way_problem(g, t, repeats) for g, t in got)), None)
 
 
 def _ping_pong_problem(sub: MPI.Comm, fn: Callable, timeout: float, timing: bool) -> str | None:
