@@ -26,6 +26,7 @@ Isend/Irecv return are watched too, so `Wait`/`Waitall` on them cannot hang.
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -163,7 +164,9 @@ def _tag(tag: int) -> str:
 class CountingComm:
     """Wraps an mpi4py communicator; forwards point-to-point calls and records them."""
 
-    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allow: tuple[str, ...] = ()):
+    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allow: tuple[str, ...] = (), stagger: float = 0.0):
+        """`stagger`: seconds a rank's first send waits per rank above it, so that messages
+        to one receiver arrive in reverse rank order (a check's way to force the bad order)."""
         unknown = set(allow) - set(ALLOWABLE)
         if unknown:
             raise ValueError(f"CountingComm can allow only {ALLOWABLE}, not {sorted(unknown)}")
@@ -172,6 +175,7 @@ class CountingComm:
         self.allow = tuple(allow)
         self.traffic = Traffic(comm.Get_rank())
         self.watch = Watch(comm, timeout)
+        self._first_send_wait = stagger * (comm.Get_size() - 1 - comm.Get_rank())
 
     def free(self) -> None:
         """Release the watch's notice communicator (a collective call)."""
@@ -259,6 +263,10 @@ class CountingComm:
         self.traffic.calls.append("Alltoallv")
 
     def _log(self, kind: str, peer: int, tag: int, nbytes: int) -> None:
+        """Record a call (before it is made); a rank's first send waits out its stagger first."""
+        if kind == "send" and self._first_send_wait:
+            time.sleep(self._first_send_wait)
+            self._first_send_wait = 0.0
         self.traffic.events.append(Event(kind, int(peer), int(tag), int(nbytes)))
 
     # Buffer API ---------------------------------------------------------------

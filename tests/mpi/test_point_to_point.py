@@ -262,6 +262,29 @@ def test_ping_pong_check_accepts_mpi_wtime_and_rank_1_first(comm):
 
 
 # collect: wrong answers --------------------------------------------------------------
+def _collect_any_source(by_source: bool):
+    """Receives from any source, in arrival order; stores by sender (valid) or appends (wrong)."""
+    def collect(comm, data):
+        if comm.Get_rank() != 0:
+            comm.Send(data, dest=0)
+            return None
+        arrays, status = [data.copy()] + [None] * (comm.Get_size() - 1), MPI.Status()
+        for arrived in range(1, comm.Get_size()):
+            comm.Probe(source=MPI.ANY_SOURCE, status=status)
+            buf = np.empty(status.Get_count(MPI.DOUBLE))
+            comm.Recv(buf, source=status.Get_source())
+            arrays[status.Get_source() if by_source else arrived] = buf
+        return arrays
+    return collect
+
+
+def test_collect_check_forces_the_arrival_order(comm):
+    """Arrival order is wrong on every run (the check makes the highest rank's message arrive first)."""
+    check_collect(_collect_any_source(by_source=True), timeout=SHORT)
+    if comm.Get_size() >= 3:
+        expect_failure(check_collect, _collect_any_source(by_source=False), "status.Get_source()")
+
+
 def test_collect_check_catches_a_fixed_buffer(comm):
     def fixed_length(comm, data):
         if comm.Get_rank() != 0:

@@ -83,17 +83,18 @@ def _sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterat
 
 
 def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: str,
-                timeout: float = 20.0, allow: tuple[str, ...] = ()) -> tuple[Any, list[Traffic]]:
+                timeout: float = 20.0, allow: tuple[str, ...] = (), stagger: float = 0.0) -> tuple[Any, list[Traffic]]:
     """Call fn(counting_comm, *args) on every rank of comm; return (result, all ranks' traffic).
 
     `allow` names MPI collectives the exercise may call (see CountingComm); others are refused.
+    `stagger` > 0 makes messages to one receiver arrive in reverse rank order (see CountingComm).
 
     An exercise stub's NotImplementedError passes straight through (all ranks raise
     it together). Any other exception, a stall (of a blocking call, or of a request
     fn waits for) or a forbidden collective on any rank becomes one CheckFailed on
     every rank.
     """
-    counting = CountingComm(comm, timeout=timeout, allow=allow)
+    counting = CountingComm(comm, timeout=timeout, allow=allow, stagger=stagger)
     problem, result = None, None
     try:
         result = fn(counting, *args)

@@ -48,6 +48,7 @@ def _describe(events: list[Event]) -> str:
 
 
 # Exercise: collect -------------------------------------------------------------
+STAGGER = 0.1  # seconds between the ranks' first sends, highest rank first
 def _collect_data(rank: int) -> np.ndarray:
     """Rank r's float64 array: its own length (0 for some), values r*100 + 0, 1, 2, ..."""
     return np.arange((7 * rank + 5) % 13, dtype=np.float64) + 100.0 * rank
@@ -57,7 +58,8 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
     rank, size = sub.Get_rank(), sub.Get_size()
     data = _collect_data(rank)
     try:
-        got, traffic = run_counted(sub, fn, (data,), f"collect on {size} ranks", timeout)
+        # Arrays arrive in reverse rank order: a list in arrival order is wrong on every run.
+        got, traffic = run_counted(sub, fn, (data,), f"collect on {size} ranks", timeout, stagger=STAGGER)
     except CheckFailed as err:
         if "MPI_ERR" in str(err):
             raise CheckFailed(f"{err}\n{SIZE_HINT}") from None
@@ -74,6 +76,9 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
         return f"returned {type(got).__name__}{length}, expected a list of {size} arrays, item r from rank r"
     for source in range(size):
         problem = array_problem(got[source], _collect_data(source), f"item {source} (rank {source}'s array)")
+        if problem and any(array_problem(got[source], _collect_data(r), "") is None for r in range(size)):
+            return (f"{problem}: it is another rank's array. Messages may arrive in any order (here: the "
+                    "highest rank's first); put each at its sender's index (status.Get_source())")
         if problem:
             return problem
     recvs = traffic[0].recvs
