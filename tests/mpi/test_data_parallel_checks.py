@@ -175,6 +175,30 @@ def doubled(comm, x):
     return 2 * allreduce_ring(comm, x)
 
 
+def in_place(comm, x):
+    """Sums into x and returns it: lab 03 promised a new array and x unchanged."""
+    x[:] = allreduce_ring(comm, x)
+    return x
+
+
+def as_float64(comm, x):
+    """Right sums, but always float64."""
+    return allreduce_ring(comm, x.astype(np.float64))
+
+
+def powers_of_two_only(comm, x):
+    """Recursive doubling without the fold: wrong (or stuck) when P is not a power of two."""
+    rank, size, total, distance = comm.Get_rank(), comm.Get_size(), x.copy(), 1
+    while distance < size:
+        incoming = np.empty_like(total)
+        partner = rank ^ distance
+        if partner < size:
+            comm.Sendrecv(total, dest=partner, recvbuf=incoming, source=partner)
+            total += incoming
+        distance *= 2
+    return total
+
+
 def test_trains_with_check_passes_lab_03_algorithms(comm):
     checks.check_trains_with_allreduce(allreduce_ring)
 
@@ -184,3 +208,11 @@ def test_trains_with_check_fails_on_wrong_sums(comm, wrong):
     if comm.Get_size() == 1 and wrong is no_communication:
         pytest.skip("on one rank the input is the sum")
     fails(checks.check_trains_with_allreduce, wrong, "wrong at")
+
+
+@pytest.mark.parametrize("wrong, words", [(in_place, "new array"), (as_float64, "dtype float64, expected float32"),
+                                          (powers_of_two_only, "on 3 ranks")], ids=["in_place", "float64", "pof2"])
+def test_trains_with_check_holds_lab_03s_contract(comm, wrong, words):
+    if comm.Get_size() < 3:
+        pytest.skip("needs 3 ranks or more")
+    fails(checks.check_trains_with_allreduce, wrong, words)

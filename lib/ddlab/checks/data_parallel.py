@@ -18,7 +18,7 @@ from torch import nn
 from ..data.curves import StressStrainCurves
 from ..data_parallel import DataParallel, squared_error, train
 from ..models.mlp import make_mlp
-from ._core import each_size, fail_together, passed
+from ._core import array_problem, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
 
 TOLERANCE = 1e-10
@@ -269,31 +269,45 @@ def check_train_step(fn: Callable[..., float]) -> None:
 
 # Exercise 4.5 ---------------------------------------------------------------------
 
-def check_trains_with_allreduce(allreduce: Callable[[MPI.Comm, np.ndarray], np.ndarray]) -> None:
-    """DataParallel with this allreduce (3 buckets) ends where it ends with MPI's Allreduce."""
-    comm = MPI.COMM_WORLD
+def _allreduce_value_problem(comm: MPI.Comm, allreduce: Callable, dtype: type) -> str | None:
+    """allreduce(comm, x) on a 1001-element vector of small integers in `dtype`: exact sum, new array.
+
+    Through the counting communicator, so an allreduce that deadlocks fails within its timeout."""
     size = comm.Get_size()
-    x = np.arange(1001, dtype=np.float64) * (comm.Get_rank() + 1)
-    total = _call(comm, allreduce, (comm, x.copy()), "allreduce(comm, x)")
-    want = np.arange(1001, dtype=np.float64) * size * (size + 1) / 2
-    problem = None
-    if not isinstance(total, np.ndarray) or total.shape != want.shape:
-        problem = f"allreduce(comm, x) should return an array of shape {want.shape}, got {total!r:.80}"
-    elif _relative(total, want) > TOLERANCE:
-        bad = np.flatnonzero(~np.isclose(total, want))
-        problem = f"allreduce(comm, x) is wrong at {len(bad)} of {want.size} elements, e.g. [{bad[0]}] {total[bad[0]]} != {want[bad[0]]}"
-    fail_together(comm, problem, "your allreduce on a 1001-element vector")
-    data = StressStrainCurves(n=size * 16 * 3, seed=4, dtype=torch.float64)
-    finals = []
-    for choice in (allreduce, None):
-        model = make_mlp(seed=6, dtype=torch.float64)
-        wrapped = DataParallel(model, comm, allreduce=choice, bucket_cap_mb=0.1)
-        optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
-        args = (wrapped, optimizer, data, comm)
-        _call(comm, lambda *a: train(*a, epochs=1, batch_size=16, progress=False), args, "training with your allreduce")
-        finals.append([p.detach().clone() for p in model.parameters()])
-    worst = max(_relative(a, b) for a, b in zip(*finals))
-    problem = None if worst <= TOLERANCE else (
-        f"training with your allreduce ends {worst:.2e} (relative) away from training with MPI's Allreduce")
-    fail_together(comm, problem, "training with your allreduce")
-    passed(comm, f"your allreduce trains the model to the same parameters as MPI_Allreduce (difference {worst:.1e})")
+    x: np.ndarray = (np.arange(1001) % 97 * (comm.Get_rank() + 1)).astype(dtype)
+    before = x.copy()
+    total, _ = run_counted(comm, allreduce, (x,), f"allreduce(comm, x) on {size} ranks, {np.dtype(dtype).name}")
+    want: np.ndarray = (np.arange(1001) % 97 * size * (size + 1) // 2).astype(dtype)
+    if isinstance(total, np.ndarray) and np.shares_memory(total, x):
+        return "allreduce(comm, x) returned x itself (or a view of it): return a new array, as in lab 03"
+    return (array_problem(x, before, "x after allreduce(comm, x) (it must not change)")
+            or array_problem(total, want, f"allreduce(comm, x) for a {np.dtype(dtype).name} x"))
+
+
+def check_trains_with_allreduce(allreduce: Callable[[MPI.Comm, np.ndarray], np.ndarray]) -> None:
+    """On 3 ranks and on all: lab 03's contract (every dtype, a new array), and DataParallel with this
+    allreduce (3 buckets) ends where it ends with MPI's Allreduce."""
+    world = MPI.COMM_WORLD
+    size = world.Get_size()
+
+    def trains(comm: MPI.Comm) -> str | None:
+        for dtype in (np.float64, np.float32, np.int64):
+            fail_together(comm, _allreduce_value_problem(comm, allreduce, dtype),
+                          f"your allreduce on {comm.Get_size()} ranks, a 1001-element vector")
+        data = StressStrainCurves(n=comm.Get_size() * 16 * 3, seed=4, dtype=torch.float64)
+        finals = []
+        for choice in (allreduce, None):
+            model = make_mlp(seed=6, dtype=torch.float64)
+            wrapped = DataParallel(model, comm, allreduce=choice, bucket_cap_mb=0.1)
+            optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
+            _call(comm, lambda *a: train(*a, epochs=1, batch_size=16, progress=False),
+                  (wrapped, optimizer, data, comm), "training with your allreduce")
+            finals.append([p.detach().clone() for p in model.parameters()])
+        worst = max(_relative(a, b) for a, b in zip(*finals))
+        return None if worst <= TOLERANCE else (
+            f"training with your allreduce ends {worst:.2e} (relative) away from training with MPI's Allreduce")
+
+    sizes = sorted({min(3, size), size})  # 3: not a power of two
+    each_size(world, trains, "training with your allreduce", sizes)
+    passed(world, f"your allreduce sums float64, float32 and int64 into a new array and trains the model to the "
+                  f"same parameters as MPI_Allreduce, on {' and '.join(map(str, sizes))} ranks")
