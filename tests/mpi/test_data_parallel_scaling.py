@@ -49,13 +49,22 @@ def cap_exceeded(comm, arrays, cap_bytes, allreduce):
     return bucketed(comm, arrays, cap_bytes * 2 + 1, allreduce)
 
 
+def cap_exclusive(comm, arrays, cap_bytes, allreduce):
+    """Starts a new bucket when the next array would reach the cap (< instead of <=): wrong when exactly full."""
+    return bucketed(comm, arrays, cap_bytes - 1e-9, allreduce)
+
+
+def as_float64(comm, arrays, cap_bytes, allreduce):
+    return [o.astype(np.float64) for o in bucketed(comm, arrays, cap_bytes, allreduce)]
+
+
 def test_bucketed_check_passes_the_reference(comm):
     checks.check_allreduce_bucketed(bucketed)
 
 
 @pytest.mark.parametrize("wrong, words", [
     (one_per_array, "allreduce calls"), (all_fused, "allreduce calls"), (in_place, "changed"),
-    (cap_exceeded, "allreduce calls"),
+    (cap_exceeded, "allreduce calls"), (cap_exclusive, "with cap 448 bytes"), (as_float64, "dtype float64"),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_bucketed_check_fails_on_wrong_packing(comm, wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):

@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..scaling import efficiency, lr_factor
-from ._core import fail_together, is_number, passed
+from ._core import array_problem, fail_together, is_number, passed
 from .errors import CheckFailed
 
 
@@ -50,7 +50,7 @@ def check_allreduce_bucketed(fn: Callable[..., list[np.ndarray]]) -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     shapes = [(3, 4), (100,), (7,), (50, 2), (1,), (64,)]
-    for cap in (0, 16, 400, 1000, math.inf):
+    for cap in (0, 16, 400, 448, 476, 1000, math.inf):  # 448 = 48 + 400 and 476 = 448 + 28: a bucket exactly full
         arrays = [np.arange(np.prod(s), dtype=np.float32).reshape(s) * (rank + 1) + i for i, s in enumerate(shapes)]
         originals = [a.copy() for a in arrays]
         calls: list[int] = []
@@ -82,8 +82,10 @@ def check_allreduce_bucketed(fn: Callable[..., list[np.ndarray]]) -> None:
                 for i, (g, s) in enumerate(zip(got, shapes)):
                     want = (np.arange(np.prod(s), dtype=np.float32).reshape(s) * size * (size + 1) / 2
                             + i * size).astype(np.float32)
-                    if not isinstance(g, np.ndarray) or g.shape != want.shape or not np.allclose(g, want):
-                        problem = f"array {i} (shape {s}) is not the sum over ranks"
+                    problem = array_problem(g, want, f"array {i} (shape {s}, the sum over ranks)")
+                    if problem is None and any(np.shares_memory(g, a) for a in arrays):
+                        problem = f"array {i} shares memory with an input array: return new arrays"
+                    if problem:
                         break
         fail_together(comm, problem, f"allreduce_bucketed with cap {cap} bytes")
     passed(comm, "allreduce_bucketed packs arrays into buckets in order and sums them, one allreduce per bucket")
