@@ -43,6 +43,12 @@ _WHERE = {
     "check_gpipe": "pipeline",
     "check_one_f_one_b": "pipeline",
     "check_pipedream_partition": "pipeline",
+    "check_exchange_plan": "shuffling",
+    "check_exchange_samples": "shuffling",
+    "check_data_parallel_time": "oracle",
+    "check_data_parallel_memory": "oracle",
+    "check_spatial_time": "oracle",
+    "check_spatial_memory": "oracle",
 }
 
 __all__ = list(_WHERE)
