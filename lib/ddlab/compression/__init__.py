@@ -7,9 +7,38 @@
 """
 
 from .allreducers import METHODS, CompressedAllreduce
-from .compressors import (ErrorFeedback, Quantized, Signs, Sparse, densify, dequantize_8bit, keep_count,
-                          quantize_8bit, random_k, sign_1bit, top_k, unsign_1bit)
-from .hierarchical import (GIGABIT_ETHERNET, Link, SlowLinkComm, allgather_ring, flat_ring_seconds, held_blocks,
-                           hierarchical_allreduce, hierarchical_seconds, node_of, reduce_scatter_ring)
-from .sparse import (bandwidth_crossover_density, crossover_density, dense_ring_bytes_per_rank, sparse_allreduce,
-                     sparse_bytes_per_rank, sparse_seconds)
+from .compressors import (
+                          ErrorFeedback,
+                          Quantized,
+                          Signs,
+                          Sparse,
+                          densify,
+                          dequantize_8bit,
+                          keep_count,
+                          quantize_8bit,
+                          random_k,
+                          sign_1bit,
+                          top_k,
+                          top_k_with_feedback,
+                          unsign_1bit,
+)
+from .hierarchical import (
+                          GIGABIT_ETHERNET,
+                          Link,
+                          SlowLinkComm,
+                          allgather_ring,
+                          flat_ring_seconds,
+                          held_blocks,
+                          hierarchical_allreduce,
+                          hierarchical_seconds,
+                          node_of,
+                          reduce_scatter_ring,
+)
+from .sparse import (
+                          bandwidth_crossover_density,
+                          crossover_density,
+                          dense_ring_bytes_per_rank,
+                          sparse_allreduce,
+                          sparse_bytes_per_rank,
+                          sparse_seconds,
+)

@@ -25,8 +25,17 @@ import numpy as np
 
 from ..allreduce import allreduce_ring
 from ..costmodel import terms
-from .compressors import (ErrorFeedback, densify, dequantize_8bit, keep_count, quantize_8bit, random_k, sign_1bit,
-                          top_k, unsign_1bit)
+from .compressors import (
+    ErrorFeedback,
+    densify,
+    dequantize_8bit,
+    keep_count,
+    quantize_8bit,
+    random_k,
+    sign_1bit,
+    top_k,
+    unsign_1bit,
+)
 from .sparse import allgather_bytes_per_rank, sparse_allreduce
 
 METHODS = ("dense", "topk", "randomk", "qsgd8", "sign")

@@ -17,6 +17,11 @@ vector of the same length. The error bounds the tests hold them to, for x of n i
 
 `ErrorFeedback` keeps the residual, what compression left out, and adds it to the
 next gradient: e_{t+1} = (g_t + e_t) - d_t, so sum of d_t + e_T = sum of g_t exactly.
+
+Exercise signature (lab 11):
+`top_k_with_feedback(gradient, residual, k) -> (indices, values, residual)`: top-k of
+gradient + residual, `indices` int32, `values` the gradient's dtype, and the new residual
+(what was not sent); the gradient is left unchanged.
 """
 
 from __future__ import annotations
@@ -126,6 +131,14 @@ def unsign_1bit(message: Signs) -> np.ndarray:
     """The vector the signs stand for: +-scale."""
     signs = np.unpackbits(message.bits, count=message.n).astype(message.scale.dtype)
     return (2 * signs - 1) * message.scale[0]
+
+
+def top_k_with_feedback(gradient: np.ndarray, residual: np.ndarray,
+                        k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One step of top-k with error feedback: (indices, values) to send and the new residual."""
+    fed = gradient + residual
+    message = top_k(fed, k)
+    return message.indices, message.values, fed - densify(message)
 
 
 class ErrorFeedback:
