@@ -24,9 +24,11 @@ from .compressors import (
 )
 from .hierarchical import (
                           GIGABIT_ETHERNET,
+                          SHARED_MEMORY,
                           Link,
                           SlowLinkComm,
                           allgather_ring,
+                          emulated,
                           flat_ring_seconds,
                           held_blocks,
                           hierarchical_allreduce,

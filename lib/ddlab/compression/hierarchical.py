@@ -113,7 +113,7 @@ class Link:
 
 
 #: Gigabit Ethernet between nodes, as measured on Ames Laboratory's IBM cluster: about
-#: 800 Mbit/s (100 MB/s) from MPI and a latency of 110-130 (µs; the page says "milliseconds").
+#: 800 Mbit/s (100 MB/s) from MPI and a latency of 110-130 µs.
 #: Scalable Computing Laboratory, Ames Laboratory, "Selected benchmark results obtained on
 #: the IBM cluster", http://www.scl.ameslab.gov/Projects/IBMCluster/Benchmarks.html
 GIGABIT_ETHERNET = Link(alpha=120e-6, beta=1 / 100e6)
@@ -193,3 +193,12 @@ class SlowLinkComm:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.comm, name)
+
+
+#: Shared memory between ranks of one machine, roughly (lab 01 measures yours): the models' intra-node link.
+SHARED_MEMORY = Link(alpha=5e-6, beta=1 / 2e9)
+
+
+def emulated(link: Link, base: Link = SHARED_MEMORY) -> Link:
+    """The link a SlowLinkComm emulates: its delay on top of the real (shared-memory) transfer."""
+    return Link(link.alpha + base.alpha, link.beta + base.beta)
