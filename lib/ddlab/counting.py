@@ -15,7 +15,12 @@ A check may allow named collectives (`allow=("Alltoallv",)`) for exercises that 
 about calling one: the call is forwarded, its buffer arguments validated first (so a
 count or displacement past the end of a buffer is an error, not a crash), and its
 bytes logged as one send per destination and one receive per source, tag
-COLLECTIVE_TAG. Only Alltoallv is supported so far.
+COLLECTIVE_TAG. Alltoallv, Allgather and Allgatherv are supported (the gathers log
+their sends only: this rank's buffer once to every other rank).
+
+`Split` returns a CountingComm of the sub-communicator that logs into the same
+traffic, peers named by their rank in the communicator the check made, so a
+hierarchical collective's messages inside and between groups are all counted.
 
 Blocking calls never hang a check: they wait through a `ddlab.waiting.Watch`,
 giving up after `timeout` seconds with a message naming the message waited for,
@@ -65,7 +70,7 @@ def is_collective(name: str) -> bool:
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
 COLLECTIVE_TAG = -1
-ALLOWABLE = ("Alltoallv",)
+ALLOWABLE = ("Alltoallv", "Allgather", "Allgatherv")
 
 
 class ForbiddenCollective(RuntimeError):
@@ -164,18 +169,23 @@ def _tag(tag: int) -> str:
 class CountingComm:
     """Wraps an mpi4py communicator; forwards point-to-point calls and records them."""
 
-    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allow: tuple[str, ...] = (), stagger: float = 0.0):
+    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allow: tuple[str, ...] = (), stagger: float = 0.0,
+                 parent: CountingComm | None = None):
         """`stagger`: seconds a rank's first send waits per rank above it, so that messages
-        to one receiver arrive in reverse rank order (a check's way to force the bad order)."""
+        to one receiver arrive in reverse rank order (a check's way to force the bad order).
+        `parent`: the counting communicator this one was split from (see Split)."""
         unknown = set(allow) - set(ALLOWABLE)
         if unknown:
             raise ValueError(f"CountingComm can allow only {ALLOWABLE}, not {sorted(unknown)}")
         self.comm = comm
         self.timeout = timeout
         self.allow = tuple(allow)
-        self.traffic = Traffic(comm.Get_rank())
-        self.watch = Watch(comm, timeout)
         self._first_send_wait = stagger * (comm.Get_size() - 1 - comm.Get_rank())
+        if parent is None:
+            self.traffic, self.watch, self.members = Traffic(comm.Get_rank()), Watch(comm, timeout), None
+        else:  # a sub-communicator: the parent's log and watch, peers translated to the parent's ranks
+            self.traffic, self.watch = parent.traffic, parent.watch
+            self.members = comm.allgather(parent.traffic.rank)
 
     def free(self) -> None:
         """Release the watch's notice communicator (a collective call)."""
@@ -262,11 +272,36 @@ class CountingComm:
             self._log("recv", peer, COLLECTIVE_TAG, int(recvs[self.rank, peer]))
         self.traffic.calls.append("Alltoallv")
 
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        """MPI's Allgather, if allowed; logs this rank's buffer sent to every other rank."""
+        self._gather("Allgather", sendbuf, recvbuf)
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
+        """MPI's Allgatherv, if allowed; logs this rank's buffer sent to every other rank."""
+        self._gather("Allgatherv", sendbuf, recvbuf)
+
+    def _gather(self, name: str, sendbuf: Any, recvbuf: Any) -> None:
+        if name not in self.allow:
+            self.__getattr__(name)  # raises ForbiddenCollective
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._log("send", peer, COLLECTIVE_TAG, _nbytes(sendbuf))
+        start = self.comm.Iallgather if name == "Allgather" else self.comm.Iallgatherv
+        self._wait([start(sendbuf, recvbuf)], [MPI.Status()], f"{name} to complete", cancel=False)
+        self.traffic.calls.append(name)
+
+    def Split(self, color: int = 0, key: int = 0) -> Any:
+        """MPI's Split; the sub-communicator counts into this one's traffic (COMM_NULL stays COMM_NULL)."""
+        sub = self.comm.Split(color, key)
+        return sub if sub == MPI.COMM_NULL else CountingComm(sub, self.timeout, self.allow, parent=self)
+
     def _log(self, kind: str, peer: int, tag: int, nbytes: int) -> None:
         """Record a call (before it is made); a rank's first send waits out its stagger first."""
         if kind == "send" and self._first_send_wait:
             time.sleep(self._first_send_wait)
             self._first_send_wait = 0.0
+        if self.members is not None and peer >= 0:
+            peer = self.members[peer]
         self.traffic.events.append(Event(kind, int(peer), int(tag), int(nbytes)))
 
     # Buffer API ---------------------------------------------------------------

@@ -1,0 +1,187 @@
+"""Checks for lab 11 (communicating less): top-k with error feedback, the sparse allreduce, the hierarchical one.
+
+`check_top_k_with_feedback` feeds the student's residual back step after step on every
+rank, checks each step's pairs (int32 indices, the k largest of gradient + residual,
+their values) and the new residual, then proves on the ranks what error feedback
+promises: the sum over ranks of everything applied plus every residual equals the sum
+of all true gradients, after every step.
+
+`check_sparse_allreduce` runs the student's function through a CountingComm that allows
+Allgather and Allgatherv, with overlapping indices and a different count on each rank,
+compares with MPI's sum of the dense vectors, and bounds the bytes each rank sends by
+its own pairs (4-byte indices plus values) to every other rank, plus a few for the counts.
+
+`check_hierarchical_allreduce` runs it with groups of 2 and 3 consecutive ranks, compares
+with MPI's Allreduce, and compares the bytes each rank sends to ranks of other groups
+with what the reference sends: only its slice may cross.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..compression import hierarchical_allreduce, node_of
+from ..counting import Traffic
+from ._core import array_problem, each_size, fail_together, passed, run_counted
+
+FEEDBACK_CASES = [(60, 6, np.float32), (33, 1, np.float64), (8, 8, np.float32)]
+FEEDBACK_STEPS = 4
+SPARSE_CASES = [(1000, (10, 0, 25, 3), np.float32), (40, (10, 40, 7, 10), np.float64)]
+COUNTS_OVERHEAD = 64  # bytes per peer allowed on top of the pairs (the counts' exchange)
+HIERARCHICAL_CASES = [(2, 1001), (2, 6), (3, 400)]
+
+
+def _mpi_sum(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    comm.Allreduce(x, out)
+    return out
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """fn(*args), or the error it raised as a problem (the stub's NotImplementedError passes through)."""
+    try:
+        return fn(*args), None
+    except NotImplementedError:
+        raise
+    except Exception as err:  # the student's code failed on this rank: report it on all
+        return None, f"raised {type(err).__name__}: {err}"
+
+
+def _pairs_problem(out: Any, fed: np.ndarray, k: int) -> str | None:
+    """What is wrong with one step's (indices, values, residual), or None."""
+    if not isinstance(out, tuple) or len(out) != 3:
+        return f"should return a tuple (indices, values, residual), got {type(out).__name__}"
+    indices, values, residual = out
+    n = fed.size
+    if not isinstance(indices, np.ndarray) or indices.dtype != np.int32 or indices.shape != (k,):
+        what = f"{indices.dtype} array of shape {indices.shape}" if isinstance(indices, np.ndarray) else \
+            type(indices).__name__
+        return f"indices should be a 1-D int32 array of k = {k} positions, got {what}"
+    if indices.size and (indices.min() < 0 or indices.max() >= n or np.unique(indices).size != k):
+        return f"indices should be {k} distinct positions in 0..{n - 1}, got {np.sort(indices)[:8].tolist()}..."
+    problem = array_problem(values, fed[indices], "values (the items of gradient + residual at indices)")
+    if problem:
+        return problem + ": are you sending the gradient without the residual?"
+    left = np.delete(np.abs(fed), indices)
+    if k and left.size and np.abs(fed[indices]).min() < left.max():
+        return ("indices are not the k largest magnitudes of gradient + residual: an item of magnitude "
+                f"{left.max():.4g} was left out while one of {np.abs(fed[indices]).min():.4g} was sent")
+    kept = fed.copy()
+    kept[indices] = 0
+    problem = array_problem(residual, kept, "the new residual")
+    return problem + " (it should hold exactly what was not sent)" if problem else None
+
+
+def check_top_k_with_feedback(fn: Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+                              ) -> None:
+    """fn(gradient, residual, k) -> (indices, values, residual), step after step on every rank."""
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> None:
+        for n, k, dtype in FEEDBACK_CASES:
+            residual = np.zeros(n, dtype)
+            truth, applied = np.zeros(n), np.zeros(n)
+            for step in range(FEEDBACK_STEPS):
+                gradient = np.random.default_rng([n, step, sub.Get_rank()]).standard_normal(n).astype(dtype)
+                before, fed = gradient.copy(), gradient + residual
+                out, problem = _call(fn, gradient, residual, k)
+                context = f"top_k_with_feedback (n={n}, k={k}, {np.dtype(dtype).name}, step {step + 1})"
+                if problem is None and not np.array_equal(gradient, before):
+                    problem = "changed the gradient passed in: compute gradient + residual into a new array"
+                problem = problem or _pairs_problem(out, fed, k)
+                if problem is None and np.shares_memory(out[2], gradient):
+                    problem = "the residual returned shares memory with the gradient: return a new array"
+                fail_together(sub, problem, context)
+                indices, values, residual = out
+                sent = np.zeros(n)
+                sent[indices] = values
+                truth += _mpi_sum(sub, gradient.astype(np.float64))
+                applied += _mpi_sum(sub, sent)
+                held = _mpi_sum(sub, residual.astype(np.float64))
+                gap = np.abs(applied + held - truth).max()
+                fail_together(sub, None if gap < 1e-4 else
+                              f"the sum over ranks of what was sent plus the residuals is {gap:.3g} away from the "
+                              "sum of all true gradients", context)
+        return None
+
+    each_size(comm, body, "top_k_with_feedback")
+    passed(comm, "top-k with error feedback: the k largest of gradient + residual, and nothing lost over "
+                 f"{FEEDBACK_STEPS} steps on every rank count")
+
+
+def _sparse_input(n: int, k: int, dtype: type, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([n, k, rank])
+    indices = rng.choice(n, size=k, replace=False).astype(np.int32)
+    return indices, rng.integers(-9, 10, size=k).astype(dtype)
+
+
+def check_sparse_allreduce(fn: Callable[[Any, np.ndarray, np.ndarray, int], np.ndarray]) -> None:
+    """fn(comm, indices, values, n) -> the dense sum over ranks, through Allgather(v) of the pairs only."""
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        rank, size = sub.Get_rank(), sub.Get_size()
+        found = None  # every rank runs every case (each a collective), then reports its first problem
+        for n, ks, dtype in SPARSE_CASES:
+            k = ks[rank % len(ks)]
+            indices, values = _sparse_input(n, k, dtype, rank)
+            dense = np.zeros(n, dtype)
+            dense[indices] = values
+            context = f"sparse_allreduce (n={n}, {np.dtype(dtype).name})"
+            got, traffic = run_counted(sub, fn, (indices.copy(), values.copy(), n), context,
+                                       allow=("Allgather", "Allgatherv"))
+            problem = array_problem(got, _mpi_sum(sub, dense), "the sum")
+            if problem is None and np.shares_memory(got, values):
+                problem = "the result shares memory with the values passed in: return a new array"
+            if problem is None:
+                problem = _sparse_bytes_problem(traffic[rank], k, np.dtype(dtype).itemsize, size)
+            found = found or (problem and f"{context}: {problem}")
+        return found
+
+    each_size(comm, body, "sparse_allreduce")
+    passed(comm, "sparse allreduce: the dense sum, each rank sending only its own (index, value) pairs")
+
+
+def _sparse_bytes_problem(traffic: Traffic, k: int, value_bytes: int, size: int) -> str | None:
+    pairs = k * (4 + value_bytes)
+    limit = (size - 1) * (pairs + COUNTS_OVERHEAD)
+    if traffic.bytes_sent > limit:
+        return (f"sent {traffic.bytes_sent} bytes, but its {k} pairs take {pairs} bytes (int32 index + value) to "
+                f"each of the {size - 1} other ranks, {limit} with the counts: send only this rank's pairs, "
+                "indices as int32")
+    return None
+
+
+def _cross_bytes(traffic: Traffic, group_size: int) -> int:
+    """Bytes this rank sent to ranks of other groups."""
+    mine = node_of(traffic.rank, group_size)
+    return sum(e.nbytes for e in traffic.sends if node_of(e.peer, group_size) != mine)
+
+
+def check_hierarchical_allreduce(fn: Callable[[Any, np.ndarray, int], np.ndarray]) -> None:
+    """fn(comm, x, group_size) -> the sums, with only each rank's slice crossing between groups."""
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        rank, found = sub.Get_rank(), None
+        for group_size, n in HIERARCHICAL_CASES:
+            x = np.random.default_rng([n, rank]).integers(-50, 50, n).astype(np.float64)
+            context = f"hierarchical_allreduce (n={n}, groups of {group_size})"
+            got, traffic = run_counted(sub, fn, (x.copy(), group_size), context)
+            _, reference = run_counted(sub, hierarchical_allreduce, (x.copy(), group_size), "the reference")
+            problem = array_problem(got, _mpi_sum(sub, x), "the sum")
+            if problem is None and np.shares_memory(got, x):
+                problem = "the result shares memory with x: return a new array"
+            crossing, allowed = _cross_bytes(traffic[rank], group_size), _cross_bytes(reference[rank], group_size)
+            if problem is None and crossing > allowed * 1.05 + COUNTS_OVERHEAD:
+                problem = (f"sent {crossing} bytes to ranks of other groups, where the two-level scheme sends "
+                           f"{allowed}: only this rank's reduced slice should cross, between the ranks holding "
+                           "the same slice (do your groups hold consecutive ranks?)")
+            found = found or (problem and f"{context}: {problem}")
+        return found
+
+    each_size(comm, body, "hierarchical_allreduce")
+    passed(comm, "hierarchical allreduce: MPI's sums, and only each rank's slice crosses between groups")

@@ -1,0 +1,160 @@
+"""Compressors for gradients: what a rank sends instead of its dense gradient.
+
+Each `compress` returns a small message; `decompress` turns it back into a dense
+vector of the same length. The error bounds the tests hold them to, for x of n items:
+
+- `top_k(x, k)`: the k entries largest in magnitude. ||x - d||^2 <= (1 - k/n) ||x||^2.
+- `random_k(x, k, rng)`: k entries chosen uniformly. ||x - d||^2 <= ||x||^2, and
+  (1 - k/n) ||x||^2 on average. Unscaled, so biased: error feedback makes up for it.
+- `quantize_8bit(x, rng)`: QSGD-style stochastic rounding (Alistarh et al., "QSGD:
+  communication-efficient SGD via gradient quantization and encoding", NeurIPS 2017)
+  to 127 levels of max|x| per sign: unbiased, |x_i - d_i| <= max|x| / 127, one byte per item.
+- `sign_1bit(x)`: the signs (one bit per item, packed) times mean|x| (1-bit SGD, Seide
+  et al., Interspeech 2014; signSGD, Bernstein et al., ICML 2018). ||x - d||^2 =
+  ||x||^2 - ||x||_1^2 / n <= ||x||^2: a contraction, so error feedback makes it
+  converge (Karimireddy et al., "Error feedback fixes SignSGD and other gradient
+  compression schemes", ICML 2019).
+
+`ErrorFeedback` keeps the residual, what compression left out, and adds it to the
+next gradient: e_{t+1} = (g_t + e_t) - d_t, so sum of d_t + e_T = sum of g_t exactly.
+
+Exercise signature (lab 11):
+`top_k_with_feedback(gradient, residual, k) -> (indices, values, residual)`: top-k of
+gradient + residual, `indices` int32, `values` the gradient's dtype, and the new residual
+(what was not sent); the gradient is left unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+#: The dtype of the indices a sparse message carries (4 bytes each).
+INDEX = np.int32
+#: Quantization levels per sign of the 8-bit quantizer.
+LEVELS = 127
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """k (index, value) pairs of a vector of n items; the other items are zero."""
+
+    indices: np.ndarray
+    values: np.ndarray
+    n: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.indices.nbytes + self.values.nbytes
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Signed levels in -LEVELS..LEVELS (one byte each) and the scale max|x| (a float)."""
+
+    levels: np.ndarray
+    scale: np.ndarray  # shape (1,), the input's dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.levels.nbytes + self.scale.nbytes
+
+
+@dataclass(frozen=True)
+class Signs:
+    """Signs packed eight to a byte and the scale mean|x|."""
+
+    bits: np.ndarray
+    scale: np.ndarray  # shape (1,), the input's dtype
+    n: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes + self.scale.nbytes
+
+
+def keep_count(n: int, density: float) -> int:
+    """How many of n items a sparsifier of `density` (0 < density <= 1) keeps: at least one if n > 0."""
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    return min(n, max(1, round(density * n))) if n else 0
+
+
+def top_k(x: np.ndarray, k: int) -> Sparse:
+    """The k entries of x largest in magnitude, indices ascending."""
+    if not 0 <= k <= x.size:
+        raise ValueError(f"k must be between 0 and len(x) = {x.size}, got {k}")
+    chosen = np.argpartition(np.abs(x), x.size - k)[x.size - k:] if k else np.empty(0, dtype=np.intp)
+    chosen = np.sort(chosen).astype(INDEX)
+    return Sparse(chosen, x[chosen], x.size)
+
+
+def random_k(x: np.ndarray, k: int, rng: np.random.Generator) -> Sparse:
+    """k entries of x chosen uniformly without replacement, indices ascending."""
+    if not 0 <= k <= x.size:
+        raise ValueError(f"k must be between 0 and len(x) = {x.size}, got {k}")
+    chosen = np.sort(rng.choice(x.size, size=k, replace=False)).astype(INDEX)
+    return Sparse(chosen, x[chosen], x.size)
+
+
+def densify(message: Sparse) -> np.ndarray:
+    """The dense vector a sparse message stands for."""
+    out = np.zeros(message.n, dtype=message.values.dtype)
+    out[message.indices] = message.values
+    return out
+
+
+def quantize_8bit(x: np.ndarray, rng: np.random.Generator) -> Quantized:
+    """Stochastic rounding of |x| / max|x| to LEVELS levels: E[decompress] = x."""
+    scale = np.abs(x).max(initial=0).astype(x.dtype)
+    if scale == 0:
+        return Quantized(np.zeros(x.size, dtype=np.int8), np.array([scale]))
+    ratio = np.abs(x) / scale * LEVELS
+    level = np.floor(ratio + rng.random(x.size))
+    level = np.minimum(level, LEVELS)
+    return Quantized((np.sign(x) * level).astype(np.int8), np.array([scale]))
+
+
+def dequantize_8bit(message: Quantized) -> np.ndarray:
+    """The vector the levels stand for: level * scale / LEVELS."""
+    return message.levels.astype(message.scale.dtype) * (message.scale[0] / LEVELS)
+
+
+def sign_1bit(x: np.ndarray) -> Signs:
+    """One bit per item (1 for x >= 0) and the scale mean|x|."""
+    scale = np.array([np.abs(x).mean() if x.size else 0], dtype=x.dtype)
+    return Signs(np.packbits(x >= 0), scale, x.size)
+
+
+def unsign_1bit(message: Signs) -> np.ndarray:
+    """The vector the signs stand for: +-scale."""
+    signs = np.unpackbits(message.bits, count=message.n).astype(message.scale.dtype)
+    return (2 * signs - 1) * message.scale[0]
+
+
+def top_k_with_feedback(gradient: np.ndarray, residual: np.ndarray,
+                        k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One step of top-k with error feedback: (indices, values) to send and the new residual."""
+    fed = gradient + residual
+    message = top_k(fed, k)
+    return message.indices, message.values, fed - densify(message)
+
+
+class ErrorFeedback:
+    """The residual of one gradient vector: what was computed but not yet sent.
+
+    `feed(g)` returns g + residual, what to compress this step; `keep(fed, sent)` then
+    stores fed - sent, the part compression left out, for the next step.
+    """
+
+    def __init__(self) -> None:
+        self.residual: np.ndarray | None = None
+
+    def feed(self, gradient: np.ndarray) -> np.ndarray:
+        if self.residual is None or self.residual.shape != gradient.shape:
+            self.residual = np.zeros_like(gradient)
+        return gradient + self.residual
+
+    def keep(self, fed: np.ndarray, sent: np.ndarray) -> None:
+        self.residual = fed - sent

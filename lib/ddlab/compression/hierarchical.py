@@ -1,0 +1,204 @@
+"""Topology-aware allreduce: reduce inside each node, across nodes on 1/g of the data, gather back.
+
+Ranks come in groups of `group_size` consecutive ranks, each group standing for a node
+(fast links inside, a slow link between). The vector is cut into g = group_size blocks
+(`block_bounds`); in a group of s ranks (the last group may be smaller), local rank l
+holds the contiguous blocks b with b * s // g == l. Then:
+
+1. reduce-scatter inside the group: each rank gets its blocks summed over the group;
+2. for each block, allreduce it across groups between the ranks holding it;
+3. allgather inside the group: every rank gets every block.
+
+Only step 2 crosses the slow link, and it carries n/g items per rank instead of the
+flat ring's 2(P-1)/P n, split over as many messages as there are groups. This is the
+two-level scheme behind Horovod's hierarchical allreduce and, co-designed with the
+network's topology, Nguyen & Wahib's halving-doubling allreduce ("An allreduce
+algorithm and network co-design for large-scale training of distributed deep learning",
+CCGrid 2021).
+
+Exercise signature (lab 11):
+`hierarchical_allreduce(comm, x, group_size)`: `x` a 1-D array, same length and dtype on
+every rank; returns a new array of the elementwise sums; the three steps above over
+sub-communicators made with `comm.Split`, using any collectives or messages on them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..allreduce import agree_on_input, allreduce_ring
+from ..partition import block_bounds
+
+TAG = 31
+
+
+def node_of(rank: int, group_size: int) -> int:
+    """The group (node) of a rank: consecutive ranks share one."""
+    return rank // group_size
+
+
+def held_blocks(local_rank: int, members: int, group_size: int) -> range:
+    """The blocks (of group_size) a rank holds, local rank `local_rank` of a group of `members` ranks."""
+    owners = [b * members // group_size for b in range(group_size)]
+    mine = [b for b, owner in enumerate(owners) if owner == local_rank]
+    return range(mine[0], mine[-1] + 1)
+
+
+def reduce_scatter_ring(comm: Any, x: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """Ring reduce-scatter: rank r returns the sum over ranks of x[bounds[r]:bounds[r+1]]."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    work = np.array(x, copy=True)
+    chunks = [work[bounds[c]:bounds[c + 1]] for c in range(size)]
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(size - 1):
+        sent, arriving = chunks[(rank - step - 1) % size], chunks[(rank - step - 2) % size]
+        incoming = np.empty_like(arriving)
+        comm.Sendrecv(sent, dest=right, sendtag=TAG, recvbuf=incoming, source=left, recvtag=TAG)
+        arriving += incoming
+    return chunks[rank].copy()
+
+
+def allgather_ring(comm: Any, mine: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """Ring allgather: every rank's piece (rank r's is bounds[r]:bounds[r+1]) into one new array."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = np.empty(bounds[-1], dtype=mine.dtype)
+    chunks = [out[bounds[c]:bounds[c + 1]] for c in range(size)]
+    chunks[rank][...] = mine
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(size - 1):
+        comm.Sendrecv(chunks[(rank - step) % size], dest=right, sendtag=TAG,
+                      recvbuf=chunks[(rank - step - 1) % size], source=left, recvtag=TAG)
+    return out
+
+
+def hierarchical_allreduce(comm: Any, x: np.ndarray, group_size: int) -> np.ndarray:
+    """Two-level allreduce: ring reduce-scatter in each group, ring allreduce per block across, ring allgather."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    agree_on_input(comm, x)
+    rank = comm.Get_rank()
+    node = comm.Split(node_of(rank, group_size), rank)
+    local, members = node.Get_rank(), node.Get_size()
+    blocks = block_bounds(x.size, group_size)
+    owned = [held_blocks(r, members, group_size) for r in range(members)]
+    cuts = [blocks[held.start] for held in owned] + [x.size]
+    part = reduce_scatter_ring(node, x, cuts)
+    for b in range(group_size):
+        holders = comm.Split(0 if b in owned[local] else MPI.UNDEFINED, rank)
+        if holders != MPI.COMM_NULL:
+            piece = slice(blocks[b] - cuts[local], blocks[b + 1] - cuts[local])
+            part[piece] = allreduce_ring(holders, part[piece])
+            holders.Free()
+    out = allgather_ring(node, part, cuts)
+    node.Free()
+    return out
+
+
+# The cost model ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Link:
+    """Hockney's model of a link: seconds per message (alpha) and per byte (beta)."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, nbytes: float | np.ndarray) -> float | np.ndarray:
+        return self.alpha + self.beta * np.asarray(nbytes, dtype=float)
+
+
+#: Gigabit Ethernet between nodes, as measured on Ames Laboratory's IBM cluster: about
+#: 800 Mbit/s (100 MB/s) from MPI and a latency of 110-130 µs.
+#: Scalable Computing Laboratory, Ames Laboratory, "Selected benchmark results obtained on
+#: the IBM cluster", http://www.scl.ameslab.gov/Projects/IBMCluster/Benchmarks.html
+GIGABIT_ETHERNET = Link(alpha=120e-6, beta=1 / 100e6)
+
+
+def flat_ring_seconds(nbytes: float | np.ndarray, size: int, group_size: int, intra: Link,
+                      inter: Link) -> float | np.ndarray:
+    """Predicted time of the flat ring over groups: 2(P-1) steps, each as slow as its slowest link.
+
+    A step's messages move in parallel; once there are two groups, some message of every
+    step crosses a group boundary, so every step costs the inter-node link's time.
+    """
+    chunk = np.asarray(nbytes, dtype=float) / size
+    link = inter if size > group_size else intra
+    return 2 * (size - 1) * link.seconds(chunk)
+
+
+def hierarchical_seconds(nbytes: float | np.ndarray, size: int, group_size: int, intra: Link,
+                         inter: Link) -> float | np.ndarray:
+    """Predicted time of hierarchical_allreduce with full groups of g: intra rings, then a ring of n/g across."""
+    g, nodes = min(group_size, size), -(-size // group_size)
+    n = np.asarray(nbytes, dtype=float)
+    inside = 2 * (g - 1) * intra.seconds(n / g)
+    across = 2 * (nodes - 1) * inter.seconds(n / g / nodes) if nodes > 1 else 0.0 * n
+    return inside + across
+
+
+# The emulated slow link ----------------------------------------------------------------
+
+class SlowLinkComm:
+    """A communicator whose messages between groups take alpha + n beta longer, as over a slow link.
+
+    Wraps an mpi4py communicator (`group_size` consecutive ranks of `world_ranks` form a
+    node). Before a message leaves for a rank of another group, the sender waits the
+    link's time for its size (time.sleep), so the ring or the hierarchical allreduce built
+    on Send/Recv/Sendrecv pays what it would pay on that network. `Split` gives wrapped
+    sub-communicators that keep the world's groups. Anything else goes to the real
+    communicator unchanged (the small shape agreement of lab 03's allreduces among it).
+    """
+
+    def __init__(self, comm: MPI.Comm, group_size: int, link: Link, world_ranks: list[int] | None = None):
+        self.comm, self.group_size, self.link = comm, group_size, link
+        self.world_ranks = world_ranks if world_ranks is not None else list(range(comm.Get_size()))
+        self.delayed_bytes = 0
+
+    def Get_rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def Get_size(self) -> int:
+        return self.comm.Get_size()
+
+    def _delay(self, dest: int, buf: Any) -> None:
+        me, them = self.world_ranks[self.comm.Get_rank()], self.world_ranks[dest]
+        if node_of(me, self.group_size) != node_of(them, self.group_size):
+            nbytes = np.asarray(buf).nbytes
+            self.delayed_bytes += nbytes
+            time.sleep(float(self.link.seconds(nbytes)))
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        self._delay(dest, buf)
+        self.comm.Send(buf, dest, tag)
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG) -> None:
+        self._delay(dest, sendbuf)
+        self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
+
+    def Split(self, color: int = 0, key: int = 0) -> Any:
+        sub = self.comm.Split(color, key)
+        if sub == MPI.COMM_NULL:
+            return MPI.COMM_NULL
+        members = sub.allgather(self.world_ranks[self.comm.Get_rank()])
+        return SlowLinkComm(sub, self.group_size, self.link, members)
+
+    def Free(self) -> None:
+        self.comm.Free()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.comm, name)
+
+
+#: Shared memory between ranks of one machine, roughly (lab 01 measures yours): the models' intra-node link.
+SHARED_MEMORY = Link(alpha=5e-6, beta=1 / 2e9)
+
+
+def emulated(link: Link, base: Link = SHARED_MEMORY) -> Link:
+    """The link a SlowLinkComm emulates: its delay on top of the real (shared-memory) transfer."""
+    return Link(link.alpha + base.alpha, link.beta + base.beta)

@@ -1,0 +1,86 @@
+"""Allreduce of sparse gradients: every rank's (index, value) pairs through Allgatherv.
+
+Sparse vectors do not add up chunk by chunk like dense ones (rank 3's top entries are
+not where rank 1's are), so a ring cannot cut them into P pieces: each rank must get
+every other rank's pairs. Allgatherv does that; each rank then adds the P sparse
+vectors into a dense one. That is the inefficiency the literature points at: the
+bytes grow with P, where the ring's stay at 2(P-1)/P n.
+
+Exercise signature (lab 11):
+`sparse_allreduce(comm, indices, values, n)`: `indices` a 1-D int32 array of distinct
+positions in 0..n-1 and `values` a 1-D float array of the same length (lengths may
+differ between ranks); returns a new dense array of n items, the dtype of `values`,
+holding the sum over ranks of the sparse vectors. First agree on the counts (one
+Allgather of an int per rank), then one Allgatherv of the indices and one of the values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
+
+from ..costmodel import Machine, terms
+from .compressors import INDEX
+
+
+def sparse_allreduce(comm: Any, indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Sum over ranks of the sparse vectors (indices, values) of length n, as a dense array."""
+    if indices.shape != values.shape or indices.ndim != 1:
+        raise ValueError(f"indices and values must be 1-D of one length, got {indices.shape} and {values.shape}")
+    counts = np.zeros(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([indices.size], dtype=np.int64), counts)
+    displacements = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    every_index = np.empty(int(counts.sum()), dtype=INDEX)
+    every_value = np.empty(int(counts.sum()), dtype=values.dtype)
+    comm.Allgatherv(np.ascontiguousarray(indices, dtype=INDEX), [every_index, counts, displacements, MPI.INT32_T])
+    comm.Allgatherv(np.ascontiguousarray(values), [every_value, counts, displacements, from_numpy_dtype(values.dtype)])
+    total = np.zeros(n, dtype=values.dtype)
+    np.add.at(total, every_index, every_value)
+    return total
+
+
+def allgather_bytes_per_rank(contributions: float | np.ndarray, size: int) -> float | np.ndarray:
+    """Bytes each rank sends, on average, in a ring allgather of `size` contributions of that many bytes.
+
+    Rank r forwards every block but its right neighbour's: (P-1) contributions.
+    """
+    return (size - 1) * np.asarray(contributions, dtype=float)
+
+
+def sparse_bytes_per_rank(n: int, density: float, size: int, value_bytes: int = 4) -> float:
+    """Bytes per rank of the sparse allreduce: (P-1) k (index + value) bytes, k = density n."""
+    return float(allgather_bytes_per_rank(density * n * (np.dtype(INDEX).itemsize + value_bytes), size))
+
+
+def dense_ring_bytes_per_rank(n: int, size: int, value_bytes: int = 4) -> float:
+    """Bytes per rank of the dense ring allreduce: 2(P-1)/P n values."""
+    return float(terms("ring", size, n * value_bytes).bytes)
+
+
+def sparse_seconds(n: int, density: float, size: int, machine: Machine, value_bytes: int = 4) -> float:
+    """Predicted time of the sparse allreduce: a count allgather and two ring Allgathervs, then P adds."""
+    messages = 3 * (size - 1)
+    added = size * density * n * value_bytes
+    return (machine.alpha * messages + machine.beta * sparse_bytes_per_rank(n, density, size, value_bytes)
+            + machine.gamma * added)
+
+
+def crossover_density(n: int, size: int, machine: Machine, value_bytes: int = 4) -> float:
+    """The density above which the dense ring is predicted faster than the sparse allreduce (1 if never).
+
+    Both times are linear in the density, so bisect-free: solve sparse(d) = ring.
+    """
+    ring = float(terms("ring", size, n * value_bytes).seconds(machine))
+    at_zero = sparse_seconds(n, 0.0, size, machine, value_bytes)
+    slope = sparse_seconds(n, 1.0, size, machine, value_bytes) - at_zero
+    if at_zero >= ring:
+        return 0.0
+    return min(1.0, (ring - at_zero) / slope)
+
+
+def bandwidth_crossover_density(size: int, value_bytes: int = 4) -> float:
+    """The density where the bytes are equal: (P-1) d (i + v) = 2 (P-1)/P v, so d = 2v / (P (i + v))."""
+    return 2 * value_bytes / (size * (np.dtype(INDEX).itemsize + value_bytes))

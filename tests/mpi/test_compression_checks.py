@@ -1,0 +1,230 @@
+"""Lab 11's checks catch wrong top-k feedback, sparse and hierarchical allreduces, and accept valid alternatives.
+
+Every rank runs the same tests; the checks themselves make all ranks agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ddlab.allreduce import allreduce_ring
+from ddlab.checks import CheckFailed, check_hierarchical_allreduce, check_sparse_allreduce, check_top_k_with_feedback
+from ddlab.compression import (allgather_ring, held_blocks, hierarchical_allreduce, reduce_scatter_ring, sparse_allreduce,
+                               top_k_with_feedback)
+from ddlab.partition import block_bounds
+
+
+def feedback_in_place(gradient, residual, k):
+    """Valid: the residual updated in place, indices unsorted (argsort)."""
+    residual += gradient
+    indices = np.argsort(-np.abs(residual), kind="stable")[:k].astype(np.int32)
+    values = residual[indices].copy()
+    residual[indices] = 0
+    return indices, values, residual
+
+
+def feedback_forgotten(gradient, residual, k):
+    """Sends the top-k of the gradient alone and keeps what it did not send."""
+    indices, values, _ = top_k_with_feedback(gradient, np.zeros_like(gradient), k)
+    kept = gradient.copy()
+    kept[indices] = 0
+    return indices, values, kept
+
+
+def residual_dropped(gradient, residual, k):
+    """Adds the residual but then forgets what was not sent."""
+    indices, values, new = top_k_with_feedback(gradient, residual, k)
+    return indices, values, np.zeros_like(new)
+
+
+def residual_of_the_gradient(gradient, residual, k):
+    """Keeps gradient - sent instead of gradient + residual - sent."""
+    indices, values, _ = top_k_with_feedback(gradient, residual, k)
+    kept = gradient.copy()
+    kept[indices] -= values
+    return indices, values, kept
+
+
+def indices_int64(gradient, residual, k):
+    indices, values, new = top_k_with_feedback(gradient, residual, k)
+    return indices.astype(np.int64), values, new
+
+
+def values_float64(gradient, residual, k):
+    indices, values, new = top_k_with_feedback(gradient, residual, k)
+    return indices, values.astype(np.float64), new
+
+
+def gradient_modified(gradient, residual, k):
+    gradient += residual
+    return top_k_with_feedback(gradient, np.zeros_like(gradient), k)
+
+
+@pytest.mark.parametrize("fn", [top_k_with_feedback, feedback_in_place])
+def test_feedback_check_accepts(fn, capsys) -> None:
+    check_top_k_with_feedback(fn)
+    if MPI.COMM_WORLD.rank == 0:
+        assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, says", [
+    (feedback_forgotten, "without the residual"),
+    (residual_dropped, "what was not sent"),
+    (residual_of_the_gradient, "what was not sent"),
+    (indices_int64, "int32"),
+    (values_float64, "dtype"),
+    (gradient_modified, "changed the gradient"),
+])
+def test_feedback_check_fails(fn, says: str) -> None:
+    with pytest.raises(CheckFailed, match=says):
+        check_top_k_with_feedback(fn)
+
+
+def sparse_packed_bytes(comm, indices, values, n):
+    """Valid: int32 counts, then each rank's indices and values packed into one byte buffer, one Allgatherv."""
+    counts = np.zeros(comm.Get_size(), np.int32)
+    comm.Allgather(np.array([indices.size], np.int32), counts)
+    pair = 4 + values.itemsize
+    mine = np.concatenate([indices.astype(np.int32).view(np.uint8), values.view(np.uint8)])
+    every = np.empty(pair * int(counts.sum()), np.uint8)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) * pair
+    comm.Allgatherv(mine, [every, (counts * pair, starts)])
+    total = np.zeros(n, values.dtype)
+    for start, c in zip(starts, counts):
+        block = every[start:start + c * pair]
+        np.add.at(total, block[:4 * c].view(np.int32), block[4 * c:].view(values.dtype))
+    return total
+
+
+def sparse_without_offsets(comm, indices, values, n):
+    """Every rank's block received at displacement 0: they overwrite each other."""
+    counts = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([indices.size], np.int64), counts)
+    every_index = np.zeros(int(counts.sum()), np.int32)
+    every_value = np.zeros(int(counts.sum()), values.dtype)
+    zeros = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgatherv(indices, [every_index, counts, zeros, MPI.INT32_T])
+    comm.Allgatherv(values, [every_value, counts, zeros, MPI._typedict[values.dtype.char]])
+    total = np.zeros(n, values.dtype)
+    np.add.at(total, every_index, every_value)
+    return total
+
+
+def sparse_overwriting_duplicates(comm, indices, values, n):
+    """total[i] += v with repeated indices adds only one of them."""
+    counts = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([indices.size], np.int64), counts)
+    displacements = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    every_index = np.empty(int(counts.sum()), np.int32)
+    every_value = np.empty(int(counts.sum()), values.dtype)
+    comm.Allgatherv(indices, [every_index, counts, displacements, MPI.INT32_T])
+    comm.Allgatherv(values, [every_value, counts, displacements, MPI._typedict[values.dtype.char]])
+    total = np.zeros(n, values.dtype)
+    total[every_index] += every_value
+    return total
+
+
+def sparse_as_dense(comm, indices, values, n):
+    """Densifies and gathers the whole vector: right sums, far too many bytes."""
+    dense = np.zeros(n, values.dtype)
+    dense[indices] = values
+    table = np.empty((comm.Get_size(), n), values.dtype)
+    comm.Allgather(dense, table)
+    return table.sum(axis=0).astype(values.dtype)
+
+
+def sparse_int64_indices(comm, indices, values, n):
+    """Right sums, but 8-byte indices."""
+    counts = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([indices.size], np.int64), counts)
+    displacements = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    every_index = np.empty(int(counts.sum()), np.int64)
+    every_value = np.empty(int(counts.sum()), values.dtype)
+    comm.Allgatherv(indices.astype(np.int64), [every_index, counts, displacements, MPI.INT64_T])
+    comm.Allgatherv(values, [every_value, counts, displacements, MPI._typedict[values.dtype.char]])
+    total = np.zeros(n, values.dtype)
+    np.add.at(total, every_index, every_value)
+    return total
+
+
+def sparse_through_allreduce(comm, indices, values, n):
+    dense = np.zeros(n, values.dtype)
+    dense[indices] = values
+    out = np.empty_like(dense)
+    comm.Allreduce(dense, out)
+    return out
+
+
+@pytest.mark.parametrize("fn", [sparse_allreduce, sparse_packed_bytes])
+def test_sparse_check_accepts(fn) -> None:
+    check_sparse_allreduce(fn)
+
+
+@pytest.mark.parametrize("fn, says", [
+    (sparse_without_offsets, "wrong at"),
+    (sparse_overwriting_duplicates, "wrong at"),
+    (sparse_as_dense, "bytes"),
+    (sparse_int64_indices, "int32"),
+    (sparse_through_allreduce, "Allreduce"),
+])
+def test_sparse_check_fails(fn, says: str) -> None:
+    with pytest.raises(CheckFailed, match=says):
+        check_sparse_allreduce(fn)
+
+
+def hierarchical_by_leaders(comm, x, group_size):
+    """Reduce to each group's first rank, allreduce between those leaders, send back: the leader carries all."""
+    rank = comm.Get_rank()
+    node = comm.Split(rank // group_size, rank)
+    total = allreduce_ring(node, x)
+    leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, rank)
+    if leaders != MPI.COMM_NULL:
+        total = allreduce_ring(leaders, total)
+    for peer in range(1, node.Get_size()):
+        if node.Get_rank() == 0:
+            node.Send(total, dest=peer)
+        elif node.Get_rank() == peer:
+            node.Recv(total, source=0)
+    return total
+
+
+def hierarchical_mixing_nodes(comm, x, group_size):
+    """The two-level scheme, but groups of ranks r, r + N, r + 2N...: every 'node' spans the real ones."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split(rank % -(-size // group_size), rank)
+    members, local = node.Get_size(), node.Get_rank()
+    blocks = block_bounds(x.size, group_size)
+    owned = [held_blocks(r, members, group_size) for r in range(members)]
+    cuts = [blocks[held.start] for held in owned] + [x.size]
+    part = reduce_scatter_ring(node, x, cuts)
+    for b in range(group_size):
+        holders = comm.Split(0 if b in owned[local] else MPI.UNDEFINED, rank)
+        if holders != MPI.COMM_NULL:
+            piece = slice(blocks[b] - cuts[local], blocks[b + 1] - cuts[local])
+            part[piece] = allreduce_ring(holders, part[piece])
+    return allgather_ring(node, part, cuts)
+
+
+def hierarchical_reducing_twice(comm, x, group_size):
+    """Allreduces inside the group, then across all ranks: every sum counted once per group member."""
+    rank = comm.Get_rank()
+    inside = allreduce_ring(comm.Split(rank // group_size, rank), x)
+    return allreduce_ring(comm, inside)
+
+
+@pytest.mark.parametrize("fn", [hierarchical_allreduce])
+def test_hierarchical_check_accepts(fn) -> None:
+    check_hierarchical_allreduce(fn)
+
+
+@pytest.mark.parametrize("fn, says", [
+    (hierarchical_by_leaders, "other groups"),
+    (hierarchical_reducing_twice, "wrong at"),
+    (hierarchical_mixing_nodes, "other groups"),
+    (lambda comm, x, g: allreduce_ring(comm, x), "other groups"),
+])
+def test_hierarchical_check_fails(fn, says: str) -> None:
+    with pytest.raises(CheckFailed, match=says):
+        check_hierarchical_allreduce(fn)
