@@ -1,0 +1,221 @@
+"""Run one submission in the course kernel with nbclient, cell by cell, and grade its checks.
+
+Every cell has a timeout. After each cell the grader asks the engines to answer
+(`probe.report`): if a cell timed out (a deadlock) or the engines died, it restarts
+them with `ddlab.cluster.restart()` and replays the %%px cells that had run, so the
+later exercises are graded on what the student wrote. Cells after the last check
+cannot change a grade and are not run. Each grading run has its own IPython
+directory, so its clusters are its own; after each submission any of them still up
+is stopped, and a controller, engine or mpiexec that survives that is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import nbformat
+import psutil
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+from ..cluster import cleanup_orphans
+from ..labgen import Check
+from .submission import prepare
+
+KERNEL = "ddlab"  # the course kernel, "Python (ddlab)"
+RESTART = "import ddlab.cluster\nddlab.cluster.restart()"
+STOP = "import ddlab.cluster\nddlab.cluster.stop()"
+#: A check's verdict on the student's code (its CheckFailed, or the stub's error): "failed", not "error".
+VERDICTS = ("CheckFailed", "NotImplementedError")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_EXCEPTION = re.compile(r"^(\w+): (.*)$")
+
+
+@dataclass
+class Result:
+    """One check of one submission: passed, failed, error or timed out, the points, and why."""
+
+    student: str
+    check: Check
+    status: str
+    points: int
+    message: str
+
+
+def _text(cell: nbformat.NotebookNode) -> str:
+    """Everything a cell printed or raised, as plain text."""
+    parts = []
+    for output in cell.get("outputs", []):
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif output.output_type in ("display_data", "execute_result"):
+            parts.append(output.get("data", {}).get("text/plain", ""))
+        elif output.output_type == "error":
+            parts.append("\n".join(output.traceback) + f"\n{output.ename}: {output.evalue}")
+    return _ANSI.sub("", "\n".join(parts))
+
+
+def _raised(text: str) -> tuple[str, str]:
+    """The first exception reported in a cell's text, with its message's lines: (name, message)."""
+    lines = text.splitlines()
+    for number, line in enumerate(lines):
+        match = _EXCEPTION.match(line)
+        if match and (match.group(1).endswith(("Error", "Exception", "Interrupt")) or match.group(1) in VERDICTS):
+            rest = []
+            for more in lines[number + 1:]:
+                if not more.startswith(" ") or not more.strip():
+                    break
+                rest.append(more)
+            return match.group(1), "\n".join([match.group(2), *rest])
+    return "Error", text.strip()[-2000:] or "the cell failed without a message"
+
+
+def verdict(check: Check, cell: nbformat.NotebookNode, reference: str | None) -> tuple[str, str]:
+    """(status, message) of a check cell that ran; `reference` names the library function it was given, if so."""
+    text = _text(cell)
+    if not any(output.output_type == "error" for output in cell.get("outputs", [])):
+        if reference:
+            return "failed", (f"{check.function} is {reference}, the library's reference version, "
+                              "not your own: write it yourself to get the points.")
+        said = [line.split("passed:", 1)[1].strip() for line in text.splitlines() if "passed:" in line]
+        return "passed", said[0] if said else "the check ran without an error"
+    name, message = _raised(text)
+    return ("failed" if name in VERDICTS else "error"), f"{name}: {message}"
+
+
+class _Kernel:
+    """The submission's kernel, through nbclient: run cells with a timeout, ask the probe."""
+
+    def __init__(self, client: NotebookClient, timeout: float):
+        self.client, self.timeout = client, timeout
+
+    def run(self, cell: nbformat.NotebookNode, index: int) -> bool:
+        """Run a cell; False if it timed out (the kernel is interrupted then)."""
+        try:
+            self.client.execute_cell(cell, index)
+        except CellTimeoutError:
+            assert self.client.km is not None
+            self.client.km.interrupt_kernel()
+            return False
+        return True
+
+    def run_code(self, code: str) -> nbformat.NotebookNode | None:
+        """Run code of the grader's own; the cell with its outputs, or None if it timed out."""
+        cell = nbformat.v4.new_code_cell(code)
+        return cell if self.run(cell, 0) else None
+
+    def probe(self, function: str | None) -> dict:
+        """{"healthy": ..., "reference": ...} from probe.report; {} when no cluster is running."""
+        cell = self.run_code(f"import ddlab.grading.probe\nddlab.grading.probe.report({function!r})")
+        for line in _text(cell).splitlines() if cell is not None else []:
+            if line.startswith("{"):
+                return json.loads(line)
+        return {"healthy": False}
+
+    def recover(self, replay: list[nbformat.NotebookNode]) -> str | None:
+        """Restart the engines and replay the cells that set them up; None, or what went wrong."""
+        cell = self.run_code(RESTART)
+        if cell is None or any(output.output_type == "error" for output in cell.outputs):
+            return "the engines could not be restarted: " + (_text(cell) if cell is not None else "it timed out")
+        for number, done in enumerate(replay):
+            if not self.run(nbformat.v4.new_code_cell(done.source), number):
+                return "replaying the cells before it timed out after the engines were restarted"
+        return None
+
+
+def _is_px(cell: nbformat.NotebookNode) -> bool:
+    return cell.source.lstrip().startswith(("%%px", "%px"))
+
+
+def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) -> list[Result]:
+    """Run the submission at `path` against the lab's checks; one Result per check, in the lab's order."""
+    notebook, placed = prepare(lab, nbformat.read(path, as_version=4))
+    client = NotebookClient(notebook, timeout=int(timeout), kernel_name=KERNEL, allow_errors=True,
+                            resources={"metadata": {"path": str(path.resolve().parent)}})
+    results: dict[str, Result] = {}
+
+    def record(check: Check, status: str, message: str) -> None:
+        points = check.points if status == "passed" else 0
+        results[check.grade_id] = Result(student, check, status, points, message)
+
+    kernel, replay = _Kernel(client, timeout), []
+    try:
+        with client.setup_kernel():
+            for index in range(max(placed, default=-1) + 1):
+                cell, check = notebook.cells[index], placed.get(index)
+                if cell.cell_type != "code":
+                    continue
+                finished = kernel.run(cell, index)
+                state: dict[str, Any] = kernel.probe(check.function if check else None) if finished else {"healthy": False}
+                if check is not None:
+                    record(check, *(verdict(check, cell, state.get("reference")) if finished else
+                                    ("timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); "
+                                                  "the engines were restarted")))
+                if finished and state.get("healthy") and _is_px(cell) and check is None:
+                    replay.append(cell)
+                if not finished or state.get("healthy") is False:
+                    problem = kernel.recover(replay)
+                    if problem is not None:
+                        for rest in placed.values():
+                            if rest.grade_id not in results:
+                                record(rest, "error", problem)
+                        break
+            kernel.run_code(STOP)
+    except DeadKernelError:
+        pass
+    for check in placed.values():
+        if check.grade_id not in results:
+            record(check, "error", "the kernel died before this check ran")
+    order = {check.grade_id: number for number, check in enumerate(sorted(placed.values(), key=lambda c: c.index))}
+    return sorted(results.values(), key=lambda result: order[result.check.grade_id])
+
+
+@contextlib.contextmanager
+def private_ipython_dir() -> Iterator[str]:
+    """A fresh IPython directory for this grading run (its kernels inherit it), removed after."""
+    path, before = tempfile.mkdtemp(prefix="ddlab-grade-"), os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("IPYTHONDIR", None)
+        else:
+            os.environ["IPYTHONDIR"] = before
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def leftovers(ipython_dir: str) -> list[psutil.Process]:
+    """Controller, engine and mpiexec processes started under this IPython directory."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if any(word in cmdline for word in ("ipyparallel", "ipengine", "ipcontroller", "mpiexec", "prterun", "hydra")):
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get("IPYTHONDIR") == ipython_dir:
+                    found.append(proc)
+    return found
+
+
+def clean_up(ipython_dir: str, wait: float = 20.0) -> list[str]:
+    """Stop the clusters whose kernel is gone; kill what still runs after `wait` s; return what was killed."""
+    for profile_dir in Path(ipython_dir).glob("profile_ddlab-*"):
+        cleanup_orphans(profile_dir.name[len("profile_ddlab-"):])
+    deadline = time.monotonic() + wait
+    while (left := leftovers(ipython_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    killed = []
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            killed.append(f"pid {proc.pid}: {' '.join(proc.cmdline())[:120]}")
+            proc.kill()
+    return killed
