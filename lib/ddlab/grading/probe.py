@@ -30,11 +30,14 @@ def reference_name(name: str | None) -> str | None:
 
 
 def report(name: str | None = None) -> None:
-    """In the kernel: print {"healthy": all engines answered, "reference": what `name` is, if ddlab's}."""
+    """In the kernel: print {"healthy": all engines answered, "reference": what `name` is, if ddlab's}.
+
+    "healthy" is null when no cluster is running (before the notebook starts one, or after it stops it).
+    """
     from .. import cluster
 
     running = cluster.current()
-    verdict: dict[str, object] = {"healthy": False, "reference": None}
+    verdict: dict[str, object] = {"healthy": None if running is None else False, "reference": None}
     if running is not None and len(running.client.ids) == running.n:
         try:
             answers = running.client[:].apply_async(reference_name, name).get(timeout=ANSWER_TIMEOUT)

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import nbformat
 import psutil
 from nbclient import NotebookClient
-from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.exceptions import DeadKernelError
 
 from ..cluster import cleanup_orphans
 from ..labgen import Check
@@ -34,6 +34,7 @@ from .submission import prepare
 KERNEL = "ddlab"  # the course kernel, "Python (ddlab)"
 RESTART = "import ddlab.cluster\nddlab.cluster.restart()"
 STOP = "import ddlab.cluster\nddlab.cluster.stop()"
+TIMED_OUT = "CellTimeoutError"  # the error nbclient reports for a cell it interrupted at the timeout
 #: A check's verdict on the student's code (its CheckFailed, or the stub's error): "failed", not "error".
 VERDICTS = ("CheckFailed", "NotImplementedError")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -95,18 +96,18 @@ def verdict(check: Check, cell: nbformat.NotebookNode, reference: str | None) ->
 class _Kernel:
     """The submission's kernel, through nbclient: run cells with a timeout, ask the probe."""
 
-    def __init__(self, client: NotebookClient, timeout: float):
-        self.client, self.timeout = client, timeout
+    def __init__(self, client: NotebookClient):
+        self.client = client
+        self.reply: dict[str, Any] = {}  # the content of the last cell's execute reply
+        client.on_cell_executed = self._executed
+
+    def _executed(self, cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict) -> None:
+        self.reply = execute_reply.get("content", {})
 
     def run(self, cell: nbformat.NotebookNode, index: int) -> bool:
-        """Run a cell; False if it timed out (the kernel is interrupted then)."""
-        try:
-            self.client.execute_cell(cell, index)
-        except CellTimeoutError:
-            assert self.client.km is not None
-            self.client.km.interrupt_kernel()
-            return False
-        return True
+        """Run a cell; False if it timed out (nbclient interrupts the kernel then)."""
+        self.client.execute_cell(cell, index)
+        return self.reply.get("ename") != TIMED_OUT
 
     def run_code(self, code: str) -> nbformat.NotebookNode | None:
         """Run code of the grader's own; the cell with its outputs, or None if it timed out."""
@@ -114,7 +115,7 @@ class _Kernel:
         return cell if self.run(cell, 0) else None
 
     def probe(self, function: str | None) -> dict:
-        """{"healthy": ..., "reference": ...} from probe.report; {} when no cluster is running."""
+        """{"healthy": ..., "reference": ...} from probe.report (healthy None: no cluster is running)."""
         cell = self.run_code(f"import ddlab.grading.probe\nddlab.grading.probe.report({function!r})")
         for line in _text(cell).splitlines() if cell is not None else []:
             if line.startswith("{"):
@@ -140,6 +141,7 @@ def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) 
     """Run the submission at `path` against the lab's checks; one Result per check, in the lab's order."""
     notebook, placed = prepare(lab, nbformat.read(path, as_version=4))
     client = NotebookClient(notebook, timeout=int(timeout), kernel_name=KERNEL, allow_errors=True,
+                            interrupt_on_timeout=True, error_on_timeout={"ename": TIMED_OUT, "evalue": "", "traceback": []},
                             resources={"metadata": {"path": str(path.resolve().parent)}})
     results: dict[str, Result] = {}
 
@@ -147,7 +149,7 @@ def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) 
         points = check.points if status == "passed" else 0
         results[check.grade_id] = Result(student, check, status, points, message)
 
-    kernel, replay = _Kernel(client, timeout), []
+    kernel, replay = _Kernel(client), []
     try:
         with client.setup_kernel():
             for index in range(max(placed, default=-1) + 1):
@@ -156,10 +158,16 @@ def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) 
                     continue
                 finished = kernel.run(cell, index)
                 state: dict[str, Any] = kernel.probe(check.function if check else None) if finished else {"healthy": False}
-                if check is not None:
-                    record(check, *(verdict(check, cell, state.get("reference")) if finished else
-                                    ("timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); "
-                                                  "the engines were restarted")))
+                if check is not None and not finished:
+                    record(check, "timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); "
+                                               "the engines were restarted")
+                elif check is not None:
+                    status, message = verdict(check, cell, state.get("reference"))
+                    if status != "passed" and state.get("healthy") is False:
+                        status, message = "error", (f"{message}\nThe engines died or stopped answering during this "
+                                                    f"check ({state.get('problem', 'MPI ended the job')}); "
+                                                    "they were restarted.")
+                    record(check, status, message)
                 if finished and state.get("healthy") and _is_px(cell) and check is None:
                     replay.append(cell)
                 if not finished or state.get("healthy") is False:
