@@ -171,3 +171,57 @@ def test_bad_arguments_are_refused_clearly(tmp_path, args, message):
 
     with pytest.raises(SystemExit, match=message):
         main(["grade", *args, str(tmp_path / "missing.ipynb")])
+
+
+NBGRADER = Path(sys.executable).parent / "nbgrader"
+NBGRADER_CONFIG = """c = get_config()
+c.CourseDirectory.course_id = "ddlab"
+c.ClearSolutions.enabled = False  # labs/ are stubbed already (ddlab.labgen): release them as they are
+c.Execute.timeout = 300
+"""
+
+
+def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
+    """nbgrader itself on lab 03: generate_assignment, autograde of one submission, generate_feedback.
+
+    The submission did exercise 3.1 and edited 3.2's check into a print of 'passed':
+    nbgrader puts the locked check back, so it earns 1 of 3 points.
+    """
+    if not NBGRADER.exists():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true, so nbgrader must be installed (it is in lib[test]), but it is not")
+        pytest.skip("nbgrader is not installed: it is in lib[test]; run `make setup`")
+    from nbgrader.api import Gradebook
+
+    course = tmp_path / "course"
+    (course / "source" / "lab03").mkdir(parents=True)
+    (course / "nbgrader_config.py").write_text(NBGRADER_CONFIG)
+    nbformat.write(LAB, course / "source" / "lab03" / "03_allreduce.ipynb")
+    env = {**os.environ, "PATH": f"{NBGRADER.parent}{os.pathsep}{os.environ['PATH']}",  # nbgrader runs alembic
+           "IPYTHONDIR": str(tmp_path / "ipython")}  # the kernel's clusters, told apart from the rest
+
+    def nbgrader(*args: str) -> str:
+        done = subprocess.run([str(NBGRADER), *args], cwd=course, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"nbgrader {' '.join(args)}:\n{done.stdout}{done.stderr}"
+        return done.stdout + done.stderr
+
+    nbgrader("generate_assignment", "lab03", "--force")
+    released = nbformat.read(course / "release" / "lab03" / "03_allreduce.ipynb", as_version=4)
+    assert released.cells[check_cell(released, "allreduce_ring")].metadata.editable is False
+    submission = copy.deepcopy(released)
+    done = exercise_cell(submission, "allreduce_recursive_doubling")
+    submission.cells[done].source = SOLUTION.cells[exercise_cell(SOLUTION, "allreduce_recursive_doubling")].source
+    submission.cells[check_cell(submission, "allreduce_ring")].source = FAKED
+    (course / "submitted" / "alice" / "lab03").mkdir(parents=True)
+    nbformat.write(submission, course / "submitted" / "alice" / "lab03" / "03_allreduce.ipynb")
+    nbgrader("autograde", "lab03", "--create", "--force")
+    nbgrader("generate_feedback", "lab03", "--force")
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        scores = {check.grade_id: gradebook.find_grade(check.grade_id, "03_allreduce", "lab03", "alice").score
+                  for check in checks(LAB)}
+    assert scores == {"check_ex3_1_allreduce_recursive_doubling": 1, "check_ex3_2_allreduce_ring": 0,
+                      "check_ex3_3_allreduce_rabenseifner": 0}
+    feedback = (course / "feedback" / "alice" / "lab03" / "03_allreduce.html").read_text()
+    assert "Score: 1.0 / 3.0" in feedback and "Exercise 3.2 (allreduce_ring) is not done yet" in feedback
+    assert not processes_under(tmp_path), processes_under(tmp_path)
