@@ -120,6 +120,16 @@ def test_student_names():
     assert student_name(Path("carol/03_allreduce.ipynb"), "03_allreduce.ipynb") == "carol"
 
 
+def test_a_file_that_is_no_notebook_is_an_error_for_every_check(tmp_path):
+    from ddlab.grading.run import grade
+
+    broken = tmp_path / "broken.ipynb"
+    broken.write_text("{ not json")
+    results = grade(LAB, broken, "broken", timeout=10)
+    assert [(r.status, r.points) for r in results] == [("error", 0)] * 3
+    assert "broken.ipynb is not a notebook" in results[0].message
+
+
 def processes_under(folder: Path) -> list[str]:
     """Every process (kernel, controller, engine, mpiexec) whose IPython directory is in folder."""
     found = []

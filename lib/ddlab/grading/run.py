@@ -28,7 +28,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
 from ..cluster import cleanup_orphans
-from ..labgen import Check
+from ..labgen import Check, checks
 from .submission import prepare
 
 KERNEL = "ddlab"  # the course kernel, "Python (ddlab)"
@@ -139,7 +139,12 @@ def _is_px(cell: nbformat.NotebookNode) -> bool:
 
 def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) -> list[Result]:
     """Run the submission at `path` against the lab's checks; one Result per check, in the lab's order."""
-    notebook, placed = prepare(lab, nbformat.read(path, as_version=4))
+    try:
+        submitted = nbformat.read(path, as_version=4)
+    except Exception as err:  # not JSON, or not a notebook: nothing to run
+        message = f"{path.name} is not a notebook that can be read ({type(err).__name__}: {err}); nothing ran"
+        return [Result(student, check, "error", 0, message) for check in checks(lab)]
+    notebook, placed = prepare(lab, submitted)
     client = NotebookClient(notebook, timeout=int(timeout), kernel_name=KERNEL, allow_errors=True,
                             interrupt_on_timeout=True, error_on_timeout={"ename": TIMED_OUT, "evalue": "", "traceback": []},
                             resources={"metadata": {"path": str(path.resolve().parent)}})
