@@ -137,23 +137,40 @@ def _is_px(cell: nbformat.NotebookNode) -> bool:
     return cell.source.lstrip().startswith(("%%px", "%px"))
 
 
+def _outcome(check: Check, cell: nbformat.NotebookNode, finished: bool, state: dict[str, Any],
+             timeout: float) -> tuple[str, str]:
+    """(status, message) of a restored check cell: did it finish, and what did the probe after it say."""
+    if not finished:
+        return "timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); the engines were restarted"
+    status, message = verdict(check, cell, state.get("reference"))
+    if status != "passed" and state.get("healthy") is False:
+        return "error", (f"{message}\nThe engines died or stopped answering during this check "
+                         f"({state.get('problem', 'MPI ended the job')}); they were restarted.")
+    return status, message
+
+
 def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) -> list[Result]:
     """Run the submission at `path` against the lab's checks; one Result per check, in the lab's order."""
+    outcomes: dict[str, tuple[str, str]] = {}  # grade id -> (status, message)
     try:
         submitted = nbformat.read(path, as_version=4)
     except Exception as err:  # not JSON, or not a notebook: nothing to run
-        message = f"{path.name} is not a notebook that can be read ({type(err).__name__}: {err}); nothing ran"
-        return [Result(student, check, "error", 0, message) for check in checks(lab)]
-    notebook, placed = prepare(lab, submitted)
+        problem = f"{path.name} is not a notebook that can be read ({type(err).__name__}: {err}); nothing ran"
+    else:
+        problem = _run(*prepare(lab, submitted), path, timeout, outcomes)
+    results = []
+    for check in checks(lab):
+        status, message = outcomes.get(check.grade_id, ("error", problem))
+        results.append(Result(student, check, status, check.points if status == "passed" else 0, message))
+    return results
+
+
+def _run(notebook: nbformat.NotebookNode, placed: dict[int, Check], path: Path, timeout: float,
+         outcomes: dict[str, tuple[str, str]]) -> str:
+    """Run the notebook up to its last check, filling in outcomes; return why the checks not reached were not."""
     client = NotebookClient(notebook, timeout=int(timeout), kernel_name=KERNEL, allow_errors=True,
                             interrupt_on_timeout=True, error_on_timeout={"ename": TIMED_OUT, "evalue": "", "traceback": []},
                             resources={"metadata": {"path": str(path.resolve().parent)}})
-    results: dict[str, Result] = {}
-
-    def record(check: Check, status: str, message: str) -> None:
-        points = check.points if status == "passed" else 0
-        results[check.grade_id] = Result(student, check, status, points, message)
-
     kernel, replay = _Kernel(client), []
     try:
         with client.setup_kernel():
@@ -163,33 +180,18 @@ def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) 
                     continue
                 finished = kernel.run(cell, index)
                 state: dict[str, Any] = kernel.probe(check.function if check else None) if finished else {"healthy": False}
-                if check is not None and not finished:
-                    record(check, "timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); "
-                                               "the engines were restarted")
-                elif check is not None:
-                    status, message = verdict(check, cell, state.get("reference"))
-                    if status != "passed" and state.get("healthy") is False:
-                        status, message = "error", (f"{message}\nThe engines died or stopped answering during this "
-                                                    f"check ({state.get('problem', 'MPI ended the job')}); "
-                                                    "they were restarted.")
-                    record(check, status, message)
-                if finished and state.get("healthy") and _is_px(cell) and check is None:
+                if check is not None:
+                    outcomes[check.grade_id] = _outcome(check, cell, finished, state, timeout)
+                elif finished and state.get("healthy") and _is_px(cell):
                     replay.append(cell)
                 if not finished or state.get("healthy") is False:
                     problem = kernel.recover(replay)
                     if problem is not None:
-                        for rest in placed.values():
-                            if rest.grade_id not in results:
-                                record(rest, "error", problem)
-                        break
+                        return problem
             kernel.run_code(STOP)
     except DeadKernelError:
-        pass
-    for check in placed.values():
-        if check.grade_id not in results:
-            record(check, "error", "the kernel died before this check ran")
-    order = {check.grade_id: number for number, check in enumerate(sorted(placed.values(), key=lambda c: c.index))}
-    return sorted(results.values(), key=lambda result: order[result.check.grade_id])
+        return "the kernel died before this check ran"
+    return "this check never ran"
 
 
 @contextlib.contextmanager
