@@ -5,7 +5,7 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from ddlab.labgen import LabSourceError, clear_outputs, make_lab, stub_source
+from ddlab.labgen import LabSourceError, checks, clear_outputs, make_lab, stub_source
 
 
 def notebook(*cells: tuple[str, str, list[str]]) -> nbformat.NotebookNode:
@@ -75,3 +75,21 @@ def test_clear_outputs_reports_changes():
     assert not clear_outputs(nb)
     nb.cells[0].execution_count = 1
     assert clear_outputs(nb) and nb.cells[0].execution_count is None
+
+
+def test_nbgrader_metadata_with_stable_grade_ids():
+    nb = notebook(("code", EXERCISE, []), ("code", "check(bcast_linear)", ["check"]),
+                  ("code", "check_again(bcast_linear)", ["check"]), ("code", "print(1)", []))
+    lab = make_lab(nb)
+    solution, check, again = (lab.cells[i].metadata.nbgrader for i in range(3))
+    assert solution == {"grade": False, "grade_id": "ex2_1_bcast_linear", "locked": False,
+                        "schema_version": 3, "solution": True, "task": False}
+    assert check == {"grade": True, "grade_id": "check_ex2_1_bcast_linear", "locked": True, "points": 1,
+                     "schema_version": 3, "solution": False, "task": False}
+    assert again.grade_id == "check_ex2_1_bcast_linear_2"
+    assert "nbgrader" not in lab.cells[3].metadata
+    assert make_lab(nb) == lab, "the same solution gives the same ids"
+    found = checks(lab)
+    assert [(c.index, c.grade_id, c.exercise, c.function, c.points) for c in found] == [
+        (1, "check_ex2_1_bcast_linear", "Exercise 2.1", "bcast_linear", 1),
+        (2, "check_ex2_1_bcast_linear_2", "Exercise 2.1", "bcast_linear", 1)]

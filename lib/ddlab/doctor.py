@@ -542,7 +542,12 @@ def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`ddlab doctor [--profile P] [-n N] [--timeout S]`; exit status 1 if a check failed."""
+    """`ddlab doctor [--profile P] [-n N] [--timeout S]`; exit status 1 if a check failed.
+
+    `ddlab grade --lab NN SUBMISSIONS...` grades collected notebooks (ddlab.grading.cli).
+    """
+    from .grading import cli as grading
+
     parser = argparse.ArgumentParser(prog="ddlab", description="Tools of the ddlab course kit.")
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser("doctor", help="check MPI and a cluster profile, and say what to fix")
@@ -550,7 +555,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="cluster profile: local, slurm, jupyterhub (default: $DDLAB_PROFILE or local)")
     doctor.add_argument("-n", type=int, default=2, help="number of engines to start (default 2)")
     doctor.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines (default 120)")
+    grading.add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "grade":
+        return grading.main(args)
     if args.n < 1:
         parser.error("-n must be at least 1")
     report = run(args.profile, args.n, args.timeout)

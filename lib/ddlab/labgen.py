@@ -7,6 +7,12 @@ the exercise. Cells tagged `check` must then fail in the lab: they get nbval's
 `raises-exception` tag, and the notebook tests demand that they really raise.
 Cells tagged `needs-solution` use an exercise's result and may fail in the lab.
 
+The lab also carries nbgrader's cell metadata, so a course run with nbgrader can
+release, collect and autograde it: exercise cells are solution cells, check cells
+autograded test cells worth POINTS each. Their grade ids come from the exercise
+label ("Exercise 3.2: allreduce_ring" gives `ex3_2_allreduce_ring` and
+`check_ex3_2_allreduce_ring`), so they stay the same each time labs/ is generated.
+
     python -m ddlab.labgen solutions labs          # write labs/
     python -m ddlab.labgen solutions labs --check  # exit 1 if labs/ is stale
 """
@@ -17,6 +23,7 @@ import argparse
 import copy
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -24,6 +31,8 @@ import nbformat
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 CHECK_TAG, NEEDS_TAG, RAISES_TAG = "check", "needs-solution", "raises-exception"
 EXERCISE_RE = re.compile(r"^\s*#\s*(Exercise\s+[\w.]+)\s*:\s*(.+?)\s*$", re.MULTILINE)
+#: What each check cell is worth, in nbgrader and in `ddlab grade`.
+POINTS = 1
 
 
 class LabSourceError(ValueError):
@@ -57,24 +66,72 @@ def stub_source(source: str, where: str) -> tuple[str, int]:
     return "\n".join(out), stubs
 
 
+@dataclass(frozen=True)
+class Check:
+    """A check cell of a lab: where it is, its grade id, the exercise it checks, its source."""
+
+    index: int
+    grade_id: str
+    exercise: str  # "Exercise 3.2"
+    function: str  # "allreduce_ring": the name the exercise defines
+    source: str
+    points: int
+
+
+def exercise_id(exercise: str, function: str) -> str:
+    """nbgrader's grade id of an exercise cell: letters, digits and underscores only."""
+    return re.sub(r"\W+", "_", f"ex{exercise.split()[-1]}_{function}").strip("_")
+
+
+def _nbgrader(grade_id: str, solution: bool, points: int | None = None) -> dict:
+    """nbgrader's cell metadata (schema 3) for a solution cell, or an autograded test cell if points."""
+    meta = {"grade": points is not None, "grade_id": grade_id, "locked": not solution,
+            "schema_version": 3, "solution": solution, "task": False}
+    return meta | ({"points": points} if points is not None else {})
+
+
 def make_lab(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
     """The lab notebook for one solution notebook: stubs in, outputs out, checks marked."""
     lab = copy.deepcopy(solution)
-    stubs_so_far = 0
+    label, used = None, set()
     for index, cell in enumerate(lab.cells):
         where = f"{name}, cell {index}"
         tags = list(cell.get("metadata", {}).get("tags", []))
+        grade_id, stubs = None, 0
         if cell.cell_type == "code":
             cell.source, stubs = stub_source(cell.source, where)
-            stubs_so_far += stubs
             cell.outputs, cell.execution_count = [], None
-        if CHECK_TAG in tags and stubs_so_far == 0:
-            raise LabSourceError(f"{where}: a check cell with no exercise before it checks nothing")
+        if stubs:
+            label = EXERCISE_RE.search(solution.cells[index].source).groups()  # type: ignore[union-attr]
+            grade_id = exercise_id(*label)
+        if CHECK_TAG in tags:
+            if label is None:
+                raise LabSourceError(f"{where}: a check cell with no exercise before it checks nothing")
+            grade_id = "check_" + exercise_id(*label)
+        if grade_id is not None:
+            base, count = grade_id, 1
+            while grade_id in used:  # a second cell of one exercise, or a second check of it
+                count += 1
+                grade_id = f"{base}_{count}"
+            used.add(grade_id)
+            cell.metadata["nbgrader"] = _nbgrader(grade_id, CHECK_TAG not in tags, POINTS if CHECK_TAG in tags else None)
         if (CHECK_TAG in tags or NEEDS_TAG in tags) and RAISES_TAG not in tags:
             tags.append(RAISES_TAG)
         if tags:
             cell.metadata["tags"] = tags
     return lab
+
+
+def checks(lab: nbformat.NotebookNode) -> list[Check]:
+    """The check cells of a generated lab, each with the exercise it checks."""
+    found, label = [], None
+    for index, cell in enumerate(lab.cells):
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if meta.get("solution"):
+            label = EXERCISE_RE.search(cell.source).groups()  # type: ignore[union-attr]
+        if meta.get("grade") and label is not None:
+            found.append(Check(index, meta["grade_id"], label[0], label[1], cell.source, meta["points"]))
+    return found
 
 
 def clear_outputs(notebook: nbformat.NotebookNode) -> bool:

@@ -1,0 +1,237 @@
+"""`ddlab grade` on seven submissions of lab 03 made here, and how a submission is put together for grading.
+
+The seven: the solution; the lab's stub; one exercise done; one that deadlocks; one
+that kills its engine; one that fakes a check and deletes another; one that hands in
+the library's own ring. Graded in one run of the console script, as an instructor
+would, to exactly the expected sheet, in under 10 minutes, with nothing left running.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from ddlab.labgen import checks
+from ddlab.grading.submission import prepare, student_name
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = nbformat.read(ROOT / "labs" / "03_allreduce.ipynb", as_version=4)
+SOLUTION = nbformat.read(ROOT / "solutions" / "03_allreduce.ipynb", as_version=4)
+#: The cell timeout of the graded run: above any check of lab 03 (about 10 s each on 2 busy cores).
+TIMEOUT = 60
+
+DEADLOCK = """%%px
+# Exercise 3.2: allreduce_ring
+def allreduce_ring(comm, x):
+    incoming = np.empty_like(x)
+    MPI.COMM_WORLD.Recv(incoming, source=MPI.ANY_SOURCE)  # the world, not comm: nobody ever sends
+    return x + incoming
+"""
+KILL = """%%px
+# Exercise 3.2: allreduce_ring
+import os, signal
+
+
+def allreduce_ring(comm, x):
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+REFERENCE = """%%px
+# Exercise 3.2: allreduce_ring
+from ddlab.allreduce import allreduce_ring
+"""
+FAKED = "%%px\nprint('passed: allreduce_ring sums correctly')"
+
+
+def exercise_cell(notebook: nbformat.NotebookNode, function: str) -> int:
+    return next(i for i, c in enumerate(notebook.cells) if f": {function}\n" in c.source and "%%px" in c.source)
+
+
+def check_cell(notebook: nbformat.NotebookNode, function: str) -> int:
+    return next(i for i, c in enumerate(notebook.cells) if f"check_{function}(" in c.source)
+
+
+def lab_with(done: tuple[str, ...] = (), **sources: str) -> nbformat.NotebookNode:
+    """The lab with the solution's cells for the exercises `done` and the given sources for others."""
+    nb = copy.deepcopy(LAB)
+    for function in done:
+        nb.cells[exercise_cell(nb, function)].source = SOLUTION.cells[exercise_cell(SOLUTION, function)].source
+    for function, source in sources.items():
+        nb.cells[exercise_cell(nb, function)].source = source
+    return nb
+
+
+def faked_checks() -> nbformat.NotebookNode:
+    """Exercise 3.1 done; 3.2's check edited into a print of 'passed'; 3.3's check deleted."""
+    nb = lab_with(("allreduce_recursive_doubling",))
+    nb.cells[check_cell(nb, "allreduce_ring")].source = FAKED
+    del nb.cells[check_cell(nb, "allreduce_rabenseifner")]
+    return nb
+
+
+SUBMISSIONS = {
+    "solution": lambda: copy.deepcopy(SOLUTION),
+    "stub": lambda: copy.deepcopy(LAB),
+    "one_done": lambda: lab_with(("allreduce_recursive_doubling",)),
+    "deadlock": lambda: lab_with(("allreduce_recursive_doubling",), allreduce_ring=DEADLOCK),
+    "kills_engine": lambda: lab_with(("allreduce_recursive_doubling",), allreduce_ring=KILL),
+    "faked_checks": faked_checks,
+    "reference": lambda: lab_with(allreduce_ring=REFERENCE),
+}
+P, F, E, T = "passed", "failed", "error", "timed out"
+EXPECTED = {  # status of exercises 3.1, 3.2, 3.3
+    "solution": (P, P, P),
+    "stub": (F, F, F),
+    "one_done": (P, F, F),
+    "deadlock": (P, T, F),  # the engines are restarted after the timeout, and 3.3 still graded
+    "kills_engine": (P, E, F),
+    "faked_checks": (P, F, F),  # the checks come back from the lab
+    "reference": (F, F, F),  # ddlab.allreduce.allreduce_ring passes the check, but earns nothing
+}
+EXERCISES = ("Exercise 3.1: allreduce_recursive_doubling", "Exercise 3.2: allreduce_ring",
+             "Exercise 3.3: allreduce_rabenseifner")
+
+
+def test_checks_come_back_after_their_exercise_whatever_the_student_did():
+    notebook, placed = prepare(LAB, faked_checks())
+    assert [c.grade_id for c in placed.values()] == [c.grade_id for c in checks(LAB)]
+    for index, check in placed.items():
+        assert notebook.cells[index].source == check.source
+        assert f"# {check.exercise}: {check.function}" in notebook.cells[index - 1].source
+    assert FAKED not in [c.source for c in notebook.cells]
+    no_ring = copy.deepcopy(LAB)
+    del no_ring.cells[exercise_cell(no_ring, "allreduce_ring")]
+    notebook, placed = prepare(LAB, no_ring)
+    ring, = [i for i, c in placed.items() if c.function == "allreduce_ring"]
+    assert "check_allreduce_recursive_doubling" in notebook.cells[ring - 1].source, "goes where the one before went"
+
+
+def test_student_names():
+    assert student_name(Path("in/alice.ipynb"), "03_allreduce.ipynb") == "alice"
+    assert student_name(Path("submitted/bob/lab03/03_allreduce.ipynb"), "03_allreduce.ipynb") == "bob"
+    assert student_name(Path("carol/03_allreduce.ipynb"), "03_allreduce.ipynb") == "carol"
+
+
+def test_a_file_that_is_no_notebook_is_an_error_for_every_check(tmp_path):
+    from ddlab.grading.run import grade
+
+    broken = tmp_path / "broken.ipynb"
+    broken.write_text("{ not json")
+    results = grade(LAB, broken, "broken", timeout=10)
+    assert [(r.status, r.points) for r in results] == [("error", 0)] * 3
+    assert "broken.ipynb is not a notebook" in results[0].message
+
+
+def processes_under(folder: Path) -> list[str]:
+    """Every process (kernel, controller, engine, mpiexec) whose IPython directory is in folder."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.environ().get("IPYTHONDIR", "").startswith(str(folder)):
+                found.append(f"{proc.pid}: {' '.join(proc.info['cmdline'] or [])[:150]}")
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_grade_seven_submissions_of_lab_03(tmp_path):
+    folder = tmp_path / "collected"
+    folder.mkdir()
+    paths = []
+    for student, make in SUBMISSIONS.items():
+        nbformat.write(make(), folder / f"{student}.ipynb")
+        paths.append(str(folder / f"{student}.ipynb"))
+    ddlab = Path(sys.executable).parent / "ddlab"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the grader's private IPython directory goes here
+    started = time.monotonic()
+    done = subprocess.run([str(ddlab), "grade", "--lab", "03", "--timeout", str(TIMEOUT), "--out",
+                           str(tmp_path / "grades"), *paths], env=env, capture_output=True, text=True, timeout=900)
+    elapsed = time.monotonic() - started
+    print(done.stdout, f"graded 7 submissions in {elapsed:.0f} s")
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "grades" / "grades.csv", newline="") as file:
+        sheet = list(csv.DictReader(file))
+    expected = [{"student": student, "exercise": exercise, "status": status, "points": str(int(status == P)),
+                 "max_points": "1"}
+                for student, statuses in EXPECTED.items() for exercise, status in zip(EXERCISES, statuses)]
+    assert sheet == expected, done.stdout + done.stderr
+    assert elapsed < 600, f"grading took {elapsed:.0f} s"
+    assert not processes_under(tmp_path), processes_under(tmp_path)
+
+    feedback = {student: (tmp_path / "grades" / "feedback" / f"{student}.html").read_text() for student in EXPECTED}
+    assert "3 of 3 points" in feedback["solution"] and "sums correctly" in feedback["solution"]
+    assert "Exercise 3.1 (allreduce_recursive_doubling) is not done yet" in feedback["stub"]
+    assert f"did not finish within {TIMEOUT} s" in feedback["deadlock"]
+    assert "The engines died or stopped answering" in feedback["kills_engine"]
+    assert "Exercise 3.2 (allreduce_ring) is not done yet" in feedback["faked_checks"]
+    assert "ddlab.allreduce.allreduce_ring, the library&#x27;s reference" in feedback["reference"]
+
+
+@pytest.mark.parametrize("args, message", [(["--lab", "99"], "no lab '99'"), (["--lab", "03"], "no such notebook")])
+def test_bad_arguments_are_refused_clearly(tmp_path, args, message):
+    from ddlab.doctor import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["grade", *args, str(tmp_path / "missing.ipynb")])
+
+
+NBGRADER = Path(sys.executable).parent / "nbgrader"
+NBGRADER_CONFIG = """c = get_config()
+c.CourseDirectory.course_id = "ddlab"
+c.ClearSolutions.enabled = False  # labs/ are stubbed already (ddlab.labgen): release them as they are
+c.Execute.timeout = 300
+"""
+
+
+def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
+    """nbgrader itself on lab 03: generate_assignment, autograde of one submission, generate_feedback.
+
+    The submission did exercise 3.1 and edited 3.2's check into a print of 'passed':
+    nbgrader puts the locked check back, so it earns 1 of 3 points.
+    """
+    if not NBGRADER.exists():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true, so nbgrader must be installed (it is in lib[test]), but it is not")
+        pytest.skip("nbgrader is not installed: it is in lib[test]; run `make setup`")
+    from nbgrader.api import Gradebook
+
+    course = tmp_path / "course"
+    (course / "source" / "lab03").mkdir(parents=True)
+    (course / "nbgrader_config.py").write_text(NBGRADER_CONFIG)
+    nbformat.write(LAB, course / "source" / "lab03" / "03_allreduce.ipynb")
+    env = {**os.environ, "PATH": f"{NBGRADER.parent}{os.pathsep}{os.environ['PATH']}",  # nbgrader runs alembic
+           "IPYTHONDIR": str(tmp_path / "ipython")}  # the kernel's clusters, told apart from the rest
+
+    def nbgrader(*args: str) -> str:
+        done = subprocess.run([str(NBGRADER), *args], cwd=course, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"nbgrader {' '.join(args)}:\n{done.stdout}{done.stderr}"
+        return done.stdout + done.stderr
+
+    nbgrader("generate_assignment", "lab03", "--force")
+    released = nbformat.read(course / "release" / "lab03" / "03_allreduce.ipynb", as_version=4)
+    assert released.cells[check_cell(released, "allreduce_ring")].metadata.editable is False
+    submission = copy.deepcopy(released)
+    done = exercise_cell(submission, "allreduce_recursive_doubling")
+    submission.cells[done].source = SOLUTION.cells[exercise_cell(SOLUTION, "allreduce_recursive_doubling")].source
+    submission.cells[check_cell(submission, "allreduce_ring")].source = FAKED
+    (course / "submitted" / "alice" / "lab03").mkdir(parents=True)
+    nbformat.write(submission, course / "submitted" / "alice" / "lab03" / "03_allreduce.ipynb")
+    nbgrader("autograde", "lab03", "--create", "--force")
+    nbgrader("generate_feedback", "lab03", "--force")
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        scores = {check.grade_id: gradebook.find_grade(check.grade_id, "03_allreduce", "lab03", "alice").score
+                  for check in checks(LAB)}
+    assert scores == {"check_ex3_1_allreduce_recursive_doubling": 1, "check_ex3_2_allreduce_ring": 0,
+                      "check_ex3_3_allreduce_rabenseifner": 0}
+    feedback = (course / "feedback" / "alice" / "lab03" / "03_allreduce.html").read_text()
+    assert "Score: 1.0 / 3.0" in feedback and "Exercise 3.2 (allreduce_ring) is not done yet" in feedback
+    assert not processes_under(tmp_path), processes_under(tmp_path)
