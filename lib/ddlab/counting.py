@@ -184,7 +184,7 @@ class CountingComm:
 
     def _collective(self, name: str) -> Callable[..., None]:
         """A blocking buffer collective run as its non-blocking twin (Iallreduce...), with the timeout."""
-        start = getattr(self.comm, "I" + name, None)
+        start = getattr(self.comm, "I" + name[0].lower() + name[1:], None)
         if start is None:
             raise ForbiddenCollective(f"comm.{name} has no non-blocking twin to wait on with a timeout; use a buffer collective")
 

@@ -43,6 +43,9 @@ _WHERE = {
     "check_gpipe": "pipeline",
     "check_one_f_one_b": "pipeline",
     "check_pipedream_partition": "pipeline",
+    "check_filter_parallel_conv": "intra_layer",
+    "check_halo_exchange": "intra_layer",
+    "check_slab_bounds": "intra_layer",
 }
 
 __all__ = list(_WHERE)

@@ -80,14 +80,16 @@ def sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterato
 
 
 def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: str,
-                timeout: float = 20.0) -> tuple[Any, list[Traffic]]:
+                timeout: float = 20.0, allowed: tuple[str, ...] = ()) -> tuple[Any, list[Traffic]]:
     """Call fn(counting_comm, *args) on every rank of comm; return (result, all ranks' traffic).
+
+    `allowed` names MPI collectives the exercise may call (see CountingComm).
 
     An exercise stub's NotImplementedError passes straight through (all ranks raise
     it together). Any other exception, a stall or a forbidden collective on any
     rank becomes one CheckFailed on every rank.
     """
-    counting = CountingComm(comm, timeout=timeout)
+    counting = CountingComm(comm, timeout=timeout, allowed=allowed)
     problem, result = None, None
     try:
         result = fn(counting, *args)

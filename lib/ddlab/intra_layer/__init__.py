@@ -19,4 +19,5 @@ from .filter_unet import FilterConv, FilterUNet, filter_step
 from .halo import HaloExchange, exchange_rows, wait_all
 from .hybrid import Grid, group_samples, hybrid_step, make_grid
 from .slabs import level_bounds, slab_bounds
+from .fit import COLUMNS, STRATEGIES, halo_share, intra_sweep, markdown_table, try_strategy
 from .spatial import SpatialUNet, conv_halo, padded_conv2d, slab_loss, spatial_conv2d, spatial_step
