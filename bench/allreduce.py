@@ -11,7 +11,7 @@ bandwidth (one process copying 64 MiB, nothing else running in the job).
 
     .venv/bin/python bench/allreduce.py [--ranks 2 4] [--repeats-scale 1.0]
 
-It starts its own MPI jobs through ddlab.mpi; `--child` marks the run inside one.
+It relaunches itself under mpiexec (ddlab.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -83,18 +83,12 @@ def child(scale: float) -> None:
 
 
 def main() -> int:
+    from ddlab.mpi import bench_main
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats-scale", type=float, default=1.0, help="multiply every repeat count")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args.repeats_scale)
-        return 0
-    from ddlab.mpi import run_for_each
-
-    command = [sys.executable, __file__, "--child", "--repeats-scale", str(args.repeats_scale)]
-    return run_for_each(args.ranks, command, TIMEOUT)
+    return bench_main(parser, lambda a: child(a.repeats_scale), TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ ratio), and the share of a step spent waiting in the allreduce without overlap.
 
     .venv/bin/python bench/data_parallel.py [--ranks 2 4] [--rounds 15] [--steps 5]
 
-It starts its own MPI jobs through ddlab.mpi; `--child` marks the run inside one.
+It relaunches itself under mpiexec (ddlab.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -108,19 +108,13 @@ def child(rounds: int, steps: int) -> None:
 
 
 def main() -> int:
+    from ddlab.mpi import bench_main
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args.rounds, args.steps)
-        return 0
-    from ddlab.mpi import run_for_each
-
-    command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--steps", str(args.steps)]
-    return run_for_each(args.ranks, command, TIMEOUT)
+    return bench_main(parser, lambda a: child(a.rounds, a.steps), TIMEOUT)
 
 
 if __name__ == "__main__":

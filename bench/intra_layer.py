@@ -14,7 +14,7 @@ hybrid data x spatial (2 x 2) and filter parallel (4-way). It prints:
 
     .venv/bin/python bench/intra_layer.py
 
-It starts its own MPI job through ddlab.mpi; `--child` marks the run inside it.
+It relaunches itself under mpiexec (`ddlab.mpi.bench_main`).
 """
 
 from __future__ import annotations
@@ -71,18 +71,12 @@ def child(start: int, step: int) -> None:
 
 
 def main() -> int:
+    from ddlab.mpi import bench_main
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--start", type=int, default=64)
     parser.add_argument("--step", type=int, default=16)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args.start, args.step)
-        return 0
-    from ddlab.mpi import run_for_each
-
-    return run_for_each([4], [sys.executable, __file__, "--child", "--start", str(args.start), "--step", str(args.step)],
-                        TIMEOUT)
+    return bench_main(parser, lambda a: child(a.start, a.step), TIMEOUT)
 
 
 if __name__ == "__main__":

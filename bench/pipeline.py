@@ -15,7 +15,7 @@ starting with the other one, so that other work on the machine hits them alike.
 
     .venv/bin/python bench/pipeline.py [--rounds 5]
 
-It starts its own MPI job through ddlab.mpi; `--child` marks the run inside it.
+It relaunches itself under mpiexec (ddlab.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -113,17 +113,11 @@ def child(rounds: int) -> None:
 
 
 def main() -> int:
+    from ddlab.mpi import bench_main
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        child(args.rounds)
-        return 0
-    from ddlab.mpi import run_for_each
-
-    command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds)]
-    return run_for_each([4], command, TIMEOUT)
+    return bench_main(parser, lambda a: child(a.rounds), TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The slurm and jupyterhub profiles against a real Slurm: a private single-node Slurm
 (the distribution's slurmctld, slurmd and munge; tests/slurm/single_node.py), installed
-and started as root for these tests and stopped after them.
+and started as root by the `slurm` fixture (tests/conftest.py) and stopped after the session.
 
 Where Slurm cannot be installed (not root, no apt-get) these tests skip and say so. In CI
 (CI=true) they must run: there, a failed installation fails them.
@@ -9,7 +9,6 @@ Where Slurm cannot be installed (not root, no apt-get) these tests skip and say 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -25,39 +24,6 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 #: Lab 02 (collectives on 4 engines), and lab 00, whose hang and crash recovery restarts them.
 LABS = [ROOT / "solutions" / "02_collectives.ipynb", ROOT / "solutions" / "00_cluster.ipynb"]
-IN_CI = os.environ.get("CI", "").lower() == "true"
-
-_spec = importlib.util.spec_from_file_location("single_node", HERE / "slurm" / "single_node.py")
-single_node = sys.modules["single_node"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(single_node)
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    """A running single-node Slurm; $SLURM_CONF points every Slurm command at it."""
-    if os.environ.get("DDLAB_SLURM_TESTS") == "0" and not IN_CI:
-        pytest.skip("Slurm tests skipped: DDLAB_SLURM_TESTS=0.")
-    try:
-        single_node.install(timeout=300)
-    except single_node.CannotInstall as err:
-        if IN_CI:
-            pytest.fail(f"CI=true, so the Slurm tests must run, but Slurm could not be installed: {err}")
-        pytest.skip(f"Slurm tests skipped: {err}. They install Slurm with apt-get as root (Debian, Ubuntu), "
-                    "and always run in CI.")
-    node = single_node.SingleNode.create()
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in node.env.items():
-            env.setenv(name, value)
-        # The test node claims more CPUs than this machine has, so Open MPI does not know its
-        # ranks share cores: make them yield while they wait, as it does when oversubscribed.
-        env.setenv("OMPI_MCA_mpi_yield_when_idle", "1")
-        try:
-            node.start()
-            yield node
-        finally:
-            node.stop()
-    assert not node.processes(), "Slurm daemons or job processes survived stop()"
-
 
 @pytest.fixture(autouse=True)
 def nothing_left(request: pytest.FixtureRequest):

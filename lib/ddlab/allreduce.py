@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .comm import Comm
 from .counting import underlying
 from .partition import block_bounds
 
@@ -65,7 +66,7 @@ def _dtype_name(code: int) -> str:
     return np.dtype(f"{chr(code >> 8)}{code & 255}").name
 
 
-def _input_problem(rows: list[tuple[int, int, int]]) -> str:
+def _input_problem(rows: list[tuple[int, ...]]) -> str:
     """What is wrong with the inputs of the ranks, one row each, when they are not all alike and fine."""
     for rank, (status, value, _) in enumerate(rows):
         if status == _NOT_ARRAY:
@@ -79,7 +80,7 @@ def _input_problem(rows: list[tuple[int, int, int]]) -> str:
     return f"every rank must pass the same length and dtype, but {have}"
 
 
-def agree_on_input(comm: Any, x: Any) -> None:
+def agree_on_input(comm: Comm, x: Any) -> None:
     """Raise the same ValueError on every rank unless all pass 1-D arrays of one length and dtype.
 
     One Allgather of three numbers per rank, kept lean: it runs before every allreduce.
@@ -93,7 +94,7 @@ def agree_on_input(comm: Any, x: Any) -> None:
         raise ValueError(f"allreduce: {_input_problem(rows)}")
 
 
-def _start(comm: Any, x: np.ndarray) -> np.ndarray:
+def _start(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Check the inputs agree, then return the work buffer: a private copy of x."""
     agree_on_input(comm, x)
     return np.array(x, copy=True)
@@ -112,7 +113,7 @@ def member_rank(group_rank: int, size: int) -> int:
     return 2 * group_rank + 1 if group_rank < extra else group_rank + extra
 
 
-def fold_in(comm: Any, work: np.ndarray, scratch: np.ndarray) -> int | None:
+def fold_in(comm: Comm, work: np.ndarray, scratch: np.ndarray) -> int | None:
     """Shrink P ranks to a power of two, p', before recursive doubling or halving.
 
     With r = P - p' surplus ranks, the first 2r ranks pair up: each even one sends its
@@ -131,7 +132,7 @@ def fold_in(comm: Any, work: np.ndarray, scratch: np.ndarray) -> int | None:
     return rank // 2
 
 
-def fold_out(comm: Any, work: np.ndarray, group_rank: int | None) -> None:
+def fold_out(comm: Comm, work: np.ndarray, group_rank: int | None) -> None:
     """Undo fold_in: each odd rank among the first 2r sends the result to the even one before it."""
     rank, extra = comm.Get_rank(), comm.Get_size() - largest_power_of_two(comm.Get_size())
     if rank >= 2 * extra:
@@ -144,7 +145,7 @@ def fold_out(comm: Any, work: np.ndarray, group_rank: int | None) -> None:
 
 # The algorithms -------------------------------------------------------------------
 
-def allreduce_naive(comm: Any, x: np.ndarray) -> np.ndarray:
+def allreduce_naive(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Linear reduce to rank 0, then linear broadcast: 2(P-1) messages through rank 0."""
     from .collectives import bcast_linear, reduce_linear
 
@@ -153,7 +154,7 @@ def allreduce_naive(comm: Any, x: np.ndarray) -> np.ndarray:
     return bcast_linear(comm, x if total is None else total, root=0)
 
 
-def allreduce_tree(comm: Any, x: np.ndarray) -> np.ndarray:
+def allreduce_tree(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Binomial-tree reduce to rank 0, then binomial-tree broadcast: 2 ceil(log2 P) rounds."""
     from .collectives import bcast_tree, reduce_tree
 
@@ -162,7 +163,7 @@ def allreduce_tree(comm: Any, x: np.ndarray) -> np.ndarray:
     return bcast_tree(comm, x if total is None else total, root=0)
 
 
-def allreduce_recursive_doubling(comm: Any, x: np.ndarray) -> np.ndarray:
+def allreduce_recursive_doubling(comm: Comm, x: np.ndarray) -> np.ndarray:
     """In step k, swap whole vectors with the rank 2^k away and add: log2 P steps."""
     work = _start(comm, x)
     scratch = np.empty_like(work)
@@ -178,7 +179,7 @@ def allreduce_recursive_doubling(comm: Any, x: np.ndarray) -> np.ndarray:
     return work
 
 
-def allreduce_ring(comm: Any, x: np.ndarray) -> np.ndarray:
+def allreduce_ring(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Reduce-scatter then allgather around a ring: 2(P-1) steps, each passing one chunk right.
 
     The vector is cut into P chunks (block_bounds). In reduce-scatter step s, rank r
@@ -207,12 +208,12 @@ def allreduce_ring(comm: Any, x: np.ndarray) -> np.ndarray:
         comm.Sendrecv(outgoing, dest=right, sendtag=TAG, recvbuf=chunks[arriving], source=left, recvtag=TAG)
         np.add(chunks[arriving], own[arriving], out=chunks[arriving])
     for step in range(size - 1):
-        outgoing, arriving = chunks[(rank + 1 - step) % size], chunks[(rank - step) % size]
-        comm.Sendrecv(outgoing, dest=right, sendtag=TAG, recvbuf=arriving, source=left, recvtag=TAG)
+        outgoing, incoming = chunks[(rank + 1 - step) % size], chunks[(rank - step) % size]
+        comm.Sendrecv(outgoing, dest=right, sendtag=TAG, recvbuf=incoming, source=left, recvtag=TAG)
     return work
 
 
-def allreduce_rabenseifner(comm: Any, x: np.ndarray) -> np.ndarray:
+def allreduce_rabenseifner(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Reduce-scatter by recursive halving, then allgather by recursive doubling.
 
     The vector is cut into p' blocks. Each halving step swaps half of the blocks this

@@ -38,7 +38,9 @@ class ClusterError(RuntimeError):
 
 
 @dataclass
-class _Running:
+class Running:
+    """The cluster this process started: ipyparallel's cluster and client, its view, n and profile."""
+
     cluster: ipp.Cluster
     client: ipp.Client
     view: ipp.DirectView
@@ -47,7 +49,7 @@ class _Running:
     reported_up: int = -1  # engine count at the last crash report, so each crash is told once
 
 
-_current: _Running | None = None
+_current: Running | None = None
 
 
 def default_profile() -> str:
@@ -68,7 +70,13 @@ def profile_config(profile: str) -> Config:
     return PyFileConfigLoader(config_file.name, path=str(folder)).load_config()
 
 
-def _make_cluster(n: int, profile: str) -> ipp.Cluster:
+def current() -> Running | None:
+    """The cluster this process started with start() and has not stopped, or None."""
+    return _current
+
+
+def make_cluster(n: int, profile: str) -> ipp.Cluster:
+    """An ipyparallel cluster of n MPI engines on the profile, not started (bring_up starts it)."""
     config = profile_config(profile)
     config.MPILauncher.mpi_cmd = [mpi.mpiexec_path()]
     config.MPILauncher.mpi_args = mpi.launcher_args(n)
@@ -162,11 +170,10 @@ def _activate(client: ipp.Client) -> ipp.DirectView:
     The magic shows one only after `progress_after_seconds`; a value of -1 would also
     skip its wait for the engines' last output, so use a wait longer than any cell.
     """
-    from IPython import get_ipython
     from ipyparallel.client.magics import ParallelMagics
+    from IPython import get_ipython
 
-    view = client.direct_view("all")
-    view.block = True
+    view = client.direct_view("all")  # blocking, as every view of the client
     if get_ipython() is not None:
         ParallelMagics.progress_after_seconds = 1e6
         view.activate()
@@ -193,8 +200,30 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
         time.sleep(0.1)  # engine (un)registrations arrive on the client's IO thread
 
 
+def bring_up(cluster: ipp.Cluster, n: int, timeout: float) -> ipp.Client:
+    """Start the controller and n engines of `cluster`; return a client once all registered.
+
+    The client's views block by default (`rc[:].pull("x")` returns the values, not
+    an AsyncResult). Raises ClusterError (or ipyparallel's error) saying what went
+    wrong; the caller stops the cluster then.
+    """
+    cluster.start_controller_sync()
+    # Connect before starting engines: that waits until the controller is fully up, and a
+    # controller stopped earlier (sbatch refusing the engines' job fails at once) leaves its
+    # schedulers running. ipyparallel's default 10 s to connect is short on a loaded machine.
+    client = cluster.connect_client_sync(timeout=max(10.0, min(timeout, 60.0)))
+    client.block = True  # views take it as their default
+    try:
+        cluster.start_engines_sync(n)
+        _wait_for_engines(cluster, client, n, timeout)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
 def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp.Client:
-    """Start n MPI engines and return a client whose view is active for %px and %%px.
+    """Start n MPI engines and return a client (its views block) whose view is active for %px and %%px.
 
     The profile is a folder of clusters/ (default: $DDLAB_PROFILE, else local).
     Running it again with the same n and profile returns the running cluster; with
@@ -209,20 +238,14 @@ def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp
             return _current.client
         stop()
     cleanup_orphans(profile)
-    cluster = _make_cluster(n, profile)
+    cluster = make_cluster(n, profile)
     try:
-        cluster.start_controller_sync()
-        # Connect before starting engines: that waits until the controller is fully up, and a
-        # controller stopped earlier (sbatch refusing the engines' job fails at once) leaves its
-        # schedulers running. ipyparallel's default 10 s to connect is short on a loaded machine.
-        client = cluster.connect_client_sync(timeout=min(timeout, 60.0))
-        cluster.start_engines_sync(n)
-        _wait_for_engines(cluster, client, n, timeout)
+        client = bring_up(cluster, n, timeout)
     except BaseException:
         with contextlib.suppress(Exception):
             cluster.stop_cluster_sync()
         raise
-    _current = _Running(cluster, client, _activate(client), n, profile)
+    _current = Running(cluster, client, _activate(client), n, profile)
     _watch_engines()
     return client
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .comm import Comm
+
 #: The tag of every message these collectives send.
 TAG = 20
 
@@ -26,7 +28,7 @@ def _buffer(x: np.ndarray) -> np.ndarray:
     return np.array(x, order="C", copy=True)
 
 
-def bcast_linear(comm: MPI.Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
+def bcast_linear(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
     """The root sends x to every other rank in turn: P-1 messages, P-1 rounds."""
     rank, size = comm.Get_rank(), comm.Get_size()
     out = _buffer(x)
@@ -39,7 +41,7 @@ def bcast_linear(comm: MPI.Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
     return out
 
 
-def bcast_tree(comm: MPI.Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
+def bcast_tree(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
     """Binomial tree: each rank receives once from its parent, then forwards to its children."""
     rank, size = comm.Get_rank(), comm.Get_size()
     me = (rank - root) % size  # rank relative to the root
@@ -58,7 +60,7 @@ def bcast_tree(comm: MPI.Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
     return out
 
 
-def reduce_linear(comm: MPI.Comm, x: np.ndarray, root: int = 0) -> np.ndarray | None:
+def reduce_linear(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray | None:
     """Every other rank sends x to the root, which adds them up: P-1 messages, all into the root."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank != root:
@@ -72,7 +74,7 @@ def reduce_linear(comm: MPI.Comm, x: np.ndarray, root: int = 0) -> np.ndarray | 
     return total
 
 
-def reduce_tree(comm: MPI.Comm, x: np.ndarray, root: int = 0) -> np.ndarray | None:
+def reduce_tree(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray | None:
     """Binomial tree run backwards: add the children's partial sums, then send to the parent."""
     rank, size = comm.Get_rank(), comm.Get_size()
     me = (rank - root) % size

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 from mpi4py import MPI
 
 #: Where MPICH switches from recursive doubling to Rabenseifner's algorithm
@@ -118,7 +119,7 @@ def _best_seconds(action: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure_gamma(nbytes: int = 8 * 2**20, dtype: np.dtype = np.float32, repeats: int = 5) -> float:
+def measure_gamma(nbytes: int = 8 * 2**20, dtype: npt.DTypeLike = np.float32, repeats: int = 5) -> float:
     """Seconds per byte of np.add(a, b, out=a) on vectors of `nbytes` bytes, best of `repeats`."""
     a = np.ones(nbytes // np.dtype(dtype).itemsize, dtype=dtype)
     b = np.ones_like(a)
@@ -148,7 +149,7 @@ def fit_machine(comm: MPI.Comm, sizes: Sequence[int] | None = None, repeats: int
 
 
 def time_allreduce(comm: MPI.Comm, algorithms: dict[str, Callable], sizes: Sequence[int],
-                   repeats: int = 3, dtype: np.dtype = np.float32) -> dict[str, np.ndarray]:
+                   repeats: int = 3, dtype: npt.DTypeLike = np.float32) -> dict[str, np.ndarray]:
     """Seconds of each call, per algorithm: an array of shape (len(sizes), repeats).
 
     A collective call; every rank gets the same numbers. Each call counts as its slowest

@@ -10,20 +10,31 @@ its sender has seen, counting both the messages it received and the ones it sent
 before (a rank sends one message at a time). A linear broadcast on P ranks takes
 P-1 rounds, a binomial tree ceil(log2 P).
 
-Blocking calls never hang a check: they poll, give up after `timeout` seconds
-with a message naming the message waited for, and give up at once when another
-rank reports a failure through `fail_all`.
+A check may allow named collectives (`allow=("Alltoallv",)`) for exercises that are
+about calling one: the call is forwarded, its buffer arguments validated first (so a
+count or displacement past the end of a buffer is an error, not a crash), and its
+bytes logged as one send per destination and one receive per source, tag
+COLLECTIVE_TAG. Allreduce, Allgather and Allgatherv (lab 08's filter and channel
+parallel convolutions) run as their non-blocking twins under the same timeout and
+are named in `Traffic.calls`; their bytes are not logged.
+
+Blocking calls never hang a check: they wait through a `ddlab.waiting.Watch`,
+giving up after `timeout` seconds with a message naming the message waited for,
+and at once when another rank reports a failure through `fail_all`. The requests
+Isend/Irecv return are watched too, so `Wait`/`Waitall` on them cannot hang.
 """
 
 from __future__ import annotations
 
 import pickle
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
+
+from .comm import Comm
+from .waiting import PeerFailed, Stalled, Watch
 
 COLLECTIVES = {
     "Bcast", "bcast", "Reduce", "reduce", "Allreduce", "allreduce", "Gather", "gather",
@@ -35,16 +46,13 @@ COLLECTIVES = {
 }
 
 
+#: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
+COLLECTIVE_TAG = -1
+ALLOWABLE = ("Alltoallv", "Allreduce", "Allgather", "Allgatherv")
+
+
 class ForbiddenCollective(RuntimeError):
     """A hand-written collective called the MPI library's own collectives."""
-
-
-class Stalled(RuntimeError):
-    """A blocking call waited longer than the timeout: most likely a deadlock."""
-
-
-class PeerFailed(RuntimeError):
-    """Another rank failed, so the message this rank waits for will never come."""
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Traffic:
 
     rank: int
     events: list[Event] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)  # allowed collectives, in the order called
 
     @property
     def sends(self) -> list[Event]:
@@ -75,12 +84,12 @@ class Traffic:
         return len(self.sends)
 
     @property
-    def bytes_sent(self) -> int:
-        return sum(e.nbytes for e in self.sends)
-
-    @property
     def messages_received(self) -> int:
         return len(self.recvs)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(e.nbytes for e in self.sends)
 
     @property
     def bytes_received(self) -> int:
@@ -97,6 +106,32 @@ def _nbytes(buf: Any) -> int:
     return np.asarray(buf).nbytes
 
 
+def _vector_blocks(spec: Any, size: int, what: str) -> list[int]:
+    """Bytes per rank of an mpi4py vector buffer spec, e.g. [array, (counts, displs)] or
+    [array, counts, displs, datatype]; ValueError if a block lies outside the array."""
+    if not isinstance(spec, (list, tuple)) or len(spec) < 2:
+        raise ValueError(f"Alltoallv: give the {what} buffer as [array, (counts, displacements)] "
+                         "or [array, counts, displacements, datatype]")
+    data, rest = np.asarray(spec[0]), list(spec[1:])
+    datatype = rest.pop() if rest and isinstance(rest[-1], MPI.Datatype) else None
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)) and len(rest[0]) == 2 and np.ndim(rest[0][0]) == 1:
+        rest = list(rest[0])
+    counts = np.asarray(rest[0], dtype=np.int64)
+    displs = (np.asarray(rest[1], dtype=np.int64) if len(rest) > 1 and rest[1] is not None
+              else np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64))
+    if counts.shape != (size,) or displs.shape != (size,):
+        raise ValueError(f"Alltoallv: the {what} counts and displacements need one entry per rank ({size}), "
+                         f"got {counts.size} and {displs.size}")
+    unit = datatype.Get_extent()[1] if datatype is not None else data.itemsize
+    ends = (displs + counts) * unit
+    bad = np.flatnonzero((counts < 0) | (displs < 0) | (ends > data.nbytes))
+    if bad.size:
+        r = int(bad[0])
+        raise ValueError(f"Alltoallv: the {what} block for rank {r} (displacement {displs[r]}, count {counts[r]}) "
+                         f"lies outside the {what} buffer of {data.nbytes // unit} elements")
+    return (counts * unit).tolist()
+
+
 def _peer(source: int) -> str:
     return "any rank" if source == MPI.ANY_SOURCE else f"rank {source}"
 
@@ -108,50 +143,36 @@ def _tag(tag: int) -> str:
 class CountingComm:
     """Wraps an mpi4py communicator; forwards point-to-point calls and records them."""
 
-    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allowed: tuple[str, ...] = ()):
+    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allow: tuple[str, ...] = ()):
+        unknown = set(allow) - set(ALLOWABLE)
+        if unknown:
+            raise ValueError(f"CountingComm can allow only {ALLOWABLE}, not {sorted(unknown)}")
         self.comm = comm
         self.timeout = timeout
-        self.allowed = allowed  # collectives forwarded (uncounted) for exercises that use them, not build them
+        self.allow = tuple(allow)
         self.traffic = Traffic(comm.Get_rank())
-        self._alarm = comm.Dup()  # carries failure notices, never student data
+        self.watch = Watch(comm, timeout)
 
     def free(self) -> None:
-        """Release the private alarm communicator (a collective call)."""
-        self._alarm.Free()
+        """Release the watch's notice communicator (a collective call)."""
+        self.watch.free()
 
     def fail_all(self, reason: str) -> None:
         """Tell every other rank that this one failed, so none waits for it forever."""
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._alarm.isend(reason, peer)
+        self.watch.fail_all(reason)
 
-    def _wait(self, requests: list[MPI.Request], statuses: list[MPI.Status], what: str) -> None:
-        """Wait for requests, but not past the timeout nor past another rank's failure."""
+    def _wait(self, requests: list[MPI.Request], statuses: list[MPI.Status], what: str, cancel: bool = True) -> None:
+        """Wait for requests, but not past the timeout nor past another rank's failure.
+
+        cancel=False for collectives' requests, which MPI cannot cancel.
+        """
         try:
-            self._poll(lambda: MPI.Request.Testall(requests, statuses), what)
+            self.watch.poll(lambda: MPI.Request.Testall(requests, statuses), what)
         except (Stalled, PeerFailed):
-            for request in requests:
+            for request in requests if cancel else ():
                 if request != MPI.REQUEST_NULL:
                     request.Cancel()
             raise
-
-    def _poll(self, done: Callable[[], bool], what: str) -> None:
-        """Call done() until it is true; raise Stalled or PeerFailed instead of hanging."""
-        deadline, spins = time.monotonic() + self.timeout, 0
-        while not done():
-            notice = MPI.Status()
-            if self._alarm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, notice):
-                reason = self._alarm.recv(source=notice.Get_source())
-                raise PeerFailed(f"gave up on {what}: rank {notice.Get_source()} failed ({reason})")
-            if time.monotonic() > deadline:
-                raise Stalled(
-                    f"waited {self.timeout:.0f} s for {what} and it never completed: "
-                    "is the matching call missing on the other rank, or are both ranks "
-                    "waiting for each other (a deadlock)?"
-                )
-            spins += 1
-            if spins > 1000:
-                time.sleep(1e-4)  # leave the core to ranks that have work (oversubscribed)
 
     # Identity -----------------------------------------------------------------
     @property
@@ -173,26 +194,57 @@ class CountingComm:
         self._wait(requests, [MPI.Status() for _ in requests], what)
 
     def __getattr__(self, name: str) -> Any:
-        if name in self.allowed and name in COLLECTIVES:
-            return self._collective(name)
+        if name in COLLECTIVES and name not in self.allow:
+            uses = (f"may call only comm.{', comm.'.join(self.allow)}" if self.allow else
+                    "builds it from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only")
+            raise ForbiddenCollective(f"comm.{name} is the MPI library's own collective: this exercise {uses}.")
         if name in COLLECTIVES:
-            raise ForbiddenCollective(
-                f"comm.{name} is the MPI library's own collective: this exercise builds it "
-                "from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only."
-            )
+            return self._collective(name)
         return getattr(self.comm, name)
 
-    def _collective(self, name: str) -> Callable[..., None]:
-        """A blocking buffer collective run as its non-blocking twin (Iallreduce...), with the timeout."""
-        start = getattr(self.comm, "I" + name[0].lower() + name[1:], None)
-        if start is None:
-            raise ForbiddenCollective(f"comm.{name} has no non-blocking twin to wait on with a timeout; use a buffer collective")
+    def _collective(self, name: str) -> Any:
+        """An allowed buffer collective (Allreduce...) run as its non-blocking twin, with the timeout."""
+        start = getattr(self.comm, "I" + name[0].lower() + name[1:])
 
         def run(*args: Any, **kwargs: Any) -> None:
-            request = start(*args, **kwargs)
-            self._poll(request.Test, f"{name} to be called on every rank")
+            self._wait([start(*args, **kwargs)], [MPI.Status()], f"{name} to be called on every rank", cancel=False)
+            self.traffic.calls.append(name)
 
         return run
+
+    # Allowed collectives --------------------------------------------------------
+    def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
+        """MPI's Alltoallv, if allowed: every rank's buffers checked and agreed on first, bytes logged.
+
+        All ranks first share their byte counts (an Iallgather on the private
+        communicator), so that all of them refuse together a call whose counts do not
+        match pairwise, or that runs past a buffer, instead of crashing or hanging.
+        """
+        if "Alltoallv" not in self.allow:
+            return self.__getattr__("Alltoallv")
+        size, problem = self.size, None
+        try:
+            mine = [_vector_blocks(sendbuf, size, "send"), _vector_blocks(recvbuf, size, "receive")]
+        except ValueError as err:
+            problem, mine = str(err), [[-1] * size, [-1] * size]
+        everyone = np.empty((size, 2, size), dtype=np.int64)
+        self._wait([self.watch.alarm.Iallgather(np.array(mine, dtype=np.int64), everyone)], [MPI.Status()],
+                   "the other ranks to call Alltoallv", cancel=False)
+        if problem is not None:
+            raise ValueError(problem)
+        sends, recvs = everyone[:, 0, :], everyone[:, 1, :]
+        if (sends < 0).any():
+            raise ValueError(f"Alltoallv: rank {int(np.flatnonzero((sends < 0).any(1))[0])} passed invalid buffers")
+        if not np.array_equal(sends, recvs.T):
+            s, d = (int(v) for v in np.argwhere(sends != recvs.T)[0])
+            raise ValueError(f"Alltoallv: rank {s} sends rank {d} {sends[s, d]} bytes but rank {d}'s receive counts "
+                             f"and displacements make room for {recvs[d, s]} bytes from it (they must match pairwise)")
+        for peer in range(size):
+            self._log("send", peer, COLLECTIVE_TAG, int(sends[self.rank, peer]))
+        self._wait([self.comm.Ialltoallv(sendbuf, recvbuf)], [MPI.Status()], "Alltoallv to complete", cancel=False)
+        for peer in range(size):
+            self._log("recv", peer, COLLECTIVE_TAG, int(recvs[self.rank, peer]))
+        self.traffic.calls.append("Alltoallv")
 
     def _log(self, kind: str, peer: int, tag: int, nbytes: int) -> None:
         self.traffic.events.append(Event(kind, int(peer), int(tag), int(nbytes)))
@@ -221,11 +273,11 @@ class CountingComm:
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, _nbytes(buf))
-        return self.comm.Isend(buf, dest, tag)
+        return self.watch.watched(self.comm.Isend(buf, dest, tag), f"Isend to rank {dest} (tag {tag}) to complete")
 
     def Irecv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, _nbytes(buf))
-        return self.comm.Irecv(buf, source, tag)
+        return self.watch.watched(self.comm.Irecv(buf, source, tag), f"Irecv from {_peer(source)} (tag {_tag(tag)})")
 
     # Object (pickle) API ------------------------------------------------------
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
@@ -237,7 +289,7 @@ class CountingComm:
              status: MPI.Status | None = None) -> Any:
         status = status if status is not None else MPI.Status()
         probe = MPI.Status()
-        self._poll(lambda: self.comm.Iprobe(source, tag, probe), f"recv from {_peer(source)} (tag {_tag(tag)})")
+        self.watch.poll(lambda: self.comm.Iprobe(source, tag, probe), f"recv from {_peer(source)} (tag {_tag(tag)})")
         obj = self.comm.recv(buf, probe.Get_source(), probe.Get_tag(), status)
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
         return obj
@@ -252,17 +304,17 @@ class CountingComm:
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
-        return self.comm.isend(obj, dest, tag)
+        return self.watch.watched(self.comm.isend(obj, dest, tag), f"isend to rank {dest} (tag {tag}) to complete", pickled=True)
 
     def irecv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, 0)
-        return self.comm.irecv(buf, source, tag)
+        return self.watch.watched(self.comm.irecv(buf, source, tag), f"irecv from {_peer(source)} (tag {_tag(tag)})", pickled=True)
 
     def Probe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
               status: MPI.Status | None = None) -> bool:
         """MPI's Probe (waits for a message without receiving it), with the timeout."""
         status = status if status is not None else MPI.Status()
-        self._poll(lambda: self.comm.Iprobe(source, tag, status), f"Probe for a message from {_peer(source)} (tag {_tag(tag)})")
+        self.watch.poll(lambda: self.comm.Iprobe(source, tag, status), f"Probe for a message from {_peer(source)} (tag {_tag(tag)})")
         return True
 
     probe = Probe
@@ -313,13 +365,13 @@ def _take_message(pending: dict[tuple[int, int, int], list[int]], source: int, d
     return min(queues, key=lambda queue: queue[0]).pop(0) if queues else None
 
 
-def underlying(comm: Any) -> MPI.Comm:
+def underlying(comm: Comm) -> MPI.Comm:
     """The real communicator: comm itself, or the one a CountingComm wraps.
 
     For bookkeeping that is not the algorithm's own traffic (agreeing on input
     shapes before an allreduce), so it is neither counted nor refused.
     """
-    return comm.comm if isinstance(comm, CountingComm) else comm
+    return comm.comm if isinstance(comm, CountingComm) else cast(MPI.Comm, comm)
 
 
 def gather_traffic(counting: CountingComm) -> list[Traffic]:

@@ -24,6 +24,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import __version__, mpi
 
@@ -385,7 +386,9 @@ def _diagnose_slurm_start(error: BaseException, cluster: object) -> tuple[str, s
     text = str(error)
     sets = list(getattr(cluster, "engines", {}).values()) if cluster is not None else []
     engine_set = sets[0] if sets else None
-    state, reason = engine_set.job_status() if isinstance(engine_set, slurm.SlurmEngines) else ("", "")
+    jobs = engine_set if isinstance(engine_set, slurm.SlurmEngines) else None
+    state, reason = jobs.job_status() if jobs is not None else ("", "")
+    job_id = jobs.job_id if jobs is not None else "?"
     if engine_set is not None and "Their last output" not in text:  # not from cluster: add the engines' words
         with contextlib.suppress(Exception):
             text += "\n" + engine_set.get_output()
@@ -396,21 +399,21 @@ def _diagnose_slurm_start(error: BaseException, cluster: object) -> tuple[str, s
     if state == "PENDING":
         fix = _PENDING_FIXES.get(reason, "see the reason under JOB REASON CODES in `man squeue`; "
                                  "change the settings in {path}.")
-        return (f"the engines' job {engine_set.job_id} is still queued (reason: {reason}), so no engine started",
+        return (f"the engines' job {job_id} is still queued (reason: {reason}), so no engine started",
                 fix.format(path=path))
     if state == "TIMEOUT":
-        return (f"the engines' job {engine_set.job_id} reached its time limit", f"raise time in {path}.")
+        return (f"the engines' job {job_id} reached its time limit", f"raise time in {path}.")
     known = _slurm_problem(text, path)
     if known:
         return f"{known[0]}.\n{_tail(text)}", known[1]
     if state == "RUNNING" and "registering with controller" in text.lower():
         address = slurm.controller_address(slurm.load_settings())
-        return (f"the engines of job {engine_set.job_id} run and tried to register, "
+        return (f"the engines of job {job_id} run and tried to register, "
                 f"but never reached the controller at {address}",
                 f"set controller_address in {path} to an address of this machine that compute nodes can reach "
                 f"(this machine has {', '.join(slurm.host_addresses())}); ask the admins whether a firewall blocks it.")
     if state == "RUNNING":
-        return (f"the job {engine_set.job_id} runs, but its engines have not even tried to register yet",
+        return (f"the job {job_id} runs, but its engines have not even tried to register yet",
                 "Python starts slowly from a busy shared file system or on busy nodes: give them longer "
                 "(`ddlab doctor --timeout 600`, start(n, timeout=600)).")
     return (f"the engines did not register.\n{_tail(text)}",
@@ -464,7 +467,7 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
         problem = _slurm_preflight(profile)
         if problem:
             return [problem]
-    running = clusters._current  # a notebook's own cluster: probe it rather than start a second one
+    running = clusters.current()  # a notebook's own cluster: probe it rather than start a second one
     if running is not None and (running.profile, running.n) != (profile, n):
         return [Finding("engines", WARN, f"this kernel already runs {running.n} engines on profile "
                         f"{running.profile!r}; the doctor does not stop them",
@@ -473,8 +476,8 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
     cluster = None
     try:
         if running is None:
-            cluster = clusters._make_cluster(n, profile)
-            client = _start(cluster, n, timeout)
+            cluster = clusters.make_cluster(n, profile)
+            client = clusters.bring_up(cluster, n, timeout)
             how = f"up in {time.monotonic() - started:.1f} s"
         else:
             client, how = running.client, "already running"
@@ -488,24 +491,7 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
                 cluster.stop_cluster_sync()
 
 
-def _start(cluster: object, n: int, timeout: float) -> object:
-    """Controller, engines, client; raise what went wrong (the caller stops the cluster)."""
-    from . import cluster as clusters
-
-    cluster.start_controller_sync()
-    # Connecting first waits for the controller to be fully up: stopped any earlier (sbatch
-    # refusing the engines' job fails at once), it would leave its schedulers running.
-    client = cluster.connect_client_sync(timeout=max(10.0, min(timeout, 60.0)))
-    try:
-        cluster.start_engines_sync(n)
-        clusters._wait_for_engines(cluster, client, n, timeout)
-    except Exception:
-        client.close()
-        raise
-    return client
-
-
-def _probe_engines(client: object, profile: str, n: int, how: str, nbytes: int, repetitions: int) -> list[Finding]:
+def _probe_engines(client: Any, profile: str, n: int, how: str, nbytes: int, repetitions: int) -> list[Finding]:
     """One MPI world with engine id == rank, and a correct, timed allreduce."""
     view = client[:]
     ranks = view.apply_sync(_probe)

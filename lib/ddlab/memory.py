@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 
@@ -189,13 +189,22 @@ class Ledger:
 
     @staticmethod
     def _unpack(saved: object) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
+        return saved.tensor if isinstance(saved, _Saved) else cast(torch.Tensor, saved)
 
     @contextlib.contextmanager
     def activations(self) -> Iterator[None]:
         """Within the block, what autograd saves for backward is charged until autograd frees it."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+
+    @contextlib.contextmanager
+    def running(self, where: str) -> Iterator[None]:
+        """Within the block, allocations are charged to `where` (e.g. "layer 3 (Conv)") in OutOfMemory messages."""
+        previous, self.where = self.where, where
+        try:
+            yield
+        finally:
+            self.where = previous
 
     def hold(self, tensor: torch.Tensor, what: str = "a received tensor") -> None:
         """Charge tensor (e.g. one that arrived by message) as activations until it is garbage collected."""

@@ -6,12 +6,14 @@ asks this module, so the venv's own mpiexec is used, never whatever is first on 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ def mpiexec_path() -> str:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def implementation(mpiexec: str | None = None) -> str:
     """'openmpi' or 'mpich', read from `mpiexec --version` without initialising MPI here."""
     exe = mpiexec or mpiexec_path()
@@ -50,7 +52,7 @@ def implementation(mpiexec: str | None = None) -> str:
             [exe, "--version"], capture_output=True, text=True, timeout=30, env=launch_env()
         )
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise MPISetupError(f"`{exe} --version` failed: {err}. Reinstall with `make setup`.")
+        raise MPISetupError(f"`{exe} --version` failed: {err}. Reinstall with `make setup`.") from None
     text = (out.stdout + out.stderr).lower()
     if "open mpi" in text or "open-mpi" in text or "openrte" in text:
         return "openmpi"
@@ -132,15 +134,12 @@ def run_ranks(n: int, command: list[str], timeout: float | None = None, **kwargs
     except subprocess.TimeoutExpired:
         kill_session(proc)
         out, err = proc.communicate()
-        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+        raise subprocess.TimeoutExpired(proc.args, timeout or 0.0, output=out, stderr=err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_for_each(rank_counts: list[int], command: list[str], timeout: float) -> int:
-    """Run command on each rank count in turn, printing what it printed; 0 if all succeeded.
-
-    For benchmarks that relaunch themselves under mpiexec for 2 ranks, then 4.
-    """
+    """Run command on each rank count in turn, printing what it printed; 0 if all succeeded."""
     status = 0
     for n in rank_counts:
         try:
@@ -153,10 +152,25 @@ def run_for_each(rank_counts: list[int], command: list[str], timeout: float) -> 
     return status
 
 
+def bench_main(parser: argparse.ArgumentParser, child: Callable[[argparse.Namespace], None],
+               timeout: float, ranks: list[int] | None = None) -> int:
+    """A benchmark's main: rerun this script, same arguments, under mpiexec; there, call `child`.
+
+    Run directly, the script relaunches itself with `--child` on each rank count in turn
+    (its own `--ranks` option if it has one, else `ranks`, else 4) and prints what rank 0
+    printed; inside the MPI job, `child(args)` measures.
+    """
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    command = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], "--child"]
+    return run_for_each(getattr(args, "ranks", None) or ranks or [4], command, timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m ddlab.mpi -n 4 CMD...`: run CMD on n ranks with this environment's MPI."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m ddlab.mpi", description=main.__doc__)
     parser.add_argument("-n", type=int, default=4, help="number of ranks")
     parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")

@@ -119,12 +119,12 @@ def sweep(comm: MPI.Comm, sizes: Sequence[int], repeats: int | None = None, tria
             buf = np.ones(nbytes, dtype=np.uint8)
             ping_pong(comm, buf, 1)
             count = default_repeats(nbytes) if repeats is None else repeats
-            times[i] = min(ping_pong(comm, buf, count) for _ in range(trials))
+            times[i] = min(float(ping_pong(comm, buf, count) or 0.0) for _ in range(trials))
     idle_wait(comm.Ibcast(times, root=0))
     return times
 
 
-def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+def fit_alpha_beta(nbytes: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray) -> tuple[float, float]:
     """Fit T(n) = alpha + beta * n by least squares on relative errors; return (alpha, beta).
 
     Minimises sum(((alpha + beta * n_i - t_i) / t_i) ** 2): each measurement counts

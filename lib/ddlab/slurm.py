@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import psutil
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
@@ -87,10 +87,10 @@ def settings_file() -> Path:
     return CLUSTERS_DIR / "slurm" / "settings.py"
 
 
-def load_settings(path: Path | None = None, environ: dict[str, str] | None = None) -> Settings:
+def load_settings(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """The settings file, then DDLAB_SLURM_<NAME> variables on top; unknown names are errors."""
     path = path or settings_file()
-    environ = os.environ if environ is None else environ
+    environ = os.environ if environ is None else environ  # (os.environ is a Mapping too)
     fields = {f.name: f for f in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
     if path.exists():

@@ -26,7 +26,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, overload
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 #: The track spans go to unless told otherwise.
 MAIN = "main"
@@ -34,17 +37,27 @@ MAIN = "main"
 
 @dataclass(frozen=True)
 class Span:
-    """One timed interval of one rank, in seconds since the tracer's origin."""
+    """One timed interval of one rank, in seconds since the tracer's origin.
+
+    name says what the rank did ("forward", "allreduce"); number, which one of them
+    (the micro-batch of a pipeline's forward, the bucket of an allreduce in flight).
+    """
 
     name: str
     start: float
     end: float
     track: str = MAIN
     rank: int = 0
+    number: int | None = None
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def label(self) -> str:
+        """'forward 3': the name, and the number if there is one."""
+        return self.name if self.number is None else f"{self.name} {self.number}"
 
 
 class Tracer:
@@ -60,7 +73,7 @@ class Tracer:
         """Seconds since the origin."""
         return time.perf_counter() - self.origin
 
-    def align(self, comm: Any) -> None:
+    def align(self, comm: MPI.Comm) -> None:
         """Forget recorded spans and restart the clock on every rank right after a barrier.
 
         Ranks leave a barrier within microseconds of each other, so their origins agree
@@ -74,10 +87,10 @@ class Tracer:
         """Forget recorded spans (the origin stays)."""
         self.spans.clear()
 
-    def add(self, name: str, start: float, end: float, track: str = MAIN) -> None:
+    def add(self, name: str, start: float, end: float, track: str = MAIN, number: int | None = None) -> None:
         """Record a span measured elsewhere (times from `now()`)."""
         if self.enabled:
-            self.spans.append(Span(name, start, end, track, self.rank))
+            self.spans.append(Span(name, start, end, track, self.rank, number))
 
     @contextlib.contextmanager
     def span(self, name: str, track: str = MAIN) -> Iterator[None]:
@@ -125,7 +138,15 @@ def _self_times(spans: list[Span]) -> list[tuple[Span, float]]:
     return done
 
 
-def gather_spans(tracer: Tracer, comm: Any, root: int | None = None) -> list[list[Span]] | None:
+@overload
+def gather_spans(tracer: Tracer, comm: MPI.Comm, root: None = None) -> list[list[Span]]: ...
+
+
+@overload
+def gather_spans(tracer: Tracer, comm: MPI.Comm, root: int) -> list[list[Span]] | None: ...
+
+
+def gather_spans(tracer: Tracer, comm: MPI.Comm, root: int | None = None) -> list[list[Span]] | None:
     """All ranks' spans, one list per rank: on every rank, or only on `root` (None elsewhere)."""
     if root is None:
         return comm.allgather(tracer.spans)
@@ -156,7 +177,7 @@ def chrome_trace(spans_by_rank: list[list[Span]], label: str = "rank") -> dict:
         tid_of = {track: tid for tid, track in enumerate(tracks)}
         for span in spans:
             events.append({
-                "ph": "X", "name": span.name, "cat": span.track, "pid": rank, "tid": tid_of[span.track],
+                "ph": "X", "name": span.label, "cat": span.track, "pid": rank, "tid": tid_of[span.track],
                 "ts": round(span.start * 1e6, 3), "dur": round(max(span.duration, 0.0) * 1e6, 3),
             })
     return {"traceEvents": events, "displayTimeUnit": "ms"}

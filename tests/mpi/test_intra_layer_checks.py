@@ -31,6 +31,46 @@ class HaloOneRow(HaloExchange):
         return HaloExchange.forward(ctx, x, comm, 1)
 
 
+class HaloWrongRows(HaloExchange):
+    """Sends each neighbour the wrong boundary: its bottom rows up and its top rows down."""
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
+        above, below = exchange_rows(comm, x[:, :, -halo:], x[:, :, :halo], (81, 82))
+        zeros = x.new_zeros(x.shape[0], x.shape[1], halo, x.shape[3])
+        return (zeros if above is None else above), (zeros.clone() if below is None else below)
+
+
+class HaloWrapsAround(HaloExchange):
+    """Treats the ranks as a ring: the first and last ranks swap rows although they are no neighbours."""
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
+        rank, size = comm.Get_rank(), comm.Get_size()
+        up, down = torch.empty_like(x[:, :, :halo]), torch.empty_like(x[:, :, :halo])
+        comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), dest=(rank - 1) % size, sendtag=1,
+                      recvbuf=down.numpy(), source=(rank + 1) % size, recvtag=1)
+        comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), dest=(rank + 1) % size, sendtag=2,
+                      recvbuf=up.numpy(), source=(rank - 1) % size, recvtag=2)
+        return up, down
+
+
+class HaloOverwrites(HaloExchange):
+    """Backward writes the neighbours' gradients into the boundary rows instead of adding them."""
+
+    @staticmethod
+    def backward(ctx, grad_above, grad_below):
+        from_above, from_below = exchange_rows(ctx.comm, grad_above, grad_below, (83, 84))
+        grad_x = grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3])
+        if from_above is not None:
+            grad_x[:, :, :ctx.halo] = from_above
+        if from_below is not None:
+            grad_x[:, :, -ctx.halo:] = from_below
+        return grad_x, None, None
+
+
 class HaloSendrecv(torch.autograd.Function):
     """A valid alternative: blocking Sendrecv to both sides, MPI.PROC_NULL at the edges, fresh tensors."""
 
@@ -106,6 +146,18 @@ class FilterByAllreduce(torch.autograd.Function):
         return total, gw, gb, None, None
 
 
+class FilterForgetsSum(FilterParallelConv):
+    """Backward returns this rank's partial input gradient, not the sum over ranks."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mine = grad[:, ctx.start:ctx.start + weight.shape[0]]
+        grad_x = torch.nn.grad.conv2d_input(x.shape, weight, mine, padding=ctx.padding)
+        grad_w = torch.nn.grad.conv2d_weight(x, weight.shape, mine, padding=ctx.padding)
+        return grad_x, grad_w, mine.sum(dim=(0, 2, 3)), None, None
+
+
 def slabs_ignore_pooling(height, size, levels):
     return block_bounds(height, size)
 
@@ -132,7 +184,9 @@ def test_reference_and_valid_alternatives_pass():
     check_slab_bounds(slabs_extra_rows_last)
 
 
-@pytest.mark.parametrize("wrong, says", [(HaloForgetsBackward, "gradient"), (HaloOneRow, "shape")])
+@pytest.mark.parametrize("wrong, says", [(HaloForgetsBackward, "gradient"), (HaloOneRow, "shape"),
+                                         (HaloWrongRows, "output"), (HaloWrapsAround, "output|sent"),
+                                         (HaloOverwrites, "slab's gradient")])
 def test_wrong_halo_fails(wrong, says):
     with pytest.raises(CheckFailed, match=says):
         check_halo_exchange(wrong)
@@ -141,6 +195,11 @@ def test_wrong_halo_fails(wrong, says):
 def test_filter_that_sums_fails():
     with pytest.raises(CheckFailed, match="output"):
         check_filter_parallel_conv(FilterSums)
+
+
+def test_filter_that_forgets_to_sum_the_input_gradient_fails():
+    with pytest.raises(CheckFailed, match="input's gradient"):
+        check_filter_parallel_conv(FilterForgetsSum)
 
 
 def test_slabs_that_break_at_a_pooling_level_fail():

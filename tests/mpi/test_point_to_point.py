@@ -259,3 +259,21 @@ def test_collect_check_catches_a_missing_own_array(comm):
         return arrays[1:]  # forgot item 0, rank 0's own array
 
     expect_failure(check_collect, others_only, "expected a list of")
+
+
+def test_a_never_completing_irecv_fails_within_the_timeout(comm):
+    """Waiting on an Irecv nobody sends to (Waitall, or the request's own Wait) fails the check in time."""
+    def forgets_to_send(wait):
+        def exchange(comm, data):
+            received, partner = np.empty_like(data), _partner(comm)
+            if partner is not None:  # receives from its partner, which never sends
+                wait(comm.Irecv(received, source=partner))
+            return data.copy() if partner is None else received
+        return exchange
+
+    for wait in (lambda request: MPI.Request.Waitall([request]), lambda request: request.Wait()):
+        start = time.monotonic()
+        message = expect_failure(check_exchange, forgets_to_send(wait), "Irecv from rank", "never completed",
+                                 "deadlock", "Waitall")
+        assert "Stalled" in message
+        assert time.monotonic() - start < 4 * SHORT  # the timeout, plus the sizes that pass

@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -33,6 +34,8 @@ COMMANDS = ["slurmctld", "slurmd", "munged", "sbatch", "srun", "squeue", "scance
 
 #: Engines on 2 cores: the node claims this many CPUs (SlurmdParameters=config_overrides).
 NODE_CPUS = 8
+#: And this much memory (MB), so that a job may ask for what a JupyterHub spawner asks (8G).
+NODE_MEMORY_MB = 16384
 #: The partition's time limit, so that tests can ask for more and see a job pend.
 PARTITION_MAX_TIME = "4:00:00"
 #: The node is this machine under its own name, as on a real cluster (Open MPI's mpiexec
@@ -43,7 +46,7 @@ _MARK = "DDLAB_TEST_SLURM_DIR"  # in the daemons' environment: how stop() finds 
 
 
 class CannotInstall(RuntimeError):
-    """Slurm is not installed and cannot be installed here (not root, no apt-get, apt failed)."""
+    """A package is not installed and cannot be installed here (not root, no apt-get, apt failed)."""
 
 
 def _which(name: str) -> str | None:
@@ -61,18 +64,27 @@ def install(timeout: float = 300.0) -> None:
 
     Daemons are not started by the packages (policy-rc.d), only by `SingleNode.start`.
     """
+    apt_install(PACKAGES, missing, "Slurm", timeout)
+
+
+def apt_install(packages: list[str], missing: Callable[[], list[str]], what: str, timeout: float = 300.0) -> None:
+    """Install `packages` with apt-get unless `missing()` is empty; raise CannotInstall saying why not.
+
+    One installation at a time on this machine (a lock), no service started by the packages.
+    """
     if not missing():
         return
     if os.geteuid() != 0:
-        raise CannotInstall(f"Slurm is not installed ({', '.join(missing())} missing) and installing it needs root")
+        raise CannotInstall(f"{what} is not installed ({', '.join(missing())} missing) and installing it needs root")
     if shutil.which("apt-get") is None:
-        raise CannotInstall("Slurm is not installed and this machine has no apt-get to install it")
+        raise CannotInstall(f"{what} is not installed ({', '.join(missing())} missing) and this machine has "
+                            "no apt-get to install it")
     deadline = time.monotonic() + timeout
-    with _lock(Path(tempfile.gettempdir()) / "ddlab-slurm-install.lock"), _no_service_starts():
+    with _lock(Path(tempfile.gettempdir()) / "ddlab-apt-install.lock"), _no_service_starts():
         if not missing():  # another test run installed it while we waited
             return
         command = ["apt-get", "install", "-y", "-q", "--no-install-recommends",
-                   "-o", "DPkg::Lock::Timeout=120", *PACKAGES]
+                   "-o", "DPkg::Lock::Timeout=120", *packages]
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         done = _run_bounded(command, env, deadline)
         if done.returncode != 0:  # stale package lists: refresh once and retry
@@ -85,7 +97,7 @@ def install(timeout: float = 300.0) -> None:
 def _run_bounded(command: list[str], env: dict[str, str], deadline: float) -> subprocess.CompletedProcess:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise CannotInstall(f"ran out of time installing Slurm before `{' '.join(command)}`")
+        raise CannotInstall(f"ran out of time installing before `{' '.join(command)}`")
     try:
         return subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=left)
@@ -105,7 +117,7 @@ def _lock(path: Path):
 
 @contextlib.contextmanager
 def _no_service_starts():
-    """Keep package scripts from starting munge or Slurm as system services while installing."""
+    """Keep package scripts from starting services (munge, Slurm) while installing."""
     policy = Path("/usr/sbin/policy-rc.d")
     if policy.exists():
         yield
@@ -184,7 +196,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 KillWait=5
 InactiveLimit=0
-NodeName={NODE} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} State=UNKNOWN
+NodeName={NODE} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} State=UNKNOWN
 PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime={PARTITION_MAX_TIME} State=UP
 """)
         self.env = {"SLURM_CONF": str(self.conf)}

@@ -46,6 +46,12 @@ _WHERE = {
     "check_filter_parallel_conv": "intra_layer",
     "check_halo_exchange": "intra_layer",
     "check_slab_bounds": "intra_layer",
+    "check_exchange_plan": "shuffling",
+    "check_exchange_samples": "shuffling",
+    "check_data_parallel_time": "oracle",
+    "check_data_parallel_memory": "oracle",
+    "check_spatial_time": "oracle",
+    "check_spatial_memory": "oracle",
 }
 
 __all__ = list(_WHERE)

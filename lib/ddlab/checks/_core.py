@@ -8,13 +8,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .errors import CheckFailed
 from ..counting import CountingComm, Traffic, gather_traffic
+from .errors import CheckFailed
 
 
-def fail_together(comm: MPI.Comm, problem: str | None, context: str) -> None:
-    """Raise the same CheckFailed on every rank if any rank found a problem."""
-    _raise_found(comm.allgather(problem), context)
+def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str = "") -> None:
+    """Raise the same CheckFailed on every rank if any rank found a problem (hint: what to do, appended)."""
+    _raise_found(comm.allgather(problem), context, hint)
 
 
 def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: str,
@@ -28,7 +28,7 @@ def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: s
     then a CheckFailed, then the ranks' problems listed under `context`. Ranks
     outside a sub-communicator wait for its verdict, so none is left behind.
     """
-    with sub_communicators(comm, list(sizes) if sizes is not None else None) as subs:
+    with _sub_communicators(comm, list(sizes) if sizes is not None else None) as subs:
         for size, sub in subs:
             stub = failed = problem = None
             if sub is not None:
@@ -48,12 +48,14 @@ def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: s
             _raise_found([p for _, _, p in outcomes], f"{context} on {size} rank{'s' * (size != 1)}")
 
 
-def _raise_found(problems: list[str | None], context: str) -> None:
+def _raise_found(problems: list[str | None], context: str, hint: str = "") -> None:
     found = [(rank, text) for rank, text in enumerate(problems) if text]
     if found:
         lines = [f"  rank {rank}: {text}" for rank, text in found[:4]]
         if len(found) > 4:
             lines.append(f"  ... and {len(found) - 4} more ranks")
+        if hint:
+            lines.append(hint)
         raise CheckFailed(f"{context}:\n" + "\n".join(lines))
 
 
@@ -64,7 +66,7 @@ def passed(comm: MPI.Comm, message: str) -> None:
 
 
 @contextlib.contextmanager
-def sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterator[list[tuple[int, MPI.Comm | None]]]:
+def _sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterator[list[tuple[int, MPI.Comm | None]]]:
     """Communicators of the first P ranks for each P (None on ranks outside), freed after."""
     sizes = sizes or list(range(1, comm.Get_size() + 1))
     subs = []
@@ -80,16 +82,17 @@ def sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterato
 
 
 def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: str,
-                timeout: float = 20.0, allowed: tuple[str, ...] = ()) -> tuple[Any, list[Traffic]]:
+                timeout: float = 20.0, allow: tuple[str, ...] = ()) -> tuple[Any, list[Traffic]]:
     """Call fn(counting_comm, *args) on every rank of comm; return (result, all ranks' traffic).
 
-    `allowed` names MPI collectives the exercise may call (see CountingComm).
+    `allow` names MPI collectives the exercise may call (see CountingComm); others are refused.
 
     An exercise stub's NotImplementedError passes straight through (all ranks raise
-    it together). Any other exception, a stall or a forbidden collective on any
-    rank becomes one CheckFailed on every rank.
+    it together). Any other exception, a stall (of a blocking call, or of a request
+    fn waits for) or a forbidden collective on any rank becomes one CheckFailed on
+    every rank.
     """
-    counting = CountingComm(comm, timeout=timeout, allowed=allowed)
+    counting = CountingComm(comm, timeout=timeout, allow=allow)
     problem, result = None, None
     try:
         result = fn(counting, *args)
@@ -98,6 +101,10 @@ def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: st
         raise
     except Exception as err:  # the student's code failed: tell the others, report it
         problem = f"{type(err).__name__}: {err}"
+    if counting.watch.failure is not None:  # a request of fn's gave up (or a peer failed): the cause
+        kind, message = counting.watch.failure
+        problem = f"{kind.__name__}: {message}"
+    if problem is not None:
         counting.fail_all(problem)
     comm.Barrier()
     counting.free()

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from ..allreduce import largest_power_of_two, member_rank
 from ..counting import Traffic
-from ._core import CheckFailed, array_problem, fail_together, passed, run_counted, sub_communicators
+from ._core import CheckFailed, array_problem, each_size, fail_together, passed, run_counted
 
 DTYPES = (np.float64, np.float32, np.int64)
 
@@ -141,7 +141,7 @@ def rabenseifner_problem(traffic: list[Traffic], size: int, n: int, itemsize: in
             sends = sends[:-1]
         for peer, _ in sends:
             other = _group(peer, size) if 0 <= peer < size else None
-            if other is None or bin(other ^ group).count("1") != 1:
+            if group is None or other is None or bin(other ^ group).count("1") != 1:
                 return (f"rank {t.rank} (member {group} of the {pof2}-rank group) sent to rank {peer}; each "
                         f"step pairs members whose numbers differ in one bit (member XOR distance)."
                         f"{_fold_note(size)}")
@@ -177,30 +177,16 @@ def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype
             raise CheckFailed(f"{where}: right values, wrong messages:\n  {problem}")
 
 
-def _agree(world: MPI.Comm, outcome: tuple[str, str] | None) -> None:
-    """Every rank of the world raises what any of them met: the stub's error or a failed check."""
-    for found in world.allgather(outcome):
-        if found:
-            kind, text = found
-            raise NotImplementedError(text) if kind == "stub" else CheckFailed(text)
-
-
 def _check(fn: Callable, name: str, rule: Rule, comm: MPI.Comm | None) -> int:
     """Run every case on sub-communicators of 1..P ranks; return P."""
     world = comm or MPI.COMM_WORLD
-    with sub_communicators(world) as subs:
-        for size, sub in subs:
-            for dtype in DTYPES:
-                for n in _lengths(size):
-                    outcome = None
-                    if sub is not None:
-                        try:
-                            _one_case(sub, fn, name, rule, n, dtype)
-                        except NotImplementedError as err:
-                            outcome = ("stub", str(err))
-                        except CheckFailed as err:
-                            outcome = ("failed", str(err))
-                    _agree(world, outcome)
+
+    def every_case(sub: MPI.Comm) -> None:
+        for dtype in DTYPES:
+            for n in _lengths(sub.Get_size()):
+                _one_case(sub, fn, name, rule, n, dtype)
+
+    each_size(world, every_case, name)
     return world.Get_size()
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..data.curves import StressStrainCurves
 from ..data_parallel import DataParallel, squared_error, train
 from ..models.mlp import make_mlp
-from ._core import fail_together, passed, sub_communicators
+from ._core import each_size, fail_together, passed
 from .errors import CheckFailed
 
 TOLERANCE = 1e-10
@@ -143,19 +143,13 @@ def check_broadcast_parameters(fn: Callable[..., None]) -> None:
     world learns the outcome (a stub's NotImplementedError included), so none is left behind.
     """
     world = MPI.COMM_WORLD
-    with sub_communicators(world) as subs:
-        for size, comm in subs:
-            for root in sorted({0, size - 1}):
-                stub, problem = None, None
-                if comm is not None:
-                    try:
-                        problem = _broadcast_problem(fn, comm, root)
-                    except NotImplementedError as err:
-                        stub = str(err) or "not implemented"
-                stubs = [s for s in world.allgather(stub) if s]
-                if stubs:
-                    raise NotImplementedError(stubs[0])
-                fail_together(world, problem, f"broadcast_parameters on {size} ranks, root {root}")
+
+    def every_root(sub: MPI.Comm) -> None:
+        size = sub.Get_size()
+        for root in sorted({0, size - 1}):
+            fail_together(sub, _broadcast_problem(fn, sub, root), f"broadcast_parameters on {size} ranks, root {root}")
+
+    each_size(world, every_root, "broadcast_parameters")
     passed(world, "broadcast_parameters copies the root's parameters and buffers to every rank, in place")
 
 
@@ -188,11 +182,11 @@ def check_average_gradients(fn: Callable[..., None]) -> None:
     log: list[int] = []
     _call(comm, fn, (model, comm, _counting(log)), "average_gradients(model, comm, allreduce)")
     problem = None
-    references = []
+    references: list[list[torch.Tensor]] = []
     for r in range(size):
         other = make_mlp(seed=3, dtype=torch.float64)
         _set_gradients(other, r)
-        references.append([p.grad for p in other.parameters()])
+        references.append([p.grad for p in other.parameters() if p.grad is not None])
     numel = sum(p.numel() for p in model.parameters())
     if not log:
         problem = ("the allreduce passed in was never called: use it (not comm.Allreduce), "

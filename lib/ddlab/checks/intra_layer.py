@@ -10,6 +10,7 @@ counts messages: every rank sends its neighbours one message each way per direct
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ from ..intra_layer import SpatialUNet, filter_slice, padded_conv2d, spatial_step
 from ..intra_layer.fit import COLLECTIVES
 from ..models.unet import UNet
 from ..partition import block_range
-from ._core import CheckFailed, each_size, passed, run_counted
+from ._core import each_size, passed, run_counted
 
 TOL = 1e-10
 N, C, COUT, W = 2, 3, 5, 6
@@ -39,6 +40,11 @@ def _diff(got: torch.Tensor, want: torch.Tensor, what: str) -> str | None:
     return None if error <= TOL else f"{what} differs from one process's by up to {error:.3g}"
 
 
+def _grad(t: torch.Tensor | None) -> torch.Tensor:
+    assert t is not None and t.grad is not None, "the reference's gradient is missing"
+    return t.grad
+
+
 def _reference(kernel: int, cout: int, height: int, seed: int) -> tuple[torch.nn.Conv2d, torch.Tensor, torch.Tensor]:
     """A float64 conv, an input and output weights; the conv's and the input's gradients filled in."""
     torch.manual_seed(seed)
@@ -53,26 +59,45 @@ def _reference(kernel: int, cout: int, height: int, seed: int) -> tuple[torch.nn
 HALO_CASES = ((3, 10), (5, 13))  # (kernel, image height): halos of 1 and 2 rows, uneven slabs
 
 
-def _halo_case(sub: MPI.Comm, fn: type, kernel: int, height: int) -> str | None:
+class _Shaped:
+    """fn, with a clear error when the halos it returns have the wrong shape."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def apply(self, x: torch.Tensor, comm: Any, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self.fn.apply(x, comm, halo)
+        want = (x.shape[0], x.shape[1], halo, x.shape[3])
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise TypeError(f"apply(x, comm, halo) returned {type(got).__name__}; return two tensors (above, below)")
+        for name, t in zip(("above", "below"), got):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"`{name}` has shape {shape}; a halo of {halo} rows of a slab {tuple(x.shape)} "
+                                 f"has shape {want}")
+        return got
+
+
+def _halo_case(sub: MPI.Comm, fn: Any, kernel: int, height: int) -> str | None:
     conv, x, weights = _reference(kernel, 4, height, seed=kernel)
     rank, size = sub.Get_rank(), sub.Get_size()
-    rows = block_range(height, rank, size)
-    rows = slice(rows.start, rows.stop)
+    block = block_range(height, rank, size)
+    rows = slice(block.start, block.stop)
 
     def run(counting: Any) -> tuple:
         mine = copy.deepcopy(conv)
         mine.zero_grad()
         slab = x.detach()[:, :, rows].clone().requires_grad_()
-        out = padded_conv2d(slab, mine, counting, exchange=fn)
+        out = padded_conv2d(slab, mine, counting, exchange=_Shaped(fn))
         (out * weights[:, :, rows]).sum().backward()
-        return out.detach(), slab.grad, mine.weight.grad, mine.bias.grad
+        return out.detach(), slab.grad, mine.weight.grad, None if mine.bias is None else mine.bias.grad
 
     where = f"{kernel}x{kernel} conv, image height {height}, rows {rows.start}-{rows.stop - 1} on this rank"
     (out, grad_x, grad_w, grad_b), traffic = run_counted(sub, run, (), f"HaloExchange ({where})")
     problems = [_diff(out, conv(x).detach()[:, :, rows], "the conv's output"),
-                _diff(grad_x, x.grad[:, :, rows], "the slab's gradient (backward: did the halo's gradient go home?)")]
+                _diff(grad_x, _grad(x)[:, :, rows], "the slab's gradient (backward: did the halo's gradient go home?)")]
     if grad_w is not None and grad_b is not None:
-        problems.append(_diff(torch.from_numpy(sub.allreduce(grad_w.numpy())), conv.weight.grad,
+        problems.append(_diff(torch.from_numpy(sub.allreduce(grad_w.numpy())), _grad(conv.weight),
                               "the weight's gradient summed over ranks"))
     problem = next((p for p in problems if p), None)
     if problem:
@@ -89,18 +114,18 @@ def _halo_case(sub: MPI.Comm, fn: type, kernel: int, height: int) -> str | None:
     return None
 
 
-def check_halo_exchange(fn: type) -> None:
+def check_halo_exchange(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.HaloExchange: apply(x, comm, halo) -> (above, below)."""
     world = MPI.COMM_WORLD
-    for kernel, height in HALO_CASES:
-        each_size(world, lambda sub: _halo_case(sub, fn, kernel, height),
+    for case in HALO_CASES:
+        each_size(world, functools.partial(_halo_case, fn=fn, kernel=case[0], height=case[1]),
                   "HaloExchange does not make a slab's convolution equal one process's")
     passed(world, "HaloExchange: every slab's conv output and gradients equal one process's; "
                   "one halo message to each neighbour per direction, of the halo's bytes")
 
 
 # Exercise 8.2: the filter-parallel convolution ------------------------------------
-def _filter_case(sub: MPI.Comm, fn: type) -> str | None:
+def _filter_case(sub: MPI.Comm, fn: Any) -> str | None:
     conv, x, weights = _reference(3, COUT, 7, seed=2)
     mine = block_range(COUT, sub.Get_rank(), sub.Get_size())
 
@@ -109,21 +134,21 @@ def _filter_case(sub: MPI.Comm, fn: type) -> str | None:
         x_ = x.detach().clone().requires_grad_()
         out = fn.apply(x_, weight, bias, counting, conv.padding)
         (out * weights).sum().backward()
-        return out, x_.grad, weight.grad, bias.grad
+        return out, x_.grad, weight.grad, None if bias is None else bias.grad
 
     where = f"{COUT} output channels over {sub.Get_size()} ranks, this rank's {mine.start}-{mine.stop - 1}"
-    out, grad_x, grad_w, grad_b = run_counted(sub, run, (), f"FilterParallelConv ({where})", allowed=COLLECTIVES)[0]
+    out, grad_x, grad_w, grad_b = run_counted(sub, run, (), f"FilterParallelConv ({where})", allow=COLLECTIVES)[0]
     if grad_w is None or grad_b is None:
         return f"({where}) the gradient of this rank's weight or bias is missing: backward must return them"
     problems = [_diff(out, conv(x).detach(), "the output (all channels, on every rank)"),
-                _diff(grad_x, x.grad, "the input's gradient (the sum over every rank's channels)"),
-                _diff(grad_w, conv.weight.grad[mine.start:mine.stop], "this rank's weight gradient"),
-                _diff(grad_b, conv.bias.grad[mine.start:mine.stop], "this rank's bias gradient")]
+                _diff(grad_x, _grad(x), "the input's gradient (the sum over every rank's channels)"),
+                _diff(grad_w, _grad(conv.weight)[mine.start:mine.stop], "this rank's weight gradient"),
+                _diff(grad_b, _grad(conv.bias)[mine.start:mine.stop], "this rank's bias gradient")]
     problem = next((p for p in problems if p), None)
     return f"({where}) {problem}" if problem else None
 
 
-def check_filter_parallel_conv(fn: type) -> None:
+def check_filter_parallel_conv(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.FilterParallelConv: apply(x, weight, bias, comm, padding)."""
     world = MPI.COMM_WORLD
     each_size(world, lambda sub: _filter_case(sub, fn), "FilterParallelConv does not equal one process's convolution")
@@ -152,7 +177,7 @@ def _bounds_problem(fn: Callable[..., Any], height: int, size: int, levels: int)
         return f"{case} returned {got}: bounds must increase strictly from 0 to {height}"
     broken = [b for b in got if b % unit]
     if broken:
-        level = min(l for l in range(levels + 1) if broken[0] % 2**l)
+        level = min(n for n in range(levels + 1) if broken[0] % 2**n)
         return (f"{case} returned {got}: bound {broken[0]} is not a multiple of 2**levels = {unit}, so after "
                 f"{level} halving{'s' * (level != 1)} it falls between two rows")
     rows = [b - a for a, b in zip(got, got[1:])]
@@ -181,7 +206,7 @@ def _slab_case(sub: MPI.Comm, fn: Callable[..., Any]) -> str | None:
     F.cross_entropy(reference(images), masks).backward()
     net = SpatialUNet(model, sub, height, bounds=fn(height, size, 2))
     spatial_step(net, images, masks)
-    error = max(float((p.grad - q.grad).abs().max()) for p, q in zip(net.model.parameters(), reference.parameters()))
+    error = max(float((_grad(p) - _grad(q)).abs().max()) for p, q in zip(net.model.parameters(), reference.parameters()))
     if error > TOL:
         return f"a UNet of depth 2 on slabs {net.bounds} of height {height} gets gradients off by {error:.3g}"
     return None

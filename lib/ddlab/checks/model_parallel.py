@@ -22,7 +22,7 @@ from ..data.images import make_segmentation
 from ..model_parallel import RecvTensor, SendTensor, Stage, attempt, balanced_split, stage_costs, train_step
 from ..model_parallel.stage import gradient_error, reference_gradients
 from ..models.unet import UNet
-from ._core import CheckFailed, fail_together, passed, sub_communicators
+from ._core import CheckFailed, each_size, passed
 
 TIMEOUT = 15.0
 SIDE, BATCH = 8, 2
@@ -50,7 +50,7 @@ def _toy() -> tuple[UNet, torch.Tensor, torch.Tensor]:
 def _expected_sends(stage: Stage) -> Counter:
     """(peer, bytes) of every message this stage owes: its outputs forward, its inputs' gradients backward."""
     size = torch.empty((), dtype=torch.float64).element_size() * BATCH
-    owed = Counter()
+    owed: Counter[tuple[int, int]] = Counter()
     for edge in stage.outputs:
         owed[(edge.dst, size * torch.Size(edge.shape).numel())] += 1
     for edge in stage.inputs:
@@ -67,7 +67,7 @@ def _one_split(comm: MPI.Comm, which: str, fn: type) -> str | None:
     model, images, masks = _toy()
     bounds = TOY_SPLITS[comm.Get_size()]
     counting = CountingComm(comm, timeout=TIMEOUT)
-    functions = {"send_function": SendTensor, "recv_function": RecvTensor, f"{which}_function": fn}
+    functions: dict[str, Any] = {"send_function": SendTensor, "recv_function": RecvTensor, f"{which}_function": fn}
     stage = Stage(model, bounds, counting, (3, SIDE, SIDE), timeout=TIMEOUT, **functions)
     _, problems = attempt(stage, lambda: train_step(stage, images, masks))
     if not any(problems):
@@ -99,19 +99,8 @@ def _check_autograd(which: str, fn: type) -> None:
     world = MPI.COMM_WORLD
     if world.Get_size() < 2:
         raise CheckFailed("this check needs at least 2 engines: start the cluster with ddlab.cluster.start(n=4)")
-    with sub_communicators(world, [p for p in sorted(TOY_SPLITS) if p <= world.Get_size()]) as subs:
-        for size, sub in subs:
-            problem = None
-            stubbed = None
-            if sub is not None:
-                try:
-                    problem = _one_split(sub, which, fn)
-                except NotImplementedError as err:
-                    stubbed = str(err)
-            stubbed = next((s for s in world.allgather(stubbed) if s), None)
-            if stubbed:
-                raise NotImplementedError(stubbed)
-            fail_together(world, problem, f"{fn.__name__} is wrong. {HINTS[which]}\nWhat went wrong")
+    sizes = [p for p in sorted(TOY_SPLITS) if p <= world.Get_size()]
+    each_size(world, lambda sub: _one_split(sub, which, fn), f"{fn.__name__} is wrong. {HINTS[which]}\nWhat went wrong", sizes)
     passed(world, f"{fn.__name__}: the split UNet's gradients equal one process's; one message per tensor, "
                   "activations forward and gradients backward")
 

@@ -71,26 +71,25 @@ def _brute_force(n: int, k: int, stage_time: Callable[[int, int], float]) -> tup
         worst = max(stage_time(a, b) for a, b in zip(bounds, bounds[1:]))
         if best is None or worst < best[0]:
             best = (worst, bounds)
+    assert best is not None, "k must be between 1 and n"
     return best
 
 
 def _cases() -> list[tuple[int, int, Callable[[int, int], float], str]]:
     rng = random.Random(7)
-    cases = []
+    cases: list[tuple[int, int, Callable[[int, int], float], str]] = []
     for trial in range(30):
         n = rng.randint(1, 9)
         k = rng.randint(1, n)
         compute = [round(rng.uniform(0.1, 5.0), 2) for _ in range(n)]
+        cut = [0.0] * (n + 1)
+        label = f"compute={compute}"
         if trial % 2:
-            cut = [0.0] + [round(rng.uniform(0, 3.0), 2) for _ in range(n - 1)] + [0.0]
+            cut[1:-1] = [round(rng.uniform(0, 3.0), 2) for _ in range(n - 1)]
+            label += f", plus a message cost {cut[1:-1]} at each cut"
 
-            def stage_time(a, b, compute=compute, cut=cut):
-                return sum(compute[a:b]) + cut[a] + cut[b]
-            label = f"compute={compute}, plus a message cost {cut[1:-1]} at each cut"
-        else:
-            def stage_time(a, b, compute=compute):
-                return sum(compute[a:b])
-            label = f"compute={compute}"
+        def stage_time(a: int, b: int, compute: list[float] = compute, cut: list[float] = cut) -> float:
+            return sum(compute[a:b]) + cut[a] + cut[b]
         cases.append((n, k, stage_time, label))
     return cases
 

@@ -55,7 +55,7 @@ def check_allreduce_bucketed(fn: Callable[..., list[np.ndarray]]) -> None:
         originals = [a.copy() for a in arrays]
         calls: list[int] = []
 
-        def allreduce(c: MPI.Comm, x: np.ndarray) -> np.ndarray:
+        def allreduce(c: MPI.Comm, x: np.ndarray, calls: list[int] = calls) -> np.ndarray:
             calls.append(int(x.size))
             out = np.empty_like(x)
             c.Allreduce(x, out, op=MPI.SUM)

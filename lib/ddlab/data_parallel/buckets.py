@@ -13,26 +13,61 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 #: PyTorch DDP's default bucket cap, in MiB.
 DEFAULT_CAP_MB = 25.0
 
 
+class InFlight(Protocol):
+    """An allreduce under way: MPI's request, or the future of a helper thread waiting on one."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> float: ...  # waits; the time it completed
+
+
+class RequestInFlight:
+    """An MPI request as InFlight; `now` reads the clock that times completions."""
+
+    def __init__(self, request: MPI.Request, now: Callable[[], float]):
+        self.request, self.now = request, now
+
+    def done(self) -> bool:
+        return self.request.Test()
+
+    def result(self) -> float:
+        self.request.Wait()
+        return self.now()
+
+
 @dataclass
 class Bucket:
-    """Parameters whose gradients travel in one allreduce, and the flat buffer they travel in."""
+    """Parameters whose gradients travel in one allreduce, and the flat buffer they travel in.
+
+    The buffer is also the gradients' storage: once a bucket has started, each
+    parameter's `.grad` is a view of it, so later backward passes accumulate straight
+    into it, and the averaged values need no copying back (as PyTorch DDP's
+    gradient_as_bucket_view). A bucket keeps its own state through a step:
+    `pending` gradients still to come, the allreduce `in_flight`, when it `started`.
+    """
 
     index: int
     params: list[torch.nn.Parameter]
     buffer: np.ndarray = field(repr=False)
     offsets: list[int] = field(repr=False)
     tensor: torch.Tensor = field(init=False, repr=False)  # the buffer as a tensor (same memory)
+    pending: int = field(init=False, repr=False)
+    in_flight: InFlight | None = field(default=None, init=False, repr=False)
+    started: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.tensor = torch.from_numpy(self.buffer)
+        self.pending = len(self.params)
 
     @property
     def nbytes(self) -> int:
@@ -42,6 +77,34 @@ class Bucket:
         """The part of the buffer holding parameter i's gradient, shaped like it."""
         p = self.params[i]
         return self.tensor[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def gather_gradients(self) -> None:
+        """Make every parameter's .grad a view of the buffer (copying in any gradient that is not one)."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = self.view(i)
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                else:
+                    continue
+                p.grad = view
+
+    def start(self, in_flight: InFlight | None, now: float) -> None:
+        """Note the allreduce of this bucket's buffer that was just started (None: it already ran)."""
+        self.in_flight, self.started = in_flight, now
+
+    def poll(self) -> float | None:
+        """The time its allreduce completed, if it just did (once); else None."""
+        if self.in_flight is None or not self.in_flight.done():
+            return None
+        return self.finish()
+
+    def finish(self) -> float | None:
+        """Wait for the allreduce in flight; the time it completed (None if none was in flight)."""
+        in_flight, self.in_flight = self.in_flight, None
+        return None if in_flight is None else in_flight.result()
 
 
 def cap_bytes(cap_mb: float | None) -> float:

@@ -10,7 +10,7 @@ student wrote can train a network.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 Allreduce = Callable[[MPI.Comm, np.ndarray], np.ndarray]
 #: What callers may pass as an allreduce: None or "mpi" (the MPI library's),
 #: a name of lab 03's algorithms ("ring", "tree", ...), or a function.
-AllreduceChoice = Union[None, str, Allreduce]
+AllreduceChoice = None | str | Allreduce
 
 
 def resolve_allreduce(choice: AllreduceChoice) -> Allreduce:
@@ -81,10 +81,12 @@ def average_gradients(module: nn.Module, comm: MPI.Comm, allreduce: AllreduceCho
         for group in _by_dtype(params).values():
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
             total = torch.from_numpy(np.asarray(reduce(comm, flat.numpy())))
+            grads = []
             for p in group:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _scatter_back(total / size, [p.grad for p in group])
+                grads.append(p.grad)
+            _scatter_back(total / size, grads)
 
 
 def replicas_differ(module: nn.Module, comm: MPI.Comm) -> float:

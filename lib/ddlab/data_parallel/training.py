@@ -123,7 +123,8 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, chunk: 
     total = 0.0
     for j, idx in enumerate(micro):
         last = j == len(micro) - 1
-        quiet = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        no_sync = getattr(model, "no_sync", None)
+        quiet = contextlib.nullcontext() if last or no_sync is None else no_sync()
         with tracer.span("data"):
             x, y = data[idx]
         with quiet:

@@ -8,8 +8,8 @@
 How, step by step (the design of PyTorch DDP, Li et al., VLDB 2020, in Python):
 1. Gradients are grouped into buckets (`buckets.py`), last layer first.
 2. A hook on each parameter fires when backward has accumulated its gradient. When
-   every gradient of a bucket is there, the bucket is copied into its flat buffer and
-   its allreduce starts, while backward goes on computing the earlier layers.
+   every gradient of a bucket is there, its allreduce starts on the bucket's flat
+   buffer (which the gradients are views of, after a first copy), while backward goes on computing the earlier layers.
    With the MPI library's allreduce that is a non-blocking `Iallreduce`. Most MPI
    libraries move it along only while the program is inside an MPI call, so later
    hooks call `Test` on it (progress="test"); or a helper thread sits in `Wait`
@@ -19,8 +19,8 @@ How, step by step (the design of PyTorch DDP, Li et al., VLDB 2020, in Python):
 3. Buckets start strictly in order 0, 1, 2, ... on every rank, so all ranks issue
    their collectives in the same order, as MPI requires.
 4. At the end of backward (a callback queued on autograd's engine) the remaining
-   buckets start, every allreduce is waited for, divided by the number of ranks,
-   and copied back into `.grad`.
+   buckets start, every allreduce is waited for and divided by the number of ranks,
+   in place: `.grad` are views of the buffers.
 
 `overlap=False` starts all buckets only at the end of backward, to measure what
 overlap buys. `no_sync()` skips communication for gradient accumulation.
@@ -29,7 +29,7 @@ overlap buys. `no_sync()` skips communication for gradient accumulation.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import torch
@@ -37,7 +37,7 @@ from mpi4py import MPI
 from torch import nn
 
 from ..trace import Tracer
-from .buckets import DEFAULT_CAP_MB, Bucket, make_buckets
+from .buckets import DEFAULT_CAP_MB, Bucket, InFlight, RequestInFlight, make_buckets
 from .sync import AllreduceChoice, broadcast_parameters, resolve_allreduce
 
 #: Tracer track of allreduces in flight (from start to observed completion).
@@ -78,9 +78,6 @@ class DataParallel(nn.Module):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync = True
         self._in_backward = False
-        self._waiting: list[int] = []  # gradients still missing, per bucket
-        self._requests: dict[int, MPI.Request | Future] = {}  # a Future: the helper thread waits on it
-        self._started: dict[int, float] = {}
         self._next = 0  # the next bucket to start
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
 
@@ -113,19 +110,20 @@ class DataParallel(nn.Module):
         if not self.overlap:
             return
         bucket = self._bucket_of[id(param)]
-        self._waiting[bucket.index] -= 1
-        while self._next < len(self.buckets) and self._waiting[self._next] == 0:
+        bucket.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             self._start(self.buckets[self._next])
         self._poll()
 
     def _begin_backward(self) -> None:
         self._in_backward = True
-        self._waiting = [len(b.params) for b in self.buckets]
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
         self._next = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """After the last gradient: start what is left, wait for everything, write gradients back."""
+        """After the last gradient: start what is left, wait for everything, average the gradients."""
         try:
             while self._next < len(self.buckets):
                 self._start(self.buckets[self._next])
@@ -137,52 +135,38 @@ class DataParallel(nn.Module):
 
     # Communication --------------------------------------------------------------
     def _start(self, bucket: Bucket) -> None:
-        """Copy the bucket's gradients into its buffer and start (or run) its allreduce."""
+        """Gather the bucket's gradients into its buffer and start (or run) its allreduce."""
         self._next += 1
-        with torch.no_grad():
-            for i, p in enumerate(bucket.params):
-                if p.grad is None:
-                    bucket.view(i).zero_()
-                else:
-                    bucket.view(i).copy_(p.grad)
-        self._started[bucket.index] = self.tracer.now()
+        bucket.gather_gradients()
+        started = self.tracer.now()
         if self._function is None:
             request = self.comm.Iallreduce(MPI.IN_PLACE, bucket.buffer, op=MPI.SUM)
-            self._requests[bucket.index] = request if self._helper is None else self._helper.submit(self._wait, request)
+            in_flight: InFlight = (RequestInFlight(request, self.tracer.now) if self._helper is None
+                                   else self._helper.submit(self._wait, request))
+            bucket.start(in_flight, started)
             return
+        bucket.start(None, started)
         with self.tracer.span("allreduce"):
             total = self._function(self.comm, bucket.buffer.copy())
             bucket.buffer[...] = total
-        self.tracer.add(f"bucket {bucket.index}", self._started[bucket.index], self.tracer.now(), IN_FLIGHT)
+        self._traced(bucket, self.tracer.now())
 
     def _wait(self, request: MPI.Request) -> float:
         """In the helper thread: wait for the allreduce; return when it completed."""
         request.Wait()
         return self.tracer.now()
 
+    def _traced(self, bucket: Bucket, end: float | None) -> None:
+        if end is not None:
+            self.tracer.add("bucket", bucket.started, end, IN_FLIGHT, number=bucket.index)
+
     def _poll(self) -> None:
         """Let MPI progress the allreduces in flight; note those that have completed."""
-        for index, pending in list(self._requests.items()):
-            done = pending.done() if isinstance(pending, Future) else pending.Test()
-            if done:
-                del self._requests[index]
-                end = pending.result() if isinstance(pending, Future) else self.tracer.now()
-                self.tracer.add(f"bucket {index}", self._started[index], end, IN_FLIGHT)
+        for bucket in self.buckets[:self._next]:
+            self._traced(bucket, bucket.poll())
 
     def _finish(self, bucket: Bucket) -> None:
-        """Wait for the bucket's allreduce, then write the averaged gradients into .grad."""
-        pending = self._requests.pop(bucket.index, None)
-        if pending is not None:
-            if isinstance(pending, Future):
-                end = pending.result()
-            else:
-                pending.Wait()
-                end = self.tracer.now()
-            self.tracer.add(f"bucket {bucket.index}", self._started[bucket.index], end, IN_FLIGHT)
+        """Wait for the bucket's allreduce, then average its gradients (views of the buffer) in place."""
+        self._traced(bucket, bucket.finish())
         with torch.no_grad():
             bucket.tensor.div_(self.size)
-            for i, p in enumerate(bucket.params):
-                if p.grad is None:
-                    p.grad = bucket.view(i).clone()
-                else:
-                    p.grad.copy_(bucket.view(i))

@@ -14,10 +14,17 @@ Every function takes its communicator explicitly. Exercise signatures are in the
 docstrings of `halo` (8.1), `channels` (8.2) and `slabs` (8.3).
 """
 
-from .channels import ChannelParallelConv, FilterParallelConv, allgather_channels, allreduce_sum, channel_slice, filter_slice
+from .channels import (
+    ChannelParallelConv,
+    FilterParallelConv,
+    allgather_channels,
+    allreduce_sum,
+    channel_slice,
+    filter_slice,
+)
 from .filter_unet import FilterConv, FilterUNet, filter_step
+from .fit import COLUMNS, STRATEGIES, halo_share, intra_sweep, markdown_table, try_strategy
 from .halo import HaloExchange, exchange_rows, wait_all
 from .hybrid import Grid, group_samples, hybrid_step, make_grid
 from .slabs import level_bounds, slab_bounds
-from .fit import COLUMNS, STRATEGIES, halo_share, intra_sweep, markdown_table, try_strategy
 from .spatial import SpatialUNet, conv_halo, padded_conv2d, slab_loss, spatial_conv2d, spatial_step

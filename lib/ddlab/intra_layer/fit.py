@@ -14,12 +14,13 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from ..counting import CountingComm, PeerFailed
+from ..counting import CountingComm
 from ..data.images import make_segmentation
 from ..memory import Ledger
 from ..model_parallel import Fit, fit_sweep, largest_sides
 from ..model_parallel.timeline import polite_barrier
 from ..models.unet import UNet
+from ..waiting import PeerFailed
 from .filter_unet import FilterUNet, filter_step
 from .hybrid import group_samples, make_grid
 from .spatial import SpatialUNet, spatial_step
@@ -30,12 +31,12 @@ COLLECTIVES = ("Allreduce", "Allgather", "Allgatherv")  # what the strategies ca
 
 
 def _build(strategy: str, model: UNet, comm: MPI.Comm, side: int, timeout: float,
-           images: torch.Tensor, masks: torch.Tensor) -> tuple[torch.nn.Module, Callable, list[Any]]:
+           images: torch.Tensor, masks: torch.Tensor) -> tuple[Any, Callable, list[Any]]:
     """The strategy's network on this rank, its step function, and the communicators it uses."""
     if strategy == "filter":
         counting = CountingComm(comm, timeout, COLLECTIVES)
-        net = FilterUNet(model, counting)
-        return net, lambda opt: filter_step(net, images, masks, opt), [counting]
+        split = FilterUNet(model, counting)
+        return split, lambda opt: filter_step(split, images, masks, opt), [counting]
     if strategy == "spatial":
         counting = CountingComm(comm, timeout, COLLECTIVES)
         net = SpatialUNet(model, counting, side)
@@ -58,7 +59,7 @@ def try_strategy(comm: MPI.Comm, model: UNet, side: int, strategy: str, *, budge
     own = comm.Dup()  # messages a failed step leaves behind die with it
     images, masks = make_segmentation(batch, side, seed, dtype=next(model.parameters()).dtype)
     ledger = Ledger(budget, stage=f"rank {comm.Get_rank()} of {comm.Get_size()} ({strategy})")
-    problem, seconds, comms = None, None, []
+    problem, seconds, comms = None, None, list[Any]()
     try:
         module, step, comms = _build(strategy, model, own, side, timeout, images, masks)
         optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
@@ -100,7 +101,8 @@ def markdown_table(results: list[Fit], columns: tuple[str, ...] = COLUMNS) -> st
     by = {(r.split, r.side): r for r in results}
     lines = ["| side | " + " | ".join(columns) + " |", "|---:|" + "---:|" * len(columns)]
     for side in sorted({r.side for r in results}):
-        cells = [f"{by[c, side].seconds_per_sample * 1e3:.0f}" if by[c, side].fits else "OOM" for c in columns]
+        times = [by[c, side].seconds_per_sample for c in columns]
+        cells = ["OOM" if t is None else f"{t * 1e3:.0f}" for t in times]
         lines.append(f"| {side} | " + " | ".join(cells) + " |")
     largest = largest_sides(results, columns)
     lines.append("| largest | " + " | ".join(str(largest[c]) for c in columns) + " |")
@@ -109,7 +111,7 @@ def markdown_table(results: list[Fit], columns: tuple[str, ...] = COLUMNS) -> st
 
 def halo_share(comm: MPI.Comm, model: UNet, side: int, batch: int = 2) -> tuple[int, int]:
     """(halo bytes this rank sends in one spatial step, forward and backward; its peak activation bytes)."""
-    counting = CountingComm(comm, allowed=COLLECTIVES)
+    counting = CountingComm(comm, allow=COLLECTIVES)
     images, masks = make_segmentation(batch, side, 0, dtype=next(model.parameters()).dtype)
     net, ledger = SpatialUNet(model, counting, side), Ledger()
     with ledger.activations():

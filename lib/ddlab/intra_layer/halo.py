@@ -56,8 +56,9 @@ def exchange_rows(comm: Any, to_above: torch.Tensor, to_below: torch.Tensor,
     requests, outgoing = [], []
     for i, (peer, tag) in enumerate(((rank - 1, down), (rank + 1, up))):
         if 0 <= peer < size:
-            received[i] = torch.empty(to_above.shape, dtype=to_above.dtype)
-            requests.append(comm.Irecv(received[i].numpy(), source=peer, tag=tag))
+            buffer = torch.empty(to_above.shape, dtype=to_above.dtype)
+            received[i] = buffer
+            requests.append(comm.Irecv(buffer.numpy(), source=peer, tag=tag))
     for peer, rows, tag in ((rank - 1, to_above, up), (rank + 1, to_below, down)):
         if 0 <= peer < size:
             outgoing.append(rows.detach().contiguous().numpy())  # alive until the send completes

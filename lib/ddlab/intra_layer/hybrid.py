@@ -9,7 +9,6 @@ Rank r sits in group r // S at slab r % S.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from mpi4py import MPI

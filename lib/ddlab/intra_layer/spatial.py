@@ -42,12 +42,12 @@ def conv_halo(conv: nn.Conv2d) -> int:
     return kh // 2
 
 
-def spatial_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: type = HaloExchange) -> torch.Tensor:
+def spatial_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: Any = HaloExchange) -> torch.Tensor:
     """conv applied to this rank's slab x (N, C, h, W) of an image split by rows over comm's ranks.
 
     Returns this rank's rows of conv's output. Two messages per neighbour (forward, backward).
     """
-    p, pw = conv_halo(conv), conv.padding[1]
+    p, pw = conv_halo(conv), int(conv.padding[1])
     out = F.conv2d(x, conv.weight, conv.bias, padding=(p, pw))  # the halo counted as zeros
     if p == 0:
         return out
@@ -60,9 +60,9 @@ def spatial_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: type =
     return out + F.pad(top, (0, 0, 0, rest)) + F.pad(bottom, (0, 0, rest, 0))
 
 
-def padded_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: type = HaloExchange) -> torch.Tensor:
+def padded_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: Any = HaloExchange) -> torch.Tensor:
     """The simplest spatial convolution: over cat([above, x, below]) (the copy autograd keeps too)."""
-    p, pw = conv_halo(conv), conv.padding[1]
+    p, pw = conv_halo(conv), int(conv.padding[1])
     if p == 0:
         return conv(x)
     above, below = exchange.apply(x, comm, p)
@@ -75,7 +75,7 @@ class SpatialUNet(nn.Module):
     The bounds are `slab_bounds(height, size, model.depth)` unless given.
     """
 
-    def __init__(self, model: UNet, comm: Any, height: int, exchange: type = HaloExchange,
+    def __init__(self, model: UNet, comm: Any, height: int, exchange: Any = HaloExchange,
                  bounds: list[int] | None = None):
         super().__init__()
         self.model, self.comm, self.exchange = copy.deepcopy(model), comm, exchange

@@ -10,9 +10,9 @@
 """
 
 from .autograd import RecvTensor, SendTensor, recv, send
+from .fit import SPLITS, Fit, first_error, fit_sweep, fit_table, largest_sides, memory_costs, try_split
 from .messages import Mailbox
 from .profile import LayerCost, profile_layers
 from .splits import Crossings, Edge, StagePlan, balanced_split, check_bounds, naive_split, stage_costs, trace_shapes
 from .stage import Stage, attempt, gradient_error, reference_gradients, train_step
 from .timeline import Timeline, kind_totals, polite_barrier, utilisation
-from .fit import SPLITS, Fit, first_error, fit_sweep, fit_table, largest_sides, memory_costs, try_split

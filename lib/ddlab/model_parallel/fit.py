@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from mpi4py import MPI
 
+from ..comm import Comm
 from ..counting import underlying
 from ..data.images import make_segmentation
 from ..memory import Ledger
@@ -53,7 +53,7 @@ def memory_costs(model: UNet, side: int, batch: int, state_copies: int = 1, seed
     return [cost.memory(state_copies) for cost in profile_layers(model, images, masks)]
 
 
-def try_split(comm: Any, model: UNet, bounds: list[int], side: int, split: str, *, budget: int | None,
+def try_split(comm: Comm, model: UNet, bounds: list[int], side: int, split: str, *, budget: int | None,
               batch: int = 2, steps: int = 2, seed: int = 0) -> Fit:
     """Train `steps` steps (SGD with momentum) of model cut at bounds over comm's ranks, under the budget.
 
@@ -123,7 +123,7 @@ def fit_table(results: list[Fit], splits: tuple[str, ...] = SPLITS) -> str:
                 cells.append(" " * width)
                 continue
             peaks = "/".join(f"{p / 2**20:.0f}" for p in r.peak_per_rank)
-            time = f"{r.seconds_per_sample * 1e3:6.0f}" if r.fits else "   OOM"
+            time = "   OOM" if r.seconds_per_sample is None else f"{r.seconds_per_sample * 1e3:6.0f}"
             cells.append(f"{time}  {peaks:>{width - 8}}")
         lines.append(f"{side:>5} | " + " | ".join(cells))
     largest = largest_sides(results, splits)

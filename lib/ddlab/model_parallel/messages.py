@@ -10,15 +10,15 @@ be used, so the next step starts clean.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..counting import PeerFailed, Stalled, underlying
+from ..comm import Comm
+from ..counting import CountingComm, underlying
+from ..waiting import Watch
 from .timeline import Timeline
 
 _STAMP = np.dtype(np.float64).itemsize  # bytes of the busy-clock stamp ahead of the data
@@ -27,30 +27,30 @@ _STAMP = np.dtype(np.float64).itemsize  # bytes of the busy-clock stamp ahead of
 class Mailbox:
     """One rank's tensor messages on `comm` (an MPI communicator or a CountingComm).
 
-    A collective to create (it duplicates the communicator for failure notices).
-    With an enabled `clock`, each message carries the sender's busy-clock time.
+    A collective to create (it duplicates the communicator for failure notices, or
+    shares a CountingComm's watch). With an enabled `clock`, each message carries the
+    sender's busy-clock time.
     """
 
-    def __init__(self, comm: Any, timeout: float = 60.0, clock: Timeline | None = None):
+    def __init__(self, comm: Comm, timeout: float = 60.0, clock: Timeline | None = None):
         self.comm, self.raw = comm, underlying(comm)
         self.rank, self.size = self.raw.Get_rank(), self.raw.Get_size()
         self.timeout = timeout
         self.clock = clock or Timeline(self.rank, enabled=False)
         self.stamped = self.clock.enabled
-        self._alarm = self.raw.Dup()
+        self._own_watch = not isinstance(comm, CountingComm)
+        self.watch = comm.watch if isinstance(comm, CountingComm) else Watch(self.raw, timeout)
         self._sends: list[tuple[MPI.Request, np.ndarray]] = []
         self._open_recv: MPI.Request | None = None
         self._open_source = -1
         self.sent: Counter[int] = Counter()      # messages posted to each peer
         self.received: Counter[int] = Counter()  # messages completed from each peer
-        self._alarms_sent: Counter[int] = Counter()
-        self._alarms_received: Counter[int] = Counter()
-        self._alarm_requests: list[MPI.Request] = []
 
     def free(self) -> None:
         """Release the failure-notice communicator (a collective; pending sends must be done)."""
         self.flush()
-        self._alarm.Free()
+        if self._own_watch:
+            self.watch.free()
 
     # Sending ------------------------------------------------------------------
     def post(self, tensor: torch.Tensor, dest: int, tag: int) -> None:
@@ -72,10 +72,14 @@ class Mailbox:
         if self._sends:
             self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
+    def _all_sent(self) -> bool:
+        self.progress()
+        return not self._sends
+
     def flush(self) -> None:
         """Wait until every posted send has been received (with the timeout)."""
         self.clock.wait_begin()
-        self._poll(lambda: (self.progress(), not self._sends)[1], f"{len(self._sends)} sends to be received")
+        self.watch.poll(self._all_sent, f"{len(self._sends)} sends to be received")
         self.clock.wait_end(None)
 
     # Receiving ----------------------------------------------------------------
@@ -87,7 +91,8 @@ class Mailbox:
         self.clock.wait_begin()
         request = self.comm.Irecv(buf, source, tag)
         self._open_recv, self._open_source = request, source
-        receive_cpu = self._poll(request.Test, f"a {tuple(shape)} tensor from rank {source} (tag {tag})")
+        receive_cpu = self.watch.poll(request.Test, f"a {tuple(shape)} tensor from rank {source} (tag {tag})",
+                                      self.progress)
         self._open_recv = None
         self.received[source] += 1
         self.clock.wait_end(float(buf[:header].view(np.float64)[0]) if header else None, receive_cpu)
@@ -95,38 +100,10 @@ class Mailbox:
             return torch.empty(shape, dtype=dtype)
         return torch.from_numpy(buf[header:]).view(dtype).view(shape)
 
-    def _poll(self, done: Any, what: str) -> float:
-        """Call done() until true, sleeping a little between tries so waiting ranks free their core.
-
-        Returns the CPU seconds of the last call, the one that completed (and moved the data).
-        """
-        deadline, pause = time.monotonic() + self.timeout, 1e-5
-        while True:
-            start = time.thread_time()
-            if done():
-                return time.thread_time() - start
-            notice = MPI.Status()
-            if self._alarm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, notice):
-                source = notice.Get_source()
-                reason = self._alarm.recv(source=source)
-                self._alarms_received[source] += 1
-                raise PeerFailed(f"rank {self.rank} gave up waiting for {what}: rank {source} failed ({reason})")
-            if time.monotonic() > deadline:
-                raise Stalled(
-                    f"rank {self.rank} waited {self.timeout:.0f} s for {what}: is the matching send "
-                    "missing on the other rank, or are two ranks waiting for each other?"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 2e-4)
-            self.progress()
-
     # Failures -----------------------------------------------------------------
     def fail(self, reason: str) -> None:
         """Tell every other rank that this one failed, so none waits for it forever."""
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._alarm_requests.append(self._alarm.isend(reason, peer))
-                self._alarms_sent[peer] += 1
+        self.watch.fail_all(reason)
 
     def recover(self) -> None:
         """After a failed step, on all ranks: drop every message nobody will use, so the next step starts clean.
@@ -142,17 +119,13 @@ class Mailbox:
                 self.received[self._open_source] += 1
             self._open_recv = None
         sent = self.raw.allgather(dict(self.sent))
-        alarms = self.raw.allgather(dict(self._alarms_sent))
         for source in range(self.size):
             for _ in range(sent[source].get(self.rank, 0) - self.received[source]):
                 status = MPI.Status()
                 self.raw.Probe(source, MPI.ANY_TAG, status)
                 self.raw.Recv(np.empty(status.Get_count(MPI.BYTE), np.uint8), source, status.Get_tag())
                 self.received[source] += 1
-            for _ in range(alarms[source].get(self.rank, 0) - self._alarms_received[source]):
-                self._alarm.recv(source=source)
-                self._alarms_received[source] += 1
-        MPI.Request.Waitall([r for r, _ in self._sends] + self._alarm_requests)
+        self.watch.settle()
+        MPI.Request.Waitall([r for r, _ in self._sends])
         self._sends.clear()
-        self._alarm_requests.clear()
         self.raw.Barrier()

@@ -43,8 +43,9 @@ def profile_layers(model: UNet, images: torch.Tensor, masks: torch.Tensor, repea
     """
     n = len(model.layers)
     forward, backward, saved = [float("inf")] * n, [float("inf")] * n, [0] * n
-    for repeat in range(repeats):
-        ledger, inputs, outputs, skips, x = Ledger(), [], [], {}, images
+    for _ in range(repeats):
+        ledger, inputs, outputs, x = Ledger(), [], [], images
+        skips: dict[str, torch.Tensor] = {}
         ledger.ignore(model)
         with ledger.activations():
             for i, layer in enumerate(model.layers):

@@ -9,6 +9,7 @@ right, needs no more than k stages.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -51,7 +52,7 @@ def _pack(prefix: list[float], k: int, limit: float) -> list[int] | None:
     return bounds + [n]
 
 
-def balanced_split(costs: list[float], k: int) -> list[int]:
+def balanced_split(costs: Sequence[float], k: int) -> list[int]:
     """Bounds of k contiguous non-empty stages whose largest total cost is as small as possible."""
     n = len(costs)
     if not 1 <= k <= n:
@@ -67,10 +68,12 @@ def balanced_split(costs: list[float], k: int) -> list[int]:
             low = middle + 1
         else:
             high = middle
-    return _pack(prefix, k, candidates[low])
+    bounds = _pack(prefix, k, candidates[low])
+    assert bounds is not None  # the search ends on a limit that packs
+    return bounds
 
 
-def stage_costs(costs: list[float], bounds: list[int]) -> list[float]:
+def stage_costs(costs: Sequence[float], bounds: list[int]) -> list[float]:
     """Total cost of each stage."""
     return [float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:])]
 
@@ -86,13 +89,14 @@ class Edge:
     index: int  # its position in the plan; part of its message tags
 
 
-def trace_shapes(model: UNet, image_shape: tuple[int, int, int]) -> tuple[list[tuple[int, ...]], dict[str, tuple[int, ...]]]:
+def trace_shapes(model: UNet, image_shape: tuple[int, ...]) -> tuple[list[tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """One sample's output shape of every layer, and of every skip, for images of image_shape.
 
     Runs the model on an empty batch, which costs no arithmetic.
     """
     dtype = next(model.parameters()).dtype
-    x, skips, outputs, skip_shapes = torch.zeros(0, *image_shape, dtype=dtype), {}, [], {}
+    x, outputs, skip_shapes = torch.zeros(0, *image_shape, dtype=dtype), [], {}
+    skips: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for layer in model.layers:
             x = layer(x, skips)
@@ -105,7 +109,7 @@ def trace_shapes(model: UNet, image_shape: tuple[int, int, int]) -> tuple[list[t
 class StagePlan:
     """A UNet cut at `bounds`: each stage's layers, and the edges between stages with their shapes."""
 
-    def __init__(self, model: UNet, bounds: list[int], image_shape: tuple[int, int, int]):
+    def __init__(self, model: UNet, bounds: list[int], image_shape: tuple[int, ...]):
         check_bounds(bounds, len(model.layers))
         self.bounds, self.k = list(bounds), len(bounds) - 1
         outputs, skip_shapes = trace_shapes(model, image_shape)
@@ -152,7 +156,7 @@ class Crossings:
     other outside. That depends on a and b only, not on the other stages.
     """
 
-    def __init__(self, model: UNet, image_shape: tuple[int, int, int], batch: int = 1):
+    def __init__(self, model: UNet, image_shape: tuple[int, ...], batch: int = 1):
         outputs, skip_shapes = trace_shapes(model, image_shape)
         size = next(model.parameters()).element_size() * batch
         self.n = len(model.layers)

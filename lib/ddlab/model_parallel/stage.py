@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..comm import Comm
 from ..counting import PeerFailed, underlying
 from ..memory import Ledger
 from ..models.unet import UNet, layer_names
@@ -35,7 +36,7 @@ class Stage:
     (`torch.utils.checkpoint`). Creating a stage is a collective over comm.
     """
 
-    def __init__(self, model: UNet, bounds: list[int], comm: Any, image_shape: tuple[int, int, int], *,
+    def __init__(self, model: UNet, bounds: list[int], comm: Comm, image_shape: tuple[int, ...], *,
                  ledger: Ledger | None = None, clock: Timeline | None = None, recompute: bool = False,
                  timeout: float = 60.0, send_function: type = SendTensor, recv_function: type = RecvTensor):
         self.index, size = underlying(comm).Get_rank(), underlying(comm).Get_size()
@@ -62,30 +63,6 @@ class Stage:
         """Micro-batches whose forward is done and backward not yet."""
         return sorted(self._roots)
 
-    def _run(self, x: torch.Tensor, skips: dict[str, torch.Tensor], out_names: list[str]) -> tuple:
-        """Run the stage's layers; skips holds the received ones, which layers pop once used."""
-        try:
-            for layer, name in zip(self.layers, self.layer_names):
-                self.ledger.where = name
-                x = layer(x, skips)
-                self.mailbox.progress()
-        finally:
-            self.ledger.where = ""
-        return (x, *(skips[name] for name in out_names))
-
-    def _run_checkpointed(self, skip_names: list[str], out_names: list[str], x: torch.Tensor,
-                          *skip_tensors: torch.Tensor) -> tuple:
-        return self._run(x, dict(zip(skip_names, skip_tensors)), out_names)
-
-    def _receive(self, mb: int, batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """What other stages send for micro-batch mb, by edge name, charged to the ledger while alive."""
-        received = {}
-        for edge in self.inputs:
-            tensor = recv(self.mailbox, edge.src, self.plan.tag(edge, mb), (batch, *edge.shape), dtype, self.recv_function)
-            self.ledger.hold(tensor, f"the {edge.name} from stage {edge.src}")
-            received[edge.name] = tensor
-        return received
-
     def forward(self, mb: int, images: torch.Tensor, masks: torch.Tensor, scale: float) -> None:
         """Forward of micro-batch mb (images used on the first stage, masks on the last).
 
@@ -94,30 +71,10 @@ class Stage:
         """
         if mb in self._roots:
             raise RuntimeError(f"stage {self.index}: micro-batch {mb} is already in flight (forward twice?)")
-        out_names = [e.name for e in self.outputs if e.name != "x"]
         with self.clock.span("forward", mb), self.ledger.activations():
-            skips = self._receive(mb, images.shape[0], images.dtype)
-            x = images if self.first else skips.pop("x")
-            if self.recompute:
-                x = x if x.requires_grad else x.detach().requires_grad_()  # reentrant checkpoint needs one
-                run = functools.partial(self._run_checkpointed, list(skips), out_names)
-                outs = checkpoint(run, x, *skips.values(), use_reentrant=True)
-            else:
-                outs = self._run(x, skips, out_names)
-            del x, skips  # received tensors no layer saved can go now
-            made = dict(zip(out_names, outs[1:]))
-            roots = []
-            if self.last:
-                self.ledger.where = "the loss"
-                try:
-                    loss = nn.functional.cross_entropy(outs[0], masks, reduction="sum") * scale
-                finally:
-                    self.ledger.where = ""
-                self.losses[mb] = loss.item()
-                roots.append(loss)
-            for edge in self.outputs:
-                tensor = outs[0] if edge.name == "x" else made[edge.name]
-                roots.append(send(tensor, self.mailbox, edge.dst, self.plan.tag(edge, mb), self.send_function))
+            x, made = self._layers(*self._receive(mb, images))
+            roots = [self._loss(mb, x, masks, scale)] if self.last else []
+            roots += self._send(mb, x, made)
         self._roots[mb] = roots
 
     def backward(self, mb: int) -> None:
@@ -126,6 +83,56 @@ class Stage:
             raise RuntimeError(f"stage {self.index}: backward of micro-batch {mb}, whose forward has not run")
         with self.clock.span("backward", mb), self.ledger.activations():
             torch.autograd.backward(self._roots.pop(mb))
+
+    # The steps of forward ------------------------------------------------------
+    def _receive(self, mb: int, images: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The stage's input (the images, on the first stage) and the skips other stages send for mb.
+
+        Received tensors are charged to the ledger while alive.
+        """
+        received = {}
+        for edge in self.inputs:
+            shape = (images.shape[0], *edge.shape)
+            tensor = recv(self.mailbox, edge.src, self.plan.tag(edge, mb), shape, images.dtype, self.recv_function)
+            self.ledger.hold(tensor, f"the {edge.name} from stage {edge.src}")
+            received[edge.name] = tensor
+        x = images if self.first else received.pop("x")
+        return x, received
+
+    def _layers(self, x: torch.Tensor, skips: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the stage's layers (checkpointed if recompute); the output, and the skips to send on by name."""
+        out_names = [e.name for e in self.outputs if e.name != "x"]
+        if self.recompute:
+            x = x if x.requires_grad else x.detach().requires_grad_()  # reentrant checkpoint needs one
+            run = functools.partial(self._run_checkpointed, list(skips), out_names)
+            outs = checkpoint(run, x, *skips.values(), use_reentrant=True)
+        else:
+            outs = self._run(x, skips, out_names)
+        return outs[0], dict(zip(out_names, outs[1:]))
+
+    def _run(self, x: torch.Tensor, skips: dict[str, torch.Tensor], out_names: list[str]) -> tuple:
+        """Run the stage's layers; skips holds the received ones, which layers pop once used."""
+        for layer, name in zip(self.layers, self.layer_names):
+            with self.ledger.running(name):
+                x = layer(x, skips)
+            self.mailbox.progress()
+        return (x, *(skips[name] for name in out_names))
+
+    def _run_checkpointed(self, skip_names: list[str], out_names: list[str], x: torch.Tensor,
+                          *skip_tensors: torch.Tensor) -> tuple:
+        return self._run(x, dict(zip(skip_names, skip_tensors)), out_names)
+
+    def _loss(self, mb: int, out: torch.Tensor, masks: torch.Tensor, scale: float) -> torch.Tensor:
+        """The last stage's loss for micro-batch mb (noted in self.losses)."""
+        with self.ledger.running("the loss"):
+            loss = nn.functional.cross_entropy(out, masks, reduction="sum") * scale
+        self.losses[mb] = loss.item()
+        return loss
+
+    def _send(self, mb: int, x: torch.Tensor, made: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Post the output and the skips later stages need; the placeholders backward starts from."""
+        return [send(x if edge.name == "x" else made[edge.name], self.mailbox, edge.dst, self.plan.tag(edge, mb),
+                     self.send_function) for edge in self.outputs]
 
 
 def train_step(stage: Stage, images: torch.Tensor, masks: torch.Tensor,
@@ -171,7 +178,7 @@ def reference_gradients(model: UNet, images: torch.Tensor, masks: torch.Tensor) 
     single = copy.deepcopy(model)
     single.zero_grad(set_to_none=True)
     nn.functional.cross_entropy(single(images), masks).backward()
-    return [[p.grad.clone() for p in layer.parameters()] for layer in single.layers]
+    return [[p.grad.clone() for p in layer.parameters() if p.grad is not None] for layer in single.layers]
 
 
 def gradient_error(stage: Stage, reference: list[list[torch.Tensor]]) -> float:

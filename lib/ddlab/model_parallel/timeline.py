@@ -22,6 +22,7 @@ import contextlib
 import time
 from typing import Any, Iterator
 
+from ..comm import Comm
 from ..counting import underlying
 from ..trace import Span, Tracer
 
@@ -29,7 +30,7 @@ KINDS = ("forward", "backward", "send", "recv", "idle", "other")
 BUSY_KINDS = ("forward", "backward", "send", "recv")
 
 
-def polite_barrier(comm: Any, pause: float = 1e-3) -> None:
+def polite_barrier(comm: Comm, pause: float = 1e-3) -> None:
     """A barrier that sleeps while it waits, leaving the cores to ranks that compute."""
     request = underlying(comm).Ibarrier()
     while not request.Test():
@@ -48,11 +49,11 @@ class Timeline:
         self.enabled = enabled
         self.wall, self.busy = Tracer(rank), Tracer(rank)
         self.now = 0.0  # busy clock, seconds
-        self._labels: list[str] = []
+        self._labels: list[tuple[str, int | None]] = []  # (kind, micro-batch) of the spans we are in
         self._wall_mark = self._cpu_mark = 0.0
         self.start()
 
-    def start(self, comm: Any | None = None) -> None:
+    def start(self, comm: Comm | None = None) -> None:
         """Forget what was recorded and start both clocks at 0 (after a barrier on comm, if given)."""
         if comm is not None:
             polite_barrier(comm)
@@ -62,19 +63,20 @@ class Timeline:
         self.now = 0.0
         self._wall_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
 
-    def _piece(self, label: str, wall_end: float, cpu_end: float) -> None:
-        """Record the time since the last mark as `label` on both clocks."""
+    def _piece(self, label: tuple[str, int | None], wall_end: float, cpu_end: float) -> None:
+        """Record the time since the last mark as `label` (kind, micro-batch) on both clocks."""
         wall_start, cpu_spent = self._wall_mark, max(cpu_end - self._cpu_mark, 0.0)
+        kind, mb = label
         if wall_end > wall_start:
             origin = self.wall.origin
-            self.wall.add(label, wall_start - origin, wall_end - origin)
+            self.wall.add(kind, wall_start - origin, wall_end - origin, number=mb)
         if cpu_spent > 0:
-            self.busy.add(label, self.now, self.now + cpu_spent)
+            self.busy.add(kind, self.now, self.now + cpu_spent, number=mb)
             self.now += cpu_spent
         self._wall_mark, self._cpu_mark = wall_end, cpu_end
 
     def _mark(self) -> None:
-        self._piece(self._labels[-1] if self._labels else "other", time.perf_counter(), time.thread_time())
+        self._piece(self._labels[-1] if self._labels else ("other", None), time.perf_counter(), time.thread_time())
 
     @contextlib.contextmanager
     def span(self, kind: str, mb: int | None = None) -> Iterator[None]:
@@ -84,7 +86,7 @@ class Timeline:
             return
         self._mark()
         mb = self._micro_batch() if mb is None else mb
-        self._labels.append(kind if mb is None else f"{kind} {mb}")
+        self._labels.append((kind, mb))
         try:
             yield
         finally:
@@ -93,8 +95,7 @@ class Timeline:
 
     def _micro_batch(self) -> int | None:
         """The micro-batch of the innermost labelled span, if any."""
-        rest = self._labels[-1].partition(" ")[2] if self._labels else ""
-        return int(rest) if rest else None
+        return self._labels[-1][1] if self._labels else None
 
     def wait_begin(self) -> None:
         """A receive starts waiting: what came before it is done."""
@@ -113,35 +114,23 @@ class Timeline:
             return
         wall_end, cpu_end = time.perf_counter(), time.thread_time()
         mb = self._micro_batch()
-        suffix = "" if mb is None else f" {mb}"
         if wall_end > self._wall_mark:
             origin = self.wall.origin
-            self.wall.add("idle" + suffix, self._wall_mark - origin, wall_end - origin)
+            self.wall.add("idle", self._wall_mark - origin, wall_end - origin, number=mb)
         if sent_at is not None and sent_at > self.now:
-            self.busy.add("idle" + suffix, self.now, sent_at)
+            self.busy.add("idle", self.now, sent_at, number=mb)
             self.now = sent_at
         if receive_cpu > 0:
-            self.busy.add("recv" + suffix, self.now, self.now + receive_cpu)
+            self.busy.add("recv", self.now, self.now + receive_cpu, number=mb)
             self.now += receive_cpu
         self._wall_mark, self._cpu_mark = wall_end, cpu_end
-
-
-def kind_of(span: Span) -> str:
-    """'forward' for a span named 'forward 3'."""
-    return span.name.partition(" ")[0]
-
-
-def micro_batch_of(span: Span) -> int | None:
-    """3 for a span named 'forward 3', None if it has no micro-batch."""
-    rest = span.name.partition(" ")[2]
-    return int(rest) if rest.isdigit() else None
 
 
 def kind_totals(spans: list[Span]) -> dict[str, float]:
     """Seconds per kind over one rank's flat spans."""
     out = dict.fromkeys(KINDS, 0.0)
     for span in spans:
-        out[kind_of(span)] = out.get(kind_of(span), 0.0) + span.duration
+        out[span.name] = out.get(span.name, 0.0) + span.duration
     return out
 
 
@@ -154,6 +143,6 @@ def utilisation(spans_by_rank: list[list[Span]]) -> dict[str, Any]:
     starts = [s.start for spans in spans_by_rank for s in spans]
     ends = [s.end for spans in spans_by_rank for s in spans]
     makespan = (max(ends) - min(starts)) if starts else 0.0
-    busy = [sum(s.duration for s in spans if kind_of(s) in BUSY_KINDS) for spans in spans_by_rank]
+    busy = [sum(s.duration for s in spans if s.name in BUSY_KINDS) for spans in spans_by_rank]
     bubble = 1 - sum(busy) / (len(spans_by_rank) * makespan) if makespan > 0 else 0.0
     return {"makespan": makespan, "busy": busy, "bubble": bubble}

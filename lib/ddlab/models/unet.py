@@ -10,6 +10,9 @@ into stages then sees exactly which skips cross from one stage to another.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -40,6 +43,8 @@ class Conv(Layer):
 class Down(Layer):
     """Store x as a skip for the decoder, then halve the image (2x2 max pooling)."""
 
+    saves: str
+
     def __init__(self, level: int):
         super().__init__()
         self.saves = f"skip{level}"
@@ -51,6 +56,8 @@ class Down(Layer):
 
 class Up(Layer):
     """Double the image (2x2 transposed convolution), then concatenate the skip of that size."""
+
+    uses: str
 
     def __init__(self, level: int, cin: int, cout: int):
         super().__init__()
@@ -79,11 +86,13 @@ class UNet(nn.Module):
     Down; bottleneck Conv, Conv; decoder Up, Conv, Conv; then a Head: 6*depth + 3 in all.
     """
 
+    layers: Sequence[Layer]  # an nn.ModuleList (so torch sees the parameters), typed by what it holds
+
     def __init__(self, in_channels: int = 3, classes: int = 3, width: int = 8, depth: int = 3):
         super().__init__()
         if depth < 1 or width < 1:
             raise ValueError(f"need depth >= 1 and width >= 1, got depth={depth}, width={width}")
-        self.depth = depth
+        self.depth, self.in_channels = depth, in_channels
         channels = [width * 2**level for level in range(depth + 1)]
         layers: list[Layer] = []
         cin = in_channels
@@ -95,7 +104,7 @@ class UNet(nn.Module):
             layers += [Up(level, channels[level + 1], channels[level]),
                        Conv(2 * channels[level], channels[level]), Conv(channels[level], channels[level])]
         layers.append(Head(channels[0], classes))
-        self.layers = nn.ModuleList(layers)
+        self.layers = cast("Sequence[Layer]", nn.ModuleList(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         side = x.shape[-1]
@@ -104,7 +113,7 @@ class UNet(nn.Module):
         return run_layers(self.layers, x, {})
 
 
-def run_layers(layers: list[Layer] | nn.ModuleList, x: torch.Tensor, skips: Skips) -> torch.Tensor:
+def run_layers(layers: Iterable[Layer], x: torch.Tensor, skips: Skips) -> torch.Tensor:
     """Run layers in order on x; `skips` is read and filled as the layers say."""
     for layer in layers:
         x = layer(x, skips)

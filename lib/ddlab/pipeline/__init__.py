@@ -12,8 +12,8 @@
   which relays skip connections through the stages in between.
 """
 
-from .partition import StageTimes, measured_stage_times, message_cost, pipedream_partition
 from .balance import Calibration, calibrate
+from .partition import StageTimes, measured_stage_times, message_cost, pipedream_partition
 from .runner import PipelineRun, expected_bubble, measure_pipeline, micro_batches, pipeline_step
 from .schedules import Op, Schedule, as_spans, bubble, gpipe, in_flight, one_f_one_b, simulate, theory_bubble
 from .torch_pipelining import RelayStage, TorchPipeline, alternate_wall_times, forward_bytes

@@ -12,10 +12,11 @@ measured stages were most even.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from ..comm import Comm
 from ..models.unet import UNet
 from .partition import StageTimes, pipedream_partition
 from .runner import measure_pipeline
@@ -36,7 +37,7 @@ class Calibration:
         return max(times) / (sum(times) / len(times))
 
 
-def calibrate(comm: Any, model: UNet, images: torch.Tensor, masks: torch.Tensor, stage_times: StageTimes,
+def calibrate(comm: Comm, model: UNet, images: torch.Tensor, masks: torch.Tensor, stage_times: StageTimes,
               m: int, rounds: int = 3, partition: Partition = pipedream_partition, repeats: int = 3) -> Calibration:
     """Solve, measure a 1F1B step of m micro-batches (images holds m of them), rescale, solve again.
 

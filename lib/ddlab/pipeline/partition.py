@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from mpi4py import MPI
 
+from ..comm import Comm
 from ..counting import underlying
 from ..model_parallel import Crossings, Mailbox, profile_layers
 from ..models.unet import UNet
@@ -89,7 +90,7 @@ def message_cost(repeats: int = 9, large: int = 2**20) -> tuple[float, float]:
     return small, max(big - small, 0.0) / large
 
 
-def measured_stage_times(comm: Any, model: UNet, images: torch.Tensor, masks: torch.Tensor,
+def measured_stage_times(comm: Comm, model: UNet, images: torch.Tensor, masks: torch.Tensor,
                          repeats: int = 3) -> StageTimes:
     """T(a, b) for this micro-batch, from layer and message costs measured on every rank.
 

@@ -9,14 +9,14 @@ micro-batch is scaled by 1 / pixels of the whole batch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from ..comm import Comm
 from ..counting import underlying
 from ..memory import Ledger
 from ..model_parallel import Stage, Timeline, polite_barrier, utilisation
-from ..model_parallel.timeline import BUSY_KINDS, kind_of, kind_totals
+from ..model_parallel.timeline import BUSY_KINDS, kind_totals
 from ..models.unet import UNet
 from ..trace import Span, gather_spans
 from .schedules import Schedule, bubble, simulate
@@ -112,10 +112,10 @@ def expected_bubble(run: PipelineRun, schedule: Schedule) -> float:
 
 
 def _stage_time(spans: list[Span]) -> float:
-    return sum(s.duration for s in spans if kind_of(s) in BUSY_KINDS)
+    return sum(s.duration for s in spans if s.name in BUSY_KINDS)
 
 
-def measure_pipeline(comm: Any, model: UNet, bounds: list[int], schedule: Schedule, m: int,
+def measure_pipeline(comm: Comm, model: UNet, bounds: list[int], schedule: Schedule, m: int,
                      images: torch.Tensor, masks: torch.Tensor, recompute: bool = False,
                      warmup: int = 1, repeats: int = 3) -> PipelineRun:
     """Run `warmup` steps, then measure `repeats` more. A collective: every rank gets the same result."""
@@ -123,7 +123,8 @@ def measure_pipeline(comm: Any, model: UNet, bounds: list[int], schedule: Schedu
     rank = raw.Get_rank()
     clock, ledger = Timeline(rank), Ledger(stage=f"stage {rank}")
     stage = Stage(model, bounds, comm, tuple(images.shape[1:]), ledger=ledger, clock=clock, recompute=recompute)
-    best, times, peak = None, [], 0
+    best: tuple[list[list[Span]], list[list[Span]]] | None = None
+    times, peak = [], 0
     for step in range(warmup + repeats):
         polite_barrier(comm, pause=1e-4)  # ranks leave it within a fraction of a millisecond
         ledger.reset_peak()
@@ -138,4 +139,6 @@ def measure_pipeline(comm: Any, model: UNet, bounds: list[int], schedule: Schedu
             best = (busy, wall)
     stage.mailbox.free()
     stage_times = [min(per_stage) for per_stage in zip(*times)]
-    return PipelineRun(schedule.__name__, m, list(bounds), recompute, *best, stage_times, raw.allgather(peak))
+    assert best is not None, "repeats must be at least 1"
+    busy, wall = best
+    return PipelineRun(schedule.__name__, m, list(bounds), recompute, busy, wall, stage_times, raw.allgather(peak))

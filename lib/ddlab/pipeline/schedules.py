@@ -67,7 +67,8 @@ def simulate(schedules: list[list[Op]], forward: float | list[float] = 1.0,
     forward = forward if isinstance(forward, list) else [forward] * k
     backward = backward if isinstance(backward, list) else [backward] * k
     done: dict[tuple[int, Op], float] = {}
-    cursor, clock, out = [0] * k, [0.0] * k, [[] for _ in range(k)]
+    cursor, clock = [0] * k, [0.0] * k
+    out: list[list[tuple[Op, float, float]]] = [[] for _ in range(k)]
     progress = True
     while progress:
         progress = False
@@ -94,9 +95,9 @@ def simulate(schedules: list[list[Op]], forward: float | list[float] = 1.0,
 
 
 def as_spans(timeline: list[list[tuple[Op, float, float]]]) -> list[list[Span]]:
-    """A simulated timeline as spans named like measured ones ('forward 3'), for the same Gantt charts."""
+    """A simulated timeline as spans like measured ones (kind and micro-batch), for the same Gantt charts."""
     names = {"F": "forward", "B": "backward"}
-    return [[Span(f"{names[kind]} {i}", start, end, rank=s) for (kind, i), start, end in ops]
+    return [[Span(names[kind], start, end, rank=s, number=i) for (kind, i), start, end in ops]
             for s, ops in enumerate(timeline)]
 
 

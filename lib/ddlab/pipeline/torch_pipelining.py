@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..comm import Comm
 from ..counting import underlying
 from ..data_parallel import init_gloo
 from ..model_parallel import StagePlan, polite_barrier
@@ -27,7 +28,7 @@ class RelayStage(nn.Module):
     def __init__(self, model: UNet, bounds: list[int], stage: int):
         super().__init__()
         self.layers = copy.deepcopy(nn.ModuleList(model.layers[bounds[stage]:bounds[stage + 1]]))
-        plan = StagePlan(model, bounds, (model.layers[0].conv.in_channels, 2**model.depth, 2**model.depth))
+        plan = StagePlan(model, bounds, (model.in_channels, 2**model.depth, 2**model.depth))
         made = {layer.saves: plan.stage_of(i) for i, layer in enumerate(model.layers) if layer.saves}
         used = {layer.uses: plan.stage_of(j) for j, layer in enumerate(model.layers) if layer.uses}
         self.carried_in = sorted(name for name in made if made[name] < stage <= used[name])
@@ -40,7 +41,7 @@ class RelayStage(nn.Module):
         return (x, *(skips[name] for name in self.carried_on)) if self.carried_on else x
 
 
-def forward_bytes(model: UNet, bounds: list[int], image_shape: tuple[int, int, int], batch: int,
+def forward_bytes(model: UNet, bounds: list[int], image_shape: tuple[int, ...], batch: int,
                   relayed: bool) -> int:
     """Bytes all stages send in one forward pass: direct skips (ddlab) or relayed ones (torch)."""
     plan = StagePlan(model, bounds, image_shape)
@@ -58,10 +59,10 @@ class TorchPipeline:
     schedule: "GPipe" or "1F1B". Gradients are scaled so that they equal the whole batch's.
     """
 
-    def __init__(self, comm: Any, model: UNet, bounds: list[int], m: int, schedule: str = "1F1B"):
+    def __init__(self, comm: Comm, model: UNet, bounds: list[int], m: int, schedule: str = "1F1B"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        init_gloo(comm)
+        init_gloo(underlying(comm))
         self.rank, self.k = comm.Get_rank(), comm.Get_size()
         self.module = RelayStage(model, bounds, self.rank)
         stage = PipelineStage(self.module, self.rank, self.k, torch.device("cpu"))
@@ -85,11 +86,13 @@ class TorchPipeline:
         worst = 0.0
         for layer, grads in zip(self.module.layers, reference[bounds[self.rank]:bounds[self.rank + 1]]):
             for param, want in zip(layer.parameters(), grads):
+                if param.grad is None:
+                    return float("inf")
                 worst = max(worst, float((param.grad - want).abs().max()))
         return worst
 
 
-def alternate_wall_times(comm: Any, steps: dict[str, Callable[[], Any]], repeats: int = 3) -> dict[str, list[float]]:
+def alternate_wall_times(comm: Comm, steps: dict[str, Callable[[], Any]], repeats: int = 3) -> dict[str, list[float]]:
     """Wall seconds of each contender's step, taking turns `repeats` times (a collective).
 
     Each step starts after a barrier and ends when its last rank finishes; taking

@@ -1,0 +1,173 @@
+"""Checks for lab 12 (shuffling): the partial exchange plan, and the Alltoallv that carries it.
+
+`check_exchange_plan` runs the student's plan on every rank of sub-communicators of
+every size, for several data set sizes, exchange fractions, epochs and seeds, gathers
+the plans and replays the exchange: no sample lost or duplicated, every rank keeps its
+count, round(Q m) samples leave each rank (floor or ceil accepted), the plans agree
+pairwise, the same arguments give the same plan and another epoch another one.
+
+`check_exchange_samples` hands the student's function a CountingComm that allows
+exactly one collective, Alltoallv, and compares the rows received with the reference
+(`ddlab.data.exchange_samples`), and the bytes sent to each rank with the rows planned.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..counting import COLLECTIVE_TAG
+from ..data.shuffling import exchange_plan
+from ..partition import block_bounds
+from ._core import array_problem, each_size, passed, run_counted
+
+PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0)
+              for epoch, seed in ((0, 0), (3, 11))]
+
+
+def _counts(n: int, size: int) -> list[int]:
+    return np.diff(block_bounds(n, size)).tolist()
+
+
+def _plan_shape_problem(plan: Any, size: int, m: int) -> str | None:
+    """What is wrong with the form of one rank's plan, or None."""
+    if not isinstance(plan, tuple) or len(plan) != 2:
+        return f"should return a tuple (send, recv_counts), got {type(plan).__name__}"
+    send, recv_counts = plan
+    if not isinstance(send, list) or len(send) != size:
+        return f"send should be a list of {size} arrays (one per rank), got {type(send).__name__} of length " \
+               f"{len(send) if hasattr(send, '__len__') else '?'}"
+    for d, positions in enumerate(send):
+        if not isinstance(positions, np.ndarray) or positions.ndim != 1 or positions.dtype.kind not in "iu":
+            return f"send[{d}] should be a 1-D NumPy array of integer positions"
+        if positions.size and (positions.min() < 0 or positions.max() >= m):
+            return f"send[{d}] holds positions outside 0..{m - 1} (this rank holds {m} samples)"
+    if (not isinstance(recv_counts, (list, tuple, np.ndarray)) or len(recv_counts) != size
+            or any(int(c) != c or c < 0 for c in recv_counts)):
+        return f"recv_counts should be a list of {size} non-negative ints"
+    return None
+
+
+def _plan_problem(plans: list[Any], counts: list[int], rank: int, q: float) -> str | None:
+    """Replay everyone's plan from this rank's point of view."""
+    size, m = len(counts), counts[rank]
+    send, recv_counts = plans[rank]
+    leaving = np.concatenate(send)
+    if len(np.unique(leaving)) != len(leaving):
+        twice = leaving[np.flatnonzero(np.bincount(leaving) > 1)[0]] if leaving.size else None
+        return f"position {twice} is sent more than once: that sample would be duplicated on its receivers"
+    if abs(len(leaving) - q * m) >= 1:
+        return f"sends {len(leaving)} of its {m} samples, expected round(Q m) = round({q} * {m}) (exchanged fraction Q)"
+    for s in range(size):
+        if int(recv_counts[s]) != len(plans[s][0][rank]):
+            return (f"expects {int(recv_counts[s])} samples from rank {s}, but rank {s}'s plan sends it "
+                    f"{len(plans[s][0][rank])}: every rank must compute the same plan from (counts, q, epoch, seed)")
+    kept = m - len(leaving) + int(sum(recv_counts))
+    if kept != m:
+        return f"would hold {kept} samples after the exchange, expected its {m} (send as many as it receives)"
+    return None
+
+
+def _replay_problem(plans: list[Any], counts: list[int]) -> str | None:
+    """Move sample ids as the plans say; every id must end up on exactly one rank."""
+    bounds = block_bounds(sum(counts), len(counts))
+    held = []
+    for r, (send, _) in enumerate(plans):
+        ids = np.arange(bounds[r], bounds[r + 1])
+        held.append(np.delete(ids, np.concatenate(send)))
+        held.extend(ids[positions] for d, positions in enumerate(send))
+    everything = np.sort(np.concatenate(held))
+    if not np.array_equal(everything, np.arange(sum(counts))):
+        return "replaying all plans loses or duplicates samples"
+    return None
+
+
+def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -> None:
+    """fn(counts, rank, q, epoch, seed) -> (send, recv_counts): a valid, agreed plan on every rank."""
+    world = MPI.COMM_WORLD
+
+    def body(comm: MPI.Comm) -> str | None:
+        rank, size = comm.Get_rank(), comm.Get_size()
+        for n, q, epoch, seed in PLAN_CASES:
+            counts = _counts(n, size)
+            case = f"counts={counts}, q={q}, epoch={epoch}, seed={seed}"
+            plan = fn(list(counts), rank, q, epoch, seed)
+            problem = _plan_shape_problem(plan, size, counts[rank])
+            if problem is None:
+                again = fn(list(counts), rank, q, epoch, seed)
+                if _plan_shape_problem(again, size, counts[rank]) or any(
+                        not np.array_equal(a, b) for a, b in zip(plan[0], again[0])):
+                    problem = "two calls with the same arguments gave different plans: seed the choice from them"
+            everyone = comm.allgather((problem, plan if problem is None else None))
+            if any(p for p, _ in everyone):
+                return f"{case}: {problem}" if problem else None
+            plans = [plan for _, plan in everyone]
+            problem = _plan_problem(plans, counts, rank, q) or _replay_problem(plans, counts)
+            if problem:
+                return f"{case}: {problem}"
+            if n == 200 and 0 < q < 1 and size > 1:
+                later = fn(list(counts), rank, q, epoch + 1, seed)
+                if all(np.array_equal(a, b) for a, b in zip(plan[0], later[0])):
+                    return f"{case}: the plan of epoch {epoch + 1} is the same as epoch {epoch}'s: draw it from the epoch too"
+        return None
+
+    each_size(world, body, "exchange_plan")
+    passed(world, "exchange_plan: every rank agrees, keeps its count, sends round(Q m); no sample lost or duplicated")
+
+
+def _samples(rank: int, m: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Rank's holding: sample i of rank r reads 1000 r + i (+ a fraction per feature), so any mix-up shows."""
+    base = (1000 * rank + np.arange(m)).reshape((m,) + (1,) * len(shape))
+    features = np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape) / 8 if shape else 0
+    return (base + features).astype(dtype)
+
+
+EXCHANGE_CASES = ((37, 0.3, "float64", (3,)), (20, 1.0, "int64", ()), (41, 0.5, "float32", (2, 2)))
+
+
+def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
+    """fn(comm, x, send, recv_counts) -> rows received by source, carried by one Alltoallv of exactly the planned rows."""
+    world = MPI.COMM_WORLD
+
+    def body(comm: MPI.Comm) -> str | None:
+        rank, size = comm.Get_rank(), comm.Get_size()
+        for n, q, dtype, shape in EXCHANGE_CASES:
+            counts = _counts(n, size)
+            plans = [exchange_plan(counts, r, q, epoch=1, seed=2) for r in range(size)]
+            holdings = [_samples(r, counts[r], dtype, shape) for r in range(size)]
+            x = holdings[rank]
+            original = x.copy()
+            case = f"{np.dtype(dtype).name} samples of shape {shape}, counts={counts}, q={q}"
+            got, traffic = run_counted(comm, fn, (x, *plans[rank]), f"exchange_samples with {case}",
+                                       allow=("Alltoallv",))
+            want = np.concatenate([holdings[s][plans[s][0][rank]] for s in range(size)]) if size else x[:0]
+            problem = array_problem(got, want, "the rows received")
+            if problem is None and np.shares_memory(got, x):
+                problem = "returned x or a view of it: return a new array"
+            if problem is None and not np.array_equal(x, original):
+                problem = "changed x: leave the caller's samples as they are"
+            if problem is None:
+                problem = _traffic_problem(traffic[rank], [len(p) * x[0:1].nbytes for p in plans[rank][0]])
+            if problem:
+                return f"{case}: {problem}"
+        return None
+
+    each_size(world, body, "exchange_samples")
+    passed(world, "exchange_samples: one Alltoallv carries exactly the planned rows, received grouped by source")
+
+
+def _traffic_problem(traffic: Any, want_bytes: list[int]) -> str | None:
+    """One Alltoallv, no point-to-point messages, and the planned bytes to every rank."""
+    if traffic.calls != ["Alltoallv"]:
+        return f"called comm.Alltoallv {len(traffic.calls)} times, expected exactly once (all samples in one call)"
+    p2p = [e for e in traffic.events if e.tag != COLLECTIVE_TAG]
+    if p2p:
+        return f"sent or received {len(p2p)} point-to-point messages besides the Alltoallv: send everything in it"
+    sent = [e.nbytes for e in traffic.sends]
+    if sent != want_bytes:
+        wrong = next(d for d, (a, b) in enumerate(zip(sent, want_bytes)) if a != b)
+        return (f"the Alltoallv sends rank {wrong} {sent[wrong]} bytes, expected {want_bytes[wrong]} "
+                f"(the rows planned for it, and nothing else; counts and displacements are in elements)")
+    return None

@@ -1,0 +1,67 @@
+"""Lab 09's figures: predicted against measured (as ParaDL's figure 2), and the planner's map."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from .strategies import MEMORY
+
+TIME_PARTS = ("compute", "communication", "bubble")
+COLOURS = {"compute": "#4c72b0", "communication": "#dd8452", "bubble": "#c7c7c7", "parameters": "#4c72b0",
+           "gradients": "#55a868", "optimizer": "#8172b3", "activations": "#dd8452", "buffers": "#937860"}
+
+
+def plot_validation(results: Sequence) -> plt.Figure:
+    """Per strategy: predicted time (stacked parts) beside measured, and the worst rank's memory likewise.
+
+    The accuracy 1 - |pred - meas| / meas stands above each pair. `results`: `Validation`s.
+    """
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
+    x = np.arange(len(results))
+    w = 0.38
+    for ax, kind in ((left, "time"), (right, "memory")):
+        for i, v in enumerate(results):
+            if kind == "time":
+                parts = {k: getattr(v.prediction, k) * 1e3 for k in TIME_PARTS}
+                measured, acc = v.seconds * 1e3, v.time_accuracy
+            else:
+                worst = min(range(len(v.memory)), key=lambda r: v.memory_accuracies[r])
+                parts = {k: v.prediction.memory[v.rank_kind[worst]][k] / 2**20 for k in MEMORY}
+                measured, acc = v.measured_peak(worst) / 2**20, v.memory_accuracy
+            bottom = 0.0
+            for name, value in parts.items():
+                ax.bar(x[i] - w / 2, value, w, bottom=bottom, color=COLOURS[name], label=name if i == 0 else None)
+                bottom += value
+            ax.bar(x[i] + w / 2, measured, w, color="#333333", label="measured" if i == 0 else None)
+            ax.text(x[i], max(bottom, measured) * 1.03, f"{acc:.0%}", ha="center", fontsize=9)
+        ax.set_xticks(x, [v.name.replace("(", "\n(") for v in results], fontsize=8)
+        ax.set_ylabel("ms per iteration" if kind == "time" else "MiB, busiest-predicted rank")
+        ax.set_title("time: predicted (left) vs measured" if kind == "time" else "peak memory per rank")
+        ax.margins(y=0.15)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_plan_map(best: dict[tuple[int, int], str], devices: Sequence[int], sides: Sequence[int],
+                  title: str) -> plt.Figure:
+    """A grid of devices x image sides, each cell named by the planner's fastest feasible strategy."""
+    names = sorted({name for name in best.values()})
+    index = {name: i for i, name in enumerate(names)}
+    grid = np.array([[index.get(best.get((p, s), ""), np.nan) for p in devices] for s in sides], dtype=float)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(sides) + 1.6))
+    ax.imshow(grid, cmap="tab10", vmin=0, vmax=9, aspect="auto")
+    for r, s in enumerate(sides):
+        for c, p in enumerate(devices):
+            label = best.get((p, s), "none fits")
+            ax.text(c, r, label.replace(" x ", "x\n"), ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(devices)), [str(d) for d in devices])
+    ax.set_yticks(range(len(sides)), [str(s) for s in sides])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("image side")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig

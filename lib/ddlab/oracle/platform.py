@@ -1,0 +1,154 @@
+"""A platform as the oracle sees it: devices, compute rate, memory, and what communication costs.
+
+Communication is empirical first: measured time curves of each collective over message
+size, per rank count, interpolated log-log in the size (`Curves`). Where no curve was
+measured (another rank count, a size far outside), the alpha-beta model of the link
+prices the bandwidth-optimal algorithms MPI libraries use for large messages
+(recursive halving and doubling; Thakur, Rabenseifner & Gropp, IJHPCA 2005), with
+L = ceil(log2 P) steps:
+
+    allreduce       2 L alpha + 2 (P-1)/P n beta
+    allgather       L alpha + (P-1)/P n beta       (n: bytes of the whole result)
+    reduce_scatter  L alpha + (P-1)/P n beta       (n: bytes of the whole input)
+    p2p             alpha + n beta
+
+A collective whose ranks all sit in one node uses the intra-node link, one that spans
+nodes the inter-node link (the slowest edge of the ring sets its pace). `sharing`
+is how many such flows share one node's network link at once (hybrid strategies).
+
+`contention[n-1]` is how much slower a device computes while n devices of a node
+compute at once (1 on a GPU; on a CPU the cores and memory bandwidth are shared), and
+`sync` what each blocking exchange costs beyond its message time when the ranks that
+must meet share cores with each other and other programs (a partner that is not
+running must first be scheduled; 0 with a core or device per rank): both measured by
+`ddlab.oracle.measure`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+OPS = ("allreduce", "allgather", "reduce_scatter", "p2p")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Hockney's model of one link: seconds per message (alpha) and per byte (beta)."""
+
+    alpha: float
+    beta: float
+
+
+def alpha_beta_seconds(op: str, nbytes: float, ranks: int, link: Link) -> float:
+    """The alpha-beta time of op on `ranks` ranks (see the module docstring); 0 on one rank."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(OPS)}")
+    if op == "p2p":
+        return link.alpha + nbytes * link.beta
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    times = 2 if op == "allreduce" else 1
+    steps = math.ceil(math.log2(ranks))
+    return times * (steps * link.alpha + (ranks - 1) / ranks * nbytes * link.beta)
+
+
+@dataclass
+class Curves:
+    """Measured seconds of each collective: `table[(op, ranks)] = (sizes in bytes, seconds)`."""
+
+    table: dict[tuple[str, int], tuple[list[float], list[float]]] = field(default_factory=dict)
+
+    def add(self, op: str, ranks: int, sizes: list[float], seconds: list[float]) -> None:
+        order = np.argsort(sizes)
+        self.table[(op, ranks)] = ([float(sizes[i]) for i in order], [float(seconds[i]) for i in order])
+
+    def seconds(self, op: str, nbytes: float, ranks: int) -> float | None:
+        """Interpolated (log-log) time, linear extrapolation by bandwidth above the largest size; None if unmeasured."""
+        entry = self.table.get((op, ranks))
+        if entry is None or nbytes <= 0:
+            return None if entry is None else 0.0
+        sizes, times = np.asarray(entry[0]), np.asarray(entry[1])
+        if nbytes <= sizes[0]:
+            return float(times[0])
+        if nbytes >= sizes[-1]:
+            return float(times[-1] * nbytes / sizes[-1])
+        return float(np.exp(np.interp(np.log(nbytes), np.log(sizes), np.log(times))))
+
+
+@dataclass
+class Platform:
+    """Devices, their compute rate (FLOP/s, achieved on training), memory, links, curves, contention."""
+
+    name: str
+    devices_per_node: int
+    flops: float
+    memory: int
+    intra: Link
+    inter: Link
+    curves: Curves = field(default_factory=Curves)
+    contention: tuple[float, ...] = (1.0,)
+    sync: float = 0.0  # seconds a blocking exchange loses while ranks compute on shared cores
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def link(self, ranks: int) -> Link:
+        return self.intra if ranks <= self.devices_per_node else self.inter
+
+    def comm(self, op: str, nbytes: float, ranks: int, stride: int = 1, sharing: int = 1) -> float:
+        """Seconds of one collective of nbytes over `ranks` ranks (measured curve, else alpha-beta).
+
+        The ranks sit `stride` apart (a data group of a hybrid); the collective crosses
+        nodes if they span more than a node, and then `sharing` flows share each node's
+        link. For p2p, `ranks` is 2, or the span between the two ranks.
+        """
+        if ranks <= 1 and op != "p2p":
+            return 0.0
+        measured = self.curves.seconds(op, nbytes, ranks) if stride == 1 else None
+        if measured is not None:
+            return measured
+        link = self.link(ranks * stride)
+        if sharing > 1 and ranks * stride > self.devices_per_node:
+            link = Link(link.alpha, link.beta * sharing)
+        return alpha_beta_seconds(op, nbytes, ranks, link)
+
+    def slowdown(self, busy: float) -> float:
+        """Compute slowdown with `busy` devices of a node computing at once (fractions interpolate)."""
+        busy = max(1.0, min(float(busy), self.devices_per_node, len(self.contention)))
+        low = int(busy)
+        high = min(low + 1, len(self.contention))
+        return float(np.interp(busy, [low, high], [self.contention[low - 1], self.contention[high - 1]]))
+
+
+def gpu_cluster() -> Platform:
+    """ABCI-like nodes of 4 NVIDIA V100 SXM2 16 GB, NVLink 2 inside, 2 x InfiniBand EDR between.
+
+    ABCI (AIST, Japan) is the machine ParaDL's oracle was validated on. Compute is what
+    a V100 achieves training ResNet-50 in FP32, not its peak; latencies are typical
+    MPI/NCCL start-up times on such links. Sources in `sources`.
+    """
+    resnet50_flops_per_image = 3 * 8.23e9  # forward + backward (2 x forward) of ResNet-50 at 224 x 224
+    return Platform(
+        name="V100 cluster (ABCI-like)",
+        devices_per_node=4,
+        flops=380 * resnet50_flops_per_image,  # 380 images/s: ~9.4 TFLOP/s of the 15.7 peak
+        memory=16 * 10**9,
+        intra=Link(alpha=10e-6, beta=1 / 50e9),
+        inter=Link(alpha=10e-6, beta=1 / 25e9),
+        contention=(1.0, 1.0, 1.0, 1.0),
+        sources={
+            "devices_per_node": "ABCI system overview (AIST): 4 NVIDIA Tesla V100 SXM2 per compute node",
+            "memory": "NVIDIA Tesla V100 datasheet: 16 GB HBM2 (SXM2 16 GB as in ABCI)",
+            "flops": ("NVIDIA V100 datasheet: 15.7 TFLOP/s FP32 peak; achieved on training taken as "
+                      "~380 images/s ResNet-50 FP32 on one V100 (NVIDIA Deep Learning Examples, "
+                      "ResNet-50 v1.5 training performance tables), times 24.7 GFLOP per image "
+                      "(forward 8.23 GFLOP traced here, backward twice that)"),
+            "intra": ("NVLink 2: 25 GB/s per link and direction (V100 datasheet: 6 links, 300 GB/s total); "
+                      "two links between each GPU pair of an ABCI node: 50 GB/s; alpha 10 us, "
+                      "a typical NCCL step latency (assumed, not sourced)"),
+            "inter": ("2 x InfiniBand EDR (100 Gb/s = 12.5 GB/s each) per ABCI node: 25 GB/s; "
+                      "alpha 10 us (assumed, as intra)"),
+            "contention": "one process per GPU: devices do not share compute (1.0)",
+        },
+    )

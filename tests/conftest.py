@@ -1,0 +1,55 @@
+"""Fixtures shared by test modules: the private single-node Slurm (tests/slurm/single_node.py).
+
+The Slurm node starts once per session, at its first use, and stops at the end: the
+Slurm profile tests (tests/test_slurm.py) and the JupyterHub test (tests/browser/)
+run on the same node. Each module that uses it sees it through $SLURM_CONF.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+_spec = importlib.util.spec_from_file_location("single_node", HERE / "slurm" / "single_node.py")
+single_node = sys.modules["single_node"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(single_node)
+
+
+@pytest.fixture(scope="session")
+def slurm_node():
+    """A running single-node Slurm, installed (apt-get, as root) if need be."""
+    if os.environ.get("DDLAB_SLURM_TESTS") == "0" and not IN_CI:
+        pytest.skip("Slurm tests skipped: DDLAB_SLURM_TESTS=0.")
+    try:
+        single_node.install(timeout=300)
+    except single_node.CannotInstall as err:
+        if IN_CI:
+            pytest.fail(f"CI=true, so the Slurm tests must run, but Slurm could not be installed: {err}")
+        pytest.skip(f"Slurm tests skipped: {err}. They install Slurm with apt-get as root (Debian, Ubuntu), "
+                    "and always run in CI.")
+    node = single_node.SingleNode.create()
+    try:
+        node.start()
+        yield node
+    finally:
+        node.stop()
+    assert not node.processes(), "Slurm daemons or job processes survived stop()"
+
+
+@pytest.fixture(scope="module")
+def slurm(slurm_node):
+    """The session's Slurm node; $SLURM_CONF points every Slurm command at it during this module."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in slurm_node.env.items():
+            env.setenv(name, value)
+        # The test node claims more CPUs than this machine has, so Open MPI does not know its
+        # ranks share cores: make them yield while they wait, as it does when oversubscribed.
+        env.setenv("OMPI_MCA_mpi_yield_when_idle", "1")
+        yield slurm_node

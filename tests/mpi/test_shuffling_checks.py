@@ -1,0 +1,126 @@
+"""Lab 12's checks catch wrong exchange plans and wrong Alltoallvs, and accept valid alternatives.
+
+Every rank runs the same tests; the checks themselves make all ranks agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ddlab.checks import CheckFailed, check_exchange_plan, check_exchange_samples
+from ddlab.data import exchange_plan, exchange_samples
+
+
+def plan_with_replacement(counts, rank, q, epoch, seed=0):
+    """Picks the samples to send with replacement: some go out twice, others are lost."""
+    send, recv_counts = exchange_plan(counts, rank, q, epoch, seed)
+    rng = np.random.default_rng([seed, epoch, rank])
+    chosen = np.concatenate(send)
+    chosen = np.sort(rng.integers(0, counts[rank], len(chosen)))
+    return np.split(chosen, np.cumsum([len(s) for s in send])[:-1]), recv_counts
+
+
+def plan_without_agreement(counts, rank, q, epoch, seed=0):
+    """Each rank deals its samples out evenly and assumes it gets its own count back evenly."""
+    k = round(q * counts[rank])
+    positions = np.random.default_rng([seed, epoch, rank]).permutation(counts[rank])[:k]
+    size = len(counts)
+    return [positions[d::size] for d in range(size)], [len(positions[d::size]) for d in range(size)]
+
+
+def plan_ignoring_epoch(counts, rank, q, epoch, seed=0):
+    """The same exchange every epoch."""
+    return exchange_plan(counts, rank, q, 0, seed)
+
+
+def plan_alternative(counts, rank, q, epoch, seed=0):
+    """Valid: floor(q m) per rank, picked and dealt from other seeds than the reference's."""
+    size = len(counts)
+    picked = [int(q * m) for m in counts]
+    starts = np.concatenate([[0], np.cumsum(picked)])
+    destination = np.random.default_rng([seed, epoch, 99]).permutation(np.repeat(np.arange(size), picked))
+    chosen = np.random.default_rng([seed, epoch, rank, 5]).permutation(counts[rank])[:picked[rank]]
+    mine = destination[starts[rank]:starts[rank + 1]]
+    return ([chosen[mine == d] for d in range(size)],
+            [int(np.sum(destination[starts[s]:starts[s + 1]] == rank)) for s in range(size)])
+
+
+def exchange_displacements_in_rows(comm, x, send, recv_counts):
+    """Counts in elements, displacements in rows: they disagree whenever a sample has several features."""
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    outgoing = np.ascontiguousarray(x[np.concatenate(send)])
+    incoming = np.empty((sum(recv_counts), *x.shape[1:]), x.dtype)
+    rows_out, rows_in = [len(s) for s in send], list(recv_counts)
+    comm.Alltoallv([outgoing, ([r * row for r in rows_out], np.cumsum([0] + rows_out[:-1]))],
+                   [incoming, ([r * row for r in rows_in], np.cumsum([0] + rows_in[:-1]))])
+    return incoming
+
+
+def exchange_point_to_point(comm, x, send, recv_counts):
+    """Right rows, but by Isend/Recv instead of the Alltoallv."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    requests = [comm.Isend(np.ascontiguousarray(x[send[d]]), d) for d in range(size) if d != rank]
+    parts = []
+    for s in range(size):
+        part = np.empty((recv_counts[s], *x.shape[1:]), x.dtype)
+        if s == rank:
+            part[...] = x[send[rank]]
+        else:
+            comm.Recv(part, source=s)
+        parts.append(part)
+    MPI.Request.Waitall(requests)
+    return np.concatenate(parts)
+
+
+def exchange_with_row_type(comm, x, send, recv_counts):
+    """Valid: a derived datatype of one row, counts and displacements in rows."""
+    outgoing = np.ascontiguousarray(x[np.concatenate(send)])
+    incoming = np.empty((sum(recv_counts), *x.shape[1:]), x.dtype)
+    row = MPI.Datatype.Create_contiguous(MPI._typedict[x.dtype.char], int(np.prod(x.shape[1:], dtype=np.int64)))
+    row.Commit()
+    try:
+        out_counts, in_counts = [len(s) for s in send], list(recv_counts)
+        comm.Alltoallv([outgoing, out_counts, np.cumsum([0] + out_counts[:-1]).tolist(), row],
+                       [incoming, in_counts, np.cumsum([0] + in_counts[:-1]).tolist(), row])
+    finally:
+        row.Free()
+    return incoming
+
+
+@pytest.mark.parametrize("plan, message", [
+    (plan_with_replacement, "more than once|loses or duplicates"),
+    (plan_without_agreement, "expects .* samples from rank|would hold"),
+    (plan_ignoring_epoch, "same as epoch"),
+])
+def test_wrong_plans_fail(comm, plan, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_exchange_plan(plan)
+
+
+@pytest.mark.parametrize("exchange, message", [
+    (exchange_displacements_in_rows, "outside the|rows received"),
+    (exchange_point_to_point, "called comm.Alltoallv 0 times"),
+])
+def test_wrong_exchanges_fail(comm, exchange, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_exchange_samples(exchange)
+
+
+@pytest.mark.parametrize("plan", [exchange_plan, plan_alternative])
+def test_valid_plans_pass(comm, plan):
+    check_exchange_plan(plan)
+
+
+@pytest.mark.parametrize("exchange", [exchange_samples, exchange_with_row_type])
+def test_valid_exchanges_pass(comm, exchange):
+    check_exchange_samples(exchange)
+
+
+def test_stub_error_passes_through(comm):
+    def stub(*args):
+        raise NotImplementedError("Exercise 12.1: exchange_plan")
+
+    with pytest.raises(NotImplementedError, match="12.1"):
+        check_exchange_plan(stub)
