@@ -9,6 +9,7 @@
 - `FilterUNet`, `filter_step`: the UNet with every 3x3 convolution filter parallel.
 - `make_grid`, `Grid`, `hybrid_step`: data x spatial on a grid of sub-communicators.
 - `try_strategy`, `intra_sweep`: which image sides train under a per-rank memory budget.
+- `figures.plot_slabs`: the slabs and halos of an image (imported on its own: it needs matplotlib).
 
 Every function takes its communicator explicitly. Exercise signatures are in the
 docstrings of `halo` (8.1), `channels` (8.2) and `slabs` (8.3).
