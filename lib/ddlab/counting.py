@@ -16,7 +16,8 @@ about calling one: the call is forwarded, its buffer arguments validated first (
 count or displacement past the end of a buffer is an error, not a crash), and its
 bytes logged as one send per destination and one receive per source, tag
 COLLECTIVE_TAG. Alltoallv, Allgather and Allgatherv are supported (the gathers log
-their sends only: this rank's buffer once to every other rank).
+their sends only: this rank's buffer once to every other rank), and Allreduce (lab 08's
+filter and channel parallel convolutions: named in `Traffic.calls`, bytes not logged).
 
 `Split` returns a CountingComm of the sub-communicator that logs into the same
 traffic, peers named by their rank in the communicator the check made, so a
@@ -70,7 +71,7 @@ def is_collective(name: str) -> bool:
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
 COLLECTIVE_TAG = -1
-ALLOWABLE = ("Alltoallv", "Allgather", "Allgatherv")
+ALLOWABLE = ("Alltoallv", "Allreduce", "Allgather", "Allgatherv")
 
 
 class ForbiddenCollective(RuntimeError):
@@ -271,6 +272,14 @@ class CountingComm:
         for peer in range(size):
             self._log("recv", peer, COLLECTIVE_TAG, int(recvs[self.rank, peer]))
         self.traffic.calls.append("Alltoallv")
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
+        """MPI's Allreduce, if allowed, as its non-blocking twin under the timeout; named in the calls."""
+        if "Allreduce" not in self.allow:
+            self.__getattr__("Allreduce")  # raises ForbiddenCollective
+        self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op)], [MPI.Status()], "Allreduce to be called on every rank",
+                   cancel=False)
+        self.traffic.calls.append("Allreduce")
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """MPI's Allgather, if allowed; logs this rank's buffer sent to every other rank."""

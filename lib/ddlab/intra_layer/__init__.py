@@ -9,6 +9,7 @@
 - `FilterUNet`, `filter_step`: the UNet with every 3x3 convolution filter parallel.
 - `make_grid`, `Grid`, `hybrid_step`: data x spatial on a grid of sub-communicators.
 - `try_strategy`, `intra_sweep`: which image sides train under a per-rank memory budget.
+- `figures.plot_slabs`: the slabs and halos of an image (imported on its own: it needs matplotlib).
 
 Every function takes its communicator explicitly. Exercise signatures are in the
 docstrings of `halo` (8.1), `channels` (8.2) and `slabs` (8.3).
@@ -23,6 +24,7 @@ from .channels import (
     filter_slice,
 )
 from .filter_unet import FilterConv, FilterUNet, filter_step
+from .fit import COLUMNS, STRATEGIES, halo_share, intra_sweep, markdown_table, try_strategy
 from .halo import HaloExchange, exchange_rows, wait_all
 from .hybrid import Grid, group_samples, hybrid_step, make_grid
 from .slabs import level_bounds, slab_bounds

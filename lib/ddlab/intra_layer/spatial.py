@@ -11,8 +11,8 @@ slabs by an allreduce, like the gradients below.)
 A convolution over the padded slab, cat([above, x, below]), is the simplest spatial
 convolution, but the concatenation copies the slab, and autograd would keep the copy
 beside x itself. `spatial_conv2d` instead convolves the slab with zero padding and
-adds what the halo rows contribute to the first and last rows, from two thin strips:
-the same sums, and autograd keeps only x (shared with the previous ReLU) and the strips.
+adds what the halo rows contribute to the first and last rows: the same sums, and
+autograd keeps only x (shared with the previous ReLU) and the halo rows themselves.
 Every rank holds all parameters; each one's gradient is a sum over the slabs.
 """
 
@@ -52,9 +52,10 @@ def spatial_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: Any = 
     if p == 0:
         return out
     above, below = exchange.apply(x, comm, p)
-    blank = x.new_zeros(x.shape[0], x.shape[1], 2 * p, x.shape[3])
-    top = F.conv2d(torch.cat([above, blank], dim=2), conv.weight, padding=(0, pw))  # p rows
-    bottom = F.conv2d(torch.cat([blank, below], dim=2), conv.weight, padding=(0, pw))
+    # Halo row j above reaches output row i through kernel row j - i (0 .. p-1); halo row j
+    # below reaches output row h-p+m through kernel row 2p+j-m (p+1 .. 2p): two thin convolutions.
+    top = F.conv2d(F.pad(above, (0, 0, 0, p - 1)), conv.weight[:, :, :p], padding=(0, pw))  # p rows
+    bottom = F.conv2d(F.pad(below, (0, 0, p - 1, 0)), conv.weight[:, :, p + 1:], padding=(0, pw))
     rest = out.shape[2] - p
     return out + F.pad(top, (0, 0, 0, rest)) + F.pad(bottom, (0, 0, rest, 0))
 
@@ -69,12 +70,16 @@ def padded_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: Any = H
 
 
 class SpatialUNet(nn.Module):
-    """Rank r of comm runs a copy of `model` on rows bounds[r]:bounds[r+1] of images `height` rows high."""
+    """Rank r of comm runs a copy of `model` on rows bounds[r]:bounds[r+1] of images `height` rows high.
 
-    def __init__(self, model: UNet, comm: Any, height: int, exchange: Any = HaloExchange):
+    The bounds are `slab_bounds(height, size, model.depth)` unless given.
+    """
+
+    def __init__(self, model: UNet, comm: Any, height: int, exchange: Any = HaloExchange,
+                 bounds: list[int] | None = None):
         super().__init__()
         self.model, self.comm, self.exchange = copy.deepcopy(model), comm, exchange
-        self.bounds = slab_bounds(height, comm.Get_size(), model.depth)
+        self.bounds = slab_bounds(height, comm.Get_size(), model.depth) if bounds is None else list(bounds)
         self.height = height
 
     @property
@@ -96,8 +101,8 @@ class SpatialUNet(nn.Module):
 def slab_loss(net: SpatialUNet, images: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """This rank's share of the mean cross-entropy, scaled by the slab count (so averaging gradients sums them)."""
     rows = net.rows
-    logits = net(images[:, :, rows])
-    return nn.functional.cross_entropy(logits, masks[:, rows], reduction="sum") * (net.comm.Get_size() / masks.numel())
+    logits = net(images[:, :, rows].clone())  # a copy: the rank keeps its slab, not the whole batch
+    return nn.functional.cross_entropy(logits, masks[:, rows].clone(), reduction="sum") * (net.comm.Get_size() / masks.numel())
 
 
 def spatial_step(net: SpatialUNet, images: torch.Tensor, masks: torch.Tensor,

@@ -102,22 +102,22 @@ def fit_sweep(comm: MPI.Comm, model: UNet, sides: list[int], budget: int, batch:
     return results
 
 
-def largest_sides(results: list[Fit]) -> dict[str, int]:
+def largest_sides(results: list[Fit], splits: tuple[str, ...] = SPLITS) -> dict[str, int]:
     """The largest side each split trained at (0 if none)."""
-    return {split: max((r.side for r in results if r.split == split and r.fits), default=0) for split in SPLITS}
+    return {split: max((r.side for r in results if r.split == split and r.fits), default=0) for split in splits}
 
 
-def fit_table(results: list[Fit]) -> str:
+def fit_table(results: list[Fit], splits: tuple[str, ...] = SPLITS) -> str:
     """A text table: per side and split, time per sample and each rank's peak MiB, or OOM."""
     sides = sorted({r.side for r in results})
     by = {(r.split, r.side): r for r in results}
     width = 26
-    lines = [f"{'side':>5} | " + " | ".join(f"{split:^{width}}" for split in SPLITS),
-             f"{'':>5} | " + " | ".join(f"{'ms/sample  peak MiB/rank':^{width}}" for _ in SPLITS)]
+    lines = [f"{'side':>5} | " + " | ".join(f"{split:^{width}}" for split in splits),
+             f"{'':>5} | " + " | ".join(f"{'ms/sample  peak MiB/rank':^{width}}" for _ in splits)]
     lines.append("-" * len(lines[0]))
     for side in sides:
         cells = []
-        for split in SPLITS:
+        for split in splits:
             r = by.get((split, side))
             if r is None:
                 cells.append(" " * width)
@@ -126,8 +126,8 @@ def fit_table(results: list[Fit]) -> str:
             time = "   OOM" if r.seconds_per_sample is None else f"{r.seconds_per_sample * 1e3:6.0f}"
             cells.append(f"{time}  {peaks:>{width - 8}}")
         lines.append(f"{side:>5} | " + " | ".join(cells))
-    largest = largest_sides(results)
-    lines.append("largest side that fits: " + ", ".join(f"{split} {largest[split]}" for split in SPLITS))
+    largest = largest_sides(results, splits)
+    lines.append("largest side that fits: " + ", ".join(f"{split} {largest[split]}" for split in splits))
     return "\n".join(lines)
 
 

@@ -1,0 +1,213 @@
+"""Lab 08's checks fail wrong answers on every rank, without hanging, and pass valid alternatives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from ddlab.checks import CheckFailed, check_filter_parallel_conv, check_halo_exchange, check_slab_bounds
+from ddlab.intra_layer import FilterParallelConv, HaloExchange, slab_bounds
+from ddlab.intra_layer.halo import exchange_rows
+from ddlab.partition import block_bounds
+
+WORLD = MPI.COMM_WORLD
+
+
+class HaloForgetsBackward(HaloExchange):
+    """Forward right; backward keeps the halo's gradient instead of sending it home."""
+
+    @staticmethod
+    def backward(ctx, grad_above, grad_below):
+        return grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3]), None, None
+
+
+class HaloOneRow(HaloExchange):
+    """Always exchanges one row, whatever the kernel needs."""
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        return HaloExchange.forward(ctx, x, comm, 1)
+
+
+class HaloWrongRows(HaloExchange):
+    """Sends each neighbour the wrong boundary: its bottom rows up and its top rows down."""
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
+        above, below = exchange_rows(comm, x[:, :, -halo:], x[:, :, :halo], (81, 82))
+        zeros = x.new_zeros(x.shape[0], x.shape[1], halo, x.shape[3])
+        return (zeros if above is None else above), (zeros.clone() if below is None else below)
+
+
+class HaloWrapsAround(HaloExchange):
+    """Treats the ranks as a ring: the first and last ranks swap rows although they are no neighbours."""
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
+        rank, size = comm.Get_rank(), comm.Get_size()
+        up, down = torch.empty_like(x[:, :, :halo]), torch.empty_like(x[:, :, :halo])
+        comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), dest=(rank - 1) % size, sendtag=1,
+                      recvbuf=down.numpy(), source=(rank + 1) % size, recvtag=1)
+        comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), dest=(rank + 1) % size, sendtag=2,
+                      recvbuf=up.numpy(), source=(rank - 1) % size, recvtag=2)
+        return up, down
+
+
+class HaloOverwrites(HaloExchange):
+    """Backward writes the neighbours' gradients into the boundary rows instead of adding them."""
+
+    @staticmethod
+    def backward(ctx, grad_above, grad_below):
+        from_above, from_below = exchange_rows(ctx.comm, grad_above, grad_below, (83, 84))
+        grad_x = grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3])
+        if from_above is not None:
+            grad_x[:, :, :ctx.halo] = from_above
+        if from_below is not None:
+            grad_x[:, :, -ctx.halo:] = from_below
+        return grad_x, None, None
+
+
+class HaloSendrecv(torch.autograd.Function):
+    """A valid alternative: blocking Sendrecv to both sides, MPI.PROC_NULL at the edges, fresh tensors."""
+
+    @staticmethod
+    def _swap(comm, up, down):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        above_rank = rank - 1 if rank > 0 else MPI.PROC_NULL
+        below_rank = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+        from_below, from_above = torch.zeros_like(up), torch.zeros_like(down)
+        comm.Sendrecv(up.contiguous().numpy(), dest=above_rank, sendtag=7, recvbuf=from_below.numpy(), source=below_rank, recvtag=7)
+        comm.Sendrecv(down.contiguous().numpy(), dest=below_rank, sendtag=8, recvbuf=from_above.numpy(), source=above_rank, recvtag=8)
+        return from_above, from_below
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        ctx.comm, ctx.halo, ctx.shape = comm, halo, x.shape
+        return HaloSendrecv._swap(comm, x[:, :, :halo], x[:, :, -halo:])
+
+    @staticmethod
+    def backward(ctx, grad_above, grad_below):
+        from_above, from_below = HaloSendrecv._swap(ctx.comm, grad_above, grad_below)
+        grad = torch.nn.functional.pad(from_above, (0, 0, 0, ctx.shape[2] - ctx.halo))
+        grad = grad + torch.nn.functional.pad(from_below, (0, 0, ctx.shape[2] - ctx.halo, 0))
+        return grad, None, None
+
+
+class HaloStub(HaloExchange):
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        raise NotImplementedError("Exercise 8.1 (HaloExchange) is not done yet: write it where this line is.")
+
+
+class FilterSums(FilterParallelConv):
+    """Sums the ranks' outputs (each in the first channels) instead of gathering them side by side."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        whole = FilterParallelConv.forward(ctx, x, weight, bias, comm, padding)
+        mine = torch.zeros_like(whole)
+        mine[:, :weight.shape[0]] = F.conv2d(x, weight, bias, padding=padding)
+        out = torch.empty_like(mine)
+        comm.Allreduce(mine.numpy(), out.numpy())
+        return out
+
+
+class FilterByAllreduce(torch.autograd.Function):
+    """A valid alternative: my channels in place in a zero tensor, summed over ranks; backward also one Allreduce."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        counts = [0] * comm.Get_size()
+        counts[comm.Get_rank()] = weight.shape[0]
+        sizes = torch.zeros(comm.Get_size(), dtype=torch.float64)
+        comm.Allreduce(torch.tensor(counts, dtype=torch.float64).numpy(), sizes.numpy())
+        start = int(sizes[:comm.Get_rank()].sum())
+        mine = torch.zeros(x.shape[0], int(sizes.sum()), x.shape[2], x.shape[3], dtype=x.dtype)
+        mine[:, start:start + weight.shape[0]] = F.conv2d(x, weight, bias, padding=padding)
+        out = torch.empty_like(mine)
+        comm.Allreduce(mine.numpy(), out.numpy())
+        ctx.save_for_backward(x, weight, bias)
+        ctx.comm, ctx.padding, ctx.start = comm, padding, start
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, w_, b_ = (t.detach().requires_grad_() for t in (x, weight, bias))
+            y = F.conv2d(x_, w_, b_, padding=ctx.padding)
+            gx, gw, gb = torch.autograd.grad(y, (x_, w_, b_), grad[:, ctx.start:ctx.start + weight.shape[0]])
+        total = torch.empty_like(gx)
+        ctx.comm.Allreduce(gx.contiguous().numpy(), total.numpy())
+        return total, gw, gb, None, None
+
+
+class FilterForgetsSum(FilterParallelConv):
+    """Backward returns this rank's partial input gradient, not the sum over ranks."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mine = grad[:, ctx.start:ctx.start + weight.shape[0]]
+        grad_x = torch.nn.grad.conv2d_input(x.shape, weight, mine, padding=ctx.padding)
+        grad_w = torch.nn.grad.conv2d_weight(x, weight.shape, mine, padding=ctx.padding)
+        return grad_x, grad_w, mine.sum(dim=(0, 2, 3)), None, None
+
+
+def slabs_ignore_pooling(height, size, levels):
+    return block_bounds(height, size)
+
+
+def slabs_extra_rows_last(height, size, levels):
+    """A valid alternative: the larger slabs at the bottom."""
+    unit = 2**levels
+    if height % unit or height // unit < size:
+        raise ValueError("cannot cut")
+    blocks = block_bounds(height // unit, size)
+    sizes = [b - a for a, b in zip(blocks, blocks[1:])][::-1]
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n * unit)
+    return bounds
+
+
+def test_reference_and_valid_alternatives_pass():
+    check_halo_exchange(HaloExchange)
+    check_halo_exchange(HaloSendrecv)
+    check_filter_parallel_conv(FilterParallelConv)
+    check_filter_parallel_conv(FilterByAllreduce)
+    check_slab_bounds(slab_bounds)
+    check_slab_bounds(slabs_extra_rows_last)
+
+
+@pytest.mark.parametrize("wrong, says", [(HaloForgetsBackward, "gradient"), (HaloOneRow, "shape"),
+                                         (HaloWrongRows, "output"), (HaloWrapsAround, "output|sent"),
+                                         (HaloOverwrites, "slab's gradient")])
+def test_wrong_halo_fails(wrong, says):
+    with pytest.raises(CheckFailed, match=says):
+        check_halo_exchange(wrong)
+
+
+def test_filter_that_sums_fails():
+    with pytest.raises(CheckFailed, match="output"):
+        check_filter_parallel_conv(FilterSums)
+
+
+def test_filter_that_forgets_to_sum_the_input_gradient_fails():
+    with pytest.raises(CheckFailed, match="input's gradient"):
+        check_filter_parallel_conv(FilterForgetsSum)
+
+
+def test_slabs_that_break_at_a_pooling_level_fail():
+    with pytest.raises(CheckFailed, match="not a multiple of 2\\*\\*levels"):
+        check_slab_bounds(slabs_ignore_pooling)
+
+
+def test_stub_raises_not_implemented_on_every_rank():
+    with pytest.raises(NotImplementedError, match="Exercise 8.1"):
+        check_halo_exchange(HaloStub)
+    check_halo_exchange(HaloExchange)  # and the ranks are still in step afterwards
