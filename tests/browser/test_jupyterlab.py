@@ -21,8 +21,7 @@ from browser_support import ROOT, copy_notebooks, free_port, listening, stop_pro
 from notebook_page import ENGINES_DOWN, NotebookPage, student_view_problems
 
 #: (notebook, seconds allowed for Run All); the fast labs, as the course's own tests run them.
-NOTEBOOKS = [("labs/00_cluster.ipynb", 240), ("solutions/02_collectives.ipynb", 300),
-             ("solutions/06_model_parallel_unet.ipynb", 300)]
+NOTEBOOKS = [("labs/00_cluster.ipynb", 240), ("solutions/02_collectives.ipynb", 300)]
 
 
 @pytest.fixture(scope="module")
