@@ -1,7 +1,7 @@
 """The course as a student meets it: JupyterLab, started as `make lab` starts it, in Chromium.
 
-For lab 00 (the student's version, whose checks must fail on the stubs) and the solutions
-of labs 02 and 06: open the notebook, pick the "Python (ddlab)" kernel, Run All, and read
+For lab 00 (the student's version, whose checks must fail on the stubs) and the solution
+of lab 02 (the fast labs: the notebooks themselves run under nbval): open the notebook, pick the "Python (ddlab)" kernel, Run All, and read
 from the page what a student sees (notebook_page.student_view_problems). In lab 00 then
 take its way out of a hang: a cell stuck in a receive, the toolbar's stop button,
 `ddlab.cluster.restart()`, and a next cell that works with the notebook's variables intact.
