@@ -76,7 +76,7 @@ def test_synchronous_server_reports_a_worker_that_stops_early(comm):
 
 def test_a_worker_that_dies_is_reported_not_waited_for(comm):
     last = comm.Get_size() - 1
-    record = train(comm, "async", PROBLEM, STEPS, early={last: 0}, timeout=2.0)
+    record = train(comm, "async", PROBLEM, STEPS, early={last: 0}, timeout=1.0)
     assert "did they die" in record.problem and str(last) in record.problem
 
 

@@ -43,6 +43,8 @@ _WHERE = {
     "check_gpipe": "pipeline",
     "check_one_f_one_b": "pipeline",
     "check_pipedream_partition": "pipeline",
+    "check_gossip_step": "parameter_server",
+    "check_ssp_gate": "parameter_server",
     "check_exchange_plan": "shuffling",
     "check_exchange_samples": "shuffling",
     "check_data_parallel_time": "oracle",
