@@ -49,6 +49,8 @@ _WHERE = {
     "check_hierarchical_allreduce": "compression",
     "check_sparse_allreduce": "compression",
     "check_top_k_with_feedback": "compression",
+    "check_gossip_step": "parameter_server",
+    "check_ssp_gate": "parameter_server",
     "check_exchange_plan": "shuffling",
     "check_exchange_samples": "shuffling",
     "check_data_parallel_time": "oracle",
