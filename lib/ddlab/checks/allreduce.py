@@ -34,7 +34,8 @@ def _inputs(n: int, dtype: type, size: int) -> list[np.ndarray]:
     return [np.random.default_rng([n, size, rank]).integers(-50, 50, n).astype(dtype) for rank in range(size)]
 
 
-def _value_problem(result: object, x: np.ndarray, before: np.ndarray, want: np.ndarray, rank: int) -> str | None:
+def value_problem(result: object, x: np.ndarray, before: np.ndarray, want: np.ndarray, rank: int) -> str | None:
+    """What breaks lab 03's contract: the sum `want` in a new array, `x` left as `before`."""
     if result is x or (isinstance(result, np.ndarray) and np.shares_memory(result, x)):
         return "the result shares memory with x: return a new array and leave x as it was"
     return (array_problem(x, before, f"x on rank {rank} after the call (it must not change)")
@@ -169,7 +170,7 @@ def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype
     before = x.copy()
     where = f"{name} on P={size} ranks, x of length {n} ({np.dtype(dtype).name})"
     result, traffic = run_counted(comm, fn, (x,), where)
-    fail_together(comm, _value_problem(result, x, before, sum(inputs[1:], inputs[0].copy()), rank),
+    fail_together(comm, value_problem(result, x, before, sum(inputs[1:], inputs[0].copy()), rank),
                   f"{where}: wrong result")
     if n >= size:  # smaller vectors leave chunks empty; their messages may be skipped
         problem = rule(traffic, size, n, np.dtype(dtype).itemsize)
