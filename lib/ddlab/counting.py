@@ -16,8 +16,10 @@ about calling one: the call is forwarded, its buffer arguments validated first (
 count or displacement past the end of a buffer is an error, not a crash), and its
 bytes logged as one send per destination and one receive per source, tag
 COLLECTIVE_TAG. Alltoallv, Allgather and Allgatherv are supported (the gathers log
-their sends only: this rank's buffer once to every other rank), and Allreduce (lab 08's
-filter and channel parallel convolutions: named in `Traffic.calls`, bytes not logged).
+their sends only: this rank's buffer once to every other rank), Allreduce (lab 08's
+filter and channel parallel convolutions: named in `Traffic.calls`, bytes not logged), and
+Bcast, which allows the object form `bcast` too (lab 04's parameter broadcast; named in
+`Traffic.calls`). Each runs as its non-blocking twin under the timeout.
 
 `Split` returns a CountingComm of the sub-communicator that logs into the same
 traffic, peers named by their rank in the communicator the check made, so a
@@ -71,7 +73,7 @@ def is_collective(name: str) -> bool:
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
 COLLECTIVE_TAG = -1
-ALLOWABLE = ("Alltoallv", "Allreduce", "Allgather", "Allgatherv")
+ALLOWABLE = ("Alltoallv", "Allreduce", "Allgather", "Allgatherv", "Bcast")
 
 
 class ForbiddenCollective(RuntimeError):
@@ -280,6 +282,25 @@ class CountingComm:
         self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op)], [MPI.Status()], "Allreduce to be called on every rank",
                    cancel=False)
         self.traffic.calls.append("Allreduce")
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        """MPI's Bcast, if allowed, as its non-blocking twin under the timeout; named in the calls."""
+        if "Bcast" not in self.allow:
+            self.__getattr__("Bcast")  # raises ForbiddenCollective
+        self._wait([self.comm.Ibcast(buf, root)], [MPI.Status()], f"Bcast from rank {root} to be called on every rank",
+                   cancel=False)
+        self.traffic.calls.append("Bcast")
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        """The object broadcast, if Bcast is allowed: the root's pickle, its length first, by Bcast."""
+        if "Bcast" not in self.allow:
+            self.__getattr__("bcast")  # raises ForbiddenCollective
+        data = pickle.dumps(obj) if self.rank == root else b""
+        length = np.array([len(data)], dtype=np.int64)
+        self.Bcast(length, root)
+        payload = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(length[0], np.uint8)
+        self.Bcast(payload, root)
+        return pickle.loads(payload.tobytes())
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """MPI's Allgather, if allowed; logs this rank's buffer sent to every other rank."""

@@ -58,6 +58,37 @@ def test_broadcast_check_fails_when_root_is_ignored(comm):
     fails(checks.check_broadcast_parameters, broadcast_from_rank_0_always, "differs")
 
 
+def broadcast_objects(model, comm, root=0):
+    """Valid too: the object broadcast, one tensor at a time, copied in place."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.copy_(comm.bcast(t, root=root))
+
+
+def broadcast_by_the_root_only(model, comm, root=0):
+    if comm.Get_rank() == root:
+        dp.broadcast_parameters(model, comm, root)
+
+
+def test_broadcast_check_passes_the_object_broadcast(comm):
+    checks.check_broadcast_parameters(broadcast_objects)
+
+
+def test_broadcast_check_fails_when_only_the_root_broadcasts_and_does_not_hang(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank is the root")
+    fails(lambda fn: checks.check_broadcast_parameters(fn, timeout=3), broadcast_by_the_root_only, "broadcast_parameters")
+
+
+def broadcast_then_barrier(model, comm, root=0):
+    dp.broadcast_parameters(model, comm, root)
+    comm.Barrier()
+
+
+def test_broadcast_check_names_the_collectives_it_allows(comm):
+    fails(checks.check_broadcast_parameters, broadcast_then_barrier, "Barrier", "comm.Bcast")
+
+
 def test_broadcast_check_passes_a_stub_error_through(comm):
     def stub(model, comm, root=0):
         raise NotImplementedError("Exercise 4.2")
@@ -113,6 +144,17 @@ def test_average_check_fails_when_nothing_is_averaged(comm):
     fails(checks.check_average_gradients, nothing, "not the mean")
 
 
+def averaged_on_rank_0_only(model, comm, allreduce):
+    if comm.Get_rank() == 0:
+        dp.average_gradients(model, comm, allreduce)
+
+
+def test_average_check_fails_when_a_rank_skips_the_allreduce_and_does_not_hang(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank has no one to wait for")
+    fails(lambda fn: checks.check_average_gradients(fn, timeout=3), averaged_on_rank_0_only, "average_gradients")
+
+
 # train_step -----------------------------------------------------------------------------
 
 def reference_step(model, optimizer, x, y, comm, allreduce=None):
@@ -163,6 +205,30 @@ def test_train_step_check_fails_on_wrong_steps(comm, wrong, words):
     if comm.Get_size() == 1:
         pytest.skip("one rank needs no averaging")
     fails(checks.check_train_step, wrong, words)
+
+
+def step_averaging_on_the_last_rank_only(model, optimizer, x, y, comm, allreduce=None):
+    optimizer.zero_grad()
+    loss = dp.squared_error(model(x), y).mean()
+    loss.backward()
+    if comm.Get_rank() == comm.Get_size() - 1:
+        dp.average_gradients(model, comm, allreduce)
+    optimizer.step()
+    return loss.item()
+
+
+def step_returning_a_numpy_float(model, optimizer, x, y, comm, allreduce=None):
+    return np.float64(reference_step(model, optimizer, x, y, comm, allreduce))
+
+
+def test_train_step_check_fails_when_a_rank_skips_the_allreduce_and_does_not_hang(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank has no one to wait for")
+    fails(lambda fn: checks.check_train_step(fn, timeout=3), step_averaging_on_the_last_rank_only, "train_step")
+
+
+def test_train_step_check_accepts_a_numpy_float(comm):
+    checks.check_train_step(step_returning_a_numpy_float)
 
 
 # trains_with_allreduce ---------------------------------------------------------------

@@ -18,27 +18,28 @@ from torch import nn
 from ..data.curves import StressStrainCurves
 from ..data_parallel import DataParallel, squared_error, train
 from ..models.mlp import make_mlp
-from ._core import each_size, fail_together, passed, run_counted
+from ._core import each_size, fail_together, is_number, passed, run_counted
 from .allreduce import DTYPES, value_problem
 from .errors import CheckFailed
 
 TOLERANCE = 1e-10
+TIMEOUT = 20.0  # seconds a rank may wait for another inside the student's code
 
 
-def _call(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: str) -> Any:
-    """fn(*args) on every rank; an error anywhere becomes the same CheckFailed everywhere.
+def _call(comm: MPI.Comm, call: Callable[[Any], Any], context: str, allow: tuple[str, ...] = (),
+          timeout: float = TIMEOUT) -> Any:
+    """call(counting) on every rank, `counting` a counting communicator standing for comm.
 
-    A stub's NotImplementedError passes through (every rank raises it).
+    The MPI collectives named in `allow` run under a timeout and others are refused, so a
+    rank left behind fails the check within the timeout instead of hanging it; an error
+    on any rank fails every rank. A stub's NotImplementedError passes through.
     """
-    problem, result = None, None
-    try:
-        result = fn(*args)
-    except NotImplementedError:
-        raise
-    except Exception as err:  # the student's code failed: report it on every rank
-        problem = f"{type(err).__name__}: {err}"
-    fail_together(comm, problem, f"{context} raised an error")
-    return result
+    return run_counted(comm, call, (), context, timeout, allow=allow)[0]
+
+
+def _small_and_all(size: int) -> list[int]:
+    """3 ranks (not a power of two) and all of them."""
+    return sorted({min(3, size), size})
 
 
 def _relative(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
@@ -114,16 +115,12 @@ def _state(model: nn.Module) -> dict[str, np.ndarray]:
     return {name: t.detach().numpy().copy() for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
-def _broadcast_problem(fn: Callable[..., None], comm: MPI.Comm, root: int) -> str | None:
+def _broadcast_problem(fn: Callable[..., None], comm: MPI.Comm, root: int, timeout: float) -> str | None:
     """What is wrong after fn(model, comm, root) on this rank of `comm`, or None."""
     model = _tiny_model(seed=100 + comm.Get_rank())
     objects = [id(t) for t in [*model.parameters(), *model.buffers()]]
-    try:
-        fn(model, comm, root)
-    except NotImplementedError:
-        raise
-    except Exception as err:  # the student's code failed: report it
-        return f"broadcast_parameters raised {type(err).__name__}: {err}"
+    _call(comm, lambda counting: fn(model, counting, root), f"broadcast_parameters(model, comm, {root})",
+          allow=("Bcast",), timeout=timeout)
     if objects != [id(t) for t in [*model.parameters(), *model.buffers()]]:
         return ("the model's parameters were replaced by new tensors: copy into them in place "
                 "(the optimizer holds the old ones), e.g. comm.Bcast(p.detach().numpy(), root)")
@@ -137,7 +134,7 @@ def _broadcast_problem(fn: Callable[..., None], comm: MPI.Comm, root: int) -> st
     return None
 
 
-def check_broadcast_parameters(fn: Callable[..., None]) -> None:
+def check_broadcast_parameters(fn: Callable[..., None], timeout: float = TIMEOUT) -> None:
     """fn(model, comm, root=0) gives every rank root's parameters and buffers, in place.
 
     Runs on the first P ranks for every P; ranks outside wait, and every rank of the
@@ -148,7 +145,7 @@ def check_broadcast_parameters(fn: Callable[..., None]) -> None:
     def every_root(sub: MPI.Comm) -> None:
         size = sub.Get_size()
         for root in sorted({0, size - 1}):
-            fail_together(sub, _broadcast_problem(fn, sub, root), f"broadcast_parameters on {size} ranks, root {root}")
+            fail_together(sub, _broadcast_problem(fn, sub, root, timeout), f"broadcast_parameters on {size} ranks, root {root}")
 
     each_size(world, every_root, "broadcast_parameters")
     passed(world, "broadcast_parameters copies the root's parameters and buffers to every rank, in place")
@@ -173,16 +170,15 @@ def _set_gradients(model: nn.Module, rank: int) -> None:
         p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
 
 
-def check_average_gradients(fn: Callable[..., None]) -> None:
-    """fn(model, comm, allreduce) replaces every gradient by its mean over ranks, with one allreduce."""
-    comm = MPI.COMM_WORLD
+def _average_problem(comm: MPI.Comm, fn: Callable[..., None], timeout: float) -> str | None:
+    """What is wrong on this rank after fn(model, comm, allreduce) on the ranks of comm, or None."""
     rank, size = comm.Get_rank(), comm.Get_size()
     model = make_mlp(seed=3, dtype=torch.float64)
     before = _state(model)
     _set_gradients(model, rank)
     log: list[int] = []
-    _call(comm, fn, (model, comm, _counting(log)), "average_gradients(model, comm, allreduce)")
-    problem = None
+    _call(comm, lambda counting: fn(model, counting, _counting(log)), "average_gradients(model, comm, allreduce)",
+          allow=("Allreduce",), timeout=timeout)
     references: list[list[torch.Tensor]] = []
     for r in range(size):
         other = make_mlp(seed=3, dtype=torch.float64)
@@ -190,27 +186,37 @@ def check_average_gradients(fn: Callable[..., None]) -> None:
         references.append([p.grad for p in other.parameters() if p.grad is not None])
     numel = sum(p.numel() for p in model.parameters())
     if not log:
-        problem = ("the allreduce passed in was never called: use it (not comm.Allreduce), "
-                   "so that any allreduce, your ring from lab 03 too, can be plugged in")
-    elif len(log) > 1:
-        problem = (f"{len(log)} allreduce calls of {log[:6]}{'...' if len(log) > 6 else ''} elements: flatten "
-                   f"all gradients into one array of {numel} and call allreduce once (each call costs one alpha)")
+        return ("the allreduce passed in was never called: use it (not comm.Allreduce), "
+                "so that any allreduce, your ring from lab 03 too, can be plugged in")
+    if len(log) > 1:
+        return (f"{len(log)} allreduce calls of {log[:6]}{'...' if len(log) > 6 else ''} elements: flatten "
+                f"all gradients into one array of {numel} and call allreduce once (each call costs one alpha)")
     for i, (name, p) in enumerate(model.named_parameters()):
-        if problem:
-            break
         grads = torch.stack([reference[i] for reference in references])
         if p.grad is None:
-            problem = f"{name} has no gradient after average_gradients"
-        elif _relative(p.grad, grads.mean(0)) > TOLERANCE:
+            return f"{name} has no gradient after average_gradients"
+        if _relative(p.grad, grads.mean(0)) > TOLERANCE:
             hint = (" (that is the sum over ranks: divide by comm.Get_size())"
-                    if _relative(p.grad, grads.sum(0)) < TOLERANCE else
+                    if size > 1 and _relative(p.grad, grads.sum(0)) < TOLERANCE else
                     " (that is this rank's own gradient: nothing was averaged)"
-                    if _relative(p.grad, grads[rank]) < TOLERANCE else "")
-            problem = f"the gradient of {name} is not the mean over the {size} ranks{hint}"
-    if problem is None and any(not np.array_equal(v, _state(model)[k]) for k, v in before.items()):
-        problem = "the parameters changed: average_gradients must change only the gradients"
-    fail_together(comm, problem, "average_gradients")
-    passed(comm, f"average_gradients averages all {numel} gradient entries in one allreduce")
+                    if size > 1 and _relative(p.grad, grads[rank]) < TOLERANCE else "")
+            return f"the gradient of {name} is not the mean over the {size} ranks{hint}"
+        if p.grad.dtype != p.dtype:
+            return f"the gradient of {name} is {p.grad.dtype}, the parameter {p.dtype}: keep the gradients' dtype"
+    if any(not np.array_equal(v, _state(model)[k]) for k, v in before.items()):
+        return "the parameters changed: average_gradients must change only the gradients"
+    return None
+
+
+def check_average_gradients(fn: Callable[..., None], timeout: float = TIMEOUT) -> None:
+    """fn(model, comm, allreduce) replaces every gradient by its mean over ranks, with one allreduce;
+    on 3 ranks (not a power of two) and on all."""
+    world = MPI.COMM_WORLD
+    sizes = _small_and_all(world.Get_size())
+    each_size(world, lambda sub: _average_problem(sub, fn, timeout), "average_gradients", sizes)
+    numel = sum(p.numel() for p in make_mlp().parameters())
+    passed(world, f"average_gradients averages all {numel} gradient entries in one allreduce, "
+                  f"on {' and '.join(map(str, sizes))} ranks")
 
 
 # Exercise 4.4 ---------------------------------------------------------------------
@@ -233,39 +239,46 @@ def _one_process(batches: list[np.ndarray], data: StressStrainCurves, lr: float)
     return [p.detach().clone() for p in model.parameters()]
 
 
-def check_train_step(fn: Callable[..., float]) -> None:
-    """fn(model, optimizer, x, y, comm) on P ranks with batch b = one process with batch P*b."""
-    comm = MPI.COMM_WORLD
+def _train_step_problem(comm: MPI.Comm, fn: Callable[..., float], timeout: float) -> str | None:
+    """What is wrong on this rank after a few fn(model, optimizer, x, y, comm) steps, or None."""
     rank, size = comm.Get_rank(), comm.Get_size()
     per_rank, steps, lr = 8, 3, 0.1
     data = StressStrainCurves(n=steps * per_rank * size, seed=3, dtype=torch.float64)
     batches = _global_batches(steps, per_rank, size)
     model = make_mlp(seed=5, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for step, batch in enumerate(batches):
-        x, y = data[batch[rank::size]]
-        loss = _call(comm, fn, (model, optimizer, x, y, comm), f"train_step (step {step})")
-        if not isinstance(loss, (float, np.floating)):
-            fail_together(comm, f"train_step should return the loss as a float (loss.item()), got {type(loss).__name__}",
-                          "train_step")
+    def step_on(x: torch.Tensor, y: torch.Tensor) -> Callable[[Any], Any]:
+        return lambda counting: fn(model, optimizer, x, y, counting)
+
+    losses = [_call(comm, step_on(*data[batch[rank::size]]), f"train_step (step {step})", ("Allreduce",), timeout)
+              for step, batch in enumerate(batches)]
+    if not all(is_number(loss) for loss in losses):
+        kind = next(type(loss).__name__ for loss in losses if not is_number(loss))
+        return f"train_step should return the loss as a float (loss.item()), got {kind}"
     got = [p.detach() for p in model.parameters()]
     worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr)))
-    problem = None
-    if worst > TOLERANCE:
-        problem = (f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} "
-                   f"by up to {worst:.2e} (relative; at most {TOLERANCE:g} expected)")
-        summed = _one_process(batches, data, lr * size)
-        local = _one_process([b[rank::size] for b in batches], data, lr)
-        if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE:
-            problem += ": they match the SUM of the gradients; average them (divide by the number of ranks)"
-        elif size > 1 and max(_relative(g, w) for g, w in zip(got, local)) <= TOLERANCE:
-            problem += ": they match training on this rank's batch alone; average the gradients before the step"
-        else:
-            problem += (". The order is: zero the gradients, loss = squared_error(model(x), y).mean(), "
-                        "backward, average the gradients over ranks, optimizer step")
-    fail_together(comm, problem, "train_step")
-    passed(comm, f"train_step on {size} ranks x batch {per_rank} = one process with batch {size * per_rank} "
-                 f"(relative difference {worst:.1e})")
+    if worst <= TOLERANCE:
+        return None
+    problem = (f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} "
+               f"by up to {worst:.2e} (relative; at most {TOLERANCE:g} expected)")
+    summed = _one_process(batches, data, lr * size)
+    local = _one_process([b[rank::size] for b in batches], data, lr)
+    if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE:
+        return problem + ": they match the SUM of the gradients; average them (divide by the number of ranks)"
+    if size > 1 and max(_relative(g, w) for g, w in zip(got, local)) <= TOLERANCE:
+        return problem + ": they match training on this rank's batch alone; average the gradients before the step"
+    return problem + (". The order is: zero the gradients, loss = squared_error(model(x), y).mean(), "
+                      "backward, average the gradients over ranks, optimizer step")
+
+
+def check_train_step(fn: Callable[..., float], timeout: float = TIMEOUT) -> None:
+    """fn(model, optimizer, x, y, comm) on P ranks with batch b = one process with batch P*b;
+    on 3 ranks (not a power of two) and on all."""
+    world = MPI.COMM_WORLD
+    sizes = _small_and_all(world.Get_size())
+    each_size(world, lambda sub: _train_step_problem(sub, fn, timeout), "train_step", sizes)
+    passed(world, f"train_step on {' and '.join(map(str, sizes))} ranks x batch 8 = one process with the "
+                  f"global batch (relative difference at most {TOLERANCE:g})")
 
 
 # Exercise 4.5 ---------------------------------------------------------------------
@@ -298,14 +311,13 @@ def check_trains_with_allreduce(allreduce: Callable[[MPI.Comm, np.ndarray], np.n
             model = make_mlp(seed=6, dtype=torch.float64)
             wrapped = DataParallel(model, comm, allreduce=choice, bucket_cap_mb=0.1)
             optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
-            _call(comm, lambda *a: train(*a, epochs=1, batch_size=16, progress=False),
-                  (wrapped, optimizer, data, comm), "training with your allreduce")
+            train(wrapped, optimizer, data, comm, epochs=1, batch_size=16, progress=False)
             finals.append([p.detach().clone() for p in model.parameters()])
         worst = max(_relative(a, b) for a, b in zip(*finals))
         return None if worst <= TOLERANCE else (
             f"training with your allreduce ends {worst:.2e} (relative) away from training with MPI's Allreduce")
 
-    sizes = sorted({min(3, size), size})  # 3: not a power of two
+    sizes = _small_and_all(size)
     each_size(world, trains, "training with your allreduce", sizes)
     passed(world, f"your allreduce sums float64, float32 and int64 into a new array and trains the model to the "
                   f"same parameters as MPI_Allreduce, on {' and '.join(map(str, sizes))} ranks")
