@@ -51,5 +51,6 @@ def test_every_collective_is_known_in_every_form():
             "Ibarrier", "exscan"} <= collectives
     assert not collectives & {"Send", "Isend", "Iprobe", "iprobe", "Irecv", "Sendrecv", "Split", "Idup", "Iagree"}
     counted = {name for name in names if name in vars(CountingComm)}
-    assert not collectives & counted - set(ALLOWABLE)  # these are counted only when a check allows them
+    # counted only when a check allows them (an allowed Bcast allows the object form bcast too)
+    assert not collectives & {name for name in counted if name not in ALLOWABLE and name.capitalize() not in ALLOWABLE}
     assert not set(UNCOUNTED) & counted and set(UNCOUNTED) <= set(names)
