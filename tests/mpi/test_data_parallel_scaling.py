@@ -71,6 +71,19 @@ def test_bucketed_check_fails_on_wrong_packing(comm, wrong, words):
         checks.check_allreduce_bucketed(wrong)
 
 
+def last_bucket_on_rank_0_only(comm, arrays, cap_bytes, allreduce):
+    """Rank 0 sends one bucket more than the others: they must not hang the check."""
+    sums = bucketed(comm, arrays[:-1], cap_bytes, allreduce)
+    return sums + (allreduce(comm, arrays[-1]) if comm.Get_rank() == 0 else [arrays[-1].copy()])
+
+
+def test_bucketed_check_fails_when_ranks_disagree_and_does_not_hang(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank has no one to wait for")
+    with pytest.raises(checks.CheckFailed, match="allreduce_bucketed"):
+        checks.check_allreduce_bucketed(last_bucket_on_rank_0_only, timeout=3)
+
+
 def test_bucketed_check_passes_a_stub_error_through(comm):
     def stub(comm, arrays, cap_bytes, allreduce):
         raise NotImplementedError("Exercise 5.2")

@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..scaling import efficiency, lr_factor
-from ._core import array_problem, fail_together, is_number, passed
+from ._core import array_problem, each_size, is_number, passed, run_counted
 from .errors import CheckFailed
 
 
@@ -45,50 +45,56 @@ def _expected_calls(sizes: list[int], itemsize: int, cap: float) -> list[int]:
     return calls
 
 
-def check_allreduce_bucketed(fn: Callable[..., list[np.ndarray]]) -> None:
-    """fn(comm, arrays, cap_bytes, allreduce) sums each array over ranks, one allreduce per bucket."""
-    comm = MPI.COMM_WORLD
+def _bucketed_problem(comm: MPI.Comm, fn: Callable[..., list[np.ndarray]], cap: float, timeout: float) -> str | None:
+    """What is wrong on this rank after fn(comm, arrays, cap, allreduce), or None.
+
+    The student's function gets a counting communicator that allows Allreduce under a
+    timeout, so a rank that skips a bucket fails the check instead of hanging it."""
     rank, size = comm.Get_rank(), comm.Get_size()
     shapes = [(3, 4), (100,), (7,), (50, 2), (1,), (64,)]
+    arrays = [np.arange(np.prod(s), dtype=np.float32).reshape(s) * (rank + 1) + i for i, s in enumerate(shapes)]
+    originals = [a.copy() for a in arrays]
+    calls: list[int] = []
+
+    def allreduce(c: MPI.Comm, x: np.ndarray) -> np.ndarray:
+        calls.append(int(x.size))
+        out = np.empty_like(x)
+        c.Allreduce(x, out, op=MPI.SUM)
+        return out
+
+    got, _ = run_counted(comm, fn, (arrays, cap, allreduce), f"allreduce_bucketed with cap {cap} bytes", timeout,
+                         allow=("Allreduce",))
+    want_calls = _expected_calls([int(np.prod(s)) for s in shapes], 4, cap)
+    if not isinstance(got, list) or len(got) != len(arrays):
+        return f"should return a list of {len(arrays)} arrays, got {type(got).__name__}"
+    if calls != want_calls:
+        return (f"allreduce calls of {calls} elements, expected {want_calls}: fill buckets in order, "
+                f"starting a new one when the next array would pass {cap} bytes "
+                "(an array larger than the cap travels alone)")
+    if any(not np.array_equal(a, o) for a, o in zip(arrays, originals)):
+        return "the input arrays were changed: return new arrays"
+    for i, (g, s) in enumerate(zip(got, shapes)):
+        want = (np.arange(np.prod(s), dtype=np.float32).reshape(s) * size * (size + 1) / 2 + i * size).astype(np.float32)
+        problem = array_problem(g, want, f"array {i} (shape {s}, the sum over ranks)")
+        if problem is None and any(np.shares_memory(g, a) for a in arrays):
+            problem = f"array {i} shares memory with an input array: return new arrays"
+        if problem:
+            return problem
+    return None
+
+
+def check_allreduce_bucketed(fn: Callable[..., list[np.ndarray]], timeout: float = 20.0) -> None:
+    """fn(comm, arrays, cap_bytes, allreduce) sums each array over ranks, one allreduce per bucket;
+    on 3 ranks (not a power of two) and on all."""
+    world = MPI.COMM_WORLD
+    sizes = sorted({min(3, world.Get_size()), world.Get_size()})
+    def with_cap(cap: float) -> Callable[[MPI.Comm], str | None]:
+        return lambda sub: _bucketed_problem(sub, fn, cap, timeout)
+
     for cap in (0, 16, 400, 448, 476, 1000, math.inf):  # 448 = 48 + 400 and 476 = 448 + 28: a bucket exactly full
-        arrays = [np.arange(np.prod(s), dtype=np.float32).reshape(s) * (rank + 1) + i for i, s in enumerate(shapes)]
-        originals = [a.copy() for a in arrays]
-        calls: list[int] = []
-
-        def allreduce(c: MPI.Comm, x: np.ndarray, calls: list[int] = calls) -> np.ndarray:
-            calls.append(int(x.size))
-            out = np.empty_like(x)
-            c.Allreduce(x, out, op=MPI.SUM)
-            return out
-
-        problem = None
-        try:
-            got = fn(comm, arrays, cap, allreduce)
-        except NotImplementedError:
-            raise
-        except Exception as err:  # the student's code failed: report it on every rank
-            got, problem = None, f"raised {type(err).__name__}: {err}"
-        want_calls = _expected_calls([int(np.prod(s)) for s in shapes], 4, cap)
-        if problem is None:
-            if not isinstance(got, list) or len(got) != len(arrays):
-                problem = f"should return a list of {len(arrays)} arrays, got {type(got).__name__}"
-            elif calls != want_calls:
-                problem = (f"allreduce calls of {calls} elements, expected {want_calls}: fill buckets in order, "
-                           f"starting a new one when the next array would pass {cap} bytes "
-                           "(an array larger than the cap travels alone)")
-            elif any(not np.array_equal(a, o) for a, o in zip(arrays, originals)):
-                problem = "the input arrays were changed: return new arrays"
-            else:
-                for i, (g, s) in enumerate(zip(got, shapes)):
-                    want = (np.arange(np.prod(s), dtype=np.float32).reshape(s) * size * (size + 1) / 2
-                            + i * size).astype(np.float32)
-                    problem = array_problem(g, want, f"array {i} (shape {s}, the sum over ranks)")
-                    if problem is None and any(np.shares_memory(g, a) for a in arrays):
-                        problem = f"array {i} shares memory with an input array: return new arrays"
-                    if problem:
-                        break
-        fail_together(comm, problem, f"allreduce_bucketed with cap {cap} bytes")
-    passed(comm, "allreduce_bucketed packs arrays into buckets in order and sums them, one allreduce per bucket")
+        each_size(world, with_cap(cap), f"allreduce_bucketed with cap {cap} bytes", sizes)
+    passed(world, "allreduce_bucketed packs arrays into buckets in order and sums them, one allreduce per bucket, "
+                  f"on {' and '.join(map(str, sizes))} ranks")
 
 
 def check_lr_factor(fn: Callable[..., float]) -> None:
