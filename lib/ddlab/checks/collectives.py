@@ -80,12 +80,11 @@ _PATTERN_HINT = {
                          "itself, not twice) and each other rank receives once, from the root.",
     ("reduce", "linear"): "In a linear reduce each rank other than the root sends its x once, to "
                           "the root, which receives and adds them; no other messages.",
-    ("bcast", "tree"): "Number ranks from the root (me = (rank - root) % P). In round k = 0, 1, ... "
-                       "every rank with me < 2**k already has the data and sends it to me + 2**k "
-                       "(if that is < P); each rank receives once, before it sends.",
-    ("reduce", "tree"): "Run the broadcast tree backwards (me = (rank - root) % P): for k = 0, 1, ..., "
-                        "a rank whose bit k is set sends its partial sum to me - 2**k and stops; "
-                        "the others receive from me + 2**k (if that is < P) and add.",
+    ("bcast", "tree"): "Compare with the lab's picture: every round, each rank that has the data sends "
+                       "it to one rank that has not, so the holders double; each rank receives once, "
+                       "before it sends. Another root: number the ranks from the root.",
+    ("reduce", "tree"): "Compare with the lab's picture: the broadcast's messages reversed, round by round; "
+                        "each rank other than the root sends once, after adding what its children sent.",
 }
 
 
