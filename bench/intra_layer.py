@@ -10,7 +10,9 @@ hybrid data x spatial (2 x 2) and filter parallel (4-way). It prints:
 - each configuration's largest side over one process's;
 - halo bytes sent per rank and step over the rank's peak activation bytes (spatial);
 - each configuration's time per sample over one process's at the largest side all fit;
-- every rank's peak MiB at the first side each configuration misses.
+- every rank's peak MiB at the first side each configuration misses, as far as the ledger
+  got under the budget, and for lab 08's strategies what a run there without a budget needs
+  (replicated parameters, gradients and momentum + activations).
 
     .venv/bin/python bench/intra_layer.py
 
@@ -30,7 +32,7 @@ def child(start: int, step: int) -> None:
     import torch
     from mpi4py import MPI
 
-    from ddlab.intra_layer import COLUMNS, halo_share, intra_sweep, markdown_table
+    from ddlab.intra_layer import COLUMNS, STRATEGIES, halo_share, intra_sweep, markdown_table, try_strategy
     from ddlab.models.unet import UNet
 
     comm = MPI.COMM_WORLD
@@ -45,12 +47,13 @@ def child(start: int, step: int) -> None:
             break
         side += step
     shares = comm.gather(halo_share(comm, model, 128), root=0)
+    largest = {c: max((r.side for r in results if r.split == c and r.fits), default=0) for c in COLUMNS}
+    needs = {s: try_strategy(comm, model, largest[s] + step, s, budget=None) for s in STRATEGIES}
     if comm.Get_rank() != 0:
         return
     print(f"{comm.Get_size()} ranks, UNet(width=8, depth=4), batch 2, 32 MiB per rank; ms per sample or OOM\n")
     print(markdown_table(results))
     by = {(r.split, r.side): r for r in results}
-    largest = {c: max((r.side for r in results if r.split == c and r.fits), default=0) for c in COLUMNS}
     print("\nlargest side over one process's: " + ", ".join(
         f"{c} {largest[c] / largest['one process']:.2f}" for c in COLUMNS[1:]))
     print("halo bytes per step / peak activation bytes, spatial at side 128, per rank: " + ", ".join(
@@ -65,6 +68,11 @@ def child(start: int, step: int) -> None:
         if miss is not None:
             print(f"  {c:12} side {miss.side}: " + "/".join(f"{p / 2**20:.1f}" for p in miss.peak_per_rank)
                   + f"  ({(miss.error or '').split(';')[0]})")
+    print("\nwhat lab 08's strategies need there without a budget, per rank, MiB (replicated state + activations):")
+    for s, need in needs.items():
+        print(f"  {s:12} side {need.side}: " + ", ".join(
+            f"{p['peak'] / 2**20:.2f} ({(p['parameters'] + p['gradients'] + p['optimizer']) / 2**20:.2f}"
+            f" + {p['activations'] / 2**20:.2f})" for p in need.peaks))
     spatial = largest["spatial"]
     ok = spatial >= 1.8 * largest["one process"] and spatial > largest["balanced"]
     print(f"\nspatial >= 1.8 x one process and > balanced split: {'met' if ok else 'missed'}")
