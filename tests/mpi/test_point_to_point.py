@@ -120,10 +120,13 @@ def test_exchange_check_catches_the_wrong_partner(comm):
 def test_exchange_check_catches_a_changed_input(comm):
     def in_place(comm, data):
         partner = _partner(comm)
-        if partner is not None:
-            comm.Sendrecv_replace(data, dest=partner, source=partner)
+        if partner is None:
+            return data.copy()
+        comm.Sendrecv_replace(data, dest=partner, source=partner)
         return data
 
+    if comm.Get_size() == 1:
+        pytest.skip("one rank has no partner to swap with")
     expect_failure(check_exchange, in_place, "changed its input")
 
 
@@ -144,6 +147,18 @@ def test_exchange_check_catches_a_lone_rank_that_talks(comm):
         return received
 
     expect_failure(check_exchange, lone_rank_sends_to_itself, "no partner")
+
+
+def test_exchange_check_catches_a_lone_rank_returning_its_own_array(comm):
+    def lone_rank_returns_data(comm, data):
+        partner = comm.Get_rank() ^ 1
+        if partner >= comm.Get_size():
+            return data
+        received = np.empty_like(data)
+        comm.Sendrecv(data, dest=partner, recvbuf=received, source=partner)
+        return received
+
+    expect_failure(check_exchange, lone_rank_returns_data, "a new array")
 
 
 # ping_pong: wrong answers -----------------------------------------------------------
@@ -372,3 +387,13 @@ def test_uncounted_calls_are_refused_with_what_to_use(comm):
 
     expect_failure(check_exchange, buffered, "UncountedCall", "comm.Bsend", "comm.Send")
     expect_failure(check_exchange, persistent, "UncountedCall", "comm.Send_init", "comm.Isend")
+
+
+def test_collect_check_catches_rank_0s_own_array_returned(comm):
+    def own_array_itself(comm, data):
+        arrays = _collect_any_source(by_source=True)(comm, data)
+        if arrays is not None:
+            arrays[0] = data
+        return arrays
+
+    expect_failure(check_collect, own_array_itself, "a copy")

@@ -81,6 +81,8 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
                     "highest rank's first); put each at its sender's index (status.Get_source())")
         if problem:
             return problem
+    if got[0].size and np.shares_memory(got[0], data):
+        return "item 0 is rank 0's data itself: return a copy of it (data.copy()), a new array like the others"
     recvs = traffic[0].recvs
     expected = {source: _collect_data(source).nbytes for source in range(1, size)}
     received = {e.peer: e.nbytes for e in recvs}
@@ -135,6 +137,8 @@ def _exchange_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None
     if problem:
         owner = _owner(got, size) if isinstance(got, np.ndarray) else None
         return problem if owner is None else f"returned rank {owner}'s array, expected {whose}"
+    if np.shares_memory(got, data):
+        return "returned data itself (or a view of it): return a new array, e.g. data.copy() for a rank without partner"
     mine = traffic[rank]
     if partner is None:
         if mine.events:
