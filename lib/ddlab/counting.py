@@ -19,7 +19,8 @@ COLLECTIVE_TAG. Alltoallv, Allgather and Allgatherv are supported (the gathers l
 their sends only: this rank's buffer once to every other rank), Allreduce (lab 08's
 filter and channel parallel convolutions: named in `Traffic.calls`, bytes not logged), and
 Bcast, which allows the object form `bcast` too (lab 04's parameter broadcast; named in
-`Traffic.calls`). Each runs as its non-blocking twin under the timeout.
+`Traffic.calls`). Each runs as its non-blocking twin under the timeout. Iallreduce (lab 04's
+overlapped buckets) returns a watched request, so waiting on it cannot hang either.
 
 `Split` returns a CountingComm of the sub-communicator that logs into the same
 traffic, peers named by their rank in the communicator the check made, so a
@@ -73,7 +74,7 @@ def is_collective(name: str) -> bool:
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
 COLLECTIVE_TAG = -1
-ALLOWABLE = ("Alltoallv", "Allreduce", "Allgather", "Allgatherv", "Bcast")
+ALLOWABLE = ("Alltoallv", "Allreduce", "Iallreduce", "Allgather", "Allgatherv", "Bcast")
 
 
 class ForbiddenCollective(RuntimeError):
@@ -226,6 +227,14 @@ class CountingComm:
     def Get_size(self) -> int:
         return self.comm.Get_size()
 
+    def agree(self, value: int, what: str) -> list[int]:
+        """Every rank's value, gathered on the notice communicator under the timeout: a check's way to
+        stop before a rank starts another collective the others have not matched."""
+        everyone = np.empty(self.size, dtype=np.int64)
+        self._wait([self.watch.alarm.Iallgather(np.array([value], dtype=np.int64), everyone)], [MPI.Status()], what,
+                   cancel=False)
+        return [int(v) for v in everyone]
+
     def wait(self, requests: list[MPI.Request], what: str) -> None:
         """Wait for requests (e.g. from Isend/Irecv), with the timeout and failure notices of blocking calls."""
         self._wait(requests, [MPI.Status() for _ in requests], what)
@@ -282,6 +291,14 @@ class CountingComm:
         self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op)], [MPI.Status()], "Allreduce to be called on every rank",
                    cancel=False)
         self.traffic.calls.append("Allreduce")
+
+    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> MPI.Request:
+        """MPI's Iallreduce, if allowed: its request watched (waiting on it cannot hang); named in the calls."""
+        if "Iallreduce" not in self.allow:
+            self.__getattr__("Iallreduce")  # raises ForbiddenCollective
+        self.traffic.calls.append("Iallreduce")
+        return self.watch.watched(self.comm.Iallreduce(sendbuf, recvbuf, op),
+                                  "Iallreduce to be started on every rank and to complete", collective=True)
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """MPI's Bcast, if allowed, as its non-blocking twin under the timeout; named in the calls."""

@@ -73,6 +73,13 @@ class _Entry:
     status: MPI.Status = field(default_factory=MPI.Status)
     result: Any = None
     cancelled: bool = False  # the holder called Cancel
+    collective: bool = False  # a collective's request, which MPI cannot cancel
+
+
+#: Collective requests given up at their deadline. MPI cannot cancel them and may still write
+#: into their buffers when the other ranks catch up, so the requests (which hold the buffers)
+#: are kept for the life of the process rather than freed.
+_ABANDONED: list[MPI.Request] = []
 
 
 class Watch:
@@ -166,9 +173,11 @@ class Watch:
         self.alarm.Free()
 
     # Requests a caller holds -----------------------------------------------------
-    def watched(self, real: MPI.Request, what: str, pickled: bool = False) -> WatchedRequest:
-        """A request that completes when `real` does, or at the deadline (real cancelled, failure kept)."""
-        entry = _Entry(real, None, what, time.monotonic() + self.timeout, pickled)
+    def watched(self, real: MPI.Request, what: str, pickled: bool = False, collective: bool = False) -> WatchedRequest:
+        """A request that completes when `real` does, or at the deadline (real cancelled, failure kept).
+
+        A collective's request cannot be cancelled: at the deadline it is left behind."""
+        entry = _Entry(real, None, what, time.monotonic() + self.timeout, pickled, collective=collective)
         entry.done = MPI.Grequest.Start(_query, _nothing, _cancel, args=(entry,))
         request = WatchedRequest(entry.done)
         request.entry = entry
@@ -208,7 +217,10 @@ class Watch:
                 self.failure = (Stalled, self._stalled(entry.what))
             if self.failure is None and not entry.cancelled:
                 return False
-            entry.real.Cancel()  # a receive is cancelled for sure; a send may not be, and is left
+            if entry.collective:  # left behind, but kept: MPI may still write into its buffers
+                _ABANDONED.append(entry.real)
+            else:
+                entry.real.Cancel()  # a receive is cancelled for sure; a send may not be, and is left
             entry.status.Set_cancelled(True)
         assert entry.done is not None
         entry.done.Complete()
@@ -216,6 +228,10 @@ class Watch:
 
 
 def _query(status: MPI.Status, entry: _Entry) -> None:
+    if entry.collective:  # a collective's status carries no source, tag or count
+        status.Set_elements(MPI.BYTE, 0)
+        status.Set_cancelled(False)
+        return
     status.Set_source(entry.status.Get_source())
     status.Set_tag(entry.status.Get_tag())
     status.Set_elements(MPI.BYTE, entry.status.Get_count(MPI.BYTE))

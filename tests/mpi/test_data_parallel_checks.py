@@ -231,6 +231,102 @@ def test_train_step_check_accepts_a_numpy_float(comm):
     checks.check_train_step(step_returning_a_numpy_float)
 
 
+# overlapped_averaging ------------------------------------------------------------------
+
+def overlapped(model, comm, groups, register="register_post_accumulate_grad_hook", order=None, divide=True,
+               at_the_end=False, skip_last=False, flatten=None):
+    """The lab's solution, with switches that make the wrong answers below."""
+    order = list(range(len(groups)))[::-1 if order == "reversed" else 1]
+    size = comm.Get_size()
+    owner = {p: k for k, group in enumerate(groups) for p in group}
+    ready = [0] * len(groups)
+    flats, requests, started = [None] * len(groups), [None] * len(groups), [0]
+
+    def start_ready():
+        while started[0] < len(groups) and ready[order[started[0]]] == len(groups[order[started[0]]]):
+            k = order[started[0]]
+            flats[k] = (flatten or (lambda g: torch.cat([p.grad.reshape(-1) for p in g])))(groups[k]).numpy()
+            if not (skip_last and k == len(groups) - 1):
+                requests[k] = comm.Iallreduce(MPI.IN_PLACE, flats[k])
+            started[0] += 1
+
+    def hook(p):
+        ready[owner[p]] += 1
+        if not at_the_end:
+            start_ready()
+
+    for group in groups:
+        for p in group:
+            getattr(p, register)(hook)
+
+    def finish():
+        if at_the_end:
+            start_ready()
+        for k, group in enumerate(groups):
+            if requests[k] is not None:
+                requests[k].Wait()
+            offset = 0
+            for p in group:
+                piece = torch.from_numpy(flats[k][offset:offset + p.numel()]).view_as(p)
+                p.grad.copy_(piece / size if divide else piece)
+                offset += p.numel()
+        ready[:] = [0] * len(groups)
+        started[0] = 0
+
+    return finish
+
+
+def flattened_by_copy(group):
+    """A valid alternative: a preallocated NumPy buffer filled slice by slice."""
+    flat = np.empty(sum(p.numel() for p in group))
+    offset = 0
+    for p in group:
+        flat[offset:offset + p.numel()] = p.grad.reshape(-1).numpy()
+        offset += p.numel()
+    return torch.from_numpy(flat)
+
+
+def test_overlap_check_passes_the_solution_and_another_flattening(comm):
+    checks.check_overlapped_averaging(overlapped)
+    checks.check_overlapped_averaging(lambda m, c, g: overlapped(m, c, g, flatten=flattened_by_copy))
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"register": "register_hook"}, ["register_post_accumulate_grad_hook"]),
+    ({"order": "reversed"}, ["bucket order"]),
+    ({"at_the_end": True}, ["after backward had returned"]),
+    ({"divide": False}, ["SUM"]),
+], ids=["hook_before_accumulation", "buckets_out_of_order", "no_overlap", "no_division"])
+def test_overlap_check_fails_wrong_answers(comm, options, words):
+    if comm.Get_size() == 1 and not options.keys() & {"register", "order", "at_the_end"}:
+        pytest.skip("one rank's sum is its mean")
+    fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, **options), *words)
+
+
+def test_overlap_check_fails_a_forgotten_bucket(comm):
+    fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, skip_last=True), "expected one per bucket")
+
+
+def test_overlap_check_names_the_call_to_use_for_a_blocking_allreduce(comm):
+    def blocking(model, comm, groups):
+        def hook(p):
+            comm.Allreduce(MPI.IN_PLACE, p.grad.numpy())
+            p.grad /= comm.Get_size()
+        for group in groups:
+            for p in group:
+                p.register_post_accumulate_grad_hook(hook)
+        return lambda: None
+
+    fails(checks.check_overlapped_averaging, blocking, "Iallreduce")
+
+
+def test_overlap_check_fails_within_the_timeout_when_one_rank_skips_a_bucket(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank has no one to wait for")
+    fails(lambda fn: checks.check_overlapped_averaging(fn, timeout=3),
+          lambda m, c, g: overlapped(m, c, g, skip_last=c.Get_rank() == 0), "overlapped_averaging")
+
+
 # trains_with_allreduce ---------------------------------------------------------------
 
 def no_communication(comm, x):

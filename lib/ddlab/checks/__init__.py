@@ -33,6 +33,7 @@ _WHERE = {
     "check_broadcast_parameters": "data_parallel",
     "check_shard_indices": "data_parallel",
     "check_train_step": "data_parallel",
+    "check_overlapped_averaging": "data_parallel",
     "check_trains_with_allreduce": "data_parallel",
     "check_balanced_split": "model_parallel",
     "check_recv_tensor": "model_parallel",

@@ -16,7 +16,7 @@ from mpi4py import MPI
 from torch import nn
 
 from ..data.curves import StressStrainCurves
-from ..data_parallel import DataParallel, squared_error, train
+from ..data_parallel import DataParallel, plan_buckets, squared_error, train
 from ..models.mlp import make_mlp
 from ._core import each_size, fail_together, is_number, passed, run_counted
 from .allreduce import DTYPES, value_problem
@@ -282,6 +282,104 @@ def check_train_step(fn: Callable[..., float], timeout: float = TIMEOUT) -> None
 
 
 # Exercise 4.5 ---------------------------------------------------------------------
+OVERLAP_CAP_MB = 0.1  # the lab MLP's gradients in 3 buckets
+HOOK_HINT = ("a hook that reads p.grad must run after the gradient is accumulated: "
+             "p.register_post_accumulate_grad_hook(hook), whose hook receives the parameter")
+
+
+class _Recorder:
+    """A counting communicator that notes each Iallreduce: its length, and whether backward was running."""
+
+    def __init__(self, counting: Any):
+        self.counting = counting
+        self.in_backward = False
+        self.starts: list[tuple[int, bool]] = []
+
+    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> MPI.Request:
+        buffer = recvbuf if sendbuf is MPI.IN_PLACE else sendbuf
+        self.starts.append((int(np.asarray(buffer).size), self.in_backward))
+        return self.counting.Iallreduce(sendbuf, recvbuf, op)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.counting, name)
+
+
+def _overlap_problem(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout: float) -> str | None:
+    """What is wrong on this rank after three SGD steps averaged by fn's hooks, or None."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    per_rank, steps, lr = 8, 3, 0.1
+    data = StressStrainCurves(n=steps * per_rank * size, seed=3, dtype=torch.float64)
+    batches = _global_batches(steps, per_rank, size)
+    model = make_mlp(seed=5, dtype=torch.float64)
+    groups = plan_buckets(list(model.parameters()), OVERLAP_CAP_MB)
+    lengths = [sum(p.numel() for p in group) for group in groups]
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def train_steps(counting: Any) -> list[list[tuple[int, bool]]]:
+        recorder = _Recorder(counting)
+        finish = fn(model, recorder, groups)
+        if not callable(finish):
+            raise TypeError(f"overlapped_averaging should return the function finish(), got {type(finish).__name__}")
+        if any(getattr(p, "_backward_hooks", None) for p in model.parameters()):  # what register_hook fills
+            raise TypeError(f"hooks registered with register_hook run before the gradient reaches p.grad; {HOOK_HINT}")
+        per_step = []
+        for batch in batches:
+            x, y = data[batch[rank::size]]
+            optimizer.zero_grad()
+            loss = squared_error(model(x), y).mean()
+            recorder.in_backward = True
+            loss.backward()
+            recorder.in_backward = False
+            finish()
+            counts = counting.agree(len(recorder.starts), "the other ranks to finish the step")
+            if len(set(counts)) > 1:
+                raise ValueError(f"the ranks started {counts} Iallreduces in this step: every rank must start "
+                                 "every bucket, or the collectives no longer match")
+            optimizer.step()
+            per_step.append(recorder.starts)
+            recorder.starts = []
+        return per_step
+
+    try:
+        per_step, _ = run_counted(comm, train_steps, (), "three training steps with overlapped_averaging",
+                                  timeout, allow=("Iallreduce",))
+    except CheckFailed as err:
+        if "NoneType" in str(err):
+            raise CheckFailed(f"{err}\n{HOOK_HINT}") from None
+        raise
+    for step, starts in enumerate(per_step):
+        started = [length for length, _ in starts]
+        if started != lengths:
+            return (f"step {step}: Iallreduce calls of {started} elements, expected one per bucket, in bucket order: "
+                    f"{lengths} (buckets start as 0, 1, 2, ... on every rank: collectives are matched by order)")
+        late = [k for k, (_, during) in enumerate(starts) if not during]
+        if late:
+            return (f"step {step}: the Iallreduce of bucket {late[0]} started after backward had returned; start "
+                    "each bucket from the hook of its last gradient, while backward goes on (that is the overlap)")
+    got = [p.detach() for p in model.parameters()]
+    worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr)))
+    if worst > TOLERANCE:
+        summed = _one_process(batches, data, lr * size)
+        hint = (": they match the SUM of the gradients (divide by the number of ranks)"
+                if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE else
+                f" ({HOOK_HINT}; and finish() waits for every bucket and writes the averages into p.grad)")
+        return (f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} by up to "
+                f"{worst:.2e} (relative){hint}")
+    return None
+
+
+def check_overlapped_averaging(fn: Callable[..., Callable[[], None]], timeout: float = TIMEOUT) -> None:
+    """fn(model, comm, groups) -> finish: gradients averaged by one Iallreduce per group, each started
+    during backward in group order, waited for by finish(); as one process with the global batch,
+    on 3 ranks (not a power of two) and on all."""
+    world = MPI.COMM_WORLD
+    sizes = _small_and_all(world.Get_size())
+    each_size(world, lambda sub: _overlap_problem(sub, fn, timeout), "overlapped_averaging", sizes)
+    passed(world, f"overlapped_averaging starts each bucket's Iallreduce during backward, in bucket order, and "
+                  f"trains as one process does, on {' and '.join(map(str, sizes))} ranks")
+
+
+# Exercise 4.6 ---------------------------------------------------------------------
 
 def _allreduce_value_problem(comm: MPI.Comm, allreduce: Callable, dtype: type) -> str | None:
     """allreduce(comm, x) on a 1001-element vector of small integers in `dtype`, held to lab 03's contract.
