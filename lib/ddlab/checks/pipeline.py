@@ -155,9 +155,10 @@ def mixed_order(k: int, m: int, stage: int) -> list[tuple[str, int]]:
 def _chain(k: int) -> tuple[list[nn.Module], list[torch.Tensor], list[torch.Tensor]]:
     """k float64 stages (linear, tanh, linear) and MICRO micro-batches of inputs and targets."""
     generator = torch.Generator().manual_seed(7)
-    torch.manual_seed(7)
-    stages: list[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double()
-                               for _ in range(k)]
+    with torch.random.fork_rng():  # the same layers on every rank, the caller's random state untouched
+        torch.manual_seed(7)
+        stages: list[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double()
+                                   for _ in range(k)]
     inputs = [torch.randn(ROWS, WIDTH, dtype=torch.float64, generator=generator) for _ in range(MICRO)]
     targets = [torch.randn(ROWS, WIDTH, dtype=torch.float64, generator=generator) for _ in range(MICRO)]
     return stages, inputs, targets
