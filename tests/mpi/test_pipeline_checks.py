@@ -48,13 +48,13 @@ def plain(comm, layers, ops, inputs, targets, bug=None):
                 post(x if bug == "sends its input" else y, rank + 1, i)
             kept[i] = (x, y)
         else:
-            x, y = kept.pop(bug == "mixes micro-batches" and min(kept) or i)
+            x, y = kept.pop(min(kept) if bug == "oldest kept first" else i)
             if bug == "overwrites gradients":
                 layers.zero_grad()
             y.backward(None if rank == size - 1 else take(rank + 1, i))
             if rank > 0:
                 post(x.grad, rank - 1, i)
-    MPI.Request.Waitall([r for r, _ in sends]) if bug != "never waits" else None
+    MPI.Request.Waitall([r for r, _ in sends])
     return [losses[i] for i in sorted(losses)]
 
 
@@ -73,6 +73,7 @@ def test_valid_executors_pass(fn, capsys):
     ("sends its input", "wrong values"),
     ("overwrites gradients", "wrong values"),
     ("ignores tags", "wrong values"),
+    ("oldest kept first", "wrong values"),
     ("blocking sends", "Isend"),
 ])
 def test_wrong_executors_fail_on_every_rank(bug, expected):
