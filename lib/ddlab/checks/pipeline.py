@@ -25,9 +25,9 @@ from ._core import CheckFailed, each_size, fail_together, is_integer, is_number,
 
 HINTS = {
     "gpipe": "GPipe runs the forwards of micro-batches 0..M-1, then their backwards in the same order.",
-    "one_f_one_b": ("Stage s first runs min(K-s-1, M) forwards (the warm-up), then alternates one forward "
-                    "and one backward (F, B, F, B, ... taking micro-batches in order), then runs the "
-                    "backwards still missing."),
+    "one_f_one_b": ("1F1B: warm-up forwards, then one forward and one backward in turn (micro-batches in "
+                    "order), then the backwards still missing; compare the number of warm-up forwards with "
+                    "the lab's examples for this stage."),
 }
 
 
@@ -118,8 +118,8 @@ def check_pipedream_partition(fn: Callable[[int, int, Callable[[int, int], float
         if max(times) > best + 1e-9:
             raise CheckFailed(
                 f"{case}: bounds {got} give stage times {times}, the slowest {max(times):g}; "
-                f"bounds {want} make the slowest {best:g}. Fill best[s][j] (layers 0..j-1 in s stages) "
-                f"for every s and j from best[s-1][i] and stage_time(i, j), then walk the best cuts back from (k, n)."
+                f"bounds {want} make the slowest {best:g}. Every split of the first j layers on s stages "
+                f"must be considered (see the hint before the exercise), message costs included."
             )
     print("passed: pipedream_partition finds the split with the fastest slowest stage, messages included")
 
