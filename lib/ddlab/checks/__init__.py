@@ -43,6 +43,7 @@ _WHERE = {
     "check_scaling_efficiency": "scaling",
     "check_gpipe": "pipeline",
     "check_one_f_one_b": "pipeline",
+    "check_run_schedule": "pipeline",
     "check_pipedream_partition": "pipeline",
     "check_filter_parallel_conv": "intra_layer",
     "check_halo_exchange": "intra_layer",

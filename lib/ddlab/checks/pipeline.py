@@ -1,25 +1,33 @@
-"""Checks for lab 07: the GPipe and 1F1B schedules, and the PipeDream partition.
+"""Checks for lab 07: the GPipe and 1F1B schedules, the executor that runs them, and the PipeDream partition.
 
 The schedules are compared op by op with the reference for every stage of 1 to 6
 stages and 1 to 9 micro-batches, then run on a simulated pipeline, which catches
-orders that deadlock. The partition is compared with the best split found by
+orders that deadlock. The executor runs on real ranks through the counting
+communicator and must give one process's gradients. The partition is compared with the best split found by
 trying them all, on stage-time functions with and without message costs.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
+import math
 import random
+from collections import Counter
 from typing import Any, Callable
 
-from ..pipeline import gpipe, in_flight, one_f_one_b, simulate
-from ._core import CheckFailed, is_integer
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from ..pipeline import gpipe, in_flight, micro_batch_loss, one_f_one_b, simulate
+from ._core import CheckFailed, each_size, fail_together, is_integer, is_number, passed, run_counted
 
 HINTS = {
     "gpipe": "GPipe runs the forwards of micro-batches 0..M-1, then their backwards in the same order.",
-    "one_f_one_b": ("Stage s first runs min(K-s-1, M) forwards (the warm-up), then alternates one forward "
-                    "and one backward (F, B, F, B, ... taking micro-batches in order), then runs the "
-                    "backwards still missing."),
+    "one_f_one_b": ("1F1B: warm-up forwards, then one forward and one backward in turn (micro-batches in "
+                    "order), then the backwards still missing; compare the number of warm-up forwards with "
+                    "the lab's examples for this stage."),
 }
 
 
@@ -110,7 +118,116 @@ def check_pipedream_partition(fn: Callable[[int, int, Callable[[int, int], float
         if max(times) > best + 1e-9:
             raise CheckFailed(
                 f"{case}: bounds {got} give stage times {times}, the slowest {max(times):g}; "
-                f"bounds {want} make the slowest {best:g}. Fill best[s][j] (layers 0..j-1 in s stages) "
-                f"for every s and j from best[s-1][i] and stage_time(i, j), then walk the best cuts back from (k, n)."
+                f"bounds {want} make the slowest {best:g}. Every split of the first j layers on s stages "
+                f"must be considered (see the hint before the exercise), message costs included."
             )
     print("passed: pipedream_partition finds the split with the fastest slowest stage, messages included")
+
+
+# Exercise 7.3: the executor ----------------------------------------------------
+
+TIMEOUT = 10.0
+WIDTH, ROWS, MICRO = 3, 2, 5  # features per row, rows per micro-batch, micro-batches
+EXECUTOR_HINTS = {
+    "error": ("If a rank waited until the timeout: a blocking send waits for its receiver, and under 1F1B two "
+              "neighbours can be sending to each other at the same moment. Post sends without waiting for them "
+              "(Isend, or lab 06's Mailbox.post), wait for them all at the end, and receive each message with "
+              "its micro-batch's tag."),
+    "messages": ("Per micro-batch, stage s sends its output to rank s+1 after computing it and the gradient of its "
+                 "input to rank s-1 after its backward: one message each way, none from the first stage "
+                 "backward or the last stage forward."),
+    "values": ("A micro-batch's backward must start from the output its own forward made (keep what backward "
+               "needs per micro-batch, receive the gradient tagged with that micro-batch), and gradients must "
+               "add up over the micro-batches (do not reset or overwrite .grad between them)."),
+}
+
+
+def mixed_order(k: int, m: int, stage: int) -> list[tuple[str, int]]:
+    """All forwards, then the backwards newest first on even stages and oldest first on odd ones.
+
+    A valid schedule in which a stage receives gradients in another order than its
+    neighbour sends them: only messages matched by micro-batch give the right gradients.
+    """
+    ops = gpipe(k, m, stage)
+    return ops[:m] + (ops[m:][::-1] if stage % 2 == 0 else ops[m:])
+
+
+def _chain(k: int) -> tuple[list[nn.Module], list[torch.Tensor], list[torch.Tensor]]:
+    """k float64 stages (linear, tanh, linear) and MICRO micro-batches of inputs and targets."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.random.fork_rng():  # the same layers on every rank, the caller's random state untouched
+        torch.manual_seed(7)
+        stages: list[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double()
+                                   for _ in range(k)]
+    inputs = [torch.randn(ROWS, WIDTH, dtype=torch.float64, generator=generator) for _ in range(MICRO)]
+    targets = [torch.randn(ROWS, WIDTH, dtype=torch.float64, generator=generator) for _ in range(MICRO)]
+    return stages, inputs, targets
+
+
+def _one_process(stages: list[nn.Module], inputs: list[torch.Tensor],
+                 targets: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """Every stage's parameter gradients for the whole batch in one process, and each micro-batch's loss."""
+    chain = copy.deepcopy(nn.Sequential(*stages))
+    out = chain(torch.cat(inputs))
+    micro_batch_loss(out, torch.cat(targets)).backward()
+    losses = [micro_batch_loss(y, t).item() for y, t in zip(out.detach().chunk(MICRO), targets)]
+    return [[p.grad for p in stage.parameters() if p.grad is not None] for stage in chain], losses
+
+
+def _messages_problem(traffic: list[Any], rank: int, k: int) -> str | None:
+    sent = Counter(e.peer for e in traffic[rank].sends)
+    want = Counter({peer: MICRO for peer in (rank - 1, rank + 1) if 0 <= peer < k})
+    if sent != want:
+        def show(counts: Counter) -> str:
+            return ", ".join(f"{n} to rank {peer}" for peer, n in sorted(counts.items())) or "none"
+        return f"sent {show(sent)}; expected {show(want)} ({MICRO} micro-batches)"
+    return None
+
+
+def _values_problem(layers: nn.Module, want: list[torch.Tensor], losses: Any, want_losses: list[float],
+                    last: bool) -> str | None:
+    for index, (param, expected) in enumerate(zip(layers.parameters(), want)):
+        if param.grad is None:
+            return f"parameter {index} of the stage has no gradient"
+        if param.grad.dtype != expected.dtype or not torch.allclose(param.grad, expected, rtol=1e-9, atol=1e-12):
+            worst = float((param.grad.double() - expected).abs().max())
+            return f"parameter {index}'s gradient differs from one process's by up to {worst:.2e}"
+    if last:
+        if not isinstance(losses, (list, tuple)) or len(losses) != MICRO or not all(is_number(x) for x in losses):
+            return f"returned {losses!r}; the last rank returns the {MICRO} micro-batch losses as numbers"
+        if not all(math.isclose(got, expected, rel_tol=1e-9) for got, expected in zip(losses, want_losses)):
+            return f"losses {[round(float(x), 6) for x in losses]}, expected {[round(x, 6) for x in want_losses]}"
+    return None
+
+
+def check_run_schedule(fn: Callable[..., Any]) -> None:
+    """fn(comm, layers, ops, inputs, targets) runs this rank's stage through ops; same gradients as one process.
+
+    On the first P ranks for every P, under GPipe, 1F1B and a valid mixed order:
+    each stage's parameter gradients and the last stage's losses must equal one
+    process's (float64), and each rank must send one message per micro-batch to each
+    neighbour (forward to rank+1, backward to rank-1), without deadlocking.
+    """
+    def body(sub: MPI.Comm) -> str | None:
+        k, rank = sub.Get_size(), sub.Get_rank()
+        stages, inputs, targets = _chain(k)
+        want, want_losses = _one_process(stages, inputs, targets)
+        for schedule in (gpipe, one_f_one_b, mixed_order):
+            layers = copy.deepcopy(stages[rank])
+            args = (layers, schedule(k, MICRO, rank), [x.clone() for x in inputs], [t.clone() for t in targets])
+            context = f"run_schedule under {schedule.__name__} on {k} rank{'s' * (k != 1)}"
+            try:
+                losses, traffic = run_counted(sub, fn, args, context, timeout=TIMEOUT)
+            except CheckFailed as err:
+                raise CheckFailed(f"{err}\n{EXECUTOR_HINTS['error']}") from None
+            problem = _messages_problem(traffic, rank, k)
+            fail_together(sub, problem, f"{context}: wrong messages", EXECUTOR_HINTS["messages"])
+            if any(not torch.equal(x, y) for x, y in zip(args[2], inputs)):
+                problem = "inputs[i] was changed in place; leave the inputs as they are"
+            problem = problem or _values_problem(layers, want[rank], losses, want_losses, rank == k - 1)
+            fail_together(sub, problem, f"{context}: wrong values", EXECUTOR_HINTS["values"])
+        return None
+
+    each_size(MPI.COMM_WORLD, body, "run_schedule")
+    passed(MPI.COMM_WORLD, f"run_schedule gives one process's gradients under GPipe, 1F1B and a mixed order on 1 to "
+                           f"{MPI.COMM_WORLD.Get_size()} stages, one message per micro-batch and direction")

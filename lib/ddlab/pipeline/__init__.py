@@ -4,6 +4,8 @@
 - `pipedream_partition`: balanced stages by dynamic programming over stage times;
   `measured_stage_times`: those times from measured layer and message costs;
   `calibrate`: correct them with measured pipeline steps and solve again.
+- `run_schedule`: exercise 7.3's reference, a schedule's ops run on a chain of stages, one per rank.
+- `weight_versions`: how many weight versions each stage keeps under flushless 1F1B (weight stashing).
 - `pipeline_step`: one training step of M micro-batches on a `ddlab.model_parallel.Stage`
   (`Stage(..., recompute=True)` recomputes activations in backward).
 - `measure_pipeline`, `PipelineRun`: per-rank timelines on the busy and wall clocks,
@@ -13,7 +15,9 @@
 """
 
 from .balance import Calibration, calibrate
+from .executor import micro_batch_loss, run_schedule
 from .partition import StageTimes, measured_stage_times, message_cost, pipedream_partition
 from .runner import PipelineRun, expected_bubble, measure_pipeline, micro_batches, pipeline_step
 from .schedules import Op, Schedule, as_spans, bubble, gpipe, in_flight, one_f_one_b, simulate, theory_bubble
+from .stashing import weight_versions
 from .torch_pipelining import RelayStage, TorchPipeline, alternate_wall_times, forward_bytes
