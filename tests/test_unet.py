@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ddlab.data.images import CLASSES, make_segmentation
-from ddlab.model_parallel import (Crossings, StagePlan, balanced_split, check_bounds, naive_split, profile_layers,
-                                  stage_costs, trace_shapes)
+from ddlab.model_parallel import (Crossings, PiecePlan, StagePlan, balanced_split, check_bounds, layer_order_pieces,
+                                  naive_split, profile_layers, stage_costs, trace_shapes, u_split)
 from ddlab.models.unet import UNet, layer_names
 
 
@@ -97,3 +97,22 @@ def test_profile_measures_every_layer():
     assert costs[0].activations > 0 and costs[2].parameters == 0
     assert costs[-1].activations == 0, "the Head saves only its input, which the layer before already saved"
     assert all(p.grad is None for p in model.parameters()), "profiling must leave the model as it was"
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_u_split_folds_the_unet_and_keeps_skips_local(k):
+    model = UNet(width=2, depth=4)
+    pieces = u_split(model, k)
+    assert [p.owner for p in pieces] == [*range(k), *reversed(range(k - 1))]
+    assert [i for p in pieces for i in p.layers] == list(range(len(model.layers)))
+    plan = PiecePlan(model, pieces, (3, 16, 16))
+    assert all(e.name == "x" for e in plan.edges) and len(plan.edges) == 2 * (k - 1)
+    assert set(plan.layers(0)) >= {0, len(model.layers) - 1}  # rank 0: the first layer and the head
+
+
+def test_layer_order_pieces_send_the_skips_a_layer_order_split_sends():
+    model = UNet(width=2, depth=3)
+    bounds = naive_split(len(model.layers), 3)
+    pieces = PiecePlan(model, layer_order_pieces(bounds), (3, 16, 16))
+    stages = StagePlan(model, bounds, (3, 16, 16))
+    assert [(e.name, e.src, e.dst, e.shape) for e in pieces.edges] == [(e.name, e.src, e.dst, e.shape) for e in stages.edges]

@@ -30,13 +30,11 @@ SIDE, BATCH = 8, 2
 TOY_SPLITS = {2: [0, 8, 15], 3: [0, 5, 10, 15], 4: [0, 4, 8, 12, 15], 5: [0, 3, 6, 9, 12, 15]}
 
 HINTS = {
-    "send": ("SendTensor.forward posts x to `peer` (mailbox.post(x, peer, tag)) and returns a 0-dim "
-             "placeholder (x.new_zeros(())); its backward receives x's gradient from `peer` with the "
-             "same tag (mailbox.take(shape, dtype, peer, tag), shape and dtype saved on ctx in forward) "
-             "and returns it, with None for mailbox, peer and tag."),
-    "recv": ("RecvTensor.forward returns mailbox.take(shape, dtype, peer, tag); its backward posts the "
-             "gradient it gets back to `peer` with the same tag (mailbox.post(grad, peer, tag)) and "
-             "returns None for each of the six inputs of forward."),
+    "send": ("SendTensor's forward must post x to `peer` and return a 0-dim placeholder; its backward must "
+             "receive x's gradient from `peer` (the forward's tag, x's shape and dtype) and return one value "
+             "per input of forward: a gradient for x, None for the others."),
+    "recv": ("RecvTensor's backward must send the gradient it is given to `peer` with the forward message's "
+             "tag, once, and return one value per input of forward."),
 }
 
 
@@ -139,12 +137,12 @@ def check_balanced_split(fn: Callable[[list[float], int], Any]) -> None:
         if len(got) != k + 1 or got[0] != 0 or got[-1] != n or any(a >= b for a, b in zip(got, got[1:])):
             raise CheckFailed(
                 f"{case}: bounds {got} are not {k} contiguous non-empty stages of {n} layers: "
-                f"they must be k+1 = {k + 1} increasing ints from 0 to {n} (e.g. {want})"
+                f"they must be k+1 = {k + 1} strictly increasing ints from 0 to {n}"
             )
         mine, best = max(stage_costs(costs, got)), max(stage_costs(costs, want))
         if mine > best + 1e-9 * max(1.0, best):
             raise CheckFailed(
                 f"{case}: your bounds {got} give stage costs {stage_costs(costs, got)}, the largest {mine:g}; "
-                f"bounds {want} get the largest down to {best:g}"
+                f"another split would get the largest down to {best:g}"
             )
     print("passed: balanced_split finds contiguous stages with the smallest possible largest cost")

@@ -23,6 +23,7 @@ from .profile import profile_layers
 from .splits import balanced_split, naive_split
 from .stage import Stage, attempt, train_step
 from .timeline import polite_barrier
+from .ushape import Piece, PieceStage
 
 SPLITS = ("one process", "naive", "balanced")
 
@@ -33,7 +34,7 @@ class Fit:
 
     split: str
     side: int
-    bounds: list[int]
+    bounds: list[int] | list[Piece]
     seconds_per_sample: float | None  # None when it did not fit
     peaks: list[dict[str, int]] = field(default_factory=list)  # per rank: Ledger.report()
     error: str | None = None  # the first rank's error (an OutOfMemory message), if any
@@ -53,9 +54,9 @@ def memory_costs(model: UNet, side: int, batch: int, state_copies: int = 1, seed
     return [cost.memory(state_copies) for cost in profile_layers(model, images, masks)]
 
 
-def try_split(comm: Comm, model: UNet, bounds: list[int], side: int, split: str, *, budget: int | None,
-              batch: int = 2, steps: int = 2, seed: int = 0) -> Fit:
-    """Train `steps` steps (SGD with momentum) of model cut at bounds over comm's ranks, under the budget.
+def try_split(comm: Comm, model: UNet, bounds: list[int] | list[Piece], side: int, split: str, *,
+              budget: int | None, batch: int = 2, steps: int = 2, seed: int = 0) -> Fit:
+    """Train `steps` steps (SGD with momentum) of model cut at bounds (or as pieces) over comm's ranks, under the budget.
 
     The time per sample is the last step's (the first one also allocates
     gradients and optimizer state). A collective over comm.
@@ -63,7 +64,12 @@ def try_split(comm: Comm, model: UNet, bounds: list[int], side: int, split: str,
     raw = underlying(comm)
     images, masks = make_segmentation(batch, side, seed, dtype=next(model.parameters()).dtype)
     ledger = Ledger(budget, stage=f"stage {raw.Get_rank()} of {raw.Get_size()}")
-    stage = Stage(model, bounds, comm, (images.shape[1], side, side), ledger=ledger)
+    shape = (images.shape[1], side, side)
+    stage: Stage | PieceStage
+    if all(isinstance(b, Piece) for b in bounds):
+        stage = PieceStage(model, [b for b in bounds if isinstance(b, Piece)], comm, shape, ledger=ledger)
+    else:
+        stage = Stage(model, [b for b in bounds if isinstance(b, int)], comm, shape, ledger=ledger)
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.01, momentum=0.9)
     _, problems = attempt(stage, lambda: ledger.watch(stage.layers, optimizer))
     seconds = None
@@ -78,7 +84,7 @@ def try_split(comm: Comm, model: UNet, bounds: list[int], side: int, split: str,
     ledger.close()
     stage.mailbox.free()
     error = next((p for p in problems if p), None)
-    return Fit(split, side, list(bounds), None if error else seconds, raw.allgather(ledger.report()), error)
+    return Fit(split, side, bounds, None if error else seconds, raw.allgather(ledger.report()), error)
 
 
 def fit_sweep(comm: MPI.Comm, model: UNet, sides: list[int], budget: int, batch: int = 2,

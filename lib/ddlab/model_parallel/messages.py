@@ -45,6 +45,8 @@ class Mailbox:
         self._open_source = -1
         self.sent: Counter[int] = Counter()      # messages posted to each peer
         self.received: Counter[int] = Counter()  # messages completed from each peer
+        self.sent_by_tag: Counter[int] = Counter()  # messages posted with each tag
+        self.bytes_by_tag: Counter[int] = Counter()  # bytes of tensor data posted with each tag
 
     def free(self) -> None:
         """Release the failure-notice communicator (a collective; pending sends must be done)."""
@@ -65,6 +67,8 @@ class Mailbox:
                 buf = data.copy()
             self._sends.append((self.comm.Isend(buf, dest, tag), buf))
             self.sent[dest] += 1
+            self.sent_by_tag[tag] += 1
+            self.bytes_by_tag[tag] += data.size
             self.progress()
 
     def progress(self) -> None:

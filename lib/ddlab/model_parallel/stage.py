@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from .autograd import RecvTensor, SendTensor, recv, send
 from .messages import Mailbox
 from .splits import StagePlan
 from .timeline import Timeline
+
+if TYPE_CHECKING:
+    from .ushape import PieceStage
 
 
 class Stage:
@@ -135,7 +138,7 @@ class Stage:
                      self.send_function) for edge in self.outputs]
 
 
-def train_step(stage: Stage, images: torch.Tensor, masks: torch.Tensor,
+def train_step(stage: Stage | PieceStage, images: torch.Tensor, masks: torch.Tensor,
                optimizer: torch.optim.Optimizer | None = None) -> float | None:
     """One step on the whole batch, no pipelining: forward, backward, (optimizer step).
 
@@ -150,7 +153,7 @@ def train_step(stage: Stage, images: torch.Tensor, masks: torch.Tensor,
     return stage.losses.pop(0, None)
 
 
-def attempt(stage: Stage, fn: Callable[[], Any]) -> tuple[Any, list[str | None]]:
+def attempt(stage: Stage | PieceStage, fn: Callable[[], Any]) -> tuple[Any, list[str | None]]:
     """Run fn on every rank; if any rank fails, all stop cleanly. Returns (result, error per rank).
 
     A rank whose fn raises tells the others, which stop waiting for it (their
@@ -181,7 +184,7 @@ def reference_gradients(model: UNet, images: torch.Tensor, masks: torch.Tensor) 
     return [[p.grad.clone() for p in layer.parameters() if p.grad is not None] for layer in single.layers]
 
 
-def gradient_error(stage: Stage, reference: list[list[torch.Tensor]]) -> float:
+def gradient_error(stage: Stage | PieceStage, reference: list[list[torch.Tensor]]) -> float:
     """Largest |stage gradient - reference| over this stage's parameters (inf if one is missing)."""
     worst = 0.0
     for layer, grads in zip(stage.layers, (reference[i] for i in stage.plan.layers(stage.index))):
