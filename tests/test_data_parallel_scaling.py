@@ -123,7 +123,7 @@ def test_train_for_time_counts_one_allreduce_per_step_and_scores_as_it_goes():
     assert run["times"][0] == 0.0 and run["times"][-1] >= 0.5 and len(run["scores"]) == len(run["times"])
     assert run["times"] == sorted(run["times"])
     assert run["allreduces"] and set(run["allreduces"]) == {syncs_per_epoch(512, 128, 1)}
-    assert run["steps"] >= 4 * len(run["allreduces"]) and run["epoch_time"] > 0
+    assert run["allreduces_total"] == run["steps"] >= 4 * len(run["allreduces"]) and run["epoch_time"] > 0
     assert time_to_score(run["times"], run["scores"], -1e9) == 0.0
     assert time_to_score(run["times"], run["scores"], 2.0) is None  # R^2 never passes 1
 
@@ -137,6 +137,8 @@ def test_a_global_batch_the_ranks_cannot_share_is_refused():
 
     with pytest.raises(ValueError, match="multiple of the ranks"):
         train_for_time(TwoRanks(), 0.1, 3)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        train_for_time(TwoRanks(), 0, 4)
 
 
 def test_allreduce_vs_gloo_on_one_process():

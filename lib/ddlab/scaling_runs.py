@@ -46,8 +46,9 @@ def train_for_time(comm: MPI.Intracomm, seconds: float, global_batch: int, lr: f
 
     After every epoch, and when the budget is spent, the model is scored (R^2) on `test`
     held-out samples with the training clock stopped. Returns `times` and `scores` (from
-    (0, the untrained score) on), the allreduce calls of each full epoch, the median
-    seconds per full epoch (None if none was finished), steps, epochs and the final MSE.
+    (0, the untrained score) on), the allreduce calls of each full epoch and of the whole
+    run, steps, epochs (a fraction), seconds per epoch (training time / epochs) and the
+    final MSE.
     `threads` sets torch's threads for the run (a single rank may use every core).
     """
     import torch
@@ -57,6 +58,8 @@ def train_for_time(comm: MPI.Intracomm, seconds: float, global_batch: int, lr: f
     from .models.mlp import make_mlp
 
     size = comm.Get_size()
+    if seconds <= 0:
+        raise ValueError(f"the budget must be a positive number of seconds, got {seconds}")
     if global_batch % size:
         raise ValueError(f"the global batch ({global_batch}) must be a multiple of the ranks ({size})")
     before = threads_per_rank()
@@ -66,29 +69,27 @@ def train_for_time(comm: MPI.Intracomm, seconds: float, global_batch: int, lr: f
     model = DataParallel(make_mlp(seed=seed), counted)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     times, scores = [0.0], [evaluate(model, test_data, comm)["score"]]
-    allreduces, epoch_times, steps, epoch = [], [], 0, 0
+    allreduces, steps, epoch = [], 0, 0
     try:
         while times[-1] < seconds:
             calls = counted.allreduces
             history = train(model, optimizer, train_data, comm, epochs=epoch + 1, start_epoch=epoch,
                             batch_size=global_batch // size, seed=seed, progress=False,
                             time_budget=seconds - times[-1])
-            full = history.steps == syncs_per_epoch(n, global_batch, size)
-            elapsed = comm.bcast(history.epoch_times[0], root=0)
-            if full:
+            if history.steps == syncs_per_epoch(n, global_batch, size):  # a full epoch
                 allreduces.append(counted.allreduces - calls)
-                epoch_times.append(elapsed)
             steps += history.steps
             epoch += 1
-            times.append(times[-1] + elapsed)
+            times.append(times[-1] + comm.bcast(history.epoch_times[0], root=0))
             result = evaluate(model, test_data, comm)
             scores.append(result["score"])
     finally:
         model.remove_hooks()
         torch.set_num_threads(before)
+    epochs = steps / syncs_per_epoch(n, global_batch, size)
     return {"global_batch": global_batch, "ranks": size, "lr": lr, "times": times, "scores": scores,
-            "allreduces": allreduces, "epoch_time": float(np.median(epoch_times)) if epoch_times else None,
-            "steps": steps, "epochs": steps / syncs_per_epoch(n, global_batch, size), "mse": result["mse"]}
+            "allreduces": allreduces, "allreduces_total": counted.allreduces, "steps": steps,
+            "epochs": epochs, "epoch_time": times[-1] / epochs, "mse": result["mse"]}
 
 
 def time_to_score(times: Sequence[float], scores: Sequence[float], target: float) -> float | None:
