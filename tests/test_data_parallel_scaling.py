@@ -87,3 +87,67 @@ def test_lr_check_passes_the_reference():
 def test_lr_check_fails_on_wrong_rules(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_lr_factor(wrong)
+
+
+# Equal wall-clock, synchronisations per epoch, MPI against gloo ---------------------
+
+def test_a_time_budget_stops_training_after_the_step_that_spends_it():
+    import torch
+
+    from ddlab.data import StressStrainCurves
+    from ddlab.data_parallel import train
+    from ddlab.models import make_mlp
+
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    history = train(model, optimizer, StressStrainCurves(256), MPI.COMM_SELF, epochs=50, batch_size=8,
+                    time_budget=0.0, progress=False)
+    assert history.steps == 1 and len(history.epoch_times) == 1
+    full = train(model, optimizer, StressStrainCurves(256), MPI.COMM_SELF, epochs=2, batch_size=64,
+                 time_budget=1e9, progress=False)
+    assert full.steps == 8 and len(full.epoch_times) == 2
+
+
+@pytest.mark.parametrize("n, batch, ranks, want", [(1024, 32, 1, 32), (1024, 32, 4, 32), (1000, 64, 4, 16),
+                                                   (1024, 1024, 4, 1), (100, 12, 3, 9)])
+def test_syncs_per_epoch_counts_the_batches_of_a_padded_shard(n, batch, ranks, want):
+    from ddlab.scaling_runs import syncs_per_epoch
+
+    assert syncs_per_epoch(n, batch, ranks) == want
+
+
+def test_train_for_time_counts_one_allreduce_per_step_and_scores_as_it_goes():
+    from ddlab.scaling_runs import syncs_per_epoch, time_to_score, train_for_time
+
+    run = train_for_time(MPI.COMM_SELF, 0.5, 128, lr=0.01, n=512, test=128)
+    assert run["times"][0] == 0.0 and run["times"][-1] >= 0.5 and len(run["scores"]) == len(run["times"])
+    assert run["times"] == sorted(run["times"])
+    assert run["allreduces"] and set(run["allreduces"]) == {syncs_per_epoch(512, 128, 1)}
+    assert run["allreduces_total"] == run["steps"] >= 4 * len(run["allreduces"]) and run["epoch_time"] > 0
+    assert time_to_score(run["times"], run["scores"], -1e9) == 0.0
+    assert time_to_score(run["times"], run["scores"], 2.0) is None  # R^2 never passes 1
+
+
+def test_a_global_batch_the_ranks_cannot_share_is_refused():
+    from ddlab.scaling_runs import train_for_time
+
+    class TwoRanks:
+        def Get_size(self):
+            return 2
+
+    with pytest.raises(ValueError, match="multiple of the ranks"):
+        train_for_time(TwoRanks(), 0.1, 3)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        train_for_time(TwoRanks(), 0, 4)
+
+
+def test_allreduce_vs_gloo_on_one_process():
+    from ddlab.data_parallel import close_gloo
+    from ddlab.scaling_runs import allreduce_vs_gloo
+
+    try:
+        times = allreduce_vs_gloo(MPI.COMM_SELF, [16, 4096], repeats=2)
+    finally:
+        close_gloo()
+    assert set(times) == {"MPI Allreduce", "gloo all_reduce"}
+    assert all(len(v) == 2 and min(v) > 0 for v in times.values())

@@ -103,3 +103,25 @@ def test_measure_training_returns_every_rank_its_phases(comm):
     assert gathered == [(r, comm.Get_size(), sorted(["data", "forward", "backward", "allreduce", "optimizer"]))
                         for r in range(comm.Get_size())]
     assert any(s.track == "allreduce in flight" for s in result["spans"])
+
+
+def test_train_for_time_stops_every_rank_together_and_counts_one_allreduce_per_batch(comm):
+    from ddlab.scaling_runs import syncs_per_epoch, train_for_time
+
+    batch = 16 * comm.Get_size()
+    run = train_for_time(comm, 0.5, batch, lr=0.01, n=512, test=128)
+    summary = (run["times"], run["scores"], run["steps"], run["allreduces"])
+    assert comm.allgather(summary) == [summary] * comm.Get_size()
+    assert run["allreduces"] and set(run["allreduces"]) == {syncs_per_epoch(512, batch, comm.Get_size())}
+
+
+def test_allreduce_vs_gloo_agrees_on_every_rank(comm):
+    from ddlab.data_parallel import close_gloo
+    from ddlab.scaling_runs import allreduce_vs_gloo
+
+    try:
+        times = allreduce_vs_gloo(comm, [64, 2**16], repeats=2)
+    finally:
+        close_gloo()
+    assert comm.allgather(times) == [times] * comm.Get_size()
+    assert all(len(v) == 2 and min(v) > 0 for v in times.values())

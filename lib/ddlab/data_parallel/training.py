@@ -74,7 +74,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, comm: M
           lr_at: Callable[[int], float] | None = None,
           after_backward: Callable[[], None] | None = None,
           tracer: Tracer | None = None, progress: bool | None = None,
-          remainder: str = "pad") -> History:
+          remainder: str = "pad", time_budget: float | None = None) -> History:
     """Train on this rank's shard for epochs start_epoch..epochs-1 (or max_steps steps per epoch).
 
     A step takes `accumulate` batches of `batch_size` samples per rank; all but the last
@@ -83,6 +83,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, comm: M
     with batch b take the same steps as one process with batch P*b.
     `lr_at(step)` multiplies each parameter group's initial learning rate (its "initial_lr",
     set from "lr" on the first call); steps count from start_epoch * steps per epoch.
+    With `time_budget` (seconds), training stops after the step during which rank 0's
+    clock passed the budget (rank 0 decides and tells the others, so all stop after the
+    same step; the last epoch is then partial).
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     sampler = ShardedSampler(len(data), rank, size, seed=seed, remainder=remainder)
@@ -97,6 +100,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, comm: M
     global_step = start_epoch * steps_per_epoch
     bar = progress_bar(steps_per_epoch * (epochs - start_epoch), comm, "training", progress)
     model.train()
+    started, out_of_time = time.perf_counter(), False
     try:
         for epoch in range(start_epoch, epochs):
             began = time.perf_counter()
@@ -108,9 +112,15 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, comm: M
                         group["lr"] = base * lr_at(global_step)
                 history.losses.append(_step(model, optimizer, data, chunk, batch_size, after_backward, tracer))
                 global_step += 1
+                history.steps += 1
                 bar.update(1)
+                if time_budget is not None:
+                    out_of_time = comm.bcast(time.perf_counter() - started >= time_budget, root=0)
+                    if out_of_time:
+                        break
             history.epoch_times.append(time.perf_counter() - began)
-            history.steps += steps_per_epoch
+            if out_of_time:
+                break
     finally:
         bar.close()
     return history

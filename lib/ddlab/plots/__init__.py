@@ -27,6 +27,7 @@ from .training import (
                        fusion_costs,
                        learning_curves,
                        scaling_curves,
+                       score_against_time,
                        stress_strain_curves,
                        time_breakdown,
 )
@@ -35,6 +36,6 @@ __all__ = [
     "COLOURS", "allreduce_sweep", "batch_size_tradeoff", "bubble_vs_theory", "bytes_against_lower_bound",
     "cluster_diagram", "data_movement", "exchange_pattern", "fusion_costs", "gantt", "gantt_pair",
     "latency_bandwidth", "learning_curves", "memory_fit", "per_layer_bars", "rank_bars", "ring_allreduce_steps",
-    "scaling_curves", "stress_strain_curves", "time_breakdown", "time_vs_size", "unet_diagram",
+    "scaling_curves", "score_against_time", "stress_strain_curves", "time_breakdown", "time_vs_size", "unet_diagram",
     "_arrow", "_box", "_byte_label", "_rank_colour", "_size_axis",
 ]

@@ -128,3 +128,27 @@ def fusion_costs(pieces: Sequence[int], measured: Sequence[float], alpha: float,
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def score_against_time(runs: dict[str, tuple[Sequence[float], Sequence[float]]], target: float | None = None,
+                       title: str = "") -> plt.Figure:
+    """Held-out score against training wall-clock, one line per run (label: (times, scores)); a target as a line.
+
+    Labels ending in "1 rank" are dashed, in the colour of the same setting on more ranks.
+    """
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    colours: dict[str, Any] = {}
+    for label, (times, scores) in runs.items():
+        setting, _, ranks = label.rpartition(", ")
+        line, = ax.plot(times, scores, "--" if ranks == "1 rank" else "-", marker="o", ms=3, lw=1.3,
+                        color=colours.get(setting), label=label)
+        colours.setdefault(setting, line.get_color())
+    if target is not None:
+        ax.axhline(target, color="black", lw=0.8, ls=":", label=f"target {target:g}")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("R^2 on held-out tests")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return fig
