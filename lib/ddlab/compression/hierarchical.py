@@ -50,17 +50,27 @@ def held_blocks(local_rank: int, members: int, group_size: int) -> range:
 
 
 def reduce_scatter_ring(comm: Any, x: np.ndarray, bounds: list[int]) -> np.ndarray:
-    """Ring reduce-scatter: rank r returns the sum over ranks of x[bounds[r]:bounds[r+1]]."""
+    """Ring reduce-scatter: rank r returns the sum over ranks of x[bounds[r]:bounds[r+1]].
+
+    No copy of x: the first step sends x's own chunk, and the partial sums travel in two
+    chunk-sized buffers (a fresh full-size copy per call costs a pass over memory, and on a
+    virtual machine the page faults of touching it first)."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    work = np.array(x, copy=True)
-    chunks = [work[bounds[c]:bounds[c + 1]] for c in range(size)]
+    def chunk(c: int) -> np.ndarray:
+        return x[bounds[c % size]:bounds[c % size + 1]]
+    if size == 1:
+        return chunk(0).copy()
+    largest = max(bounds[c + 1] - bounds[c] for c in range(size))
+    buffers = [np.empty(largest, dtype=x.dtype), np.empty(largest, dtype=x.dtype)]
     right, left = (rank + 1) % size, (rank - 1) % size
-    for step in range(size - 1):
-        sent, arriving = chunks[(rank - step - 1) % size], chunks[(rank - step - 2) % size]
-        incoming = np.empty_like(arriving)
-        comm.Sendrecv(sent, dest=right, sendtag=TAG, recvbuf=incoming, source=left, recvtag=TAG)
-        arriving += incoming
-    return chunks[rank].copy()
+    sending = chunk(rank - 1)
+    for step in range(size - 1):  # receive the left's partial sum of chunk rank-step-2, add mine, pass it on
+        mine = chunk(rank - step - 2)
+        arriving = buffers[step % 2][:mine.size]
+        comm.Sendrecv(sending, dest=right, sendtag=TAG, recvbuf=arriving, source=left, recvtag=TAG)
+        arriving += mine
+        sending = arriving
+    return sending
 
 
 def allgather_ring(comm: Any, mine: np.ndarray, bounds: list[int]) -> np.ndarray:
@@ -87,13 +97,15 @@ def hierarchical_allreduce(comm: Any, x: np.ndarray, group_size: int) -> np.ndar
     blocks = block_bounds(x.size, group_size)
     owned = [held_blocks(r, members, group_size) for r in range(members)]
     cuts = [blocks[held.start] for held in owned] + [x.size]
+    # Every split before any data moves: a Split is a collective of all ranks, and one made
+    # between two blocks' rings would hold the second block's holders until the first ring ends.
+    holders = [comm.Split(0 if b in owned[local] else MPI.UNDEFINED, rank) for b in range(group_size)]
     part = reduce_scatter_ring(node, x, cuts)
-    for b in range(group_size):
-        holders = comm.Split(0 if b in owned[local] else MPI.UNDEFINED, rank)
-        if holders != MPI.COMM_NULL:
+    for b, across in enumerate(holders):
+        if across != MPI.COMM_NULL:
             piece = slice(blocks[b] - cuts[local], blocks[b + 1] - cuts[local])
-            part[piece] = allreduce_ring(holders, part[piece])
-            holders.Free()
+            part[piece] = allreduce_ring(across, part[piece])
+            across.Free()
     out = allgather_ring(node, part, cuts)
     node.Free()
     return out
