@@ -245,6 +245,16 @@ def test_ping_pong_check_catches_milliseconds(comm):
     expect_failure(check_ping_pong, milliseconds, "reference ping-pong")
 
 
+def test_ping_pong_check_ends_a_deadlock_that_only_the_timed_run_meets(comm):
+    def stalls_on_many_repeats(comm, buf, repeats):
+        if repeats > 20 and comm.Get_rank() == 0:
+            comm.Recv(buf, source=1)  # both wait: rank 1 receives first too
+        elapsed = _bounce(comm, buf, repeats)
+        return elapsed / (2 * repeats) if comm.Get_rank() < 2 else None
+
+    expect_failure(check_ping_pong, stalls_on_many_repeats, "deadlock")
+
+
 def test_ping_pong_check_catches_round_trips_and_half_times(comm):
     def round_trip(comm, buf, repeats):
         elapsed = _bounce(comm, buf, repeats)

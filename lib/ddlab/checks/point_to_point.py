@@ -198,12 +198,15 @@ def _seconds_problem(rank: int, result: Any) -> str | None:
     return None
 
 
-def _timed(sub: MPI.Comm, fn: Callable, buf: np.ndarray, repeats: int) -> tuple[Any, float]:
-    """fn(sub, buf, repeats) and the seconds the call took; then an idle barrier so no rank spins."""
-    start = time.perf_counter()
-    result = fn(sub, buf, repeats)
-    elapsed = time.perf_counter() - start
-    p2p.idle_wait(sub.Ibarrier())
+def _timed(sub: MPI.Comm, fn: Callable, buf: np.ndarray, repeats: int, timeout: float) -> tuple[Any, float]:
+    """fn(counting communicator, buf, repeats) under the check's timeout, and the seconds the call took."""
+    def timed_call(comm: Any, buf: np.ndarray, repeats: int) -> tuple[Any, float]:
+        start = time.perf_counter()
+        result = fn(comm, buf, repeats)
+        return result, time.perf_counter() - start
+
+    (result, elapsed), _ = run_counted(sub, timed_call, (buf, repeats), f"ping_pong timed on {sub.Get_size()} ranks",
+                                       timeout)
     return result, elapsed
 
 
@@ -221,13 +224,16 @@ def _one_way_problem(result: float, elapsed: float, repeats: int) -> str | None:
     return None
 
 
-def _plausibility_problem(sub: MPI.Comm, fn: Callable) -> str | None:
-    """The student's time against the reference's (units), then the call's own duration (one way), 1 MiB buffer."""
+def _plausibility_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
+    """The student's time against the reference's (units), then the call's own duration (one way), 1 MiB buffer.
+
+    Both run through the counting communicator, so both pay its cost and neither can hang.
+    """
     buf, repeats = np.ones(2**17), 32
     got, want = [], []
     for _ in range(2):  # alternate, so both see the same load on the machine
-        want.append(_timed(sub, p2p.ping_pong, buf, repeats)[0])
-        got.append(_timed(sub, fn, buf, repeats))
+        want.append(_timed(sub, p2p.ping_pong, buf, repeats, timeout)[0])
+        got.append(_timed(sub, fn, buf, repeats, timeout))
     if sub.Get_rank() > 1:
         return None
     problem = next(filter(None, (_seconds_problem(sub.Get_rank(), g) for g, _ in got)), None)
@@ -252,7 +258,7 @@ def _ping_pong_problem(sub: MPI.Comm, fn: Callable, timeout: float, timing: bool
         problem = _seconds_problem(sub.Get_rank(), result)
         if any(sub.allgather(problem)):  # agree before timing: it takes every rank
             return problem
-    return _plausibility_problem(sub, fn) if timing else None
+    return _plausibility_problem(sub, fn, timeout) if timing else None
 
 
 def check_ping_pong(fn: Callable[[Any, np.ndarray, int], float | None], timeout: float = 10.0) -> None:
