@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAB = nbformat.read(ROOT / "labs" / "03_allreduce.ipynb", as_version=4)
 SOLUTION = nbformat.read(ROOT / "solutions" / "03_allreduce.ipynb", as_version=4)
 #: The cell timeout of the graded run: above any check of lab 03 (about 10 s each on 2 busy cores).
-TIMEOUT = 60
+TIMEOUT = 40
 
 DEADLOCK = """%%px
 # Exercise 3.2: allreduce_ring
