@@ -9,11 +9,19 @@ ZeRO split (parameters, gradients, optimizer state) plus activations plus buffer
 The strategies (P devices, batch B):
 
 - data(P): each rank B/P samples of the whole model; allreduce of the gradients, in
-  buckets of at most 25 MiB (lab 04); buffers: the flat bucket buffers.
+  buckets of at most 25 MiB (lab 04); buffers: the flat bucket buffers (none with
+  bucket_buffers=False: lab 04's, like DDP's gradient_as_bucket_view, hold the gradients).
 - spatial(P): each rank a slab of H/P rows of every sample; a halo exchange per k x k
   convolution forward and backward; allreduce of the gradients (lab 08).
 
 Every blocking exchange also pays the platform's `sync` (0 on dedicated devices).
+Where the platform holds a measured curve of the implementation's own exchange (lab
+08's halo exchange "halo", its filter collectives "filter allgather" and "filter
+allreduce", each timed while every rank computes: `ddlab.oracle.measure.exchange_curve`),
+that curve prices each exchange instead of the MPI curve plus sync. The *overhead*
+part is the implementation's own work beyond the layers' compute, per exchange and
+sample (`platform.overheads`: the thin convolutions at a slab's edges, padding, copies
+and Python of lab 08; measured, 0 where not measured).
 - pipeline(K, M): stages of consecutive layers, M micro-batches; (M + K - 1) slots of
   the slowest stage, K - 1 of them the bubble; a stage keeps the activations of the
   micro-batches in flight: M under GPipe, min(K - s, M) under 1F1B (labs 06-07).
@@ -55,10 +63,11 @@ class Prediction:
     bubble: float
     memory: tuple[dict[str, float], ...]  # one entry per distinct rank (slab, stage, ...)
     notes: str = ""
+    overhead: float = 0.0  # the implementation's own work per exchange (platform.overheads)
 
     @property
     def time(self) -> float:
-        return self.compute + self.communication + self.bubble
+        return self.compute + self.communication + self.bubble + self.overhead
 
     @property
     def peak(self) -> float:
@@ -110,6 +119,12 @@ def _grad_allreduce(nbytes: float, ranks: int, platform: Platform, stride: int =
     return sum(platform.comm("allreduce", b, ranks, stride, sharing) + platform.sync for b in _buckets(nbytes))
 
 
+def _exchange(platform: Platform, op: str, nbytes: float, ranks: int, fallback: float) -> float:
+    """Seconds of one exchange: the implementation's measured curve `op` if the platform has one, else fallback."""
+    measured = platform.curves.seconds(op, nbytes, ranks)
+    return fallback if measured is None else measured
+
+
 def _busy(devices: int, platform: Platform) -> float:
     return platform.slowdown(min(devices, platform.devices_per_node))
 
@@ -134,8 +149,8 @@ def halo_rows_minimal(halo: int, sides: int) -> int:
 
 
 def halo_rows_lab08(halo: int, sides: int) -> int:
-    """lab 08's spatial_conv2d keeps two strips of 3 x (k // 2) rows (halo and zeros), at edges too."""
-    return 6 * halo
+    """lab 08's spatial_conv2d keeps two thin strips of 2 (k // 2) - 1 rows (the halo padded), at edges too."""
+    return 2 * (2 * halo - 1)
 
 
 def _spatial_layers(model: ModelInfo, s: int) -> list[bool]:
@@ -143,7 +158,12 @@ def _spatial_layers(model: ModelInfo, s: int) -> list[bool]:
     return [len(layer.input_shape) == 3 and layer.input_shape[1] >= s for layer in model.layers]
 
 
-def _halo_bytes(layer: LayerInfo, rows: int) -> float:
+def halo_layers(model: ModelInfo, s: int) -> list[LayerInfo]:
+    """The layers that exchange halos on s slabs (each twice a step: rows forward, their gradient backward)."""
+    return [layer for layer, cut in zip(model.layers, _spatial_layers(model, s)) if cut and layer.halo and s > 1]
+
+
+def halo_bytes(layer: LayerInfo, rows: int) -> float:
     channels, _, width = layer.input_shape
     return channels * rows * width * layer.itemsize
 
@@ -162,11 +182,11 @@ def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_
     p = s * data_ways
     compute = (work * samples + _update(model, 1.0)) * _busy(p, platform)
     busiest = max(neighbours(r, s) for r in range(s))
-    halo = 0.0
-    for layer, cut in zip(model.layers, sliced):
-        if cut and layer.halo and s > 1:
-            nbytes = _halo_bytes(layer, layer.halo) * samples
-            halo += 2 * (busiest * platform.comm("p2p", nbytes, min(s, platform.devices_per_node)) + platform.sync)
+    halo, span = 0.0, min(s, platform.devices_per_node)
+    for layer in halo_layers(model, s):
+        nbytes = halo_bytes(layer, layer.halo) * samples
+        halo += 2 * _exchange(platform, "halo", nbytes, s,
+                              busiest * platform.comm("p2p", nbytes, span) + platform.sync)
     w = model.parameter_bytes
     comm = halo + _grad_allreduce(w, s, platform)
     if data_ways > 1:
@@ -175,11 +195,11 @@ def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_
     ranks = []
     for rank in sorted({0, min(1, s - 1)}):  # an edge slab and (if any) an inner one
         sides = neighbours(rank, s)
-        kept = sum(_halo_bytes(layer, halo_rows(layer.halo, sides)) for layer, cut in zip(model.layers, sliced)
-                   if cut and layer.halo and s > 1) * samples
+        kept = sum(halo_bytes(layer, halo_rows(layer.halo, sides)) for layer in halo_layers(model, s)) * samples
         ranks.append({**_state(w, optimizer_copies), "activations": acts, "buffers": kept})
     name, layout = ("spatial", {"S": s}) if data_ways == 1 else ("data x spatial", {"D": data_ways, "S": s})
-    return Prediction(name, p, layout, compute, comm, 0.0, tuple(ranks))
+    overhead = 2 * len(halo_layers(model, s)) * samples * platform.overheads.get("halo", 0.0)
+    return Prediction(name, p, layout, compute, comm, 0.0, tuple(ranks), overhead=overhead)
 
 
 # Filter and channel parallelism -----------------------------------------------------------
@@ -190,6 +210,11 @@ def _split(model: ModelInfo, ways: int) -> list[bool]:
         channels = layer.output_shape[0] if layer.output_shape else 0
         out.append(layer.kind in SPLIT_KINDS and channels >= ways)
     return out
+
+
+def channel_exchanges(model: ModelInfo, f: int) -> int:
+    """Collectives a filter- or channel-parallel step calls: one forward and one backward per split layer."""
+    return 2 * sum(_split(model, f)) if f > 1 else 0
 
 
 def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform: Platform,
@@ -206,15 +231,17 @@ def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform:
     acts = 0.0
     for layer, cut in zip(model.layers, split):
         if cut and f > 1:
-            comm += platform.comm(ops[0], layer.output_bytes * samples, f) + platform.sync
-            comm += platform.comm(ops[1], layer.input_bytes * samples, f) + platform.sync
+            for op, nbytes in zip(ops, (layer.output_bytes * samples, layer.input_bytes * samples)):
+                comm += _exchange(platform, f"{kind} {op}", nbytes, f,
+                                  platform.comm(op, nbytes, f) + platform.sync)
         # filter: every rank keeps whole inputs; channel: the split layers keep their input's channels
         acts += layer.activation_bytes * (1 / f if cut and kind == "channel" else 1.0) * samples
     if data_ways > 1:
         comm += _grad_allreduce(w, data_ways, platform, stride=f, sharing=min(f, platform.devices_per_node))
     name, layout = (kind, {"F": f}) if data_ways == 1 else (f"data x {kind}", {"D": data_ways, "F": f})
     mem = {**_state(w, optimizer_copies), "activations": acts, "buffers": 0.0}
-    return Prediction(name, p, layout, compute, comm, 0.0, (mem,))
+    overhead = channel_exchanges(model, f) * samples * platform.overheads.get(kind, 0.0)
+    return Prediction(name, p, layout, compute, comm, 0.0, (mem,), overhead=overhead)
 
 
 def filter_parallel(model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int = 1,
