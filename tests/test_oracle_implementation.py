@@ -11,7 +11,7 @@ from torch import nn
 
 from ddlab.oracle import Curves, Link, Platform, alpha_beta_seconds, describe, filter_parallel, spatial
 from ddlab.oracle.implementation import LocalComm, LocalHalo
-from ddlab.oracle.strategies import channel_exchanges, halo_layers, halo_rows_lab08
+from ddlab.oracle.strategies import channel_exchanges, halo_layers, halo_rows_lab08, pipeline, sync_share
 
 NET = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
 INFO = describe(NET, (2, 8, 8))
@@ -71,3 +71,14 @@ def test_stand_ins_move_no_data_but_keep_shapes():
     assert above.shape == (2, 3, 1, 5) and not above.any()
     (above.sum() + 2 * below.sum()).backward()
     assert x.grad.shape == x.shape and x.grad.sum() == pytest.approx(3 * 2 * 3 * 5)
+
+
+def test_a_pipeline_pays_sync_only_as_its_ranks_crowd_the_cores():
+    crowded = Platform("test", devices_per_node=4, flops=1e9, memory=2**30, intra=Link(1e-5, 1e-9),
+                       inter=Link(1e-5, 1e-9), contention=(1.0, 2.0, 3.0, 4.0), sync=1e-3)
+    assert sync_share(1, crowded) == 0 and sync_share(4, crowded) == 1
+    assert sync_share(2.5, crowded) == pytest.approx(0.5)
+    free = Platform("test", 4, 1e9, 2**30, Link(1e-5, 1e-9), Link(1e-5, 1e-9), contention=(1.0,) * 4, sync=1e-3)
+    assert sync_share(1, free) == 1
+    # M = 1: one stage computes at a time, so its messages are priced without sync
+    assert pipeline(INFO, 2, 3, 1, crowded).communication == pipeline(INFO, 2, 3, 1, replace(crowded, sync=0)).communication

@@ -125,6 +125,17 @@ def _exchange(platform: Platform, op: str, nbytes: float, ranks: int, fallback: 
     return fallback if measured is None else measured
 
 
+def sync_share(busy: float, platform: Platform) -> float:
+    """The share of `platform.sync` an exchange pays while `busy` devices of a node compute at once, on average.
+
+    sync was measured with every device computing; a partner answers late because
+    computing ranks crowd it off the cores, so the share follows the contention:
+    (c(busy) - 1) / (c(all) - 1), 0 with one rank busy; 1 where contention is flat.
+    """
+    full = platform.slowdown(platform.devices_per_node) - 1.0
+    return 1.0 if full <= 0 else (platform.slowdown(busy) - 1.0) / full
+
+
 def _busy(devices: int, platform: Platform) -> float:
     return platform.slowdown(min(devices, platform.devices_per_node))
 
@@ -291,7 +302,8 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
     such a layer, with the skips still waiting. The step takes
     the sum of the stage slots plus M - 1 slots of the slowest stage; the bubble is
     what is left after the slowest stage's M slots. Contention: ranks are busy only
-    outside the bubble, so on average K M / (M + K - 1) of them compute at once.
+    outside the bubble, so on average K M / (M + K - 1) of them compute at once, and
+    each message pays that share of the platform's sync (`sync_share`).
     """
     if schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
@@ -303,13 +315,14 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
     edges = edges or boundary_edges(model)
     micro = batch / (data_ways * m)
     p = k * data_ways
-    slow = platform.slowdown(min(k * m / (m + k - 1) * data_ways, platform.devices_per_node))
+    busy = min(k * m / (m + k - 1) * data_ways, platform.devices_per_node)
+    slow, sync = platform.slowdown(busy), platform.sync * sync_share(busy, platform)
     stage_compute, stage_comm, ranks = [], [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layers = model.layers[a:b]
         stage_compute.append(compute_seconds(layers, micro, platform) * slow)
         crossing = edges(a, b)
-        stage_comm.append(sum(2 * (platform.comm("p2p", nbytes * micro, 2) + platform.sync)
+        stage_comm.append(sum(2 * (platform.comm("p2p", nbytes * micro, 2) + sync)
                               for _, nbytes, _ in crossing) if k > 1 else 0.0)
         in_flight = m if schedule == "gpipe" else min(k - s, m)
         w = sum(layer.parameter_bytes for layer in layers)
