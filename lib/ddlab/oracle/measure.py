@@ -93,27 +93,26 @@ def _busy_for(comm: MPI.Comm, seconds: float, n: int = 128) -> Callable[[], floa
 def measure_exchange(comm: MPI.Comm, exchange: Callable[[], object], gap: float, rounds: int = 10) -> float:
     """Seconds one call of `exchange` adds while every rank computes `gap` seconds between calls.
 
-    In each of `rounds` rounds every rank computes a chunk of matrix products of about
-    `gap` seconds, once alone and once followed by a call of exchange (a collective, or an
-    exchange with neighbours, over comm), each timed from a barrier to the slowest rank's
-    end; the median over rounds of the difference, at least 0 (pairs close in time, so
-    load drifting on a shared machine cancels). On cores shared by more ranks than
-    cores, this is the message's time plus the wait for a partner that is not running:
-    what the exchange costs inside a training step.
+    Every rank runs `rounds` chunks of matrix products of about `gap` seconds each, once
+    alone and once with a call of exchange (a collective, or an exchange with neighbours,
+    over comm) after each chunk; the slowest rank's difference per call, at least 0. On
+    cores shared by more ranks than cores, this is the message's time plus the wait for a
+    partner that is not running: what the exchange costs inside a training step.
     """
     work = _busy_for(comm, gap)
 
-    def timed(calls: bool) -> float:
+    def loop(calls: bool) -> float:
         comm.Barrier()
         start = time.perf_counter()
-        work()
-        if calls:
-            exchange()
+        for _ in range(rounds):
+            work()
+            if calls:
+                exchange()
         return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
-    timed(True)
-    differences = [timed(True) - timed(False) for _ in range(rounds)]
-    return max(0.0, statistics.median(differences))
+    loop(True)
+    without, with_calls = loop(False), loop(True)
+    return max(0.0, (with_calls - without) / rounds)
 
 
 def measure_sync(comm: MPI.Comm, rounds: int = 10, gap: float = 4e-3) -> float:
