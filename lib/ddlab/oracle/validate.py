@@ -146,7 +146,7 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 # Lab 04: data parallelism --------------------------------------------------------------------
 def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple[int, ...] = (1024, 1024, 512),
-             steps: int = 5) -> Validation:
+             steps: int = 5, rounds: int = 5) -> Validation:
     """lab 04's DataParallel on an MLP of `hidden` widths, batch B split over the ranks."""
     from ..data_parallel import DataParallel
     from ..models import make_mlp
@@ -156,7 +156,7 @@ def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple
     x, y = torch.randn(batch, 600), torch.randn(batch, 2)
     loss = lambda out: ((out - torch.zeros_like(out)) ** 2).sum(dim=1).mean()  # noqa: E731  (the run's, shapes alike)
     info, platform = _profile(comm, lambda: (make_mlp(hidden=hidden), x[:local].clone(), loss), "MLP", (600,),
-                              platform)
+                              platform, rounds=rounds)
     prediction = data(info, batch, p, platform, bucket_buffers=False)  # the gradients are views of the buckets
     module = make_mlp(hidden=hidden)
     optimizer = _sgd(module.parameters())
@@ -189,7 +189,7 @@ def _unet_loss(masks: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8, side: int = 64,
                  width: int = 4, depth: int = 3, schedule: str = "1f1b", steps: int = 5,
-                 bounds: list[int] | None = None) -> Validation:
+                 bounds: list[int] | None = None, rounds: int = 5) -> Validation:
     """lab 06's UNet stages, one per rank, run with lab 07's schedule on M micro-batches (M=1: lab 06).
 
     The stages are the oracle's balanced cut (from the profile) unless `bounds` are given.
@@ -206,7 +206,7 @@ def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8,
     micro = batch // m
     shape = (3, side, side)
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:micro].clone(), _unet_loss(masks[:micro])),
-                              "UNet", shape, platform)
+                              "UNet", shape, platform, rounds=rounds)
     crossings = Crossings(unet, shape, batch=1)
     prediction = pipeline(info, batch, k, m, platform, schedule=schedule, edges=unet_edges(crossings),
                           bounds=bounds)
@@ -265,7 +265,7 @@ def _implementation(comm: MPI.Comm, platform: Platform, name: str, stubbed: Call
 
 
 def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: int = 4, side: int = 64,
-                width: int = 4, depth: int = 3, steps: int = 5) -> Validation:
+                width: int = 4, depth: int = 3, steps: int = 5, rounds: int = 5) -> Validation:
     """lab 08's SpatialUNet: slabs of rows over P / D ranks, D groups of samples (D > 1: data x spatial).
 
     The ledger's activations include the halo strips lab 08's convolution keeps (the
@@ -291,7 +291,7 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     slab_rows = side // s
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
                                    _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side),
-                              platform, s)
+                              platform, s, rounds)
     first = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
     local = SpatialUNet(unet, LocalComm(scomm.Get_rank(), s), side, exchange=LocalHalo)
     sizes = [halo_bytes(layer, layer.halo) * group for layer in halo_layers(info, s)]
@@ -322,7 +322,7 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
 
 
 def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 64, width: int = 8,
-               depth: int = 3, steps: int = 5) -> Validation:
+               depth: int = 3, steps: int = 5, rounds: int = 5) -> Validation:
     """lab 08's FilterUNet: every 3x3 convolution's output channels split over the ranks.
 
     Before the run, as for spatial: the implementation's overhead per collective (its step
@@ -334,7 +334,7 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side),
-                              platform)
+                              platform, rounds=rounds)
     first = filter_parallel(info, batch, p, platform)
     local = FilterUNet(unet, LocalComm(comm.Get_rank(), p))
     split = [layer for layer, cut in zip(info.layers, _split(info, p)) if cut]
@@ -372,10 +372,12 @@ RUNS: tuple[tuple[str, Callable[..., Validation], dict[str, Any]], ...] = (
 )
 
 
-def run_all(comm: MPI.Comm, platform: Platform, steps: int = 5, scale: int = 1) -> list[Validation]:
-    """Every run of RUNS on comm (4 ranks expected), `scale` times the default batch. A collective."""
+def run_all(comm: MPI.Comm, platform: Platform, steps: int = 5, scale: int = 1, rounds: int = 5) -> list[Validation]:
+    """Every run of RUNS on comm (4 ranks expected), `scale` times the default batch. A collective.
+
+    `rounds`: of the profile's alternating alone / all-at-once timing (`_profile`)."""
     results = []
     for _, fn, kwargs in RUNS:
         extra = {"batch": kwargs.get("batch", {"run_data": 256}.get(fn.__name__, 8 if fn is run_pipeline else 4)) * scale}
-        results.append(fn(comm, platform, steps=steps, **kwargs, **extra))
+        results.append(fn(comm, platform, steps=steps, rounds=rounds, **kwargs, **extra))
     return results
