@@ -16,6 +16,7 @@ It relaunches itself under mpiexec (ddlab.mpi.bench_main).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -24,10 +25,9 @@ TIMEOUT = 1800
 
 def child(steps: int, scale: int) -> None:
     import torch
-    from mpi4py import MPI
-
     from ddlab.oracle import measure_platform
     from ddlab.oracle.validate import run_all
+    from mpi4py import MPI
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -35,14 +35,15 @@ def child(steps: int, scale: int) -> None:
     results = run_all(comm, platform, steps=steps, scale=scale)
     if comm.Get_rank() != 0:
         return
-    print(f"{comm.Get_size()} ranks; contention (1..P ranks computing) {[round(c, 2) for c in platform.contention]}")
-    print(f"{'strategy':28} {'pred ms':>8} {'(comp/comm/bubble)':>20} {'meas ms':>8} {'time acc':>8} | "
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"load average {load}; {comm.Get_size()} ranks; contention (1..P ranks computing) {[round(c, 2) for c in platform.contention]}")
+    print(f"{'strategy':28} {'pred ms':>8} {'(comp/comm/bubble/over)':>24} {'meas ms':>8} {'time acc':>8} | "
           f"{'pred MiB':>8} {'meas MiB':>8} {'mem acc':>7}")
     for v in results:
         p = v.prediction
         worst = min(range(len(v.memory)), key=lambda r: v.memory_accuracies[r])
-        parts = f"{p.compute * 1e3:.0f}/{p.communication * 1e3:.0f}/{p.bubble * 1e3:.0f}"
-        print(f"{v.name:28} {p.time * 1e3:8.1f} {parts:>20} {v.seconds * 1e3:8.1f} {v.time_accuracy:8.3f} | "
+        parts = "/".join(f"{getattr(p, k) * 1e3:.0f}" for k in ("compute", "communication", "bubble", "overhead"))
+        print(f"{v.name:28} {p.time * 1e3:8.1f} {parts:>24} {v.seconds * 1e3:8.1f} {v.time_accuracy:8.3f} | "
               f"{v.predicted_peak(worst) / 2**20:8.2f} {v.measured_peak(worst) / 2**20:8.2f} {v.memory_accuracy:7.3f}")
     times = [v.time_accuracy for v in results]
     memories = [v.memory_accuracy for v in results]

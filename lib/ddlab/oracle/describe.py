@@ -91,6 +91,16 @@ class ModelInfo:
         """Forward plus backward FLOPs per sample."""
         return sum(layer.flops_forward + layer.flops_backward for layer in self.layers)
 
+    def step_seconds(self, samples: float) -> float:
+        """Profiled seconds of a step on `samples` samples: the layers' forward and backward, and the update."""
+        return samples * sum(layer.seconds_forward + layer.seconds_backward for layer in self.layers) + self.update_seconds
+
+    def scaled(self, factor: float) -> ModelInfo:
+        """The same model with every profiled time (layers and update) multiplied by factor."""
+        layers = tuple(replace(layer, seconds_forward=layer.seconds_forward * factor,
+                               seconds_backward=layer.seconds_backward * factor) for layer in self.layers)
+        return replace(self, layers=layers, update_seconds=self.update_seconds * factor)
+
     def at_side(self, side: int) -> ModelInfo:
         """The same model for square images of `side` (sample_shape (C, H, H)), without tracing again.
 

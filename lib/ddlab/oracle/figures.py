@@ -9,8 +9,8 @@ import numpy as np
 
 from .strategies import MEMORY
 
-TIME_PARTS = ("compute", "communication", "bubble")
-COLOURS = {"compute": "#4c72b0", "communication": "#dd8452", "bubble": "#c7c7c7", "parameters": "#4c72b0",
+TIME_PARTS = ("compute", "communication", "bubble", "overhead")
+COLOURS = {"compute": "#4c72b0", "communication": "#dd8452", "bubble": "#c7c7c7", "overhead": "#c44e52", "parameters": "#4c72b0",
            "gradients": "#55a868", "optimizer": "#8172b3", "activations": "#dd8452", "buffers": "#937860"}
 
 

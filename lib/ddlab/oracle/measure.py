@@ -13,6 +13,8 @@ A collective over comm; every rank gets the same Platform. All ranks count as on
   or cores sharing memory bandwidth, it is well above 1.
 - Sync: what a blocking exchange costs beyond its message while every rank computes
   (`measure_sync`): a partner descheduled on a shared core must run before it answers.
+  `measure_exchange` and `exchange_curve` time any exchange so, e.g. lab 08's own halo
+  exchange at the sizes a run sends (`ddlab.oracle.validate` does).
 """
 
 from __future__ import annotations
@@ -82,26 +84,48 @@ def measure_contention(comm: MPI.Comm, repeats: int = 5, n: int = 384) -> tuple[
     return 2 * n**3 / alone, slowdown
 
 
-def measure_sync(comm: MPI.Comm, rounds: int = 10, n: int = 192) -> float:
-    """Seconds each blocking exchange adds while every rank computes: (with - without) / rounds.
+def _busy_for(comm: MPI.Comm, seconds: float, n: int = 128) -> Callable[[], float]:
+    """A loop of matrix products that took about `seconds` on rank 0 (the same count on every rank)."""
+    reps = comm.bcast(max(1, round(seconds / max(_matmul_seconds(n, 4), 1e-9))), root=0)
+    return lambda: _matmul_seconds(n, reps)
 
-    Every rank runs `rounds` small matrix products, once alone and once with an 8-byte
-    Allreduce after each; the slowest rank's difference per exchange, at least 0.
+
+def measure_exchange(comm: MPI.Comm, exchange: Callable[[], object], gap: float, rounds: int = 10) -> float:
+    """Seconds one call of `exchange` adds while every rank computes `gap` seconds between calls.
+
+    Every rank runs `rounds` chunks of matrix products of about `gap` seconds each, once
+    alone and once with a call of exchange (a collective, or an exchange with neighbours,
+    over comm) after each chunk; the slowest rank's difference per call, at least 0. On
+    cores shared by more ranks than cores, this is the message's time plus the wait for a
+    partner that is not running: what the exchange costs inside a training step.
     """
-    token = np.zeros(1)
+    work = _busy_for(comm, gap)
 
-    def loop(sync: bool) -> float:
+    def loop(calls: bool) -> float:
         comm.Barrier()
         start = time.perf_counter()
         for _ in range(rounds):
-            _matmul_seconds(n, 4)
-            if sync:
-                comm.Allreduce(MPI.IN_PLACE, token)
+            work()
+            if calls:
+                exchange()
         return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
     loop(True)
-    without, with_sync = loop(False), loop(True)
-    return max(0.0, (with_sync - without) / rounds)
+    without, with_calls = loop(False), loop(True)
+    return max(0.0, (with_calls - without) / rounds)
+
+
+def measure_sync(comm: MPI.Comm, rounds: int = 10, gap: float = 4e-3) -> float:
+    """Seconds an 8-byte blocking Allreduce adds while every rank computes (`measure_exchange`)."""
+    token = np.zeros(1)
+    return measure_exchange(comm, lambda: comm.Allreduce(MPI.IN_PLACE, token), gap, rounds)
+
+
+def exchange_curve(comm: MPI.Comm, make: Callable[[int], Callable[[], object]], sizes: Sequence[int],
+                   gap: float, rounds: int = 10) -> tuple[list[float], list[float]]:
+    """(sizes, seconds): `measure_exchange` of make(nbytes)() at each size, the same on every rank."""
+    seconds = [measure_exchange(comm, make(n), gap, rounds) for n in sizes]
+    return [float(n) for n in sizes], comm.bcast(seconds, root=0)
 
 
 def measure_platform(comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int = 5,

@@ -21,7 +21,10 @@ compute at once (1 on a GPU; on a CPU the cores and memory bandwidth are shared)
 `sync` what each blocking exchange costs beyond its message time when the ranks that
 must meet share cores with each other and other programs (a partner that is not
 running must first be scheduled; 0 with a core or device per rank): both measured by
-`ddlab.oracle.measure`.
+`ddlab.oracle.measure`. `curves` may also hold an implementation's own exchange (lab 08's
+"halo", "filter allgather", ...) timed while every rank computes, and `overheads[name]`
+the seconds per exchange and sample that implementation spends beyond the layers'
+compute (slicing, padding, copies, small extra kernels): 0 where not measured.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ class Curves:
     table: dict[tuple[str, int], tuple[list[float], list[float]]] = field(default_factory=dict)
 
     def add(self, op: str, ranks: int, sizes: list[float], seconds: list[float]) -> None:
-        order = np.argsort(sizes)
-        self.table[(op, ranks)] = ([float(sizes[i]) for i in order], [float(seconds[i]) for i in order])
+        order = np.argsort(sizes)  # times at least 1 ns: the interpolation is log-log
+        self.table[(op, ranks)] = ([float(sizes[i]) for i in order], [max(float(seconds[i]), 1e-9) for i in order])
 
     def seconds(self, op: str, nbytes: float, ranks: int) -> float | None:
         """Interpolated (log-log) time, linear extrapolation by bandwidth above the largest size; None if unmeasured."""
@@ -91,6 +94,7 @@ class Platform:
     curves: Curves = field(default_factory=Curves)
     contention: tuple[float, ...] = (1.0,)
     sync: float = 0.0  # seconds a blocking exchange loses while ranks compute on shared cores
+    overheads: dict[str, float] = field(default_factory=dict)  # an implementation's own work per exchange and sample
     sources: dict[str, str] = field(default_factory=dict)
 
     def link(self, ranks: int) -> Link:
@@ -150,5 +154,7 @@ def gpu_cluster() -> Platform:
             "inter": ("2 x InfiniBand EDR (100 Gb/s = 12.5 GB/s each) per ABCI node: 25 GB/s; "
                       "alpha 10 us (assumed, as intra)"),
             "contention": "one process per GPU: devices do not share compute (1.0)",
+            "overheads": ("none: an implementation's own work per exchange (kernel launches, copies) is "
+                          "microseconds against layers of milliseconds on a V100; not measured here"),
         },
     )

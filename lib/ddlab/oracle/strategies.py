@@ -9,11 +9,19 @@ ZeRO split (parameters, gradients, optimizer state) plus activations plus buffer
 The strategies (P devices, batch B):
 
 - data(P): each rank B/P samples of the whole model; allreduce of the gradients, in
-  buckets of at most 25 MiB (lab 04); buffers: the flat bucket buffers.
+  buckets of at most 25 MiB (lab 04); buffers: the flat bucket buffers (none with
+  bucket_buffers=False: lab 04's, like DDP's gradient_as_bucket_view, hold the gradients).
 - spatial(P): each rank a slab of H/P rows of every sample; a halo exchange per k x k
   convolution forward and backward; allreduce of the gradients (lab 08).
 
 Every blocking exchange also pays the platform's `sync` (0 on dedicated devices).
+Where the platform holds a measured curve of the implementation's own exchange (lab
+08's halo exchange "halo", its filter collectives "filter allgather" and "filter
+allreduce", each timed while every rank computes: `ddlab.oracle.measure.exchange_curve`),
+that curve prices each exchange instead of the MPI curve plus sync. The *overhead*
+part is the implementation's own work beyond the layers' compute, per exchange and
+sample (`platform.overheads`: the thin convolutions at a slab's edges, padding, copies
+and Python of lab 08; measured, 0 where not measured).
 - pipeline(K, M): stages of consecutive layers, M micro-batches; (M + K - 1) slots of
   the slowest stage, K - 1 of them the bubble; a stage keeps the activations of the
   micro-batches in flight: M under GPipe, min(K - s, M) under 1F1B (labs 06-07).
@@ -55,10 +63,11 @@ class Prediction:
     bubble: float
     memory: tuple[dict[str, float], ...]  # one entry per distinct rank (slab, stage, ...)
     notes: str = ""
+    overhead: float = 0.0  # the implementation's own work per exchange (platform.overheads)
 
     @property
     def time(self) -> float:
-        return self.compute + self.communication + self.bubble
+        return self.compute + self.communication + self.bubble + self.overhead
 
     @property
     def peak(self) -> float:
@@ -110,6 +119,23 @@ def _grad_allreduce(nbytes: float, ranks: int, platform: Platform, stride: int =
     return sum(platform.comm("allreduce", b, ranks, stride, sharing) + platform.sync for b in _buckets(nbytes))
 
 
+def _exchange(platform: Platform, op: str, nbytes: float, ranks: int, fallback: float) -> float:
+    """Seconds of one exchange: the implementation's measured curve `op` if the platform has one, else fallback."""
+    measured = platform.curves.seconds(op, nbytes, ranks)
+    return fallback if measured is None else measured
+
+
+def sync_share(busy: float, platform: Platform) -> float:
+    """The share of `platform.sync` an exchange pays while `busy` devices of a node compute at once, on average.
+
+    sync was measured with every device computing; a partner answers late because
+    computing ranks crowd it off the cores, so the share follows the contention:
+    (c(busy) - 1) / (c(all) - 1), 0 with one rank busy; 1 where contention is flat.
+    """
+    full = platform.slowdown(platform.devices_per_node) - 1.0
+    return 1.0 if full <= 0 else (platform.slowdown(busy) - 1.0) / full
+
+
 def _busy(devices: int, platform: Platform) -> float:
     return platform.slowdown(min(devices, platform.devices_per_node))
 
@@ -134,8 +160,8 @@ def halo_rows_minimal(halo: int, sides: int) -> int:
 
 
 def halo_rows_lab08(halo: int, sides: int) -> int:
-    """lab 08's spatial_conv2d keeps two strips of 3 x (k // 2) rows (halo and zeros), at edges too."""
-    return 6 * halo
+    """lab 08's spatial_conv2d keeps two thin strips of 2 (k // 2) - 1 rows (the halo padded), at edges too."""
+    return 2 * (2 * halo - 1)
 
 
 def _spatial_layers(model: ModelInfo, s: int) -> list[bool]:
@@ -143,7 +169,12 @@ def _spatial_layers(model: ModelInfo, s: int) -> list[bool]:
     return [len(layer.input_shape) == 3 and layer.input_shape[1] >= s for layer in model.layers]
 
 
-def _halo_bytes(layer: LayerInfo, rows: int) -> float:
+def halo_layers(model: ModelInfo, s: int) -> list[LayerInfo]:
+    """The layers that exchange halos on s slabs (each twice a step: rows forward, their gradient backward)."""
+    return [layer for layer, cut in zip(model.layers, _spatial_layers(model, s)) if cut and layer.halo and s > 1]
+
+
+def halo_bytes(layer: LayerInfo, rows: int) -> float:
     channels, _, width = layer.input_shape
     return channels * rows * width * layer.itemsize
 
@@ -162,11 +193,11 @@ def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_
     p = s * data_ways
     compute = (work * samples + _update(model, 1.0)) * _busy(p, platform)
     busiest = max(neighbours(r, s) for r in range(s))
-    halo = 0.0
-    for layer, cut in zip(model.layers, sliced):
-        if cut and layer.halo and s > 1:
-            nbytes = _halo_bytes(layer, layer.halo) * samples
-            halo += 2 * (busiest * platform.comm("p2p", nbytes, min(s, platform.devices_per_node)) + platform.sync)
+    halo, span = 0.0, min(s, platform.devices_per_node)
+    for layer in halo_layers(model, s):
+        nbytes = halo_bytes(layer, layer.halo) * samples
+        halo += 2 * _exchange(platform, "halo", nbytes, s,
+                              busiest * platform.comm("p2p", nbytes, span) + platform.sync)
     w = model.parameter_bytes
     comm = halo + _grad_allreduce(w, s, platform)
     if data_ways > 1:
@@ -175,11 +206,11 @@ def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_
     ranks = []
     for rank in sorted({0, min(1, s - 1)}):  # an edge slab and (if any) an inner one
         sides = neighbours(rank, s)
-        kept = sum(_halo_bytes(layer, halo_rows(layer.halo, sides)) for layer, cut in zip(model.layers, sliced)
-                   if cut and layer.halo and s > 1) * samples
+        kept = sum(halo_bytes(layer, halo_rows(layer.halo, sides)) for layer in halo_layers(model, s)) * samples
         ranks.append({**_state(w, optimizer_copies), "activations": acts, "buffers": kept})
     name, layout = ("spatial", {"S": s}) if data_ways == 1 else ("data x spatial", {"D": data_ways, "S": s})
-    return Prediction(name, p, layout, compute, comm, 0.0, tuple(ranks))
+    overhead = 2 * len(halo_layers(model, s)) * samples * platform.overheads.get("halo", 0.0)
+    return Prediction(name, p, layout, compute, comm, 0.0, tuple(ranks), overhead=overhead)
 
 
 # Filter and channel parallelism -----------------------------------------------------------
@@ -190,6 +221,11 @@ def _split(model: ModelInfo, ways: int) -> list[bool]:
         channels = layer.output_shape[0] if layer.output_shape else 0
         out.append(layer.kind in SPLIT_KINDS and channels >= ways)
     return out
+
+
+def channel_exchanges(model: ModelInfo, f: int) -> int:
+    """Collectives a filter- or channel-parallel step calls: one forward and one backward per split layer."""
+    return 2 * sum(_split(model, f)) if f > 1 else 0
 
 
 def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform: Platform,
@@ -206,15 +242,17 @@ def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform:
     acts = 0.0
     for layer, cut in zip(model.layers, split):
         if cut and f > 1:
-            comm += platform.comm(ops[0], layer.output_bytes * samples, f) + platform.sync
-            comm += platform.comm(ops[1], layer.input_bytes * samples, f) + platform.sync
+            for op, nbytes in zip(ops, (layer.output_bytes * samples, layer.input_bytes * samples)):
+                comm += _exchange(platform, f"{kind} {op}", nbytes, f,
+                                  platform.comm(op, nbytes, f) + platform.sync)
         # filter: every rank keeps whole inputs; channel: the split layers keep their input's channels
         acts += layer.activation_bytes * (1 / f if cut and kind == "channel" else 1.0) * samples
     if data_ways > 1:
         comm += _grad_allreduce(w, data_ways, platform, stride=f, sharing=min(f, platform.devices_per_node))
     name, layout = (kind, {"F": f}) if data_ways == 1 else (f"data x {kind}", {"D": data_ways, "F": f})
     mem = {**_state(w, optimizer_copies), "activations": acts, "buffers": 0.0}
-    return Prediction(name, p, layout, compute, comm, 0.0, (mem,))
+    overhead = channel_exchanges(model, f) * samples * platform.overheads.get(kind, 0.0)
+    return Prediction(name, p, layout, compute, comm, 0.0, (mem,), overhead=overhead)
 
 
 def filter_parallel(model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int = 1,
@@ -264,7 +302,8 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
     such a layer, with the skips still waiting. The step takes
     the sum of the stage slots plus M - 1 slots of the slowest stage; the bubble is
     what is left after the slowest stage's M slots. Contention: ranks are busy only
-    outside the bubble, so on average K M / (M + K - 1) of them compute at once.
+    outside the bubble, so on average K M / (M + K - 1) of them compute at once, and
+    each message pays that share of the platform's sync (`sync_share`).
     """
     if schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
@@ -276,13 +315,14 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
     edges = edges or boundary_edges(model)
     micro = batch / (data_ways * m)
     p = k * data_ways
-    slow = platform.slowdown(min(k * m / (m + k - 1) * data_ways, platform.devices_per_node))
+    busy = min(k * m / (m + k - 1) * data_ways, platform.devices_per_node)
+    slow, sync = platform.slowdown(busy), platform.sync * sync_share(busy, platform)
     stage_compute, stage_comm, ranks = [], [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layers = model.layers[a:b]
         stage_compute.append(compute_seconds(layers, micro, platform) * slow)
         crossing = edges(a, b)
-        stage_comm.append(sum(2 * (platform.comm("p2p", nbytes * micro, 2) + platform.sync)
+        stage_comm.append(sum(2 * (platform.comm("p2p", nbytes * micro, 2) + sync)
                               for _, nbytes, _ in crossing) if k > 1 else 0.0)
         in_flight = m if schedule == "gpipe" else min(k - s, m)
         w = sum(layer.parameter_bytes for layer in layers)

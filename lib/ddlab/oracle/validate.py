@@ -1,12 +1,14 @@
 """Predict, then run: each strategy of labs 04-08 on this machine's ranks, measured against the oracle.
 
 Every `run_<strategy>(comm, platform, ...)` is a collective: rank 0 profiles the layers'
-compute alone (ParaDL's per-layer times from one device), the oracle predicts, then all
+compute alone (ParaDL's per-layer times from one device), and for lab 08's spatial and
+filter layers what their implementation adds (its own work and its exchanges' curves:
+`ddlab.oracle.implementation`), all before the run; the oracle predicts, then all
 ranks train `steps` steps of the real implementation of that lab under a `Ledger`.
 Measured: wall seconds per step (from a common start after a barrier to the last rank's
 end; median over steps after one warm-up) and each rank's peak bytes (the ledger's four
-parts, plus buffers the ledger does not see: lab 04's bucket buffers). Every rank gets
-the same `Validation`.
+parts; lab 04's bucket buffers are the gradients' storage, so the ledger sees them).
+Every rank gets the same `Validation`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from torch import nn
 from ..memory import Ledger
 from ..model_parallel import Crossings, polite_barrier
 from .describe import ModelInfo, describe, profile_seconds
+from .implementation import LocalComm, LocalHalo, filter_curves, halo_curve, overhead_per_exchange
 from .measure import measure_sync
-from .platform import Platform
+from .platform import Curves, Platform
 from .strategies import Prediction, data, pipeline, unet_edges
+
+Curve = tuple[list[float], list[float]]  # (sizes in bytes, seconds)
 
 LR = 0.01
 
@@ -70,17 +75,22 @@ class Validation:
 
 
 def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, Callable]], name: str,
-             sample_shape: tuple[int, ...], platform: Platform, pieces: int = 1) -> tuple[ModelInfo, Platform]:
+             sample_shape: tuple[int, ...], platform: Platform, pieces: int = 1,
+             rounds: int = 5) -> tuple[ModelInfo, Platform]:
     """Rank 0 describes the model and profiles it alone on one rank's work; the contention of that work.
 
     `make()` returns (model, the batch one rank computes, loss). When a rank computes
     1/pieces of each sample (a slab), the batch holds slabs and the seconds are scaled
     back to whole samples, so that the small slabs' own speed is what the oracle uses.
-    Then every rank runs the same work at once, and the platform's contention becomes
-    this workload's: c(P) = (time with all P ranks computing) / (time alone), c(n)
-    linear between 1 and c(P). (A matrix product contends less for memory bandwidth
-    than a network's many small layers; on a shared machine both change by the minute.)
-    The platform's `sync` is measured again too.
+    Then, in `rounds` alternating rounds, rank 0 runs the same work alone and every rank
+    runs it at once, so that load drifting on a shared machine affects both alike. The
+    layers' seconds are scaled so that their sum is the median time alone (the profile
+    gives the split among layers, the rounds the level), and the platform's contention
+    becomes this workload's: c(P) = (median time with all P ranks computing, slowest
+    rank) / (median time alone), c(n) linear between 1 and c(P). So a step with every
+    rank busy is predicted to compute what the rounds measured with every rank busy.
+    (A matrix product contends less for memory bandwidth than a network's many small
+    layers; on a shared machine both change by the minute.) `sync` is measured again too.
     Every rank gets the same (ModelInfo, Platform).
     """
     torch.manual_seed(0)
@@ -93,26 +103,27 @@ def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, C
                                seconds_backward=layer.seconds_backward * pieces) for layer in info.layers)
         info = replace(info, layers=layers)
 
-    def work(repeats: int = 3) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            loss(model(batch)).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def work() -> float:
+        start = time.perf_counter()
+        loss(model(batch)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
 
-    polite_barrier(comm)
-    alone = work() if comm.Get_rank() == 0 else 0.0
-    polite_barrier(comm)
-    together = comm.allreduce(work(), op=MPI.MAX)
-    alone = comm.bcast(alone, root=0)
+    alone, together = [], []
+    for _ in range(rounds):
+        polite_barrier(comm)
+        alone.append(work() if comm.Get_rank() == 0 else 0.0)
+        polite_barrier(comm)
+        together.append(comm.allreduce(work(), op=MPI.MAX))
+    level = comm.bcast(statistics.median(alone), root=0)
     p = comm.Get_size()
-    worst = max(1.0, together / alone)
+    worst = max(1.0, statistics.median(together) / level)
     contention = tuple(1.0 + (worst - 1.0) * (n - 1) / max(p - 1, 1) for n in range(1, p + 1))
     sync = comm.bcast(measure_sync(comm), root=0)
-    return comm.bcast(info, root=0), replace(platform, contention=contention, sync=sync)
+    info = comm.bcast(info, root=0)
+    return info.scaled(level / info.step_seconds(batch.shape[0] / pieces)), replace(
+        platform, contention=contention, sync=sync)
 
 
 def timed_steps(comm: Any, step: Callable[[], object], steps: int) -> float:
@@ -135,7 +146,7 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 # Lab 04: data parallelism --------------------------------------------------------------------
 def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple[int, ...] = (1024, 1024, 512),
-             steps: int = 5) -> Validation:
+             steps: int = 5, rounds: int = 5) -> Validation:
     """lab 04's DataParallel on an MLP of `hidden` widths, batch B split over the ranks."""
     from ..data_parallel import DataParallel
     from ..models import make_mlp
@@ -145,12 +156,13 @@ def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple
     x, y = torch.randn(batch, 600), torch.randn(batch, 2)
     loss = lambda out: ((out - torch.zeros_like(out)) ** 2).sum(dim=1).mean()  # noqa: E731  (the run's, shapes alike)
     info, platform = _profile(comm, lambda: (make_mlp(hidden=hidden), x[:local].clone(), loss), "MLP", (600,),
-                              platform)
-    prediction = data(info, batch, p, platform)
-    model = DataParallel(make_mlp(hidden=hidden), comm)
-    optimizer = _sgd(model.parameters())
+                              platform, rounds=rounds)
+    prediction = data(info, batch, p, platform, bucket_buffers=False)  # the gradients are views of the buckets
+    module = make_mlp(hidden=hidden)
+    optimizer = _sgd(module.parameters())
     ledger = Ledger(stage=f"rank {comm.Get_rank()}")
-    ledger.watch(model.module, optimizer)
+    ledger.watch(module, optimizer)  # first: its gradient hook sees each autograd gradient, not a bucket view
+    model = DataParallel(module, comm)
     rows = slice(comm.Get_rank() * local, (comm.Get_rank() + 1) * local)
     mine = (x[rows].clone(), y[rows].clone())  # own storage: a view would be charged the whole batch
 
@@ -164,10 +176,7 @@ def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple
     seconds = timed_steps(comm, step, steps)
     ledger.close()
     model.remove_hooks()
-    buffers = sum(b.nbytes for b in model.buckets)
-    report = {**ledger.report(), "buffers": buffers}
-    report["peak"] += buffers
-    return Validation(prediction, seconds, comm.allgather(report), [0] * p)
+    return Validation(prediction, seconds, comm.allgather({**ledger.report(), "buffers": 0}), [0] * p)
 
 
 # Labs 06-07: layer and pipeline parallelism -------------------------------------------------------
@@ -180,7 +189,7 @@ def _unet_loss(masks: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8, side: int = 64,
                  width: int = 4, depth: int = 3, schedule: str = "1f1b", steps: int = 5,
-                 bounds: list[int] | None = None) -> Validation:
+                 bounds: list[int] | None = None, rounds: int = 5) -> Validation:
     """lab 06's UNet stages, one per rank, run with lab 07's schedule on M micro-batches (M=1: lab 06).
 
     The stages are the oracle's balanced cut (from the profile) unless `bounds` are given.
@@ -197,7 +206,7 @@ def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8,
     micro = batch // m
     shape = (3, side, side)
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:micro].clone(), _unet_loss(masks[:micro])),
-                              "UNet", shape, platform)
+                              "UNet", shape, platform, rounds=rounds)
     crossings = Crossings(unet, shape, batch=1)
     prediction = pipeline(info, batch, k, m, platform, schedule=schedule, edges=unet_edges(crossings),
                           bounds=bounds)
@@ -228,17 +237,45 @@ def _lab08_report(ledger: Ledger) -> dict[str, int]:
     return {**ledger.report(), "buffers": 0}
 
 
+def _stubbed_step(net: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
+    """A training step of net (an implementation over stand-in messages) on x, for `overhead_per_exchange`."""
+    optimizer = _sgd(net.parameters())
+
+    def step() -> None:
+        nn.functional.cross_entropy(net(x), target).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return step
+
+
+def _implementation(comm: MPI.Comm, platform: Platform, name: str, stubbed: Callable[[], None], first: Prediction,
+                    exchanges: int, samples: int, curves: Callable[[float], dict[str, Curve]], ranks: int) -> Platform:
+    """platform with what an implementation adds, measured before its run (see `implementation`).
+
+    overheads[name]: its step over stand-in messages against first.compute, per exchange
+    and sample; then the curves of its exchanges on `ranks` ranks, `curves(gap)` measuring
+    them with the step's compute per exchange (`gap` seconds) between calls.
+    """
+    overhead = overhead_per_exchange(comm, stubbed, first.compute, exchanges * samples)
+    gap = (first.compute + overhead * exchanges * samples) / max(exchanges, 1)
+    table = Curves(dict(platform.curves.table))
+    for op, (sizes, seconds) in curves(gap).items():
+        table.add(op, ranks, sizes, seconds)
+    return replace(platform, curves=table, overheads={**platform.overheads, name: overhead})
+
+
 def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: int = 4, side: int = 64,
-                width: int = 4, depth: int = 3, steps: int = 5) -> Validation:
+                width: int = 4, depth: int = 3, steps: int = 5, rounds: int = 5) -> Validation:
     """lab 08's SpatialUNet: slabs of rows over P / D ranks, D groups of samples (D > 1: data x spatial).
 
     The ledger's activations include the halo strips lab 08's convolution keeps (the
     prediction's buffers, `halo_rows_lab08`), so measured buffers are 0 and the
-    comparison is of totals.
+    comparison is of totals. Before the run: the implementation's overhead per exchange
+    (its step over `LocalHalo`) and its halo exchange's curve at the sizes the run sends.
     """
     from ..data_parallel import average_gradients
     from ..intra_layer import SpatialUNet, group_samples, make_grid
-    from .strategies import halo_rows_lab08, spatial
+    from .strategies import halo_bytes, halo_layers, halo_rows_lab08, spatial
 
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
@@ -247,15 +284,20 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     scomm = grid.spatial if grid else comm
     samples = group_samples(batch, grid) if grid else slice(0, batch)
     group = batch // data_ways
-    slab_rows = side // s
-    info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
-                                   _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side),
-                              platform, s)
-    prediction = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
     net = SpatialUNet(unet, scomm, side)
     rows = net.rows
     slab = images[samples][:, :, rows].contiguous()
     target = masks[samples][:, rows].contiguous()
+    slab_rows = side // s
+    info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
+                                   _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side),
+                              platform, s, rounds)
+    first = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
+    local = SpatialUNet(unet, LocalComm(scomm.Get_rank(), s), side, exchange=LocalHalo)
+    sizes = [halo_bytes(layer, layer.halo) * group for layer in halo_layers(info, s)]
+    platform = _implementation(comm, platform, "halo", _stubbed_step(local, slab, target), first, 2 * len(sizes),
+                               group, lambda gap: {"halo": halo_curve(scomm, [min(sizes), max(sizes)], gap)}, s)
+    prediction = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
     optimizer = _sgd(net.model.parameters())
     ledger = Ledger(stage=f"rank {comm.Get_rank()}")
     ledger.watch(net.model, optimizer)
@@ -280,15 +322,27 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
 
 
 def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 64, width: int = 8,
-               depth: int = 3, steps: int = 5) -> Validation:
-    """lab 08's FilterUNet: every 3x3 convolution's output channels split over the ranks."""
+               depth: int = 3, steps: int = 5, rounds: int = 5) -> Validation:
+    """lab 08's FilterUNet: every 3x3 convolution's output channels split over the ranks.
+
+    Before the run, as for spatial: the implementation's overhead per collective (its step
+    over `LocalComm`) and its two collectives' curves at the sizes the run sends.
+    """
     from ..intra_layer import FilterUNet
-    from .strategies import filter_parallel
+    from .strategies import _split, channel_exchanges, filter_parallel
 
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side),
-                              platform)
+                              platform, rounds=rounds)
+    first = filter_parallel(info, batch, p, platform)
+    local = FilterUNet(unet, LocalComm(comm.Get_rank(), p))
+    split = [layer for layer, cut in zip(info.layers, _split(info, p)) if cut]
+    outputs, inputs = [layer.output_bytes * batch for layer in split], [layer.input_bytes * batch for layer in split]
+    platform = _implementation(comm, platform, "filter", _stubbed_step(local, images, masks), first,
+                               channel_exchanges(info, p), batch,
+                               lambda gap: filter_curves(comm, [min(outputs), max(outputs)], [min(inputs), max(inputs)],
+                                                         gap), p)
     prediction = filter_parallel(info, batch, p, platform)
     net = FilterUNet(unet, comm)
     optimizer = _sgd(net.parameters())
@@ -318,10 +372,12 @@ RUNS: tuple[tuple[str, Callable[..., Validation], dict[str, Any]], ...] = (
 )
 
 
-def run_all(comm: MPI.Comm, platform: Platform, steps: int = 5, scale: int = 1) -> list[Validation]:
-    """Every run of RUNS on comm (4 ranks expected), `scale` times the default batch. A collective."""
+def run_all(comm: MPI.Comm, platform: Platform, steps: int = 5, scale: int = 1, rounds: int = 5) -> list[Validation]:
+    """Every run of RUNS on comm (4 ranks expected), `scale` times the default batch. A collective.
+
+    `rounds`: of the profile's alternating alone / all-at-once timing (`_profile`)."""
     results = []
     for _, fn, kwargs in RUNS:
         extra = {"batch": kwargs.get("batch", {"run_data": 256}.get(fn.__name__, 8 if fn is run_pipeline else 4)) * scale}
-        results.append(fn(comm, platform, steps=steps, **kwargs, **extra))
+        results.append(fn(comm, platform, steps=steps, rounds=rounds, **kwargs, **extra))
     return results
