@@ -4,8 +4,8 @@ A per-layer profile is taken one layer at a time, with its inputs warm in the ca
 and nothing else going on. Inside a pipeline a stage starts from tensors that just
 arrived, shares its core with other ranks, and pays for its messages, so it can run
 slower than its layers' profile says, and not by the same factor on every stage.
-Calibration closes the loop: run a step with the proposed split, scale each layer's
-cost by how much slower its stage really was, solve again; keep the split whose
+Calibration closes the loop: run a step with the proposed split, scale each layer's forward and
+backward cost by how much slower its stage's were, solve again; keep the split whose
 measured stages were most even.
 """
 
