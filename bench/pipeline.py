@@ -5,7 +5,10 @@ micro-batches of one image) and prints:
 
 - for M = 1, 2, 4, 8, 16 micro-batches and both schedules, the measured bubble on the
   busy clock (median over rounds) and |bubble - (K-1)/(M+K-1)|, with the bubble
-  expected from the run's own stage times and their max/mean beside it;
+  expected from the run's own stage times and the slowest stage over the mean, in the
+  less even direction (forward or backward), beside it;
+- the share of a lone micro-batch's work done off the critical path (M = 1) and the
+  theory with that overlap, which is why a balanced pipeline measures below (K-1)/(M+K-1);
 - GPipe / 1F1B peak activation memory per rank, against M / min(K-s, M);
 - max/mean stage time of the naive and the balanced (dynamic programming, then
   calibrated) split, 1F1B with 8 micro-batches, and their throughput ratio.
@@ -35,8 +38,8 @@ def child(rounds: int) -> None:
     from ddlab.data.images import make_segmentation
     from ddlab.model_parallel import naive_split
     from ddlab.models.unet import UNet
-    from ddlab.pipeline import (calibrate, expected_bubble, gpipe, measure_pipeline, measured_stage_times,
-                                one_f_one_b, theory_bubble)
+    from ddlab.pipeline import (Calibration, calibrate, expected_bubble, gpipe, hidden_share, measure_pipeline,
+                                measured_stage_times, one_f_one_b, theory_bubble)
 
     comm = MPI.COMM_WORLD
     rank, k = comm.Get_rank(), comm.Get_size()
@@ -53,6 +56,7 @@ def child(rounds: int) -> None:
     expected = {(s.__name__, m): [] for s in schedules for m in MS}
     imbalance = {(s.__name__, m): [] for s in schedules for m in MS}
     peaks: dict[tuple[str, int], list[int]] = {}
+    hidden: list[float] = []
     stage_times = {name: [] for name in splits}
     makespans = {name: [] for name in splits}
     for round_ in range(rounds):
@@ -62,7 +66,9 @@ def child(rounds: int) -> None:
                 run = measure_pipeline(comm, model, splits["balanced"], schedule, m, images[:m], masks[:m], repeats=1)
                 bubbles[schedule.__name__, m].append(run.bubble)
                 expected[schedule.__name__, m].append(expected_bubble(run, schedule))
-                imbalance[schedule.__name__, m].append(run.imbalance)
+                imbalance[schedule.__name__, m].append(Calibration.imbalance(run.directions))
+                if m == 1:
+                    hidden.append(hidden_share(run))
                 peaks[schedule.__name__, m] = run.peak_activations
         for name in (list(splits) if round_ % 2 == 0 else list(splits)[::-1]):
             run = measure_pipeline(comm, model, splits[name], one_f_one_b, 8, images[:8], masks[:8], repeats=1)
@@ -75,7 +81,8 @@ def child(rounds: int) -> None:
     print(f"splits: naive {splits['naive']}, balanced {splits['balanced']} "
           f"(calibration rounds: {[round(calibration.imbalance(m), 2) for _, _, m in calibration.rounds]})")
     print("\nbubble on the busy clock (median over rounds); theory (K-1)/(M+K-1); expected: the schedule")
-    print("replayed with the run's own stage times; max/mean: slowest stage over the mean in that run")
+    print("replayed with the run's own stage times; max/mean: slowest stage over the mean in that run,")
+    print("in the less even direction (forward or backward)")
     print(f"{'M':>3} {'theory':>7} | {'GPipe':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8} | "
           f"{'1F1B':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8}")
     worst = 0.0
@@ -90,6 +97,9 @@ def child(rounds: int) -> None:
                          f"{statistics.median(imbalance[name, m]):8.2f}")
         print(f"{m:3d} {theory_bubble(k, m):7.3f} | " + " | ".join(cells))
     print(f"largest |bubble - theory| for M >= 4: {worst:.3f} (target <= 0.05: {'met' if worst <= 0.05 else 'missed'})")
+    h = statistics.median(hidden)
+    print(f"\nM = 1: {h:.3f} of the stages' work ran off the critical path (median over both schedules and rounds);")
+    print("theory with that overlap: " + ", ".join(f"M={m} {theory_bubble(k, m, h):.3f}" for m in MS))
 
     print("\npeak activations, GPipe / 1F1B per rank, against M / min(K-s, M)")
     for m in MS:

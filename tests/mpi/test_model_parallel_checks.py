@@ -39,6 +39,14 @@ class SendTwice(SendTensor):
         return SendTensor.forward(ctx, x, mailbox, peer, tag)
 
 
+class SendWrongTag(SendTensor):
+    """Waits for the gradient under another tag than the activation went with: nobody sends it."""
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.mailbox.take(ctx.shape, ctx.dtype, ctx.peer, ctx.tag + 1), None, None, None
+
+
 class SendStub(SendTensor):
     @staticmethod
     def forward(ctx, x, mailbox, peer, tag):
@@ -60,6 +68,24 @@ class RecvSendsDoubleGradient(RecvTensor):
         return None, None, None, None, None, None
 
 
+class RecvSendsToNextRank(RecvTensor):
+    """Sends the gradient to the rank after the sender: its sender waits, another rank gets a stray message."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.mailbox.post(grad, (ctx.peer + 1) % ctx.mailbox.size, ctx.tag)
+        return None, None, None, None, None, None
+
+
+class RecvSendsFloat32(RecvTensor):
+    """Sends the gradient in float32 while the model is float64: half the bytes."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.mailbox.post(grad.float(), ctx.peer, ctx.tag)
+        return None, None, None, None, None, None
+
+
 def test_reference_functions_pass():
     check_send_tensor(SendTensor)
     check_recv_tensor(RecvTensor)
@@ -78,9 +104,18 @@ def test_wrong_send_fails(wrong, says):
 def test_wrong_recv_fails(monkeypatch):
     with pytest.raises(CheckFailed, match="differ from one process"):
         check_recv_tensor(RecvSendsDoubleGradient)
-    monkeypatch.setattr(checks, "TIMEOUT", 3.0)
-    with pytest.raises(CheckFailed, match="Stalled"):
-        check_recv_tensor(RecvSendsNothingBack)
+    with pytest.raises(CheckFailed, match="expected"):
+        check_recv_tensor(RecvSendsFloat32)
+    monkeypatch.setattr(checks, "TIMEOUT", 2.0)
+    for wrong in (RecvSendsNothingBack, RecvSendsToNextRank):
+        with pytest.raises(CheckFailed, match="Stalled.*deadlock"):
+            check_recv_tensor(wrong)
+
+
+def test_wrong_tag_fails_within_the_timeout(monkeypatch):
+    monkeypatch.setattr(checks, "TIMEOUT", 2.0)
+    with pytest.raises(CheckFailed, match="Stalled.*deadlock"):
+        check_send_tensor(SendWrongTag)
 
 
 def test_stub_raises_not_implemented_on_every_rank():

@@ -80,7 +80,7 @@ def test_calibrated_partition_is_a_valid_split():
     one_image, one_mask = make_segmentation(1, 16, seed=3)
     times = measured_stage_times(WORLD, model, one_image, one_mask, repeats=1)
     n = len(model.layers)
-    bounds = pipedream_partition(n, K, times)
+    bounds = pipedream_partition(n, K, times.per_direction)
     assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == K + 1
     images, masks = make_segmentation(2 * K, 16, seed=4)
     result = calibrate(WORLD, model, images, masks, times, m=2 * K, rounds=1, repeats=1)

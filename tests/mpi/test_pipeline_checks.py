@@ -20,25 +20,34 @@ WORLD = MPI.COMM_WORLD
 
 
 def plain(comm, layers, ops, inputs, targets, bug=None):
-    """A valid executor on plain point-to-point calls (Isend of NumPy arrays, Recv), or one with a bug."""
+    """A valid executor on plain point-to-point calls (Isend of NumPy arrays, Recv), or one with a bug.
+
+    bug="irecv and wait" is a valid variant (Irecv, then Wait), not a bug.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     kept, losses, sends = {}, {}, []
     any_tag = bug == "ignores tags"
 
     def post(tensor, dest, tag):
-        buf = tensor.detach().numpy().copy()
+        buf = tensor.detach().numpy().astype(np.float32 if bug == "float32 messages" else np.float64)
+        dest = 0 if bug == "gradients to rank 0" and dest < rank else dest
         if bug == "blocking sends":
             comm.Send(buf, dest, tag)
         else:
-            sends.append((comm.Isend(buf, dest, tag), buf))
+            sends.append((comm.Isend(buf, dest, tag + (bug == "wrong tag")), buf))
 
     def take(source, tag):
         buf = np.empty(tuple(inputs[0].shape), np.float64)
-        comm.Recv(buf, source, MPI.ANY_TAG if any_tag else tag)
+        if bug == "irecv and wait":
+            comm.Irecv(buf, source, tag).Wait()
+        else:
+            comm.Recv(buf, source, MPI.ANY_TAG if any_tag else tag)
         return torch.from_numpy(buf)
 
     for kind, i in ops:
         if kind == "F":
+            if rank == 0 and bug == "scales inputs in place":
+                inputs[i].mul_(2)
             x = inputs[i] if rank == 0 else take(rank - 1, i).requires_grad_()
             y = layers(x)
             if rank == size - 1:
@@ -51,7 +60,8 @@ def plain(comm, layers, ops, inputs, targets, bug=None):
             x, y = kept.pop(min(kept) if bug == "oldest kept first" else i)
             if bug == "overwrites gradients":
                 layers.zero_grad()
-            y.backward(None if rank == size - 1 else take(rank + 1, i))
+            missing = bug == "no gradient receive" and rank < size - 1
+            y.backward(None if rank == size - 1 else torch.zeros_like(y) if missing else take(rank + 1, i))
             if rank > 0:
                 post(x.grad, rank - 1, i)
     MPI.Request.Waitall([r for r, _ in sends])
@@ -63,7 +73,8 @@ def short_timeout(monkeypatch):
     monkeypatch.setattr(checks, "TIMEOUT", 5.0)
 
 
-@pytest.mark.parametrize("fn", [run_schedule, plain], ids=["library", "plain point-to-point"])
+@pytest.mark.parametrize("fn", [run_schedule, plain, functools.partial(plain, bug="irecv and wait")],
+                         ids=["library", "plain point-to-point", "Irecv and Wait"])
 def test_valid_executors_pass(fn, capsys):
     check_run_schedule(fn)
     assert WORLD.Get_rank() or "passed: run_schedule" in capsys.readouterr().out
@@ -74,10 +85,20 @@ def test_valid_executors_pass(fn, capsys):
     ("overwrites gradients", "wrong values"),
     ("ignores tags", "wrong values"),
     ("oldest kept first", "wrong values"),
-    ("blocking sends", "Isend"),
+    ("scales inputs in place", "changed in place"),
+    ("float32 messages", "wrong values"),
+    ("no gradient receive", "wrong values"),  # the unreceived sends are small enough to complete anyway
 ])
 def test_wrong_executors_fail_on_every_rank(bug, expected):
     with pytest.raises(CheckFailed, match=expected):
+        check_run_schedule(functools.partial(plain, bug=bug))
+
+
+@pytest.mark.parametrize("bug", ["blocking sends", "wrong tag", "gradients to rank 0"])
+def test_executors_that_never_finish_fail_within_the_timeout(bug, monkeypatch):
+    """A deadlock, a message nobody receives or a receive nobody matches: the deadlock hint, not a hang."""
+    monkeypatch.setattr(checks, "TIMEOUT", 2.0)
+    with pytest.raises(CheckFailed, match="waited until the timeout"):
         check_run_schedule(functools.partial(plain, bug=bug))
 
 

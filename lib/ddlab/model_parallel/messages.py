@@ -59,10 +59,10 @@ class Mailbox:
         """Send a copy of tensor to rank dest without waiting for it to be received."""
         with self.clock.span("send"):
             data = tensor.detach().contiguous().numpy().view(np.uint8).reshape(-1)
-            if self.stamped:
+            if self.stamped:  # stamped once copied: the data is not ready for the receiver before
                 buf = np.empty(_STAMP + data.size, np.uint8)
-                buf[:_STAMP].view(np.float64)[0] = self.clock.now
                 buf[_STAMP:] = data
+                buf[:_STAMP].view(np.float64)[0] = self.clock.reading()
             else:
                 buf = data.copy()
             self._sends.append((self.comm.Isend(buf, dest, tag), buf))

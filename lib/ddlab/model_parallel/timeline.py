@@ -93,6 +93,10 @@ class Timeline:
             self._mark()
             self._labels.pop()
 
+    def reading(self) -> float:
+        """The busy clock now, CPU time spent inside the current span included."""
+        return self.now + max(time.thread_time() - self._cpu_mark, 0.0) if self.enabled else self.now
+
     def _micro_batch(self) -> int | None:
         """The micro-batch of the innermost labelled span, if any."""
         return self._labels[-1][1] if self._labels else None

@@ -9,7 +9,8 @@
 - `pipeline_step`: one training step of M micro-batches on a `ddlab.model_parallel.Stage`
   (`Stage(..., recompute=True)` recomputes activations in backward).
 - `measure_pipeline`, `PipelineRun`: per-rank timelines on the busy and wall clocks,
-  bubble, stage times and peak activation memory of one step.
+  bubble, stage times and peak activation memory of one step; `hidden_share`: the work a
+  lone micro-batch's ops do off the critical path, which `theory_bubble(k, m, hidden)` accounts for.
 - `TorchPipeline`, `RelayStage`, `forward_bytes`: the same stages in torch.distributed.pipelining,
   which relays skip connections through the stages in between.
 """
@@ -17,7 +18,7 @@
 from .balance import Calibration, calibrate
 from .executor import micro_batch_loss, run_schedule
 from .partition import StageTimes, measured_stage_times, message_cost, pipedream_partition
-from .runner import PipelineRun, expected_bubble, measure_pipeline, micro_batches, pipeline_step
+from .runner import PipelineRun, expected_bubble, hidden_share, measure_pipeline, micro_batches, pipeline_step
 from .schedules import Op, Schedule, as_spans, bubble, gpipe, in_flight, one_f_one_b, simulate, theory_bubble
 from .stashing import weight_versions
 from .torch_pipelining import RelayStage, TorchPipeline, alternate_wall_times, forward_bytes

@@ -12,6 +12,14 @@ backward CPU seconds) and its messages (each tensor entering or leaving it, sent
 once and its gradient once, at alpha + beta * bytes): on CPU ranks the stages do
 the copying themselves. UNet's skips make a stage's messages depend on where it
 starts and ends, but not on the other stages, so the recurrence stays exact.
+
+Balancing forward plus backward is all 1F1B needs: in its steady state every stage
+runs one of each per slot. GPipe runs all forwards, then all backwards, each phase
+at the pace of its slowest stage *in that direction*; a stage with a cheap forward
+and an expensive backward (UNet's full-resolution encoder) can balance the sum and
+still pace the backwards. `StageTimes.per_direction` scores a stage by its slower
+direction, each measured against the whole model's time in that direction, so the
+same recurrence balances both directions at once.
 """
 
 from __future__ import annotations
@@ -54,13 +62,32 @@ def pipedream_partition(n: int, k: int, stage_time: StageTime) -> list[int]:
 
 
 class StageTimes:
-    """T(a, b): seconds of a stage holding layers a..b-1, from per-layer compute and its messages."""
+    """T(a, b): seconds of a stage holding layers a..b-1, from per-layer forward and backward and its messages."""
 
-    def __init__(self, compute: list[float], crossings: Callable[[int, int], list[int]], alpha: float, beta: float):
-        self.compute, self.crossings, self.alpha, self.beta = list(compute), crossings, alpha, beta
+    def __init__(self, forward: list[float], backward: list[float], crossings: Callable[[int, int], list[int]],
+                 alpha: float, beta: float):
+        self.forward, self.backward = list(forward), list(backward)
+        self.crossings, self.alpha, self.beta = crossings, alpha, beta
 
     def __call__(self, a: int, b: int) -> float:
-        return sum(self.compute[a:b]) + sum(self.alpha + self.beta * nbytes for nbytes in self.crossings(a, b))
+        return sum(self.directions(a, b))
+
+    def directions(self, a: int, b: int) -> tuple[float, float]:
+        """(forward, backward) seconds of the stage; each direction pays half of its messages."""
+        messages = sum(self.alpha + self.beta * nbytes for nbytes in self.crossings(a, b)) / 2
+        return sum(self.forward[a:b]) + messages, sum(self.backward[a:b]) + messages
+
+    def per_direction(self, a: int, b: int) -> float:
+        """The stage's time if both directions were as slow, for their share of the model, as its slower one.
+
+        max(forward / all forwards, backward / all backwards) x (all forwards + all
+        backwards): at least T(a, b), equal to it when the stage's forward and
+        backward are the same share of the model's. Stages that minimise the largest
+        of these are balanced in each direction, not only in their sum.
+        """
+        forward, backward = self.directions(a, b)
+        total_f, total_b = self.directions(0, len(self.forward))
+        return max(forward / total_f, backward / total_b) * (total_f + total_b)
 
     def of(self, bounds: list[int]) -> list[float]:
         """Every stage's time under a split."""
@@ -99,11 +126,12 @@ def measured_stage_times(comm: Comm, model: UNet, images: torch.Tensor, masks: t
     those measurements. A collective over comm.
     """
     raw = underlying(comm)
-    mine = [[c.compute for c in profile_layers(model, images, masks, repeats=1)] for _ in range(repeats)]
+    mine = [[(c.forward, c.backward) for c in profile_layers(model, images, masks, repeats=1)] for _ in range(repeats)]
     runs = [run for rank_runs in raw.allgather(mine) for run in rank_runs]
-    compute = [AGGREGATE(layer) for layer in zip(*runs)]
+    forward = [AGGREGATE(f for f, _ in layer) for layer in zip(*runs)]
+    backward = [AGGREGATE(b for _, b in layer) for layer in zip(*runs)]
     alphas, betas = zip(*raw.allgather(message_cost()))
     crossings = Crossings(model, tuple(images.shape[1:]), images.shape[0])
-    return StageTimes(compute, crossings, AGGREGATE(alphas), AGGREGATE(betas))
+    return StageTimes(forward, backward, crossings, AGGREGATE(alphas), AGGREGATE(betas))
 
 AGGREGATE = min

@@ -90,9 +90,27 @@ class PipelineRun:
         return utilisation(self.busy)["makespan"]
 
     @property
+    def directions(self) -> list[tuple[float, float]]:
+        """Per stage, (forward, backward) compute seconds of the step (messages excluded), on the busy clock."""
+        return [(kinds["forward"], kinds["backward"]) for kinds in map(kind_totals, self.busy)]
+
+    @property
     def imbalance(self) -> float:
         """Slowest stage time over the mean: 1 for perfectly balanced stages."""
         return max(self.stage_times) / (sum(self.stage_times) / len(self.stage_times))
+
+
+def hidden_share(run: PipelineRun) -> float:
+    """1 - makespan / busy time of all stages, on the busy clock: for M = 1, the work done off the critical path.
+
+    With one micro-batch the stages can only take turns, so if each op were one
+    indivisible block the step would last the sum of their busy times. It lasts
+    less: an op's set-up before its first receive, its work after its last send
+    (autograd finishing the weight gradients), and a backward's start on a skip's
+    gradient that arrived early all run while another stage computes.
+    """
+    busy = utilisation(run.busy)["busy"]
+    return 1 - run.makespan / sum(busy)
 
 
 def expected_bubble(run: PipelineRun, schedule: Schedule) -> float:

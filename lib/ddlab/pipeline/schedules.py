@@ -108,6 +108,14 @@ def bubble(timeline: list[list[tuple[Op, float, float]]]) -> float:
     return 1 - busy / (len(timeline) * makespan)
 
 
-def theory_bubble(k: int, m: int) -> float:
-    """(K-1)/(M+K-1): the bubble of GPipe and 1F1B with equal stages."""
-    return (k - 1) / (m + k - 1)
+def theory_bubble(k: int, m: int, hidden: float = 0.0) -> float:
+    """(K-1)/(M+K-1): the bubble of GPipe and 1F1B with equal stages whose ops are indivisible.
+
+    hidden: the share of a lone micro-batch's work (M = 1) that overlapped other
+    stages' work (see `hidden_share`). Then each of the K-1 slots of filling and
+    draining shrinks by hidden x K/(K-1), and the bubble with it.
+    """
+    if k == 1:
+        return 0.0
+    fill = (k - 1) * (1 - hidden * k / (k - 1))
+    return fill / (m + fill)
