@@ -59,6 +59,10 @@ def test_valid_gossip_steps_pass(comm, step):
     check_gossip_step(step)
 
 
+def push(comm, step, version, grad, more):
+    comm.Send(np.concatenate([[comm.Get_rank(), step, version, float(more)], grad]), 0, GRADIENT)
+
+
 def async_worker(comm, n, gradient, steps):
     """Valid: blocking receive of [version, go] + parameters, blocking send of the header and gradient."""
     incoming = np.empty(PARAMETERS_HEADER + n)
@@ -67,7 +71,7 @@ def async_worker(comm, n, gradient, steps):
         if incoming[1] == 0:
             return
         grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        comm.Send(np.concatenate([[comm.Get_rank(), step, incoming[0], step < steps - 1], grad]), 0, GRADIENT)
+        push(comm, step, incoming[0], grad, step < steps - 1)
 
 
 def async_worker_nonblocking(comm, n, gradient, steps):
@@ -87,9 +91,8 @@ def worker_pushes_twice(comm, n, gradient, steps):
     for step in range(steps):
         comm.Recv(incoming, 0, PARAMETERS)
         grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        message = np.concatenate([[comm.Get_rank(), step, incoming[0], step < steps - 1], grad])
-        comm.Send(message, 0, GRADIENT)
-        comm.Send(message, 0, GRADIENT)
+        push(comm, step, incoming[0], grad, step < steps - 1)
+        push(comm, step, incoming[0], grad, step < steps - 1)
 
 
 def worker_pulls_once(comm, n, gradient, steps):
@@ -98,7 +101,7 @@ def worker_pulls_once(comm, n, gradient, steps):
     comm.Recv(incoming, 0, PARAMETERS)
     for step in range(steps):
         grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        comm.Send(np.concatenate([[comm.Get_rank(), step, incoming[0], step < steps - 1], grad]), 0, GRADIENT)
+        push(comm, step, incoming[0], grad, step < steps - 1)
 
 
 def worker_keeps_stale_params(comm, n, gradient, steps):
@@ -108,7 +111,7 @@ def worker_keeps_stale_params(comm, n, gradient, steps):
         comm.Recv(incoming, 0, PARAMETERS)
         first = incoming[PARAMETERS_HEADER:].copy() if first is None else first
         grad = gradient(first, step)
-        comm.Send(np.concatenate([[comm.Get_rank(), step, incoming[0], step < steps - 1], grad]), 0, GRADIENT)
+        push(comm, step, incoming[0], grad, step < steps - 1)
 
 
 def worker_forgets_last_flag(comm, n, gradient, steps):
@@ -117,7 +120,7 @@ def worker_forgets_last_flag(comm, n, gradient, steps):
     for step in range(steps):
         comm.Recv(incoming, 0, PARAMETERS)
         grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        comm.Send(np.concatenate([[comm.Get_rank(), step, incoming[0], 1.0], grad]), 0, GRADIENT)
+        push(comm, step, incoming[0], grad, True)
 
 
 @pytest.mark.parametrize("worker, message", [
