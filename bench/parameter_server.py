@@ -1,13 +1,17 @@
 """Lab 10 measured side by side: consistency modes with a straggler, and a server against allreduce.
 
-One MPI job of 4 ranks prints:
+One MPI job of 4 ranks: rank 0 is the server, ranks 1-3 the workers, in every mode.
+The decentralized modes (allreduce, gossip) run on ranks 1-3 alone while rank 0 waits
+(`train_on_workers`), so every mode trains with the same 3 workers and the same
+straggler. It prints:
 
 - time to reach a fixed loss (twice the loss synchronous allreduce ends at) for each
   mode over synchronous allreduce's, with one seeded worker at 2x compute and without,
   median over rounds (the modes take turns in a rotated order each round), and the
   staleness of asynchronous and stale-synchronous (s = 2) updates;
-- seconds per step of a synchronous single server (1 server, 3 workers) and of MPI's
-  allreduce (4 workers) as the parameter count grows, with no compute.
+- seconds per step, no compute, of a synchronous single server (rank 0) with 3
+  workers against lab 03's ring allreduce and MPI's allreduce over the same 3
+  workers, as the parameter count grows.
 
     .venv/bin/python bench/parameter_server.py [--rounds 3]
 
@@ -22,19 +26,29 @@ import sys
 
 TIMEOUT = 1800
 MODES = ("allreduce", "sync", "ssp2", "async", "gossip")
-SIZES = (2**10, 2**14, 2**17, 2**20)
+SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)
+WORKERS = 3
 
 
 def child(rounds: int) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from ddlab.parameter_server import LeastSquares, train
+    from ddlab.allreduce import allreduce_ring
+    from ddlab.parameter_server import LeastSquares
+    from ddlab.parameter_server.cost import seconds_per_step
+    from ddlab.parameter_server.run import Record, train_on_workers
 
     comm = MPI.COMM_WORLD
+    servers = comm.Get_size() - WORKERS
     problem = LeastSquares(n=32, samples=1024, batch=16)
     steps, compute, lr = 60, 0.01, 0.05
-    target = 2 * train(comm, "allreduce", problem, steps, lr, compute=compute).curve[-1][2]
+
+    def run(mode: str, factor: float) -> Record:
+        return train_on_workers(comm, mode, problem, steps, lr, servers=servers, compute=compute, straggler=factor,
+                                seed=1)
+
+    target = 2 * run("allreduce", 1.0).curve[-1][2]
     ratios: dict[tuple[float, str], list[float]] = {}
     stale: dict[str, list[int]] = {"ssp2": [], "async": []}
     for round_ in range(rounds):
@@ -42,21 +56,21 @@ def child(rounds: int) -> None:
         for factor in (2.0, 1.0):
             times = {}
             for mode in order:
-                record = train(comm, mode, problem, steps, lr, compute=compute, straggler=factor, seed=1)
+                record = run(mode, factor)
                 times[mode] = record.time_to(target)
                 if mode in stale and factor == 2.0:
                     stale[mode] += record.staleness
             for mode in MODES:
                 ratios.setdefault((factor, mode), []).append(times[mode] / times["allreduce"])
-    per_step = {}
-    for n in SIZES:
-        big = LeastSquares(n=n, samples=2, batch=1)
-        for mode in ("sync", "allreduce"):
-            per_step[n, mode] = statistics.median(train(comm, mode, big, 10, lr).seconds / 10 for _ in range(rounds))
+    methods = {"server": {"mode": "sync"}, "ring": {"mode": "allreduce", "allreduce": allreduce_ring},
+               "MPI": {"mode": "allreduce"}}
+    per_step = {(n, name): statistics.median(seconds_per_step(comm, workers=WORKERS, n=n, servers=servers,
+                                                              steps=10, **how) for _ in range(rounds))
+                for n in SIZES for name, how in methods.items()}
     if comm.Get_rank() != 0:
         return
-    print(f"{comm.Get_size()} ranks, least squares n=32, {steps} steps of {compute * 1e3:.0f} ms compute, "
-          f"target loss {target:.4f} (2x allreduce's final), {rounds} rounds, median")
+    print(f"{servers} server rank, {WORKERS} workers in every mode; least squares n=32, {steps} steps of "
+          f"{compute * 1e3:.0f} ms compute, target loss {target:.4f} (2x allreduce's final), {rounds} rounds, median")
     print("time to target / synchronous allreduce's (inf: never reached in the steps run)")
     print(f"{'mode':>10} {'2x straggler':>13} {'no straggler':>13}")
     for mode in MODES:
@@ -65,11 +79,13 @@ def child(rounds: int) -> None:
         counts = np.bincount(values)
         print(f"staleness of {mode} updates (2x straggler): mean {np.mean(values):.2f}, max {max(values)}, "
               f"histogram {counts.tolist()}")
-    print("\nseconds per step, no compute: synchronous server (1 server, 3 workers) vs MPI allreduce (4 ranks)")
-    print(f"{'parameters':>11} {'server ms':>10} {'allreduce ms':>13} {'server/allreduce':>17}")
+    print(f"\nseconds per step, no compute, {WORKERS} workers: synchronous server (one more rank) "
+          "vs lab 03's ring and MPI's allreduce over the workers")
+    print(f"{'parameters':>11} {'server ms':>10} {'ring ms':>8} {'MPI ms':>7} {'server/ring':>12} {'server/MPI':>11}")
     for n in SIZES:
-        server, allreduce = per_step[n, "sync"], per_step[n, "allreduce"]
-        print(f"{n:11d} {server * 1e3:10.2f} {allreduce * 1e3:13.2f} {server / allreduce:17.2f}")
+        server, ring, mpi = (per_step[n, name] for name in methods)
+        print(f"{n:11d} {server * 1e3:10.2f} {ring * 1e3:8.2f} {mpi * 1e3:7.2f} {server / ring:12.2f} "
+              f"{server / mpi:11.2f}")
 
 
 def main() -> int:

@@ -1,10 +1,14 @@
-"""Parameter servers under mpiexec: sync equals allreduce, bounded staleness, exactly-once updates, early stops."""
+"""Parameter servers under mpiexec: sync equals allreduce, bounded staleness, exactly-once updates, early stops,
+the same workers in every mode, a pluggable allreduce, step timings."""
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from ddlab.allreduce import allreduce_ring
 from ddlab.parameter_server import LeastSquares, train
+from ddlab.parameter_server.cost import seconds_per_step
+from ddlab.parameter_server.run import mpi_allreduce, train_on_workers
 
 PROBLEM = LeastSquares(n=12, samples=256, batch=8)
 STEPS = 12
@@ -86,3 +90,24 @@ def test_gossip_stays_finite_and_replicas_drift_apart(comm):
     assert record.curve[-1][2] < record.curve[0][2]
     if comm.Get_size() > 1:
         assert max(record.divergence) > 0
+
+
+def test_every_mode_gets_the_same_workers(comm):
+    servers = 1
+    server = train_on_workers(comm, "sync", PROBLEM, STEPS, servers=servers)
+    ring = train_on_workers(comm, "allreduce", PROBLEM, STEPS, servers=servers)
+    np.testing.assert_allclose(ring.params, server.params, rtol=1e-12, atol=1e-14)
+    assert len(ring.curve) == STEPS + 1
+
+
+def test_a_pluggable_allreduce_trains_like_mpis(comm):
+    ours = train(comm, "allreduce", PROBLEM, STEPS, allreduce=allreduce_ring)
+    mpis = train(comm, "allreduce", PROBLEM, STEPS, allreduce=mpi_allreduce)
+    np.testing.assert_allclose(ours.params, mpis.params, rtol=1e-12, atol=1e-14)
+
+
+def test_seconds_per_step_is_measured_and_agreed(comm):
+    seconds = seconds_per_step(comm, "sync", comm.Get_size() - 1, 64, steps=2, repeats=1)
+    assert seconds > 0 and comm.allgather(seconds) == [seconds] * comm.Get_size()
+    with pytest.raises(ValueError, match="needs"):
+        seconds_per_step(comm, "sync", comm.Get_size(), 64)

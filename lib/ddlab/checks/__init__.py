@@ -51,6 +51,7 @@ _WHERE = {
     "check_hierarchical_allreduce": "compression",
     "check_sparse_allreduce": "compression",
     "check_top_k_with_feedback": "compression",
+    "check_async_worker": "parameter_server",
     "check_gossip_step": "parameter_server",
     "check_ssp_gate": "parameter_server",
     "check_exchange_plan": "shuffling",

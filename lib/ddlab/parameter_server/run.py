@@ -3,7 +3,8 @@
 Modes: "sync", "async", "ssp<k>" (a parameter server on the first `servers` ranks,
 the others workers), "allreduce" (every rank a worker, gradients averaged by
 MPI's allreduce each step) and "gossip" (every rank a worker, asynchronous
-averaging with the left ring neighbour). Worker k computes for `compute` seconds
+averaging with the left ring neighbour); `allreduce` plugs in any allreduce with
+lab 03's signature (MPI's by default). Worker k computes for `compute` seconds
 times its slowdown per step (one seeded straggler at `straggler` times).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -25,6 +27,8 @@ from .problem import LeastSquares
 from .server import Gate, Server, ServerLog
 from .straggler import slowdowns
 from .worker import WorkerLog, work
+
+Allreduce = Callable[[Comm, np.ndarray], np.ndarray]  # lab 03's signature: (comm, x) -> the sum over ranks
 
 
 @dataclass
@@ -53,16 +57,16 @@ class Record:
         return next((t for t, _, value in self.curve if value <= loss), float("inf"))
 
 
-def _watch(comm: Comm, timeout: float) -> tuple[Watch, bool]:
-    """The communicator's own watch if it counts messages, else a new one (a collective): (watch, owned)."""
-    if isinstance(comm, CountingComm):
-        return comm.watch, False
-    return Watch(underlying(comm), timeout), True
+def mpi_allreduce(comm: Comm, x: np.ndarray) -> np.ndarray:
+    """MPI's own allreduce, in lab 03's signature."""
+    total = np.empty_like(x)
+    underlying(comm).Allreduce(x, total)
+    return total
 
 
 def train(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 0.05, *, servers: int = 1,
           compute: float = 0.0, straggler: float = 1.0, seed: int = 0, early: dict[int, int] | None = None,
-          timeout: float = 30.0, gate: Gate = may_start) -> Record:
+          timeout: float = 30.0, gate: Gate = may_start, allreduce: Allreduce | None = None) -> Record:
     """Run `steps` steps of `mode` (a collective); the worker on rank r runs only early[r] steps if given (0: it dies silently)."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -71,15 +75,22 @@ def train(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 
     if workers < 1:
         raise ValueError(f"{mode!r} with {servers} server(s) needs more than {servers} ranks, got {size}")
     slow = slowdowns(workers, straggler, seed)
-    watch, owned = _watch(comm, timeout)
+    private = None
+    if isinstance(comm, CountingComm):  # a check counts the messages: run on its communicator, under its watch
+        watch = comm.watch
+    else:  # a duplicate: no message of this run meets another run's, not even one left for a dead worker
+        comm = private = underlying(comm).Dup()
+        watch = Watch(private, timeout)
     underlying(comm).Barrier()
     try:
         if mode in ("allreduce", "gossip"):
-            return _decentralized(comm, mode, problem, steps, lr, float((compute * slow)[comm.Get_rank()]), watch)
+            return _decentralized(comm, mode, problem, steps, lr, float((compute * slow)[comm.Get_rank()]), watch,
+                                  allreduce)
         return _parameter_server(comm, mode, problem, steps, lr, servers, compute * slow, early or {}, watch, gate)
     finally:
-        if owned:
+        if private is not None:
             watch.free()
+            private.Free()
 
 
 def _parameter_server(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float, servers: int,
@@ -113,7 +124,7 @@ def _parameter_server(comm: Comm, mode: str, problem: LeastSquares, steps: int, 
 
 
 def _decentralized(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float, compute: float,
-                   watch: Watch) -> Record:
+                   watch: Watch, allreduce: Allreduce | None) -> Record:
     """Every rank a worker: average gradients by allreduce, or parameters by asynchronous gossip."""
     rank, size, raw = comm.Get_rank(), comm.Get_size(), underlying(comm)
     gossip = AsyncGossip(comm, problem.n, watch) if mode == "gossip" else None
@@ -124,9 +135,7 @@ def _decentralized(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr:
         grad = problem.gradient(params, rank, step)
         time.sleep(max(0.0, compute - (time.perf_counter() - began - history[-1][0])))
         if gossip is None:
-            total = np.empty_like(grad)
-            raw.Allreduce(grad, total)
-            params = params - lr * total / size
+            params = params - lr * (allreduce or mpi_allreduce)(comm, grad) / size
         else:
             params = gossip.step(params - lr * grad)
         history.append((time.perf_counter() - began, params.copy()))
@@ -139,3 +148,27 @@ def _decentralized(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr:
     times = np.max(raw.allgather(np.array([t for t, _ in history])), axis=0)
     curve = [(float(t), float(step), problem.loss(w)) for step, (t, w) in enumerate(zip(times, mean))]
     return Record(mode, mean[-1], curve, seconds, divergence=[float(d) for d in divergence])
+
+
+
+def train_on_workers(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 0.05, *,
+                     servers: int = 1, compute: float = 0.0, straggler: float = 1.0, seed: int = 0) -> Record:
+    """`train` with the same workers in every mode (a collective): ranks servers.. are the workers.
+
+    Server modes run on all of comm; "allreduce" and "gossip" run on the worker ranks
+    alone while the server ranks wait, so a comparison never gives the decentralized
+    modes more workers (nor a different straggler: worker k is rank servers + k in both).
+    Every rank gets the record.
+    """
+    def run(on: Comm, shards: int) -> Record:
+        return train(on, mode, problem, steps, lr, servers=shards, compute=compute, straggler=straggler, seed=seed)
+
+    if mode not in ("allreduce", "gossip"):
+        return run(comm, servers)
+    raw, rank = underlying(comm), comm.Get_rank()
+    sub = raw.Split(0 if rank >= servers else MPI.UNDEFINED, rank)
+    record = None
+    if sub != MPI.COMM_NULL:
+        record = run(sub, servers)
+        sub.Free()
+    return raw.bcast(record, root=servers)

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import Comm
-from ..waiting import Stalled, Watch
+from ..waiting import PeerFailed, Stalled, Watch
 from .gate import Consistency, may_start
 from .messages import GRADIENT, GRADIENT_HEADER, PARAMETERS
 
@@ -61,7 +61,8 @@ class Server:
     def _snapshot(self) -> None:
         self.log.snapshots.append((time.perf_counter() - self.began, self.version, self.params.copy()))
 
-    def _send(self, worker: int, go: bool) -> None:
+    def send_parameters(self, worker: int, go: bool) -> None:
+        """Post [version, go] + this slice to worker (go = False: stop)."""
         buf = np.concatenate([[self.version, float(go)], self.params])
         self.sends.append((self.comm.Isend(buf, worker, PARAMETERS), buf))
 
@@ -72,7 +73,7 @@ class Server:
             if self.gate(clocks, self.clock[worker], self.mode.bound):
                 self.log.releases.append((worker, self.clock[worker], int(clocks.min()) if len(clocks) else -1))
                 self.waiting.discard(worker)
-                self._send(worker, go=True)
+                self.send_parameters(worker, go=True)
 
     def stop(self, problem: str) -> None:
         """Give up: tell every waiting worker to stop, report the gradients never applied.
@@ -83,7 +84,7 @@ class Server:
         self.log.dropped += [(w, step) for w, (step, _) in sorted(self.pending.items())]
         self.pending.clear()
         for worker in sorted(self.waiting):
-            self._send(worker, go=False)
+            self.send_parameters(worker, go=False)
             self.running.discard(worker)
         self.waiting.clear()
 
@@ -93,7 +94,7 @@ class Server:
         request = self.comm.Irecv(buf, MPI.ANY_SOURCE, GRADIENT)
         try:
             self.watch.poll(request.Test, f"a gradient from workers {sorted(self.running)}")
-        except Stalled:
+        except (Stalled, PeerFailed):
             request.Cancel()
             request.Wait()
             raise
@@ -138,7 +139,7 @@ class Server:
                 self.log.dropped.append((worker, step))
                 self.running.discard(worker)
                 if more:
-                    self._send(worker, go=False)
+                    self.send_parameters(worker, go=False)
                 continue
             if step != self.clock[worker]:
                 raise RuntimeError(f"worker {worker} sent a gradient for step {step}, expected {self.clock[worker]}")
