@@ -407,3 +407,26 @@ def test_collect_check_catches_rank_0s_own_array_returned(comm):
         return arrays
 
     expect_failure(check_collect, own_array_itself, "a copy")
+
+
+def test_a_request_never_waited_for_fails(comm):
+    """An Isend whose request is dropped (never Wait-ed) fails, naming the call; Wait and Waitall pass."""
+    def drops_the_isend(comm, data):
+        partner, received = _partner(comm), np.empty_like(data)
+        if partner is None:
+            return data.copy()
+        comm.Isend(data, dest=partner)
+        comm.Recv(received, source=partner)
+        return received
+
+    def waits_for_each(comm, data):
+        partner, received = _partner(comm), np.empty_like(data)
+        if partner is None:
+            return data.copy()
+        receive, send = comm.Irecv(received, partner), comm.Isend(data, partner)
+        receive.Wait()
+        send.wait()
+        return received
+
+    expect_failure(check_exchange, drops_the_isend, "Isend to rank", "never waited for", "Wait")
+    check_exchange(waits_for_each, timeout=SHORT)
