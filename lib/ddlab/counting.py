@@ -186,6 +186,7 @@ class CountingComm:
         self.timeout = timeout
         self.allow = tuple(allow)
         self._first_send_wait = stagger * (comm.Get_size() - 1 - comm.Get_rank())
+        self._probing_since: float | None = None  # start of this rank's current run of Iprobe misses
         if parent is None:
             self.traffic, self.watch, self.members = Traffic(comm.Get_rank()), Watch(comm, timeout), None
             self.requests: list[WatchedRequest] = []
@@ -454,6 +455,22 @@ class CountingComm:
         return True
 
     probe = Probe
+
+    def Iprobe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> bool:
+        """MPI's Iprobe; misses in a row past the timeout (a polling loop no message ends) raise Stalled."""
+        what = f"Iprobe for a message from {_peer(source)} (tag {_tag(tag)})"
+        if self.comm.Iprobe(source, tag, status):
+            self._probing_since = None
+            return True
+        self.watch.check(what)  # another rank failed: stop polling
+        now = time.monotonic()
+        self._probing_since = now if self._probing_since is None else self._probing_since
+        if now - self._probing_since > self.timeout:
+            raise Stalled(f"rank {self.rank} polled {what} for {self.timeout:g} s and none came: is the matching "
+                          "send missing, or is this rank waiting for one message too many?")
+        return False
+
+    iprobe = Iprobe
 
 
 def rounds(all_traffic: list[Traffic], *, one_receive_at_a_time: bool = False) -> int:
