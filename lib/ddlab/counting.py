@@ -29,7 +29,8 @@ hierarchical collective's messages inside and between groups are all counted.
 Blocking calls never hang a check: they wait through a `ddlab.waiting.Watch`,
 giving up after `timeout` seconds with a message naming the message waited for,
 and at once when another rank reports a failure through `fail_all`. The requests
-Isend/Irecv return are watched too, so `Wait`/`Waitall` on them cannot hang.
+Isend/Irecv return are watched too, so `Wait`/`Waitall` on them cannot hang; `unwaited()`
+names those the student's code never completed (a dropped request is an error too).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .comm import Comm
-from .waiting import PeerFailed, Stalled, Watch
+from .waiting import PeerFailed, Stalled, Watch, WatchedRequest
 
 #: The MPI collectives, by base name: their non-blocking (I...) and persistent (..._init)
 #: forms and the lower-case object API are collectives too.
@@ -185,10 +186,12 @@ class CountingComm:
         self.timeout = timeout
         self.allow = tuple(allow)
         self._first_send_wait = stagger * (comm.Get_size() - 1 - comm.Get_rank())
+        self._probing_since: float | None = None  # start of this rank's current run of Iprobe misses
         if parent is None:
             self.traffic, self.watch, self.members = Traffic(comm.Get_rank()), Watch(comm, timeout), None
-        else:  # a sub-communicator: the parent's log and watch, peers translated to the parent's ranks
-            self.traffic, self.watch = parent.traffic, parent.watch
+            self.requests: list[WatchedRequest] = []
+        else:  # a sub-communicator: the parent's log, watch and requests, peers translated to the parent's ranks
+            self.traffic, self.watch, self.requests = parent.traffic, parent.watch, parent.requests
             self.members = comm.allgather(parent.traffic.rank)
 
     def free(self) -> None:
@@ -234,6 +237,20 @@ class CountingComm:
         self._wait([self.watch.alarm.Iallgather(np.array([value], dtype=np.int64), everyone)], [MPI.Status()], what,
                    cancel=False)
         return [int(v) for v in everyone]
+
+    def unwaited(self) -> str | None:
+        """What the student's code left without a Wait/Test that completed it (a request never waited), or None."""
+        left = [request.entry.what.removesuffix(" to complete").removesuffix(" to be received")
+                for request in self.requests if request != MPI.REQUEST_NULL]
+        if not left:
+            return None
+        return (f"{', '.join(left)} returned a request that was never waited for: call Wait (or Waitall on all of "
+                "them) on every request before returning, so the message is complete and its buffer free")
+
+    def _handed(self, request: WatchedRequest) -> WatchedRequest:
+        """A request handed to the student's code, remembered so that unwaited() can name it."""
+        self.requests.append(request)
+        return request
 
     def wait(self, requests: list[MPI.Request], what: str) -> None:
         """Wait for requests (e.g. from Isend/Irecv), with the timeout and failure notices of blocking calls."""
@@ -383,15 +400,15 @@ class CountingComm:
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, _nbytes(buf))
-        return self.watch.watched(self.comm.Isend(buf, dest, tag), f"Isend to rank {dest} (tag {tag}) to complete")
+        return self._handed(self.watch.watched(self.comm.Isend(buf, dest, tag), f"Isend to rank {dest} (tag {tag}) to complete"))
 
     def Issend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, _nbytes(buf))
-        return self.watch.watched(self.comm.Issend(buf, dest, tag), f"Issend to rank {dest} (tag {tag}) to be received")
+        return self._handed(self.watch.watched(self.comm.Issend(buf, dest, tag), f"Issend to rank {dest} (tag {tag}) to be received"))
 
     def Irecv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, _nbytes(buf))
-        return self.watch.watched(self.comm.Irecv(buf, source, tag), f"Irecv from {_peer(source)} (tag {_tag(tag)})")
+        return self._handed(self.watch.watched(self.comm.Irecv(buf, source, tag), f"Irecv from {_peer(source)} (tag {_tag(tag)})"))
 
     # Object (pickle) API ------------------------------------------------------
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
@@ -420,15 +437,15 @@ class CountingComm:
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
-        return self.watch.watched(self.comm.isend(obj, dest, tag), f"isend to rank {dest} (tag {tag}) to complete", pickled=True)
+        return self._handed(self.watch.watched(self.comm.isend(obj, dest, tag), f"isend to rank {dest} (tag {tag}) to complete", pickled=True))
 
     def issend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
-        return self.watch.watched(self.comm.issend(obj, dest, tag), f"issend to rank {dest} (tag {tag}) to be received", pickled=True)
+        return self._handed(self.watch.watched(self.comm.issend(obj, dest, tag), f"issend to rank {dest} (tag {tag}) to be received", pickled=True))
 
     def irecv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, 0)
-        return self.watch.watched(self.comm.irecv(buf, source, tag), f"irecv from {_peer(source)} (tag {_tag(tag)})", pickled=True)
+        return self._handed(self.watch.watched(self.comm.irecv(buf, source, tag), f"irecv from {_peer(source)} (tag {_tag(tag)})", pickled=True))
 
     def Probe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
               status: MPI.Status | None = None) -> bool:
@@ -438,6 +455,22 @@ class CountingComm:
         return True
 
     probe = Probe
+
+    def Iprobe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> bool:
+        """MPI's Iprobe; misses in a row past the timeout (a polling loop no message ends) raise Stalled."""
+        what = f"Iprobe for a message from {_peer(source)} (tag {_tag(tag)})"
+        if self.comm.Iprobe(source, tag, status):
+            self._probing_since = None
+            return True
+        self.watch.check(what)  # another rank failed: stop polling
+        now = time.monotonic()
+        self._probing_since = now if self._probing_since is None else self._probing_since
+        if now - self._probing_since > self.timeout:
+            raise Stalled(f"rank {self.rank} polled {what} for {self.timeout:g} s and none came: is the matching "
+                          "send missing, or is this rank waiting for one message too many?")
+        return False
+
+    iprobe = Iprobe
 
 
 def rounds(all_traffic: list[Traffic], *, one_receive_at_a_time: bool = False) -> int:

@@ -378,3 +378,15 @@ def test_trains_with_check_holds_lab_03s_contract(comm, wrong, words):
     if comm.Get_size() < 3:
         pytest.skip("needs 3 ranks or more")
     fails(checks.check_trains_with_allreduce, wrong, words)
+
+
+def test_average_gradients_check_names_a_float32_round_trip(comm):
+    def through_float32(model, comm, allreduce):
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).float()
+        mean = torch.as_tensor(allreduce(comm, flat.numpy())) / comm.Get_size()
+        offset = 0
+        for p in model.parameters():
+            p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    fails(checks.check_average_gradients, through_float32, "float32 precision", "torch.float64")

@@ -407,3 +407,46 @@ def test_collect_check_catches_rank_0s_own_array_returned(comm):
         return arrays
 
     expect_failure(check_collect, own_array_itself, "a copy")
+
+
+def test_a_request_never_waited_for_fails(comm):
+    """An Isend whose request is dropped (never Wait-ed) fails, naming the call; Wait and Waitall pass."""
+    def drops_the_isend(comm, data):
+        partner, received = _partner(comm), np.empty_like(data)
+        if partner is None:
+            return data.copy()
+        comm.Isend(data, dest=partner)
+        comm.Recv(received, source=partner)
+        return received
+
+    def waits_for_each(comm, data):
+        partner, received = _partner(comm), np.empty_like(data)
+        if partner is None:
+            return data.copy()
+        receive, send = comm.Irecv(received, partner), comm.Isend(data, partner)
+        receive.Wait()
+        send.wait()
+        return received
+
+    expect_failure(check_exchange, drops_the_isend, "Isend to rank", "never waited for", "Wait")
+    check_exchange(waits_for_each, timeout=SHORT)
+
+
+def test_an_iprobe_loop_no_message_ends_fails_within_the_timeout(comm):
+    """Polling Iprobe for one message too many stops at the timeout instead of spinning forever."""
+    def one_too_many(comm, data):
+        if comm.Get_rank() != 0:
+            comm.Send(data, dest=0)
+            return None
+        arrays, status = [data.copy()] + [None] * (comm.Get_size() - 1), MPI.Status()
+        for _ in range(comm.Get_size()):  # counts rank 0 too: the last poll never succeeds
+            while not comm.Iprobe(source=MPI.ANY_SOURCE, status=status):
+                time.sleep(1e-4)
+            arrays[status.Get_source()] = np.empty(status.Get_count(MPI.DOUBLE))
+            comm.Recv(arrays[status.Get_source()], source=status.Get_source())
+        return arrays
+
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match="polled Iprobe .* none came"):
+        check_collect(one_too_many, timeout=1.0)
+    assert time.monotonic() - start < 4.0

@@ -91,8 +91,8 @@ def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: st
 
     An exercise stub's NotImplementedError passes straight through (all ranks raise
     it together). Any other exception, a stall (of a blocking call, or of a request
-    fn waits for) or a forbidden collective on any rank becomes one CheckFailed on
-    every rank.
+    fn waits for), a request fn never waited for, or a forbidden collective on any
+    rank becomes one CheckFailed on every rank.
     """
     counting = CountingComm(comm, timeout=timeout, allow=allow, stagger=stagger)
     problem, result = None, None
@@ -103,6 +103,8 @@ def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: st
         raise
     except Exception as err:  # the student's code failed: tell the others, report it
         problem = f"{type(err).__name__}: {err}"
+    else:
+        problem = counting.unwaited()
     if counting.watch.failure is not None:  # a request of fn's gave up (or a peer failed): the cause
         kind, message = counting.watch.failure
         problem = f"{kind.__name__}: {message}"

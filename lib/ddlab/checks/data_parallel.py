@@ -199,7 +199,9 @@ def _average_problem(comm: MPI.Comm, fn: Callable[..., None], timeout: float) ->
             hint = (" (that is the sum over ranks: divide by comm.Get_size())"
                     if size > 1 and _relative(p.grad, grads.sum(0)) < TOLERANCE else
                     " (that is this rank's own gradient: nothing was averaged)"
-                    if size > 1 and _relative(p.grad, grads[rank]) < TOLERANCE else "")
+                    if size > 1 and _relative(p.grad, grads[rank]) < TOLERANCE else
+                    f" (it is, but only to float32 precision: keep the gradients' {p.dtype} through the allreduce)"
+                    if _relative(p.grad, grads.mean(0)) < 1e-6 else "")
             return f"the gradient of {name} is not the mean over the {size} ranks{hint}"
         if p.grad.dtype != p.dtype:
             return f"the gradient of {name} is {p.grad.dtype}, the parameter {p.dtype}: keep the gradients' dtype"
