@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ddlab.allreduce import allreduce_ring
+from ddlab.allreduce import allreduce_mpi, allreduce_ring
 from ddlab.parameter_server import LeastSquares, train
 from ddlab.parameter_server.cost import seconds_per_step
-from ddlab.parameter_server.run import mpi_allreduce, train_on_workers
+from ddlab.parameter_server.run import train_on_workers
 
 PROBLEM = LeastSquares(n=12, samples=256, batch=8)
 STEPS = 12
@@ -102,7 +102,7 @@ def test_every_mode_gets_the_same_workers(comm):
 
 def test_a_pluggable_allreduce_trains_like_mpis(comm):
     ours = train(comm, "allreduce", PROBLEM, STEPS, allreduce=allreduce_ring)
-    mpis = train(comm, "allreduce", PROBLEM, STEPS, allreduce=mpi_allreduce)
+    mpis = train(comm, "allreduce", PROBLEM, STEPS, allreduce=allreduce_mpi)
     np.testing.assert_allclose(ours.params, mpis.params, rtol=1e-12, atol=1e-14)
 
 

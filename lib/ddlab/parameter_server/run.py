@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..allreduce import allreduce_mpi
 from ..comm import Comm
 from ..counting import CountingComm, underlying
 from ..waiting import Watch
@@ -55,13 +56,6 @@ class Record:
     def time_to(self, loss: float) -> float:
         """Seconds until the loss first fell to `loss` (inf if it never did)."""
         return next((t for t, _, value in self.curve if value <= loss), float("inf"))
-
-
-def mpi_allreduce(comm: Comm, x: np.ndarray) -> np.ndarray:
-    """MPI's own allreduce, in lab 03's signature."""
-    total = np.empty_like(x)
-    underlying(comm).Allreduce(x, total)
-    return total
 
 
 def train(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 0.05, *, servers: int = 1,
@@ -135,7 +129,8 @@ def _decentralized(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr:
         grad = problem.gradient(params, rank, step)
         time.sleep(max(0.0, compute - (time.perf_counter() - began - history[-1][0])))
         if gossip is None:
-            params = params - lr * (allreduce or mpi_allreduce)(comm, grad) / size
+            total = allreduce(comm, grad) if allreduce else allreduce_mpi(raw, grad)
+            params = params - lr * total / size
         else:
             params = gossip.step(params - lr * grad)
         history.append((time.perf_counter() - began, params.copy()))
@@ -148,7 +143,6 @@ def _decentralized(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr:
     times = np.max(raw.allgather(np.array([t for t, _ in history])), axis=0)
     curve = [(float(t), float(step), problem.loss(w)) for step, (t, w) in enumerate(zip(times, mean))]
     return Record(mode, mean[-1], curve, seconds, divergence=[float(d) for d in divergence])
-
 
 
 def train_on_workers(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 0.05, *,
