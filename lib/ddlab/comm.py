@@ -4,14 +4,16 @@ An mpi4py `MPI.Comm` has it, and so has `ddlab.counting.CountingComm`, which che
 hand to a student's function instead. Functions that take either are typed `Comm`;
 those that call collectives on the real communicator take `MPI.Comm` (use
 `ddlab.counting.underlying(comm)` to get it from a `Comm`).
+
+`first_ranks(comm, n)` is the communicator of comm's first n ranks, which checks, cost
+sweeps and measurements use to run the same thing on 1, 2, ..., P ranks.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from mpi4py import MPI
+from mpi4py import MPI
 
 
 class Comm(Protocol):
@@ -33,3 +35,13 @@ class Comm(Protocol):
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request: ...
 
     def Irecv(self, buf: Any, source: int = ..., tag: int = ...) -> MPI.Request: ...
+
+
+def first_ranks(comm: MPI.Comm, n: int) -> MPI.Comm | None:
+    """The communicator of comm's ranks 0..n-1 (in order), None on the others.
+
+    Collective: every rank of comm calls it. The caller frees the result (`sub.Free()`).
+    """
+    rank = comm.Get_rank()
+    sub = comm.Split(0 if rank < n else MPI.UNDEFINED, rank)
+    return None if sub == MPI.COMM_NULL else sub

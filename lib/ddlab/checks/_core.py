@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from ..comm import first_ranks
 from ..counting import CountingComm, Traffic, gather_traffic
 from .errors import CheckFailed
 
@@ -70,15 +71,12 @@ def passed(comm: MPI.Comm, message: str) -> None:
 def _sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterator[list[tuple[int, MPI.Comm | None]]]:
     """Communicators of the first P ranks for each P (None on ranks outside), freed after."""
     sizes = sizes or list(range(1, comm.Get_size() + 1))
-    subs = []
-    for size in sizes:
-        color = 0 if comm.Get_rank() < size else MPI.UNDEFINED
-        subs.append((size, comm.Split(color, comm.Get_rank())))
+    subs = [(size, first_ranks(comm, size)) for size in sizes]
     try:
-        yield [(size, None if sub == MPI.COMM_NULL else sub) for size, sub in subs]
+        yield subs
     finally:
         for _, sub in subs:
-            if sub != MPI.COMM_NULL:
+            if sub is not None:
                 sub.Free()
 
 

@@ -28,6 +28,7 @@ import psutil
 import torch
 from mpi4py import MPI
 
+from ..comm import first_ranks
 from ..p2p import fit_alpha_beta, idle_wait, sweep
 from .platform import Curves, Link, Platform
 
@@ -135,8 +136,8 @@ def measure_platform(comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int 
     torch.set_num_threads(1)
     curves = Curves()
     for n in range(2, size + 1):
-        sub = comm.Split(0 if comm.Get_rank() < n else MPI.UNDEFINED, comm.Get_rank())
-        if sub != MPI.COMM_NULL:
+        sub = first_ranks(comm, n)
+        if sub is not None:
             for op in ("allreduce", "allgather", "reduce_scatter"):
                 curves.add(op, n, list(sizes), [time_collective(sub, op, s, repeats) for s in sizes])
             sub.Free()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..comm import first_ranks
 from ..costmodel import Machine, predict
 from .problem import LeastSquares
 from .run import Allreduce, train
@@ -42,13 +43,12 @@ def seconds_per_step(comm: MPI.Comm, mode: str, workers: int, n: int, *, servers
     default) the workers alone; the other ranks wait. The fastest of `repeats` runs
     counts (other programs on the machine only ever add time); every rank gets it.
     """
-    rank = comm.Get_rank()
     used = workers + (0 if mode == "allreduce" else servers)
     if used > comm.Get_size():
         raise ValueError(f"{mode!r} with {workers} workers needs {used} ranks, the communicator has {comm.Get_size()}")
-    sub = comm.Split(0 if rank < used else MPI.UNDEFINED, rank)
+    sub = first_ranks(comm, used)
     seconds = 0.0
-    if sub != MPI.COMM_NULL:
+    if sub is not None:
         problem = LeastSquares(n=n, samples=2, batch=1)
         seconds = min(train(sub, mode, problem, steps, servers=servers, allreduce=allreduce).seconds / steps
                       for _ in range(repeats))
