@@ -64,6 +64,10 @@ UNCOUNTED = {
     **dict.fromkeys(("Mprobe", "Improbe", "mprobe", "improbe"), "Probe, then Recv from the status's source and tag"),
     **dict.fromkeys(("Isendrecv", "Isendrecv_replace"), "Isend and Irecv"),
     "Attach_buffer": "Send or Isend (no buffer to attach)",
+    # communicators whose messages the check could not follow
+    **dict.fromkeys(("Clone", "Idup", "Dup_with_info", "Idup_with_info"), "Dup"),
+    **dict.fromkeys(("Create", "Create_group", "Split_type", "Create_cart", "Create_graph", "Create_dist_graph",
+                     "Create_dist_graph_adjacent", "Create_intercomm"), "Split (by color and key)"),
 }
 
 
@@ -354,10 +358,22 @@ class CountingComm:
         self._wait([start(sendbuf, recvbuf)], [MPI.Status()], f"{name} to complete", cancel=False)
         self.traffic.calls.append(name)
 
+    # New communicators -----------------------------------------------------------
     def Split(self, color: int = 0, key: int = 0) -> Any:
-        """MPI's Split; the sub-communicator counts into this one's traffic (COMM_NULL stays COMM_NULL)."""
+        """MPI's Split; the sub-communicator counts into this one's traffic (COMM_NULL stays COMM_NULL).
+
+        Split blocks until every rank calls it, so the ranks first meet in an Ibarrier
+        under the timeout: a Split that some rank never calls fails instead of hanging.
+        """
+        self._wait([self.comm.Ibarrier()], [MPI.Status()], "Split to be called on every rank", cancel=False)
         sub = self.comm.Split(color, key)
         return sub if sub == MPI.COMM_NULL else CountingComm(sub, self.timeout, self.allow, parent=self)
+
+    def Dup(self) -> CountingComm:
+        """MPI's Dup (as Idup, under the timeout); the copy counts into this one's traffic."""
+        dup, request = self.comm.Idup()
+        self._wait([request], [MPI.Status()], "Dup to be called on every rank", cancel=False)
+        return CountingComm(dup, self.timeout, self.allow, parent=self)
 
     def _log(self, kind: str, peer: int, tag: int, nbytes: int) -> None:
         """Record a call (before it is made); a rank's first send waits out its stagger first."""

@@ -399,6 +399,40 @@ def test_uncounted_calls_are_refused_with_what_to_use(comm):
     expect_failure(check_exchange, persistent, "UncountedCall", "comm.Send_init", "comm.Isend")
 
 
+def test_new_communicators_are_counted_refused_or_fail_in_time(comm):
+    """Dup's and Split's messages count; a Split some rank never calls fails in time; other constructors are refused."""
+    def on_a_dup(comm, data):
+        partner, received, dup = _partner(comm), np.empty_like(data), comm.Dup()
+        if partner is None:
+            return data.copy()
+        dup.Sendrecv(data, dest=partner, recvbuf=received, source=partner)
+        return received
+
+    def split_by_pairs(comm, data):
+        pair = comm.Split(comm.Get_rank() // 2, comm.Get_rank())
+        if pair.Get_size() == 1:
+            return data.copy()
+        received = np.empty_like(data)
+        pair.Sendrecv(data, dest=1 - pair.Get_rank(), recvbuf=received, source=1 - pair.Get_rank())
+        return received
+
+    def split_by_some(comm, data):
+        if comm.Get_rank() % 2 == 0:  # odd ranks never call Split
+            comm.Split(0, comm.Get_rank())
+        return data.copy()
+
+    def on_a_cartesian_grid(comm, data):
+        comm.Create_cart([comm.Get_size()])
+        return data.copy()
+
+    check_exchange(on_a_dup, timeout=SHORT)
+    check_exchange(split_by_pairs, timeout=SHORT)
+    start = time.monotonic()
+    expect_failure(check_exchange, split_by_some, "Stalled", "Split to be called on every rank")
+    assert time.monotonic() - start < 4 * SHORT
+    expect_failure(check_exchange, on_a_cartesian_grid, "UncountedCall", "comm.Create_cart", "comm.Split")
+
+
 def test_collect_check_catches_rank_0s_own_array_returned(comm):
     def own_array_itself(comm, data):
         arrays = _collect_any_source(by_source=True)(comm, data)
