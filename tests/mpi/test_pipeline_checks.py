@@ -67,6 +67,8 @@ def plain(comm, layers, ops, inputs, targets, bug=None):
             order.append(i)
     if bug != "never waits for its sends":
         MPI.Request.Waitall([r for r, _ in sends])
+    if bug == "None on the first ranks" and rank < size - 1:
+        return None
     return [losses[i] for i in (order if bug == "losses in backward order" else sorted(losses))]
 
 
@@ -92,6 +94,7 @@ def test_valid_executors_pass(fn, capsys):
     ("no gradient receive", "wrong values"),  # the unreceived sends are small enough to complete anyway
     ("losses in backward order", "wrong losses"),  # caught by the mixed order's newest-first backwards
     ("tensor losses", "wrong losses"),
+    ("None on the first ranks", "wrong losses"),
     ("never waits for its sends", "Mailbox.free"),
 ])
 def test_wrong_executors_fail_on_every_rank(bug, expected):

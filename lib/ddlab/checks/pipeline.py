@@ -230,7 +230,11 @@ def check_run_schedule(fn: Callable[..., Any]) -> None:
                 problem = "inputs[i] was changed in place; leave the inputs as they are"
             problem = problem or _values_problem(layers, want[rank])
             fail_together(sub, problem, f"{context}: wrong values", EXECUTOR_HINTS["values"])
-            problem = _losses_problem(losses, want_losses) if rank == k - 1 else None
+            if rank < k - 1:
+                empty = isinstance(losses, (list, tuple)) and len(losses) == 0
+                problem = None if empty else f"returned {losses!r}; the ranks before the last return []"
+            else:
+                problem = _losses_problem(losses, want_losses)
             fail_together(sub, problem, f"{context}: wrong losses", EXECUTOR_HINTS["losses"])
         return None
 
