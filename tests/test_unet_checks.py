@@ -89,3 +89,15 @@ def test_partition_check_passes_the_reference_and_fails_mistakes():
     for wrong, says in ((ignores_messages, "make the slowest"), (one_stage_too_few, "are not")):
         with pytest.raises(CheckFailed, match=says):
             check_pipedream_partition(wrong)
+
+
+def test_partition_check_does_not_show_the_answer_for_malformed_bounds():
+    from ddlab.checks.pipeline import _cases
+    n, k, stage_time, _ = _cases()[0]
+
+    def drops_the_end(n, k, stage_time):
+        return pipedream_partition(n, k, stage_time)[:-1]
+
+    with pytest.raises(CheckFailed, match="are not") as failure:
+        check_pipedream_partition(drops_the_end)
+    assert str(pipedream_partition(n, k, stage_time)) not in str(failure.value)

@@ -25,7 +25,7 @@ def plain(comm, layers, ops, inputs, targets, bug=None):
     bug="irecv and wait" is a valid variant (Irecv, then Wait), not a bug.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
-    kept, losses, sends = {}, {}, []
+    kept, losses, sends, order = {}, {}, [], []
     any_tag = bug == "ignores tags"
 
     def post(tensor, dest, tag):
@@ -52,7 +52,7 @@ def plain(comm, layers, ops, inputs, targets, bug=None):
             y = layers(x)
             if rank == size - 1:
                 y = micro_batch_loss(y, targets[i])
-                losses[i] = y.item()
+                losses[i] = y.detach() if bug == "tensor losses" else y.item()
             else:
                 post(x if bug == "sends its input" else y, rank + 1, i)
             kept[i] = (x, y)
@@ -64,8 +64,12 @@ def plain(comm, layers, ops, inputs, targets, bug=None):
             y.backward(None if rank == size - 1 else torch.zeros_like(y) if missing else take(rank + 1, i))
             if rank > 0:
                 post(x.grad, rank - 1, i)
-    MPI.Request.Waitall([r for r, _ in sends])
-    return [losses[i] for i in sorted(losses)]
+            order.append(i)
+    if bug != "never waits for its sends":
+        MPI.Request.Waitall([r for r, _ in sends])
+    if bug == "None on the first ranks" and rank < size - 1:
+        return None
+    return [losses[i] for i in (order if bug == "losses in backward order" else sorted(losses))]
 
 
 @pytest.fixture(autouse=True)
@@ -88,6 +92,10 @@ def test_valid_executors_pass(fn, capsys):
     ("scales inputs in place", "changed in place"),
     ("float32 messages", "wrong values"),
     ("no gradient receive", "wrong values"),  # the unreceived sends are small enough to complete anyway
+    ("losses in backward order", "wrong losses"),  # caught by the mixed order's newest-first backwards
+    ("tensor losses", "wrong losses"),
+    ("None on the first ranks", "wrong losses"),
+    ("never waits for its sends", "Mailbox.free"),
 ])
 def test_wrong_executors_fail_on_every_rank(bug, expected):
     with pytest.raises(CheckFailed, match=expected):

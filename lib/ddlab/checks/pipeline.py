@@ -113,7 +113,7 @@ def check_pipedream_partition(fn: Callable[[int, int, Callable[[int, int], float
         got = list(got)
         if len(got) != k + 1 or got[0] != 0 or got[-1] != n or any(a >= b for a, b in zip(got, got[1:])):
             raise CheckFailed(f"{case}: bounds {got} are not {k} contiguous non-empty stages of {n} layers "
-                              f"(k+1 increasing ints from 0 to {n}, e.g. {want})")
+                              f"(k+1 increasing ints from 0 to {n}, e.g. {[*range(k), n]})")
         times = [round(stage_time(a, b), 3) for a, b in zip(got, got[1:])]
         if max(times) > best + 1e-9:
             raise CheckFailed(
@@ -131,14 +131,16 @@ WIDTH, ROWS, MICRO = 3, 2, 5  # features per row, rows per micro-batch, micro-ba
 EXECUTOR_HINTS = {
     "error": ("If a rank waited until the timeout: a blocking send waits for its receiver, and under 1F1B two "
               "neighbours can be sending to each other at the same moment. Post sends without waiting for them "
-              "(Isend, or lab 06's Mailbox.post), wait for them all at the end, and receive each message with "
-              "its micro-batch's tag."),
+              "(Isend, or lab 06's Mailbox.post), wait for them all at the end (Waitall, or Mailbox.free), and "
+              "receive each message with its micro-batch's tag."),
     "messages": ("Per micro-batch, stage s sends its output to rank s+1 after computing it and the gradient of its "
                  "input to rank s-1 after its backward: one message each way, none from the first stage "
                  "backward or the last stage forward."),
     "values": ("A micro-batch's backward must start from the output its own forward made (keep what backward "
                "needs per micro-batch, receive the gradient tagged with that micro-batch), and gradients must "
                "add up over the micro-batches (do not reset or overwrite .grad between them)."),
+    "losses": ("The last rank returns one float per micro-batch in micro-batch order (0, 1, ..., M-1), whatever "
+               "order its backwards ran in; the other ranks return []."),
 }
 
 
@@ -184,19 +186,21 @@ def _messages_problem(traffic: list[Any], rank: int, k: int) -> str | None:
     return None
 
 
-def _values_problem(layers: nn.Module, want: list[torch.Tensor], losses: Any, want_losses: list[float],
-                    last: bool) -> str | None:
+def _values_problem(layers: nn.Module, want: list[torch.Tensor]) -> str | None:
     for index, (param, expected) in enumerate(zip(layers.parameters(), want)):
         if param.grad is None:
             return f"parameter {index} of the stage has no gradient"
         if param.grad.dtype != expected.dtype or not torch.allclose(param.grad, expected, rtol=1e-9, atol=1e-12):
             worst = float((param.grad.double() - expected).abs().max())
             return f"parameter {index}'s gradient differs from one process's by up to {worst:.2e}"
-    if last:
-        if not isinstance(losses, (list, tuple)) or len(losses) != MICRO or not all(is_number(x) for x in losses):
-            return f"returned {losses!r}; the last rank returns the {MICRO} micro-batch losses as numbers"
-        if not all(math.isclose(got, expected, rel_tol=1e-9) for got, expected in zip(losses, want_losses)):
-            return f"losses {[round(float(x), 6) for x in losses]}, expected {[round(x, 6) for x in want_losses]}"
+    return None
+
+
+def _losses_problem(losses: Any, want_losses: list[float]) -> str | None:
+    if not isinstance(losses, (list, tuple)) or len(losses) != MICRO or not all(is_number(x) for x in losses):
+        return f"returned {losses!r}; the last rank returns the {MICRO} micro-batch losses as numbers"
+    if not all(math.isclose(got, expected, rel_tol=1e-9) for got, expected in zip(losses, want_losses)):
+        return f"losses {[round(float(x), 6) for x in losses]}, expected {[round(x, 6) for x in want_losses]}"
     return None
 
 
@@ -224,8 +228,14 @@ def check_run_schedule(fn: Callable[..., Any]) -> None:
             fail_together(sub, problem, f"{context}: wrong messages", EXECUTOR_HINTS["messages"])
             if any(not torch.equal(x, y) for x, y in zip(args[2], inputs)):
                 problem = "inputs[i] was changed in place; leave the inputs as they are"
-            problem = problem or _values_problem(layers, want[rank], losses, want_losses, rank == k - 1)
+            problem = problem or _values_problem(layers, want[rank])
             fail_together(sub, problem, f"{context}: wrong values", EXECUTOR_HINTS["values"])
+            if rank < k - 1:
+                empty = isinstance(losses, (list, tuple)) and len(losses) == 0
+                problem = None if empty else f"returned {losses!r}; the ranks before the last return []"
+            else:
+                problem = _losses_problem(losses, want_losses)
+            fail_together(sub, problem, f"{context}: wrong losses", EXECUTOR_HINTS["losses"])
         return None
 
     each_size(MPI.COMM_WORLD, body, "run_schedule")
