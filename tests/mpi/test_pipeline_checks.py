@@ -106,8 +106,16 @@ def test_wrong_executors_fail_on_every_rank(bug, expected):
 def test_executors_that_never_finish_fail_within_the_timeout(bug, monkeypatch):
     """A deadlock, a message nobody receives or a receive nobody matches: the deadlock hint, not a hang."""
     monkeypatch.setattr(checks, "TIMEOUT", 2.0)
-    with pytest.raises(CheckFailed, match="waited until the timeout"):
+    with pytest.raises(CheckFailed, match="Stalled(.|\n)*blocking send waits for its receiver"):
         check_run_schedule(functools.partial(plain, bug=bug))
+
+
+def test_an_error_of_the_students_own_gets_no_deadlock_advice():
+    def forgets_requires_grad(comm, layers, ops, inputs, targets):
+        raise AttributeError("'NoneType' object has no attribute 'detach'")
+    with pytest.raises(CheckFailed) as info:
+        check_run_schedule(forgets_requires_grad)
+    assert "AttributeError" in str(info.value) and "blocking send" not in str(info.value)
 
 
 def test_extra_messages_are_counted():
