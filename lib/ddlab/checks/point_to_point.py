@@ -59,7 +59,7 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
     data = _collect_data(rank)
     try:
         # Arrays arrive in reverse rank order: a list in arrival order is wrong on every run.
-        got, traffic = run_counted(sub, fn, (data,), f"collect on {size} ranks", timeout, stagger=STAGGER)
+        got, traffic = run_counted(sub, fn, (data,), f"collect on {size} rank{'s' * (size != 1)}", timeout, stagger=STAGGER)
     except CheckFailed as err:
         if "MPI_ERR" in str(err):
             raise CheckFailed(f"{err}\n{SIZE_HINT}") from None
@@ -122,7 +122,7 @@ def _exchange_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None
     rank, size = sub.Get_rank(), sub.Get_size()
     partner = rank ^ 1 if rank ^ 1 < size else None
     data = _exchange_data(rank)
-    context = f"exchange on {size} ranks"
+    context = f"exchange on {size} rank{'s' * (size != 1)}"
     try:
         got, traffic = run_counted(sub, fn, (data,), context, timeout)
     except CheckFailed as err:
@@ -251,7 +251,7 @@ def _ping_pong_problem(sub: MPI.Comm, fn: Callable, timeout: float, timing: bool
     size = sub.Get_size()
     for nbytes, repeats in ((8, 20), (2**20, 3)):
         buf = np.ones(nbytes // 8)
-        result, traffic = run_counted(sub, fn, (buf, repeats), f"ping_pong on {size} ranks", timeout)
+        result, traffic = run_counted(sub, fn, (buf, repeats), f"ping_pong on {size} rank{'s' * (size != 1)}", timeout)
         problem = _ping_pong_traffic_problem(traffic, buf.nbytes, repeats)
         if problem:
             raise CheckFailed(f"ping_pong on {size} ranks, buf of {nbytes} bytes, repeats={repeats}: {problem}")
