@@ -282,6 +282,48 @@ def test_tree_that_is_linear(comm):
     assert "on 4 ranks" in message and "took 3 rounds" in message and "rank 0 received 3 messages; in a binomial tree no rank receives" in message
 
 
+def bcast_tree_nearest_child_first(comm, x, root=0):
+    """The tree's messages, but each rank sends to its nearest child first."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    me = (rank - root) % size
+    out = np.array(x, order="C") if me == 0 else np.empty(x.shape, x.dtype)
+    limit = size if me == 0 else me & -me
+    if me:
+        comm.Recv(out, source=(me - limit + root) % size)
+    step = 1
+    while step < limit:
+        if me + step < size:
+            comm.Send(out, dest=(me + step + root) % size)
+        step *= 2
+    return out
+
+
+def reduce_tree_farthest_child_first(comm, x, root=0):
+    """The tree's messages, but each rank receives from its farthest child first."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    me = (rank - root) % size
+    total, part = np.array(x, order="C"), np.empty(x.shape, x.dtype)
+    limit = me & -me if me else 1 << (size - 1).bit_length()
+    step = limit // 2
+    while step >= 1:
+        if me + step < size:
+            comm.Recv(part, source=(me + step + root) % size)
+            total += part
+        step //= 2
+    if me:
+        comm.Send(total, dest=(me - limit + root) % size)
+        return None
+    return total
+
+
+def test_tree_messages_in_the_wrong_order(comm):
+    _needs(4)
+    message = _fails(check_bcast_tree, bcast_tree_nearest_child_first)
+    assert "took 3 rounds" in message and "look at their order" in message
+    message = _fails(check_reduce_tree, reduce_tree_farthest_child_first)
+    assert "took 3 rounds" in message and "look at their order" in message
+
+
 def test_linear_that_is_a_tree(comm):
     _needs(4)
     message = _fails(check_bcast_linear, collectives.bcast_tree)

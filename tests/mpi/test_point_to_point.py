@@ -161,6 +161,20 @@ def test_exchange_check_catches_a_lone_rank_returning_its_own_array(comm):
     expect_failure(check_exchange, lone_rank_returns_data, "a new array")
 
 
+def test_exchange_check_catches_a_float64_receive_buffer(comm):
+    def default_dtype(comm, data):
+        partner = _partner(comm)
+        if partner is None:
+            return data.copy()
+        received = np.empty(data.shape)  # float64, whatever data's dtype
+        comm.Sendrecv(data, dest=partner, recvbuf=received, source=partner)
+        return received
+
+    if comm.Get_size() == 1:
+        pytest.skip("one rank has no partner to swap with")
+    expect_failure(check_exchange, default_dtype, "dtype")
+
+
 # ping_pong: wrong answers -----------------------------------------------------------
 def _bounce(comm, buf, repeats):
     """The right message pattern; returns the elapsed seconds (not yet per message)."""

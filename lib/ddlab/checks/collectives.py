@@ -82,9 +82,13 @@ _PATTERN_HINT = {
                           "the root, which receives and adds them; no other messages.",
     ("bcast", "tree"): "Compare with the lab's picture: every round, each rank that has the data sends "
                        "it to one rank that has not, so the holders double; each rank receives once, "
-                       "before it sends. Another root: number the ranks from the root.",
+                       "before it sends. Another root: number the ranks from the root. If these are "
+                       "the tree's messages, look at their order: a rank sends first to the child with "
+                       "the most sending left to do.",
     ("reduce", "tree"): "Compare with the lab's picture: the broadcast's messages reversed, round by round; "
-                        "each rank other than the root sends once, after adding what its children sent.",
+                        "each rank other than the root sends once, after adding what its children sent. "
+                        "If these are the tree's messages, look at their order: a rank receives from its "
+                        "children round by round, lowest round first.",
 }
 
 

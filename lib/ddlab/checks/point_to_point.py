@@ -102,12 +102,15 @@ def check_collect(fn: Callable[[Any, np.ndarray], list | None], timeout: float =
 
 
 # Exercise: exchange ------------------------------------------------------------
-EXCHANGE_LENGTH = 2**16 + 3  # about 512 KiB of float64: above every MPI's eager limit
+EXCHANGE_LENGTH = 2**16 + 3  # about 512 KiB of int64: above every MPI's eager limit
 
 
 def _exchange_data(rank: int) -> np.ndarray:
-    """Rank r's array: 1e6 * (r + 1) + 0, 1, 2, ..., so its owner can be read off."""
-    return np.arange(EXCHANGE_LENGTH, dtype=np.float64) + 1e6 * (rank + 1)
+    """Rank r's array: 10**6 * (r + 1) + 0, 1, 2, ..., so its owner can be read off.
+
+    Integers, not float64, so that a receive buffer made with NumPy's default dtype fails.
+    """
+    return np.arange(EXCHANGE_LENGTH, dtype=np.int64) + 10**6 * (rank + 1)
 
 
 def _owner(got: np.ndarray, size: int) -> int | None:
