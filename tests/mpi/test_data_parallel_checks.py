@@ -234,7 +234,7 @@ def test_train_step_check_accepts_a_numpy_float(comm):
 # overlapped_averaging ------------------------------------------------------------------
 
 def overlapped(model, comm, groups, register="register_post_accumulate_grad_hook", order=None, divide=True,
-               at_the_end=False, skip_last=False, flatten=None):
+               at_the_end=False, skip_last=False, flatten=None, no_reset=False):
     """The lab's solution, with switches that make the wrong answers below."""
     order = list(range(len(groups)))[::-1 if order == "reversed" else 1]
     size = comm.Get_size()
@@ -263,15 +263,17 @@ def overlapped(model, comm, groups, register="register_post_accumulate_grad_hook
         if at_the_end:
             start_ready()
         for k, group in enumerate(groups):
-            if requests[k] is not None:
+            if requests[k] is not None or no_reset:
                 requests[k].Wait()
+            requests[k] = None if no_reset else requests[k]
             offset = 0
             for p in group:
                 piece = torch.from_numpy(flats[k][offset:offset + p.numel()]).view_as(p)
                 p.grad.copy_(piece / size if divide else piece)
                 offset += p.numel()
-        ready[:] = [0] * len(groups)
-        started[0] = 0
+        if not no_reset:
+            ready[:] = [0] * len(groups)
+            started[0] = 0
 
     return finish
 
@@ -305,6 +307,11 @@ def test_overlap_check_fails_wrong_answers(comm, options, words):
 
 def test_overlap_check_fails_a_forgotten_bucket(comm):
     fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, skip_last=True), "expected one per bucket")
+
+
+def test_overlap_check_names_the_step_when_the_state_is_not_reset(comm):
+    fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, no_reset=True),
+          "step 1 failed after step 0 went through", "start again from zero")
 
 
 def test_overlap_check_names_the_call_to_use_for_a_blocking_allreduce(comm):

@@ -285,6 +285,8 @@ def check_train_step(fn: Callable[..., float], timeout: float = TIMEOUT) -> None
 
 # Exercise 4.5 ---------------------------------------------------------------------
 OVERLAP_CAP_MB = 0.1  # the lab MLP's gradients in 3 buckets
+NEXT_STEP_HINT = ("what the hooks and finish() count per step (gradients ready, the next bucket to start, the "
+                  "requests) must start again from zero for the next step")
 HOOK_HINT = ("a hook that reads p.grad must run after the gradient is accumulated: "
              "p.register_post_accumulate_grad_hook(hook), whose hook receives the parameter")
 
@@ -325,14 +327,20 @@ def _overlap_problem(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], time
         if any(getattr(p, "_backward_hooks", None) for p in model.parameters()):  # what register_hook fills
             raise TypeError(f"hooks registered with register_hook run before the gradient reaches p.grad; {HOOK_HINT}")
         per_step = []
-        for batch in batches:
+        for step, batch in enumerate(batches):
             x, y = data[batch[rank::size]]
             optimizer.zero_grad()
             loss = squared_error(model(x), y).mean()
             recorder.in_backward = True
-            loss.backward()
-            recorder.in_backward = False
-            finish()
+            try:
+                loss.backward()
+                recorder.in_backward = False
+                finish()
+            except Exception as err:
+                if step == 0:
+                    raise
+                raise RuntimeError(f"step {step} failed after step 0 went through ({type(err).__name__}: {err}): "
+                                   f"{NEXT_STEP_HINT}") from err
             counts = counting.agree(len(recorder.starts), "the other ranks to finish the step")
             if len(set(counts)) > 1:
                 raise ValueError(f"the ranks started {counts} Iallreduces in this step: every rank must start "
@@ -346,7 +354,7 @@ def _overlap_problem(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], time
         per_step, _ = run_counted(comm, train_steps, (), "three training steps with overlapped_averaging",
                                   timeout, allow=("Iallreduce",))
     except CheckFailed as err:
-        if "NoneType" in str(err):
+        if "NoneType" in str(err) and NEXT_STEP_HINT not in str(err):
             raise CheckFailed(f"{err}\n{HOOK_HINT}") from None
         raise
     for step, starts in enumerate(per_step):
