@@ -86,10 +86,12 @@ def recursive_doubling_problem(traffic: list[Traffic], size: int, n: int, itemsi
     for t in traffic:
         want = recursive_doubling_sends(t.rank, size, n * itemsize)
         if _sends(t) != want:
+            steps = pof2.bit_length() - 1
             return (f"rank {t.rank} sent {t.messages_sent} messages: {_shown(_sends(t))}. Recursive doubling "
-                    f"on {pof2} ranks sends log2({pof2}) = {pof2.bit_length() - 1} messages of all n = {n} "
-                    f"items ({n * itemsize} B), in step k to the rank whose number differs in bit k "
-                    f"(rank XOR 2^k).{_fold_note(size)} Expected from rank {t.rank}: {_shown(want)}.")
+                    f"on {pof2} ranks sends log2({pof2}) = {steps} message{'s' * (steps != 1)} of all n = {n} "
+                    f"items ({n * itemsize} B), in step k to the {'member' if pof2 < size else 'rank'} whose "
+                    f"number differs in bit k (number XOR 2^k).{_fold_note(size)} "
+                    f"Expected from rank {t.rank}: {_shown(want)}.")
     return None
 
 
