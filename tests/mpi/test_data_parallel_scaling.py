@@ -58,6 +58,15 @@ def as_float64(comm, arrays, cap_bytes, allreduce):
     return [o.astype(np.float64) for o in bucketed(comm, arrays, cap_bytes, allreduce)]
 
 
+def direct_allreduce(comm, arrays, cap_bytes, allreduce):
+    """Sums with comm.Allreduce itself instead of the allreduce it was given."""
+    def own(c, x):
+        out = np.empty_like(x)
+        c.Allreduce(x, out)
+        return out
+    return bucketed(comm, arrays, cap_bytes, own)
+
+
 def test_bucketed_check_passes_the_reference(comm):
     checks.check_allreduce_bucketed(bucketed)
 
@@ -65,6 +74,7 @@ def test_bucketed_check_passes_the_reference(comm):
 @pytest.mark.parametrize("wrong, words", [
     (one_per_array, "allreduce calls"), (all_fused, "allreduce calls"), (in_place, "changed"),
     (cap_exceeded, "allreduce calls"), (cap_exclusive, "with cap 448 bytes"), (as_float64, "dtype float64"),
+    (direct_allreduce, "never called the `allreduce` passed"),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_bucketed_check_fails_on_wrong_packing(comm, wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):

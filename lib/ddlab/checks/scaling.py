@@ -67,6 +67,9 @@ def _bucketed_problem(comm: MPI.Comm, fn: Callable[..., list[np.ndarray]], cap: 
     want_calls = _expected_calls([int(np.prod(s)) for s in shapes], 4, cap)
     if not isinstance(got, list) or len(got) != len(arrays):
         return f"should return a list of {len(arrays)} arrays, got {type(got).__name__}"
+    if not calls:
+        return ("never called the `allreduce` passed as its last argument: sum each bucket with that function "
+                "(the check counts its calls), not with comm.Allreduce or allreduce_mpi directly")
     if calls != want_calls:
         return (f"allreduce calls of {calls} elements, expected {want_calls}: fill buckets in order, "
                 f"starting a new one when the next array would pass {cap} bytes "
