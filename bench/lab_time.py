@@ -9,12 +9,12 @@ For every notebook in solutions/ it measures what a student has to do:
 It prints these, the estimate they give at the rates below, and the time the lab's first
 cell states.
 
-The rates are the course's assumptions, checked against walkthroughs of labs 00-07 in
-which a reviewer solved each lab from its student version as a new student would
-(attempts per exercise, and minutes judged per exercise; see the README):
-a careful first reading of technical prose with formulas and figures at 100 words a
-minute, hints read when stuck (half of them), and per exercise a fixed part (reading its
-check's message, re-running) plus a part per line of solution. Cells are run about twice.
+The rates were fitted (least squares of the relative error) to walkthroughs of labs 00-07,
+in which reviewers solved each lab from its student version as a new student would,
+counting attempts and judging each exercise's minutes (README, "How long each lab takes"):
+a first reading of technical prose with formulas and figures at 120 words a minute, half
+the hints read, per exercise 2 minutes plus 0.75 per solution line, cells run twice, and
+10 minutes per lab for starting the engines, restarts and looking around.
 
     .venv/bin/python bench/lab_time.py [--run] [labs ...]   # e.g. 03 04
 """
@@ -31,13 +31,14 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS_PER_MINUTE = 100
+WORDS_PER_MINUTE = 120
 HINTS_READ = 0.5
-MINUTES_PER_EXERCISE = 6.0
-MINUTES_PER_LINE = 1.0
+MINUTES_PER_EXERCISE = 2.0
+MINUTES_PER_LINE = 0.75
 RUNS = 2
-HINT_RE = re.compile(r"<details>.*?</details>", re.S)
-SOLUTION_RE = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
+FIXED_MINUTES = 10.0
+HINT_RE = re.compile(r"<details>.*?</details>", re.DOTALL)
+SOLUTION_RE = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.DOTALL)
 STATED_RE = re.compile(r"\*\*Time:\*\*\s*about (\d+) minutes")
 
 
@@ -56,7 +57,7 @@ class Lab:
         """The estimate at the module's rates (running time counts only if measured)."""
         reading = (self.words + HINTS_READ * self.hint_words) / WORDS_PER_MINUTE
         writing = MINUTES_PER_EXERCISE * len(self.lines) + MINUTES_PER_LINE * sum(self.lines)
-        return reading + writing + RUNS * (self.seconds or 0.0) / 60
+        return FIXED_MINUTES + reading + writing + RUNS * (self.seconds or 0.0) / 60
 
 
 def measure(path: Path) -> Lab:
@@ -77,9 +78,8 @@ def measure(path: Path) -> Lab:
 
 def run_seconds(path: Path, timeout: int = 600) -> float:
     """Seconds to run the notebook top to bottom in the course kernel; raise if a cell fails."""
-    from nbclient import NotebookClient
-
     from ddlab.grading.run import KERNEL, clean_up, private_ipython_dir
+    from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     with private_ipython_dir() as ipython_dir:
@@ -104,14 +104,14 @@ def main() -> int:
     if not paths:
         parser.error(f"no lab numbered {' or '.join(args.labs)} in solutions/")
     print(f"rates: {WORDS_PER_MINUTE} words/min, half the hints read, {MINUTES_PER_EXERCISE:g} min per exercise "
-          f"+ {MINUTES_PER_LINE:g} min per solution line, cells run {RUNS}x")
+          f"+ {MINUTES_PER_LINE:g} min per solution line, cells run {RUNS}x, {FIXED_MINUTES:g} min per lab")
     print(f"{'lab':<28}{'words':>7}{'hints':>7}  {'solution lines per exercise':<28}{'run s':>7}{'estimate':>10}{'stated':>8}")
     for path in paths:
         lab = measure(path)
         if args.run:
             lab.seconds = run_seconds(path)
         run = f"{lab.seconds:.0f}" if lab.seconds is not None else "-"
-        print(f"{lab.name:<28}{lab.words:>7}{lab.hint_words:>7}  {str(lab.lines):<28}{run:>7}"
+        print(f"{lab.name:<28}{lab.words:>7}{lab.hint_words:>7}  {lab.lines!s:<28}{run:>7}"
               f"{lab.minutes():>8.0f} m{lab.stated or '-':>7} m", flush=True)
     return 0
 
