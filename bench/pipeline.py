@@ -11,7 +11,10 @@ micro-batches of one image) and prints:
   theory with that overlap, which is why a balanced pipeline measures below (K-1)/(M+K-1);
 - GPipe / 1F1B peak activation memory per rank, against M / min(K-s, M);
 - max/mean stage time of the naive and the balanced (dynamic programming, then
-  calibrated) split, 1F1B with 8 micro-batches, and their throughput ratio.
+  calibrated) split, 1F1B with 8 micro-batches, and their throughput ratio;
+- a control: the same schedules on K identical stages (a plain stack of equal 3x3
+  convolutions, built from the UNet's own layers), which (K-1)/(M+K-1) assumes. What
+  still separates the bubble from the theory there is the machine, not the split.
 
 The schedules take turns within every round (and so do the two splits), each round
 starting with the other one, so that other work on the machine hits them alike.
@@ -27,12 +30,50 @@ import argparse
 import statistics
 import sys
 
+import torch
+from torch import nn
+
 TIMEOUT = 1800
 MS = (1, 2, 4, 8, 16)
 
 
+class ConvStack(nn.Module):
+    """K identical stages in the UNet's form: an input convolution, `k * per_stage` equal 3x3
+    convolutions, a head, no skips; `bounds` cuts it after every `per_stage` convolutions
+    (the first stage also runs the input convolution, the last the head and the loss)."""
+
+    def __init__(self, width: int, per_stage: int, k: int, in_channels: int = 3, classes: int = 3):
+        from ddlab.models.unet import Conv, Head
+
+        super().__init__()
+        self.depth, self.in_channels = 0, in_channels
+        body = [Conv(width, width) for _ in range(k * per_stage)]
+        self.layers = nn.ModuleList([Conv(in_channels, width), *body, Head(width, classes)])
+        self.bounds = [0] + [1 + per_stage * s for s in range(1, k)] + [len(self.layers)]
+
+
+def bubble_table(k: int, bubbles: dict, expected: dict, imbalance: dict) -> None:
+    """Print, per M and schedule, the median bubble, |bubble - (K-1)/(M+K-1)|, expected and max/mean,
+    and the largest |diff| for M >= 4 against the 0.05 target."""
+    from ddlab.pipeline import theory_bubble
+
+    print(f"{'M':>3} {'theory':>7} | {'GPipe':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8} | "
+          f"{'1F1B':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8}")
+    worst = 0.0
+    for m in sorted({m for _, m in bubbles}):
+        cells = []
+        for name in ("gpipe", "one_f_one_b"):
+            got = statistics.median(bubbles[name, m])
+            diff = abs(got - theory_bubble(k, m))
+            if m >= 4:
+                worst = max(worst, diff)
+            cells.append(f"{got:6.3f} {diff:6.3f} {statistics.median(expected[name, m]):8.3f} "
+                         f"{statistics.median(imbalance[name, m]):8.2f}")
+        print(f"{m:3d} {theory_bubble(k, m):7.3f} | " + " | ".join(cells))
+    print(f"largest |bubble - theory| for M >= 4: {worst:.3f} (target <= 0.05: {'met' if worst <= 0.05 else 'missed'})")
+
+
 def child(rounds: int) -> None:
-    import torch
     from mpi4py import MPI
 
     from ddlab.data.images import make_segmentation
@@ -52,9 +93,9 @@ def child(rounds: int) -> None:
     splits = {"naive": naive_split(len(model.layers), k), "balanced": calibration.best}
     schedules = (gpipe, one_f_one_b)
 
-    bubbles = {(s.__name__, m): [] for s in schedules for m in MS}
-    expected = {(s.__name__, m): [] for s in schedules for m in MS}
-    imbalance = {(s.__name__, m): [] for s in schedules for m in MS}
+    control = ConvStack(width=16, per_stage=4, k=k)
+    control_images, control_masks = make_segmentation(16, 32, seed=0)
+    tables = {which: ({}, {}, {}) for which in ("unet", "control")}  # bubbles, expected, max/mean
     peaks: dict[tuple[str, int], list[int]] = {}
     hidden: list[float] = []
     stage_times = {name: [] for name in splits}
@@ -63,13 +104,16 @@ def child(rounds: int) -> None:
         order = schedules if round_ % 2 == 0 else schedules[::-1]
         for m in MS:
             for schedule in order:
-                run = measure_pipeline(comm, model, splits["balanced"], schedule, m, images[:m], masks[:m], repeats=1)
-                bubbles[schedule.__name__, m].append(run.bubble)
-                expected[schedule.__name__, m].append(expected_bubble(run, schedule))
-                imbalance[schedule.__name__, m].append(Calibration.imbalance(run.directions))
-                if m == 1:
-                    hidden.append(hidden_share(run))
-                peaks[schedule.__name__, m] = run.peak_activations
+                for which, net, bounds, x, y in (("unet", model, splits["balanced"], images, masks),
+                                                 ("control", control, control.bounds, control_images, control_masks)):
+                    run = measure_pipeline(comm, net, bounds, schedule, m, x[:m], y[:m], repeats=1)
+                    for table, value in zip(tables[which], (run.bubble, expected_bubble(run, schedule),
+                                                            Calibration.imbalance(run.directions))):
+                        table.setdefault((schedule.__name__, m), []).append(value)
+                    if which == "unet":
+                        peaks[schedule.__name__, m] = run.peak_activations
+                        if m == 1:
+                            hidden.append(hidden_share(run))
         for name in (list(splits) if round_ % 2 == 0 else list(splits)[::-1]):
             run = measure_pipeline(comm, model, splits[name], one_f_one_b, 8, images[:8], masks[:8], repeats=1)
             stage_times[name].append(run.stage_times)
@@ -83,20 +127,7 @@ def child(rounds: int) -> None:
     print("\nbubble on the busy clock (median over rounds); theory (K-1)/(M+K-1); expected: the schedule")
     print("replayed with the run's own stage times; max/mean: slowest stage over the mean in that run,")
     print("in the less even direction (forward or backward)")
-    print(f"{'M':>3} {'theory':>7} | {'GPipe':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8} | "
-          f"{'1F1B':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8}")
-    worst = 0.0
-    for m in MS:
-        cells = []
-        for name in ("gpipe", "one_f_one_b"):
-            got = statistics.median(bubbles[name, m])
-            diff = abs(got - theory_bubble(k, m))
-            if m >= 4:
-                worst = max(worst, diff)
-            cells.append(f"{got:6.3f} {diff:6.3f} {statistics.median(expected[name, m]):8.3f} "
-                         f"{statistics.median(imbalance[name, m]):8.2f}")
-        print(f"{m:3d} {theory_bubble(k, m):7.3f} | " + " | ".join(cells))
-    print(f"largest |bubble - theory| for M >= 4: {worst:.3f} (target <= 0.05: {'met' if worst <= 0.05 else 'missed'})")
+    bubble_table(k, *tables["unet"])
     h = statistics.median(hidden)
     print(f"\nM = 1: {h:.3f} of the stages' work ran off the critical path (median over both schedules and rounds);")
     print("theory with that overlap: " + ", ".join(f"M={m} {theory_bubble(k, m, h):.3f}" for m in MS))
@@ -120,6 +151,11 @@ def child(rounds: int) -> None:
     speed = statistics.median(makespans["naive"]) / statistics.median(makespans["balanced"])
     print(f"balanced max/mean <= 1.15: {'met' if ratio['balanced'] <= 1.15 else 'missed'}; "
           f"throughput balanced / naive = {speed:.2f}")
+
+    print(f"\ncontrol: {k} identical stages ({control.bounds}: an input convolution, {len(control.layers) - 2} "
+          "equal 16->16 3x3 convolutions, a head), 32x32 images;")
+    print("the split cannot be uneven here, so what remains is the machine's")
+    bubble_table(k, *tables["control"])
 
 
 def main() -> int:
