@@ -305,6 +305,38 @@ def test_overlap_check_fails_wrong_answers(comm, options, words):
     fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, **options), *words)
 
 
+def test_overlap_check_fails_buckets_started_as_they_complete(comm):
+    """Each bucket started by its own last gradient, whatever its number: right only while buckets complete in order."""
+    def as_completed(model, comm, groups):
+        owner = {p: k for k, group in enumerate(groups) for p in group}
+        to_come = [len(group) for group in groups]
+        flats, requests = [None] * len(groups), [None] * len(groups)
+
+        def hook(p):
+            k = owner[p]
+            to_come[k] -= 1
+            if to_come[k] == 0:
+                flats[k] = torch.cat([q.grad.reshape(-1) for q in groups[k]]).numpy()
+                requests[k] = comm.Iallreduce(MPI.IN_PLACE, flats[k])
+
+        for group in groups:
+            for p in group:
+                p.register_post_accumulate_grad_hook(hook)
+
+        def finish():
+            for k, group in enumerate(groups):
+                requests[k].Wait()
+                offset = 0
+                for p in group:
+                    p.grad.copy_(torch.from_numpy(flats[k][offset:offset + p.numel()]).view_as(p) / comm.Get_size())
+                    offset += p.numel()
+                to_come[k] = len(group)
+
+        return finish
+
+    fails(checks.check_overlapped_averaging, as_completed, "first layer first", "bucket order")
+
+
 def test_overlap_check_fails_a_forgotten_bucket(comm):
     fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, skip_last=True), "expected one per bucket")
 
