@@ -100,14 +100,28 @@ def test_eval_shards_are_contiguous_blocks():
 
 # The check of exercise 4.1 -----------------------------------------------------------
 
-def test_shard_check_passes_the_reference_and_block_shards():
+def test_shard_check_passes_the_reference_and_another_generator():
     checks.check_shard_indices(shard_indices)
 
-    def blocks(n, rank, size, epoch, seed=0):  # a different, also right, layout
-        order = np.resize(epoch_permutation(n, epoch, seed), -(-n // size) * size)
-        length = len(order) // size
-        return order[rank * length:(rank + 1) * length]
-    checks.check_shard_indices(blocks)
+    def torch_order(n, rank, size, epoch, seed=0):  # another generator and padding written out: also right
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).numpy()
+        pad = -(-n // size) * size - n
+        padded = np.concatenate([order] + [order] * (pad // max(n, 1)) + [order[:pad % max(n, 1)]])
+        return padded[rank::size]
+    checks.check_shard_indices(torch_order)
+
+
+def blocks(n, rank, size, epoch, seed=0):  # contiguous blocks, not every size-th entry
+    order = np.resize(epoch_permutation(n, epoch, seed), -(-n // size) * size)
+    length = len(order) // size
+    return order[rank * length:(rank + 1) * length]
+
+
+def random_padding(n, rank, size, epoch, seed=0):  # pads with random samples, not the order's first ones
+    order = epoch_permutation(n, epoch, seed)
+    pad = -(-n // size) * size - n
+    extra = np.random.default_rng([seed, epoch, 1]).choice(n, pad, replace=False) if n >= pad else order[:0]
+    return np.concatenate([order, extra])[rank::size]
 
 
 def unpadded(n, rank, size, epoch, seed=0):
@@ -141,7 +155,8 @@ def as_list(n, rank, size, epoch, seed=0):
 @pytest.mark.parametrize("wrong, words", [
     (unpadded, "same number of steps"), (dropped, "pad by repeating"), (unshuffled, "epoch 0 and epoch 1"),
     (same_every_epoch, "epoch 0 and epoch 1"), (unseeded, "different shards"),
-    (ignores_seed, "seeds 0 and 1"), (as_list, "NumPy array"),
+    (ignores_seed, "seeds 0 and 1"), (as_list, "NumPy array"), (blocks, "every size-th entry"),
+    (random_padding, "padded with its own first entries"),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_shard_check_fails_on_wrong_shards(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):

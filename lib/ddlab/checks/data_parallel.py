@@ -71,12 +71,23 @@ def _shard_problem(fn: Callable[..., np.ndarray], n: int, size: int, epoch: int,
     repeats = everything.size - n
     if repeats != want * size - n:
         return f"n={n}, size={size}: {repeats} samples appear twice, expected only the {want * size - n} of padding"
+    dealt = np.empty(want * size, dtype=everything.dtype)
+    for rank, shard in enumerate(shards):
+        dealt[rank::size] = shard
+    alone = np.resize(np.asarray(fn(n, 0, 1, epoch, seed)), want * size)  # one rank's order, padded from its start
+    if not np.array_equal(dealt, alone):
+        at = int(np.flatnonzero(dealt != alone)[0])
+        return (f"n={n}, size={size}, epoch={epoch}: read in turn (rank 0's first index, rank 1's first, ..., then "
+                f"every rank's second, ...), the shards should be the order one rank alone gets (size=1), padded "
+                f"with its own first entries; position {at} holds {dealt[at]} instead of {alone[at]}. Each rank "
+                "takes every size-th entry of the padded order, starting at its rank")
     return None
 
 
 def check_shard_indices(fn: Callable[[int, int, int, int, int], np.ndarray]) -> None:
-    """fn(n, rank, size, epoch, seed): disjoint shards of equal length covering all samples,
-    padded when size does not divide n, the same on every call, reshuffled each epoch and seed."""
+    """fn(n, rank, size, epoch, seed): disjoint shards of equal length covering all samples, padded
+    with the order's first entries when size does not divide n, each rank taking every size-th entry
+    of one order (the one size=1 gives), the same on every call, reshuffled each epoch and seed."""
     n, size = 64, 4
     first = [np.asarray(fn(n, r, size, 0, 0)) for r in range(size)]
     if any(not np.array_equal(a, np.asarray(fn(n, r, size, 0, 0))) for r, a in enumerate(first)):
