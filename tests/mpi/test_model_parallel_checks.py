@@ -92,9 +92,9 @@ def test_reference_functions_pass():
 
 
 @pytest.mark.parametrize("wrong, says", [
-    (SendKeepsGradient, "are missing"),
+    (SendKeepsGradient, "are missing. Check that SendTensor.backward returns the gradient"),
     (SendNeverReceives, "differ from one process"),
-    (SendTwice, "expected"),
+    (SendTwice, "activations sent forward: .*Check that SendTensor.forward posts each activation once"),
 ])
 def test_wrong_send_fails(wrong, says):
     with pytest.raises(CheckFailed, match=says):
@@ -104,7 +104,7 @@ def test_wrong_send_fails(wrong, says):
 def test_wrong_recv_fails(monkeypatch):
     with pytest.raises(CheckFailed, match="differ from one process"):
         check_recv_tensor(RecvSendsDoubleGradient)
-    with pytest.raises(CheckFailed, match="expected"):
+    with pytest.raises(CheckFailed, match="gradients sent backward: .*in the dtype it came in"):
         check_recv_tensor(RecvSendsFloat32)
     monkeypatch.setattr(checks, "TIMEOUT", 2.0)
     for wrong in (RecvSendsNothingBack, RecvSendsToNextRank):

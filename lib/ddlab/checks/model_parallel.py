@@ -36,6 +36,17 @@ HINTS = {
     "recv": ("RecvTensor's backward must send the gradient it is given to `peer` with the forward message's "
              "tag, once, and return one value per input of forward."),
 }
+#: What to look at, per exercise, when the activations (forward) or the gradients (backward) went wrong.
+PARTS = {
+    ("send", "forward"): "SendTensor.forward posts each activation once, to `peer`, with its tag",
+    ("send", "backward"): "SendTensor.backward receives x's gradient once (the forward's peer and tag)",
+    ("send", "gradients"): "SendTensor.backward returns the gradient it received, unchanged, as x's gradient "
+                           "(its first value), and None for the mailbox, peer and tag",
+    ("recv", "forward"): "RecvTensor.forward takes exactly one message, from `peer` with `tag`",
+    ("recv", "backward"): "RecvTensor.backward posts the gradient it is given once, to `peer`, with the forward's "
+                          "tag, in the dtype it came in",
+    ("recv", "gradients"): "RecvTensor.backward sends the gradient it is given, unchanged",
+}
 
 
 def _toy() -> tuple[UNet, torch.Tensor, torch.Tensor]:
@@ -78,18 +89,23 @@ def _one_split(comm: MPI.Comm, which: str, fn: type) -> str | None:
         raise NotImplementedError(stub.partition(": ")[2])
     where = f"{comm.Get_size()} ranks, split {bounds}"
     if problems[comm.Get_rank()]:
-        return f"({where}) raised {problems[comm.Get_rank()]}"
+        return f"({where}) raised {problems[comm.Get_rank()]}\n{HINTS[which]}"
     if any(problems):
         return None  # this rank only stopped because another failed
     sent = Counter((e.peer, e.nbytes) for e in traffic.sends)
     owed = _expected_sends(stage)
-    if sent != owed:
-        return f"({where}) sent {_describe(sent)}; expected {_describe(owed)}"
+    rank = comm.Get_rank()
+    for direction, what, later in (("forward", "activations", True), ("backward", "gradients", False)):
+        mine, due = (Counter({key: n for key, n in counts.items() if (key[0] > rank) == later}) for counts in (sent, owed))
+        if mine != due:
+            return (f"({where}) {what} sent {direction}: {_describe(mine)}; expected {_describe(due)}. "
+                    f"Check that {PARTS[which, direction]}")
     error = gradient_error(stage, reference_gradients(model, images, masks))
     if error > 1e-10:
         layers = f"layers {bounds[stage.index]}-{bounds[stage.index + 1] - 1}"
         what = "are missing" if error == float("inf") else f"differ from one process's by up to {error:.3g}"
-        return f"({where}) the gradients of stage {stage.index}'s parameters ({layers}) {what}"
+        return (f"({where}) the gradients of stage {stage.index}'s parameters ({layers}) {what}. "
+                f"Check that {PARTS[which, 'gradients']}")
     return None
 
 
@@ -98,7 +114,7 @@ def _check_autograd(which: str, fn: type) -> None:
     if world.Get_size() < 2:
         raise CheckFailed("this check needs at least 2 engines: start the cluster with ddlab.cluster.start(n=4)")
     sizes = [p for p in sorted(TOY_SPLITS) if p <= world.Get_size()]
-    each_size(world, lambda sub: _one_split(sub, which, fn), f"{fn.__name__} is wrong. {HINTS[which]}\nWhat went wrong", sizes)
+    each_size(world, lambda sub: _one_split(sub, which, fn), f"{fn.__name__} is wrong", sizes)
     passed(world, f"{fn.__name__}: the split UNet's gradients equal one process's; one message per tensor, "
                   "activations forward and gradients backward")
 
