@@ -90,6 +90,14 @@ class UncountedCall(RuntimeError):
     """A student's code called a point-to-point operation the counting communicator cannot count."""
 
 
+class MismatchedCollective(RuntimeError):
+    """The ranks reached different collective calls at the same point (e.g. Split on one, Dup on another)."""
+
+
+#: The communicator constructors the counting communicator offers; the ranks check they call the same one.
+CONSTRUCTORS = ("Split", "Dup")
+
+
 @dataclass
 class Event:
     kind: str  # "send" or "recv"
@@ -242,6 +250,14 @@ class CountingComm:
                    cancel=False)
         return [int(v) for v in everyone]
 
+    def _same_call(self, name: str) -> None:
+        """Meet every rank under the timeout; raise MismatchedCollective unless each is calling `name` too."""
+        codes = self.agree(CONSTRUCTORS.index(name), f"{name} to be called on every rank")
+        if len(set(codes)) > 1:
+            calls = ", ".join(f"rank {rank} {CONSTRUCTORS[code]}" for rank, code in enumerate(codes))
+            raise MismatchedCollective(f"the ranks called different collectives at the same point ({calls}): every "
+                                       "rank must make the same collective calls, in the same order")
+
     def unwaited(self) -> str | None:
         """What the student's code left without a Wait/Test that completed it (a request never waited), or None."""
         left = [request.entry.what.removesuffix(" to complete").removesuffix(" to be received")
@@ -362,15 +378,16 @@ class CountingComm:
     def Split(self, color: int = 0, key: int = 0) -> Any:
         """MPI's Split; the sub-communicator counts into this one's traffic (COMM_NULL stays COMM_NULL).
 
-        Split blocks until every rank calls it, so the ranks first meet in an Ibarrier
-        under the timeout: a Split that some rank never calls fails instead of hanging.
+        Split blocks until every rank calls it, so the ranks first meet under the timeout
+        (`_same_call`): a Split that some rank never calls fails instead of hanging.
         """
-        self._wait([self.comm.Ibarrier()], [MPI.Status()], "Split to be called on every rank", cancel=False)
+        self._same_call("Split")
         sub = self.comm.Split(color, key)
         return sub if sub == MPI.COMM_NULL else CountingComm(sub, self.timeout, self.allow, parent=self)
 
     def Dup(self) -> CountingComm:
         """MPI's Dup (as Idup, under the timeout); the copy counts into this one's traffic."""
+        self._same_call("Dup")
         dup, request = self.comm.Idup()
         self._wait([request], [MPI.Status()], "Dup to be called on every rank", cancel=False)
         return CountingComm(dup, self.timeout, self.allow, parent=self)

@@ -413,6 +413,19 @@ def test_uncounted_calls_are_refused_with_what_to_use(comm):
     expect_failure(check_exchange, persistent, "UncountedCall", "comm.Send_init", "comm.Isend")
 
 
+def test_an_mpi_error_gets_a_hint(comm):
+    def short_buffer(comm, data):  # receives into a buffer one element too small: MPI_ERR_TRUNCATE
+        partner = _partner(comm)
+        if partner is None:
+            return data.copy()
+        received = np.empty(max(data.size - 1, 0), dtype=data.dtype)
+        comm.Sendrecv(data, dest=partner, recvbuf=received, source=partner)
+        return received
+
+    if comm.Get_size() > 1:
+        expect_failure(check_exchange, short_buffer, "an error inside MPI", "a receive buffer was smaller")
+
+
 def test_new_communicators_are_counted_refused_or_fail_in_time(comm):
     """Dup's and Split's messages count; a Split some rank never calls fails in time; other constructors are refused."""
     def on_a_dup(comm, data):
@@ -435,6 +448,10 @@ def test_new_communicators_are_counted_refused_or_fail_in_time(comm):
             comm.Split(0, comm.Get_rank())
         return data.copy()
 
+    def split_or_dup(comm, data):  # rank 0 splits while the others dup
+        comm.Split(0, comm.Get_rank()) if comm.Get_rank() == 0 else comm.Dup()
+        return data.copy()
+
     def on_a_cartesian_grid(comm, data):
         comm.Create_cart([comm.Get_size()])
         return data.copy()
@@ -445,6 +462,9 @@ def test_new_communicators_are_counted_refused_or_fail_in_time(comm):
     expect_failure(check_exchange, split_by_some, "Stalled", "Split to be called on every rank")
     assert time.monotonic() - start < 4 * SHORT
     expect_failure(check_exchange, on_a_cartesian_grid, "UncountedCall", "comm.Create_cart", "comm.Split")
+    if comm.Get_size() > 1:
+        expect_failure(check_exchange, split_or_dup, "MismatchedCollective", "rank 0 Split, rank 1 Dup",
+                       "the same collective calls, in the same order")
 
 
 def test_collect_check_catches_rank_0s_own_array_returned(comm):

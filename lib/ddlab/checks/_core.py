@@ -13,6 +13,10 @@ from ..comm import first_ranks
 from ..counting import CountingComm, Traffic, gather_traffic
 from .errors import CheckFailed
 
+MPI_ERROR_HINT = ("an error inside MPI: most often the ranks' collective calls did not match (a different "
+                  "collective, or the same ones in another order or with other sizes), or a receive buffer was "
+                  "smaller than its message")
+
 
 def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str = "") -> None:
     """Raise the same CheckFailed on every rank if any rank found a problem (hint: what to do, appended)."""
@@ -101,6 +105,8 @@ def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: st
         raise
     except Exception as err:  # the student's code failed: tell the others, report it
         problem = f"{type(err).__name__}: {err}"
+        if isinstance(err, MPI.Exception):
+            problem += f" ({MPI_ERROR_HINT})"
     else:
         problem = counting.unwaited()
     if counting.watch.failure is not None:  # a request of fn's gave up (or a peer failed): the cause
