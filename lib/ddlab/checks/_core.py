@@ -18,6 +18,11 @@ MPI_ERROR_HINT = ("an error inside MPI: most often the ranks' collective calls d
                   "smaller than its message")
 
 
+def count(n: int, noun: str) -> str:
+    """'1 rank', '3 ranks': n and the noun, plural unless n is 1."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str = "") -> None:
     """Raise the same CheckFailed on every rank if any rank found a problem (hint: what to do, appended)."""
     _raise_found(comm.allgather(problem), context, hint)
@@ -51,7 +56,7 @@ def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: s
             failures = [f for _, f, _ in outcomes if f]
             if failures:
                 raise CheckFailed(failures[0])
-            _raise_found([p for _, _, p in outcomes], f"{context} on {size} rank{'s' * (size != 1)}")
+            _raise_found([p for _, _, p in outcomes], f"{context} on {count(size, 'rank')}")
 
 
 def _raise_found(problems: list[str | None], context: str, hint: str = "") -> None:

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from ..allreduce import largest_power_of_two, member_rank
 from ..counting import Traffic
-from ._core import CheckFailed, array_problem, each_size, fail_together, passed, run_counted
+from ._core import CheckFailed, array_problem, count, each_size, fail_together, passed, run_counted
 
 DTYPES = (np.float64, np.float32, np.int64)
 
@@ -88,7 +88,7 @@ def recursive_doubling_problem(traffic: list[Traffic], size: int, n: int, itemsi
         if _sends(t) != want:
             steps = pof2.bit_length() - 1
             return (f"rank {t.rank} sent {t.messages_sent} messages: {_shown(_sends(t))}. Recursive doubling "
-                    f"on {pof2} ranks sends log2({pof2}) = {steps} message{'s' * (steps != 1)} of all n = {n} "
+                    f"on {pof2} ranks sends log2({pof2}) = {count(steps, 'message')} of all n = {n} "
                     f"items ({n * itemsize} B), in step k to the {'member' if pof2 < size else 'rank'} whose "
                     f"number differs in bit k (number XOR 2^k).{_fold_note(size)} "
                     f"Expected from rank {t.rank}: {_shown(want)}.")

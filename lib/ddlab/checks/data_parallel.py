@@ -410,7 +410,7 @@ def check_overlapped_averaging(fn: Callable[..., Callable[[], None]], timeout: f
     sizes = _small_and_all(world.Get_size())
     each_size(world, lambda sub: _overlap_problem(sub, fn, timeout), "overlapped_averaging", sizes)
     passed(world, f"overlapped_averaging starts each bucket's Iallreduce during backward, in bucket order whatever "
-                  f"order they complete in, and "
+                  "order they complete in, and "
                   f"trains as one process does, on {' and '.join(map(str, sizes))} ranks")
 
 

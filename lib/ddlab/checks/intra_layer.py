@@ -23,7 +23,7 @@ from ..intra_layer import SpatialUNet, filter_slice, padded_conv2d, spatial_step
 from ..intra_layer.fit import COLLECTIVES
 from ..models.unet import UNet
 from ..partition import block_range
-from ._core import each_size, passed, run_counted
+from ._core import count, each_size, passed, run_counted
 
 TOL = 1e-10
 N, C, COUT, W = 2, 3, 5, 6
@@ -182,7 +182,7 @@ def _bounds_problem(fn: Callable[..., Any], height: int, size: int, levels: int)
     if broken:
         level = min(n for n in range(levels + 1) if broken[0] % 2**n)
         return (f"{case} returned {got}: bound {broken[0]} is not a multiple of 2**levels = {unit}, so after "
-                f"{level} halving{'s' * (level != 1)} it falls between two rows")
+                f"{count(level, 'halving')} it falls between two rows")
     rows = [b - a for a, b in zip(got, got[1:])]
     if max(rows) - min(rows) > unit:
         return f"{case} returned {got}: slabs of {rows} rows; they can be more even (differ by at most {unit} rows)"

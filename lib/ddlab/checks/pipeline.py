@@ -21,7 +21,7 @@ from mpi4py import MPI
 from torch import nn
 
 from ..pipeline import gpipe, in_flight, micro_batch_loss, one_f_one_b, simulate
-from ._core import CheckFailed, each_size, fail_together, is_integer, is_number, passed, run_counted
+from ._core import CheckFailed, count, each_size, fail_together, is_integer, is_number, passed, run_counted
 
 HINTS = {
     "gpipe": "GPipe runs the forwards of micro-batches 0..M-1, then their backwards in the same order.",
@@ -219,7 +219,7 @@ def check_run_schedule(fn: Callable[..., Any]) -> None:
         for schedule in (gpipe, one_f_one_b, mixed_order):
             layers = copy.deepcopy(stages[rank])
             args = (layers, schedule(k, MICRO, rank), [x.clone() for x in inputs], [t.clone() for t in targets])
-            context = f"run_schedule under {schedule.__name__} on {k} rank{'s' * (k != 1)}"
+            context = f"run_schedule under {schedule.__name__} on {count(k, 'rank')}"
             try:
                 losses, traffic = run_counted(sub, fn, args, context, timeout=TIMEOUT)
             except CheckFailed as err:  # the deadlock advice only where a rank waited in vain

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from .. import p2p
 from ..counting import Event, Traffic
-from ._core import CheckFailed, array_problem, each_size, passed, run_counted
+from ._core import CheckFailed, array_problem, count, each_size, passed, run_counted
 
 DEADLOCK_HINT = (
     "If both ranks of a pair call a blocking Send before their Recv, each waits for the other "
@@ -44,7 +44,7 @@ def _describe(events: list[Event]) -> str:
         for e in events[:4]
     )
     more = f", ... ({len(events) - 4} more)" if len(events) > 4 else ""
-    return f"{len(events)} message{'s' * (len(events) != 1)}: {shown}{more}"
+    return f"{count(len(events), 'message')}: {shown}{more}"
 
 
 # Exercise: collect -------------------------------------------------------------
@@ -59,7 +59,7 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
     data = _collect_data(rank)
     try:
         # Arrays arrive in reverse rank order: a list in arrival order is wrong on every run.
-        got, traffic = run_counted(sub, fn, (data,), f"collect on {size} rank{'s' * (size != 1)}", timeout, stagger=STAGGER)
+        got, traffic = run_counted(sub, fn, (data,), f"collect on {count(size, 'rank')}", timeout, stagger=STAGGER)
     except CheckFailed as err:
         if "MPI_ERR" in str(err):
             raise CheckFailed(f"{err}\n{SIZE_HINT}") from None
@@ -125,7 +125,7 @@ def _exchange_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None
     rank, size = sub.Get_rank(), sub.Get_size()
     partner = rank ^ 1 if rank ^ 1 < size else None
     data = _exchange_data(rank)
-    context = f"exchange on {size} rank{'s' * (size != 1)}"
+    context = f"exchange on {count(size, 'rank')}"
     try:
         got, traffic = run_counted(sub, fn, (data,), context, timeout)
     except CheckFailed as err:
@@ -254,10 +254,10 @@ def _ping_pong_problem(sub: MPI.Comm, fn: Callable, timeout: float, timing: bool
     size = sub.Get_size()
     for nbytes, repeats in ((8, 20), (2**20, 3)):
         buf = np.ones(nbytes // 8)
-        result, traffic = run_counted(sub, fn, (buf, repeats), f"ping_pong on {size} rank{'s' * (size != 1)}", timeout)
+        result, traffic = run_counted(sub, fn, (buf, repeats), f"ping_pong on {count(size, 'rank')}", timeout)
         problem = _ping_pong_traffic_problem(traffic, buf.nbytes, repeats)
         if problem:
-            raise CheckFailed(f"ping_pong on {size} ranks, buf of {nbytes} bytes, repeats={repeats}: {problem}")
+            raise CheckFailed(f"ping_pong on {count(size, 'rank')}, buf of {nbytes} bytes, repeats={repeats}: {problem}")
         problem = _seconds_problem(sub.Get_rank(), result)
         if any(sub.allgather(problem)):  # agree before timing: it takes every rank
             return problem
