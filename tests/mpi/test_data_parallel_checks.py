@@ -235,16 +235,21 @@ def test_train_step_check_accepts_a_numpy_float(comm):
 
 def overlapped(model, comm, groups, register="register_post_accumulate_grad_hook", order=None, divide=True,
                at_the_end=False, skip_last=False, flatten=None, no_reset=False):
-    """The lab's solution, with switches that make the wrong answers below."""
-    order = list(range(len(groups)))[::-1 if order == "reversed" else 1]
+    """The lab's solution, with switches that make the wrong answers below.
+
+    order: None (bucket order), "reversed", or "as_completed" (each bucket as soon as it is complete).
+    """
+    fixed = list(range(len(groups)))[::-1 if order == "reversed" else 1]
+    completed = []  # buckets in the order their last gradient arrived
     size = comm.Get_size()
     owner = {p: k for k, group in enumerate(groups) for p in group}
     ready = [0] * len(groups)
     flats, requests, started = [None] * len(groups), [None] * len(groups), [0]
 
     def start_ready():
-        while started[0] < len(groups) and ready[order[started[0]]] == len(groups[order[started[0]]]):
-            k = order[started[0]]
+        queue = completed if order == "as_completed" else fixed
+        while started[0] < len(queue) and ready[queue[started[0]]] == len(groups[queue[started[0]]]):
+            k = queue[started[0]]
             flats[k] = (flatten or (lambda g: torch.cat([p.grad.reshape(-1) for p in g])))(groups[k]).numpy()
             if not (skip_last and k == len(groups) - 1):
                 requests[k] = comm.Iallreduce(MPI.IN_PLACE, flats[k])
@@ -252,6 +257,8 @@ def overlapped(model, comm, groups, register="register_post_accumulate_grad_hook
 
     def hook(p):
         ready[owner[p]] += 1
+        if ready[owner[p]] == len(groups[owner[p]]):
+            completed.append(owner[p])
         if not at_the_end:
             start_ready()
 
@@ -273,6 +280,7 @@ def overlapped(model, comm, groups, register="register_post_accumulate_grad_hook
                 offset += p.numel()
         if not no_reset:
             ready[:] = [0] * len(groups)
+            completed.clear()
             started[0] = 0
 
     return finish
@@ -296,45 +304,15 @@ def test_overlap_check_passes_the_solution_and_another_flattening(comm):
 @pytest.mark.parametrize("options, words", [
     ({"register": "register_hook"}, ["register_post_accumulate_grad_hook"]),
     ({"order": "reversed"}, ["bucket order"]),
+    ({"order": "as_completed"}, ["first layer first", "bucket order"]),
     ({"at_the_end": True}, ["after backward had returned"]),
     ({"divide": False}, ["SUM"]),
-], ids=["hook_before_accumulation", "buckets_out_of_order", "no_overlap", "no_division"])
+], ids=["hook_before_accumulation", "buckets_out_of_order", "buckets_as_they_complete", "no_overlap",
+         "no_division"])
 def test_overlap_check_fails_wrong_answers(comm, options, words):
     if comm.Get_size() == 1 and not options.keys() & {"register", "order", "at_the_end"}:
         pytest.skip("one rank's sum is its mean")
     fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, **options), *words)
-
-
-def test_overlap_check_fails_buckets_started_as_they_complete(comm):
-    """Each bucket started by its own last gradient, whatever its number: right only while buckets complete in order."""
-    def as_completed(model, comm, groups):
-        owner = {p: k for k, group in enumerate(groups) for p in group}
-        to_come = [len(group) for group in groups]
-        flats, requests = [None] * len(groups), [None] * len(groups)
-
-        def hook(p):
-            k = owner[p]
-            to_come[k] -= 1
-            if to_come[k] == 0:
-                flats[k] = torch.cat([q.grad.reshape(-1) for q in groups[k]]).numpy()
-                requests[k] = comm.Iallreduce(MPI.IN_PLACE, flats[k])
-
-        for group in groups:
-            for p in group:
-                p.register_post_accumulate_grad_hook(hook)
-
-        def finish():
-            for k, group in enumerate(groups):
-                requests[k].Wait()
-                offset = 0
-                for p in group:
-                    p.grad.copy_(torch.from_numpy(flats[k][offset:offset + p.numel()]).view_as(p) / comm.Get_size())
-                    offset += p.numel()
-                to_come[k] = len(group)
-
-        return finish
-
-    fails(checks.check_overlapped_averaging, as_completed, "first layer first", "bucket order")
 
 
 def test_overlap_check_fails_a_forgotten_bucket(comm):
