@@ -1,7 +1,10 @@
 """Test-suite plumbing shared by library tests and notebook runs (nbval).
 
-- Every run gets a private IPython directory, so its clusters are its own, and at
-  the end every cluster in it is stopped and no engine process may remain.
+- Every run gets a private IPython directory, so its clusters are its own. Every
+  process a test starts carries the test's name (DDLAB_TEST). A notebook's cluster
+  must be gone within GONE_WITHIN seconds of nbval killing its kernel (the reaper
+  ddlab.cluster.start() leaves sees to that), and at the end of the run no process
+  a test started may remain: either fails, naming the process and the test.
 - Notebook cells: a timeout fails the cell. In labs/, a cell tagged `check` must
   raise, and raise because of an exercise stub: a check that passes on a stub
   checks nothing.
@@ -9,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -83,15 +87,33 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             )
 
 
+#: Seconds within which a notebook's cluster must be gone once nbval has killed its kernel (the
+#: reaper that ddlab.cluster.start() leaves watches the kernel: README, "If a kernel dies").
+GONE_WITHIN = 10
+#: The environment variable naming, in every process a test starts, the test that started it.
+STARTED_BY = "DDLAB_TEST"
+
+
+def _started_by(item: pytest.Item) -> str:
+    """A notebook's path (one kernel serves all its cells), else the test's id."""
+    return item.nodeid.split("::")[0] if getattr(item, "cell", None) is not None else item.nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before nbval starts a kernel (or a test starts anything): mark what follows as this test's."""
+    os.environ[STARTED_BY] = _started_by(item)
+
+
 def _our_processes(ipython_dir: str) -> list[psutil.Process]:
-    """Controller, engine and mpiexec processes started under this run's IPython dir."""
+    """Controller, engine, mpiexec and reaper processes started under this run's IPython dir."""
     found = []
     launchers = {p.pid for p in psutil.Process().parents()}  # the mpiexec running this very pytest
     for proc in psutil.process_iter(["cmdline"]):
         if proc.pid in launchers:
             continue
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if not any(word in cmdline for word in ("ipyparallel", "mpiexec", "prterun", "hydra")):
+        if not any(word in cmdline for word in ("ipyparallel", "mpiexec", "prterun", "hydra", "ddlab.reaper")):
             continue
         try:
             if proc.environ().get("IPYTHONDIR") == ipython_dir:
@@ -101,18 +123,60 @@ def _our_processes(ipython_dir: str) -> list[psutil.Process]:
     return found
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Stop clusters left by killed kernels; fail the run if any process survives."""
-    from ddlab.cluster import cleanup_orphans
+def _describe(procs: list[psutil.Process]) -> str:
+    """One line per process: pid, the test that started it, its command line."""
+    lines = []
+    for proc in procs:
+        try:
+            lines.append(f"left behind: pid {proc.pid}, started by {proc.environ().get(STARTED_BY, '?')}: "
+                         f"{' '.join(proc.cmdline())[:200]}")
+        except psutil.Error:
+            continue  # it left after all
+    return "\n".join(lines)
 
-    ipython_dir = os.environ["IPYTHONDIR"]
-    for profile_dir in Path(ipython_dir).glob("profile_ddlab-*"):
-        cleanup_orphans(profile_dir.name[len("profile_ddlab-"):])
-    deadline = time.monotonic() + 20
-    while (left := _our_processes(ipython_dir)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if left:
-        for proc in left:
-            print(f"left behind: pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
             proc.kill()
+    psutil.wait_procs(procs, timeout=5)
+
+
+@pytest.fixture
+def cluster_processes():
+    """A function listing this run's controller, engine and mpiexec processes (see _our_processes)."""
+    return lambda: _our_processes(os.environ["IPYTHONDIR"])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a notebook's last cell nbval kills its kernel: its cluster must be gone within GONE_WITHIN s."""
+    yield
+    if getattr(item, "cell", None) is None or (nextitem is not None and nextitem.parent is item.parent):
+        return
+    notebook = _started_by(item)
+
+    def left() -> list[psutil.Process]:
+        mine = []
+        for proc in _our_processes(os.environ["IPYTHONDIR"]):
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get(STARTED_BY) == notebook:
+                    mine.append(proc)
+        return mine
+
+    deadline = time.monotonic() + GONE_WITHIN
+    while (survivors := left()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if survivors:
+        report = _describe(survivors)
+        _kill(survivors)
+        raise AssertionError(f"{notebook}: its cluster outlived its kernel by {GONE_WITHIN} s:\n{report}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if any process a test started is still there, naming it and the test."""
+    left = _our_processes(os.environ["IPYTHONDIR"])
+    if left:
+        print(_describe(left))
+        _kill(left)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -92,3 +92,45 @@ def test_every_rank_output_shows_and_no_progress_bar(kernel):
         lines = sorted(line.split("] ", 1)[-1] for line in out.splitlines() if "hello" in line)
         assert lines == [f"hello from rank {r}" for r in range(4)], (attempt, out)
         assert "%" not in out and "tasks" not in out, f"progress bar in the output: {out}"
+
+
+#: Seconds within which the engines of a killed or restarted kernel are gone (README, "If a kernel dies").
+GONE_WITHIN = 10
+KILLS = 20
+
+
+def _kill_like_nbval(manager, client) -> None:
+    """What nbval's teardown does: stop the channels and SIGKILL the kernel, no shutdown request."""
+    client.stop_channels()
+    manager.shutdown_kernel(now=True)
+
+
+def _restart_like_jupyterlab(manager, client) -> None:
+    """JupyterLab's restart: a shutdown request, then the same kernel started again."""
+    client.stop_channels()
+    manager.restart_kernel(now=False)
+    manager.shutdown_kernel(now=True)
+
+
+@pytest.mark.timeout(KILLS * 60)
+def test_a_killed_kernel_leaves_no_engines(cluster_processes):
+    """Kernels killed as nbval kills them (and restarted as JupyterLab does), many times in a row:
+    each time, every process of its cluster is gone within GONE_WITHIN seconds, and the next
+    start of the profile finds nothing to clean up."""
+    from ddlab import cluster
+
+    for attempt in range(KILLS + 2):
+        manager, client = start_new_kernel(kernel_name="ddlab")
+        status, text = run(client, "import ddlab.cluster; ddlab.cluster.start(n=2); print(ddlab.cluster.status())")
+        assert status == "ok" and "2 engines up" in text, text
+        started = cluster_processes()
+        assert started, "the kernel's cluster should show as processes of this test run"
+        (_restart_like_jupyterlab if attempt >= KILLS else _kill_like_nbval)(manager, client)
+        killed = time.monotonic()
+        while (left := cluster_processes()) and time.monotonic() - killed < GONE_WITHIN:
+            time.sleep(0.1)
+        assert not left, (
+            f"attempt {attempt + 1}: {len(left)} of the kernel's {len(started)} cluster processes still run "
+            f"{GONE_WITHIN} s after the kernel died:\n" + "\n".join(f"  {' '.join(p.cmdline())[:120]}" for p in left)
+        )
+        assert cluster.cleanup_orphans("local") == [], f"attempt {attempt + 1}: the next start had a cluster to clean"

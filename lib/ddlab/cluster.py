@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config, PyFileConfigLoader
 
-from . import mpi
+from . import mpi, reaper
 
 #: Where `clusters/` lives: next to lib/ in the course folder, or $DDLAB_CLUSTERS.
 CLUSTERS_DIR = Path(os.environ.get("DDLAB_CLUSTERS", Path(__file__).resolve().parents[2] / "clusters"))
@@ -39,13 +40,14 @@ class ClusterError(RuntimeError):
 
 @dataclass
 class Running:
-    """The cluster this process started: ipyparallel's cluster and client, its view, n and profile."""
+    """The cluster this process started: ipyparallel's cluster and client, its view, n, profile and reaper."""
 
     cluster: ipp.Cluster
     client: ipp.Client
     view: ipp.DirectView
     n: int
     profile: str
+    reaper: subprocess.Popen  # stops the cluster if this process dies without stop()
     reported_up: int = -1  # engine count at the last crash report, so each crash is told once
 
 
@@ -91,48 +93,25 @@ def make_cluster(n: int, profile: str) -> ipp.Cluster:
     )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_orphans(profile: str | None = None) -> list[str]:
     """Stop clusters of this profile whose notebook kernel has died; return their ids.
 
     ddlab names each cluster after the pid of the process that started it, so a
-    cluster whose owner is gone (a kernel killed without `stop()`) is an orphan.
+    cluster whose owner is gone is an orphan. The reaper each start() leaves behind
+    removes a dead kernel's cluster within seconds; this finds what escaped it
+    (a reaper killed too, a machine that rebooted) and clusters this process left.
     """
-    profile = profile or default_profile()
-    stopped = []
-    for cluster in _saved_clusters(profile):
-        owner = cluster.cluster_id[len(_ID_PREFIX):]
-        orphaned = owner.isdigit() and not _pid_alive(int(owner))
-        if orphaned or owner == str(os.getpid()):
-            with contextlib.suppress(Exception):
-                cluster.stop_cluster_sync()
-            with contextlib.suppress(OSError):
-                os.remove(cluster.cluster_file)
-            stopped.append(cluster.cluster_id)
-    return stopped
-
-
-def _saved_clusters(profile: str) -> list[ipp.Cluster]:
     from IPython.paths import get_ipython_dir
 
-    security = Path(get_ipython_dir()) / f"profile_ddlab-{profile}" / "security"
-    clusters = []
-    for path in sorted(security.glob(f"cluster-{_ID_PREFIX}*.json")):
-        try:
-            clusters.append(ipp.Cluster.from_file(str(path), log_level=logging.ERROR))
-        except Exception:  # a half-written file from a killed kernel: just remove it
-            with contextlib.suppress(OSError):
-                path.unlink()
-    return clusters
+    profile_dir = Path(get_ipython_dir()) / f"profile_ddlab-{profile or default_profile()}"
+    stopped = []
+    for record in sorted((profile_dir / "security").glob(f"cluster-{_ID_PREFIX}*.json")):
+        cluster_id = record.stem[len("cluster-"):]
+        owner = cluster_id[len(_ID_PREFIX):]
+        if owner.isdigit() and (int(owner) == os.getpid() or not psutil.pid_exists(int(owner))):
+            reaper.reap(str(profile_dir), cluster_id)
+            stopped.append(cluster_id)
+    return stopped
 
 
 # ipyparallel's own log lines ("2026-01-31 12:00:00.123 [IPEngine.0] ..."), unless errors.
@@ -239,26 +218,42 @@ def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp
         stop()
     cleanup_orphans(profile)
     cluster = make_cluster(n, profile)
+    watcher = reaper.start_watching(cluster.profile_dir, cluster.cluster_id)
     try:
         client = bring_up(cluster, n, timeout)
     except BaseException:
-        with contextlib.suppress(Exception):
-            cluster.stop_cluster_sync()
+        _shut_down(cluster, watcher)
         raise
-    _current = Running(cluster, client, _activate(client), n, profile)
+    _current = Running(cluster, client, _activate(client), n, profile, watcher)
     _watch_engines()
     return client
 
 
+def _shut_down(cluster: ipp.Cluster, watcher: subprocess.Popen) -> None:
+    """Stop the cluster and return once none of its processes is left on this machine; then end its reaper.
+
+    ipyparallel's stop signals mpiexec and the controller; engines that mpiexec could not
+    take down in time (it is killed after five seconds) and nannies still saying goodbye
+    to a stopped controller are killed here, so nothing outlives stop().
+    """
+    with contextlib.suppress(Exception):  # whatever it could not stop is killed below
+        cluster.stop_cluster_sync()
+    survivors = reaper.kill(cluster.profile_dir, cluster.cluster_id)
+    watcher.terminate()
+    watcher.wait()
+    if survivors:
+        raise ClusterError(f"Processes of the cluster survived SIGKILL: {[p.pid for p in survivors]}.")
+
+
 def stop() -> None:
-    """Stop the engines and the controller of the running cluster (if any)."""
+    """Stop the engines and the controller of the running cluster (if any); return when they are gone."""
     global _current
     running, _current = _current, None
     if running is None:
         return
     with contextlib.suppress(Exception):
         running.client.close()
-    running.cluster.stop_cluster_sync()
+    _shut_down(running.cluster, running.reaper)
 
 
 def restart(timeout: float = 120.0) -> ipp.Client:
@@ -272,6 +267,9 @@ def restart(timeout: float = 120.0) -> ipp.Client:
     running = _current
     cluster, client, n = running.cluster, running.client, running.n
     cluster.stop_engines_sync()
+    # Engines that mpiexec left behind (see _shut_down) go too; the controller stays.
+    if controller := _controller_pids(cluster):
+        reaper.kill(cluster.profile_dir, cluster.cluster_id, spare=controller)
     # Forget the old engines so their ids and queued tasks do not linger.
     deadline = time.monotonic() + 30
     while client.ids and time.monotonic() < deadline:
@@ -284,6 +282,16 @@ def restart(timeout: float = 120.0) -> ipp.Client:
         raise
     running.view = _activate(client)
     return client
+
+
+def _controller_pids(cluster: ipp.Cluster) -> frozenset[int]:
+    """The controller's process and its children (the schedulers)."""
+    process = getattr(cluster.controller, "process", None)
+    if process is None:
+        return frozenset()
+    with contextlib.suppress(psutil.Error):
+        return frozenset([process.pid, *(child.pid for child in process.children(recursive=True))])
+    return frozenset()
 
 
 @contextlib.contextmanager
