@@ -113,7 +113,7 @@ def _our_processes(ipython_dir: str) -> list[psutil.Process]:
         if proc.pid in launchers:
             continue
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if not any(word in cmdline for word in ("ipyparallel", "mpiexec", "prterun", "hydra", "ddlab.reaper")):
+        if not any(word in cmdline for word in ("ipyparallel", "mpiexec", "prterun", "hydra", ".reaper ")):
             continue
         try:
             if proc.environ().get("IPYTHONDIR") == ipython_dir:

@@ -52,7 +52,7 @@ def test_an_orphan_whose_reaper_died_too_is_removed_by_the_next_start(tmp_path):
     try:
         assert owner.stdout.readline().strip() == "up"
         family = psutil.Process(owner.pid).children(recursive=True)
-        reapers = [p for p in family if "ddlab.reaper" in " ".join(p.cmdline())]
+        reapers = [p for p in family if ".reaper" in " ".join(p.cmdline())]
         assert len(reapers) == 1, f"the owner should have started one reaper, found {len(reapers)}"
         reapers[0].kill()
     finally:

@@ -104,7 +104,7 @@ def start_watching(profile_dir: str, cluster_id: str) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "ddlab.reaper", str(os.getpid()), profile_dir, cluster_id],
+            [sys.executable, "-m", __name__, str(os.getpid()), profile_dir, cluster_id],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
