@@ -5,6 +5,7 @@ variables intact, and a crashed engine is reported with the way out."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from jupyter_client.manager import start_new_kernel
@@ -115,9 +116,13 @@ def _restart_like_jupyterlab(manager, client) -> None:
 @pytest.mark.timeout(KILLS * 60)
 def test_a_killed_kernel_leaves_no_engines(cluster_processes):
     """Kernels killed as nbval kills them (and restarted as JupyterLab does), many times in a row:
-    each time, every process of its cluster is gone within GONE_WITHIN seconds, and the next
-    start of the profile finds nothing to clean up."""
+    each time, every process of its cluster and its record are gone within GONE_WITHIN seconds,
+    so the next start of the profile finds nothing to clean up."""
     from ddlab import cluster
+    from IPython.paths import get_ipython_dir
+
+    def records() -> list[str]:
+        return [p.name for p in (Path(get_ipython_dir()) / "profile_ddlab-local" / "security").glob("cluster-*.json")]
 
     for attempt in range(KILLS + 2):
         manager, client = start_new_kernel(kernel_name="ddlab")
@@ -127,10 +132,11 @@ def test_a_killed_kernel_leaves_no_engines(cluster_processes):
         assert started, "the kernel's cluster should show as processes of this test run"
         (_restart_like_jupyterlab if attempt >= KILLS else _kill_like_nbval)(manager, client)
         killed = time.monotonic()
-        while (left := cluster_processes()) and time.monotonic() - killed < GONE_WITHIN:
+        while ((left := cluster_processes()) or records()) and time.monotonic() - killed < GONE_WITHIN:
             time.sleep(0.1)
         assert not left, (
             f"attempt {attempt + 1}: {len(left)} of the kernel's {len(started)} cluster processes still run "
             f"{GONE_WITHIN} s after the kernel died:\n" + "\n".join(f"  {' '.join(p.cmdline())[:120]}" for p in left)
         )
+        assert not records(), f"attempt {attempt + 1}: the cluster's record outlived it by {GONE_WITHIN} s: {records()}"
         assert cluster.cleanup_orphans("local") == [], f"attempt {attempt + 1}: the next start had a cluster to clean"

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import ipyparallel as ipp  # imported while the owner lives, so the record goes as soon as it dies
 import psutil
 
 #: Seconds between two looks at the owner: a dead kernel's engines are gone within about this.
@@ -65,8 +66,6 @@ def kill(profile_dir: str, cluster_id: str, spare: frozenset[int] = frozenset(),
 
 def stop_recorded(cluster_file: Path) -> None:
     """Stop a cluster from its record (remote engines too: a batch launcher cancels its job) and remove it."""
-    import ipyparallel as ipp
-
     with contextlib.suppress(Exception):  # a record half-written by a killed kernel, or nothing left to stop
         ipp.Cluster.from_file(str(cluster_file), log_level=logging.ERROR).stop_cluster_sync()
     with contextlib.suppress(OSError):
