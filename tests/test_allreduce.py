@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ddlab import costmodel
 from ddlab.costmodel import Machine, crossover, predict, terms
-from ddlab.mpi import run_ranks
+from ddlab.runtime.mpi import run_ranks
 
 ALGORITHMS = ["naive", "tree", "recursive_doubling", "ring", "rabenseifner"]
 

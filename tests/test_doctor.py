@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddlab import doctor, mpi
+from ddlab import doctor
+from ddlab.runtime import mpi
 
 VENV_BIN = Path(sys.executable).parent
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -93,7 +94,7 @@ def test_more_ranks_than_slots(as_set_up: None) -> None:
     finding = doctor.check_mpiexec_by_hand(n)
     assert finding.status == doctor.WARN, finding
     assert f"one rank per core ({os.cpu_count()} here) and {n} were asked for" in finding.detail
-    assert "--oversubscribe" in finding.fix and "python -m ddlab.mpi" in finding.fix
+    assert "--oversubscribe" in finding.fix and "python -m ddlab.runtime.mpi" in finding.fix
 
 
 @pytest.mark.timeout(300)

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Comm
-from .counting import underlying
-from .partition import block_bounds
+from .runtime.blocks import block_bounds
+from .runtime.comm import Comm
+from .runtime.counting import underlying
 
 #: The tag of every message these algorithms send.
 TAG = 30

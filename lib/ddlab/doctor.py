@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, mpi
+from . import __version__
+from .runtime import mpi
 
 OK, WARN, FAIL = "ok", "WARN", "FAIL"
 REPO_HINT = "run `make setup` in the course folder"
@@ -196,7 +197,7 @@ def _classify_mpiexec_output(out: str, n: int, exe: str) -> tuple[str, str] | No
     if "not enough slots" in low:
         cores = os.cpu_count() or 1
         return (f"Open MPI starts at most one rank per core ({cores} here) and {n} were asked for",
-                f"add --oversubscribe (`{exe} --oversubscribe -n {n} ...`), or use `python -m ddlab.mpi -n {n} ...` "
+                f"add --oversubscribe (`{exe} --oversubscribe -n {n} ...`), or use `python -m ddlab.runtime.mpi -n {n} ...` "
                 "which adds it when needed, or start fewer ranks.")
     return None
 
@@ -220,7 +221,7 @@ def check_path_mpiexec(n: int = 2, timeout: float = 60) -> Finding:
         name, WARN,
         f"{theirs} is another MPI's mpiexec than mpi4py's ({ours}); `mpiexec -n {n} python ...` starts {what}",
         f"use {ours} (or `source {Path(ours).parent}/activate` so it comes first on PATH), or "
-        f"`python -m ddlab.mpi -n {n} ...`; remove or unload the other MPI (e.g. `module unload`) "
+        f"`python -m ddlab.runtime.mpi -n {n} ...`; remove or unload the other MPI (e.g. `module unload`) "
         "if you do not need it.",
     )
 
@@ -250,7 +251,7 @@ def check_mpiexec_by_hand(n: int = 2, timeout: float = 120) -> Finding:
     if code is None:
         return Finding(name, FAIL, f"`{exe} -n {n} python` did not finish in {timeout:.0f} s",
                        "the machine may be overloaded, or a firewall blocks local TCP connections; "
-                       "try `python -m ddlab.mpi -n 2 --timeout 60 python -c 'import mpi4py.MPI'`.")
+                       "try `python -m ddlab.runtime.mpi -n 2 --timeout 60 python -c 'import mpi4py.MPI'`.")
     known = _classify_mpiexec_output(out, n, exe)
     if known:
         return Finding(name, WARN, f"`{exe} -n {n} python ...`: {known[0]} (ddlab's own launches are not affected)",
@@ -443,7 +444,7 @@ def _diagnose_start(profile: str, error: BaseException, cluster: object, timeout
                 f"(`ddlab doctor --timeout {longer}`, start(n, timeout={longer})), close other "
                 "busy programs, or start fewer engines; a firewall must allow connections on 127.0.0.1.")
     if "exited before registering" in text:
-        return _tail(text), REPO_HINT + "; `python -m ddlab.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
+        return _tail(text), REPO_HINT + "; `python -m ddlab.runtime.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
     return _tail(text), REPO_HINT + "."
 
 
@@ -461,7 +462,7 @@ def _singletons_fix(profile: str) -> str:
 def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int = 8 << 20,
                   repetitions: int = 10) -> list[Finding]:
     """Start n engines on the profile, check they form one MPI job, time an allreduce, stop them."""
-    from . import cluster as clusters
+    from .runtime import cluster as clusters
 
     if profile in ("slurm", "jupyterhub"):
         problem = _slurm_preflight(profile)
@@ -471,7 +472,7 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
     if running is not None and (running.profile, running.n) != (profile, n):
         return [Finding("engines", WARN, f"this kernel already runs {running.n} engines on profile "
                         f"{running.profile!r}; the doctor does not stop them",
-                        "run `ddlab doctor` in a terminal, or ddlab.cluster.stop() first.")]
+                        "run `ddlab doctor` in a terminal, or ddlab.runtime.cluster.stop() first.")]
     started = time.monotonic()
     cluster = None
     try:
@@ -503,7 +504,7 @@ def _probe_engines(client: Any, profile: str, n: int, how: str, nbytes: int, rep
                         _singletons_fix(profile))]
     if sizes != [n] or sorted(client.ids) != sorted(r["rank"] for r in ranks):
         return [Finding("engines", FAIL, f"engine ids {sorted(client.ids)} and MPI ranks/sizes {ranks} do not match",
-                        "stop the cluster (ddlab.cluster.stop()) and start it again; if it persists, "
+                        "stop the cluster (ddlab.runtime.cluster.stop()) and start it again; if it persists, "
                         + REPO_HINT + ".")]
     found = [Finding("engines", OK, f"{n} engines on profile {profile!r} {how}, ids = MPI ranks "
                      f"0..{n - 1}, on {', '.join(hosts)} ({ranks[0]['library']})")]
@@ -524,7 +525,7 @@ def _probe_engines(client: Any, profile: str, n: int, how: str, nbytes: int, rep
 
 def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: bool = False) -> Report:
     """Run every check (MPI installation, then n engines on the profile); print and return the report."""
-    from .cluster import default_profile
+    from .runtime.cluster import default_profile
 
     profile = profile or default_profile()
     report = Report(profile, n)

@@ -74,7 +74,7 @@ def measure_training(per_rank_batch: int, steps: int = 20, warmup: int = 5, buck
     from .data import StressStrainCurves
     from .data_parallel import DataParallel, threads_per_rank, train
     from .models.mlp import HIDDEN, make_mlp
-    from .trace import Tracer
+    from .runtime.trace import Tracer
 
     comm = comm or _world()
     threads = threads_per_rank()

@@ -21,7 +21,7 @@ from ddlab import costmodel
 from ddlab.allreduce import ALGORITHMS, allreduce_mpi
 from ddlab.checks import check_allreduce_rabenseifner, check_allreduce_recursive_doubling, check_allreduce_ring
 from ddlab.checks._core import run_counted
-from ddlab.counting import rounds
+from ddlab.runtime.counting import rounds
 
 WORLD = MPI.COMM_WORLD
 SIZES = list(range(1, WORLD.size + 1)) if WORLD.size <= 4 else list(range(5, WORLD.size + 1))

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import first_ranks
 from ..costmodel import Machine, predict
+from ..runtime.comm import first_ranks
 from .problem import LeastSquares
 from .run import Allreduce, train
 
