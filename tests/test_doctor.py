@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddlab import doctor
+from ddlab.tools import cli, doctor
 from ddlab.runtime import mpi
 
 VENV_BIN = Path(sys.executable).parent
@@ -138,4 +138,4 @@ def test_slurm_messages_map_to_the_setting_to_change(message: str, words: str) -
 
 def test_the_command_line_rejects_zero_engines() -> None:
     with pytest.raises(SystemExit):
-        doctor.main(["doctor", "-n", "0"])
+        cli.main(["doctor", "-n", "0"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddlab.labgen import generate
+from ddlab.tools.labgen import generate
 
 try:
     import tomllib

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import ddlab.runtime.cluster
-from ddlab import slurm
+from ddlab.tools import slurm
 
 LIBRARY = Path(ddlab.runtime.cluster.__file__).parent
 

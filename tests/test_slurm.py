@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddlab import doctor
+from ddlab.tools import doctor
 from ddlab.runtime import mpi
 
 HERE = Path(__file__).parent

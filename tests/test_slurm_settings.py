@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddlab import slurm
+from ddlab.tools import slurm
 from ddlab.runtime import cluster, mpi
 
 

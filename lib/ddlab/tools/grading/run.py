@@ -27,8 +27,8 @@ import psutil
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
+from ...runtime.cluster import cleanup_orphans
 from ..labgen import Check, checks
-from ..runtime.cluster import cleanup_orphans
 from .submission import prepare
 
 KERNEL = "ddlab"  # the course kernel, "Python (ddlab)"
@@ -116,7 +116,7 @@ class _Kernel:
 
     def probe(self, function: str | None) -> dict:
         """{"healthy": ..., "reference": ...} from probe.report (healthy None: no cluster is running)."""
-        cell = self.run_code(f"import ddlab.grading.probe\nddlab.grading.probe.report({function!r})")
+        cell = self.run_code(f"import ddlab.tools.grading.probe\nddlab.tools.grading.probe.report({function!r})")
         for line in _text(cell).splitlines() if cell is not None else []:
             if line.startswith("{"):
                 return json.loads(line)

@@ -2,7 +2,7 @@
 
     $ ddlab doctor                      # local profile, 2 engines
     $ ddlab doctor --profile slurm -n 4
-    >>> import ddlab.doctor; ddlab.doctor.run()     # from a notebook
+    >>> import ddlab.tools.doctor; ddlab.tools.doctor.run()     # from a notebook
 
 Each check prints one line (ok, WARN or FAIL); a WARN or FAIL names the fix. The known
 failures: another MPI's mpiexec first on PATH, Open MPI refusing root, more ranks than
@@ -12,7 +12,6 @@ controller), and engines started as 1-rank singletons instead of one MPI job.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -26,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .runtime import mpi
+from .. import __version__
+from ..runtime import mpi
 
 OK, WARN, FAIL = "ok", "WARN", "FAIL"
 REPO_HINT = "run `make setup` in the course folder"
@@ -271,7 +270,7 @@ def _probe() -> dict:
 
     from mpi4py import MPI
 
-    from ddlab.doctor import _library_name  # shipped by value: import what it uses
+    from ddlab.tools.doctor import _library_name  # shipped by value: import what it uses
 
     comm = MPI.COMM_WORLD
     return {"rank": comm.rank, "size": comm.size, "host": socket.gethostname(),
@@ -462,7 +461,7 @@ def _singletons_fix(profile: str) -> str:
 def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int = 8 << 20,
                   repetitions: int = 10) -> list[Finding]:
     """Start n engines on the profile, check they form one MPI job, time an allreduce, stop them."""
-    from .runtime import cluster as clusters
+    from ..runtime import cluster as clusters
 
     if profile in ("slurm", "jupyterhub"):
         problem = _slurm_preflight(profile)
@@ -520,12 +519,12 @@ def _probe_engines(client: Any, profile: str, n: int, how: str, nbytes: int, rep
     return found
 
 
-# --- entry points -------------------------------------------------------------------
+# --- entry point --------------------------------------------------------------------
 
 
 def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: bool = False) -> Report:
     """Run every check (MPI installation, then n engines on the profile); print and return the report."""
-    from .runtime.cluster import default_profile
+    from ..runtime.cluster import default_profile
 
     profile = profile or default_profile()
     report = Report(profile, n)
@@ -540,31 +539,3 @@ def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: b
     if not quiet:
         print(report, flush=True)
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`ddlab doctor [--profile P] [-n N] [--timeout S]`; exit status 1 if a check failed.
-
-    `ddlab grade --lab NN SUBMISSIONS...` grades collected notebooks (ddlab.grading.cli).
-    """
-    from .grading import cli as grading
-
-    parser = argparse.ArgumentParser(prog="ddlab", description="Tools of the ddlab course kit.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    doctor = commands.add_parser("doctor", help="check MPI and a cluster profile, and say what to fix")
-    doctor.add_argument("--profile", default=None,
-                        help="cluster profile: local, slurm, jupyterhub (default: $DDLAB_PROFILE or local)")
-    doctor.add_argument("-n", type=int, default=2, help="number of engines to start (default 2)")
-    doctor.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines (default 120)")
-    grading.add_parser(commands)
-    args = parser.parse_args(argv)
-    if args.command == "grade":
-        return grading.main(args)
-    if args.n < 1:
-        parser.error("-n must be at least 1")
-    report = run(args.profile, args.n, args.timeout)
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
