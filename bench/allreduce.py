@@ -39,7 +39,7 @@ def child(scale: float) -> None:
     from mpi4py import MPI
 
     from ddlab.allreduce import ALGORITHMS, allreduce_mpi
-    from ddlab.costmodel import bus_bandwidth, measure_memcpy_bandwidth, time_allreduce
+    from ddlab.allreduce.cost import bus_bandwidth, measure_memcpy_bandwidth, time_allreduce
     from ddlab.p2p import idle_wait
 
     comm = MPI.COMM_WORLD

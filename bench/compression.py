@@ -36,7 +36,7 @@ def child(steps: int) -> None:
                                    crossover_density, emulated, flat_ring_seconds, hierarchical_allreduce,
                                    hierarchical_seconds, sparse_allreduce, top_k)
     from ddlab.compression.experiment import train_compressed
-    from ddlab.costmodel import fit_machine, time_allreduce
+    from ddlab.allreduce.cost import fit_machine, time_allreduce
     from ddlab.runtime.counting import CountingComm, gather_traffic
 
     comm = MPI.COMM_WORLD

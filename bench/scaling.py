@@ -34,7 +34,7 @@ def child(seconds: float, rounds: int, target: float) -> None:
     from mpi4py import MPI
 
     from ddlab.data_parallel import close_gloo
-    from ddlab.scaling_runs import allreduce_vs_gloo, syncs_per_epoch, time_to_score, train_for_time
+    from ddlab.scaling import allreduce_vs_gloo, syncs_per_epoch, time_to_score, train_for_time
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
