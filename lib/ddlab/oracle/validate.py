@@ -233,7 +233,8 @@ def _unet_setup(batch: int, side: int, width: int, depth: int) -> tuple[Any, tor
     return UNet(width=width, depth=depth), images, masks
 
 
-def _lab08_report(ledger: Ledger) -> dict[str, int]:
+def _ledger_report(ledger: Ledger) -> dict[str, int]:
+    """The ledger's report with buffers 0: what an implementation keeps for its exchanges is among its activations."""
     return {**ledger.report(), "buffers": 0}
 
 
@@ -269,13 +270,13 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     """lab 08's SpatialUNet: slabs of rows over P / D ranks, D groups of samples (D > 1: data x spatial).
 
     The ledger's activations include the halo strips lab 08's convolution keeps (the
-    prediction's buffers, `halo_rows_lab08`), so measured buffers are 0 and the
+    prediction's buffers, `halo_rows_padded`), so measured buffers are 0 and the
     comparison is of totals. Before the run: the implementation's overhead per exchange
     (its step over `LocalHalo`) and its halo exchange's curve at the sizes the run sends.
     """
     from ..data_parallel import average_gradients
     from ..intra_layer import SpatialUNet, group_samples, make_grid
-    from .strategies import halo_bytes, halo_layers, halo_rows_lab08, spatial
+    from .strategies import halo_bytes, halo_layers, halo_rows_padded, spatial
 
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
@@ -292,12 +293,12 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
                                    _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side),
                               platform, s, rounds)
-    first = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
+    first = spatial(info, batch, s, platform, halo_rows=halo_rows_padded, data_ways=data_ways)
     local = SpatialUNet(unet, LocalComm(scomm.Get_rank(), s), side, exchange=LocalHalo)
     sizes = [halo_bytes(layer, layer.halo) * group for layer in halo_layers(info, s)]
     platform = _implementation(comm, platform, "halo", _stubbed_step(local, slab, target), first, 2 * len(sizes),
                                group, lambda gap: {"halo": halo_curve(scomm, [min(sizes), max(sizes)], gap)}, s)
-    prediction = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
+    prediction = spatial(info, batch, s, platform, halo_rows=halo_rows_padded, data_ways=data_ways)
     optimizer = _sgd(net.model.parameters())
     ledger = Ledger(stage=f"rank {comm.Get_rank()}")
     ledger.watch(net.model, optimizer)
@@ -318,7 +319,7 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     if grid:
         grid.free()
     kinds = [0 if r % s in (0, s - 1) else min(1, len(prediction.memory) - 1) for r in range(p)]
-    return Validation(prediction, seconds, comm.allgather(_lab08_report(ledger)), kinds)
+    return Validation(prediction, seconds, comm.allgather(_ledger_report(ledger)), kinds)
 
 
 def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 64, width: int = 8,
@@ -358,7 +359,7 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
 
     seconds = timed_steps(comm, step, steps)
     ledger.close()
-    return Validation(prediction, seconds, comm.allgather(_lab08_report(ledger)), [0] * p)
+    return Validation(prediction, seconds, comm.allgather(_ledger_report(ledger)), [0] * p)
 
 
 #: The runs of `run_all`: (name, function, keyword arguments); small sizes, a few seconds each.
