@@ -18,6 +18,7 @@ from mpi4py import MPI
 from torch import nn
 
 from ..allreduce import ALGORITHMS, Allreduce, allreduce_mpi
+from ..runtime.comm import Comm
 
 #: What callers may pass as an allreduce: None or "mpi" (the MPI library's),
 #: a name of lab 03's algorithms ("ring", "tree", ...), or a function.
@@ -68,7 +69,7 @@ def _scatter_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += tensor.numel()
 
 
-def average_gradients(module: nn.Module, comm: MPI.Comm, allreduce: AllreduceChoice = None) -> None:
+def average_gradients(module: nn.Module, comm: Comm, allreduce: AllreduceChoice = None) -> None:
     """Replace each gradient by its mean over ranks: all gradients flattened, one allreduce per dtype.
 
     A parameter without a gradient on this rank counts as a zero gradient (and gets one).

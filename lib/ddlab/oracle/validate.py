@@ -17,13 +17,14 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from mpi4py import MPI
 from torch import nn
 
 from ..model_parallel import Crossings, polite_barrier
+from ..runtime.comm import Comm
 from ..runtime.memory import Ledger
 from .describe import ModelInfo, describe, profile_seconds
 from .implementation import LocalComm, LocalHalo, filter_curves, halo_curve, overhead_per_exchange
@@ -126,7 +127,7 @@ def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, C
         platform, contention=contention, sync=sync)
 
 
-def timed_steps(comm: Any, step: Callable[[], object], steps: int) -> float:
+def timed_steps(comm: MPI.Comm, step: Callable[[], object], steps: int) -> float:
     """Median wall seconds of a step, from a common start to the last rank's end, after one warm-up."""
     raw = comm
     times = []
@@ -294,7 +295,8 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
                                    _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side),
                               platform, s, rounds)
     first = spatial(info, batch, s, platform, halo_rows=halo_rows_padded, data_ways=data_ways)
-    local = SpatialUNet(unet, LocalComm(scomm.Get_rank(), s), side, exchange=LocalHalo)
+    # LocalComm stands in for the slab group: it has the collectives a step calls, moving no data
+    local = SpatialUNet(unet, cast(Comm, LocalComm(scomm.Get_rank(), s)), side, exchange=LocalHalo)
     sizes = [halo_bytes(layer, layer.halo) * group for layer in halo_layers(info, s)]
     platform = _implementation(comm, platform, "halo", _stubbed_step(local, slab, target), first, 2 * len(sizes),
                                group, lambda gap: {"halo": halo_curve(scomm, [min(sizes), max(sizes)], gap)}, s)
@@ -337,7 +339,8 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side),
                               platform, rounds=rounds)
     first = filter_parallel(info, batch, p, platform)
-    local = FilterUNet(unet, LocalComm(comm.Get_rank(), p))
+    # LocalComm stands in for the ranks: it has the collectives a step calls, moving no data
+    local = FilterUNet(unet, cast(Comm, LocalComm(comm.Get_rank(), p)))
     split = [layer for layer, cut in zip(info.layers, split_layers(info, p)) if cut]
     outputs, inputs = [layer.output_bytes * batch for layer in split], [layer.input_bytes * batch for layer in split]
     platform = _implementation(comm, platform, "filter", _stubbed_step(local, images, masks), first,
