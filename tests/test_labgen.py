@@ -5,7 +5,7 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from ddlab.tools.labgen import LabSourceError, checks, clear_outputs, make_lab, stub_source
+from ddlab.tools.labgen import LabSourceError, checks, make_lab, stub_source
 
 
 def notebook(*cells: tuple[str, str, list[str]]) -> nbformat.NotebookNode:
@@ -68,13 +68,6 @@ def test_malformed_blocks_are_refused(source, problem):
 def test_a_check_before_any_exercise_is_refused():
     with pytest.raises(LabSourceError, match="checks nothing"):
         make_lab(notebook(("code", "check(f)", ["check"]), ("code", EXERCISE, [])))
-
-
-def test_clear_outputs_reports_changes():
-    nb = notebook(("code", "print(1)", []))
-    assert not clear_outputs(nb)
-    nb.cells[0].execution_count = 1
-    assert clear_outputs(nb) and nb.cells[0].execution_count is None
 
 
 def test_nbgrader_metadata_with_stable_grade_ids():

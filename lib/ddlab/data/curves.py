@@ -28,8 +28,6 @@ import torch
 N_POINTS = 200
 #: Features per sample: strain, stress and flag, 200 points each, channel after channel.
 N_FEATURES = 3 * N_POINTS
-#: What the network predicts, in order.
-TARGETS = ("yield strength [MPa]", "hardening exponent")
 
 # Ranges of the sampled quantities (uniform). Stress in MPa, strain dimensionless.
 YOUNG = (60e3, 220e3)

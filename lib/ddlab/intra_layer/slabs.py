@@ -30,10 +30,3 @@ def slab_bounds(height: int, size: int, levels: int = 0) -> list[int]:
         raise ValueError(f"{height} rows hold only {blocks} blocks of {unit} rows (2**levels) for {size} ranks: "
                          "use fewer ranks, fewer levels or a taller image")
     return [unit * b for b in block_bounds(blocks, size)]
-
-
-def level_bounds(bounds: list[int], level: int) -> list[int]:
-    """The same slabs after `level` halvings (bounds must be multiples of 2**level)."""
-    if any(b % 2**level for b in bounds):
-        raise ValueError(f"bounds {bounds} do not survive {level} halvings: each must be a multiple of {2**level}")
-    return [b >> level for b in bounds]

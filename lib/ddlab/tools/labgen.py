@@ -134,15 +134,6 @@ def checks(lab: nbformat.NotebookNode) -> list[Check]:
     return found
 
 
-def clear_outputs(notebook: nbformat.NotebookNode) -> bool:
-    """Strip outputs and execution counts in place; True if anything was removed."""
-    changed = False
-    for cell in notebook.cells:
-        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
-            cell.outputs, cell.execution_count, changed = [], None, True
-    return changed
-
-
 def render(notebook: nbformat.NotebookNode) -> str:
     """A notebook as the text written to disk (stable, so labs/ can be compared)."""
     return nbformat.writes(notebook) + "\n"
