@@ -36,11 +36,10 @@ def _repeats(nbytes: int, scale: float) -> int:
 def child(scale: float) -> None:
     """Inside the MPI job: measure, and print the tables on rank 0."""
     import numpy as np
-    from mpi4py import MPI
-
     from ddlab.allreduce import ALGORITHMS, allreduce_mpi
     from ddlab.allreduce.cost import bus_bandwidth, measure_memcpy_bandwidth, time_allreduce
     from ddlab.p2p import idle_wait
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

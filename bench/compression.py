@@ -29,15 +29,24 @@ N = 2**20
 def child(steps: int) -> None:
     import numpy as np
     import torch
-    from mpi4py import MPI
-
     from ddlab.allreduce import allreduce_ring
-    from ddlab.compression import (GIGABIT_ETHERNET, SHARED_MEMORY, CompressedAllreduce, SlowLinkComm,
-                                   crossover_density, emulated, flat_ring_seconds, hierarchical_allreduce,
-                                   hierarchical_seconds, sparse_allreduce, top_k)
-    from ddlab.compression.experiment import train_compressed
     from ddlab.allreduce.cost import fit_link, time_allreduce
+    from ddlab.compression import (
+        GIGABIT_ETHERNET,
+        SHARED_MEMORY,
+        CompressedAllreduce,
+        SlowLinkComm,
+        crossover_density,
+        emulated,
+        flat_ring_seconds,
+        hierarchical_allreduce,
+        hierarchical_seconds,
+        sparse_allreduce,
+        top_k,
+    )
+    from ddlab.compression.experiment import train_compressed
     from ddlab.runtime.counting import CountingComm, gather_traffic
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

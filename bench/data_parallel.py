@@ -36,12 +36,11 @@ def child(rounds: int, steps: int) -> None:
     """Inside the MPI job: measure every variant on both models, print on rank 0."""
     import numpy as np
     import torch
-    from mpi4py import MPI
-
     from ddlab import data_parallel as dp
     from ddlab.data import StressStrainCurves
     from ddlab.models.mlp import HIDDEN, count_parameters, make_mlp
     from ddlab.runtime.trace import Tracer
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -30,10 +30,9 @@ BUDGET = 32 * 2**20
 
 def child(start: int, step: int) -> None:
     import torch
-    from mpi4py import MPI
-
     from ddlab.intra_layer import COLUMNS, STRATEGIES, halo_share, intra_sweep, markdown_table, try_strategy
     from ddlab.models.unet import UNet
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)

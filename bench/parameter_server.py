@@ -32,12 +32,11 @@ WORKERS = 3
 
 def child(rounds: int) -> None:
     import numpy as np
-    from mpi4py import MPI
-
     from ddlab.allreduce import allreduce_ring
     from ddlab.parameter_server import LeastSquares
     from ddlab.parameter_server.cost import seconds_per_step
     from ddlab.parameter_server.run import Record, train_on_workers
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     servers = comm.Get_size() - WORKERS

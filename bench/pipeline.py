@@ -74,13 +74,21 @@ def bubble_table(k: int, bubbles: dict, expected: dict, imbalance: dict) -> None
 
 
 def child(rounds: int) -> None:
-    from mpi4py import MPI
-
     from ddlab.data.images import make_segmentation
     from ddlab.model_parallel import naive_split
     from ddlab.models.unet import UNet
-    from ddlab.pipeline import (Calibration, calibrate, expected_bubble, gpipe, hidden_share, measure_pipeline,
-                                measured_stage_times, one_f_one_b, theory_bubble)
+    from ddlab.pipeline import (
+        Calibration,
+        calibrate,
+        expected_bubble,
+        gpipe,
+        hidden_share,
+        measure_pipeline,
+        measured_stage_times,
+        one_f_one_b,
+        theory_bubble,
+    )
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, k = comm.Get_rank(), comm.Get_size()

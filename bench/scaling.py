@@ -31,10 +31,9 @@ N = 16_384
 def child(seconds: float, rounds: int, target: float) -> None:
     """Inside the MPI job: both sweeps, printed by rank 0."""
     import numpy as np
-    from mpi4py import MPI
-
     from ddlab.data_parallel import close_gloo
     from ddlab.scaling import allreduce_vs_gloo, syncs_per_epoch, time_to_score, train_for_time
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

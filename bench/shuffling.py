@@ -30,11 +30,9 @@ STRATEGIES = {"global": ("global", 0.0), "local": ("local", 0.0), "Q=0.1": ("par
 def child(seeds: int, epochs: int) -> None:
     import numpy as np
     import torch
-    from mpi4py import MPI
-
     from ddlab.data import StressStrainCurves
-    from ddlab.shuffling import remove_store, write_shared
-    from ddlab.shuffling import train_shuffled
+    from ddlab.shuffling import remove_store, train_shuffled, write_shared
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)

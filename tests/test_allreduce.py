@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from ddlab.allreduce import cost
 from ddlab.allreduce.cost import Link, crossover, predict, terms
 from ddlab.runtime.mpi import run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ALGORITHMS = ["naive", "tree", "recursive_doubling", "ring", "rabenseifner"]
 

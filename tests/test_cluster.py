@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-
 from ddlab.runtime import cluster, mpi
 
 

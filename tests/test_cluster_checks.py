@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from ddlab import checks
 from ddlab.runtime.blocks import block_range
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from mpi4py import MPI
-
 from ddlab.runtime.counting import ALLOWABLE, UNCOUNTED, CountingComm, Event, Traffic, is_collective, rounds
+from mpi4py import MPI
 
 
 def traffic(size: int, messages: list[tuple[int, int]]) -> list[Traffic]:

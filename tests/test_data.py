@@ -5,10 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from ddlab import checks
-from ddlab.data import ShardedSampler, StressStrainCurves, epoch_permutation, eval_shard, physical_targets, shard_indices
-from ddlab.data import curves
+from ddlab.data import (
+    ShardedSampler,
+    StressStrainCurves,
+    curves,
+    epoch_permutation,
+    eval_shard,
+    physical_targets,
+    shard_indices,
+)
 
 
 def test_samples_depend_only_on_seed_and_index():

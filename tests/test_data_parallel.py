@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab import data_parallel as dp
 from ddlab.data import StressStrainCurves
 from ddlab.models import count_parameters, make_mlp
 from ddlab.runtime.trace import Tracer
+from mpi4py import MPI
 
 SELF = MPI.COMM_SELF
 
@@ -64,7 +62,7 @@ def test_allreduce_choices_resolve_to_lab_03_functions():
 def test_one_process_data_parallel_is_plain_training():
     data = StressStrainCurves(n=64, dtype=torch.float64)
     plain, wrapped = make_mlp(dtype=torch.float64), make_mlp(dtype=torch.float64)
-    for model, target in ((plain, plain), (wrapped, dp.DataParallel(wrapped, SELF, bucket_cap_mb=0.1))):
+    for target in (plain, dp.DataParallel(wrapped, SELF, bucket_cap_mb=0.1)):
         optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
         history = dp.train(target, optimizer, data, SELF, epochs=2, batch_size=16, progress=False)
         assert history.steps == 8 and len(history.losses) == 8 and len(history.epoch_times) == 2

@@ -6,9 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab import checks, scaling
+from mpi4py import MPI
 
 
 def test_speedup_and_efficiency():
@@ -93,7 +92,6 @@ def test_lr_check_fails_on_wrong_rules(wrong, words):
 
 def test_a_time_budget_stops_training_after_the_step_that_spends_it():
     import torch
-
     from ddlab.data import StressStrainCurves
     from ddlab.data_parallel import train
     from ddlab.models import make_mlp

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ddlab.tools import cli, doctor
 from ddlab.runtime import mpi
+from ddlab.tools import cli, doctor
 
 VENV_BIN = Path(sys.executable).parent
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

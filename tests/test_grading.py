@@ -19,9 +19,8 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
-
-from ddlab.tools.labgen import checks
 from ddlab.tools.grading.submission import prepare, student_name
+from ddlab.tools.labgen import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = nbformat.read(ROOT / "labs" / "03_allreduce.ipynb", as_version=4)

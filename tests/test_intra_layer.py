@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from ddlab.intra_layer import slab_bounds
 
 

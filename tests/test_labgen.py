@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import nbformat
 import pytest
-
 from ddlab.tools.labgen import LabSourceError, checks, make_lab, stub_source
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
-from ddlab.checks import (CheckFailed, check_data_parallel_memory, check_data_parallel_time, check_spatial_memory,
-                          check_spatial_time)
+from ddlab.checks import (
+    CheckFailed,
+    check_data_parallel_memory,
+    check_data_parallel_time,
+    check_spatial_memory,
+    check_spatial_time,
+)
 from ddlab.oracle import formulas
 
 

@@ -7,12 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from ddlab.allreduce.cost import Link, collective_seconds
 from ddlab.oracle import Curves, Platform, describe, filter_parallel, spatial
 from ddlab.oracle.implementation import LocalComm, LocalHalo
 from ddlab.oracle.strategies import channel_exchanges, halo_layers, halo_rows_padded, pipeline, sync_share
+from torch import nn
 
 NET = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
 INFO = describe(NET, (2, 8, 8))

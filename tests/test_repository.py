@@ -7,7 +7,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from ddlab.tools.labgen import generate
 
 try:

@@ -8,10 +8,9 @@ import json
 import stat
 from pathlib import Path
 
+import ddlab.runtime.cluster
 import psutil
 import pytest
-
-import ddlab.runtime.cluster
 from ddlab.tools import slurm
 
 LIBRARY = Path(ddlab.runtime.cluster.__file__).parent

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from ddlab.tools import doctor
 from ddlab.runtime import mpi
+from ddlab.tools import doctor
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ddlab.tools import slurm
 from ddlab.runtime import cluster, mpi
+from ddlab.tools import slurm
 
 
 def test_the_settings_file_loads_with_its_defaults() -> None:

@@ -6,9 +6,8 @@ import json
 import time
 
 import pytest
-from mpi4py import MPI
-
 from ddlab.runtime.trace import Span, Tracer, breakdown, chrome_trace, gather_spans, totals, write_chrome_trace
+from mpi4py import MPI
 
 
 def test_spans_record_their_duration():

@@ -6,10 +6,20 @@ import itertools
 
 import pytest
 import torch
-
 from ddlab.data.images import CLASSES, make_segmentation
-from ddlab.model_parallel import (Crossings, PiecePlan, StagePlan, balanced_split, check_bounds, layer_order_pieces,
-                                  naive_split, profile_layers, stage_costs, trace_shapes, u_split)
+from ddlab.model_parallel import (
+    Crossings,
+    PiecePlan,
+    StagePlan,
+    balanced_split,
+    check_bounds,
+    layer_order_pieces,
+    naive_split,
+    profile_layers,
+    stage_costs,
+    trace_shapes,
+    u_split,
+)
 from ddlab.models.unet import UNet, layer_names
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from ddlab.checks import CheckFailed, check_balanced_split, check_gpipe, check_one_f_one_b, check_pipedream_partition
 from ddlab.model_parallel import balanced_split, naive_split
 from ddlab.pipeline import gpipe, one_f_one_b, pipedream_partition

@@ -17,7 +17,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from browser_support import ROOT, copy_notebooks, free_port, listening, stop_process_tree, wait_for_http, write_lab_settings
+from browser_support import (
+    ROOT,
+    copy_notebooks,
+    free_port,
+    listening,
+    stop_process_tree,
+    wait_for_http,
+    write_lab_settings,
+)
 from notebook_page import ENGINES_DOWN, NotebookPage, student_view_problems
 
 #: (notebook, seconds allowed for Run All); the fast labs, as the course's own tests run them.

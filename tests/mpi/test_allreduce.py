@@ -13,15 +13,13 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from mpi4py import MPI
-
-from ddlab.allreduce import cost
-from ddlab.allreduce import ALGORITHMS, allreduce_mpi
+from ddlab.allreduce import ALGORITHMS, allreduce_mpi, cost
 from ddlab.checks import check_allreduce_rabenseifner, check_allreduce_recursive_doubling, check_allreduce_ring
 from ddlab.checks._core import run_counted
 from ddlab.runtime.counting import rounds
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 SIZES = list(range(1, WORLD.size + 1)) if WORLD.size <= 4 else list(range(5, WORLD.size + 1))
@@ -130,7 +128,7 @@ def test_critical_path_matches_the_cost_model(name: str) -> None:
     for size in SIZES:
         n = 24 * size
 
-        def body(comm: MPI.Comm) -> str | None:
+        def body(comm: MPI.Comm, size: int = size, n: int = n) -> str | None:  # this iteration's size and n
             _, traffic = run_counted(comm, ALGORITHMS[name], (np.ones(n),), name)
             model = cost.terms(name, size, n * 8)
             heaviest = max(t.bytes_sent for t in traffic)

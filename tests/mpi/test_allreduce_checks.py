@@ -9,13 +9,22 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
-from ddlab.allreduce import (allreduce_recursive_doubling, allreduce_ring, fold_in, fold_out, largest_power_of_two,
-                             member_rank)
-from ddlab.checks import (CheckFailed, check_allreduce_rabenseifner, check_allreduce_recursive_doubling,
-                          check_allreduce_ring)
+from ddlab.allreduce import (
+    allreduce_recursive_doubling,
+    allreduce_ring,
+    fold_in,
+    fold_out,
+    largest_power_of_two,
+    member_rank,
+)
+from ddlab.checks import (
+    CheckFailed,
+    check_allreduce_rabenseifner,
+    check_allreduce_recursive_doubling,
+    check_allreduce_ring,
+)
 from ddlab.runtime.blocks import block_bounds
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 

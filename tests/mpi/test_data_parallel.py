@@ -9,12 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab import data_parallel as dp
 from ddlab.data import StressStrainCurves
 from ddlab.models import make_mlp
 from ddlab.runtime.trace import Tracer
+from mpi4py import MPI
 
 TOLERANCE = 1e-10
 PER_RANK = 8

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab import checks
 from ddlab import data_parallel as dp
 from ddlab.allreduce import allreduce_ring
+from mpi4py import MPI
 
 
 def fails(check, fn, *words):

@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab import checks, scaling
 
 

@@ -11,15 +11,27 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
-
 from ddlab.checks._core import each_size
 from ddlab.data.images import make_segmentation
-from ddlab.intra_layer import (ChannelParallelConv, FilterParallelConv, FilterUNet, HaloExchange, SpatialUNet,
-                               channel_slice, filter_slice, filter_step, hybrid_step, make_grid, padded_conv2d,
-                               slab_bounds, spatial_conv2d, spatial_step)
+from ddlab.intra_layer import (
+    ChannelParallelConv,
+    FilterParallelConv,
+    FilterUNet,
+    HaloExchange,
+    SpatialUNet,
+    channel_slice,
+    filter_slice,
+    filter_step,
+    hybrid_step,
+    make_grid,
+    padded_conv2d,
+    slab_bounds,
+    spatial_conv2d,
+    spatial_step,
+)
 from ddlab.models.unet import Conv, UNet
 from ddlab.runtime.blocks import block_range
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 SIZES = list(range(2, WORLD.Get_size() + 1))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
-
 from ddlab.checks import CheckFailed, check_filter_parallel_conv, check_halo_exchange, check_slab_bounds
 from ddlab.intra_layer import FilterParallelConv, HaloExchange, slab_bounds
 from ddlab.intra_layer.halo import exchange_rows
 from ddlab.runtime.blocks import block_bounds
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 

@@ -5,10 +5,9 @@ Every rank runs the same tests; the checks make all ranks raise the same error.
 
 from __future__ import annotations
 
+import ddlab.checks.model_parallel as checks
 import pytest
 import torch
-
-import ddlab.checks.model_parallel as checks
 from ddlab.checks import CheckFailed, check_recv_tensor, check_send_tensor
 from ddlab.model_parallel import RecvTensor, SendTensor
 

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab.data.images import make_segmentation
-from ddlab.model_parallel import (PiecePlan, PieceStage, compare_layouts, gradient_error, layer_order_pieces,
-                                  naive_split, reference_gradients, train_step, u_split)
+from ddlab.model_parallel import (
+    PiecePlan,
+    PieceStage,
+    compare_layouts,
+    gradient_error,
+    layer_order_pieces,
+    naive_split,
+    reference_gradients,
+    train_step,
+    u_split,
+)
 from ddlab.models.unet import UNet
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 K = WORLD.Get_size()

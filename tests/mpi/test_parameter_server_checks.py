@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from ddlab.checks import CheckFailed, check_async_worker, check_gossip_step, check_ssp_gate
 from ddlab.parameter_server import gossip_step, may_start
 from ddlab.parameter_server.messages import GRADIENT, PARAMETERS, PARAMETERS_HEADER

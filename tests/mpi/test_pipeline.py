@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab.data.images import make_segmentation
 from ddlab.data_parallel import close_gloo
 from ddlab.model_parallel import Stage, gradient_error, naive_split, reference_gradients
 from ddlab.models.unet import UNet
-from ddlab.pipeline import (TorchPipeline, calibrate, gpipe, measure_pipeline, measured_stage_times, one_f_one_b,
-                            pipedream_partition, pipeline_step)
+from ddlab.pipeline import (
+    TorchPipeline,
+    calibrate,
+    gpipe,
+    measure_pipeline,
+    measured_stage_times,
+    one_f_one_b,
+    pipedream_partition,
+    pipeline_step,
+)
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 K = WORLD.Get_size()

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import functools
 
+import ddlab.checks.pipeline as checks
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-
-import ddlab.checks.pipeline as checks
 from ddlab.checks import CheckFailed, check_run_schedule
 from ddlab.pipeline import micro_batch_loss, run_schedule
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 

@@ -11,10 +11,9 @@ import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab import p2p
 from ddlab.checks import CheckFailed, check_collect, check_exchange, check_ping_pong
+from mpi4py import MPI
 
 SHORT = 3.0  # seconds a wrong implementation may block before the check gives up
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.data import StressStrainCurves
-from ddlab.shuffling import Shuffler, exchange_plan, exchange_samples, remove_store, stage, write_shared
 from ddlab.data.sharding import epoch_permutation
 from ddlab.runtime.blocks import block_range
+from ddlab.shuffling import Shuffler, exchange_plan, exchange_samples, remove_store, stage, write_shared
+from mpi4py import MPI
 
 N = 103  # not a multiple of 3 or 4: partitions of different sizes
 EPOCHS = 3

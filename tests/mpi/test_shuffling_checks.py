@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.checks import CheckFailed, check_exchange_plan, check_exchange_samples
 from ddlab.shuffling import exchange_plan, exchange_samples
+from mpi4py import MPI
 
 
 def plan_with_replacement(counts, rank, q, epoch, seed=0):
