@@ -80,8 +80,11 @@ def test_sign_1bit_packs_and_contracts() -> None:
 def test_error_feedback_conserves_the_sum(compress: str) -> None:
     memory, rng = ErrorFeedback(), np.random.default_rng(3)
     true_sum, applied = np.zeros(300), np.zeros(300)
-    compressors = {"topk": lambda fed: densify(top_k(fed, 5)), "randomk": lambda fed: densify(random_k(fed, 5, rng)),
-                   "sign": lambda fed: unsign_1bit(sign_1bit(fed))}
+    compressors = {
+        "topk": lambda fed: densify(top_k(fed, 5)),
+        "randomk": lambda fed: densify(random_k(fed, 5, rng)),
+        "sign": lambda fed: unsign_1bit(sign_1bit(fed)),
+    }
     for _ in range(20):
         g = rng.standard_normal(300)
         fed = memory.feed(g)

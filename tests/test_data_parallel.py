@@ -73,8 +73,7 @@ def test_training_learns_the_task():
     data, test = StressStrainCurves(n=4096), StressStrainCurves(n=1024, seed=7)
     model = make_mlp()
     before = dp.evaluate(model, test, SELF)["score"]
-    dp.train(model, torch.optim.Adam(model.parameters(), lr=1e-3), data, SELF, epochs=2, batch_size=32,
-             progress=False)
+    dp.train(model, torch.optim.Adam(model.parameters(), lr=1e-3), data, SELF, epochs=2, batch_size=32, progress=False)
     after = dp.evaluate(model, test, SELF)
     assert before < 0.1 < 0.6 < after["score"] and len(after["r2"]) == 2
 
@@ -88,17 +87,34 @@ def test_learning_rate_schedule_and_max_steps():
     def step():
         seen.append(optimizer.param_groups[0]["lr"])
         original()
+
     optimizer.step = step
-    dp.train(model, optimizer, StressStrainCurves(n=100), SELF, epochs=2, batch_size=10, max_steps=3,
-             lr_at=lambda s: (s + 1) / 10, progress=False)
+    dp.train(
+        model,
+        optimizer,
+        StressStrainCurves(n=100),
+        SELF,
+        epochs=2,
+        batch_size=10,
+        max_steps=3,
+        lr_at=lambda s: (s + 1) / 10,
+        progress=False,
+    )
     assert seen == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.25, 0.3])
 
 
 def test_phases_are_timed():
     tracer = Tracer()
     model = dp.DataParallel(make_mlp(), SELF, tracer=tracer)
-    dp.train(model, torch.optim.SGD(model.parameters(), lr=0.01), StressStrainCurves(n=64), SELF,
-             batch_size=16, tracer=tracer, progress=False)
+    dp.train(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        StressStrainCurves(n=64),
+        SELF,
+        batch_size=16,
+        tracer=tracer,
+        progress=False,
+    )
     assert set(tracer.totals()) == set(dp.PHASES)
     assert len([s for s in tracer.spans if s.name == "backward"]) == 4
 

@@ -6,7 +6,9 @@ import pytest
 from ddlab.intra_layer import slab_bounds
 
 
-@pytest.mark.parametrize("height, size, levels", [(48, 3, 3), (112, 4, 3), (40, 4, 3), (13, 4, 0), (64, 1, 4), (96, 5, 2)])
+@pytest.mark.parametrize(
+    "height, size, levels", [(48, 3, 3), (112, 4, 3), (40, 4, 3), (13, 4, 0), (64, 1, 4), (96, 5, 2)]
+)
 def test_slabs_survive_every_pooling_level_and_differ_by_at_most_one_block(height, size, levels):
     bounds = slab_bounds(height, size, levels)
     unit = 2**levels

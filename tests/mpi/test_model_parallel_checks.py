@@ -90,11 +90,14 @@ def test_reference_functions_pass():
     check_recv_tensor(RecvTensor)
 
 
-@pytest.mark.parametrize("wrong, says", [
-    (SendKeepsGradient, "are missing. Check that SendTensor.backward returns the gradient"),
-    (SendNeverReceives, "differ from one process"),
-    (SendTwice, "activations sent forward: .*Check that SendTensor.forward posts each activation once"),
-])
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (SendKeepsGradient, "are missing. Check that SendTensor.backward returns the gradient"),
+        (SendNeverReceives, "differ from one process"),
+        (SendTwice, "activations sent forward: .*Check that SendTensor.forward posts each activation once"),
+    ],
+)
 def test_wrong_send_fails(wrong, says):
     with pytest.raises(CheckFailed, match=says):
         check_send_tensor(wrong)

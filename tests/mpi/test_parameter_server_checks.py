@@ -122,13 +122,16 @@ def worker_forgets_last_flag(comm, n, gradient, steps):
         push(comm, step, incoming[0], grad, True)
 
 
-@pytest.mark.parametrize("worker, message", [
-    (worker_never_pushes, "waited"),
-    (worker_pushes_twice, "expected 1"),
-    (worker_pulls_once, "never received"),
-    (worker_keeps_stale_params, "parameters other than"),
-    (worker_forgets_last_flag, "waited"),
-])
+@pytest.mark.parametrize(
+    "worker, message",
+    [
+        (worker_never_pushes, "waited"),
+        (worker_pushes_twice, "expected 1"),
+        (worker_pulls_once, "never received"),
+        (worker_keeps_stale_params, "parameters other than"),
+        (worker_forgets_last_flag, "waited"),
+    ],
+)
 def test_wrong_async_workers_fail(comm, worker, message):
     with pytest.raises(CheckFailed, match=message):
         check_async_worker(worker)

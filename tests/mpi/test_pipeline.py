@@ -68,8 +68,10 @@ def test_measured_step_has_timelines_and_1f1b_keeps_fewer_activations():
     model = _model(torch.float32)
     images, masks = make_segmentation(2 * K, 32, seed=1)
     bounds = naive_split(len(model.layers), K)
-    runs = {s.__name__: measure_pipeline(WORLD, model, bounds, s, 2 * K, images, masks, repeats=1)
-            for s in (gpipe, one_f_one_b)}
+    runs = {
+        s.__name__: measure_pipeline(WORLD, model, bounds, s, 2 * K, images, masks, repeats=1)
+        for s in (gpipe, one_f_one_b)
+    }
     same = WORLD.allgather([(r.peak_activations, r.m) for r in runs.values()])
     assert all(s == same[0] for s in same), "every rank must get the same measurement"
     for run in runs.values():

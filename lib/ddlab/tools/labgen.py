@@ -85,8 +85,14 @@ def exercise_id(exercise: str, function: str) -> str:
 
 def _nbgrader(grade_id: str, solution: bool, points: int | None = None) -> dict:
     """nbgrader's cell metadata (schema 3) for a solution cell, or an autograded test cell if points."""
-    meta = {"grade": points is not None, "grade_id": grade_id, "locked": not solution,
-            "schema_version": 3, "solution": solution, "task": False}
+    meta = {
+        "grade": points is not None,
+        "grade_id": grade_id,
+        "locked": not solution,
+        "schema_version": 3,
+        "solution": solution,
+        "task": False,
+    }
     return meta | ({"points": points} if points is not None else {})
 
 
@@ -114,7 +120,9 @@ def make_lab(solution: nbformat.NotebookNode, name: str = "notebook") -> nbforma
                 count += 1
                 grade_id = f"{base}_{count}"
             used.add(grade_id)
-            cell.metadata["nbgrader"] = _nbgrader(grade_id, CHECK_TAG not in tags, POINTS if CHECK_TAG in tags else None)
+            cell.metadata["nbgrader"] = _nbgrader(
+                grade_id, CHECK_TAG not in tags, POINTS if CHECK_TAG in tags else None
+            )
         if (CHECK_TAG in tags or NEEDS_TAG in tags) and RAISES_TAG not in tags:
             tags.append(RAISES_TAG)
         if tags:
