@@ -3,7 +3,7 @@
 - Every run gets a private IPython directory, so its clusters are its own. Every
   process a test starts carries the test's name (DDLAB_TEST). A notebook's cluster
   must be gone within GONE_WITHIN seconds of nbval killing its kernel (the reaper
-  ddlab.cluster.start() leaves sees to that), and at the end of the run no process
+  ddlab.runtime.cluster.start() leaves sees to that), and at the end of the run no process
   a test started may remain: either fails, naming the process and the test.
 - Notebook cells: a timeout fails the cell. In labs/, a cell tagged `check` must
   raise, and raise because of an exercise stub: a check that passes on a stub
@@ -36,13 +36,19 @@ MPI_TESTS = Path(__file__).resolve().parent / "tests" / "mpi"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--mpi-suite", action="store_true",
-                     help="collect tests/mpi/ (tests/test_mpi_suites.py runs them under mpiexec)")
+    parser.addoption(
+        "--mpi-suite",
+        action="store_true",
+        help="collect tests/mpi/ (tests/test_mpi_suites.py runs them under mpiexec)",
+    )
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """tests/mpi/ runs only under mpiexec, launched by tests/test_mpi_suites.py."""
-    if not config.getoption("--mpi-suite") and MPI_TESTS in (collection_path, *collection_path.parents):
+    if not config.getoption("--mpi-suite") and MPI_TESTS in (
+        collection_path,
+        *collection_path.parents,
+    ):
         return True
     return None
 
@@ -81,14 +87,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         error = _cell_error(item)
         if STUB_ERROR not in error:
             report.outcome = "failed"
-            report.longrepr = (
-                f"{item.name}: this check cell must fail on the lab's stub, but it "
-                + ("raised something else:\n" + error if error else "passed: it checks nothing.")
+            report.longrepr = f"{item.name}: this check cell must fail on the lab's stub, but it " + (
+                "raised something else:\n" + error if error else "passed: it checks nothing."
             )
 
 
 #: Seconds within which a notebook's cluster must be gone once nbval has killed its kernel (the
-#: reaper that ddlab.cluster.start() leaves watches the kernel: README, "If a kernel dies").
+#: reaper that ddlab.runtime.cluster.start() leaves watches the kernel: README, "If a kernel dies").
 GONE_WITHIN = 10
 #: The environment variable naming, in every process a test starts, the test that started it.
 STARTED_BY = "DDLAB_TEST"
@@ -128,8 +133,10 @@ def _describe(procs: list[psutil.Process]) -> str:
     lines = []
     for proc in procs:
         try:
-            lines.append(f"left behind: pid {proc.pid}, started by {proc.environ().get(STARTED_BY, '?')}: "
-                         f"{' '.join(proc.cmdline())[:200]}")
+            lines.append(
+                f"left behind: pid {proc.pid}, started by {proc.environ().get(STARTED_BY, '?')}: "
+                f"{' '.join(proc.cmdline())[:200]}"
+            )
         except psutil.Error:
             continue  # it left after all
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""ddlab.cluster outside a notebook: errors that say what to do, and orphan clean-up."""
+"""ddlab.runtime.cluster outside a notebook: errors that say what to do, and orphan clean-up."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import textwrap
 
 import psutil
 import pytest
-
-from ddlab import cluster, mpi
+from ddlab.runtime import cluster, mpi
 
 
 def test_unknown_profile_lists_the_known_ones():
@@ -26,17 +25,22 @@ def test_bad_engine_counts_are_refused(n):
 
 def test_engines_that_fail_show_their_output(tmp_path, monkeypatch):
     fake = tmp_path / "mpiexec"
-    fake.write_text(textwrap.dedent("""\
+    fake.write_text(
+        textwrap.dedent("""\
         #!/bin/sh
         if [ "$1" = "--version" ]; then echo "HYDRA build details:"; exit 0; fi
         echo "fake-mpiexec: could not start any rank" >&2
         exit 3
-    """))
+    """)
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("DDLAB_MPIEXEC", str(fake))
     mpi.implementation.cache_clear()
     try:
-        with pytest.raises(cluster.ClusterError, match="(?s)exited before registering.*could not start any rank"):
+        with pytest.raises(
+            cluster.ClusterError,
+            match="(?s)exited before registering.*could not start any rank",
+        ):
             cluster.start(n=2, timeout=60)
     finally:
         mpi.implementation.cache_clear()
@@ -47,7 +51,9 @@ def test_an_orphan_whose_reaper_died_too_is_removed_by_the_next_start(tmp_path):
     """The reaper removes a dead owner's cluster by itself (tests/test_kernel.py); when it is killed
     as well, the next start of the profile finds the orphan and stops it."""
     script = tmp_path / "owner.py"
-    script.write_text("import ddlab.cluster, time\nddlab.cluster.start(n=2)\nprint('up', flush=True)\ntime.sleep(600)\n")
+    script.write_text(
+        "import ddlab.runtime.cluster, time\nddlab.runtime.cluster.start(n=2)\nprint('up', flush=True)\ntime.sleep(600)\n"
+    )
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout.readline().strip() == "up"

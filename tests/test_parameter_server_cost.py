@@ -1,11 +1,10 @@
 """Lab 10's cost model: a server's step grows with the workers and shrinks with the shards; the ring's does not."""
 
 import pytest
-
-from ddlab.costmodel import Machine, predict
+from ddlab.allreduce.cost import Link, predict
 from ddlab.parameter_server.cost import GAMMA, allreduce_seconds, predicted, server_seconds
 
-MACHINE = Machine(alpha=1e-6, beta=1e-9, gamma=1e-10)
+MACHINE = Link(alpha=1e-6, beta=1e-9, gamma=1e-10)
 
 
 def test_server_time_is_2_p_gamma_m_g_over_s_plus_2_l():

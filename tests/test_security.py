@@ -8,20 +8,19 @@ import json
 import stat
 from pathlib import Path
 
+import ddlab.runtime.cluster
 import psutil
 import pytest
+from ddlab.tools import slurm
 
-import ddlab.cluster
-from ddlab import slurm
-
-LIBRARY = Path(ddlab.cluster.__file__).parent
+LIBRARY = Path(ddlab.runtime.cluster.__file__).parent
 
 
 @pytest.fixture(scope="module")
 def local_cluster():
     """One engine on the local profile, with the files its controller wrote."""
-    with ddlab.cluster.running(1, "local") as client:
-        yield client, ddlab.cluster._current.cluster
+    with ddlab.runtime.cluster.running(1, "local") as client:
+        yield client, ddlab.runtime.cluster._current.cluster
 
 
 def _security_dir(cluster) -> Path:
@@ -66,21 +65,23 @@ def test_messages_are_signed_with_a_secret_key(local_cluster) -> None:
         assert len(info["key"]) >= 32 and info["signature_scheme"] == "hmac-sha256"
     assert client.session.auth is not None and client.session.key
     view = client[:]
-    view.execute("_session = get_ipython().kernel.session; _signing = (_session.signature_scheme, bool(_session.key))",
-                 block=True)
+    view.execute(
+        "_session = get_ipython().kernel.session; _signing = (_session.signature_scheme, bool(_session.key))",
+        block=True,
+    )
     assert view.pull("_signing", block=True) == [("hmac-sha256", True)]
 
 
 @pytest.mark.parametrize("profile", ["local", "slurm", "jupyterhub"])
 def test_no_profile_touches_message_signing(profile: str) -> None:
-    config = ddlab.cluster.profile_config(profile)
+    config = ddlab.runtime.cluster.profile_config(profile)
     for section in ("Session", "IPController", "IPEngine"):
         for name in ("key", "keyfile", "signature_scheme"):
             assert name not in config.get(section, {}), f"{profile} sets {section}.{name}"
 
 
 def test_no_source_file_touches_message_signing() -> None:
-    sources = [*LIBRARY.rglob("*.py"), *ddlab.cluster.CLUSTERS_DIR.rglob("*.py")]
+    sources = [*LIBRARY.rglob("*.py"), *ddlab.runtime.cluster.CLUSTERS_DIR.rglob("*.py")]
     for path in sources:
         text = path.read_text()
         for word in ("Session.key", "signature_scheme", "Session.keyfile"):
@@ -89,7 +90,7 @@ def test_no_source_file_touches_message_signing() -> None:
 
 @pytest.mark.parametrize("profile", ["slurm", "jupyterhub"])
 def test_cluster_profiles_listen_on_one_address(profile: str) -> None:
-    config = ddlab.cluster.profile_config(profile)
+    config = ddlab.runtime.cluster.profile_config(profile)
     address = slurm.controller_address(slurm.load_settings())
     assert config.Cluster.controller_ip == address
     assert address not in ("", "*", "0.0.0.0")

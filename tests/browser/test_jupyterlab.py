@@ -4,7 +4,7 @@ For lab 00 (the student's version, whose checks must fail on the stubs) and the 
 of lab 02 (the fast labs: the notebooks themselves run under nbval): open the notebook, pick the "Python (ddlab)" kernel, Run All, and read
 from the page what a student sees (notebook_page.student_view_problems). In lab 00 then
 take its way out of a hang: a cell stuck in a receive, the toolbar's stop button,
-`ddlab.cluster.restart()`, and a next cell that works with the notebook's variables intact.
+`ddlab.runtime.cluster.restart()`, and a next cell that works with the notebook's variables intact.
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from browser_support import ROOT, copy_notebooks, free_port, listening, stop_process_tree, wait_for_http, write_lab_settings
+from browser_support import (
+    ROOT,
+    copy_notebooks,
+    free_port,
+    listening,
+    stop_process_tree,
+    wait_for_http,
+    write_lab_settings,
+)
 from notebook_page import ENGINES_DOWN, NotebookPage, student_view_problems
 
 #: (notebook, seconds allowed for Run All); the fast labs, as the course's own tests run them.
@@ -39,9 +47,18 @@ def jupyterlab(browser, tmp_path_factory: pytest.TempPathFactory):
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "DDLAB_PROGRESS")}
     env.update(JUPYTER_CONFIG_DIR=str(folder / "config"), JUPYTER_RUNTIME_DIR=str(folder / "runtime"))
     jupyter = Path(sys.executable).parent / "jupyter"
-    command = [str(jupyter), "lab", f"--notebook-dir={root}", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-               "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               f"--LabApp.user_settings_dir={folder / 'settings'}", f"--LabApp.workspaces_dir={folder / 'workspaces'}"]
+    command = [
+        str(jupyter),
+        "lab",
+        f"--notebook-dir={root}",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--LabApp.user_settings_dir={folder / 'settings'}",
+        f"--LabApp.workspaces_dir={folder / 'workspaces'}",
+    ]
     command += ["--allow-root"] if os.geteuid() == 0 else []
     log = folder / "jupyterlab.log"
     with open(log, "w") as out:
@@ -80,6 +97,7 @@ def test_run_all_shows_what_a_student_expects(page, jupyterlab, path: str, secon
 
 def recover_from_a_hang(notebook: NotebookPage) -> None:
     """Lab 00's way out of a hang, clicked: stop button, restart(), and the notebook carries on."""
+
     def run(code: str, wait: bool = True) -> None:  # type into the empty last cell, Shift+Enter
         notebook.page.locator(".jp-Notebook .jp-Cell").last.locator(".cm-content").click()
         notebook.page.keyboard.insert_text(code)
@@ -88,9 +106,11 @@ def recover_from_a_hang(notebook: NotebookPage) -> None:
             notebook.wait_until_idle(timeout=180)
 
     notebook.add_cell("")
-    run('rc = ddlab.cluster.start(n=4)\nkept = "variables kept"')
-    run("%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)",
-        wait=False)
+    run('rc = ddlab.runtime.cluster.start(n=4)\nkept = "variables kept"')
+    run(
+        "%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)",
+        wait=False,
+    )
     hung = notebook.page.locator(".jp-Notebook .jp-Cell").nth(-2)
     notebook.page.wait_for_timeout(3000)
     assert hung.locator(".jp-InputArea-prompt").inner_text().strip() == "[*]:", "the receive did not block"
@@ -98,9 +118,9 @@ def recover_from_a_hang(notebook: NotebookPage) -> None:
     notebook.wait_until_idle(timeout=60)
     hung_text = hung.inner_text()
     assert "Received Keyboard Interrupt" in hung_text, f"the interrupted cell shows:\n{hung_text}"
-    run("rc = ddlab.cluster.restart()\nprint(ddlab.cluster.status())")
+    run("rc = ddlab.runtime.cluster.restart()\nprint(ddlab.runtime.cluster.status())")
     run("print(kept, ranks)\nrc[:].apply_sync(lambda: __import__('mpi4py.MPI').MPI.COMM_WORLD.Get_rank())")
-    run("ddlab.cluster.stop()")
+    run("ddlab.runtime.cluster.stop()")
     cells = notebook.cells()
     restarted, after, stopped = cells[-4], cells[-3], cells[-2]
     assert "4 engines up (MPI ranks 0..3)" in restarted.text(), str(restarted)

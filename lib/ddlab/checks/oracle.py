@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable
+from typing import Callable
 
 from mpi4py import MPI
 
@@ -19,10 +19,10 @@ from ._core import each_size, passed
 
 HINTS = {
     "data_parallel_time": "each rank computes its share of the batch; the ring moves 2(P-1)/P of the gradient "
-                          "bytes in and out of every rank, in 2(P-1) messages.",
+    "bytes in and out of every rank, in 2(P-1) messages.",
     "data_parallel_memory": "which of the four parts does every replica hold whole, and which one shrinks with P?",
     "spatial_time": "count the messages of the busiest rank: per convolution, forward and backward, one per "
-                    "neighbour it has; then the gradients' allreduce.",
+    "neighbour it has; then the gradients' allreduce.",
     "spatial_memory": "a slab keeps halo rows only from the neighbours it has: edge slabs have one, inner slabs two.",
 }
 
@@ -60,12 +60,14 @@ def _problem(name: str, fn: Callable, case: tuple) -> str | None:
         except (TypeError, ValueError):
             return f"{name}{case}[{key!r}] is {got[key]!r}, not a number"
         if not ok:
-            return (f"{name}{case}[{key!r}] = {float(got[key]):.6g}, expected {value:.6g} "
-                    f"(ratio {float(got[key]) / value if value else float('inf'):.3g}). Hint: {HINTS[name]}")
+            return (
+                f"{name}{case}[{key!r}] = {float(got[key]):.6g}, expected {value:.6g} "
+                f"(ratio {float(got[key]) / value if value else float('inf'):.3g}). Hint: {HINTS[name]}"
+            )
     return None
 
 
-def _check(name: str, fn: Callable, comm: Any) -> None:
+def _check(name: str, fn: Callable, comm: MPI.Comm | None) -> None:
     comm = comm or MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
@@ -79,21 +81,21 @@ def _check(name: str, fn: Callable, comm: Any) -> None:
     passed(comm, f"{name} agrees with the reference on {len(_cases(name))} generated cases (1 to 9 ranks)")
 
 
-def check_data_parallel_time(fn: Callable, comm: Any = None) -> None:
+def check_data_parallel_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(compute, gradient_bytes, p, alpha, beta) -> {"compute", "communication"} (Exercise 9.1)."""
     _check("data_parallel_time", fn, comm)
 
 
-def check_data_parallel_memory(fn: Callable, comm: Any = None) -> None:
+def check_data_parallel_memory(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(parameter_bytes, activation_bytes, p, optimizer_copies) -> the four parts (Exercise 9.2)."""
     _check("data_parallel_memory", fn, comm)
 
 
-def check_spatial_time(fn: Callable, comm: Any = None) -> None:
+def check_spatial_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(compute, halo_bytes, gradient_bytes, p, alpha, beta) -> {"compute", "communication"} (Exercise 9.3)."""
     _check("spatial_time", fn, comm)
 
 
-def check_spatial_memory(fn: Callable, comm: Any = None) -> None:
+def check_spatial_memory(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(parameter_bytes, activation_bytes, halo_bytes, p, rank, optimizer_copies) -> five parts (Exercise 9.4)."""
     _check("spatial_memory", fn, comm)

@@ -4,7 +4,8 @@ After ParaDL (Kahira, Nguyen et al., "An Oracle for Characterizing and Guiding
 Large-Scale Training of Deep Neural Networks", HPDC 2021).
 
 - `describe`, `profile_seconds`, `ModelInfo`, `LayerInfo`: a torch model traced layer by layer.
-- `Platform`, `Link`, `Curves`, `gpu_cluster`: devices, compute, memory, measured collectives.
+- `Platform`, `Curves`, `gpu_cluster`: devices, compute, memory, measured collectives (links are
+  `ddlab.allreduce.cost.Link`s).
 - `measure_platform`: this machine's platform, in about a minute (a collective over comm).
 - `data`, `spatial`, `pipeline`, `filter_parallel`, `channel_parallel` (with `data_ways` for
   the hybrids): `Prediction`s of time (compute, communication, bubble) and memory per rank.
@@ -14,26 +15,26 @@ Large-Scale Training of Deep Neural Networks", HPDC 2021).
 
 from .describe import LayerInfo, ModelInfo, describe, profile_seconds
 from .formulas import (
-                       data_parallel_memory,
-                       data_parallel_time,
-                       neighbours,
-                       ring_allreduce_seconds,
-                       spatial_memory,
-                       spatial_time,
+    data_parallel_memory,
+    data_parallel_time,
+    neighbours,
+    ring_allreduce_seconds,
+    spatial_memory,
+    spatial_time,
 )
 from .measure import measure_platform
 from .planner import Plan, candidates, plan
-from .platform import OPS, Curves, Link, Platform, alpha_beta_seconds, gpu_cluster
+from .platform import OPS, Curves, Platform, gpu_cluster
 from .strategies import (
-                       MEMORY,
-                       Prediction,
-                       boundary_edges,
-                       channel_parallel,
-                       data,
-                       filter_parallel,
-                       halo_rows_lab08,
-                       halo_rows_minimal,
-                       pipeline,
-                       spatial,
-                       unet_edges,
+    MEMORY,
+    Prediction,
+    boundary_edges,
+    channel_parallel,
+    data,
+    filter_parallel,
+    halo_rows_minimal,
+    halo_rows_padded,
+    pipeline,
+    spatial,
+    unet_edges,
 )

@@ -2,10 +2,10 @@
 
 Communication is empirical first: measured time curves of each collective over message
 size, per rank count, interpolated log-log in the size (`Curves`). Where no curve was
-measured (another rank count, a size far outside), the alpha-beta model of the link
-prices the bandwidth-optimal algorithms MPI libraries use for large messages
-(recursive halving and doubling; Thakur, Rabenseifner & Gropp, IJHPCA 2005), with
-L = ceil(log2 P) steps:
+measured (another rank count, a size far outside), the one cost model of links and
+collectives (`ddlab.allreduce.cost.collective_seconds`) prices the bandwidth-optimal
+algorithms MPI libraries use for large messages over the link (recursive halving and
+doubling; Thakur, Rabenseifner & Gropp, IJHPCA 2005), with L = ceil(log2 P) steps:
 
     allreduce       2 L alpha + 2 (P-1)/P n beta
     allgather       L alpha + (P-1)/P n beta       (n: bytes of the whole result)
@@ -29,33 +29,14 @@ compute (slicing, padding, copies, small extra kernels): 0 where not measured.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..allreduce.cost import Link, collective_seconds
+
+#: The collectives the oracle measures and prices (`ddlab.allreduce.cost.COLLECTIVES` has their formulas).
 OPS = ("allreduce", "allgather", "reduce_scatter", "p2p")
-
-
-@dataclass(frozen=True)
-class Link:
-    """Hockney's model of one link: seconds per message (alpha) and per byte (beta)."""
-
-    alpha: float
-    beta: float
-
-
-def alpha_beta_seconds(op: str, nbytes: float, ranks: int, link: Link) -> float:
-    """The alpha-beta time of op on `ranks` ranks (see the module docstring); 0 on one rank."""
-    if op not in OPS:
-        raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(OPS)}")
-    if op == "p2p":
-        return link.alpha + nbytes * link.beta
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    times = 2 if op == "allreduce" else 1
-    steps = math.ceil(math.log2(ranks))
-    return times * (steps * link.alpha + (ranks - 1) / ranks * nbytes * link.beta)
 
 
 @dataclass
@@ -112,10 +93,14 @@ class Platform:
         measured = self.curves.seconds(op, nbytes, ranks) if stride == 1 else None
         if measured is not None:
             return measured
+        if op not in OPS:
+            raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(OPS)}")
+        if op != "p2p" and nbytes <= 0:
+            return 0.0
         link = self.link(ranks * stride)
         if sharing > 1 and ranks * stride > self.devices_per_node:
-            link = Link(link.alpha, link.beta * sharing)
-        return alpha_beta_seconds(op, nbytes, ranks, link)
+            link = replace(link, beta=link.beta * sharing)
+        return float(collective_seconds(op, ranks, nbytes, link))
 
     def slowdown(self, busy: float) -> float:
         """Compute slowdown with `busy` devices of a node computing at once (fractions interpolate)."""
@@ -144,17 +129,24 @@ def gpu_cluster() -> Platform:
         sources={
             "devices_per_node": "ABCI system overview (AIST): 4 NVIDIA Tesla V100 SXM2 per compute node",
             "memory": "NVIDIA Tesla V100 datasheet: 16 GB HBM2 (SXM2 16 GB as in ABCI)",
-            "flops": ("NVIDIA V100 datasheet: 15.7 TFLOP/s FP32 peak; achieved on training taken as "
-                      "~380 images/s ResNet-50 FP32 on one V100 (NVIDIA Deep Learning Examples, "
-                      "ResNet-50 v1.5 training performance tables), times 24.7 GFLOP per image "
-                      "(forward 8.23 GFLOP traced here, backward twice that)"),
-            "intra": ("NVLink 2: 25 GB/s per link and direction (V100 datasheet: 6 links, 300 GB/s total); "
-                      "two links between each GPU pair of an ABCI node: 50 GB/s; alpha 10 us, "
-                      "a typical NCCL step latency (assumed, not sourced)"),
-            "inter": ("2 x InfiniBand EDR (100 Gb/s = 12.5 GB/s each) per ABCI node: 25 GB/s; "
-                      "alpha 10 us (assumed, as intra)"),
+            "flops": (
+                "NVIDIA V100 datasheet: 15.7 TFLOP/s FP32 peak; achieved on training taken as "
+                "~380 images/s ResNet-50 FP32 on one V100 (NVIDIA Deep Learning Examples, "
+                "ResNet-50 v1.5 training performance tables), times 24.7 GFLOP per image "
+                "(forward 8.23 GFLOP traced here, backward twice that)"
+            ),
+            "intra": (
+                "NVLink 2: 25 GB/s per link and direction (V100 datasheet: 6 links, 300 GB/s total); "
+                "two links between each GPU pair of an ABCI node: 50 GB/s; alpha 10 us, "
+                "a typical NCCL step latency (assumed, not sourced)"
+            ),
+            "inter": (
+                "2 x InfiniBand EDR (100 Gb/s = 12.5 GB/s each) per ABCI node: 25 GB/s; alpha 10 us (assumed, as intra)"
+            ),
             "contention": "one process per GPU: devices do not share compute (1.0)",
-            "overheads": ("none: an implementation's own work per exchange (kernel launches, copies) is "
-                          "microseconds against layers of milliseconds on a V100; not measured here"),
+            "overheads": (
+                "none: an implementation's own work per exchange (kernel launches, copies) is "
+                "microseconds against layers of milliseconds on a V100; not measured here"
+            ),
         },
     )

@@ -1,4 +1,4 @@
-"""Labs 04-07: one Gantt chart of what each rank does when (training phases, pipeline ops), and the bubble."""
+"""The Gantt chart of spans per rank (labs 04-07): what each rank did when."""
 
 from __future__ import annotations
 
@@ -6,22 +6,35 @@ from collections.abc import Sequence
 from typing import cast
 
 import matplotlib.pyplot as plt
-import numpy as np
 
-from ..trace import MAIN, Span
+from ..runtime.trace import MAIN, Span
 
 #: A colour per kind of span: training phases (labs 04-05) and pipeline ops (labs 06-07).
-COLOURS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#55a868", "allreduce": "#c44e52",
-           "optimizer": "#dd8452", "bucket": "#e6a0a2", "send": "#dd8452", "recv": "#8172b3",
-           "idle": "#eeeeee", "other": "#bbbbbb"}
+COLOURS = {
+    "data": "#8c8c8c",
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "allreduce": "#c44e52",
+    "optimizer": "#dd8452",
+    "bucket": "#e6a0a2",
+    "send": "#dd8452",
+    "recv": "#8172b3",
+    "idle": "#eeeeee",
+    "other": "#bbbbbb",
+}
 _DARK = ("forward", "backward", "allreduce", "recv")  # kinds whose numbers are written in white
 
 
-def gantt(spans_by_rank: Sequence[Sequence[Span]], title: str = "", ax: plt.Axes | None = None,
-          unit: float = 1e3, unit_name: str = "ms") -> plt.Figure:
+def gantt(
+    spans_by_rank: Sequence[Sequence[Span]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+    unit: float = 1e3,
+    unit_name: str = "ms",
+) -> plt.Figure:
     """One row per rank and track, one bar per span coloured by its kind, numbered (micro-batch, bucket).
 
-    spans_by_rank: per rank, ddlab.trace.Spans. Nested spans are drawn over the ones
+    spans_by_rank: per rank, ddlab.runtime.trace.Spans. Nested spans are drawn over the ones
     that enclose them; spans on other tracks than the main one (an allreduce in flight)
     get rows of their own. unit, unit_name: seconds per axis unit and its name.
     """
@@ -37,20 +50,39 @@ def gantt(spans_by_rank: Sequence[Sequence[Span]], title: str = "", ax: plt.Axes
     for row, (_, _, spans) in enumerate(rows):
         for span in sorted(spans, key=lambda s: (s.start, -s.end)):  # enclosing spans first, nested on top
             width = (span.end - span.start) * unit
-            ax.barh(row, width, left=span.start * unit, height=0.7, color=COLOURS.get(span.name, "#999999"),
-                    edgecolor="white", linewidth=0.4)
+            ax.barh(
+                row,
+                width,
+                left=span.start * unit,
+                height=0.7,
+                color=COLOURS.get(span.name, "#999999"),
+                edgecolor="white",
+                linewidth=0.4,
+            )
             if span.number is not None and width > end / 90:
-                ax.text(span.start * unit + width / 2, row, str(span.number), ha="center", va="center", fontsize=7,
-                        color="white" if span.name in _DARK else "black")
-    ax.set_yticks(range(len(rows)), [f"rank {r}" + ("" if t == MAIN else f" ({t})") for r, t, _ in rows],
-                  fontsize=8)
+                ax.text(
+                    span.start * unit + width / 2,
+                    row,
+                    str(span.number),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if span.name in _DARK else "black",
+                )
+    ax.set_yticks(range(len(rows)), [f"rank {r}" + ("" if t == MAIN else f" ({t})") for r, t, _ in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, end)
     ax.set_xlabel(f"time ({unit_name})")
     kinds = [k for k in COLOURS if any(s.name == k for _, _, spans in rows for s in spans)]
-    ax.legend([plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds], kinds, fontsize=7,
-              ncol=max(len(kinds), 1), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)),
-              frameon=False)
+    ax.legend(
+        [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds],
+        kinds,
+        fontsize=7,
+        ncol=max(len(kinds), 1),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)),
+        frameon=False,
+    )
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -61,25 +93,5 @@ def gantt_pair(top: Sequence[Sequence[Span]], bottom: Sequence[Sequence[Span]], 
     fig, axes = plt.subplots(2, 1, figsize=(10, 1.1 * len(top) + 2.6))
     gantt(top, titles[0], ax=axes[0])
     gantt(bottom, titles[1], ax=axes[1])
-    fig.tight_layout()
-    return fig
-
-
-def bubble_vs_theory(micro_batches: Sequence[int], measured: dict[str, Sequence[float]], stages: int) -> plt.Figure:
-    """Measured bubble fraction against micro-batches, with the theory (K-1)/(M+K-1)."""
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    m = np.asarray(micro_batches, dtype=float)
-    fine = np.linspace(m.min(), m.max(), 200)
-    ax.plot(fine, (stages - 1) / (fine + stages - 1), "k--", lw=1, label=f"(K-1)/(M+K-1), K={stages}")
-    for label, values in measured.items():
-        ax.plot(m, values, "o-", ms=5, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(m, [str(int(v)) for v in m])
-    ax.minorticks_off()
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("micro-batches per step, M")
-    ax.set_ylabel("bubble (idle share)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

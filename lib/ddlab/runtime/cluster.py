@@ -1,0 +1,339 @@
+"""Start, stop and restart a cluster of MPI engines, quietly and with a way out.
+
+    rc = ddlab.runtime.cluster.start(n=4)      # %px / %%px now run on 4 MPI ranks
+    ddlab.runtime.cluster.restart()            # after a hang or a crashed engine
+    ddlab.runtime.cluster.stop()
+
+A profile is a folder of `clusters/` (local, slurm, jupyterhub) holding an
+`ipcluster_config.py`. Runtime files (connection files, logs) live in the user's
+IPython directory under `profile_ddlab-<profile>`, never in the course folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import ipyparallel as ipp
+import psutil
+from traitlets.config import Config, PyFileConfigLoader
+
+from . import mpi, reaper
+
+#: Where `clusters/` lives: next to lib/ in the course folder, or $DDLAB_CLUSTERS.
+CLUSTERS_DIR = Path(os.environ.get("DDLAB_CLUSTERS", Path(__file__).resolve().parents[3] / "clusters"))
+
+_ID_PREFIX = "ddlab-"
+
+
+class ClusterError(RuntimeError):
+    """The engines did not start or stopped; the message says why and what to do."""
+
+
+@dataclass
+class Running:
+    """The cluster this process started: ipyparallel's cluster and client, its view, n, profile and reaper."""
+
+    cluster: ipp.Cluster
+    client: ipp.Client
+    view: ipp.DirectView
+    n: int
+    profile: str
+    reaper: subprocess.Popen  # stops the cluster if this process dies without stop()
+    reported_up: int = -1  # engine count at the last crash report, so each crash is told once
+
+
+_current: Running | None = None
+
+
+def default_profile() -> str:
+    """The profile used when none is given: $DDLAB_PROFILE (e.g. slurm on a cluster), else local."""
+    return os.environ.get("DDLAB_PROFILE") or "local"
+
+
+def profile_config(profile: str) -> Config:
+    """The ipyparallel configuration of `clusters/<profile>/ipcluster_config.py`."""
+    folder = CLUSTERS_DIR / profile
+    config_file = folder / "ipcluster_config.py"
+    if not config_file.exists():
+        known = sorted(p.name for p in CLUSTERS_DIR.glob("*/ipcluster_config.py") for p in [p.parent])
+        raise ClusterError(
+            f"No cluster profile {profile!r}: {config_file} does not exist. "
+            f"Known profiles: {', '.join(known) or 'none'} (in {CLUSTERS_DIR})."
+        )
+    return PyFileConfigLoader(config_file.name, path=str(folder)).load_config()
+
+
+def current() -> Running | None:
+    """The cluster this process started with start() and has not stopped, or None."""
+    return _current
+
+
+def make_cluster(n: int, profile: str) -> ipp.Cluster:
+    """An ipyparallel cluster of n MPI engines on the profile, not started (bring_up starts it)."""
+    config = profile_config(profile)
+    config.MPILauncher.mpi_cmd = [mpi.mpiexec_path()]
+    config.MPILauncher.mpi_args = mpi.launcher_args(n)
+    config.MPILauncher.environment = mpi.rank_env(n)
+    return ipp.Cluster(
+        profile=f"ddlab-{profile}",
+        cluster_id=f"{_ID_PREFIX}{os.getpid()}",
+        n=n,
+        config=config,
+        log_level=logging.ERROR,
+        shutdown_atexit=True,
+    )
+
+
+def cleanup_orphans(profile: str | None = None) -> list[str]:
+    """Stop clusters of this profile whose notebook kernel has died; return their ids.
+
+    ddlab names each cluster after the pid of the process that started it, so a
+    cluster whose owner is gone is an orphan. The reaper each start() leaves behind
+    removes a dead kernel's cluster within seconds; this finds what escaped it
+    (a reaper killed too, a machine that rebooted) and clusters this process left.
+    """
+    from IPython.paths import get_ipython_dir
+
+    profile_dir = Path(get_ipython_dir()) / f"profile_ddlab-{profile or default_profile()}"
+    stopped = []
+    for record in sorted((profile_dir / "security").glob(f"cluster-{_ID_PREFIX}*.json")):
+        cluster_id = record.stem[len("cluster-") :]
+        owner = cluster_id[len(_ID_PREFIX) :]
+        if owner.isdigit() and (int(owner) == os.getpid() or not psutil.pid_exists(int(owner))):
+            reaper.reap(str(profile_dir), cluster_id)
+            stopped.append(cluster_id)
+    return stopped
+
+
+# ipyparallel's own log lines ("2026-01-31 12:00:00.123 [IPEngine.0] ..."), unless errors.
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \[[^\]]+\] (?!.*(ERROR|CRITICAL))")
+
+
+def _engine_output(cluster: ipp.Cluster, lines: int = 15) -> str:
+    """The last lines the engines and mpiexec printed (not ipyparallel's chatter)."""
+    text = ""
+    for engine_set in cluster.engines.values():
+        with contextlib.suppress(Exception):
+            text += engine_set.get_output() or ""
+    kept = [line for line in text.splitlines() if line.strip() and not _LOG_LINE.match(line)]
+    return "\n".join("    " + line for line in kept[-lines:]) or "    (nothing besides ipyparallel's log)"
+
+
+def _engines_alive(cluster: ipp.Cluster) -> bool:
+    """True while the engines' launcher (mpiexec, or a batch job) has not exited."""
+    for engine_set in cluster.engines.values():
+        process = getattr(engine_set, "process", None)  # batch launchers have none
+        if process is None:  # ask the batch system: poll() is None while queued or running
+            if engine_set.poll() is None:
+                return True
+            continue
+        with contextlib.suppress(psutil.Error):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False
+
+
+def _activate(client: ipp.Client) -> ipp.DirectView:
+    """A blocking view on all engines, registered for %px/%%px when running in IPython.
+
+    No progress bars in %px cells: they make notebook output change from run to run.
+    The magic shows one only after `progress_after_seconds`; a value of -1 would also
+    skip its wait for the engines' last output, so use a wait longer than any cell.
+    """
+    from ipyparallel.client.magics import ParallelMagics
+    from IPython import get_ipython
+
+    view = client.direct_view("all")  # blocking, as every view of the client
+    if get_ipython() is not None:
+        ParallelMagics.progress_after_seconds = 1e6
+        view.activate()
+    return view
+
+
+def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(client.ids) < n:
+        if not _engines_alive(cluster):
+            raise ClusterError(
+                f"The MPI engines exited before registering ({len(client.ids)} of {n} up). "
+                f"Their last output:\n{_engine_output(cluster)}\n"
+                "If mpi4py cannot initialise MPI, run `make setup` again; "
+                "`python -m ddlab.runtime.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
+            )
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"Only {len(client.ids)} of {n} engines registered within {timeout:.0f} s. "
+                f"Their last output:\n{_engine_output(cluster)}\n"
+                "On a busy or small machine pass a longer timeout, e.g. start(n, timeout=180), "
+                "or start fewer engines."
+            )
+        time.sleep(0.1)  # engine (un)registrations arrive on the client's IO thread
+
+
+def bring_up(cluster: ipp.Cluster, n: int, timeout: float) -> ipp.Client:
+    """Start the controller and n engines of `cluster`; return a client once all registered.
+
+    The client's views block by default (`rc[:].pull("x")` returns the values, not
+    an AsyncResult). Raises ClusterError (or ipyparallel's error) saying what went
+    wrong; the caller stops the cluster then.
+    """
+    cluster.start_controller_sync()
+    # Connect before starting engines: that waits until the controller is fully up, and a
+    # controller stopped earlier (sbatch refusing the engines' job fails at once) leaves its
+    # schedulers running. ipyparallel's default 10 s to connect is short on a loaded machine.
+    client = cluster.connect_client_sync(timeout=max(10.0, min(timeout, 60.0)))
+    client.block = True  # views take it as their default
+    try:
+        cluster.start_engines_sync(n)
+        _wait_for_engines(cluster, client, n, timeout)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp.Client:
+    """Start n MPI engines and return a client (its views block) whose view is active for %px and %%px.
+
+    The profile is a folder of clusters/ (default: $DDLAB_PROFILE, else local).
+    Running it again with the same n and profile returns the running cluster; with
+    other values it stops the old one first. Orphans of killed kernels are stopped.
+    """
+    global _current
+    profile = profile or default_profile()
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive number of engines, got {n!r}")
+    if _current is not None:
+        if (_current.n, _current.profile) == (n, profile) and len(_current.client.ids) == n:
+            return _current.client
+        stop()
+    cleanup_orphans(profile)
+    cluster = make_cluster(n, profile)
+    watcher = reaper.start_watching(cluster.profile_dir, cluster.cluster_id)
+    try:
+        client = bring_up(cluster, n, timeout)
+    except BaseException:
+        _shut_down(cluster, watcher)
+        raise
+    _current = Running(cluster, client, _activate(client), n, profile, watcher)
+    _watch_engines()
+    return client
+
+
+def _shut_down(cluster: ipp.Cluster, watcher: subprocess.Popen) -> None:
+    """Stop the cluster and return once none of its processes is left on this machine; then end its reaper.
+
+    ipyparallel's stop signals mpiexec and the controller; engines that mpiexec could not
+    take down in time (it is killed after five seconds) and nannies still saying goodbye
+    to a stopped controller are killed here, so nothing outlives stop().
+    """
+    with contextlib.suppress(Exception):  # whatever it could not stop is killed below
+        cluster.stop_cluster_sync()
+    survivors = reaper.kill(cluster.profile_dir, cluster.cluster_id)
+    watcher.terminate()
+    watcher.wait()
+    if survivors:
+        raise ClusterError(f"Processes of the cluster survived SIGKILL: {[p.pid for p in survivors]}.")
+
+
+def stop() -> None:
+    """Stop the engines and the controller of the running cluster (if any); return when they are gone."""
+    global _current
+    running, _current = _current, None
+    if running is None:
+        return
+    with contextlib.suppress(Exception):
+        running.client.close()
+    _shut_down(running.cluster, running.reaper)
+
+
+def restart(timeout: float = 120.0) -> ipp.Client:
+    """Kill the engines (hung in MPI, or crashed) and start as many fresh ones.
+
+    The notebook's own variables survive; the engines' do not, so rerun the
+    cells that set them up (imports, `comm = MPI.COMM_WORLD`, ...).
+    """
+    if _current is None:
+        raise ClusterError("No cluster is running: start one with ddlab.runtime.cluster.start(n=4).")
+    running = _current
+    cluster, client, n = running.cluster, running.client, running.n
+    cluster.stop_engines_sync()
+    # Engines that mpiexec left behind (see _shut_down) go too; the controller stays.
+    if controller := _controller_pids(cluster):
+        reaper.kill(cluster.profile_dir, cluster.cluster_id, spare=controller)
+    # Forget the old engines so their ids and queued tasks do not linger.
+    deadline = time.monotonic() + 30
+    while client.ids and time.monotonic() < deadline:
+        time.sleep(0.1)  # engine (un)registrations arrive on the client's IO thread
+    cluster.start_engines_sync(n)
+    try:
+        _wait_for_engines(cluster, client, n, timeout)
+    except ClusterError:
+        stop()
+        raise
+    running.view = _activate(client)
+    return client
+
+
+def _controller_pids(cluster: ipp.Cluster) -> frozenset[int]:
+    """The controller's process and its children (the schedulers)."""
+    process = getattr(cluster.controller, "process", None)
+    if process is None:
+        return frozenset()
+    with contextlib.suppress(psutil.Error):
+        return frozenset([process.pid, *(child.pid for child in process.children(recursive=True))])
+    return frozenset()
+
+
+@contextlib.contextmanager
+def running(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> Iterator[ipp.Client]:
+    """`with ddlab.runtime.cluster.running(4) as rc:` starts a cluster and always stops it."""
+    client = start(n, profile, timeout)
+    try:
+        yield client
+    finally:
+        stop()
+
+
+def status() -> str:
+    """One line on the running cluster: how many engines are up, and what to do if not."""
+    if _current is None:
+        return "No cluster is running: start one with ddlab.runtime.cluster.start(n=4)."
+    up, n = len(_current.client.ids), _current.n
+    if up == n:
+        return f"{n} engines up (MPI ranks 0..{n - 1}), profile {_current.profile!r}."
+    return (
+        f"Only {up} of {n} engines are up: an engine crashed and MPI ended the job. "
+        f"Last engine output:\n{_engine_output(_current.cluster)}\n"
+        "Run ddlab.runtime.cluster.restart() to start fresh engines (the notebook's variables stay)."
+    )
+
+
+def _report_dead_engines(*_args: object) -> None:
+    """After each notebook cell: if engines died since the last report, say so, with the way out."""
+    if _current is None:
+        return
+    up = len(_current.client.ids)
+    if up < _current.n and up != _current.reported_up:
+        print(status(), file=sys.stderr)
+    _current.reported_up = up
+
+
+def _watch_engines() -> None:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return
+    callbacks = shell.events.callbacks["post_run_cell"]
+    if _report_dead_engines not in callbacks:
+        shell.events.register("post_run_cell", _report_dead_engines)

@@ -1,0 +1,187 @@
+"""The MPI launcher of this environment: which mpiexec, which library, which flags.
+
+Everything in ddlab that starts MPI processes (engines, multi-rank tests, benchmarks)
+asks this module, so the venv's own mpiexec is used, never whatever is first on PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class MPISetupError(RuntimeError):
+    """The MPI launcher is missing or unusable; the message says how to fix it."""
+
+
+def mpiexec_path() -> str:
+    """The mpiexec beside this Python (the venv's), or $DDLAB_MPIEXEC if set."""
+    override = os.environ.get("DDLAB_MPIEXEC")
+    if override:
+        return override
+    candidate = Path(sys.executable).parent / "mpiexec"
+    if candidate.exists():
+        return str(candidate)
+    on_path = shutil.which("mpiexec")
+    hint = f" (the one on PATH, {on_path}, may belong to another MPI than mpi4py's)" if on_path else ""
+    raise MPISetupError(
+        f"No mpiexec next to {sys.executable}{hint}. Run `make setup` in the course "
+        "folder to install the MPI wheel, or set DDLAB_MPIEXEC to the mpiexec that "
+        "matches mpi4py."
+    )
+
+
+@functools.cache
+def implementation(mpiexec: str | None = None) -> str:
+    """'openmpi' or 'mpich', read from `mpiexec --version` without initialising MPI here."""
+    exe = mpiexec or mpiexec_path()
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, env=launch_env())
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise MPISetupError(f"`{exe} --version` failed: {err}. Reinstall with `make setup`.") from None
+    text = (out.stdout + out.stderr).lower()
+    if "open mpi" in text or "open-mpi" in text or "openrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text:
+        return "mpich"
+    raise MPISetupError(f"Cannot tell which MPI `{exe}` belongs to:\n{text[:500]}")
+
+
+def root_env() -> dict[str, str]:
+    """Variables Open MPI needs to run as root (containers, CI); empty for other users."""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return {}
+
+
+def rank_env(n: int) -> dict[str, str]:
+    """Variables for n ranks on this machine: root permission, and threads per rank.
+
+    Math libraries (OpenMP, torch) default to one thread per core in every rank, so
+    4 ranks on 2 cores would run 8 threads fighting for 2 cores; give each rank its share.
+    """
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    env = {name: os.environ.get(name, threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    return {**env, **root_env()}
+
+
+def launch_env(n: int = 1) -> dict[str, str]:
+    """The environment for mpiexec -n n: this process's, plus rank_env(n)."""
+    return {**os.environ, **rank_env(n)}
+
+
+def launcher_args(n: int) -> list[str]:
+    """Flags mpiexec needs to start n ranks on this machine, whatever its core count."""
+    if implementation() == "openmpi":
+        # Open MPI refuses more ranks than cores unless told; it then yields when idle.
+        return ["--oversubscribe"] if n > (os.cpu_count() or 1) else []
+    return []
+
+
+def mpiexec_command(n: int) -> list[str]:
+    """The command prefix that starts n ranks: [mpiexec, -n, n, flags...]."""
+    if n < 1:
+        raise ValueError(f"need at least one rank, got n={n}")
+    return [mpiexec_path(), "-n", str(n), *launcher_args(n)]
+
+
+def kill_session(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Stop mpiexec (started with start_new_session) and every process of its session.
+
+    mpiexec gets SIGTERM first so it can stop its ranks; whatever is left of the
+    session after `grace` seconds is killed (Open MPI puts ranks in process groups
+    of their own, so killing one group is not enough).
+    """
+    import psutil
+
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace)
+    for other in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(other.pid) == proc.pid:
+                other.kill()
+
+
+def run_ranks(n: int, command: list[str], timeout: float | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run `command` on n ranks; on timeout kill mpiexec and every rank it started.
+
+    Output is captured (text) unless `stdout`/`stderr` are given. Raises
+    subprocess.TimeoutExpired, with whatever was printed, after killing the job.
+    """
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.STDOUT)
+    proc = subprocess.Popen(
+        mpiexec_command(n) + command, env=launch_env(n), text=True, start_new_session=True, **kwargs
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout or 0.0, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_for_each(rank_counts: list[int], command: list[str], timeout: float) -> int:
+    """Run command on each rank count in turn, printing what it printed; 0 if all succeeded."""
+    status = 0
+    for n in rank_counts:
+        try:
+            done = run_ranks(n, command, timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            print(f"{n} ranks: killed after {timeout} s\n{err.output or ''}")
+            return 1
+        print(done.stdout, end="")
+        status = status or done.returncode
+    return status
+
+
+def bench_main(
+    parser: argparse.ArgumentParser,
+    child: Callable[[argparse.Namespace], None],
+    timeout: float,
+    ranks: list[int] | None = None,
+) -> int:
+    """A benchmark's main: rerun this script, same arguments, under mpiexec; there, call `child`.
+
+    Run directly, the script relaunches itself with `--child` on each rank count in turn
+    (its own `--ranks` option if it has one, else `ranks`, else 4) and prints what rank 0
+    printed; inside the MPI job, `child(args)` measures.
+    """
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    command = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:], "--child"]
+    return run_for_each(getattr(args, "ranks", None) or ranks or [4], command, timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ddlab.runtime.mpi -n 4 CMD...`: run CMD on n ranks with this environment's MPI."""
+    parser = argparse.ArgumentParser(prog="python -m ddlab.runtime.mpi", description=main.__doc__)
+    parser.add_argument("-n", type=int, default=4, help="number of ranks")
+    parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.error("give a command to run, e.g. python -m ddlab.runtime.mpi -n 4 python script.py")
+    try:
+        return run_ranks(args.n, args.command, args.timeout, stdout=None, stderr=None).returncode
+    except subprocess.TimeoutExpired:
+        print(f"ddlab.runtime.mpi: killed after {args.timeout} s", file=sys.stderr)
+        return 124
+
+
+if __name__ == "__main__":
+    sys.exit(main())

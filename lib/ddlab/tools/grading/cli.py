@@ -1,0 +1,78 @@
+"""`ddlab grade --lab 03 SUBMISSIONS...`: grade collected notebooks into a CSV sheet and HTML feedback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+
+from ...runtime.cluster import CLUSTERS_DIR
+from .report import feedback_html, write_sheet
+from .run import clean_up, grade, private_ipython_dir
+from .submission import student_name
+
+LABS_DIR = CLUSTERS_DIR.parent / "labs"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The `grade` subcommand of `ddlab`."""
+    parser = commands.add_parser("grade", help="grade submitted lab notebooks: a CSV grade sheet and HTML feedback")
+    parser.add_argument("--lab", required=True, help="the lab's number, e.g. 03")
+    parser.add_argument("submissions", nargs="+", type=Path, help="the students' notebooks (.ipynb)")
+    parser.add_argument("--labs", type=Path, default=LABS_DIR, help=f"where the labs are (default {LABS_DIR})")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("grades"),
+        help="folder for grades.csv and feedback/STUDENT.html (default ./grades)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a cell may run before it counts as timed out (default 300)",
+    )
+
+
+def find_lab(labs: Path, number: str) -> Path:
+    """labs/NN_*.ipynb for the lab number; SystemExit saying what exists if there is none."""
+    found = sorted(labs.glob(f"{int(number):02d}_*.ipynb")) if number.isdigit() else []
+    if len(found) != 1:
+        known = ", ".join(p.name for p in sorted(labs.glob("[0-9][0-9]_*.ipynb"))) or "none"
+        raise SystemExit(
+            f"ddlab grade: no lab {number!r} in {labs} (labs there: {known}); pass --labs DIR if elsewhere"
+        )
+    return found[0]
+
+
+def main(args: argparse.Namespace) -> int:
+    """Grade every submission in turn, each on a clean cluster; exit status 1 if processes had to be killed."""
+    lab_path = find_lab(args.labs, args.lab)
+    lab = nbformat.read(lab_path, as_version=4)
+    missing = [str(p) for p in args.submissions if not p.is_file()]
+    if missing:
+        raise SystemExit(f"ddlab grade: no such notebook: {', '.join(missing)}")
+    feedback = args.out / "feedback"
+    feedback.mkdir(parents=True, exist_ok=True)
+    results, survivors = [], []
+    with private_ipython_dir() as ipython_dir:
+        for path in args.submissions:
+            student, started = student_name(path, lab_path.name), time.monotonic()
+            graded = grade(lab, path, student, args.timeout)
+            survivors += clean_up(ipython_dir)
+            results += graded
+            (feedback / f"{student}.html").write_text(feedback_html(student, lab_path.stem, graded))
+            points = sum(r.points for r in graded)
+            print(
+                f"{student}: {points} of {sum(r.check.points for r in graded)} points "
+                f"({', '.join(r.status for r in graded)}) in {time.monotonic() - started:.0f} s",
+                flush=True,
+            )
+    write_sheet(results, args.out / "grades.csv")
+    print(f"wrote {args.out / 'grades.csv'} and {feedback}/")
+    for line in survivors:
+        print(f"killed a leftover process: {line}", file=sys.stderr)
+    return 1 if survivors else 0
