@@ -37,6 +37,7 @@ LIBRARY = ROOT / "lib" / "ddlab"
 PAGES = [README, ROOT / "CONTRIBUTING.md", *sorted(DOCS_DIR.glob("*.md"))]
 README_MAX_LINES = 160
 PICTURE_MAX_BYTES = 200 * 1024
+PICTURE_TOLERANCE = 0.02  # share of pixels that may differ from a fresh drawing
 
 #: Paths the pages name that are not in the repository, by design: what the reader writes or a tool
 #: outputs. Each must still be named somewhere (a stale entry fails too).
@@ -368,7 +369,14 @@ def test_readme_picture_is_small_and_drawn_by_docs_figures(tmp_path: Path):
     figures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(figures)
     assert figures.OUT == picture, f"docs/figures.py writes {figures.OUT}, README.md shows {picture}"
-    fresh = figures.draw(tmp_path / picture.name)
-    assert np.array_equal(matplotlib.image.imread(fresh), matplotlib.image.imread(picture)), (
-        f"{images[0]} is not what docs/figures.py draws now: run .venv/bin/python docs/figures.py and commit it"
+    fresh, committed = matplotlib.image.imread(figures.draw(tmp_path / picture.name)), matplotlib.image.imread(picture)
+    assert fresh.shape == committed.shape, (
+        f"{images[0]} is {committed.shape[1]}x{committed.shape[0]} px, docs/figures.py draws "
+        f"{fresh.shape[1]}x{fresh.shape[0]}: run .venv/bin/python docs/figures.py and commit the picture"
+    )
+    # Another matplotlib or FreeType moves a few glyph pixels; a changed schedule or chart moves bars (8-14%).
+    differing = float((np.abs(fresh - committed).max(axis=-1) > 0.1).mean())
+    assert differing <= PICTURE_TOLERANCE, (
+        f"{images[0]} differs from what docs/figures.py draws now in {differing:.1%} of its pixels: "
+        "run .venv/bin/python docs/figures.py and commit the picture"
     )
