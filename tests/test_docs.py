@@ -1,7 +1,8 @@
 """The documentation tells the truth about the code, and the README stays a front door.
 
 - Every file path, `ddlab.*` module (and name in it), `make` target, `python -m` module and
-  `ddlab <subcommand>` named in README.md, CONTRIBUTING.md and docs/*.md exists; every relative
+  `ddlab <subcommand>` named in README.md, CONTRIBUTING.md, docs/*.md and the cluster profile's
+  README it links exists; every relative
   link points at a file, and every #anchor at a heading of it.
 - docs/architecture.md cannot drift: its lab -> package -> checks table matches the packages,
   `ddlab.checks` and the solution notebooks, and its drawing of lib/ddlab lists exactly the
@@ -34,7 +35,13 @@ README = ROOT / "README.md"
 DOCS_DIR = ROOT / "docs"
 ARCHITECTURE = DOCS_DIR / "architecture.md"
 LIBRARY = ROOT / "lib" / "ddlab"
-PAGES = [README, ROOT / "CONTRIBUTING.md", *sorted(DOCS_DIR.glob("*.md"))]
+#: The pages checked: the README, and every page it links to.
+PAGES = [
+    README,
+    ROOT / "CONTRIBUTING.md",
+    *sorted(DOCS_DIR.glob("*.md")),
+    ROOT / "clusters" / "jupyterhub" / "README.md",
+]
 README_MAX_LINES = 160
 PICTURE_MAX_BYTES = 200 * 1024
 PICTURE_TOLERANCE = 0.02  # share of pixels that may differ from a fresh drawing
