@@ -2,8 +2,8 @@
 
 - Every file path, `ddlab.*` module (and name in it), `make` target, `python -m` module and
   `ddlab <subcommand>` named in README.md, CONTRIBUTING.md, docs/*.md and the cluster profile's
-  README it links exists; every relative
-  link points at a file, and every #anchor at a heading of it.
+  README it links exists; every relative link points at a file, and every #anchor at a
+  heading of it.
 - docs/architecture.md cannot drift: its lab -> package -> checks table matches the packages,
   `ddlab.checks` and the solution notebooks, and its drawing of lib/ddlab lists exactly the
   packages and modules there.
