@@ -34,7 +34,7 @@ test: setup
 	$(BIN)/python -m pytest
 
 labs: setup
-	$(BIN)/python -m ddlab.labgen solutions labs
+	$(BIN)/python -m ddlab.tools.labgen solutions labs
 
 bench: setup
 	for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done

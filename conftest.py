@@ -103,7 +103,7 @@ def _our_processes(ipython_dir: str) -> list[psutil.Process]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop clusters left by killed kernels; fail the run if any process survives."""
-    from ddlab.cluster import cleanup_orphans
+    from ddlab.runtime.cluster import cleanup_orphans
 
     ipython_dir = os.environ["IPYTHONDIR"]
     for profile_dir in Path(ipython_dir).glob("profile_ddlab-*"):

@@ -11,7 +11,7 @@ bandwidth (one process copying 64 MiB, nothing else running in the job).
 
     .venv/bin/python bench/allreduce.py [--ranks 2 4] [--repeats-scale 1.0]
 
-It relaunches itself under mpiexec (ddlab.mpi.bench_main).
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def child(scale: float) -> None:
     from mpi4py import MPI
 
     from ddlab.allreduce import ALGORITHMS, allreduce_mpi
-    from ddlab.costmodel import bus_bandwidth, measure_memcpy_bandwidth, time_allreduce
+    from ddlab.allreduce.cost import bus_bandwidth, measure_memcpy_bandwidth, time_allreduce
     from ddlab.p2p import idle_wait
 
     comm = MPI.COMM_WORLD
@@ -83,7 +83,7 @@ def child(scale: float) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])

@@ -13,7 +13,7 @@ One MPI job of 4 ranks prints, side by side:
 
     .venv/bin/python bench/compression.py [--steps 200]
 
-It relaunches itself under mpiexec (ddlab.mpi.bench_main).
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def child(steps: int) -> None:
                                    crossover_density, emulated, flat_ring_seconds, hierarchical_allreduce,
                                    hierarchical_seconds, sparse_allreduce, top_k)
     from ddlab.compression.experiment import train_compressed
-    from ddlab.costmodel import fit_machine, time_allreduce
-    from ddlab.counting import CountingComm, gather_traffic
+    from ddlab.allreduce.cost import fit_machine, time_allreduce
+    from ddlab.runtime.counting import CountingComm, gather_traffic
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -104,7 +104,7 @@ def child(steps: int) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)

@@ -19,7 +19,7 @@ ratio), and the share of a step spent waiting in the allreduce without overlap.
 
     .venv/bin/python bench/data_parallel.py [--ranks 2 4] [--rounds 15] [--steps 5]
 
-It relaunches itself under mpiexec (ddlab.mpi.bench_main).
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def child(rounds: int, steps: int) -> None:
     from ddlab import data_parallel as dp
     from ddlab.data import StressStrainCurves
     from ddlab.models.mlp import HIDDEN, count_parameters, make_mlp
-    from ddlab.trace import Tracer
+    from ddlab.runtime.trace import Tracer
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -108,7 +108,7 @@ def child(rounds: int, steps: int) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])

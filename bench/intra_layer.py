@@ -16,7 +16,7 @@ hybrid data x spatial (2 x 2) and filter parallel (4-way). It prints:
 
     .venv/bin/python bench/intra_layer.py
 
-It relaunches itself under mpiexec (`ddlab.mpi.bench_main`).
+It relaunches itself under mpiexec (`ddlab.runtime.mpi.bench_main`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def child(start: int, step: int) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--start", type=int, default=64)

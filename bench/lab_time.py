@@ -78,7 +78,7 @@ def measure(path: Path) -> Lab:
 
 def run_seconds(path: Path, timeout: int = 600) -> float:
     """Seconds to run the notebook top to bottom in the course kernel; raise if a cell fails."""
-    from ddlab.grading.run import KERNEL, clean_up, private_ipython_dir
+    from ddlab.tools.grading.run import KERNEL, clean_up, private_ipython_dir
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)

@@ -1,7 +1,7 @@
 """Which MPI wheel should the course default to? Measure 4 engines on this machine.
 
 For each venv given (default: .venv and .venv-mpich, made by `make setup` and
-`make setup VENV=.venv-mpich MPI=mpich`), start 4 engines through ddlab.cluster
+`make setup VENV=.venv-mpich MPI=mpich`), start 4 engines through ddlab.runtime.cluster
 and time, on the engines: cluster start-up, 8 B and 16 MiB ping-pong between ranks
 0 and 1, and a 1 MiB Allreduce. Rounds alternate between the venvs; the medians
 and their ratios are printed.
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Runs inside one venv: start engines, measure on them, print one JSON line.
 PROBE = r"""
 import json, time
-import ddlab.cluster
+import ddlab.runtime.cluster
 t0 = time.perf_counter()
-rc = ddlab.cluster.start(n=4)
+rc = ddlab.runtime.cluster.start(n=4)
 startup = time.perf_counter() - t0
 rc[:].execute('''
 from mpi4py import MPI
@@ -55,7 +55,7 @@ result = dict(latency=pingpong(8, 2000), pingpong_16MiB=pingpong(16 << 20, 20),
 ''', block=True)
 result = rc[0].pull("result", block=True)
 library = rc[0].apply_sync(lambda: __import__("mpi4py.MPI").MPI.Get_library_version().split()[0:3])
-ddlab.cluster.stop()
+ddlab.runtime.cluster.stop()
 print(json.dumps(dict(result, startup=startup, library=" ".join(library))))
 """
 

@@ -10,7 +10,7 @@ time >= 0.85 on average and >= 0.75 for each.
 
     .venv/bin/python bench/oracle.py [--steps 7] [--scale 2]
 
-It relaunches itself under mpiexec (ddlab.mpi.bench_main).
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def child(steps: int, scale: int) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=7)

@@ -15,7 +15,7 @@ straggler. It prints:
 
     .venv/bin/python bench/parameter_server.py [--rounds 3]
 
-It relaunches itself under mpiexec (ddlab.mpi.bench_main).
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def child(rounds: int) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)

@@ -21,7 +21,7 @@ starting with the other one, so that other work on the machine hits them alike.
 
     .venv/bin/python bench/pipeline.py [--rounds 5]
 
-It relaunches itself under mpiexec (ddlab.mpi.bench_main).
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def child(rounds: int) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)

@@ -14,7 +14,7 @@ torch.distributed's gloo all_reduce on the same float32 arrays, 16 B to 64 MiB, 
 
     .venv/bin/python bench/scaling.py [--ranks 1 4] [--seconds 8] [--rounds 2] [--target 0.5]
 
-It relaunches itself under mpiexec (ddlab.mpi.bench_main).
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def child(seconds: float, rounds: int, target: float) -> None:
     from mpi4py import MPI
 
     from ddlab.data_parallel import close_gloo
-    from ddlab.scaling_runs import allreduce_vs_gloo, syncs_per_epoch, time_to_score, train_for_time
+    from ddlab.scaling import allreduce_vs_gloo, syncs_per_epoch, time_to_score, train_for_time
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -73,7 +73,7 @@ def child(seconds: float, rounds: int, target: float) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4])

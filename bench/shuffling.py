@@ -14,7 +14,7 @@ Then whether partial-local with Q = 0.3 ends within 5% of global's loss while re
 
     .venv/bin/python bench/shuffling.py [--seeds 3] [--epochs 8]
 
-It relaunches itself under mpiexec (ddlab.mpi.bench_main).
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def child(seeds: int, epochs: int) -> None:
 
 
 def main() -> int:
-    from ddlab.mpi import bench_main
+    from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddlab import costmodel
-from ddlab.costmodel import Machine, crossover, predict, terms
-from ddlab.mpi import run_ranks
+from ddlab.allreduce import cost
+from ddlab.allreduce.cost import Machine, crossover, predict, terms
+from ddlab.runtime.mpi import run_ranks
 
 ALGORITHMS = ["naive", "tree", "recursive_doubling", "ring", "rabenseifner"]
 
@@ -74,12 +74,12 @@ def test_unknown_model_says_which_exist() -> None:
 
 
 def test_bus_bandwidth_scales_by_two_p_minus_one_over_p() -> None:
-    assert costmodel.bus_bandwidth(1e9, 1.0, 4) == pytest.approx(1.5e9)
+    assert cost.bus_bandwidth(1e9, 1.0, 4) == pytest.approx(1.5e9)
 
 
 def test_machine_measurements_are_positive() -> None:
-    assert costmodel.measure_gamma(nbytes=2**16, repeats=2) > 0
-    assert costmodel.measure_memcpy_bandwidth(nbytes=2**16, repeats=2) > 0
+    assert cost.measure_gamma(nbytes=2**16, repeats=2) > 0
+    assert cost.measure_memcpy_bandwidth(nbytes=2**16, repeats=2) > 0
 
 
 MPI_FILES = [Path(__file__).parent / "mpi" / name for name in ("test_allreduce.py", "test_allreduce_checks.py")]

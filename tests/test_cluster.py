@@ -1,4 +1,4 @@
-"""ddlab.cluster outside a notebook: errors that say what to do, and orphan clean-up."""
+"""ddlab.runtime.cluster outside a notebook: errors that say what to do, and orphan clean-up."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddlab import cluster, mpi
+from ddlab.runtime import cluster, mpi
 
 
 def test_unknown_profile_lists_the_known_ones():
@@ -48,7 +48,7 @@ def test_engines_that_fail_show_their_output(tmp_path, monkeypatch):
 
 def test_a_killed_owner_leaves_an_orphan_that_the_next_start_removes(tmp_path):
     script = tmp_path / "owner.py"
-    script.write_text("import ddlab.cluster, time\nddlab.cluster.start(n=2)\nprint('up', flush=True)\ntime.sleep(600)\n")
+    script.write_text("import ddlab.runtime.cluster, time\nddlab.runtime.cluster.start(n=2)\nprint('up', flush=True)\ntime.sleep(600)\n")
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout.readline().strip() == "up"

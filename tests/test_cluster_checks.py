@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddlab import checks
-from ddlab.partition import block_range
+from ddlab.runtime.blocks import block_range
 
 
 def by_offsets(n: int, rank: int, size: int) -> range:  # another right answer: starts from a cumulative sum

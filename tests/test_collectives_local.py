@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from ddlab.checks.collectives import CASES, _pattern_problems
-from ddlab.counting import Event, Traffic, rounds
+from ddlab.runtime.counting import Event, Traffic, rounds
 
 matplotlib.use("Agg")
 

@@ -11,7 +11,7 @@ from ddlab.compression import (CompressedAllreduce, ErrorFeedback, Link, bandwid
                                hierarchical_seconds, keep_count, quantize_8bit, random_k, sign_1bit, top_k,
                                unsign_1bit)
 from ddlab.compression.compressors import LEVELS
-from ddlab.costmodel import Machine
+from ddlab.allreduce.cost import Machine
 
 
 def _x(n: int = 1000, seed: int = 0, dtype: type = np.float32) -> np.ndarray:

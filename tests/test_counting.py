@@ -8,7 +8,7 @@ import pytest
 
 from mpi4py import MPI
 
-from ddlab.counting import ALLOWABLE, UNCOUNTED, CountingComm, Event, Traffic, is_collective, rounds
+from ddlab.runtime.counting import ALLOWABLE, UNCOUNTED, CountingComm, Event, Traffic, is_collective, rounds
 
 
 def traffic(size: int, messages: list[tuple[int, int]]) -> list[Traffic]:

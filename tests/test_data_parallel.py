@@ -12,7 +12,7 @@ from mpi4py import MPI
 from ddlab import data_parallel as dp
 from ddlab.data import StressStrainCurves
 from ddlab.models import count_parameters, make_mlp
-from ddlab.trace import Tracer
+from ddlab.runtime.trace import Tracer
 
 SELF = MPI.COMM_SELF
 

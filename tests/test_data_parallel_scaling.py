@@ -111,13 +111,13 @@ def test_a_time_budget_stops_training_after_the_step_that_spends_it():
 @pytest.mark.parametrize("n, batch, ranks, want", [(1024, 32, 1, 32), (1024, 32, 4, 32), (1000, 64, 4, 16),
                                                    (1024, 1024, 4, 1), (100, 12, 3, 9)])
 def test_syncs_per_epoch_counts_the_batches_of_a_padded_shard(n, batch, ranks, want):
-    from ddlab.scaling_runs import syncs_per_epoch
+    from ddlab.scaling import syncs_per_epoch
 
     assert syncs_per_epoch(n, batch, ranks) == want
 
 
 def test_train_for_time_counts_one_allreduce_per_step_and_scores_as_it_goes():
-    from ddlab.scaling_runs import syncs_per_epoch, time_to_score, train_for_time
+    from ddlab.scaling import syncs_per_epoch, time_to_score, train_for_time
 
     run = train_for_time(MPI.COMM_SELF, 0.5, 128, lr=0.01, n=512, test=128)
     assert run["times"][0] == 0.0 and run["times"][-1] >= 0.5 and len(run["scores"]) == len(run["times"])
@@ -129,7 +129,7 @@ def test_train_for_time_counts_one_allreduce_per_step_and_scores_as_it_goes():
 
 
 def test_a_global_batch_the_ranks_cannot_share_is_refused():
-    from ddlab.scaling_runs import train_for_time
+    from ddlab.scaling import train_for_time
 
     class TwoRanks:
         def Get_size(self):
@@ -143,7 +143,7 @@ def test_a_global_batch_the_ranks_cannot_share_is_refused():
 
 def test_allreduce_vs_gloo_on_one_process():
     from ddlab.data_parallel import close_gloo
-    from ddlab.scaling_runs import allreduce_vs_gloo
+    from ddlab.scaling import allreduce_vs_gloo
 
     try:
         times = allreduce_vs_gloo(MPI.COMM_SELF, [16, 4096], repeats=2)

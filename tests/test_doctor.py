@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddlab import doctor, mpi
+from ddlab.tools import cli, doctor
+from ddlab.runtime import mpi
 
 VENV_BIN = Path(sys.executable).parent
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -93,7 +94,7 @@ def test_more_ranks_than_slots(as_set_up: None) -> None:
     finding = doctor.check_mpiexec_by_hand(n)
     assert finding.status == doctor.WARN, finding
     assert f"one rank per core ({os.cpu_count()} here) and {n} were asked for" in finding.detail
-    assert "--oversubscribe" in finding.fix and "python -m ddlab.mpi" in finding.fix
+    assert "--oversubscribe" in finding.fix and "python -m ddlab.runtime.mpi" in finding.fix
 
 
 @pytest.mark.timeout(300)
@@ -137,4 +138,4 @@ def test_slurm_messages_map_to_the_setting_to_change(message: str, words: str) -
 
 def test_the_command_line_rejects_zero_engines() -> None:
     with pytest.raises(SystemExit):
-        doctor.main(["doctor", "-n", "0"])
+        cli.main(["doctor", "-n", "0"])

@@ -20,8 +20,8 @@ import nbformat
 import psutil
 import pytest
 
-from ddlab.labgen import checks
-from ddlab.grading.submission import prepare, student_name
+from ddlab.tools.labgen import checks
+from ddlab.tools.grading.submission import prepare, student_name
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = nbformat.read(ROOT / "labs" / "03_allreduce.ipynb", as_version=4)
@@ -119,7 +119,7 @@ def test_student_names():
 
 
 def test_a_file_that_is_no_notebook_is_an_error_for_every_check(tmp_path):
-    from ddlab.grading.run import grade
+    from ddlab.tools.grading.run import grade
 
     broken = tmp_path / "broken.ipynb"
     broken.write_text("{ not json")
@@ -175,7 +175,7 @@ def test_grade_six_submissions_of_lab_03(tmp_path):
 
 @pytest.mark.parametrize("args, message", [(["--lab", "99"], "no lab '99'"), (["--lab", "03"], "no such notebook")])
 def test_bad_arguments_are_refused_clearly(tmp_path, args, message):
-    from ddlab.doctor import main
+    from ddlab.tools.cli import main
 
     with pytest.raises(SystemExit, match=message):
         main(["grade", *args, str(tmp_path / "missing.ipynb")])
@@ -184,7 +184,7 @@ def test_bad_arguments_are_refused_clearly(tmp_path, args, message):
 NBGRADER = Path(sys.executable).parent / "nbgrader"
 NBGRADER_CONFIG = """c = get_config()
 c.CourseDirectory.course_id = "ddlab"
-c.ClearSolutions.enabled = False  # labs/ are stubbed already (ddlab.labgen): release them as they are
+c.ClearSolutions.enabled = False  # labs/ are stubbed already (ddlab.tools.labgen): release them as they are
 c.Execute.timeout = 300
 """
 

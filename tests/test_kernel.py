@@ -1,4 +1,4 @@
-"""ddlab.cluster in a real kernel, as a student uses it: every rank's output shows, a
+"""ddlab.runtime.cluster in a real kernel, as a student uses it: every rank's output shows, a
 %%px cell stuck in MPI is interrupted and the engines restarted with the notebook's
 variables intact, and a crashed engine is reported with the way out."""
 
@@ -38,14 +38,14 @@ def kernel():
     try:
         yield manager, client
     finally:
-        run(client, "import ddlab.cluster; ddlab.cluster.stop()")
+        run(client, "import ddlab.runtime.cluster; ddlab.runtime.cluster.stop()")
         client.stop_channels()
         manager.shutdown_kernel(now=True)
 
 
 def test_interrupt_a_hung_cell_then_restart_the_engines(kernel):
     manager, client = kernel
-    status, out = run(client, "import ddlab.cluster\nrc = ddlab.cluster.start(n=2)\nnotebook_value = 42")
+    status, out = run(client, "import ddlab.runtime.cluster\nrc = ddlab.runtime.cluster.start(n=2)\nnotebook_value = 42")
     assert status == "ok", out
     msg_id = client.execute("%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)")
     time.sleep(5)
@@ -59,7 +59,7 @@ def test_interrupt_a_hung_cell_then_restart_the_engines(kernel):
         assert time.monotonic() < deadline, "the interrupted cell never finished"
     client.get_shell_msg(timeout=60)
 
-    status, out = run(client, "rc = ddlab.cluster.restart()\nprint(ddlab.cluster.status(), notebook_value)")
+    status, out = run(client, "rc = ddlab.runtime.cluster.restart()\nprint(ddlab.runtime.cluster.status(), notebook_value)")
     assert status == "ok", out
     assert "2 engines up" in out and "42" in out, out
     status, out = run(client, "%px from mpi4py import MPI; r = MPI.COMM_WORLD.Get_rank()\nprint(rc[:].pull('r', block=True))")
@@ -68,22 +68,22 @@ def test_interrupt_a_hung_cell_then_restart_the_engines(kernel):
 
 def test_a_crashed_engine_is_reported_with_the_way_out(kernel):
     _, client = kernel
-    status, out = run(client, "import ddlab.cluster\nrc = ddlab.cluster.start(n=2)")
+    status, out = run(client, "import ddlab.runtime.cluster\nrc = ddlab.runtime.cluster.start(n=2)")
     assert status == "ok", out
     status, out = run(client, "%%px --targets 1\nimport os\nos._exit(1)")
     assert "EngineError" in out, out
     deadline = time.monotonic() + 60
-    while "ddlab.cluster.restart()" not in out:  # reported after a cell, once MPI ended the job
+    while "ddlab.runtime.cluster.restart()" not in out:  # reported after a cell, once MPI ended the job
         assert time.monotonic() < deadline, f"no report of the crash: {out}"
         status, out = run(client, "import time; time.sleep(1)")
     assert "engines are up" in out
-    status, out = run(client, "rc = ddlab.cluster.restart()\nprint(ddlab.cluster.status())")
+    status, out = run(client, "rc = ddlab.runtime.cluster.restart()\nprint(ddlab.runtime.cluster.status())")
     assert status == "ok" and "2 engines up" in out, out
 
 
 def test_every_rank_output_shows_and_no_progress_bar(kernel):
     _, client = kernel
-    status, out = run(client, "import ddlab.cluster\nrc = ddlab.cluster.start(n=4)")
+    status, out = run(client, "import ddlab.runtime.cluster\nrc = ddlab.runtime.cluster.start(n=4)")
     assert status == "ok", out
     for attempt in range(3):
         status, out = run(client, "%%px\nimport time\nfrom mpi4py import MPI\ntime.sleep(0.5)\n"

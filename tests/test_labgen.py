@@ -5,7 +5,7 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from ddlab.labgen import LabSourceError, checks, clear_outputs, make_lab, stub_source
+from ddlab.tools.labgen import LabSourceError, checks, clear_outputs, make_lab, stub_source
 
 
 def notebook(*cells: tuple[str, str, list[str]]) -> nbformat.NotebookNode:

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from ddlab.memory import Ledger, OutOfMemory, tensor_bytes
+from ddlab.runtime.memory import Ledger, OutOfMemory, tensor_bytes
 
 
 def _mlp() -> torch.nn.Module:

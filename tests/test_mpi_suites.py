@@ -4,7 +4,7 @@ The whole folder runs in one job on 4 ranks (the course's laptop cluster) and in
 (a rank count that is not a power of two): one job pays the start-up of MPI, pytest and
 torch once instead of once per file. Every rank runs the same tests. A test that hangs is
 stopped by its own timeout, and the job is killed if it outlives its own, so a deadlock
-fails the run instead of hanging it. To run one file: `python -m ddlab.mpi -n 4 python -m
+fails the run instead of hanging it. To run one file: `python -m ddlab.runtime.mpi -n 4 python -m
 pytest tests/mpi/test_<topic>.py --mpi-suite`.
 """
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddlab.mpi import run_ranks
+from ddlab.runtime.mpi import run_ranks
 
 MPI_TESTS = Path(__file__).parent / "mpi"
 #: Seconds for one test on every rank, and for the whole folder (about 2.5 minutes on 2 quiet cores).

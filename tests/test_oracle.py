@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddlab.memory import Ledger
+from ddlab.runtime.memory import Ledger
 from ddlab.models import UNet, make_mlp
 from ddlab.models.cnn import resnet50, vgg16
 from ddlab.oracle import (Curves, LayerInfo, Link, ModelInfo, Platform, alpha_beta_seconds, channel_parallel, data,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddlab.costmodel import Machine, predict
+from ddlab.allreduce.cost import Machine, predict
 from ddlab.parameter_server.cost import GAMMA, allreduce_seconds, predicted, server_seconds
 
 MACHINE = Machine(alpha=1e-6, beta=1e-9, gamma=1e-10)

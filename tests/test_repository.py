@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddlab.labgen import generate
+from ddlab.tools.labgen import generate
 
 try:
     import tomllib
@@ -43,9 +43,9 @@ def test_solution_notebooks_follow_the_course_shape(path: Path):
     first, second, last = nb.cells[0], nb.cells[1], nb.cells[-1]
     assert first.cell_type == "markdown" and first.source.startswith("# Lab "), "cell 1: title"
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert "ddlab.cluster.start(" in code[0].source, "the first code cell starts the cluster"
-    assert "ddlab.cluster.stop()" in last.source, "the last cell stops the cluster"
-    assert second.cell_type == "markdown" or "ddlab.cluster.start(" in second.source
+    assert "cluster.start(" in code[0].source, "the first code cell starts the cluster"
+    assert "cluster.stop()" in last.source, "the last cell stops the cluster"
+    assert second.cell_type == "markdown" or "cluster.start(" in second.source
 
 
 def _requirement_names(requirements: list[str]) -> dict[str, str]:

@@ -11,17 +11,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-import ddlab.cluster
-from ddlab import slurm
+import ddlab.runtime.cluster
+from ddlab.tools import slurm
 
-LIBRARY = Path(ddlab.cluster.__file__).parent
+LIBRARY = Path(ddlab.runtime.cluster.__file__).parent
 
 
 @pytest.fixture(scope="module")
 def local_cluster():
     """One engine on the local profile, with the files its controller wrote."""
-    with ddlab.cluster.running(1, "local") as client:
-        yield client, ddlab.cluster._current.cluster
+    with ddlab.runtime.cluster.running(1, "local") as client:
+        yield client, ddlab.runtime.cluster._current.cluster
 
 
 def _security_dir(cluster) -> Path:
@@ -73,14 +73,14 @@ def test_messages_are_signed_with_a_secret_key(local_cluster) -> None:
 
 @pytest.mark.parametrize("profile", ["local", "slurm", "jupyterhub"])
 def test_no_profile_touches_message_signing(profile: str) -> None:
-    config = ddlab.cluster.profile_config(profile)
+    config = ddlab.runtime.cluster.profile_config(profile)
     for section in ("Session", "IPController", "IPEngine"):
         for name in ("key", "keyfile", "signature_scheme"):
             assert name not in config.get(section, {}), f"{profile} sets {section}.{name}"
 
 
 def test_no_source_file_touches_message_signing() -> None:
-    sources = [*LIBRARY.rglob("*.py"), *ddlab.cluster.CLUSTERS_DIR.rglob("*.py")]
+    sources = [*LIBRARY.rglob("*.py"), *ddlab.runtime.cluster.CLUSTERS_DIR.rglob("*.py")]
     for path in sources:
         text = path.read_text()
         for word in ("Session.key", "signature_scheme", "Session.keyfile"):
@@ -89,7 +89,7 @@ def test_no_source_file_touches_message_signing() -> None:
 
 @pytest.mark.parametrize("profile", ["slurm", "jupyterhub"])
 def test_cluster_profiles_listen_on_one_address(profile: str) -> None:
-    config = ddlab.cluster.profile_config(profile)
+    config = ddlab.runtime.cluster.profile_config(profile)
     address = slurm.controller_address(slurm.load_settings())
     assert config.Cluster.controller_ip == address
     assert address not in ("", "*", "0.0.0.0")

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from ddlab.data import StressStrainCurves, exchange_plan, exchanged_count, remove_store, stage, write_shared
 from ddlab.data.iocost import affordable_ranks, epoch_read_time
-from ddlab.partition import block_bounds
+from ddlab.runtime.blocks import block_bounds
 
 
 @pytest.mark.parametrize("n, size, q", [(10, 3, 0.3), (103, 4, 0.1), (50, 5, 1.0), (7, 4, 0.0), (0, 2, 0.5)])

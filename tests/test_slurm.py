@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddlab import doctor, mpi
+from ddlab.tools import doctor
+from ddlab.runtime import mpi
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent

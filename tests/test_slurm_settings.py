@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddlab import cluster, mpi, slurm
+from ddlab.tools import slurm
+from ddlab.runtime import cluster, mpi
 
 
 def test_the_settings_file_loads_with_its_defaults() -> None:

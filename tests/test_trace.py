@@ -1,4 +1,4 @@
-"""ddlab.trace: spans, exclusive totals, and the Chrome trace format Perfetto opens."""
+"""ddlab.runtime.trace: spans, exclusive totals, and the Chrome trace format Perfetto opens."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-from ddlab.trace import Span, Tracer, breakdown, chrome_trace, gather_spans, totals, write_chrome_trace
+from ddlab.runtime.trace import Span, Tracer, breakdown, chrome_trace, gather_spans, totals, write_chrome_trace
 
 
 def test_spans_record_their_duration():

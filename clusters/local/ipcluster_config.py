@@ -1,5 +1,5 @@
 # The default profile: MPI engines on this machine, started by the venv's mpiexec
-# (ddlab.cluster fills in the mpiexec path and its flags).
+# (ddlab.runtime.cluster fills in the mpiexec path and its flags).
 c = get_config()  # noqa: F821 (provided by ipyparallel when it loads this file)
 
 c.Cluster.engine_launcher_class = "mpi"

@@ -28,7 +28,7 @@ NOISE = {
     "a progress bar": re.compile(r"\d+%\|[^|\n]*\||\d+it/s|it \[\d\d:\d\d"),
     "a figure shown as text instead of an image": re.compile(r"<Figure size \d+x\d+ with \d+ Axes>"),
 }
-#: ddlab.cluster's notice after a cell when engines are gone (lab 00 provokes it on purpose).
+#: ddlab.runtime.cluster's notice after a cell when engines are gone (lab 00 provokes it on purpose).
 ENGINES_DOWN = re.compile(r"^Only \d+ of \d+ engines are up: an engine crashed")
 
 _READ_CELLS = """() => Array.from(document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell'))

@@ -4,7 +4,7 @@ For lab 00 (the student's version, whose checks must fail on the stubs) and the 
 of lab 02 (the fast labs: the notebooks themselves run under nbval): open the notebook, pick the "Python (ddlab)" kernel, Run All, and read
 from the page what a student sees (notebook_page.student_view_problems). In lab 00 then
 take its way out of a hang: a cell stuck in a receive, the toolbar's stop button,
-`ddlab.cluster.restart()`, and a next cell that works with the notebook's variables intact.
+`ddlab.runtime.cluster.restart()`, and a next cell that works with the notebook's variables intact.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def recover_from_a_hang(notebook: NotebookPage) -> None:
             notebook.wait_until_idle(timeout=180)
 
     notebook.add_cell("")
-    run('rc = ddlab.cluster.start(n=4)\nkept = "variables kept"')
+    run('rc = ddlab.runtime.cluster.start(n=4)\nkept = "variables kept"')
     run("%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)",
         wait=False)
     hung = notebook.page.locator(".jp-Notebook .jp-Cell").nth(-2)
@@ -98,9 +98,9 @@ def recover_from_a_hang(notebook: NotebookPage) -> None:
     notebook.wait_until_idle(timeout=60)
     hung_text = hung.inner_text()
     assert "Received Keyboard Interrupt" in hung_text, f"the interrupted cell shows:\n{hung_text}"
-    run("rc = ddlab.cluster.restart()\nprint(ddlab.cluster.status())")
+    run("rc = ddlab.runtime.cluster.restart()\nprint(ddlab.runtime.cluster.status())")
     run("print(kept, ranks)\nrc[:].apply_sync(lambda: __import__('mpi4py.MPI').MPI.COMM_WORLD.Get_rank())")
-    run("ddlab.cluster.stop()")
+    run("ddlab.runtime.cluster.stop()")
     cells = notebook.cells()
     restarted, after, stopped = cells[-4], cells[-3], cells[-2]
     assert "4 engines up (MPI ranks 0..3)" in restarted.text(), str(restarted)

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from ddlab import costmodel
+from ddlab.allreduce import cost
 from ddlab.allreduce import ALGORITHMS, allreduce_mpi
 from ddlab.checks import check_allreduce_rabenseifner, check_allreduce_recursive_doubling, check_allreduce_ring
 from ddlab.checks._core import run_counted
-from ddlab.counting import rounds
+from ddlab.runtime.counting import rounds
 
 WORLD = MPI.COMM_WORLD
 SIZES = list(range(1, WORLD.size + 1)) if WORLD.size <= 4 else list(range(5, WORLD.size + 1))
@@ -132,12 +132,12 @@ def test_critical_path_matches_the_cost_model(name: str) -> None:
 
         def body(comm: MPI.Comm) -> str | None:
             _, traffic = run_counted(comm, ALGORITHMS[name], (np.ones(n),), name)
-            model = costmodel.terms(name, size, n * 8)
+            model = cost.terms(name, size, n * 8)
             heaviest = max(t.bytes_sent for t in traffic)
             path = rounds(traffic, one_receive_at_a_time=serial)
             if path != model.messages:
                 return f"P={size}: {path} rounds, model says {model.messages}"
-            if heaviest < costmodel.terms("lower_bound", size, n * 8).bytes:
+            if heaviest < cost.terms("lower_bound", size, n * 8).bytes:
                 return f"P={size}: a rank sent {heaviest} B, below the lower bound"
             exact = name == "ring" or (name == "rabenseifner" and size & (size - 1) == 0)
             if exact and heaviest != model.bytes:

@@ -15,7 +15,7 @@ from ddlab.allreduce import (allreduce_recursive_doubling, allreduce_ring, fold_
                              member_rank)
 from ddlab.checks import (CheckFailed, check_allreduce_rabenseifner, check_allreduce_recursive_doubling,
                           check_allreduce_ring)
-from ddlab.partition import block_bounds
+from ddlab.runtime.blocks import block_bounds
 
 WORLD = MPI.COMM_WORLD
 

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from ddlab import collectives
 from ddlab.checks import (CheckFailed, check_bcast_linear, check_bcast_tree, check_reduce_linear,
                           check_reduce_tree)
-from ddlab.counting import CountingComm, gather_traffic, rounds
+from ddlab.runtime.counting import CountingComm, gather_traffic, rounds
 
 STALL = 3.0  # seconds a check waits for a message that never comes, in tests that provoke one
 

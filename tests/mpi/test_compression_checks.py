@@ -13,7 +13,7 @@ from ddlab.allreduce import allreduce_ring
 from ddlab.checks import CheckFailed, check_hierarchical_allreduce, check_sparse_allreduce, check_top_k_with_feedback
 from ddlab.compression import (allgather_ring, held_blocks, hierarchical_allreduce, reduce_scatter_ring, sparse_allreduce,
                                top_k_with_feedback)
-from ddlab.partition import block_bounds
+from ddlab.runtime.blocks import block_bounds
 
 
 def feedback_in_place(gradient, residual, k):

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from ddlab import data_parallel as dp
 from ddlab.data import StressStrainCurves
 from ddlab.models import make_mlp
-from ddlab.trace import Tracer
+from ddlab.runtime.trace import Tracer
 
 TOLERANCE = 1e-10
 PER_RANK = 8

@@ -116,7 +116,7 @@ def test_measure_training_returns_every_rank_its_phases(comm):
 
 
 def test_train_for_time_stops_every_rank_together_and_counts_one_allreduce_per_batch(comm):
-    from ddlab.scaling_runs import syncs_per_epoch, train_for_time
+    from ddlab.scaling import syncs_per_epoch, train_for_time
 
     batch = 16 * comm.Get_size()
     run = train_for_time(comm, 0.5, batch, lr=0.01, n=512, test=128)
@@ -127,7 +127,7 @@ def test_train_for_time_stops_every_rank_together_and_counts_one_allreduce_per_b
 
 def test_allreduce_vs_gloo_agrees_on_every_rank(comm):
     from ddlab.data_parallel import close_gloo
-    from ddlab.scaling_runs import allreduce_vs_gloo
+    from ddlab.scaling import allreduce_vs_gloo
 
     try:
         times = allreduce_vs_gloo(comm, [64, 2**16], repeats=2)

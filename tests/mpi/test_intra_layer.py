@@ -19,7 +19,7 @@ from ddlab.intra_layer import (ChannelParallelConv, FilterParallelConv, FilterUN
                                channel_slice, filter_slice, filter_step, hybrid_step, make_grid, padded_conv2d,
                                slab_bounds, spatial_conv2d, spatial_step)
 from ddlab.models.unet import Conv, UNet
-from ddlab.partition import block_range
+from ddlab.runtime.blocks import block_range
 
 WORLD = MPI.COMM_WORLD
 SIZES = list(range(2, WORLD.Get_size() + 1))

@@ -10,7 +10,7 @@ from mpi4py import MPI
 from ddlab.checks import CheckFailed, check_filter_parallel_conv, check_halo_exchange, check_slab_bounds
 from ddlab.intra_layer import FilterParallelConv, HaloExchange, slab_bounds
 from ddlab.intra_layer.halo import exchange_rows
-from ddlab.partition import block_bounds
+from ddlab.runtime.blocks import block_bounds
 
 WORLD = MPI.COMM_WORLD
 

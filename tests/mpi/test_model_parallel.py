@@ -11,7 +11,7 @@ import torch
 from mpi4py import MPI
 
 from ddlab.data.images import make_segmentation
-from ddlab.memory import Ledger
+from ddlab.runtime.memory import Ledger
 from ddlab.model_parallel import (Mailbox, Stage, attempt, balanced_split, fit_sweep, gradient_error, largest_sides,
                                   naive_split, reference_gradients, train_step, try_split)
 from ddlab.models.unet import UNet

@@ -9,7 +9,7 @@ from mpi4py import MPI
 from ddlab.data import (StressStrainCurves, Shuffler, exchange_plan, exchange_samples, remove_store, stage,
                         write_shared)
 from ddlab.data.sharding import epoch_permutation
-from ddlab.partition import block_range
+from ddlab.runtime.blocks import block_range
 
 N = 103  # not a multiple of 3 or 4: partitions of different sizes
 EPOCHS = 3

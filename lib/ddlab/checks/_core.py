@@ -9,8 +9,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import first_ranks
-from ..counting import CountingComm, Traffic, gather_traffic
+from ..runtime.comm import first_ranks
+from ..runtime.counting import CountingComm, Traffic, gather_traffic
 from .errors import CheckFailed
 
 MPI_ERROR_HINT = ("an error inside MPI: most often the ranks' collective calls did not match (a different "

@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..allreduce import largest_power_of_two, member_rank
-from ..counting import Traffic
+from ..runtime.counting import Traffic
 from ._core import CheckFailed, array_problem, count, each_size, fail_together, passed, run_counted
 
 DTYPES = (np.float64, np.float32, np.int64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..partition import block_range
+from ..runtime.blocks import block_range
 from .errors import CheckFailed
 
 

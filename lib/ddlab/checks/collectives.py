@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import collectives as reference
-from ..counting import Traffic, rounds
+from ..runtime.counting import Traffic, rounds
 from ._core import CheckFailed, array_problem, each_size, fail_together, passed, run_counted
 
 Collective = Callable[..., Any]

@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..compression import hierarchical_allreduce, node_of
-from ..counting import Traffic
+from ..runtime.counting import Traffic
 from ._core import array_problem, each_size, fail_together, passed, run_counted
 
 FEEDBACK_CASES = [(60, 6, np.float32), (33, 1, np.float64), (8, 8, np.float32)]

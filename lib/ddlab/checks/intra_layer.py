@@ -22,7 +22,7 @@ from ..data.images import make_segmentation
 from ..intra_layer import SpatialUNet, filter_slice, padded_conv2d, spatial_step
 from ..intra_layer.fit import COLLECTIVES
 from ..models.unet import UNet
-from ..partition import block_range
+from ..runtime.blocks import block_range
 from ._core import count, each_size, passed, run_counted
 
 TOL = 1e-10

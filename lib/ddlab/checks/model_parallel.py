@@ -17,11 +17,11 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from ..counting import CountingComm, gather_traffic
 from ..data.images import make_segmentation
 from ..model_parallel import RecvTensor, SendTensor, Stage, attempt, balanced_split, stage_costs, train_step
 from ..model_parallel.stage import gradient_error, reference_gradients
 from ..models.unet import UNet
+from ..runtime.counting import CountingComm, gather_traffic
 from ._core import CheckFailed, each_size, is_integer, passed
 
 TIMEOUT = 15.0
@@ -112,7 +112,7 @@ def _one_split(comm: MPI.Comm, which: str, fn: type) -> str | None:
 def _check_autograd(which: str, fn: type) -> None:
     world = MPI.COMM_WORLD
     if world.Get_size() < 2:
-        raise CheckFailed("this check needs at least 2 engines: start the cluster with ddlab.cluster.start(n=4)")
+        raise CheckFailed("this check needs at least 2 engines: start the cluster with ddlab.runtime.cluster.start(n=4)")
     sizes = [p for p in sorted(TOY_SPLITS) if p <= world.Get_size()]
     each_size(world, lambda sub: _one_split(sub, which, fn), f"{fn.__name__} is wrong", sizes)
     passed(world, f"{fn.__name__}: the split UNet's gradients equal one process's; one message per tensor, "

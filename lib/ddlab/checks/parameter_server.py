@@ -29,11 +29,11 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import Comm
-from ..counting import CountingComm
 from ..parameter_server import Consistency, LeastSquares, may_start, train
 from ..parameter_server.server import Server
-from ..waiting import PeerFailed
+from ..runtime.comm import Comm
+from ..runtime.counting import CountingComm
+from ..runtime.waiting import PeerFailed
 from ._core import array_problem, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
 

@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import p2p
-from ..counting import Event, Traffic
+from ..runtime.counting import Event, Traffic
 from ._core import CheckFailed, array_problem, count, each_size, passed, run_counted
 
 DEADLOCK_HINT = (

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..allreduce import allreduce_ring
-from ..costmodel import terms
+from ..allreduce.cost import terms
 from .compressors import (
     ErrorFeedback,
     densify,

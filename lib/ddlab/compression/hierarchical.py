@@ -32,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..allreduce import agree_on_input, allreduce_ring
-from ..partition import block_bounds
+from ..runtime.blocks import block_bounds
 
 TAG = 31
 

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from ..costmodel import Machine, terms
+from ..allreduce.cost import Machine, terms
 from .compressors import INDEX
 
 

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from ..data_parallel import average_gradients, broadcast_parameters, evaluate, squared_error
 from ..models.mlp import make_mlp
-from ..partition import block_range
+from ..runtime.blocks import block_range
 from .curves import StressStrainCurves
 from .sharding import epoch_permutation
 from .shuffling import Shuffler

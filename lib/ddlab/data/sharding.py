@@ -16,7 +16,7 @@ that ran out. So every shard has the same length:
   epoch (other samples next epoch, since the permutation changes).
 
 Evaluation needs no shuffling and no equal lengths (sums and counts are reduced, not
-averaged per rank): `eval_shard` gives contiguous blocks (ddlab.partition.block_range).
+averaged per rank): `eval_shard` gives contiguous blocks (ddlab.runtime.blocks.block_range).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..partition import block_range
+from ..runtime.blocks import block_range
 
 REMAINDERS = ("pad", "drop")
 

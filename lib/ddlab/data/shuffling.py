@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from ..partition import block_bounds, block_range
+from ..runtime.blocks import block_bounds, block_range
 from .sharding import epoch_permutation
 from .storage import SampleFiles
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from ..partition import block_range
+from ..runtime.blocks import block_range
 from .curves import StressStrainCurves
 
 FILES = ("x", "y", "ids")

@@ -6,7 +6,7 @@ plain model and a function that averages them (a student's `average_gradients`).
 On a communicator of one process (MPI.COMM_SELF) it is plain training on one process,
 which is how the labs compute the reference that P ranks must match.
 
-Each step's phases are timed with a `ddlab.trace.Tracer`: data, forward, backward
+Each step's phases are timed with a `ddlab.runtime.trace.Tracer`: data, forward, backward
 (communication waits nested inside it are counted as allreduce), optimizer.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..data.sharding import ShardedSampler, eval_shard
-from ..trace import Tracer
+from ..runtime.trace import Tracer
 
 #: Phases of a training step, as the tracer names them.
 PHASES = ("data", "forward", "backward", "allreduce", "optimizer")

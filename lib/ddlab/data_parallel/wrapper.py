@@ -36,7 +36,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..trace import Tracer
+from ..runtime.trace import Tracer
 from .buckets import DEFAULT_CAP_MB, Bucket, InFlight, RequestInFlight, make_buckets
 from .sync import AllreduceChoice, broadcast_parameters, resolve_allreduce
 

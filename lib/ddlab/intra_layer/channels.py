@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from ..partition import block_range
+from ..runtime.blocks import block_range
 
 
 def allreduce_sum(comm: Any, t: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,13 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from ..counting import CountingComm
 from ..data.images import make_segmentation
-from ..memory import Ledger
 from ..model_parallel import Fit, fit_sweep, largest_sides
 from ..model_parallel.timeline import polite_barrier
 from ..models.unet import UNet
-from ..waiting import PeerFailed
+from ..runtime.counting import CountingComm
+from ..runtime.memory import Ledger
+from ..runtime.waiting import PeerFailed
 from .filter_unet import FilterUNet, filter_step
 from .hybrid import group_samples, make_grid
 from .spatial import SpatialUNet, spatial_step

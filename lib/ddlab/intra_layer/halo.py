@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ..counting import CountingComm
+from ..runtime.counting import CountingComm
 
 TIMEOUT = 60.0
 FORWARD_TAGS, BACKWARD_TAGS = (81, 82), (83, 84)  # (going up, going down)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from mpi4py import MPI
 
-from ..partition import block_range
+from ..runtime.blocks import block_range
 from .spatial import SpatialUNet, spatial_step
 
 

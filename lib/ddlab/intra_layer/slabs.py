@@ -16,7 +16,7 @@ than `size` blocks of 2**levels rows.
 
 from __future__ import annotations
 
-from ..partition import block_bounds
+from ..runtime.blocks import block_bounds
 
 
 def slab_bounds(height: int, size: int, levels: int = 0) -> list[int]:

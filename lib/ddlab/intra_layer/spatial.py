@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..counting import underlying
 from ..data_parallel import average_gradients
 from ..models.unet import Conv, UNet
+from ..runtime.counting import underlying
 from .halo import HaloExchange
 from .slabs import slab_bounds
 

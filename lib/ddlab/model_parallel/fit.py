@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
-from ..comm import Comm
-from ..counting import underlying
 from ..data.images import make_segmentation
-from ..memory import Ledger
 from ..models.unet import UNet
+from ..runtime.comm import Comm
+from ..runtime.counting import underlying
+from ..runtime.memory import Ledger
 from .profile import profile_layers
 from .splits import balanced_split, naive_split
 from .stage import Stage, attempt, train_step

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..comm import Comm
-from ..counting import CountingComm, underlying
-from ..waiting import Watch
+from ..runtime.comm import Comm
+from ..runtime.counting import CountingComm, underlying
+from ..runtime.waiting import Watch
 from .timeline import Timeline
 
 _STAMP = np.dtype(np.float64).itemsize  # bytes of the busy-clock stamp ahead of the data

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory import Ledger, tensor_bytes
 from ..models.unet import UNet, layer_names
+from ..runtime.memory import Ledger, tensor_bytes
 
 
 @dataclass

@@ -16,7 +16,7 @@ from itertools import accumulate
 import torch
 
 from ..models.unet import UNet
-from ..partition import block_bounds
+from ..runtime.blocks import block_bounds
 
 
 def check_bounds(bounds: list[int], n_layers: int, k: int | None = None) -> None:

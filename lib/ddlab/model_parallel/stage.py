@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..comm import Comm
-from ..counting import PeerFailed, underlying
-from ..memory import Ledger
 from ..models.unet import UNet, layer_names
+from ..runtime.comm import Comm
+from ..runtime.counting import PeerFailed, underlying
+from ..runtime.memory import Ledger
 from .autograd import RecvTensor, SendTensor, recv, send
 from .messages import Mailbox
 from .splits import StagePlan

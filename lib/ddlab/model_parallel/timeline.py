@@ -12,8 +12,8 @@ and the Ordering of Events in a Distributed System", 1978) ticking in CPU second
 the timeline the same run would have with one core per rank.
 
 Both clocks record flat, non-overlapping pieces named "<kind> <micro-batch>"
-(kinds: forward, backward, send, recv, idle, other) into `ddlab.trace.Tracer`s, so
-`ddlab.trace.gather_spans` and `chrome_trace` work on them.
+(kinds: forward, backward, send, recv, idle, other) into `ddlab.runtime.trace.Tracer`s, so
+`ddlab.runtime.trace.gather_spans` and `chrome_trace` work on them.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import contextlib
 import time
 from typing import Any, Iterator
 
-from ..comm import Comm
-from ..counting import underlying
-from ..trace import Span, Tracer
+from ..runtime.comm import Comm
+from ..runtime.counting import underlying
+from ..runtime.trace import Span, Tracer
 
 KINDS = ("forward", "backward", "send", "recv", "idle", "other")
 BUSY_KINDS = ("forward", "backward", "send", "recv")

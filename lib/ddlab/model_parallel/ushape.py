@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..counting import underlying
-from ..memory import Ledger
 from ..models.unet import UNet, layer_names
+from ..runtime.comm import Comm
+from ..runtime.counting import underlying
+from ..runtime.memory import Ledger
 from .autograd import RecvTensor, SendTensor, recv, send
 from .messages import Mailbox
 from .splits import Edge, trace_shapes

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..memory import Ledger
+from ..runtime.memory import Ledger
 
 LossFn = Callable[[torch.Tensor], torch.Tensor]
 

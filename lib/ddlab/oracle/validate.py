@@ -23,8 +23,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..memory import Ledger
 from ..model_parallel import Crossings, polite_barrier
+from ..runtime.memory import Ledger
 from .describe import ModelInfo, describe, profile_seconds
 from .implementation import LocalComm, LocalHalo, filter_curves, halo_curve, overhead_per_exchange
 from .measure import measure_sync

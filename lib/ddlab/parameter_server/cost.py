@@ -9,7 +9,7 @@ bytes in and as many out on its one link:
 
 with G seconds per byte and L the latency (lab 01's beta and alpha). The ring
 allreduce (lab 03) carries 2 (P - 1) / P m gamma bytes per rank whatever P, in
-2 (P - 1) messages: `ddlab.costmodel.predict("ring", ...)`.
+2 (P - 1) messages: `ddlab.allreduce.cost.predict("ring", ...)`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import first_ranks
-from ..costmodel import Machine, predict
+from ..allreduce.cost import Machine, predict
+from ..runtime.comm import first_ranks
 from .problem import LeastSquares
 from .run import Allreduce, train
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import Comm
-from ..waiting import Watch
+from ..runtime.comm import Comm
+from ..runtime.waiting import Watch
 
 GOSSIP = 103
 

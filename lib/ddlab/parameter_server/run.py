@@ -18,9 +18,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..allreduce import allreduce_mpi
-from ..comm import Comm
-from ..counting import CountingComm, underlying
-from ..waiting import Watch
+from ..runtime.comm import Comm
+from ..runtime.counting import CountingComm, underlying
+from ..runtime.waiting import Watch
 from .gate import Consistency, may_start
 from .gossip import AsyncGossip
 from .messages import shard_bounds

@@ -20,8 +20,8 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import Comm
-from ..waiting import PeerFailed, Stalled, Watch
+from ..runtime.comm import Comm
+from ..runtime.waiting import PeerFailed, Stalled, Watch
 from .gate import Consistency, may_start
 from .messages import GRADIENT, GRADIENT_HEADER, PARAMETERS
 

@@ -9,8 +9,8 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import Comm
-from ..waiting import Watch
+from ..runtime.comm import Comm
+from ..runtime.waiting import Watch
 from .messages import GRADIENT, PARAMETERS, PARAMETERS_HEADER
 
 Gradient = Callable[[np.ndarray, int], np.ndarray]  # (parameters, step) -> gradient

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from ..comm import Comm
 from ..models.unet import UNet
+from ..runtime.comm import Comm
 from .partition import StageTimes, pipedream_partition
 from .runner import measure_pipeline
 from .schedules import one_f_one_b

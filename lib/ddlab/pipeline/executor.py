@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Comm
 from ..model_parallel import Mailbox
+from ..runtime.comm import Comm
 from .schedules import Op
 
 

@@ -31,10 +31,10 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from ..comm import Comm
-from ..counting import underlying
 from ..model_parallel import Crossings, Mailbox, profile_layers
 from ..models.unet import UNet
+from ..runtime.comm import Comm
+from ..runtime.counting import underlying
 
 StageTime = Callable[[int, int], float]
 

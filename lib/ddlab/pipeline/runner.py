@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comm import Comm
-from ..counting import underlying
-from ..memory import Ledger
 from ..model_parallel import Stage, Timeline, polite_barrier, utilisation
 from ..model_parallel.timeline import BUSY_KINDS, kind_totals
 from ..models.unet import UNet
-from ..trace import Span, gather_spans
+from ..runtime.comm import Comm
+from ..runtime.counting import underlying
+from ..runtime.memory import Ledger
+from ..runtime.trace import Span, gather_spans
 from .schedules import Schedule, bubble, simulate
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..trace import Span
+from ..runtime.trace import Span
 
 Op = tuple[str, int]
 Schedule = Callable[[int, int, int], list[Op]]

@@ -15,11 +15,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..comm import Comm
-from ..counting import underlying
 from ..data_parallel import init_gloo
 from ..model_parallel import StagePlan, polite_barrier
 from ..models.unet import UNet
+from ..runtime.comm import Comm
+from ..runtime.counting import underlying
 
 
 class RelayStage(nn.Module):

@@ -213,7 +213,7 @@ def allreduce_sweep(nbytes: Sequence[float], measured: dict[str, Sequence[float]
                     predicted: dict[str, Sequence[float]] | None = None,
                     memcpy_bandwidth: float | None = None) -> plt.Figure:
     """Allreduce time against size (measured dots, predicted dashes) and bus bandwidth against memcpy's."""
-    from ..costmodel import bus_bandwidth
+    from ..allreduce.cost import bus_bandwidth
 
     n = np.asarray(nbytes, dtype=float)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

@@ -8,7 +8,7 @@ from typing import cast
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ..trace import MAIN, Span
+from ..runtime.trace import MAIN, Span
 
 #: A colour per kind of span: training phases (labs 04-05) and pipeline ops (labs 06-07).
 COLOURS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#55a868", "allreduce": "#c44e52",
@@ -21,7 +21,7 @@ def gantt(spans_by_rank: Sequence[Sequence[Span]], title: str = "", ax: plt.Axes
           unit: float = 1e3, unit_name: str = "ms") -> plt.Figure:
     """One row per rank and track, one bar per span coloured by its kind, numbered (micro-batch, bucket).
 
-    spans_by_rank: per rank, ddlab.trace.Spans. Nested spans are drawn over the ones
+    spans_by_rank: per rank, ddlab.runtime.trace.Spans. Nested spans are drawn over the ones
     that enclose them; spans on other tracks than the main one (an allreduce in flight)
     get rows of their own. unit, unit_name: seconds per axis unit and its name.
     """

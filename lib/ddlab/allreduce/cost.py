@@ -139,7 +139,7 @@ def fit_machine(comm: MPI.Comm, sizes: Sequence[int] | None = None, repeats: int
     A collective call; every rank gets the same Machine. Gamma is timed on every rank
     at once, as the adds of an allreduce run, and the slowest rank's value is kept.
     """
-    from .p2p import default_sizes, fit_alpha_beta, sweep
+    from ..p2p import default_sizes, fit_alpha_beta, sweep
 
     sizes = list(sizes or default_sizes())
     alpha, beta = fit_alpha_beta(sizes, sweep(comm, sizes, repeats))

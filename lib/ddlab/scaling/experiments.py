@@ -71,10 +71,10 @@ def measure_training(per_rank_batch: int, steps: int = 20, warmup: int = 5, buck
     """
     import torch
 
-    from .data import StressStrainCurves
-    from .data_parallel import DataParallel, threads_per_rank, train
-    from .models.mlp import HIDDEN, make_mlp
-    from .trace import Tracer
+    from ..data import StressStrainCurves
+    from ..data_parallel import DataParallel, threads_per_rank, train
+    from ..models.mlp import HIDDEN, make_mlp
+    from ..runtime.trace import Tracer
 
     comm = comm or _world()
     threads = threads_per_rank()
@@ -123,7 +123,7 @@ def time_pieces(comm: MPI.Comm, n_elements: int, pieces: Sequence[int], repeats:
 
 def fit_allreduce(comm: MPI.Comm, sizes: Sequence[int] | None = None, repeats: int = 10) -> tuple[float, float]:
     """Alpha (seconds per call) and beta (seconds per byte) of MPI's Allreduce on this communicator."""
-    from .p2p import fit_alpha_beta
+    from ..p2p import fit_alpha_beta
 
     sizes = list(sizes or [2**k for k in range(4, 23, 2)])  # 16 B .. 4 MiB
     seconds = []

@@ -13,8 +13,8 @@ autograded test cells worth POINTS each. Their grade ids come from the exercise
 label ("Exercise 3.2: allreduce_ring" gives `ex3_2_allreduce_ring` and
 `check_ex3_2_allreduce_ring`), so they stay the same each time labs/ is generated.
 
-    python -m ddlab.labgen solutions labs          # write labs/
-    python -m ddlab.labgen solutions labs --check  # exit 1 if labs/ is stale
+    python -m ddlab.tools.labgen solutions labs          # write labs/
+    python -m ddlab.tools.labgen solutions labs --check  # exit 1 if labs/ is stale
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def generate(solutions: Path, labs: Path) -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddlab.labgen", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ddlab.tools.labgen", description=__doc__.split("\n")[0])
     parser.add_argument("solutions", type=Path)
     parser.add_argument("labs", type=Path)
     parser.add_argument("--check", action="store_true", help="only report whether labs/ is up to date")

@@ -2,7 +2,7 @@
 
 Every cell has a timeout. After each cell the grader asks the engines to answer
 (`probe.report`): if a cell timed out (a deadlock) or the engines died, it restarts
-them with `ddlab.cluster.restart()` and replays the %%px cells that had run, so the
+them with `ddlab.runtime.cluster.restart()` and replays the %%px cells that had run, so the
 later exercises are graded on what the student wrote. Cells after the last check
 cannot change a grade and are not run. Each grading run has its own IPython
 directory, so its clusters are its own; after each submission any of them still up
@@ -27,13 +27,13 @@ import psutil
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
-from ..cluster import cleanup_orphans
+from ...runtime.cluster import cleanup_orphans
 from ..labgen import Check, checks
 from .submission import prepare
 
 KERNEL = "ddlab"  # the course kernel, "Python (ddlab)"
-RESTART = "import ddlab.cluster\nddlab.cluster.restart()"
-STOP = "import ddlab.cluster\nddlab.cluster.stop()"
+RESTART = "import ddlab.runtime.cluster\nddlab.runtime.cluster.restart()"
+STOP = "import ddlab.runtime.cluster\nddlab.runtime.cluster.stop()"
 TIMED_OUT = "CellTimeoutError"  # the error nbclient reports for a cell it interrupted at the timeout
 #: A check's verdict on the student's code (its CheckFailed, or the stub's error): "failed", not "error".
 VERDICTS = ("CheckFailed", "NotImplementedError")
@@ -116,7 +116,7 @@ class _Kernel:
 
     def probe(self, function: str | None) -> dict:
         """{"healthy": ..., "reference": ...} from probe.report (healthy None: no cluster is running)."""
-        cell = self.run_code(f"import ddlab.grading.probe\nddlab.grading.probe.report({function!r})")
+        cell = self.run_code(f"import ddlab.tools.grading.probe\nddlab.tools.grading.probe.report({function!r})")
         for line in _text(cell).splitlines() if cell is not None else []:
             if line.startswith("{"):
                 return json.loads(line)

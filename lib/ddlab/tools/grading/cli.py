@@ -9,7 +9,7 @@ from pathlib import Path
 
 import nbformat
 
-from ..cluster import CLUSTERS_DIR
+from ...runtime.cluster import CLUSTERS_DIR
 from .report import feedback_html, write_sheet
 from .run import clean_up, grade, private_ipython_dir
 from .submission import student_name

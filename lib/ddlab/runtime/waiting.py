@@ -4,7 +4,7 @@ A `Watch` belongs to one rank's side of a communicator. `poll(done, what)` calls
 `done()` until it is true, backing off between tries, and raises `Stalled` after
 `timeout` seconds or `PeerFailed` as soon as another rank reports a failure with
 `fail_all` (the notices travel on a private duplicate of the communicator, never
-mixed with the caller's messages). `ddlab.counting.CountingComm` and
+mixed with the caller's messages). `ddlab.runtime.counting.CountingComm` and
 `ddlab.model_parallel.messages.Mailbox` both wait through one.
 
 `watched(request, what)` covers the requests a student's code holds. It returns a

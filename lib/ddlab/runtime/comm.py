@@ -1,9 +1,9 @@
 """`Comm`: what ddlab's functions need of a communicator, as a type.
 
-An mpi4py `MPI.Comm` has it, and so has `ddlab.counting.CountingComm`, which checks
+An mpi4py `MPI.Comm` has it, and so has `ddlab.runtime.counting.CountingComm`, which checks
 hand to a student's function instead. Functions that take either are typed `Comm`;
 those that call collectives on the real communicator take `MPI.Comm` (use
-`ddlab.counting.underlying(comm)` to get it from a `Comm`).
+`ddlab.runtime.counting.underlying(comm)` to get it from a `Comm`).
 
 `first_ranks(comm, n)` is the communicator of comm's first n ranks, which checks, cost
 sweeps and measurements use to run the same thing on 1, 2, ..., P ranks.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Comm
+from ..runtime.comm import Comm
 
 #: The tag of every message these collectives send.
 TAG = 20

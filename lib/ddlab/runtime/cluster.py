@@ -1,8 +1,8 @@
 """Start, stop and restart a cluster of MPI engines, quietly and with a way out.
 
-    rc = ddlab.cluster.start(n=4)      # %px / %%px now run on 4 MPI ranks
-    ddlab.cluster.restart()            # after a hang or a crashed engine
-    ddlab.cluster.stop()
+    rc = ddlab.runtime.cluster.start(n=4)      # %px / %%px now run on 4 MPI ranks
+    ddlab.runtime.cluster.restart()            # after a hang or a crashed engine
+    ddlab.runtime.cluster.stop()
 
 A profile is a folder of `clusters/` (local, slurm, jupyterhub) holding an
 `ipcluster_config.py`. Runtime files (connection files, logs) live in the user's
@@ -28,7 +28,7 @@ from traitlets.config import Config, PyFileConfigLoader
 from . import mpi
 
 #: Where `clusters/` lives: next to lib/ in the course folder, or $DDLAB_CLUSTERS.
-CLUSTERS_DIR = Path(os.environ.get("DDLAB_CLUSTERS", Path(__file__).resolve().parents[2] / "clusters"))
+CLUSTERS_DIR = Path(os.environ.get("DDLAB_CLUSTERS", Path(__file__).resolve().parents[3] / "clusters"))
 
 _ID_PREFIX = "ddlab-"
 
@@ -188,7 +188,7 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
                 f"The MPI engines exited before registering ({len(client.ids)} of {n} up). "
                 f"Their last output:\n{_engine_output(cluster)}\n"
                 "If mpi4py cannot initialise MPI, run `make setup` again; "
-                "`python -m ddlab.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
+                "`python -m ddlab.runtime.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
             )
         if time.monotonic() > deadline:
             raise ClusterError(
@@ -268,7 +268,7 @@ def restart(timeout: float = 120.0) -> ipp.Client:
     cells that set them up (imports, `comm = MPI.COMM_WORLD`, ...).
     """
     if _current is None:
-        raise ClusterError("No cluster is running: start one with ddlab.cluster.start(n=4).")
+        raise ClusterError("No cluster is running: start one with ddlab.runtime.cluster.start(n=4).")
     running = _current
     cluster, client, n = running.cluster, running.client, running.n
     cluster.stop_engines_sync()
@@ -288,7 +288,7 @@ def restart(timeout: float = 120.0) -> ipp.Client:
 
 @contextlib.contextmanager
 def running(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> Iterator[ipp.Client]:
-    """`with ddlab.cluster.running(4) as rc:` starts a cluster and always stops it."""
+    """`with ddlab.runtime.cluster.running(4) as rc:` starts a cluster and always stops it."""
     client = start(n, profile, timeout)
     try:
         yield client
@@ -299,14 +299,14 @@ def running(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> I
 def status() -> str:
     """One line on the running cluster: how many engines are up, and what to do if not."""
     if _current is None:
-        return "No cluster is running: start one with ddlab.cluster.start(n=4)."
+        return "No cluster is running: start one with ddlab.runtime.cluster.start(n=4)."
     up, n = len(_current.client.ids), _current.n
     if up == n:
         return f"{n} engines up (MPI ranks 0..{n - 1}), profile {_current.profile!r}."
     return (
         f"Only {up} of {n} engines are up: an engine crashed and MPI ended the job. "
         f"Last engine output:\n{_engine_output(_current.cluster)}\n"
-        "Run ddlab.cluster.restart() to start fresh engines (the notebook's variables stay)."
+        "Run ddlab.runtime.cluster.restart() to start fresh engines (the notebook's variables stay)."
     )
 
 

@@ -2,7 +2,7 @@
 
     $ ddlab doctor                      # local profile, 2 engines
     $ ddlab doctor --profile slurm -n 4
-    >>> import ddlab.doctor; ddlab.doctor.run()     # from a notebook
+    >>> import ddlab.tools.doctor; ddlab.tools.doctor.run()     # from a notebook
 
 Each check prints one line (ok, WARN or FAIL); a WARN or FAIL names the fix. The known
 failures: another MPI's mpiexec first on PATH, Open MPI refusing root, more ranks than
@@ -12,7 +12,6 @@ controller), and engines started as 1-rank singletons instead of one MPI job.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -26,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, mpi
+from .. import __version__
+from ..runtime import mpi
 
 OK, WARN, FAIL = "ok", "WARN", "FAIL"
 REPO_HINT = "run `make setup` in the course folder"
@@ -196,7 +196,7 @@ def _classify_mpiexec_output(out: str, n: int, exe: str) -> tuple[str, str] | No
     if "not enough slots" in low:
         cores = os.cpu_count() or 1
         return (f"Open MPI starts at most one rank per core ({cores} here) and {n} were asked for",
-                f"add --oversubscribe (`{exe} --oversubscribe -n {n} ...`), or use `python -m ddlab.mpi -n {n} ...` "
+                f"add --oversubscribe (`{exe} --oversubscribe -n {n} ...`), or use `python -m ddlab.runtime.mpi -n {n} ...` "
                 "which adds it when needed, or start fewer ranks.")
     return None
 
@@ -220,7 +220,7 @@ def check_path_mpiexec(n: int = 2, timeout: float = 60) -> Finding:
         name, WARN,
         f"{theirs} is another MPI's mpiexec than mpi4py's ({ours}); `mpiexec -n {n} python ...` starts {what}",
         f"use {ours} (or `source {Path(ours).parent}/activate` so it comes first on PATH), or "
-        f"`python -m ddlab.mpi -n {n} ...`; remove or unload the other MPI (e.g. `module unload`) "
+        f"`python -m ddlab.runtime.mpi -n {n} ...`; remove or unload the other MPI (e.g. `module unload`) "
         "if you do not need it.",
     )
 
@@ -250,7 +250,7 @@ def check_mpiexec_by_hand(n: int = 2, timeout: float = 120) -> Finding:
     if code is None:
         return Finding(name, FAIL, f"`{exe} -n {n} python` did not finish in {timeout:.0f} s",
                        "the machine may be overloaded, or a firewall blocks local TCP connections; "
-                       "try `python -m ddlab.mpi -n 2 --timeout 60 python -c 'import mpi4py.MPI'`.")
+                       "try `python -m ddlab.runtime.mpi -n 2 --timeout 60 python -c 'import mpi4py.MPI'`.")
     known = _classify_mpiexec_output(out, n, exe)
     if known:
         return Finding(name, WARN, f"`{exe} -n {n} python ...`: {known[0]} (ddlab's own launches are not affected)",
@@ -270,7 +270,7 @@ def _probe() -> dict:
 
     from mpi4py import MPI
 
-    from ddlab.doctor import _library_name  # shipped by value: import what it uses
+    from ddlab.tools.doctor import _library_name  # shipped by value: import what it uses
 
     comm = MPI.COMM_WORLD
     return {"rank": comm.rank, "size": comm.size, "host": socket.gethostname(),
@@ -443,7 +443,7 @@ def _diagnose_start(profile: str, error: BaseException, cluster: object, timeout
                 f"(`ddlab doctor --timeout {longer}`, start(n, timeout={longer})), close other "
                 "busy programs, or start fewer engines; a firewall must allow connections on 127.0.0.1.")
     if "exited before registering" in text:
-        return _tail(text), REPO_HINT + "; `python -m ddlab.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
+        return _tail(text), REPO_HINT + "; `python -m ddlab.runtime.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
     return _tail(text), REPO_HINT + "."
 
 
@@ -461,7 +461,7 @@ def _singletons_fix(profile: str) -> str:
 def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int = 8 << 20,
                   repetitions: int = 10) -> list[Finding]:
     """Start n engines on the profile, check they form one MPI job, time an allreduce, stop them."""
-    from . import cluster as clusters
+    from ..runtime import cluster as clusters
 
     if profile in ("slurm", "jupyterhub"):
         problem = _slurm_preflight(profile)
@@ -471,7 +471,7 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
     if running is not None and (running.profile, running.n) != (profile, n):
         return [Finding("engines", WARN, f"this kernel already runs {running.n} engines on profile "
                         f"{running.profile!r}; the doctor does not stop them",
-                        "run `ddlab doctor` in a terminal, or ddlab.cluster.stop() first.")]
+                        "run `ddlab doctor` in a terminal, or ddlab.runtime.cluster.stop() first.")]
     started = time.monotonic()
     cluster = None
     try:
@@ -503,7 +503,7 @@ def _probe_engines(client: Any, profile: str, n: int, how: str, nbytes: int, rep
                         _singletons_fix(profile))]
     if sizes != [n] or sorted(client.ids) != sorted(r["rank"] for r in ranks):
         return [Finding("engines", FAIL, f"engine ids {sorted(client.ids)} and MPI ranks/sizes {ranks} do not match",
-                        "stop the cluster (ddlab.cluster.stop()) and start it again; if it persists, "
+                        "stop the cluster (ddlab.runtime.cluster.stop()) and start it again; if it persists, "
                         + REPO_HINT + ".")]
     found = [Finding("engines", OK, f"{n} engines on profile {profile!r} {how}, ids = MPI ranks "
                      f"0..{n - 1}, on {', '.join(hosts)} ({ranks[0]['library']})")]
@@ -519,12 +519,12 @@ def _probe_engines(client: Any, profile: str, n: int, how: str, nbytes: int, rep
     return found
 
 
-# --- entry points -------------------------------------------------------------------
+# --- entry point --------------------------------------------------------------------
 
 
 def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: bool = False) -> Report:
     """Run every check (MPI installation, then n engines on the profile); print and return the report."""
-    from .cluster import default_profile
+    from ..runtime.cluster import default_profile
 
     profile = profile or default_profile()
     report = Report(profile, n)
@@ -539,31 +539,3 @@ def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: b
     if not quiet:
         print(report, flush=True)
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`ddlab doctor [--profile P] [-n N] [--timeout S]`; exit status 1 if a check failed.
-
-    `ddlab grade --lab NN SUBMISSIONS...` grades collected notebooks (ddlab.grading.cli).
-    """
-    from .grading import cli as grading
-
-    parser = argparse.ArgumentParser(prog="ddlab", description="Tools of the ddlab course kit.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    doctor = commands.add_parser("doctor", help="check MPI and a cluster profile, and say what to fix")
-    doctor.add_argument("--profile", default=None,
-                        help="cluster profile: local, slurm, jupyterhub (default: $DDLAB_PROFILE or local)")
-    doctor.add_argument("-n", type=int, default=2, help="number of engines to start (default 2)")
-    doctor.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines (default 120)")
-    grading.add_parser(commands)
-    args = parser.parse_args(argv)
-    if args.command == "grade":
-        return grading.main(args)
-    if args.n < 1:
-        parser.error("-n must be at least 1")
-    report = run(args.profile, args.n, args.timeout)
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

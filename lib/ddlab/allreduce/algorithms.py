@@ -15,7 +15,7 @@ The last two move 2(P-1)/P n items per rank, the lower bound. Recursive doubling
 Rabenseifner need a power of two; other rank counts fold the surplus ranks in first
 and out at the end, as MPICH does (Thakur, Rabenseifner & Gropp, "Optimization of
 collective communication operations in MPICH", 2005). Their costs are in
-`ddlab.costmodel`.
+`ddlab.allreduce.cost`.
 
 Before any message, the ranks compare lengths and dtypes in one small allgather, so
 a mismatch raises the same ValueError everywhere instead of hanging or summing
@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .comm import Comm
-from .counting import underlying
-from .partition import block_bounds
+from ..runtime.blocks import block_bounds
+from ..runtime.comm import Comm
+from ..runtime.counting import underlying
 
 #: The tag of every message these algorithms send.
 TAG = 30
@@ -147,7 +147,7 @@ def fold_out(comm: Comm, work: np.ndarray, group_rank: int | None) -> None:
 
 def allreduce_naive(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Linear reduce to rank 0, then linear broadcast: 2(P-1) messages through rank 0."""
-    from .collectives import bcast_linear, reduce_linear
+    from ..collectives import bcast_linear, reduce_linear
 
     agree_on_input(comm, x)
     total = reduce_linear(comm, x, root=0)
@@ -156,7 +156,7 @@ def allreduce_naive(comm: Comm, x: np.ndarray) -> np.ndarray:
 
 def allreduce_tree(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Binomial-tree reduce to rank 0, then binomial-tree broadcast: 2 ceil(log2 P) rounds."""
-    from .collectives import bcast_tree, reduce_tree
+    from ..collectives import bcast_tree, reduce_tree
 
     agree_on_input(comm, x)
     total = reduce_tree(comm, x, root=0)

@@ -26,7 +26,7 @@ overlapped buckets) returns a watched request, so waiting on it cannot hang eith
 traffic, peers named by their rank in the communicator the check made, so a
 hierarchical collective's messages inside and between groups are all counted.
 
-Blocking calls never hang a check: they wait through a `ddlab.waiting.Watch`,
+Blocking calls never hang a check: they wait through a `ddlab.runtime.waiting.Watch`,
 giving up after `timeout` seconds with a message naming the message waited for,
 and at once when another rank reports a failure through `fail_all`. The requests
 Isend/Irecv return are watched too, so `Wait`/`Waitall` on them cannot hang; `unwaited()`

@@ -34,7 +34,7 @@ def report(name: str | None = None) -> None:
 
     "healthy" is null when no cluster is running (before the notebook starts one, or after it stops it).
     """
-    from .. import cluster
+    from ...runtime import cluster
 
     running = cluster.current()
     verdict: dict[str, object] = {"healthy": None if running is None else False, "reference": None}

@@ -33,7 +33,7 @@ import psutil
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
 from traitlets import CRegExp, Integer
 
-from . import mpi
+from ..runtime import mpi
 
 #: Settings read from the environment override the file: DDLAB_SLURM_<NAME>.
 ENV_PREFIX = "DDLAB_SLURM_"
@@ -82,7 +82,7 @@ class Settings:
 
 def settings_file() -> Path:
     """clusters/slurm/settings.py of this course folder."""
-    from .cluster import CLUSTERS_DIR
+    from ..runtime.cluster import CLUSTERS_DIR
 
     return CLUSTERS_DIR / "slurm" / "settings.py"
 

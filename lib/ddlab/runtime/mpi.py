@@ -170,18 +170,18 @@ def bench_main(parser: argparse.ArgumentParser, child: Callable[[argparse.Namesp
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ddlab.mpi -n 4 CMD...`: run CMD on n ranks with this environment's MPI."""
-    parser = argparse.ArgumentParser(prog="python -m ddlab.mpi", description=main.__doc__)
+    """`python -m ddlab.runtime.mpi -n 4 CMD...`: run CMD on n ranks with this environment's MPI."""
+    parser = argparse.ArgumentParser(prog="python -m ddlab.runtime.mpi", description=main.__doc__)
     parser.add_argument("-n", type=int, default=4, help="number of ranks")
     parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if not args.command:
-        parser.error("give a command to run, e.g. python -m ddlab.mpi -n 4 python script.py")
+        parser.error("give a command to run, e.g. python -m ddlab.runtime.mpi -n 4 python script.py")
     try:
         return run_ranks(args.n, args.command, args.timeout, stdout=None, stderr=None).returncode
     except subprocess.TimeoutExpired:
-        print(f"ddlab.mpi: killed after {args.timeout} s", file=sys.stderr)
+        print(f"ddlab.runtime.mpi: killed after {args.timeout} s", file=sys.stderr)
         return 124
 
 

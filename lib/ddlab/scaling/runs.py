@@ -53,9 +53,9 @@ def train_for_time(comm: MPI.Intracomm, seconds: float, global_batch: int, lr: f
     """
     import torch
 
-    from .data import StressStrainCurves
-    from .data_parallel import DataParallel, evaluate, threads_per_rank, train
-    from .models.mlp import make_mlp
+    from ..data import StressStrainCurves
+    from ..data_parallel import DataParallel, evaluate, threads_per_rank, train
+    from ..models.mlp import make_mlp
 
     size = comm.Get_size()
     if seconds <= 0:
@@ -107,7 +107,7 @@ def allreduce_vs_gloo(comm: MPI.Intracomm, sizes: Sequence[int], repeats: int = 
     import torch
     import torch.distributed as dist
 
-    from .data_parallel import init_gloo
+    from ..data_parallel import init_gloo
 
     init_gloo(comm)
     out: dict[str, list[float]] = {"MPI Allreduce": [], "gloo all_reduce": []}

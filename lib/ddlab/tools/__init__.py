@@ -1,0 +1,1 @@
+"""The operator's tools: the `ddlab` command, the doctor, Slurm launchers, the lab generator, grading."""
