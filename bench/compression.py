@@ -36,7 +36,7 @@ def child(steps: int) -> None:
                                    crossover_density, emulated, flat_ring_seconds, hierarchical_allreduce,
                                    hierarchical_seconds, sparse_allreduce, top_k)
     from ddlab.compression.experiment import train_compressed
-    from ddlab.allreduce.cost import fit_machine, time_allreduce
+    from ddlab.allreduce.cost import fit_link, time_allreduce
     from ddlab.runtime.counting import CountingComm, gather_traffic
 
     comm = MPI.COMM_WORLD
@@ -59,7 +59,7 @@ def child(steps: int) -> None:
     methods = {"dense ring": allreduce_ring}
     methods.update({f"{d:.0%}": CompressedAllreduce("topk", d, feedback=False) for d in DENSITIES})
     seconds = {name: np.median(s) for name, s in time_allreduce(comm, methods, [4 * N], repeats=5).items()}
-    machine = fit_machine(comm)
+    machine = fit_link(comm)
 
     settings = [("dense", 1.0, True)] + [(m, d, f) for d in (0.01, 0.1) for m in ("topk", "randomk")
                                          for f in (True, False)] + [("qsgd8", 1.0, True), ("sign", 1.0, True)]

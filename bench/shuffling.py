@@ -32,8 +32,9 @@ def child(seeds: int, epochs: int) -> None:
     import torch
     from mpi4py import MPI
 
-    from ddlab.data import StressStrainCurves, remove_store, write_shared
-    from ddlab.data.runs import train_shuffled
+    from ddlab.data import StressStrainCurves
+    from ddlab.shuffling import remove_store, write_shared
+    from ddlab.shuffling import train_shuffled
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddlab.allreduce import cost
-from ddlab.allreduce.cost import Machine, crossover, predict, terms
+from ddlab.allreduce.cost import Link, crossover, predict, terms
 from ddlab.runtime.mpi import run_ranks
 
 ALGORITHMS = ["naive", "tree", "recursive_doubling", "ring", "rabenseifner"]
@@ -60,12 +60,39 @@ def test_ring_meets_the_bandwidth_bound_and_rabenseifner_on_powers_of_two() -> N
 
 
 def test_crossover_is_where_the_lines_meet() -> None:
-    machine = Machine(alpha=1e-6, beta=1e-10, gamma=0.0)
+    machine = Link(alpha=1e-6, beta=1e-10, gamma=0.0)
     at = crossover("recursive_doubling", "rabenseifner", 4, machine)
     assert at == pytest.approx(2e-6 / 0.5e-10)
     assert predict("recursive_doubling", 4, at, machine) == pytest.approx(predict("rabenseifner", 4, at, machine))
     assert crossover("rabenseifner", "recursive_doubling", 4, machine) is None
     assert crossover("ring", "ring", 4, machine) is None
+
+
+def test_every_collective_has_its_critical_path() -> None:
+    p, n, log_p = 6, 600.0, 3
+    rs = cost.collective_terms("reduce_scatter", p, n, "ring")
+    assert (rs.messages, rs.bytes, rs.reduced) == (5, 500, 500)
+    assert cost.collective_terms("reduce_scatter", p, n).messages == log_p  # recursive halving by default
+    ag = cost.collective_terms("allgather", p, n, "ring")
+    assert (ag.messages, ag.bytes, ag.reduced) == (5, 500, 0)
+    # the ring allreduce is its reduce-scatter then its allgather
+    assert (rs + ag).messages == terms("ring", p, n).messages
+    assert math.isclose((rs + ag).bytes, terms("ring", p, n).bytes)
+    bcast = cost.collective_terms("broadcast", p, n)
+    assert (bcast.messages, bcast.bytes) == (log_p, log_p * n)
+    a2a = cost.collective_terms("alltoall", p, n)
+    assert (a2a.messages, a2a.bytes) == (5, 500)
+    link = Link(alpha=2.0, beta=0.5, gamma=0.25)
+    assert cost.collective_seconds("p2p", p, 8, link) == 2.0 + 4.0
+    assert link.seconds(8) == 2.0 + 4.0
+    assert cost.collective_seconds("allreduce", p, n, link) == pytest.approx(
+        2 * log_p * 2.0 + 2 * 500 * 0.5 + 500 * 0.25)  # halving-doubling by default
+    for op in cost.COLLECTIVES:
+        assert cost.collective_seconds(op, 1, n, link) == (link.seconds(n) if op == "p2p" else 0.0)
+    with pytest.raises(ValueError, match="reduce_scatter"):
+        cost.collective_terms("scatter_reduce", p, n)
+    with pytest.raises(ValueError, match="ring"):
+        cost.collective_terms("allgather", p, n, "tree")
 
 
 def test_unknown_model_says_which_exist() -> None:

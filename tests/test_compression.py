@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ddlab.compression import (CompressedAllreduce, ErrorFeedback, Link, bandwidth_crossover_density,
+from ddlab.compression import (CompressedAllreduce, ErrorFeedback, bandwidth_crossover_density,
                                crossover_density, densify, dequantize_8bit, flat_ring_seconds, held_blocks,
                                hierarchical_seconds, keep_count, quantize_8bit, random_k, sign_1bit, top_k,
                                unsign_1bit)
 from ddlab.compression.compressors import LEVELS
-from ddlab.allreduce.cost import Machine
+from ddlab.allreduce.cost import Link
 
 
 def _x(n: int = 1000, seed: int = 0, dtype: type = np.float32) -> np.ndarray:
@@ -99,9 +99,9 @@ def test_bad_arguments_say_what_to_do() -> None:
 
 def test_crossover_density() -> None:
     assert bandwidth_crossover_density(4) == pytest.approx(0.25)
-    free_messages = Machine(alpha=0.0, beta=1e-9, gamma=0.0)
+    free_messages = Link(alpha=0.0, beta=1e-9, gamma=0.0)
     assert crossover_density(10**6, 4, free_messages) == pytest.approx(0.25)
-    costly = Machine(alpha=1e-3, beta=1e-9, gamma=0.0)
+    costly = Link(alpha=1e-3, beta=1e-9, gamma=0.0)
     assert crossover_density(1000, 4, costly) == 0.0  # 3(P-1) latencies never beat 2(P-1)
 
 

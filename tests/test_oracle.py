@@ -11,7 +11,8 @@ from torch import nn
 from ddlab.runtime.memory import Ledger
 from ddlab.models import UNet, make_mlp
 from ddlab.models.cnn import resnet50, vgg16
-from ddlab.oracle import (Curves, LayerInfo, Link, ModelInfo, Platform, alpha_beta_seconds, channel_parallel, data,
+from ddlab.allreduce.cost import Link, collective_seconds
+from ddlab.oracle import (Curves, LayerInfo, ModelInfo, Platform, channel_parallel, data,
                           data_parallel_memory, data_parallel_time, describe, filter_parallel, gpu_cluster, pipeline,
                           plan, spatial, spatial_memory, spatial_time)
 
@@ -99,7 +100,7 @@ def test_spatial_halos_and_edges():
     assert edge["buffers"] == row and inner["buffers"] == 2 * row
     assert edge["activations"] == 4096 * 2 / 4
     halos = 2 * 2 * (FLAT.intra.alpha + row * FLAT.intra.beta)
-    assert pred.communication == pytest.approx(halos + alpha_beta_seconds("allreduce", 400, 4, FLAT.intra))
+    assert pred.communication == pytest.approx(halos + collective_seconds("allreduce", 4, 400, FLAT.intra))
 
 
 def test_filter_and_channel_split_weights():
@@ -112,10 +113,10 @@ def test_filter_and_channel_split_weights():
 
 def test_alpha_beta_and_curves():
     link = Link(2.0, 0.5)
-    assert alpha_beta_seconds("allreduce", 8, 4, link) == 2 * (2 * 2.0 + 3 / 4 * 8 * 0.5)
-    assert alpha_beta_seconds("allgather", 8, 4, link) == 2 * 2.0 + 3 / 4 * 8 * 0.5
-    assert alpha_beta_seconds("p2p", 8, 4, link) == 2.0 + 4.0
-    assert alpha_beta_seconds("allreduce", 8, 1, link) == 0.0
+    assert collective_seconds("allreduce", 4, 8, link) == 2 * (2 * 2.0 + 3 / 4 * 8 * 0.5)
+    assert collective_seconds("allgather", 4, 8, link) == 2 * 2.0 + 3 / 4 * 8 * 0.5
+    assert collective_seconds("p2p", 4, 8, link) == 2.0 + 4.0
+    assert collective_seconds("allreduce", 1, 8, link) == 0.0
     curves = Curves()
     curves.add("allreduce", 4, [10, 1000], [1.0, 100.0])
     assert curves.seconds("allreduce", 100, 4) == pytest.approx(10.0)

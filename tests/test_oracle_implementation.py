@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddlab.oracle import Curves, Link, Platform, alpha_beta_seconds, describe, filter_parallel, spatial
+from ddlab.allreduce.cost import Link, collective_seconds
+from ddlab.oracle import Curves, Platform, describe, filter_parallel, spatial
 from ddlab.oracle.implementation import LocalComm, LocalHalo
 from ddlab.oracle.strategies import channel_exchanges, halo_layers, halo_rows_lab08, pipeline, sync_share
 
@@ -32,7 +33,7 @@ def test_spatial_overhead_and_halo_curve_by_hand():
     assert len(halo_layers(INFO, 2)) == 2
     pred = spatial(INFO, 4, 2, platform({"halo": 1e-3}, {"halo": 2e-3}))
     assert pred.overhead == pytest.approx(4 * 4 * 1e-3)
-    assert pred.communication == pytest.approx(4 * 2e-3 + alpha_beta_seconds("allreduce", W, 2, Link(1e-5, 1e-9)))
+    assert pred.communication == pytest.approx(4 * 2e-3 + collective_seconds("allreduce", 2, W, Link(1e-5, 1e-9)))
     assert pred.time == pytest.approx(pred.compute + pred.communication + pred.overhead)
     bare = spatial(INFO, 4, 2, platform({}, {}))
     assert bare.overhead == 0 and bare.communication != pred.communication  # no curve: p2p + sync

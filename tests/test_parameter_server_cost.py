@@ -2,10 +2,10 @@
 
 import pytest
 
-from ddlab.allreduce.cost import Machine, predict
+from ddlab.allreduce.cost import Link, predict
 from ddlab.parameter_server.cost import GAMMA, allreduce_seconds, predicted, server_seconds
 
-MACHINE = Machine(alpha=1e-6, beta=1e-9, gamma=1e-10)
+MACHINE = Link(alpha=1e-6, beta=1e-9, gamma=1e-10)
 
 
 def test_server_time_is_2_p_gamma_m_g_over_s_plus_2_l():

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ddlab.data import StressStrainCurves, exchange_plan, exchanged_count, remove_store, stage, write_shared
-from ddlab.data.iocost import affordable_ranks, epoch_read_time
+from ddlab.data import StressStrainCurves
+from ddlab.shuffling import exchange_plan, exchanged_count, remove_store, stage, write_shared
+from ddlab.shuffling import affordable_ranks, epoch_read_time
 from ddlab.runtime.blocks import block_bounds
 
 

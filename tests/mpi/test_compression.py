@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ddlab.compression import (GIGABIT_ETHERNET, CompressedAllreduce, Link, SlowLinkComm, densify,
+from ddlab.allreduce.cost import Link
+from ddlab.compression import (GIGABIT_ETHERNET, CompressedAllreduce, SlowLinkComm, densify,
                                hierarchical_allreduce, sparse_allreduce, top_k)
 
 WORLD = MPI.COMM_WORLD

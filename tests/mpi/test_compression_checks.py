@@ -11,7 +11,8 @@ from mpi4py import MPI
 
 from ddlab.allreduce import allreduce_ring
 from ddlab.checks import CheckFailed, check_hierarchical_allreduce, check_sparse_allreduce, check_top_k_with_feedback
-from ddlab.compression import (allgather_ring, held_blocks, hierarchical_allreduce, reduce_scatter_ring, sparse_allreduce,
+from ddlab.allreduce import allgather_ring, reduce_scatter_ring
+from ddlab.compression import (held_blocks, hierarchical_allreduce, sparse_allreduce,
                                top_k_with_feedback)
 from ddlab.runtime.blocks import block_bounds
 

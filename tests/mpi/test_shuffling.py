@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ddlab.data import (StressStrainCurves, Shuffler, exchange_plan, exchange_samples, remove_store, stage,
-                        write_shared)
+from ddlab.data import StressStrainCurves
+from ddlab.shuffling import Shuffler, exchange_plan, exchange_samples, remove_store, stage, write_shared
 from ddlab.data.sharding import epoch_permutation
 from ddlab.runtime.blocks import block_range
 

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from ddlab.checks import CheckFailed, check_exchange_plan, check_exchange_samples
-from ddlab.data import exchange_plan, exchange_samples
+from ddlab.shuffling import exchange_plan, exchange_samples
 
 
 def plan_with_replacement(counts, rank, q, epoch, seed=0):

@@ -5,8 +5,10 @@
 
 from .algorithms import (
     ALGORITHMS,
+    RING_TAG,
     TAG,
     agree_on_input,
+    allgather_ring,
     allreduce_mpi,
     allreduce_naive,
     allreduce_rabenseifner,
@@ -17,4 +19,5 @@ from .algorithms import (
     fold_out,
     largest_power_of_two,
     member_rank,
+    reduce_scatter_ring,
 )

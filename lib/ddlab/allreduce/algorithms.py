@@ -36,6 +36,9 @@ from ..runtime.counting import underlying
 
 #: The tag of every message these algorithms send.
 TAG = 30
+#: The tag of the ring's halves, reduce_scatter_ring and allgather_ring (lab 11's hierarchical allreduce
+#: runs them beside allreduce_ring on sub-communicators).
+RING_TAG = 31
 
 _OK, _NOT_ARRAY, _NOT_1D, _NOT_NUMBERS = range(4)
 
@@ -211,6 +214,43 @@ def allreduce_ring(comm: Comm, x: np.ndarray) -> np.ndarray:
         outgoing, incoming = chunks[(rank + 1 - step) % size], chunks[(rank - step) % size]
         comm.Sendrecv(outgoing, dest=right, sendtag=TAG, recvbuf=incoming, source=left, recvtag=TAG)
     return work
+
+
+def reduce_scatter_ring(comm: Comm, x: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """Ring reduce-scatter: rank r returns the sum over ranks of x[bounds[r]:bounds[r+1]].
+
+    No copy of x: the first step sends x's own chunk, and the partial sums travel in two
+    chunk-sized buffers (a fresh full-size copy per call costs a pass over memory, and on a
+    virtual machine the page faults of touching it first)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    def chunk(c: int) -> np.ndarray:
+        return x[bounds[c % size]:bounds[c % size + 1]]
+    if size == 1:
+        return chunk(0).copy()
+    largest = max(bounds[c + 1] - bounds[c] for c in range(size))
+    buffers = [np.empty(largest, dtype=x.dtype), np.empty(largest, dtype=x.dtype)]
+    right, left = (rank + 1) % size, (rank - 1) % size
+    sending = chunk(rank - 1)
+    for step in range(size - 1):  # receive the left's partial sum of chunk rank-step-2, add mine, pass it on
+        mine = chunk(rank - step - 2)
+        arriving = buffers[step % 2][:mine.size]
+        comm.Sendrecv(sending, dest=right, sendtag=RING_TAG, recvbuf=arriving, source=left, recvtag=RING_TAG)
+        arriving += mine
+        sending = arriving
+    return sending
+
+
+def allgather_ring(comm: Comm, mine: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """Ring allgather: every rank's piece (rank r's is bounds[r]:bounds[r+1]) into one new array."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = np.empty(bounds[-1], dtype=mine.dtype)
+    chunks = [out[bounds[c]:bounds[c + 1]] for c in range(size)]
+    chunks[rank][...] = mine
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(size - 1):
+        comm.Sendrecv(chunks[(rank - step) % size], dest=right, sendtag=RING_TAG,
+                      recvbuf=chunks[(rank - step - 1) % size], source=left, recvtag=RING_TAG)
+    return out
 
 
 def allreduce_rabenseifner(comm: Comm, x: np.ndarray) -> np.ndarray:

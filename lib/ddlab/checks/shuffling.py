@@ -18,9 +18,9 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from ..data.shuffling import exchange_plan
 from ..runtime.blocks import block_bounds
 from ..runtime.counting import COLLECTIVE_TAG
+from ..shuffling.shuffler import exchange_plan
 from ._core import array_problem, each_size, passed, run_counted
 
 PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0)

@@ -3,7 +3,8 @@
 - `compressors`: top-k, random-k, 8-bit stochastic quantization, 1-bit signs; error feedback.
 - `sparse`: the sparse allreduce through Allgatherv and its cost against the dense ring.
 - `allreducers`: `CompressedAllreduce`, any of them as lab 04's pluggable allreduce.
-- `hierarchical`: the two-level allreduce over node groups, its cost model, an emulated slow link.
+- `hierarchical`: the two-level allreduce over node groups (on lab 03's ring halves), its cost
+  (priced with `ddlab.allreduce.cost`), an emulated slow link.
 """
 
 from .allreducers import METHODS, CompressedAllreduce
@@ -25,16 +26,13 @@ from .compressors import (
 from .hierarchical import (
                           GIGABIT_ETHERNET,
                           SHARED_MEMORY,
-                          Link,
                           SlowLinkComm,
-                          allgather_ring,
                           emulated,
                           flat_ring_seconds,
                           held_blocks,
                           hierarchical_allreduce,
                           hierarchical_seconds,
                           node_of,
-                          reduce_scatter_ring,
 )
 from .sparse import (
                           bandwidth_crossover_density,

@@ -7,8 +7,8 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ..plots import _size_axis
-from ..plots._helpers import finish_panels
+from ..plots import size_axis
+from ..plots.helpers import finish_panels
 from .experiment import TrainingRun
 
 MARKERS = {"dense": "*", "topk": "o", "randomk": "s", "qsgd8": "^", "sign": "D"}
@@ -49,6 +49,6 @@ def hierarchical_vs_flat(sizes: Sequence[float], measured: dict[str, Sequence[fl
         ax.loglog(sizes, np.asarray(predicted[name]), ":", color=f"C{i}", label=f"{name}, model")
     ax.set_ylabel("seconds per allreduce")
     ax.set_title(title, fontsize=10)
-    _size_axis(ax, sizes, "vector size")
+    size_axis(ax, sizes, "vector size")
     fig.tight_layout()
     return fig

@@ -25,16 +25,14 @@ sub-communicators made with `comm.Split`, using any collectives or messages on t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from ..allreduce import agree_on_input, allreduce_ring
+from ..allreduce import agree_on_input, allgather_ring, allreduce_ring, reduce_scatter_ring
+from ..allreduce.cost import Link, collective_terms, terms
 from ..runtime.blocks import block_bounds
-
-TAG = 31
 
 
 def node_of(rank: int, group_size: int) -> int:
@@ -47,43 +45,6 @@ def held_blocks(local_rank: int, members: int, group_size: int) -> range:
     owners = [b * members // group_size for b in range(group_size)]
     mine = [b for b, owner in enumerate(owners) if owner == local_rank]
     return range(mine[0], mine[-1] + 1)
-
-
-def reduce_scatter_ring(comm: Any, x: np.ndarray, bounds: list[int]) -> np.ndarray:
-    """Ring reduce-scatter: rank r returns the sum over ranks of x[bounds[r]:bounds[r+1]].
-
-    No copy of x: the first step sends x's own chunk, and the partial sums travel in two
-    chunk-sized buffers (a fresh full-size copy per call costs a pass over memory, and on a
-    virtual machine the page faults of touching it first)."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    def chunk(c: int) -> np.ndarray:
-        return x[bounds[c % size]:bounds[c % size + 1]]
-    if size == 1:
-        return chunk(0).copy()
-    largest = max(bounds[c + 1] - bounds[c] for c in range(size))
-    buffers = [np.empty(largest, dtype=x.dtype), np.empty(largest, dtype=x.dtype)]
-    right, left = (rank + 1) % size, (rank - 1) % size
-    sending = chunk(rank - 1)
-    for step in range(size - 1):  # receive the left's partial sum of chunk rank-step-2, add mine, pass it on
-        mine = chunk(rank - step - 2)
-        arriving = buffers[step % 2][:mine.size]
-        comm.Sendrecv(sending, dest=right, sendtag=TAG, recvbuf=arriving, source=left, recvtag=TAG)
-        arriving += mine
-        sending = arriving
-    return sending
-
-
-def allgather_ring(comm: Any, mine: np.ndarray, bounds: list[int]) -> np.ndarray:
-    """Ring allgather: every rank's piece (rank r's is bounds[r]:bounds[r+1]) into one new array."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    out = np.empty(bounds[-1], dtype=mine.dtype)
-    chunks = [out[bounds[c]:bounds[c + 1]] for c in range(size)]
-    chunks[rank][...] = mine
-    right, left = (rank + 1) % size, (rank - 1) % size
-    for step in range(size - 1):
-        comm.Sendrecv(chunks[(rank - step) % size], dest=right, sendtag=TAG,
-                      recvbuf=chunks[(rank - step - 1) % size], source=left, recvtag=TAG)
-    return out
 
 
 def hierarchical_allreduce(comm: Any, x: np.ndarray, group_size: int) -> np.ndarray:
@@ -113,17 +74,6 @@ def hierarchical_allreduce(comm: Any, x: np.ndarray, group_size: int) -> np.ndar
 
 # The cost model ----------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Link:
-    """Hockney's model of a link: seconds per message (alpha) and per byte (beta)."""
-
-    alpha: float
-    beta: float
-
-    def seconds(self, nbytes: float | np.ndarray) -> float | np.ndarray:
-        return self.alpha + self.beta * np.asarray(nbytes, dtype=float)
-
-
 #: Gigabit Ethernet between nodes, as measured on Ames Laboratory's IBM cluster: about
 #: 800 Mbit/s (100 MB/s) from MPI and a latency of 110-130 µs.
 #: Scalable Computing Laboratory, Ames Laboratory, "Selected benchmark results obtained on
@@ -138,19 +88,17 @@ def flat_ring_seconds(nbytes: float | np.ndarray, size: int, group_size: int, in
     A step's messages move in parallel; once there are two groups, some message of every
     step crosses a group boundary, so every step costs the inter-node link's time.
     """
-    chunk = np.asarray(nbytes, dtype=float) / size
-    link = inter if size > group_size else intra
-    return 2 * (size - 1) * link.seconds(chunk)
+    return terms("ring", size, nbytes).seconds(inter if size > group_size else intra)
 
 
 def hierarchical_seconds(nbytes: float | np.ndarray, size: int, group_size: int, intra: Link,
                          inter: Link) -> float | np.ndarray:
-    """Predicted time of hierarchical_allreduce with full groups of g: intra rings, then a ring of n/g across."""
+    """Predicted time of hierarchical_allreduce with full groups of g: a ring reduce-scatter and allgather
+    of n inside each group, between them a ring allreduce of n/g across the groups."""
     g, nodes = min(group_size, size), -(-size // group_size)
     n = np.asarray(nbytes, dtype=float)
-    inside = 2 * (g - 1) * intra.seconds(n / g)
-    across = 2 * (nodes - 1) * inter.seconds(n / g / nodes) if nodes > 1 else 0.0 * n
-    return inside + across
+    inside = collective_terms("reduce_scatter", g, n, "ring") + collective_terms("allgather", g, n, "ring")
+    return inside.seconds(intra) + terms("ring", nodes, n / g).seconds(inter)
 
 
 # The emulated slow link ----------------------------------------------------------------

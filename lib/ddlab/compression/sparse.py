@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
-from ..allreduce.cost import Machine, terms
+from ..allreduce.cost import Link, Terms, collective_terms, terms
 from .compressors import INDEX
 
 
@@ -47,7 +47,7 @@ def allgather_bytes_per_rank(contributions: float | np.ndarray, size: int) -> fl
 
     Rank r forwards every block but its right neighbour's: (P-1) contributions.
     """
-    return (size - 1) * np.asarray(contributions, dtype=float)
+    return collective_terms("allgather", size, size * np.asarray(contributions, dtype=float), "ring").bytes
 
 
 def sparse_bytes_per_rank(n: int, density: float, size: int, value_bytes: int = 4) -> float:
@@ -60,22 +60,21 @@ def dense_ring_bytes_per_rank(n: int, size: int, value_bytes: int = 4) -> float:
     return float(terms("ring", size, n * value_bytes).bytes)
 
 
-def sparse_seconds(n: int, density: float, size: int, machine: Machine, value_bytes: int = 4) -> float:
+def sparse_seconds(n: int, density: float, size: int, link: Link, value_bytes: int = 4) -> float:
     """Predicted time of the sparse allreduce: a count allgather and two ring Allgathervs, then P adds."""
     messages = 3 * (size - 1)
     added = size * density * n * value_bytes
-    return (machine.alpha * messages + machine.beta * sparse_bytes_per_rank(n, density, size, value_bytes)
-            + machine.gamma * added)
+    return float(Terms(messages, sparse_bytes_per_rank(n, density, size, value_bytes), added).seconds(link))
 
 
-def crossover_density(n: int, size: int, machine: Machine, value_bytes: int = 4) -> float:
+def crossover_density(n: int, size: int, link: Link, value_bytes: int = 4) -> float:
     """The density above which the dense ring is predicted faster than the sparse allreduce (1 if never).
 
     Both times are linear in the density, so bisect-free: solve sparse(d) = ring.
     """
-    ring = float(terms("ring", size, n * value_bytes).seconds(machine))
-    at_zero = sparse_seconds(n, 0.0, size, machine, value_bytes)
-    slope = sparse_seconds(n, 1.0, size, machine, value_bytes) - at_zero
+    ring = float(terms("ring", size, n * value_bytes).seconds(link))
+    at_zero = sparse_seconds(n, 0.0, size, link, value_bytes)
+    slope = sparse_seconds(n, 1.0, size, link, value_bytes) - at_zero
     if at_zero >= ring:
         return 0.0
     return min(1.0, (ring - at_zero) / slope)

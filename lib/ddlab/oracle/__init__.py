@@ -4,7 +4,8 @@ After ParaDL (Kahira, Nguyen et al., "An Oracle for Characterizing and Guiding
 Large-Scale Training of Deep Neural Networks", HPDC 2021).
 
 - `describe`, `profile_seconds`, `ModelInfo`, `LayerInfo`: a torch model traced layer by layer.
-- `Platform`, `Link`, `Curves`, `gpu_cluster`: devices, compute, memory, measured collectives.
+- `Platform`, `Curves`, `gpu_cluster`: devices, compute, memory, measured collectives (links are
+  `ddlab.allreduce.cost.Link`s).
 - `measure_platform`: this machine's platform, in about a minute (a collective over comm).
 - `data`, `spatial`, `pipeline`, `filter_parallel`, `channel_parallel` (with `data_ways` for
   the hybrids): `Prediction`s of time (compute, communication, bubble) and memory per rank.
@@ -23,7 +24,7 @@ from .formulas import (
 )
 from .measure import measure_platform
 from .planner import Plan, candidates, plan
-from .platform import OPS, Curves, Link, Platform, alpha_beta_seconds, gpu_cluster
+from .platform import OPS, Curves, Platform, gpu_cluster
 from .strategies import (
                        MEMORY,
                        Prediction,

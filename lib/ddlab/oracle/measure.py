@@ -28,9 +28,10 @@ import psutil
 import torch
 from mpi4py import MPI
 
+from ..allreduce.cost import Link
 from ..p2p import fit_alpha_beta, idle_wait, sweep
 from ..runtime.comm import first_ranks
-from .platform import Curves, Link, Platform
+from .platform import Curves, Platform
 
 SIZES = (8, 256, 8 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)
 

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from ..model_parallel.splits import balanced_split
 from .describe import ModelInfo
 from .platform import Platform
-from .strategies import Prediction, _split, channel_parallel, data, filter_parallel, layer_seconds, pipeline, spatial
+from .strategies import (
+    Prediction,
+    channel_parallel,
+    data,
+    filter_parallel,
+    layer_seconds,
+    pipeline,
+    spatial,
+    split_layers,
+)
 
 GIB = 2**30
 
@@ -57,7 +66,7 @@ def _slab_problem(model: ModelInfo, s: int) -> str | None:
 
 
 def _channel_problem(model: ModelInfo, f: int) -> str | None:
-    if f > 1 and not any(_split(model, f)):
+    if f > 1 and not any(split_layers(model, f)):
         return f"no convolution or linear layer has {f} channels to split"
     narrow = [layer for layer in model.layers if layer.kind in ("Conv2d", "Linear") and layer.output_shape[0] < f]
     if narrow:

@@ -2,10 +2,10 @@
 
 Communication is empirical first: measured time curves of each collective over message
 size, per rank count, interpolated log-log in the size (`Curves`). Where no curve was
-measured (another rank count, a size far outside), the alpha-beta model of the link
-prices the bandwidth-optimal algorithms MPI libraries use for large messages
-(recursive halving and doubling; Thakur, Rabenseifner & Gropp, IJHPCA 2005), with
-L = ceil(log2 P) steps:
+measured (another rank count, a size far outside), the one cost model of links and
+collectives (`ddlab.allreduce.cost.collective_seconds`) prices the bandwidth-optimal
+algorithms MPI libraries use for large messages over the link (recursive halving and
+doubling; Thakur, Rabenseifner & Gropp, IJHPCA 2005), with L = ceil(log2 P) steps:
 
     allreduce       2 L alpha + 2 (P-1)/P n beta
     allgather       L alpha + (P-1)/P n beta       (n: bytes of the whole result)
@@ -29,33 +29,14 @@ compute (slicing, padding, copies, small extra kernels): 0 where not measured.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..allreduce.cost import Link, collective_seconds
+
+#: The collectives the oracle measures and prices (`ddlab.allreduce.cost.COLLECTIVES` has their formulas).
 OPS = ("allreduce", "allgather", "reduce_scatter", "p2p")
-
-
-@dataclass(frozen=True)
-class Link:
-    """Hockney's model of one link: seconds per message (alpha) and per byte (beta)."""
-
-    alpha: float
-    beta: float
-
-
-def alpha_beta_seconds(op: str, nbytes: float, ranks: int, link: Link) -> float:
-    """The alpha-beta time of op on `ranks` ranks (see the module docstring); 0 on one rank."""
-    if op not in OPS:
-        raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(OPS)}")
-    if op == "p2p":
-        return link.alpha + nbytes * link.beta
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    times = 2 if op == "allreduce" else 1
-    steps = math.ceil(math.log2(ranks))
-    return times * (steps * link.alpha + (ranks - 1) / ranks * nbytes * link.beta)
 
 
 @dataclass
@@ -112,10 +93,14 @@ class Platform:
         measured = self.curves.seconds(op, nbytes, ranks) if stride == 1 else None
         if measured is not None:
             return measured
+        if op not in OPS:
+            raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(OPS)}")
+        if op != "p2p" and nbytes <= 0:
+            return 0.0
         link = self.link(ranks * stride)
         if sharing > 1 and ranks * stride > self.devices_per_node:
-            link = Link(link.alpha, link.beta * sharing)
-        return alpha_beta_seconds(op, nbytes, ranks, link)
+            link = replace(link, beta=link.beta * sharing)
+        return float(collective_seconds(op, ranks, nbytes, link))
 
     def slowdown(self, busy: float) -> float:
         """Compute slowdown with `busy` devices of a node computing at once (fractions interpolate)."""

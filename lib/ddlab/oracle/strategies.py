@@ -214,7 +214,7 @@ def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_
 
 
 # Filter and channel parallelism -----------------------------------------------------------
-def _split(model: ModelInfo, ways: int) -> list[bool]:
+def split_layers(model: ModelInfo, ways: int) -> list[bool]:
     """Layers whose weights are split: convolutions and linear layers with at least `ways` channels to split."""
     out = []
     for layer in model.layers:
@@ -225,13 +225,13 @@ def _split(model: ModelInfo, ways: int) -> list[bool]:
 
 def channel_exchanges(model: ModelInfo, f: int) -> int:
     """Collectives a filter- or channel-parallel step calls: one forward and one backward per split layer."""
-    return 2 * sum(_split(model, f)) if f > 1 else 0
+    return 2 * sum(split_layers(model, f)) if f > 1 else 0
 
 
 def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform: Platform,
                       optimizer_copies: int, data_ways: int) -> Prediction:
     samples = batch / data_ways
-    split = _split(model, f)
+    split = split_layers(model, f)
     share = [1 / f if cut else 1.0 for cut in split]
     p = f * data_ways
     work = sum(layer_seconds(layer, platform) * s for layer, s in zip(model.layers, share))

@@ -329,7 +329,7 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
     over `LocalComm`) and its two collectives' curves at the sizes the run sends.
     """
     from ..intra_layer import FilterUNet
-    from .strategies import _split, channel_exchanges, filter_parallel
+    from .strategies import channel_exchanges, filter_parallel, split_layers
 
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
@@ -337,7 +337,7 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
                               platform, rounds=rounds)
     first = filter_parallel(info, batch, p, platform)
     local = FilterUNet(unet, LocalComm(comm.Get_rank(), p))
-    split = [layer for layer, cut in zip(info.layers, _split(info, p)) if cut]
+    split = [layer for layer, cut in zip(info.layers, split_layers(info, p)) if cut]
     outputs, inputs = [layer.output_bytes * batch for layer in split], [layer.input_bytes * batch for layer in split]
     platform = _implementation(comm, platform, "filter", _stubbed_step(local, images, masks), first,
                                channel_exchanges(info, p), batch,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..allreduce.cost import Machine, predict
+from ..allreduce.cost import Link, Terms, predict
 from ..runtime.comm import first_ranks
 from .problem import LeastSquares
 from .run import Allreduce, train
@@ -25,14 +25,17 @@ from .run import Allreduce, train
 GAMMA = 8  # bytes per parameter: float64
 
 
-def server_seconds(workers: int, servers: int, n: int, machine: Machine) -> float:
-    """T = 2 P gamma m G / s + 2 L: one synchronous step through s server shards of n parameters."""
-    return 2 * workers * GAMMA * n * machine.beta / servers + 2 * machine.alpha
+def server_seconds(workers: int, servers: int, n: int, link: Link) -> float:
+    """T = 2 P gamma m G / s + 2 L: one synchronous step through s server shards of n parameters.
+
+    The critical path is one server shard's link: 2 messages' latency (push, then pull), and
+    2 P gamma m / s bytes through it."""
+    return float(Terms(2.0, 2 * workers * GAMMA * n / servers, 0.0).seconds(link))
 
 
-def allreduce_seconds(workers: int, n: int, machine: Machine) -> float:
+def allreduce_seconds(workers: int, n: int, link: Link) -> float:
     """The ring allreduce of n parameters over P workers (lab 03's model, with its gamma term for the adds)."""
-    return float(predict("ring", workers, GAMMA * n, machine))
+    return float(predict("ring", workers, GAMMA * n, link))
 
 
 def seconds_per_step(comm: MPI.Comm, mode: str, workers: int, n: int, *, servers: int = 1, steps: int = 5,
@@ -56,7 +59,7 @@ def seconds_per_step(comm: MPI.Comm, mode: str, workers: int, n: int, *, servers
     return float(comm.allreduce(seconds, op=MPI.MAX))
 
 
-def predicted(workers: list[int], n: int, machine: Machine, servers: int = 1) -> dict[str, np.ndarray]:
+def predicted(workers: list[int], n: int, link: Link, servers: int = 1) -> dict[str, np.ndarray]:
     """Both models' seconds per step for each P in workers: {"server": ..., "ring allreduce": ...}."""
-    return {"server": np.array([server_seconds(p, servers, n, machine) for p in workers]),
-            "ring allreduce": np.array([allreduce_seconds(p, n, machine) for p in workers])}
+    return {"server": np.array([server_seconds(p, servers, n, link) for p in workers]),
+            "ring allreduce": np.array([allreduce_seconds(p, n, link) for p in workers])}

@@ -1,4 +1,4 @@
-"""Labs 04-07: one Gantt chart of what each rank does when (training phases, pipeline ops), and the bubble."""
+"""The Gantt chart of spans per rank (labs 04-07): what each rank did when."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import cast
 
 import matplotlib.pyplot as plt
-import numpy as np
 
 from ..runtime.trace import MAIN, Span
 
@@ -61,25 +60,5 @@ def gantt_pair(top: Sequence[Sequence[Span]], bottom: Sequence[Sequence[Span]], 
     fig, axes = plt.subplots(2, 1, figsize=(10, 1.1 * len(top) + 2.6))
     gantt(top, titles[0], ax=axes[0])
     gantt(bottom, titles[1], ax=axes[1])
-    fig.tight_layout()
-    return fig
-
-
-def bubble_vs_theory(micro_batches: Sequence[int], measured: dict[str, Sequence[float]], stages: int) -> plt.Figure:
-    """Measured bubble fraction against micro-batches, with the theory (K-1)/(M+K-1)."""
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    m = np.asarray(micro_batches, dtype=float)
-    fine = np.linspace(m.min(), m.max(), 200)
-    ax.plot(fine, (stages - 1) / (fine + stages - 1), "k--", lw=1, label=f"(K-1)/(M+K-1), K={stages}")
-    for label, values in measured.items():
-        ax.plot(m, values, "o-", ms=5, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(m, [str(int(v)) for v in m])
-    ax.minorticks_off()
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("micro-batches per step, M")
-    ax.set_ylabel("bubble (idle share)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -123,7 +123,7 @@ def mpi4py_library() -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _library_name(version: str) -> str:
+def library_name(version: str) -> str:
     """'Open MPI v5.0.11' or 'MPICH Version: 5.0.2' from an MPI library's long version text."""
     first = version.strip("\0 \n").splitlines()[0]
     return " ".join(first.split(",")[0].split())
@@ -157,7 +157,7 @@ def check_mpi_library() -> list[Finding]:
         found.append(Finding("mpi4py", FAIL, f"cannot load mpi4py's MPI library: {err}",
                              f"{REPO_HINT} (it installs mpi4py together with the MPI wheel)."))
         return found
-    library = _library_name(lib["library"])
+    library = library_name(lib["library"])
     found.append(Finding("MPI library", OK, f"{library} ({lib['libmpi']})"))
     found.append(Finding("mpi4py", OK, f"{lib['version']}, running its {Path(lib['module']).name} build"))
     if _implementation_of(library) != impl:
@@ -270,11 +270,11 @@ def _probe() -> dict:
 
     from mpi4py import MPI
 
-    from ddlab.tools.doctor import _library_name  # shipped by value: import what it uses
+    from ddlab.tools.doctor import library_name  # shipped by value: import what it uses
 
     comm = MPI.COMM_WORLD
     return {"rank": comm.rank, "size": comm.size, "host": socket.gethostname(),
-            "library": _library_name(MPI.Get_library_version())}
+            "library": library_name(MPI.Get_library_version())}
 
 
 def _allreduce(nbytes: int, repetitions: int) -> tuple[bool, float]:

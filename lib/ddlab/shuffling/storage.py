@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from ..data.curves import StressStrainCurves
 from ..runtime.blocks import block_range
-from .curves import StressStrainCurves
 
 FILES = ("x", "y", "ids")
 

@@ -7,7 +7,7 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ..plots._helpers import finish_panels
+from ..plots.helpers import finish_panels
 
 
 def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:

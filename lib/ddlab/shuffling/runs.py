@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..data.curves import StressStrainCurves
+from ..data.sharding import epoch_permutation
 from ..data_parallel import average_gradients, broadcast_parameters, evaluate, squared_error
 from ..models.mlp import make_mlp
 from ..runtime.blocks import block_range
-from .curves import StressStrainCurves
-from .sharding import epoch_permutation
-from .shuffling import Shuffler
+from .shuffler import Shuffler
 from .storage import stage
 
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from ..data.sharding import epoch_permutation
 from ..runtime.blocks import block_bounds, block_range
-from .sharding import epoch_permutation
 from .storage import SampleFiles
 
 STRATEGIES = ("global", "local", "partial")

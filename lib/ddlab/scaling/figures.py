@@ -1,4 +1,4 @@
-"""Labs 04-05: the data set, scaling curves, time breakdowns, batch size and learning curves, fusion costs."""
+"""Lab 05's figures: scaling curves, time breakdowns, batch size and learning curves, fusion costs."""
 
 from __future__ import annotations
 
@@ -8,29 +8,8 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ._helpers import _byte_label, finish_panels
-from .timelines import COLOURS
-
-
-def stress_strain_curves(data: Any, indices: Sequence[int]) -> plt.Figure:
-    """Tensile tests of a ddlab.data.StressStrainCurves set; x marks fracture, legend the targets."""
-    strain, stress, flag = data.curves(indices)
-    params = data.parameters(indices)
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    for i in range(len(strain)):
-        intact = flag[i] == 1
-        line, = ax.plot(strain[i][intact] * 100, stress[i][intact], lw=1.2,
-                        label=f"yield {params['yield'][i]:.0f} MPa, n = {params['exponent'][i]:.2f}")
-        if not intact.all():
-            last = np.flatnonzero(intact)[-1]
-            ax.plot(strain[i][last] * 100, stress[i][last], "x", color=line.get_color(), ms=7)
-    ax.set_xlabel("strain (%)")
-    ax.set_ylabel("stress (MPa)")
-    ax.set_title("Synthetic tensile tests (x: fracture; stress and flag are 0 after it)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    return fig
+from ..plots.helpers import byte_label, finish_panels
+from ..plots.timelines import COLOURS
 
 
 def scaling_curves(ranks: Sequence[int], strong: Sequence[float], weak: Sequence[float] | None = None,
@@ -122,7 +101,7 @@ def fusion_costs(pieces: Sequence[int], measured: Sequence[float], alpha: float,
     ax.set_xscale("log", base=2)
     ax.set_xticks(k, [str(int(v)) for v in k])
     ax.minorticks_off()
-    ax.set_xlabel(f"allreduces k for the same {_byte_label(nbytes)}")
+    ax.set_xlabel(f"allreduces k for the same {byte_label(nbytes)}")
     ax.set_ylabel("time relative to one fused allreduce")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -10,16 +10,16 @@ import numpy as np
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 
-def _box(ax: plt.Axes, x: float, y: float, w: float, h: float, text: str, color: str) -> None:
+def box(ax: plt.Axes, x: float, y: float, w: float, h: float, text: str, color: str) -> None:
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=color, ec="black"))
     ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=9)
 
 
-def _arrow(ax: plt.Axes, start: tuple[float, float], end: tuple[float, float], **style: Any) -> None:
+def arrow(ax: plt.Axes, start: tuple[float, float], end: tuple[float, float], **style: Any) -> None:
     ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=10, **style))
 
 
-def _byte_label(n: float) -> str:
+def byte_label(n: float) -> str:
     """8 B, 64 KiB, 16 MiB: a power-of-two byte count for an axis tick."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -27,10 +27,10 @@ def _byte_label(n: float) -> str:
     return f"{n:g} B"
 
 
-def _size_axis(ax: plt.Axes, sizes: Sequence[float] | np.ndarray, label: str, every: int = 3, legend_size: int = 8) -> None:
+def size_axis(ax: plt.Axes, sizes: Sequence[float] | np.ndarray, label: str, every: int = 3, legend_size: int = 8) -> None:
     """A log x-axis of byte sizes: power-of-two ticks named in B/KiB/MiB, a grid, the legend."""
     ticks = [2**k for k in range(0, 40, every) if min(sizes) <= 2**k <= max(sizes)]
-    ax.set_xticks(ticks, [_byte_label(k) for k in ticks], fontsize=8)
+    ax.set_xticks(ticks, [byte_label(k) for k in ticks], fontsize=8)
     ax.minorticks_off()
     ax.set_xlabel(label)
     ax.grid(True, which="major", alpha=0.3)
@@ -48,5 +48,5 @@ def finish_panels(fig: plt.Figure, axes: Sequence[plt.Axes], xlabel: str, title:
     return fig
 
 
-def _rank_colour(rank: int) -> tuple[float, float, float, float]:
+def rank_colour(rank: int) -> tuple[float, float, float, float]:
     return plt.get_cmap("tab10")(rank % 10)
