@@ -12,7 +12,7 @@ from torch import nn
 from ddlab.allreduce.cost import Link, collective_seconds
 from ddlab.oracle import Curves, Platform, describe, filter_parallel, spatial
 from ddlab.oracle.implementation import LocalComm, LocalHalo
-from ddlab.oracle.strategies import channel_exchanges, halo_layers, halo_rows_lab08, pipeline, sync_share
+from ddlab.oracle.strategies import channel_exchanges, halo_layers, halo_rows_padded, pipeline, sync_share
 
 NET = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
 INFO = describe(NET, (2, 8, 8))
@@ -46,8 +46,8 @@ def test_filter_overhead_and_curves_by_hand():
     assert pred.communication == pytest.approx(2 * 3e-3 + 2 * 5e-3)
 
 
-def test_lab08_keeps_thin_halo_strips():
-    assert halo_rows_lab08(1, 2) == 2 and halo_rows_lab08(1, 1) == 2 and halo_rows_lab08(2, 2) == 6
+def test_spatial_conv2d_keeps_thin_halo_strips():
+    assert halo_rows_padded(1, 2) == 2 and halo_rows_padded(1, 1) == 2 and halo_rows_padded(2, 2) == 6
 
 
 def test_profiled_seconds_scale_together():

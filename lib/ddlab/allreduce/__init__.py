@@ -7,6 +7,7 @@ from .algorithms import (
     ALGORITHMS,
     RING_TAG,
     TAG,
+    Allreduce,
     agree_on_input,
     allgather_ring,
     allreduce_mpi,

@@ -25,7 +25,7 @@ garbage. It costs one latency; MPI_Allreduce trusts its caller instead.
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -33,6 +33,10 @@ from mpi4py import MPI
 from ..runtime.blocks import block_bounds
 from ..runtime.comm import Comm
 from ..runtime.counting import underlying
+
+#: An allreduce as every lab plugs one in: (comm, x) -> a new array of the sums over ranks, x left alone.
+#: The communicator is any `Comm`: an mpi4py one, or a CountingComm that counts what the allreduce sends.
+Allreduce = Callable[[Comm, np.ndarray], np.ndarray]
 
 #: The tag of every message these algorithms send.
 TAG = 30
@@ -292,7 +296,7 @@ def allreduce_rabenseifner(comm: Comm, x: np.ndarray) -> np.ndarray:
     return work
 
 
-def allreduce_mpi(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
+def allreduce_mpi(comm: Comm, x: np.ndarray) -> np.ndarray:
     """The MPI library's own Allreduce (sum) into a new array, with the signature above."""
     out = np.empty_like(x)
     comm.Allreduce(x, out, op=MPI.SUM)

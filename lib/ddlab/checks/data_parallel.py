@@ -15,9 +15,11 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..allreduce import Allreduce
 from ..data.curves import StressStrainCurves
 from ..data_parallel import DataParallel, plan_buckets, squared_error, train
 from ..models.mlp import make_mlp
+from ..runtime.comm import Comm
 from ._core import each_size, fail_together, is_number, passed, run_counted
 from .allreduce import DTYPES, value_problem
 from .errors import CheckFailed
@@ -164,9 +166,9 @@ def check_broadcast_parameters(fn: Callable[..., None], timeout: float = TIMEOUT
 
 # Exercise 4.3 ---------------------------------------------------------------------
 
-def _counting(log: list[int]) -> Callable[[MPI.Comm, np.ndarray], np.ndarray]:
+def _counting(log: list[int]) -> Allreduce:
     """The MPI library's allreduce, noting the length of each call in `log`."""
-    def allreduce(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
+    def allreduce(comm: Comm, x: np.ndarray) -> np.ndarray:
         log.append(int(np.asarray(x).size))
         out = np.empty_like(x)
         comm.Allreduce(x, out, op=MPI.SUM)
@@ -428,7 +430,7 @@ def _allreduce_value_problem(comm: MPI.Comm, allreduce: Callable, dtype: type) -
     return value_problem(total, x, before, want, rank)
 
 
-def check_trains_with_allreduce(allreduce: Callable[[MPI.Comm, np.ndarray], np.ndarray]) -> None:
+def check_trains_with_allreduce(allreduce: Allreduce) -> None:
     """On 3 ranks and on all: lab 03's contract (every dtype, a new array), and DataParallel with this
     allreduce (3 buckets) ends where it ends with MPI's Allreduce."""
     world = MPI.COMM_WORLD

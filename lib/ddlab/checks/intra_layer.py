@@ -23,6 +23,7 @@ from ..intra_layer import SpatialUNet, filter_slice, padded_conv2d, spatial_step
 from ..intra_layer.fit import COLLECTIVES
 from ..models.unet import UNet
 from ..runtime.blocks import block_range
+from ..runtime.comm import Comm
 from ._core import count, each_size, passed, run_counted
 
 TOL = 1e-10
@@ -67,7 +68,7 @@ class _Shaped:
     def __init__(self, fn: Any):
         self.fn = fn
 
-    def apply(self, x: torch.Tensor, comm: Any, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, x: torch.Tensor, comm: Comm, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
         got = self.fn.apply(x, comm, halo)
         want = (x.shape[0], x.shape[1], halo, x.shape[3])
         if not isinstance(got, tuple) or len(got) != 2:

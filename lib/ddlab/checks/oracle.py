@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Callable
+from typing import Callable
 
 from mpi4py import MPI
 
@@ -65,7 +65,7 @@ def _problem(name: str, fn: Callable, case: tuple) -> str | None:
     return None
 
 
-def _check(name: str, fn: Callable, comm: Any) -> None:
+def _check(name: str, fn: Callable, comm: MPI.Comm | None) -> None:
     comm = comm or MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
@@ -79,21 +79,21 @@ def _check(name: str, fn: Callable, comm: Any) -> None:
     passed(comm, f"{name} agrees with the reference on {len(_cases(name))} generated cases (1 to 9 ranks)")
 
 
-def check_data_parallel_time(fn: Callable, comm: Any = None) -> None:
+def check_data_parallel_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(compute, gradient_bytes, p, alpha, beta) -> {"compute", "communication"} (Exercise 9.1)."""
     _check("data_parallel_time", fn, comm)
 
 
-def check_data_parallel_memory(fn: Callable, comm: Any = None) -> None:
+def check_data_parallel_memory(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(parameter_bytes, activation_bytes, p, optimizer_copies) -> the four parts (Exercise 9.2)."""
     _check("data_parallel_memory", fn, comm)
 
 
-def check_spatial_time(fn: Callable, comm: Any = None) -> None:
+def check_spatial_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(compute, halo_bytes, gradient_bytes, p, alpha, beta) -> {"compute", "communication"} (Exercise 9.3)."""
     _check("spatial_time", fn, comm)
 
 
-def check_spatial_memory(fn: Callable, comm: Any = None) -> None:
+def check_spatial_memory(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(parameter_bytes, activation_bytes, halo_bytes, p, rank, optimizer_copies) -> five parts (Exercise 9.4)."""
     _check("spatial_memory", fn, comm)

@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import p2p
+from ..runtime.comm import Comm
 from ..runtime.counting import Event, Traffic
 from ._core import CheckFailed, array_problem, count, each_size, passed, run_counted
 
@@ -203,7 +204,7 @@ def _seconds_problem(rank: int, result: Any) -> str | None:
 
 def _timed(sub: MPI.Comm, fn: Callable, buf: np.ndarray, repeats: int, timeout: float) -> tuple[Any, float]:
     """fn(counting communicator, buf, repeats) under the check's timeout, and the seconds the call took."""
-    def timed_call(comm: Any, buf: np.ndarray, repeats: int) -> tuple[Any, float]:
+    def timed_call(comm: Comm, buf: np.ndarray, repeats: int) -> tuple[Any, float]:
         start = time.perf_counter()
         result = fn(comm, buf, repeats)
         return result, time.perf_counter() - start

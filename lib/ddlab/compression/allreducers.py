@@ -19,12 +19,11 @@ average, (P-1) times a message for the gathers, 2(P-1)/P n items for the dense r
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..allreduce import allreduce_ring
 from ..allreduce.cost import terms
+from ..runtime.comm import Comm
 from .compressors import (
     ErrorFeedback,
     densify,
@@ -41,7 +40,7 @@ from .sparse import allgather_bytes_per_rank, sparse_allreduce
 METHODS = ("dense", "topk", "randomk", "qsgd8", "sign")
 
 
-def _gather_dense(comm: Any, payload: np.ndarray) -> list[np.ndarray]:
+def _gather_dense(comm: Comm, payload: np.ndarray) -> list[np.ndarray]:
     """Every rank's byte payload (all of one length), through one Allgather."""
     table = np.empty((comm.Get_size(), payload.size), dtype=np.uint8)
     comm.Allgather(payload, table)
@@ -63,7 +62,7 @@ class CompressedAllreduce:
     def __repr__(self) -> str:
         return f"CompressedAllreduce({self.method!r}, density={self.density}, feedback={self.feedback})"
 
-    def __call__(self, comm: Any, x: np.ndarray) -> np.ndarray:
+    def __call__(self, comm: Comm, x: np.ndarray) -> np.ndarray:
         size = comm.Get_size()
         self.calls += 1
         if self.method == "dense":
@@ -76,7 +75,7 @@ class CompressedAllreduce:
             memory.keep(fed, sent)
         return total
 
-    def _exchange(self, comm: Any, fed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _exchange(self, comm: Comm, fed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sum over ranks of what they sent, what this rank sent), both dense."""
         size, rng = comm.Get_size(), np.random.default_rng([self.seed, comm.Get_rank(), self.calls])
         if self.method in ("topk", "randomk"):

@@ -47,7 +47,7 @@ def held_blocks(local_rank: int, members: int, group_size: int) -> range:
     return range(mine[0], mine[-1] + 1)
 
 
-def hierarchical_allreduce(comm: Any, x: np.ndarray, group_size: int) -> np.ndarray:
+def hierarchical_allreduce(comm: MPI.Comm, x: np.ndarray, group_size: int) -> np.ndarray:
     """Two-level allreduce: ring reduce-scatter in each group, ring allreduce per block across, ring allgather."""
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")

@@ -16,17 +16,16 @@ Allgather of an int per rank), then one Allgatherv of the indices and one of the
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..allreduce.cost import Link, Terms, collective_terms, terms
+from ..runtime.comm import Comm
 from .compressors import INDEX
 
 
-def sparse_allreduce(comm: Any, indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+def sparse_allreduce(comm: Comm, indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """Sum over ranks of the sparse vectors (indices, values) of length n, as a dense array."""
     if indices.shape != values.shape or indices.ndim != 1:
         raise ValueError(f"indices and values must be 1-D of one length, got {indices.shape} and {values.shape}")

@@ -10,14 +10,16 @@ student wrote can train a network.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 from torch import nn
 
-Allreduce = Callable[[MPI.Comm, np.ndarray], np.ndarray]
+from ..allreduce import ALGORITHMS, Allreduce, allreduce_mpi
+from ..runtime.comm import Comm
+
 #: What callers may pass as an allreduce: None or "mpi" (the MPI library's),
 #: a name of lab 03's algorithms ("ring", "tree", ...), or a function.
 AllreduceChoice = None | str | Allreduce
@@ -25,12 +27,10 @@ AllreduceChoice = None | str | Allreduce
 
 def resolve_allreduce(choice: AllreduceChoice) -> Allreduce:
     """The allreduce function for `choice` (lab 03's versions are looked up by name)."""
-    from .. import allreduce as lab03  # the reference versions of lab 03
-
     if choice is None or choice == "mpi":
-        return lab03.allreduce_mpi
+        return allreduce_mpi
     if isinstance(choice, str):
-        algorithms = getattr(lab03, "ALGORITHMS", {})
+        algorithms: dict[str, Allreduce] = dict(ALGORITHMS)
         if choice not in algorithms:
             raise ValueError(f"no allreduce called {choice!r}: use 'mpi', one of {sorted(algorithms)}, "
                              "or pass a function f(comm, x) -> new array")
@@ -69,7 +69,7 @@ def _scatter_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += tensor.numel()
 
 
-def average_gradients(module: nn.Module, comm: MPI.Comm, allreduce: AllreduceChoice = None) -> None:
+def average_gradients(module: nn.Module, comm: Comm, allreduce: AllreduceChoice = None) -> None:
     """Replace each gradient by its mean over ranks: all gradients flattened, one allreduce per dtype.
 
     A parameter without a gradient on this rank counts as a zero gradient (and gets one).

@@ -33,16 +33,17 @@ from mpi4py import MPI
 from torch.nn.grad import conv2d_input, conv2d_weight
 
 from ..runtime.blocks import block_range
+from ..runtime.comm import Comm
 
 
-def allreduce_sum(comm: Any, t: torch.Tensor) -> torch.Tensor:
+def allreduce_sum(comm: Comm, t: torch.Tensor) -> torch.Tensor:
     """A new tensor: t summed over comm's ranks."""
     out = np.empty(t.shape, dtype=torch.empty((), dtype=t.dtype).numpy().dtype)
     comm.Allreduce(t.detach().contiguous().numpy(), out, op=MPI.SUM)
     return torch.from_numpy(out)
 
 
-def allgather_channels(comm: Any, y: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+def allgather_channels(comm: Comm, y: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """Every rank's channels of y (N, C_r, H, W), in rank order (N, sum C_r, H, W); and the C_r."""
     counts = [int(c) for c in _allgather_ints(comm, y.shape[1])]
     per_channel = y.shape[0] * y.shape[2] * y.shape[3]
@@ -52,7 +53,7 @@ def allgather_channels(comm: Any, y: torch.Tensor) -> tuple[torch.Tensor, list[i
     return whole.transpose(0, 1), counts
 
 
-def _allgather_ints(comm: Any, value: int) -> np.ndarray:
+def _allgather_ints(comm: Comm, value: int) -> np.ndarray:
     out = np.empty(comm.Get_size(), dtype=np.int64)
     comm.Allgather(np.array([value], dtype=np.int64), out)
     return out
@@ -62,7 +63,7 @@ class FilterParallelConv(torch.autograd.Function):
     """Forward: my output channels, allgathered. Backward: my weights' gradient; x's gradient summed."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Any,
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
                 padding: int) -> torch.Tensor:
         whole, counts = allgather_channels(comm, F.conv2d(x, weight, bias, padding=padding))
         ctx.save_for_backward(x, weight)
@@ -84,7 +85,7 @@ class ChannelParallelConv(torch.autograd.Function):
     """Forward: my input channels' partial output, summed over ranks, plus bias. Backward: no messages."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Any,
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
                 padding: int) -> torch.Tensor:
         out = allreduce_sum(comm, F.conv2d(x, weight, padding=padding))
         ctx.save_for_backward(x, weight)
@@ -100,14 +101,14 @@ class ChannelParallelConv(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
-def filter_slice(conv: torch.nn.Conv2d, comm: Any) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
+def filter_slice(conv: torch.nn.Conv2d, comm: Comm) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
     """This rank's output channels of conv: copies of its weight rows and bias entries, as parameters."""
     rows = block_range(conv.out_channels, comm.Get_rank(), comm.Get_size())
     bias = None if conv.bias is None else torch.nn.Parameter(conv.bias.detach()[rows.start:rows.stop].clone())
     return torch.nn.Parameter(conv.weight.detach()[rows.start:rows.stop].clone()), bias
 
 
-def channel_slice(conv: torch.nn.Conv2d, comm: Any) -> tuple[torch.nn.Parameter, slice]:
+def channel_slice(conv: torch.nn.Conv2d, comm: Comm) -> tuple[torch.nn.Parameter, slice]:
     """This rank's input channels of conv: a copy of its weight columns, and which input channels they are."""
     cols = block_range(conv.in_channels, comm.Get_rank(), comm.Get_size())
     return torch.nn.Parameter(conv.weight.detach()[:, cols.start:cols.stop].clone()), slice(cols.start, cols.stop)

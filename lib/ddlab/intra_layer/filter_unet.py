@@ -10,19 +10,19 @@ the activations stay whole on every rank.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..models.unet import Conv, Layer, Skips, UNet
+from ..runtime.comm import Comm
 from .channels import FilterParallelConv, filter_slice
 
 
 class FilterConv(Layer):
     """A `Conv` layer (3x3 convolution and ReLU) holding this rank's output channels only."""
 
-    def __init__(self, conv: nn.Conv2d, comm: Any):
+    def __init__(self, conv: nn.Conv2d, comm: Comm):
         super().__init__()
         self.weight, self.bias = filter_slice(conv, comm)
         self.comm, self.padding = comm, conv.padding
@@ -34,7 +34,7 @@ class FilterConv(Layer):
 class FilterUNet(nn.Module):
     """`model` with its Conv layers filter parallel over comm's ranks (a collective to build: none)."""
 
-    def __init__(self, model: UNet, comm: Any):
+    def __init__(self, model: UNet, comm: Comm):
         super().__init__()
         self.layers = nn.ModuleList(
             FilterConv(layer.conv, comm) if isinstance(layer, Conv) else copy.deepcopy(layer) for layer in model.layers

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm
 
 TIMEOUT = 60.0
 FORWARD_TAGS, BACKWARD_TAGS = (81, 82), (83, 84)  # (going up, going down)
 
 
-def wait_all(comm: Any, requests: list[MPI.Request], what: str, timeout: float = TIMEOUT) -> None:
+def wait_all(comm: Comm, requests: list[MPI.Request], what: str, timeout: float = TIMEOUT) -> None:
     """Wait for requests, giving up after timeout seconds (or when a CountingComm hears of a failure)."""
     if isinstance(comm, CountingComm):
         comm.wait(requests, what)
@@ -43,7 +44,7 @@ def wait_all(comm: Any, requests: list[MPI.Request], what: str, timeout: float =
             time.sleep(1e-4)
 
 
-def exchange_rows(comm: Any, to_above: torch.Tensor, to_below: torch.Tensor,
+def exchange_rows(comm: Comm, to_above: torch.Tensor, to_below: torch.Tensor,
                   tags: tuple[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Send to_above to rank-1 and to_below to rank+1 (where they exist); return what they sent back.
 
@@ -71,7 +72,7 @@ class HaloExchange(torch.autograd.Function):
     """Forward: the neighbours' boundary rows (above, below). Backward: their gradients go home."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Any, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 1 <= halo <= x.shape[2]:
             raise ValueError(f"a halo of {halo} rows needs 1 <= halo <= the slab's {x.shape[2]} rows")
         ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]

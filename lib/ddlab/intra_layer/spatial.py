@@ -27,6 +27,7 @@ from torch import nn
 
 from ..data_parallel import average_gradients
 from ..models.unet import Conv, UNet
+from ..runtime.comm import Comm
 from ..runtime.counting import underlying
 from .halo import HaloExchange
 from .slabs import slab_bounds
@@ -42,7 +43,7 @@ def conv_halo(conv: nn.Conv2d) -> int:
     return kh // 2
 
 
-def spatial_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: Any = HaloExchange) -> torch.Tensor:
+def spatial_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Comm, exchange: Any = HaloExchange) -> torch.Tensor:
     """conv applied to this rank's slab x (N, C, h, W) of an image split by rows over comm's ranks.
 
     Returns this rank's rows of conv's output. Two messages per neighbour (forward, backward).
@@ -60,7 +61,7 @@ def spatial_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: Any = 
     return out + F.pad(top, (0, 0, 0, rest)) + F.pad(bottom, (0, 0, rest, 0))
 
 
-def padded_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Any, exchange: Any = HaloExchange) -> torch.Tensor:
+def padded_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Comm, exchange: Any = HaloExchange) -> torch.Tensor:
     """The simplest spatial convolution: over cat([above, x, below]) (the copy autograd keeps too)."""
     p, pw = conv_halo(conv), int(conv.padding[1])
     if p == 0:
@@ -75,7 +76,7 @@ class SpatialUNet(nn.Module):
     The bounds are `slab_bounds(height, size, model.depth)` unless given.
     """
 
-    def __init__(self, model: UNet, comm: Any, height: int, exchange: Any = HaloExchange,
+    def __init__(self, model: UNet, comm: Comm, height: int, exchange: Any = HaloExchange,
                  bounds: list[int] | None = None):
         super().__init__()
         self.model, self.comm, self.exchange = copy.deepcopy(model), comm, exchange
@@ -106,7 +107,7 @@ def slab_loss(net: SpatialUNet, images: torch.Tensor, masks: torch.Tensor) -> to
 
 
 def spatial_step(net: SpatialUNet, images: torch.Tensor, masks: torch.Tensor,
-                 optimizer: torch.optim.Optimizer | None = None, data_comm: Any = None) -> float:
+                 optimizer: torch.optim.Optimizer | None = None, data_comm: Comm | None = None) -> float:
     """One step on the slabs of this batch: forward, backward, gradients summed over slabs (and averaged
     over `data_comm`, the ranks holding other samples, if any). Returns the batch's mean loss on every rank.
 

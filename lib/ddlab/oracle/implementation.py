@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..runtime.comm import Comm
 from .measure import exchange_curve
 
 Step = Callable[[], object]
@@ -58,7 +59,7 @@ class LocalHalo(torch.autograd.Function):
     """`HaloExchange` without messages: zero halos forward, the halo's gradient added locally backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Any, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.halo, ctx.rows = halo, x.shape[2]
         zeros = x.new_zeros(x.shape[0], x.shape[1], halo, x.shape[3])
         return zeros, zeros.clone()

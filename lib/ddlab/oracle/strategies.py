@@ -159,8 +159,8 @@ def halo_rows_minimal(halo: int, sides: int) -> int:
     return halo * sides
 
 
-def halo_rows_lab08(halo: int, sides: int) -> int:
-    """lab 08's spatial_conv2d keeps two thin strips of 2 (k // 2) - 1 rows (the halo padded), at edges too."""
+def halo_rows_padded(halo: int, sides: int) -> int:
+    """What lab 08's spatial_conv2d keeps: two thin strips of 2 (k // 2) - 1 rows (the halo padded), at edges too."""
     return 2 * (2 * halo - 1)
 
 

@@ -17,13 +17,14 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from mpi4py import MPI
 from torch import nn
 
 from ..model_parallel import Crossings, polite_barrier
+from ..runtime.comm import Comm
 from ..runtime.memory import Ledger
 from .describe import ModelInfo, describe, profile_seconds
 from .implementation import LocalComm, LocalHalo, filter_curves, halo_curve, overhead_per_exchange
@@ -126,7 +127,7 @@ def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, C
         platform, contention=contention, sync=sync)
 
 
-def timed_steps(comm: Any, step: Callable[[], object], steps: int) -> float:
+def timed_steps(comm: MPI.Comm, step: Callable[[], object], steps: int) -> float:
     """Median wall seconds of a step, from a common start to the last rank's end, after one warm-up."""
     raw = comm
     times = []
@@ -233,7 +234,8 @@ def _unet_setup(batch: int, side: int, width: int, depth: int) -> tuple[Any, tor
     return UNet(width=width, depth=depth), images, masks
 
 
-def _lab08_report(ledger: Ledger) -> dict[str, int]:
+def _ledger_report(ledger: Ledger) -> dict[str, int]:
+    """The ledger's report with buffers 0: what an implementation keeps for its exchanges is among its activations."""
     return {**ledger.report(), "buffers": 0}
 
 
@@ -269,13 +271,13 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     """lab 08's SpatialUNet: slabs of rows over P / D ranks, D groups of samples (D > 1: data x spatial).
 
     The ledger's activations include the halo strips lab 08's convolution keeps (the
-    prediction's buffers, `halo_rows_lab08`), so measured buffers are 0 and the
+    prediction's buffers, `halo_rows_padded`), so measured buffers are 0 and the
     comparison is of totals. Before the run: the implementation's overhead per exchange
     (its step over `LocalHalo`) and its halo exchange's curve at the sizes the run sends.
     """
     from ..data_parallel import average_gradients
     from ..intra_layer import SpatialUNet, group_samples, make_grid
-    from .strategies import halo_bytes, halo_layers, halo_rows_lab08, spatial
+    from .strategies import halo_bytes, halo_layers, halo_rows_padded, spatial
 
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
@@ -292,12 +294,13 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
                                    _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side),
                               platform, s, rounds)
-    first = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
-    local = SpatialUNet(unet, LocalComm(scomm.Get_rank(), s), side, exchange=LocalHalo)
+    first = spatial(info, batch, s, platform, halo_rows=halo_rows_padded, data_ways=data_ways)
+    # LocalComm stands in for the slab group: it has the collectives a step calls, moving no data
+    local = SpatialUNet(unet, cast(Comm, LocalComm(scomm.Get_rank(), s)), side, exchange=LocalHalo)
     sizes = [halo_bytes(layer, layer.halo) * group for layer in halo_layers(info, s)]
     platform = _implementation(comm, platform, "halo", _stubbed_step(local, slab, target), first, 2 * len(sizes),
                                group, lambda gap: {"halo": halo_curve(scomm, [min(sizes), max(sizes)], gap)}, s)
-    prediction = spatial(info, batch, s, platform, halo_rows=halo_rows_lab08, data_ways=data_ways)
+    prediction = spatial(info, batch, s, platform, halo_rows=halo_rows_padded, data_ways=data_ways)
     optimizer = _sgd(net.model.parameters())
     ledger = Ledger(stage=f"rank {comm.Get_rank()}")
     ledger.watch(net.model, optimizer)
@@ -318,7 +321,7 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     if grid:
         grid.free()
     kinds = [0 if r % s in (0, s - 1) else min(1, len(prediction.memory) - 1) for r in range(p)]
-    return Validation(prediction, seconds, comm.allgather(_lab08_report(ledger)), kinds)
+    return Validation(prediction, seconds, comm.allgather(_ledger_report(ledger)), kinds)
 
 
 def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 64, width: int = 8,
@@ -336,7 +339,8 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
     info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side),
                               platform, rounds=rounds)
     first = filter_parallel(info, batch, p, platform)
-    local = FilterUNet(unet, LocalComm(comm.Get_rank(), p))
+    # LocalComm stands in for the ranks: it has the collectives a step calls, moving no data
+    local = FilterUNet(unet, cast(Comm, LocalComm(comm.Get_rank(), p)))
     split = [layer for layer, cut in zip(info.layers, split_layers(info, p)) if cut]
     outputs, inputs = [layer.output_bytes * batch for layer in split], [layer.input_bytes * batch for layer in split]
     platform = _implementation(comm, platform, "filter", _stubbed_step(local, images, masks), first,
@@ -358,7 +362,7 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
 
     seconds = timed_steps(comm, step, steps)
     ledger.close()
-    return Validation(prediction, seconds, comm.allgather(_lab08_report(ledger)), [0] * p)
+    return Validation(prediction, seconds, comm.allgather(_ledger_report(ledger)), [0] * p)
 
 
 #: The runs of `run_all`: (name, function, keyword arguments); small sizes, a few seconds each.

@@ -17,10 +17,11 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..allreduce import Allreduce
 from ..allreduce.cost import Link, Terms, predict
 from ..runtime.comm import first_ranks
 from .problem import LeastSquares
-from .run import Allreduce, train
+from .run import train
 
 GAMMA = 8  # bytes per parameter: float64
 

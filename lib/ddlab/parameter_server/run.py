@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from ..allreduce import allreduce_mpi
+from ..allreduce import Allreduce, allreduce_mpi
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm, underlying
 from ..runtime.waiting import Watch
@@ -28,8 +27,6 @@ from .problem import LeastSquares
 from .server import Gate, Server, ServerLog
 from .straggler import slowdowns
 from .worker import WorkerLog, work
-
-Allreduce = Callable[[Comm, np.ndarray], np.ndarray]  # lab 03's signature: (comm, x) -> the sum over ranks
 
 
 @dataclass

@@ -17,7 +17,8 @@ from mpi4py import MPI
 
 
 class Comm(Protocol):
-    """Rank, size and point-to-point messages (buffer API), as mpi4py spells them."""
+    """Rank, size, point-to-point messages and the MPI library's Allreduce, Allgather and Allgatherv (buffer API),
+    as mpi4py spells them."""
 
     def Get_rank(self) -> int: ...
 
@@ -35,6 +36,12 @@ class Comm(Protocol):
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request: ...
 
     def Irecv(self, buf: Any, source: int = ..., tag: int = ...) -> MPI.Request: ...
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = ...) -> None: ...
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None: ...
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None: ...
 
 
 def first_ranks(comm: MPI.Comm, n: int) -> MPI.Comm | None:
