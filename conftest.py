@@ -32,8 +32,9 @@ MPI_TESTS = Path(__file__).resolve().parent / "tests" / "mpi"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--mpi-suite", action="store_true",
-                     help="collect tests/mpi/ (tests/test_mpi_suites.py runs them under mpiexec)")
+    parser.addoption(
+        "--mpi-suite", action="store_true", help="collect tests/mpi/ (tests/test_mpi_suites.py runs them under mpiexec)"
+    )
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -77,9 +78,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         error = _cell_error(item)
         if STUB_ERROR not in error:
             report.outcome = "failed"
-            report.longrepr = (
-                f"{item.name}: this check cell must fail on the lab's stub, but it "
-                + ("raised something else:\n" + error if error else "passed: it checks nothing.")
+            report.longrepr = f"{item.name}: this check cell must fail on the lab's stub, but it " + (
+                "raised something else:\n" + error if error else "passed: it checks nothing."
             )
 
 
@@ -107,7 +107,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     ipython_dir = os.environ["IPYTHONDIR"]
     for profile_dir in Path(ipython_dir).glob("profile_ddlab-*"):
-        cleanup_orphans(profile_dir.name[len("profile_ddlab-"):])
+        cleanup_orphans(profile_dir.name[len("profile_ddlab-") :])
     deadline = time.monotonic() + 20
     while (left := _our_processes(ipython_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)

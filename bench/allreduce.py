@@ -36,11 +36,10 @@ def _repeats(nbytes: int, scale: float) -> int:
 def child(scale: float) -> None:
     """Inside the MPI job: measure, and print the tables on rank 0."""
     import numpy as np
-    from mpi4py import MPI
-
     from ddlab.allreduce import ALGORITHMS, allreduce_mpi
     from ddlab.allreduce.cost import bus_bandwidth, measure_memcpy_bandwidth, time_allreduce
     from ddlab.p2p import idle_wait
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -52,8 +51,12 @@ def child(scale: float) -> None:
         out = preallocated.setdefault(x.size, np.empty_like(x))
         comm.Allreduce(x, out, op=MPI.SUM)
 
-    contenders = {"mpi": allreduce_mpi, **ALGORITHMS, "mpi_prealloc": mpi_preallocated,
-                  "x.copy()": lambda comm, x: x.copy()}
+    contenders = {
+        "mpi": allreduce_mpi,
+        **ALGORITHMS,
+        "mpi_prealloc": mpi_preallocated,
+        "x.copy()": lambda comm, x: x.copy(),
+    }
     median, best = {}, {}
     for nbytes in SIZES:
         seconds = time_allreduce(comm, contenders, [nbytes], _repeats(nbytes, scale))
@@ -69,16 +72,20 @@ def child(scale: float) -> None:
         print(f"{'size':>8} {'MPI us':>9}" + "".join(f"{n:>19}" for n in names))
         for nbytes in SIZES:
             row = table[nbytes]
-            print(f"{_label(nbytes):>8} {row['mpi'] * 1e6:>9.1f}"
-                  + "".join(f"{row[n] / row['mpi']:>19.2f}" for n in names))
+            print(
+                f"{_label(nbytes):>8} {row['mpi'] * 1e6:>9.1f}"
+                + "".join(f"{row[n] / row['mpi']:>19.2f}" for n in names)
+            )
     print(f"memcpy bandwidth (one process alone): {memcpy / 1e9:.2f} GB/s")
     for nbytes in SIZES[-2:]:
         row = median[nbytes]
         ring, mpi = bus_bandwidth(nbytes, row["ring"], size), bus_bandwidth(nbytes, row["mpi_prealloc"], size)
-        print(f"{_label(nbytes):>8}: ring bus bandwidth {ring / 1e9:.2f} GB/s = {ring / memcpy:.0%} of memcpy "
-              f"(MPI_Allreduce, preallocated: {mpi / memcpy:.0%}); ring / MPI_Allreduce preallocated "
-              f"{row['ring'] / row['mpi_prealloc']:.2f}; ring / x.copy() on every rank "
-              f"{row['ring'] / row['x.copy()']:.2f}")
+        print(
+            f"{_label(nbytes):>8}: ring bus bandwidth {ring / 1e9:.2f} GB/s = {ring / memcpy:.0%} of memcpy "
+            f"(MPI_Allreduce, preallocated: {mpi / memcpy:.0%}); ring / MPI_Allreduce preallocated "
+            f"{row['ring'] / row['mpi_prealloc']:.2f}; ring / x.copy() on every rank "
+            f"{row['ring'] / row['x.copy()']:.2f}"
+        )
     sys.stdout.flush()
 
 

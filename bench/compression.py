@@ -29,15 +29,24 @@ N = 2**20
 def child(steps: int) -> None:
     import numpy as np
     import torch
-    from mpi4py import MPI
-
     from ddlab.allreduce import allreduce_ring
-    from ddlab.compression import (GIGABIT_ETHERNET, SHARED_MEMORY, CompressedAllreduce, SlowLinkComm,
-                                   crossover_density, emulated, flat_ring_seconds, hierarchical_allreduce,
-                                   hierarchical_seconds, sparse_allreduce, top_k)
-    from ddlab.compression.experiment import train_compressed
     from ddlab.allreduce.cost import fit_link, time_allreduce
+    from ddlab.compression import (
+        GIGABIT_ETHERNET,
+        SHARED_MEMORY,
+        CompressedAllreduce,
+        SlowLinkComm,
+        crossover_density,
+        emulated,
+        flat_ring_seconds,
+        hierarchical_allreduce,
+        hierarchical_seconds,
+        sparse_allreduce,
+        top_k,
+    )
+    from ddlab.compression.experiment import train_compressed
     from ddlab.runtime.counting import CountingComm, gather_traffic
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -61,8 +70,11 @@ def child(steps: int) -> None:
     seconds = {name: np.median(s) for name, s in time_allreduce(comm, methods, [4 * N], repeats=5).items()}
     machine = fit_link(comm)
 
-    settings = [("dense", 1.0, True)] + [(m, d, f) for d in (0.01, 0.1) for m in ("topk", "randomk")
-                                         for f in (True, False)] + [("qsgd8", 1.0, True), ("sign", 1.0, True)]
+    settings = (
+        [("dense", 1.0, True)]
+        + [(m, d, f) for d in (0.01, 0.1) for m in ("topk", "randomk") for f in (True, False)]
+        + [("qsgd8", 1.0, True), ("sign", 1.0, True)]
+    )
     runs = [train_compressed(comm, CompressedAllreduce(m, d, f), steps) for m, d, f in settings]
 
     slow = SlowLinkComm(comm, 2, GIGABIT_ETHERNET)
@@ -75,32 +87,44 @@ def child(steps: int) -> None:
     print(f"{size} ranks; sparse allreduce of {N} float32 (bytes per rank, the most any rank sent)")
     for d, sent in sparse_bytes.items():
         print(f"  density {d:.0%}: {sent} bytes vs the dense ring's {ring_bytes}: {sent / ring_bytes:.3f}x")
-    print(f"  time over the dense ring's ({1e3 * seconds['dense ring']:.2f} ms): "
-          + ", ".join(f"{d:.0%} {seconds[f'{d:.0%}'] / seconds['dense ring']:.2f}" for d in DENSITIES))
+    print(
+        f"  time over the dense ring's ({1e3 * seconds['dense ring']:.2f} ms): "
+        + ", ".join(f"{d:.0%} {seconds[f'{d:.0%}'] / seconds['dense ring']:.2f}" for d in DENSITIES)
+    )
     slower = [d for d in DENSITIES if seconds[f"{d:.0%}"] > seconds["dense ring"]]
     measured = f"at or below {slower[0]:.0%}" if slower else f"not up to {DENSITIES[-1]:.0%}"
-    print(f"  dense wins above: predicted {crossover_density(N, size, machine):.1%} "
-          f"(alpha {machine.alpha:.2e} s, beta {machine.beta:.2e} s/B, gamma {machine.gamma:.2e} s/B), "
-          f"measured {measured} (the first density measured slower than the ring)")
+    print(
+        f"  dense wins above: predicted {crossover_density(N, size, machine):.1%} "
+        f"(alpha {machine.alpha:.2e} s, beta {machine.beta:.2e} s/B, gamma {machine.gamma:.2e} s/B), "
+        f"measured {measured} (the first density measured slower than the ring)"
+    )
 
     dense = runs[0]
-    print(f"\nlab 04's MLP, {steps} steps, SGD momentum 0.9; dense: test MSE {dense.loss:.4f}, "
-          f"{dense.bytes_per_step:.0f} B/step, {1e3 * dense.seconds_per_step:.1f} ms/step")
+    print(
+        f"\nlab 04's MLP, {steps} steps, SGD momentum 0.9; dense: test MSE {dense.loss:.4f}, "
+        f"{dense.bytes_per_step:.0f} B/step, {1e3 * dense.seconds_per_step:.1f} ms/step"
+    )
     print(f"{'method':>8} {'density':>7} {'EF':>3} | {'bytes/dense':>11} {'time/dense':>10} {'test MSE':>9} {'gap':>7}")
     for r in runs[1:]:
-        print(f"{r.method:>8} {r.density:7.0%} {'yes' if r.feedback else 'no':>3} | "
-              f"{r.bytes_per_step / dense.bytes_per_step:11.4f} {r.seconds_per_step / dense.seconds_per_step:10.2f} "
-              f"{r.loss:9.4f} {r.loss / dense.loss - 1:+7.1%}")
+        print(
+            f"{r.method:>8} {r.density:7.0%} {'yes' if r.feedback else 'no':>3} | "
+            f"{r.bytes_per_step / dense.bytes_per_step:11.4f} {r.seconds_per_step / dense.seconds_per_step:10.2f} "
+            f"{r.loss:9.4f} {r.loss / dense.loss - 1:+7.1%}"
+        )
 
     inter = emulated(GIGABIT_ETHERNET)
     flat_model = flat_ring_seconds(np.array(sizes), size, 2, SHARED_MEMORY, inter)
     hier_model = hierarchical_seconds(np.array(sizes), size, 2, SHARED_MEMORY, inter)
-    print(f"\nhierarchical (groups of 2) over flat ring, emulated link alpha {GIGABIT_ETHERNET.alpha * 1e6:.0f} us, "
-          f"{1 / GIGABIT_ETHERNET.beta / 1e6:.0f} MB/s between groups")
+    print(
+        f"\nhierarchical (groups of 2) over flat ring, emulated link alpha {GIGABIT_ETHERNET.alpha * 1e6:.0f} us, "
+        f"{1 / GIGABIT_ETHERNET.beta / 1e6:.0f} MB/s between groups"
+    )
     print(f"{'bytes':>10} {'flat ms':>9} {'hier ms':>9} {'hier/flat':>9} {'model':>7}")
     for i, nbytes in enumerate(sizes):
-        print(f"{nbytes:>10} {1e3 * link['flat'][i]:9.2f} {1e3 * link['hierarchical'][i]:9.2f} "
-              f"{link['hierarchical'][i] / link['flat'][i]:9.2f} {hier_model[i] / flat_model[i]:7.2f}")
+        print(
+            f"{nbytes:>10} {1e3 * link['flat'][i]:9.2f} {1e3 * link['hierarchical'][i]:9.2f} "
+            f"{link['hierarchical'][i] / link['flat'][i]:9.2f} {hier_model[i] / flat_model[i]:7.2f}"
+        )
 
 
 def main() -> int:

@@ -36,12 +36,11 @@ def child(rounds: int, steps: int) -> None:
     """Inside the MPI job: measure every variant on both models, print on rank 0."""
     import numpy as np
     import torch
-    from mpi4py import MPI
-
     from ddlab import data_parallel as dp
     from ddlab.data import StressStrainCurves
     from ddlab.models.mlp import HIDDEN, count_parameters, make_mlp
     from ddlab.runtime.trace import Tracer
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -58,9 +57,12 @@ def child(rounds: int, steps: int) -> None:
     }
     if rank == 0:
         load = os.getloadavg()[0]
-        print(f"\n{size} ranks, {threads} thread(s) each, on {os.cpu_count()} cores "
-              f"(load average {load:.1f} at the start), batch 64 per rank, median of {rounds} rounds "
-              f"of {steps} steps", flush=True)
+        print(
+            f"\n{size} ranks, {threads} thread(s) each, on {os.cpu_count()} cores "
+            f"(load average {load:.1f} at the start), batch 64 per rank, median of {rounds} rounds "
+            f"of {steps} steps",
+            flush=True,
+        )
     for hidden, name in ((HIDDEN, "lab MLP"), (WIDE, "wide MLP")):
         models, optimizers, tracers = {}, {}, {}
         for variant, options in variants.items():
@@ -74,13 +76,22 @@ def child(rounds: int, steps: int) -> None:
         seconds = {variant: [] for variant in variants}
         names = list(models)
         for round_ in range(rounds + 1):
-            for variant in names[round_ % len(names):] + names[:round_ % len(names)]:  # rotate the order
+            for variant in names[round_ % len(names) :] + names[: round_ % len(names)]:  # rotate the order
                 model = models[variant]
                 if variant in tracers:
                     tracers[variant].enabled = round_ > 0
                 comm.Barrier()
-                history = dp.train(model, optimizers[variant], data, comm, batch_size=64, max_steps=steps,
-                                   seed=round_, progress=False, tracer=tracers.get(variant))
+                history = dp.train(
+                    model,
+                    optimizers[variant],
+                    data,
+                    comm,
+                    batch_size=64,
+                    max_steps=steps,
+                    seed=round_,
+                    progress=False,
+                    tracer=tracers.get(variant),
+                )
                 step = comm.allreduce(history.step_time(), op=MPI.MAX)
                 if round_:  # round 0 warms up
                     seconds[variant].append(step)
@@ -90,17 +101,25 @@ def child(rounds: int, steps: int) -> None:
             continue
         nbytes = 4 * count_parameters(make_mlp(hidden=hidden))
         print(f"\n{name}: {nbytes / 2**20:.1f} MB of gradients")
-        print("  time per step, median (fastest round): "
-              + ", ".join(f"{v} {1e3 * median[v]:.1f} ({1e3 * best[v]:.1f}) ms" for v in median))
-        for label, a, b in (("ddlab / DDP", "ddlab", "ddp"), ("overlap on / off", "ddlab", "no overlap"),
-                            ("thread / off", "thread", "no overlap"), ("cap 1 MB / 25 MB", "cap 1 MB", "ddlab"),
-                            ("cap none / 25 MB", "cap none", "ddlab")):
+        print(
+            "  time per step, median (fastest round): "
+            + ", ".join(f"{v} {1e3 * median[v]:.1f} ({1e3 * best[v]:.1f}) ms" for v in median)
+        )
+        for label, a, b in (
+            ("ddlab / DDP", "ddlab", "ddp"),
+            ("overlap on / off", "ddlab", "no overlap"),
+            ("thread / off", "thread", "no overlap"),
+            ("cap 1 MB / 25 MB", "cap 1 MB", "ddlab"),
+            ("cap none / 25 MB", "cap none", "ddlab"),
+        ):
             print(f"  {label:>17} = {median[a] / median[b]:.2f} (fastest rounds: {best[a] / best[b]:.2f})")
         for variant, tracer in tracers.items():
             per_step = {k: 1e3 * v / (rounds * steps) for k, v in tracer.totals().items()}
             buckets = len(models[variant].buckets)
-            print(f"  {variant:>10} ({buckets} bucket{'s' * (buckets > 1)}), ms per step on rank 0: "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items()))
+            print(
+                f"  {variant:>10} ({buckets} bucket{'s' * (buckets > 1)}), ms per step on rank 0: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items())
+            )
         waits = tracers["no overlap"].totals().get("allreduce", 0.0) / (rounds * steps)
         print(f"  allreduce waits without overlap: {100 * waits / median['no overlap']:.0f}% of a step")
         sys.stdout.flush()

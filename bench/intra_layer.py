@@ -30,10 +30,9 @@ BUDGET = 32 * 2**20
 
 def child(start: int, step: int) -> None:
     import torch
-    from mpi4py import MPI
-
     from ddlab.intra_layer import COLUMNS, STRATEGIES, halo_share, intra_sweep, markdown_table, try_strategy
     from ddlab.models.unet import UNet
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -54,25 +53,39 @@ def child(start: int, step: int) -> None:
     print(f"{comm.Get_size()} ranks, UNet(width=8, depth=4), batch 2, 32 MiB per rank; ms per sample or OOM\n")
     print(markdown_table(results))
     by = {(r.split, r.side): r for r in results}
-    print("\nlargest side over one process's: " + ", ".join(
-        f"{c} {largest[c] / largest['one process']:.2f}" for c in COLUMNS[1:]))
-    print("halo bytes per step / peak activation bytes, spatial at side 128, per rank: " + ", ".join(
-        f"{sent / acts:.4f}" for sent, acts in shares))
+    print(
+        "\nlargest side over one process's: "
+        + ", ".join(f"{c} {largest[c] / largest['one process']:.2f}" for c in COLUMNS[1:])
+    )
+    print(
+        "halo bytes per step / peak activation bytes, spatial at side 128, per rank: "
+        + ", ".join(f"{sent / acts:.4f}" for sent, acts in shares)
+    )
     common = max(s for s in {r.side for r in results} if all(by[c, s].fits for c in COLUMNS))
     base = by["one process", common].seconds_per_sample
-    print(f"time per sample over one process's at side {common}: " + ", ".join(
-        f"{c} {by[c, common].seconds_per_sample / base:.2f}" for c in COLUMNS[1:]))
+    print(
+        f"time per sample over one process's at side {common}: "
+        + ", ".join(f"{c} {by[c, common].seconds_per_sample / base:.2f}" for c in COLUMNS[1:])
+    )
     print("\nper-rank peak MiB at the first side each configuration misses:")
     for c in COLUMNS:
         miss = by.get((c, largest[c] + step))
         if miss is not None:
-            print(f"  {c:12} side {miss.side}: " + "/".join(f"{p / 2**20:.1f}" for p in miss.peak_per_rank)
-                  + f"  ({(miss.error or '').split(';')[0]})")
+            print(
+                f"  {c:12} side {miss.side}: "
+                + "/".join(f"{p / 2**20:.1f}" for p in miss.peak_per_rank)
+                + f"  ({(miss.error or '').split(';')[0]})"
+            )
     print("\nwhat lab 08's strategies need there without a budget, per rank, MiB (replicated state + activations):")
     for s, need in needs.items():
-        print(f"  {s:12} side {need.side}: " + ", ".join(
-            f"{p['peak'] / 2**20:.2f} ({(p['parameters'] + p['gradients'] + p['optimizer']) / 2**20:.2f}"
-            f" + {p['activations'] / 2**20:.2f})" for p in need.peaks))
+        print(
+            f"  {s:12} side {need.side}: "
+            + ", ".join(
+                f"{p['peak'] / 2**20:.2f} ({(p['parameters'] + p['gradients'] + p['optimizer']) / 2**20:.2f}"
+                f" + {p['activations'] / 2**20:.2f})"
+                for p in need.peaks
+            )
+        )
     spatial = largest["spatial"]
     ok = spatial >= 1.8 * largest["one process"] and spatial > largest["balanced"]
     print(f"\nspatial >= 1.8 x one process and > balanced split: {'met' if ok else 'missed'}")

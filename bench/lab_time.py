@@ -83,8 +83,9 @@ def run_seconds(path: Path, timeout: int = 600) -> float:
 
     nb = nbformat.read(path, as_version=4)
     with private_ipython_dir() as ipython_dir:
-        client = NotebookClient(nb, timeout=timeout, kernel_name=KERNEL,
-                                resources={"metadata": {"path": str(path.parent)}})
+        client = NotebookClient(
+            nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": str(path.parent)}}
+        )
         start = time.monotonic()
         try:
             client.execute()  # the notebook's last cell stops its cluster
@@ -103,16 +104,23 @@ def main() -> int:
     paths = [p for p in paths if not args.labs or p.name[:2] in args.labs]
     if not paths:
         parser.error(f"no lab numbered {' or '.join(args.labs)} in solutions/")
-    print(f"rates: {WORDS_PER_MINUTE} words/min, half the hints read, {MINUTES_PER_EXERCISE:g} min per exercise "
-          f"+ {MINUTES_PER_LINE:g} min per solution line, cells run {RUNS}x, {FIXED_MINUTES:g} min per lab")
-    print(f"{'lab':<28}{'words':>7}{'hints':>7}  {'solution lines per exercise':<28}{'run s':>7}{'estimate':>10}{'stated':>8}")
+    print(
+        f"rates: {WORDS_PER_MINUTE} words/min, half the hints read, {MINUTES_PER_EXERCISE:g} min per exercise "
+        f"+ {MINUTES_PER_LINE:g} min per solution line, cells run {RUNS}x, {FIXED_MINUTES:g} min per lab"
+    )
+    print(
+        f"{'lab':<28}{'words':>7}{'hints':>7}  {'solution lines per exercise':<28}{'run s':>7}{'estimate':>10}{'stated':>8}"
+    )
     for path in paths:
         lab = measure(path)
         if args.run:
             lab.seconds = run_seconds(path)
         run = f"{lab.seconds:.0f}" if lab.seconds is not None else "-"
-        print(f"{lab.name:<28}{lab.words:>7}{lab.hint_words:>7}  {lab.lines!s:<28}{run:>7}"
-              f"{lab.minutes():>8.0f} m{lab.stated or '-':>7} m", flush=True)
+        print(
+            f"{lab.name:<28}{lab.words:>7}{lab.hint_words:>7}  {lab.lines!s:<28}{run:>7}"
+            f"{lab.minutes():>8.0f} m{lab.stated or '-':>7} m",
+            flush=True,
+        )
     return 0
 
 

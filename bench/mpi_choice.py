@@ -61,8 +61,9 @@ print(json.dumps(dict(result, startup=startup, library=" ".join(library))))
 
 
 def measure(venv: Path) -> dict:
-    done = subprocess.run([str(venv / "bin" / "python"), "-c", PROBE], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", PROBE], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
     if done.returncode != 0:
         sys.exit(f"{venv}: the probe failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -75,8 +76,10 @@ def main() -> None:
     args = parser.parse_args()
     missing = [v for v in args.venvs if not (v / "bin" / "python").exists()]
     if missing:
-        print(f"skipped: no venv at {', '.join(map(str, missing))} "
-              "(make one with `make setup VENV=.venv-mpich MPI=mpich`)")
+        print(
+            f"skipped: no venv at {', '.join(map(str, missing))} "
+            "(make one with `make setup VENV=.venv-mpich MPI=mpich`)"
+        )
         return
     runs: dict[Path, list[dict]] = {v: [] for v in args.venvs}
     for _ in range(args.rounds):

@@ -36,19 +36,27 @@ def child(steps: int, scale: int) -> None:
     if comm.Get_rank() != 0:
         return
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"load average {load}; {comm.Get_size()} ranks; contention (1..P ranks computing) {[round(c, 2) for c in platform.contention]}")
-    print(f"{'strategy':28} {'pred ms':>8} {'(comp/comm/bubble/over)':>24} {'meas ms':>8} {'time acc':>8} | "
-          f"{'pred MiB':>8} {'meas MiB':>8} {'mem acc':>7}")
+    print(
+        f"load average {load}; {comm.Get_size()} ranks; contention (1..P ranks computing) {[round(c, 2) for c in platform.contention]}"
+    )
+    print(
+        f"{'strategy':28} {'pred ms':>8} {'(comp/comm/bubble/over)':>24} {'meas ms':>8} {'time acc':>8} | "
+        f"{'pred MiB':>8} {'meas MiB':>8} {'mem acc':>7}"
+    )
     for v in results:
         p = v.prediction
         worst = min(range(len(v.memory)), key=lambda r: v.memory_accuracies[r])
         parts = "/".join(f"{getattr(p, k) * 1e3:.0f}" for k in ("compute", "communication", "bubble", "overhead"))
-        print(f"{v.name:28} {p.time * 1e3:8.1f} {parts:>24} {v.seconds * 1e3:8.1f} {v.time_accuracy:8.3f} | "
-              f"{v.predicted_peak(worst) / 2**20:8.2f} {v.measured_peak(worst) / 2**20:8.2f} {v.memory_accuracy:7.3f}")
+        print(
+            f"{v.name:28} {p.time * 1e3:8.1f} {parts:>24} {v.seconds * 1e3:8.1f} {v.time_accuracy:8.3f} | "
+            f"{v.predicted_peak(worst) / 2**20:8.2f} {v.measured_peak(worst) / 2**20:8.2f} {v.memory_accuracy:7.3f}"
+        )
     times = [v.time_accuracy for v in results]
     memories = [v.memory_accuracy for v in results]
-    print(f"mean time accuracy {statistics.mean(times):.3f} (target 0.85), lowest {min(times):.3f} (target 0.75); "
-          f"mean memory accuracy {statistics.mean(memories):.3f}, lowest {min(memories):.3f} (target 0.95)")
+    print(
+        f"mean time accuracy {statistics.mean(times):.3f} (target 0.85), lowest {min(times):.3f} (target 0.75); "
+        f"mean memory accuracy {statistics.mean(memories):.3f}, lowest {min(memories):.3f} (target 0.95)"
+    )
 
 
 def main() -> int:

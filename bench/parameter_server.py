@@ -32,12 +32,11 @@ WORKERS = 3
 
 def child(rounds: int) -> None:
     import numpy as np
-    from mpi4py import MPI
-
     from ddlab.allreduce import allreduce_ring
     from ddlab.parameter_server import LeastSquares
     from ddlab.parameter_server.cost import seconds_per_step
     from ddlab.parameter_server.run import Record, train_on_workers
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     servers = comm.Get_size() - WORKERS
@@ -45,14 +44,15 @@ def child(rounds: int) -> None:
     steps, compute, lr = 60, 0.01, 0.05
 
     def run(mode: str, factor: float) -> Record:
-        return train_on_workers(comm, mode, problem, steps, lr, servers=servers, compute=compute, straggler=factor,
-                                seed=1)
+        return train_on_workers(
+            comm, mode, problem, steps, lr, servers=servers, compute=compute, straggler=factor, seed=1
+        )
 
     target = 2 * run("allreduce", 1.0).curve[-1][2]
     ratios: dict[tuple[float, str], list[float]] = {}
     stale: dict[str, list[int]] = {"ssp2": [], "async": []}
     for round_ in range(rounds):
-        order = MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]
+        order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
         for factor in (2.0, 1.0):
             times = {}
             for mode in order:
@@ -62,30 +62,45 @@ def child(rounds: int) -> None:
                     stale[mode] += record.staleness
             for mode in MODES:
                 ratios.setdefault((factor, mode), []).append(times[mode] / times["allreduce"])
-    methods = {"server": {"mode": "sync"}, "ring": {"mode": "allreduce", "allreduce": allreduce_ring},
-               "MPI": {"mode": "allreduce"}}
-    per_step = {(n, name): statistics.median(seconds_per_step(comm, workers=WORKERS, n=n, servers=servers,
-                                                              steps=10, **how) for _ in range(rounds))
-                for n in SIZES for name, how in methods.items()}
+    methods = {
+        "server": {"mode": "sync"},
+        "ring": {"mode": "allreduce", "allreduce": allreduce_ring},
+        "MPI": {"mode": "allreduce"},
+    }
+    per_step = {
+        (n, name): statistics.median(
+            seconds_per_step(comm, workers=WORKERS, n=n, servers=servers, steps=10, **how) for _ in range(rounds)
+        )
+        for n in SIZES
+        for name, how in methods.items()
+    }
     if comm.Get_rank() != 0:
         return
-    print(f"{servers} server rank, {WORKERS} workers in every mode; least squares n=32, {steps} steps of "
-          f"{compute * 1e3:.0f} ms compute, target loss {target:.4f} (2x allreduce's final), {rounds} rounds, median")
+    print(
+        f"{servers} server rank, {WORKERS} workers in every mode; least squares n=32, {steps} steps of "
+        f"{compute * 1e3:.0f} ms compute, target loss {target:.4f} (2x allreduce's final), {rounds} rounds, median"
+    )
     print("time to target / synchronous allreduce's (inf: never reached in the steps run)")
     print(f"{'mode':>10} {'2x straggler':>13} {'no straggler':>13}")
     for mode in MODES:
         print(f"{mode:>10} {statistics.median(ratios[2.0, mode]):13.2f} {statistics.median(ratios[1.0, mode]):13.2f}")
     for mode, values in stale.items():
         counts = np.bincount(values)
-        print(f"staleness of {mode} updates (2x straggler): mean {np.mean(values):.2f}, max {max(values)}, "
-              f"histogram {counts.tolist()}")
-    print(f"\nseconds per step, no compute, {WORKERS} workers: synchronous server (one more rank) "
-          "vs lab 03's ring and MPI's allreduce over the workers")
+        print(
+            f"staleness of {mode} updates (2x straggler): mean {np.mean(values):.2f}, max {max(values)}, "
+            f"histogram {counts.tolist()}"
+        )
+    print(
+        f"\nseconds per step, no compute, {WORKERS} workers: synchronous server (one more rank) "
+        "vs lab 03's ring and MPI's allreduce over the workers"
+    )
     print(f"{'parameters':>11} {'server ms':>10} {'ring ms':>8} {'MPI ms':>7} {'server/ring':>12} {'server/MPI':>11}")
     for n in SIZES:
         server, ring, mpi = (per_step[n, name] for name in methods)
-        print(f"{n:11d} {server * 1e3:10.2f} {ring * 1e3:8.2f} {mpi * 1e3:7.2f} {server / ring:12.2f} "
-              f"{server / mpi:11.2f}")
+        print(
+            f"{n:11d} {server * 1e3:10.2f} {ring * 1e3:8.2f} {mpi * 1e3:7.2f} {server / ring:12.2f} "
+            f"{server / mpi:11.2f}"
+        )
 
 
 def main() -> int:

@@ -57,8 +57,10 @@ def bubble_table(k: int, bubbles: dict, expected: dict, imbalance: dict) -> None
     and the largest |diff| for M >= 4 against the 0.05 target."""
     from ddlab.pipeline import theory_bubble
 
-    print(f"{'M':>3} {'theory':>7} | {'GPipe':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8} | "
-          f"{'1F1B':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8}")
+    print(
+        f"{'M':>3} {'theory':>7} | {'GPipe':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8} | "
+        f"{'1F1B':>6} {'|diff|':>6} {'expected':>8} {'max/mean':>8}"
+    )
     worst = 0.0
     for m in sorted({m for _, m in bubbles}):
         cells = []
@@ -67,20 +69,30 @@ def bubble_table(k: int, bubbles: dict, expected: dict, imbalance: dict) -> None
             diff = abs(got - theory_bubble(k, m))
             if m >= 4:
                 worst = max(worst, diff)
-            cells.append(f"{got:6.3f} {diff:6.3f} {statistics.median(expected[name, m]):8.3f} "
-                         f"{statistics.median(imbalance[name, m]):8.2f}")
+            cells.append(
+                f"{got:6.3f} {diff:6.3f} {statistics.median(expected[name, m]):8.3f} "
+                f"{statistics.median(imbalance[name, m]):8.2f}"
+            )
         print(f"{m:3d} {theory_bubble(k, m):7.3f} | " + " | ".join(cells))
     print(f"largest |bubble - theory| for M >= 4: {worst:.3f} (target <= 0.05: {'met' if worst <= 0.05 else 'missed'})")
 
 
 def child(rounds: int) -> None:
-    from mpi4py import MPI
-
     from ddlab.data.images import make_segmentation
     from ddlab.model_parallel import naive_split
     from ddlab.models.unet import UNet
-    from ddlab.pipeline import (Calibration, calibrate, expected_bubble, gpipe, hidden_share, measure_pipeline,
-                                measured_stage_times, one_f_one_b, theory_bubble)
+    from ddlab.pipeline import (
+        Calibration,
+        calibrate,
+        expected_bubble,
+        gpipe,
+        hidden_share,
+        measure_pipeline,
+        measured_stage_times,
+        one_f_one_b,
+        theory_bubble,
+    )
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, k = comm.Get_rank(), comm.Get_size()
@@ -104,17 +116,21 @@ def child(rounds: int) -> None:
         order = schedules if round_ % 2 == 0 else schedules[::-1]
         for m in MS:
             for schedule in order:
-                for which, net, bounds, x, y in (("unet", model, splits["balanced"], images, masks),
-                                                 ("control", control, control.bounds, control_images, control_masks)):
+                for which, net, bounds, x, y in (
+                    ("unet", model, splits["balanced"], images, masks),
+                    ("control", control, control.bounds, control_images, control_masks),
+                ):
                     run = measure_pipeline(comm, net, bounds, schedule, m, x[:m], y[:m], repeats=1)
-                    for table, value in zip(tables[which], (run.bubble, expected_bubble(run, schedule),
-                                                            Calibration.imbalance(run.directions))):
+                    for table, value in zip(
+                        tables[which],
+                        (run.bubble, expected_bubble(run, schedule), Calibration.imbalance(run.directions)),
+                    ):
                         table.setdefault((schedule.__name__, m), []).append(value)
                     if which == "unet":
                         peaks[schedule.__name__, m] = run.peak_activations
                         if m == 1:
                             hidden.append(hidden_share(run))
-        for name in (list(splits) if round_ % 2 == 0 else list(splits)[::-1]):
+        for name in list(splits) if round_ % 2 == 0 else list(splits)[::-1]:
             run = measure_pipeline(comm, model, splits[name], one_f_one_b, 8, images[:8], masks[:8], repeats=1)
             stage_times[name].append(run.stage_times)
             makespans[name].append(run.makespan)
@@ -122,8 +138,10 @@ def child(rounds: int) -> None:
         return
 
     print(f"{k} ranks, UNet(width=4, depth=4), 128x128 images, micro-batches of 1, {rounds} rounds")
-    print(f"splits: naive {splits['naive']}, balanced {splits['balanced']} "
-          f"(calibration rounds: {[round(calibration.imbalance(m), 2) for _, _, m in calibration.rounds]})")
+    print(
+        f"splits: naive {splits['naive']}, balanced {splits['balanced']} "
+        f"(calibration rounds: {[round(calibration.imbalance(m), 2) for _, _, m in calibration.rounds]})"
+    )
     print("\nbubble on the busy clock (median over rounds); theory (K-1)/(M+K-1); expected: the schedule")
     print("replayed with the run's own stage times; max/mean: slowest stage over the mean in that run,")
     print("in the less even direction (forward or backward)")
@@ -146,14 +164,20 @@ def child(rounds: int) -> None:
     for name, per_round in stage_times.items():
         per_stage = [statistics.median(t) for t in zip(*per_round)]
         ratio[name] = max(per_stage) / (sum(per_stage) / k)
-        print(f"{name:9} {splits[name]}: ms per micro-batch {[round(t / 8 * 1e3, 2) for t in per_stage]}, "
-              f"max/mean {ratio[name]:.3f}")
+        print(
+            f"{name:9} {splits[name]}: ms per micro-batch {[round(t / 8 * 1e3, 2) for t in per_stage]}, "
+            f"max/mean {ratio[name]:.3f}"
+        )
     speed = statistics.median(makespans["naive"]) / statistics.median(makespans["balanced"])
-    print(f"balanced max/mean <= 1.15: {'met' if ratio['balanced'] <= 1.15 else 'missed'}; "
-          f"throughput balanced / naive = {speed:.2f}")
+    print(
+        f"balanced max/mean <= 1.15: {'met' if ratio['balanced'] <= 1.15 else 'missed'}; "
+        f"throughput balanced / naive = {speed:.2f}"
+    )
 
-    print(f"\ncontrol: {k} identical stages ({control.bounds}: an input convolution, {len(control.layers) - 2} "
-          "equal 16->16 3x3 convolutions, a head), 32x32 images;")
+    print(
+        f"\ncontrol: {k} identical stages ({control.bounds}: an input convolution, {len(control.layers) - 2} "
+        "equal 16->16 3x3 convolutions, a head), 32x32 images;"
+    )
     print("the split cannot be uneven here, so what remains is the machine's")
     bubble_table(k, *tables["control"])
 

@@ -31,34 +31,39 @@ N = 16_384
 def child(seconds: float, rounds: int, target: float) -> None:
     """Inside the MPI job: both sweeps, printed by rank 0."""
     import numpy as np
-    from mpi4py import MPI
-
     from ddlab.data_parallel import close_gloo
     from ddlab.scaling import allreduce_vs_gloo, syncs_per_epoch, time_to_score, train_for_time
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     runs: dict[int, list[dict]] = {b: [] for b in BATCHES}
     for round_ in range(rounds):
-        order = BATCHES[round_ % len(BATCHES):] + BATCHES[:round_ % len(BATCHES)]
-        for b in (order if round_ % 2 == 0 else order[::-1]):
-            runs[b].append(train_for_time(comm, seconds, b, 0.01 * (b / BATCHES[0]) ** 0.5, n=N,
-                                          threads=1))
+        order = BATCHES[round_ % len(BATCHES) :] + BATCHES[: round_ % len(BATCHES)]
+        for b in order if round_ % 2 == 0 else order[::-1]:
+            runs[b].append(train_for_time(comm, seconds, b, 0.01 * (b / BATCHES[0]) ** 0.5, n=N, threads=1))
     if rank == 0:
-        print(f"\n{size} rank(s) on {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the end), "
-              f"{N} samples, {seconds:g} s of training per batch, median of {rounds} rounds")
-        print(f"{'batch':>5} {'s/epoch':>8} {'ratio':>6} {'syncs/epoch':>11} {'formula':>7} {'epochs':>6} "
-              f"{'R^2':>6} {'MSE':>8} {'MSE ratio':>9} {'to R^2 ' + format(target, 'g'):>10}")
+        print(
+            f"\n{size} rank(s) on {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the end), "
+            f"{N} samples, {seconds:g} s of training per batch, median of {rounds} rounds"
+        )
+        print(
+            f"{'batch':>5} {'s/epoch':>8} {'ratio':>6} {'syncs/epoch':>11} {'formula':>7} {'epochs':>6} "
+            f"{'R^2':>6} {'MSE':>8} {'MSE ratio':>9} {'to R^2 ' + format(target, 'g'):>10}"
+        )
         median = lambda b, key: float(np.median([r[key] for r in runs[b]]))  # noqa: E731
         for b in BATCHES:
             syncs = sorted({c for r in runs[b] for c in r["allreduces"]})
             reached = [time_to_score(r["times"], r["scores"], target) for r in runs[b]]
             hit = [t for t in reached if t is not None]
             final = float(np.median([r["scores"][-1] for r in runs[b]]))
-            print(f"{b:5d} {median(b, 'epoch_time'):8.3f} {median(b, 'epoch_time') / median(BATCHES[0], 'epoch_time'):6.2f} "
-                  f"{','.join(map(str, syncs)) or '-':>11} {syncs_per_epoch(N, b, size):7d} {median(b, 'epochs'):6.1f} "
-                  f"{final:6.3f} {median(b, 'mse'):8.4f} {median(b, 'mse') / median(BATCHES[0], 'mse'):9.2f} "
-                  f"{(f'{np.median(hit):.2f} s' if len(hit) == len(reached) else 'not always'):>10}", flush=True)
+            print(
+                f"{b:5d} {median(b, 'epoch_time'):8.3f} {median(b, 'epoch_time') / median(BATCHES[0], 'epoch_time'):6.2f} "
+                f"{','.join(map(str, syncs)) or '-':>11} {syncs_per_epoch(N, b, size):7d} {median(b, 'epochs'):6.1f} "
+                f"{final:6.3f} {median(b, 'mse'):8.4f} {median(b, 'mse') / median(BATCHES[0], 'mse'):9.2f} "
+                f"{(f'{np.median(hit):.2f} s' if len(hit) == len(reached) else 'not always'):>10}",
+                flush=True,
+            )
     if size == 1:
         return
     sizes = [2**k for k in range(4, 27, 2)]

@@ -23,18 +23,21 @@ import argparse
 import sys
 
 TIMEOUT = 1800
-STRATEGIES = {"global": ("global", 0.0), "local": ("local", 0.0), "Q=0.1": ("partial", 0.1),
-              "Q=0.3": ("partial", 0.3), "Q=1": ("partial", 1.0)}
+STRATEGIES = {
+    "global": ("global", 0.0),
+    "local": ("local", 0.0),
+    "Q=0.1": ("partial", 0.1),
+    "Q=0.3": ("partial", 0.3),
+    "Q=1": ("partial", 1.0),
+}
 
 
 def child(seeds: int, epochs: int) -> None:
     import numpy as np
     import torch
-    from mpi4py import MPI
-
     from ddlab.data import StressStrainCurves
-    from ddlab.shuffling import remove_store, write_shared
-    from ddlab.shuffling import train_shuffled
+    from ddlab.shuffling import remove_store, train_shuffled, write_shared
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -43,32 +46,43 @@ def child(seeds: int, epochs: int) -> None:
     try:
         for seed in range(seeds):
             for name, (strategy, q) in STRATEGIES.items():
-                runs[name].append(train_shuffled(comm, root, strategy, q, epochs=epochs, batch_size=32, lr=0.02,
-                                                 seed=seed))
+                runs[name].append(
+                    train_shuffled(comm, root, strategy, q, epochs=epochs, batch_size=32, lr=0.02, seed=seed)
+                )
     finally:
         remove_store(comm, root)
     if comm.Get_rank() != 0:
         return
 
-    print(f"{comm.Get_size()} ranks, 4096 samples sorted by yield strength (non-IID partitions), "
-          f"{epochs} epochs, batch 32 per rank, {seeds} seeds")
+    print(
+        f"{comm.Get_size()} ranks, 4096 samples sorted by yield strength (non-IID partitions), "
+        f"{epochs} epochs, batch 32 per rank, {seeds} seeds"
+    )
     shared = {name: np.mean([sum(r["shared"]) for r in rs]) / epochs for name, rs in runs.items()}
     sent = {name: np.mean([sum(r["exchanged"]) for r in rs]) / epochs for name, rs in runs.items()}
     final = {name: np.array([r["val_loss"][-1] for r in rs]) for name, rs in runs.items()}
     base = final["global"].mean()
-    print(f"{'strategy':>8} {'shared MB/epoch':>15} {'/ global':>8} {'sent / global':>13} "
-          f"{'final MSE':>9} {'seeds range':>15} {'gap to global':>13}")
+    print(
+        f"{'strategy':>8} {'shared MB/epoch':>15} {'/ global':>8} {'sent / global':>13} "
+        f"{'final MSE':>9} {'seeds range':>15} {'gap to global':>13}"
+    )
     for name in runs:
-        print(f"{name:>8} {shared[name] / 1e6:15.2f} {shared[name] / shared['global']:8.3f} "
-              f"{sent[name] / shared['global']:13.3f} {final[name].mean():9.4f} "
-              f"{final[name].min():7.4f}-{final[name].max():7.4f} {100 * (final[name].mean() / base - 1):+12.1f}%")
+        print(
+            f"{name:>8} {shared[name] / 1e6:15.2f} {shared[name] / shared['global']:8.3f} "
+            f"{sent[name] / shared['global']:13.3f} {final[name].mean():9.4f} "
+            f"{final[name].min():7.4f}-{final[name].max():7.4f} {100 * (final[name].mean() / base - 1):+12.1f}%"
+        )
     gap = final["Q=0.3"].mean() / base - 1
     ratio = shared["Q=0.3"] / shared["global"]
-    print(f"\nQ=0.3 within 5% of global's loss ({100 * gap:+.1f}%) and <= 0.35x its shared bytes ({ratio:.3f}x): "
-          f"{'met' if gap <= 0.05 and ratio <= 0.35 else 'missed'}")
+    print(
+        f"\nQ=0.3 within 5% of global's loss ({100 * gap:+.1f}%) and <= 0.35x its shared bytes ({ratio:.3f}x): "
+        f"{'met' if gap <= 0.05 and ratio <= 0.35 else 'missed'}"
+    )
     worse = final["local"].min() > final["global"].max()
-    print(f"local-only worse than global on every seed (best local {final['local'].min():.4f} vs worst global "
-          f"{final['global'].max():.4f}, mean {final['local'].mean() / base:.1f}x): {'met' if worse else 'missed'}")
+    print(
+        f"local-only worse than global on every seed (best local {final['local'].min():.4f} vs worst global "
+        f"{final['global'].max():.4f}, mean {final['local'].mean() / base:.1f}x): {'met' if worse else 'missed'}"
+    )
 
 
 def main() -> int:

@@ -32,8 +32,10 @@ def slurm_node():
     except single_node.CannotInstall as err:
         if IN_CI:
             pytest.fail(f"CI=true, so the Slurm tests must run, but Slurm could not be installed: {err}")
-        pytest.skip(f"Slurm tests skipped: {err}. They install Slurm with apt-get as root (Debian, Ubuntu), "
-                    "and always run in CI.")
+        pytest.skip(
+            f"Slurm tests skipped: {err}. They install Slurm with apt-get as root (Debian, Ubuntu), "
+            "and always run in CI."
+        )
     node = single_node.SingleNode.create()
     try:
         node.start()

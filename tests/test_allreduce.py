@@ -13,24 +13,26 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from ddlab.allreduce import cost
 from ddlab.allreduce.cost import Link, crossover, predict, terms
 from ddlab.runtime.mpi import run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ALGORITHMS = ["naive", "tree", "recursive_doubling", "ring", "rabenseifner"]
 
 
-@pytest.mark.parametrize("name, want", [
-    ("naive", (6, 6.0, 3.0)),
-    ("tree", (4, 4.0, 2.0)),
-    ("recursive_doubling", (2, 2.0, 2.0)),
-    ("ring", (6, 1.5, 0.75)),
-    ("rabenseifner", (4, 1.5, 0.75)),
-    ("lower_bound", (2, 1.5, 0.75)),
-])
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("naive", (6, 6.0, 3.0)),
+        ("tree", (4, 4.0, 2.0)),
+        ("recursive_doubling", (2, 2.0, 2.0)),
+        ("ring", (6, 1.5, 0.75)),
+        ("rabenseifner", (4, 1.5, 0.75)),
+        ("lower_bound", (2, 1.5, 0.75)),
+    ],
+)
 def test_four_rank_terms_are_the_textbook_ones(name: str, want: tuple[float, float, float]) -> None:
     got = terms(name, 4, 1.0)
     assert (got.messages, float(got.bytes), float(got.reduced)) == want
@@ -86,7 +88,8 @@ def test_every_collective_has_its_critical_path() -> None:
     assert cost.collective_seconds("p2p", p, 8, link) == 2.0 + 4.0
     assert link.seconds(8) == 2.0 + 4.0
     assert cost.collective_seconds("allreduce", p, n, link) == pytest.approx(
-        2 * log_p * 2.0 + 2 * 500 * 0.5 + 500 * 0.25)  # halving-doubling by default
+        2 * log_p * 2.0 + 2 * 500 * 0.5 + 500 * 0.25
+    )  # halving-doubling by default
     for op in cost.COLLECTIVES:
         assert cost.collective_seconds(op, 1, n, link) == (link.seconds(n) if op == "p2p" else 0.0)
     with pytest.raises(ValueError, match="reduce_scatter"):
@@ -116,8 +119,20 @@ SIX_RANK_TIMEOUT = 420
 @pytest.mark.timeout(SIX_RANK_TIMEOUT + 60)
 def test_allreduce_on_six_ranks() -> None:
     """6 ranks on a small machine are slow: the deadlock test (a 20 s wait) runs on 3 and 4 only."""
-    command = [sys.executable, "-m", "pytest", *map(str, MPI_FILES), "--mpi-suite", "-q", "-p", "no:cacheprovider",
-               "-p", "no:warnings", "-k", "not deadlock"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *map(str, MPI_FILES),
+        "--mpi-suite",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:warnings",
+        "-k",
+        "not deadlock",
+    ]
     try:
         done = run_ranks(6, command, timeout=SIX_RANK_TIMEOUT)
     except subprocess.TimeoutExpired as err:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-
 from ddlab.runtime import cluster, mpi
 
 
@@ -29,12 +26,14 @@ def test_bad_engine_counts_are_refused(n):
 
 def test_engines_that_fail_show_their_output(tmp_path, monkeypatch):
     fake = tmp_path / "mpiexec"
-    fake.write_text(textwrap.dedent("""\
+    fake.write_text(
+        textwrap.dedent("""\
         #!/bin/sh
         if [ "$1" = "--version" ]; then echo "HYDRA build details:"; exit 0; fi
         echo "fake-mpiexec: could not start any rank" >&2
         exit 3
-    """))
+    """)
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("DDLAB_MPIEXEC", str(fake))
     mpi.implementation.cache_clear()
@@ -48,7 +47,9 @@ def test_engines_that_fail_show_their_output(tmp_path, monkeypatch):
 
 def test_a_killed_owner_leaves_an_orphan_that_the_next_start_removes(tmp_path):
     script = tmp_path / "owner.py"
-    script.write_text("import ddlab.runtime.cluster, time\nddlab.runtime.cluster.start(n=2)\nprint('up', flush=True)\ntime.sleep(600)\n")
+    script.write_text(
+        "import ddlab.runtime.cluster, time\nddlab.runtime.cluster.start(n=2)\nprint('up', flush=True)\ntime.sleep(600)\n"
+    )
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout.readline().strip() == "up"

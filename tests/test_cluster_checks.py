@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from ddlab import checks
 from ddlab.runtime.blocks import block_range
 
@@ -33,10 +32,15 @@ def test_block_range_check_passes_the_lab_answer_and_another(capsys):
     assert capsys.readouterr().out.count("passed") == 2
 
 
-@pytest.mark.parametrize("wrong, words", [
-    (as_list, "got a list, expected a range"), (extra_at_the_end, "the first n % size"),
-    (floor_blocks, "rank 0 got indices"),
-], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "wrong, words",
+    [
+        (as_list, "got a list, expected a range"),
+        (extra_at_the_end, "the first n % size"),
+        (floor_blocks, "rank 0 got indices"),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
 def test_block_range_check_fails_wrong_answers(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_block_range(wrong)

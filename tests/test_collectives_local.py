@@ -8,10 +8,9 @@ import math
 import matplotlib
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.checks.collectives import CASES, _pattern_problems
 from ddlab.runtime.counting import Event, Traffic, rounds
+from mpi4py import MPI
 
 matplotlib.use("Agg")
 

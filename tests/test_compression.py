@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
-from ddlab.compression import (CompressedAllreduce, ErrorFeedback, bandwidth_crossover_density,
-                               crossover_density, densify, dequantize_8bit, flat_ring_seconds, held_blocks,
-                               hierarchical_seconds, keep_count, quantize_8bit, random_k, sign_1bit, top_k,
-                               unsign_1bit)
-from ddlab.compression.compressors import LEVELS
 from ddlab.allreduce.cost import Link
+from ddlab.compression import (
+    CompressedAllreduce,
+    ErrorFeedback,
+    bandwidth_crossover_density,
+    crossover_density,
+    densify,
+    dequantize_8bit,
+    flat_ring_seconds,
+    held_blocks,
+    hierarchical_seconds,
+    keep_count,
+    quantize_8bit,
+    random_k,
+    sign_1bit,
+    top_k,
+    unsign_1bit,
+)
+from ddlab.compression.compressors import LEVELS
+from mpi4py import MPI
 
 
 def _x(n: int = 1000, seed: int = 0, dtype: type = np.float32) -> np.ndarray:
@@ -68,11 +80,15 @@ def test_sign_1bit_packs_and_contracts() -> None:
 def test_error_feedback_conserves_the_sum(compress: str) -> None:
     memory, rng = ErrorFeedback(), np.random.default_rng(3)
     true_sum, applied = np.zeros(300), np.zeros(300)
-    for step in range(20):
+    compressors = {
+        "topk": lambda fed: densify(top_k(fed, 5)),
+        "randomk": lambda fed: densify(random_k(fed, 5, rng)),
+        "sign": lambda fed: unsign_1bit(sign_1bit(fed)),
+    }
+    for _ in range(20):
         g = rng.standard_normal(300)
         fed = memory.feed(g)
-        sent = {"topk": lambda: densify(top_k(fed, 5)), "randomk": lambda: densify(random_k(fed, 5, rng)),
-                "sign": lambda: unsign_1bit(sign_1bit(fed))}[compress]()
+        sent = compressors[compress](fed)
         memory.keep(fed, sent)
         true_sum += g
         applied += sent

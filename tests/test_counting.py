@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from mpi4py import MPI
-
 from ddlab.runtime.counting import ALLOWABLE, UNCOUNTED, CountingComm, Event, Traffic, is_collective, rounds
+from mpi4py import MPI
 
 
 def traffic(size: int, messages: list[tuple[int, int]]) -> list[Traffic]:
@@ -47,8 +45,17 @@ def test_every_collective_is_known_in_every_form():
     """Every collective mpi4py offers (blocking, I..., ..._init, object API) is refused, nothing else."""
     names = [name for name in dir(MPI.Intracomm) if not name.startswith("_")]
     collectives = {name for name in names if is_collective(name)}
-    assert {"Bcast", "Ibcast", "Bcast_init", "bcast", "Iallgatherv", "Alltoallw_init", "Reduce_scatter_block_init",
-            "Ibarrier", "exscan"} <= collectives
+    assert {
+        "Bcast",
+        "Ibcast",
+        "Bcast_init",
+        "bcast",
+        "Iallgatherv",
+        "Alltoallw_init",
+        "Reduce_scatter_block_init",
+        "Ibarrier",
+        "exscan",
+    } <= collectives
     assert not collectives & {"Send", "Isend", "Iprobe", "iprobe", "Irecv", "Sendrecv", "Split", "Idup", "Iagree"}
     counted = {name for name in names if name in vars(CountingComm)}
     # counted only when a check allows them (an allowed Bcast allows the object form bcast too)

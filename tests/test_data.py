@@ -5,10 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from ddlab import checks
-from ddlab.data import ShardedSampler, StressStrainCurves, epoch_permutation, eval_shard, physical_targets, shard_indices
-from ddlab.data import curves
+from ddlab.data import (
+    ShardedSampler,
+    StressStrainCurves,
+    curves,
+    epoch_permutation,
+    eval_shard,
+    physical_targets,
+    shard_indices,
+)
 
 
 def test_samples_depend_only_on_seed_and_index():
@@ -82,8 +88,8 @@ def test_strided_shards_put_together_are_the_global_batch():
     order = epoch_permutation(n, 5, seed=2)
     shards = [shard_indices(n, r, size, 5, seed=2) for r in range(size)]
     for k in range(n // (size * b)):
-        together = sorted(np.concatenate([s[k * b:(k + 1) * b] for s in shards]))
-        assert together == sorted(order[k * size * b:(k + 1) * size * b])
+        together = sorted(np.concatenate([s[k * b : (k + 1) * b] for s in shards]))
+        assert together == sorted(order[k * size * b : (k + 1) * size * b])
 
 
 def test_epochs_reshuffle_and_batches_are_even():
@@ -100,21 +106,23 @@ def test_eval_shards_are_contiguous_blocks():
 
 # The check of exercise 4.1 -----------------------------------------------------------
 
+
 def test_shard_check_passes_the_reference_and_another_generator():
     checks.check_shard_indices(shard_indices)
 
     def torch_order(n, rank, size, epoch, seed=0):  # another generator and padding written out: also right
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).numpy()
         pad = -(-n // size) * size - n
-        padded = np.concatenate([order] + [order] * (pad // max(n, 1)) + [order[:pad % max(n, 1)]])
+        padded = np.concatenate([order] + [order] * (pad // max(n, 1)) + [order[: pad % max(n, 1)]])
         return padded[rank::size]
+
     checks.check_shard_indices(torch_order)
 
 
 def blocks(n, rank, size, epoch, seed=0):  # contiguous blocks, not every size-th entry
     order = np.resize(epoch_permutation(n, epoch, seed), -(-n // size) * size)
     length = len(order) // size
-    return order[rank * length:(rank + 1) * length]
+    return order[rank * length : (rank + 1) * length]
 
 
 def random_padding(n, rank, size, epoch, seed=0):  # pads with random samples, not the order's first ones
@@ -152,12 +160,21 @@ def as_list(n, rank, size, epoch, seed=0):
     return list(shard_indices(n, rank, size, epoch, seed))
 
 
-@pytest.mark.parametrize("wrong, words", [
-    (unpadded, "same number of steps"), (dropped, "pad by repeating"), (unshuffled, "epoch 0 and epoch 1"),
-    (same_every_epoch, "epoch 0 and epoch 1"), (unseeded, "different shards"),
-    (ignores_seed, "seeds 0 and 1"), (as_list, "NumPy array"), (blocks, "every size-th entry"),
-    (random_padding, "padded with its own first entries"),
-], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "wrong, words",
+    [
+        (unpadded, "same number of steps"),
+        (dropped, "pad by repeating"),
+        (unshuffled, "epoch 0 and epoch 1"),
+        (same_every_epoch, "epoch 0 and epoch 1"),
+        (unseeded, "different shards"),
+        (ignores_seed, "seeds 0 and 1"),
+        (as_list, "NumPy array"),
+        (blocks, "every size-th entry"),
+        (random_padding, "padded with its own first entries"),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
 def test_shard_check_fails_on_wrong_shards(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_shard_indices(wrong)

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab import data_parallel as dp
 from ddlab.data import StressStrainCurves
 from ddlab.models import count_parameters, make_mlp
 from ddlab.runtime.trace import Tracer
+from mpi4py import MPI
 
 SELF = MPI.COMM_SELF
 
@@ -64,7 +62,7 @@ def test_allreduce_choices_resolve_to_lab_03_functions():
 def test_one_process_data_parallel_is_plain_training():
     data = StressStrainCurves(n=64, dtype=torch.float64)
     plain, wrapped = make_mlp(dtype=torch.float64), make_mlp(dtype=torch.float64)
-    for model, target in ((plain, plain), (wrapped, dp.DataParallel(wrapped, SELF, bucket_cap_mb=0.1))):
+    for target in (plain, dp.DataParallel(wrapped, SELF, bucket_cap_mb=0.1)):
         optimizer = torch.optim.SGD(target.parameters(), lr=0.1)
         history = dp.train(target, optimizer, data, SELF, epochs=2, batch_size=16, progress=False)
         assert history.steps == 8 and len(history.losses) == 8 and len(history.epoch_times) == 2
@@ -75,8 +73,7 @@ def test_training_learns_the_task():
     data, test = StressStrainCurves(n=4096), StressStrainCurves(n=1024, seed=7)
     model = make_mlp()
     before = dp.evaluate(model, test, SELF)["score"]
-    dp.train(model, torch.optim.Adam(model.parameters(), lr=1e-3), data, SELF, epochs=2, batch_size=32,
-             progress=False)
+    dp.train(model, torch.optim.Adam(model.parameters(), lr=1e-3), data, SELF, epochs=2, batch_size=32, progress=False)
     after = dp.evaluate(model, test, SELF)
     assert before < 0.1 < 0.6 < after["score"] and len(after["r2"]) == 2
 
@@ -90,17 +87,34 @@ def test_learning_rate_schedule_and_max_steps():
     def step():
         seen.append(optimizer.param_groups[0]["lr"])
         original()
+
     optimizer.step = step
-    dp.train(model, optimizer, StressStrainCurves(n=100), SELF, epochs=2, batch_size=10, max_steps=3,
-             lr_at=lambda s: (s + 1) / 10, progress=False)
+    dp.train(
+        model,
+        optimizer,
+        StressStrainCurves(n=100),
+        SELF,
+        epochs=2,
+        batch_size=10,
+        max_steps=3,
+        lr_at=lambda s: (s + 1) / 10,
+        progress=False,
+    )
     assert seen == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.25, 0.3])
 
 
 def test_phases_are_timed():
     tracer = Tracer()
     model = dp.DataParallel(make_mlp(), SELF, tracer=tracer)
-    dp.train(model, torch.optim.SGD(model.parameters(), lr=0.01), StressStrainCurves(n=64), SELF,
-             batch_size=16, tracer=tracer, progress=False)
+    dp.train(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        StressStrainCurves(n=64),
+        SELF,
+        batch_size=16,
+        tracer=tracer,
+        progress=False,
+    )
     assert set(tracer.totals()) == set(dp.PHASES)
     assert len([s for s in tracer.spans if s.name == "backward"]) == 4
 

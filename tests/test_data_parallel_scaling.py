@@ -6,9 +6,8 @@ import math
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab import checks, scaling
+from mpi4py import MPI
 
 
 def test_speedup_and_efficiency():
@@ -53,6 +52,7 @@ def test_time_pieces_and_fit_on_one_process():
 
 # The checks of exercises 5.1 and 5.3 -------------------------------------------------
 
+
 def reference_efficiency(times, weak=False):
     return {p: scaling.efficiency(times[1], t, p, weak) for p, t in times.items()}
 
@@ -61,12 +61,15 @@ def test_efficiency_check_passes_the_reference():
     checks.check_scaling_efficiency(reference_efficiency)
 
 
-@pytest.mark.parametrize("wrong, words", [
-    (lambda times, weak=False: {p: times[1] / (p * t) for p, t in times.items()}, "weak=True"),
-    (lambda times, weak=False: {p: times[1] / t for p, t in times.items()}, "weak=False"),
-    (lambda times, weak=False: [times[1] / t for t in times.values()], "expected a dict"),
-    (lambda times, weak=False: {p: t / times[1] for p, t in times.items()}, "efficiency at P=2"),
-])
+@pytest.mark.parametrize(
+    "wrong, words",
+    [
+        (lambda times, weak=False: {p: times[1] / (p * t) for p, t in times.items()}, "weak=True"),
+        (lambda times, weak=False: {p: times[1] / t for p, t in times.items()}, "weak=False"),
+        (lambda times, weak=False: [times[1] / t for t in times.values()], "expected a dict"),
+        (lambda times, weak=False: {p: t / times[1] for p, t in times.items()}, "efficiency at P=2"),
+    ],
+)
 def test_efficiency_check_fails_on_wrong_formulas(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_scaling_efficiency(wrong)
@@ -77,13 +80,24 @@ def test_lr_check_passes_the_reference():
     checks.check_lr_factor(lambda *args: np.float64(scaling.lr_factor(*args)))  # a NumPy float is a float
 
 
-@pytest.mark.parametrize("wrong, words", [
-    (lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(step, k, rule, 0), "ramping up"),
-    (lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(step, k * k if rule == "sqrt" else k, rule,
-                                                                       warmup_steps), "sqrt"),
-    (lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(step, k, "none" if rule == "linear" else rule,
-                                                                       warmup_steps), "rule='linear'"),
-])
+@pytest.mark.parametrize(
+    "wrong, words",
+    [
+        (lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(step, k, rule, 0), "ramping up"),
+        (
+            lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(
+                step, k * k if rule == "sqrt" else k, rule, warmup_steps
+            ),
+            "sqrt",
+        ),
+        (
+            lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(
+                step, k, "none" if rule == "linear" else rule, warmup_steps
+            ),
+            "rule='linear'",
+        ),
+    ],
+)
 def test_lr_check_fails_on_wrong_rules(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_lr_factor(wrong)
@@ -91,25 +105,43 @@ def test_lr_check_fails_on_wrong_rules(wrong, words):
 
 # Equal wall-clock, synchronisations per epoch, MPI against gloo ---------------------
 
+
 def test_a_time_budget_stops_training_after_the_step_that_spends_it():
     import torch
-
     from ddlab.data import StressStrainCurves
     from ddlab.data_parallel import train
     from ddlab.models import make_mlp
 
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    history = train(model, optimizer, StressStrainCurves(256), MPI.COMM_SELF, epochs=50, batch_size=8,
-                    time_budget=0.0, progress=False)
+    history = train(
+        model,
+        optimizer,
+        StressStrainCurves(256),
+        MPI.COMM_SELF,
+        epochs=50,
+        batch_size=8,
+        time_budget=0.0,
+        progress=False,
+    )
     assert history.steps == 1 and len(history.epoch_times) == 1
-    full = train(model, optimizer, StressStrainCurves(256), MPI.COMM_SELF, epochs=2, batch_size=64,
-                 time_budget=1e9, progress=False)
+    full = train(
+        model,
+        optimizer,
+        StressStrainCurves(256),
+        MPI.COMM_SELF,
+        epochs=2,
+        batch_size=64,
+        time_budget=1e9,
+        progress=False,
+    )
     assert full.steps == 8 and len(full.epoch_times) == 2
 
 
-@pytest.mark.parametrize("n, batch, ranks, want", [(1024, 32, 1, 32), (1024, 32, 4, 32), (1000, 64, 4, 16),
-                                                   (1024, 1024, 4, 1), (100, 12, 3, 9)])
+@pytest.mark.parametrize(
+    "n, batch, ranks, want",
+    [(1024, 32, 1, 32), (1024, 32, 4, 32), (1000, 64, 4, 16), (1024, 1024, 4, 1), (100, 12, 3, 9)],
+)
 def test_syncs_per_epoch_counts_the_batches_of_a_padded_shard(n, batch, ranks, want):
     from ddlab.scaling import syncs_per_epoch
 

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ddlab.tools import cli, doctor
 from ddlab.runtime import mpi
+from ddlab.tools import cli, doctor
 
 VENV_BIN = Path(sys.executable).parent
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -55,8 +54,9 @@ def as_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.timeout(400)
 def test_a_working_setup_gets_a_clean_report(as_set_up: None) -> None:
-    done = subprocess.run([str(VENV_BIN / "ddlab"), "doctor", "-n", "2", "--timeout", "240"],
-                          capture_output=True, text=True, timeout=360)
+    done = subprocess.run(
+        [str(VENV_BIN / "ddlab"), "doctor", "-n", "2", "--timeout", "240"], capture_output=True, text=True, timeout=360
+    )
     report = done.stdout
     assert done.returncode == 0, report + done.stderr
     assert report.rstrip().endswith("All checks passed."), report
@@ -66,8 +66,9 @@ def test_a_working_setup_gets_a_clean_report(as_set_up: None) -> None:
         assert words in report, report
 
 
-def test_another_mpis_mpiexec_first_on_path(as_set_up: None, foreign_mpiexec: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_mpis_mpiexec_first_on_path(
+    as_set_up: None, foreign_mpiexec: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", f"{foreign_mpiexec.parent}{os.pathsep}{os.environ['PATH']}")
     finding = doctor.check_path_mpiexec(2)
     assert finding.status == doctor.WARN, finding
@@ -108,8 +109,9 @@ def test_engines_that_never_register(as_set_up: None) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_engines_started_by_another_mpis_mpiexec_are_singletons(as_set_up: None, foreign_mpiexec: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engines_started_by_another_mpis_mpiexec_are_singletons(
+    as_set_up: None, foreign_mpiexec: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("DDLAB_MPIEXEC", str(foreign_mpiexec))
     mpi.implementation.cache_clear()
     try:
@@ -121,16 +123,21 @@ def test_engines_started_by_another_mpis_mpiexec_are_singletons(as_set_up: None,
     assert "DDLAB_MPIEXEC" in finding.fix
 
 
-@pytest.mark.parametrize("message, words", [
-    ("sbatch: error: invalid partition specified: gpu", "partition in"),
-    ("sbatch: error: Invalid account or account/partition combination specified", "account in"),
-    ("sbatch: error: Batch job submission failed: Requested node configuration is not available",
-     "engines_per_node"),
-    ("srun: Job 12 step creation temporarily disabled, retrying (Requested nodes are busy)", "--overlap"),
-    ("Sorry!  You were supposed to get help about:\n    no-pmix-but", 'launcher = "mpiexec"'),
-    ("prterun was unable to launch the specified application as it could not\naccess an executable:", "set python"),
-    ("slurmstepd: error: execve(): /opt/venv/bin/python: No such file or directory", "set python"),
-])
+@pytest.mark.parametrize(
+    "message, words",
+    [
+        ("sbatch: error: invalid partition specified: gpu", "partition in"),
+        ("sbatch: error: Invalid account or account/partition combination specified", "account in"),
+        (
+            "sbatch: error: Batch job submission failed: Requested node configuration is not available",
+            "engines_per_node",
+        ),
+        ("srun: Job 12 step creation temporarily disabled, retrying (Requested nodes are busy)", "--overlap"),
+        ("Sorry!  You were supposed to get help about:\n    no-pmix-but", 'launcher = "mpiexec"'),
+        ("prterun was unable to launch the specified application as it could not\naccess an executable:", "set python"),
+        ("slurmstepd: error: execve(): /opt/venv/bin/python: No such file or directory", "set python"),
+    ],
+)
 def test_slurm_messages_map_to_the_setting_to_change(message: str, words: str) -> None:
     what, fix = doctor._slurm_problem(message, "settings.py")
     assert words in fix

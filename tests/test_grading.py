@@ -19,9 +19,8 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
-
-from ddlab.tools.labgen import checks
 from ddlab.tools.grading.submission import prepare, student_name
+from ddlab.tools.labgen import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = nbformat.read(ROOT / "labs" / "03_allreduce.ipynb", as_version=4)
@@ -94,8 +93,11 @@ EXPECTED = {  # status of exercises 3.1, 3.2, 3.3
     "faked_checks": (P, F, F),  # one exercise done; the faked and deleted checks come back from the lab
     "reference": (F, F, F),  # ddlab.allreduce.allreduce_ring passes the check, but earns nothing
 }
-EXERCISES = ("Exercise 3.1: allreduce_recursive_doubling", "Exercise 3.2: allreduce_ring",
-             "Exercise 3.3: allreduce_rabenseifner")
+EXERCISES = (
+    "Exercise 3.1: allreduce_recursive_doubling",
+    "Exercise 3.2: allreduce_ring",
+    "Exercise 3.3: allreduce_rabenseifner",
+)
 
 
 def test_checks_come_back_after_their_exercise_whatever_the_student_did():
@@ -108,7 +110,7 @@ def test_checks_come_back_after_their_exercise_whatever_the_student_did():
     no_ring = copy.deepcopy(LAB)
     del no_ring.cells[exercise_cell(no_ring, "allreduce_ring")]
     notebook, placed = prepare(LAB, no_ring)
-    ring, = [i for i, c in placed.items() if c.function == "allreduce_ring"]
+    (ring,) = [i for i, c in placed.items() if c.function == "allreduce_ring"]
     assert "check_allreduce_recursive_doubling" in notebook.cells[ring - 1].source, "goes where the one before went"
 
 
@@ -150,16 +152,23 @@ def test_grade_six_submissions_of_lab_03(tmp_path):
     ddlab = Path(sys.executable).parent / "ddlab"
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the grader's private IPython directory goes here
     started = time.monotonic()
-    done = subprocess.run([str(ddlab), "grade", "--lab", "03", "--timeout", str(TIMEOUT), "--out",
-                           str(tmp_path / "grades"), *paths], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [str(ddlab), "grade", "--lab", "03", "--timeout", str(TIMEOUT), "--out", str(tmp_path / "grades"), *paths],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     elapsed = time.monotonic() - started
     print(done.stdout, f"graded {len(paths)} submissions in {elapsed:.0f} s")
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "grades" / "grades.csv", newline="") as file:
         sheet = list(csv.DictReader(file))
-    expected = [{"student": student, "exercise": exercise, "status": status, "points": str(int(status == P)),
-                 "max_points": "1"}
-                for student, statuses in EXPECTED.items() for exercise, status in zip(EXERCISES, statuses)]
+    expected = [
+        {"student": student, "exercise": exercise, "status": status, "points": str(int(status == P)), "max_points": "1"}
+        for student, statuses in EXPECTED.items()
+        for exercise, status in zip(EXERCISES, statuses)
+    ]
     assert sheet == expected, done.stdout + done.stderr
     assert elapsed < 600, f"grading took {elapsed:.0f} s"
     assert not processes_under(tmp_path), processes_under(tmp_path)
@@ -205,8 +214,11 @@ def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
     (course / "source" / "lab03").mkdir(parents=True)
     (course / "nbgrader_config.py").write_text(NBGRADER_CONFIG)
     nbformat.write(LAB, course / "source" / "lab03" / "03_allreduce.ipynb")
-    env = {**os.environ, "PATH": f"{NBGRADER.parent}{os.pathsep}{os.environ['PATH']}",  # nbgrader runs alembic
-           "IPYTHONDIR": str(tmp_path / "ipython")}  # the kernel's clusters, told apart from the rest
+    env = {
+        **os.environ,
+        "PATH": f"{NBGRADER.parent}{os.pathsep}{os.environ['PATH']}",  # nbgrader runs alembic
+        "IPYTHONDIR": str(tmp_path / "ipython"),
+    }  # the kernel's clusters, told apart from the rest
 
     def nbgrader(*args: str) -> str:
         done = subprocess.run([str(NBGRADER), *args], cwd=course, env=env, capture_output=True, text=True, timeout=600)
@@ -226,10 +238,15 @@ def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
     nbgrader("generate_feedback", "lab03", "--force")
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
-        scores = {check.grade_id: gradebook.find_grade(check.grade_id, "03_allreduce", "lab03", "alice").score
-                  for check in checks(LAB)}
-    assert scores == {"check_ex3_1_allreduce_recursive_doubling": 1, "check_ex3_2_allreduce_ring": 0,
-                      "check_ex3_3_allreduce_rabenseifner": 0}
+        scores = {
+            check.grade_id: gradebook.find_grade(check.grade_id, "03_allreduce", "lab03", "alice").score
+            for check in checks(LAB)
+        }
+    assert scores == {
+        "check_ex3_1_allreduce_recursive_doubling": 1,
+        "check_ex3_2_allreduce_ring": 0,
+        "check_ex3_3_allreduce_rabenseifner": 0,
+    }
     feedback = (course / "feedback" / "alice" / "lab03" / "03_allreduce.html").read_text()
     assert "Score: 1.0 / 3.0" in feedback and "Exercise 3.2 (allreduce_ring) is not done yet" in feedback
     assert not processes_under(tmp_path), processes_under(tmp_path)

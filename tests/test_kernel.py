@@ -45,24 +45,35 @@ def kernel():
 
 def test_interrupt_a_hung_cell_then_restart_the_engines(kernel):
     manager, client = kernel
-    status, out = run(client, "import ddlab.runtime.cluster\nrc = ddlab.runtime.cluster.start(n=2)\nnotebook_value = 42")
+    status, out = run(
+        client, "import ddlab.runtime.cluster\nrc = ddlab.runtime.cluster.start(n=2)\nnotebook_value = 42"
+    )
     assert status == "ok", out
-    msg_id = client.execute("%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)")
+    msg_id = client.execute(
+        "%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)"
+    )
     time.sleep(5)
     manager.interrupt_kernel()
     deadline = time.monotonic() + 60
     while True:  # the stuck cell ends (with an error) once interrupted
         msg = client.get_iopub_msg(timeout=60)
-        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
-                and msg["content"]["execution_state"] == "idle"):
+        if (
+            msg["parent_header"].get("msg_id") == msg_id
+            and msg["msg_type"] == "status"
+            and msg["content"]["execution_state"] == "idle"
+        ):
             break
         assert time.monotonic() < deadline, "the interrupted cell never finished"
     client.get_shell_msg(timeout=60)
 
-    status, out = run(client, "rc = ddlab.runtime.cluster.restart()\nprint(ddlab.runtime.cluster.status(), notebook_value)")
+    status, out = run(
+        client, "rc = ddlab.runtime.cluster.restart()\nprint(ddlab.runtime.cluster.status(), notebook_value)"
+    )
     assert status == "ok", out
     assert "2 engines up" in out and "42" in out, out
-    status, out = run(client, "%px from mpi4py import MPI; r = MPI.COMM_WORLD.Get_rank()\nprint(rc[:].pull('r', block=True))")
+    status, out = run(
+        client, "%px from mpi4py import MPI; r = MPI.COMM_WORLD.Get_rank()\nprint(rc[:].pull('r', block=True))"
+    )
     assert status == "ok" and "[0, 1]" in out, out
 
 
@@ -86,8 +97,11 @@ def test_every_rank_output_shows_and_no_progress_bar(kernel):
     status, out = run(client, "import ddlab.runtime.cluster\nrc = ddlab.runtime.cluster.start(n=4)")
     assert status == "ok", out
     for attempt in range(3):
-        status, out = run(client, "%%px\nimport time\nfrom mpi4py import MPI\ntime.sleep(0.5)\n"
-                                  "print('hello from rank', MPI.COMM_WORLD.Get_rank())")
+        status, out = run(
+            client,
+            "%%px\nimport time\nfrom mpi4py import MPI\ntime.sleep(0.5)\n"
+            "print('hello from rank', MPI.COMM_WORLD.Get_rank())",
+        )
         assert status == "ok", out
         lines = sorted(line.split("] ", 1)[-1] for line in out.splitlines() if "hello" in line)
         assert lines == [f"hello from rank {r}" for r in range(4)], (attempt, out)

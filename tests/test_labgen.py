@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import nbformat
 import pytest
-
-from ddlab.tools.labgen import LabSourceError, checks, clear_outputs, make_lab, stub_source
+from ddlab.tools.labgen import LabSourceError, checks, make_lab, stub_source
 
 
 def notebook(*cells: tuple[str, str, list[str]]) -> nbformat.NotebookNode:
@@ -42,8 +41,12 @@ def test_stub_replaces_the_solution_and_names_the_exercise():
 
 
 def test_checks_become_must_raise_and_outputs_go():
-    nb = notebook(("code", EXERCISE, []), ("code", "check(bcast_linear)", ["check"]),
-                  ("code", "plot(bcast_linear)", ["needs-solution"]), ("code", "print(1)", []))
+    nb = notebook(
+        ("code", EXERCISE, []),
+        ("code", "check(bcast_linear)", ["check"]),
+        ("code", "plot(bcast_linear)", ["needs-solution"]),
+        ("code", "print(1)", []),
+    )
     nb.cells[3].outputs = [nbformat.v4.new_output("stream", text="1\n")]
     nb.cells[3].execution_count = 3
     lab = make_lab(nb)
@@ -54,12 +57,15 @@ def test_checks_become_must_raise_and_outputs_go():
     assert nb.cells[3].outputs, "the solution notebook itself is left alone"
 
 
-@pytest.mark.parametrize("source, problem", [
-    ("# Exercise 1.1: x\n### BEGIN SOLUTION\npass\n", "never closed"),
-    ("# Exercise 1.1: x\n### END SOLUTION\n", "without"),
-    ("### BEGIN SOLUTION\npass\n### END SOLUTION\n", "Exercise N.M"),
-    ("# Exercise 1.1: x\n### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "inside"),
-])
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        ("# Exercise 1.1: x\n### BEGIN SOLUTION\npass\n", "never closed"),
+        ("# Exercise 1.1: x\n### END SOLUTION\n", "without"),
+        ("### BEGIN SOLUTION\npass\n### END SOLUTION\n", "Exercise N.M"),
+        ("# Exercise 1.1: x\n### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "inside"),
+    ],
+)
 def test_malformed_blocks_are_refused(source, problem):
     with pytest.raises(LabSourceError, match=problem):
         stub_source(source, "cell")
@@ -70,26 +76,37 @@ def test_a_check_before_any_exercise_is_refused():
         make_lab(notebook(("code", "check(f)", ["check"]), ("code", EXERCISE, [])))
 
 
-def test_clear_outputs_reports_changes():
-    nb = notebook(("code", "print(1)", []))
-    assert not clear_outputs(nb)
-    nb.cells[0].execution_count = 1
-    assert clear_outputs(nb) and nb.cells[0].execution_count is None
-
-
 def test_nbgrader_metadata_with_stable_grade_ids():
-    nb = notebook(("code", EXERCISE, []), ("code", "check(bcast_linear)", ["check"]),
-                  ("code", "check_again(bcast_linear)", ["check"]), ("code", "print(1)", []))
+    nb = notebook(
+        ("code", EXERCISE, []),
+        ("code", "check(bcast_linear)", ["check"]),
+        ("code", "check_again(bcast_linear)", ["check"]),
+        ("code", "print(1)", []),
+    )
     lab = make_lab(nb)
     solution, check, again = (lab.cells[i].metadata.nbgrader for i in range(3))
-    assert solution == {"grade": False, "grade_id": "ex2_1_bcast_linear", "locked": False,
-                        "schema_version": 3, "solution": True, "task": False}
-    assert check == {"grade": True, "grade_id": "check_ex2_1_bcast_linear", "locked": True, "points": 1,
-                     "schema_version": 3, "solution": False, "task": False}
+    assert solution == {
+        "grade": False,
+        "grade_id": "ex2_1_bcast_linear",
+        "locked": False,
+        "schema_version": 3,
+        "solution": True,
+        "task": False,
+    }
+    assert check == {
+        "grade": True,
+        "grade_id": "check_ex2_1_bcast_linear",
+        "locked": True,
+        "points": 1,
+        "schema_version": 3,
+        "solution": False,
+        "task": False,
+    }
     assert again.grade_id == "check_ex2_1_bcast_linear_2"
     assert "nbgrader" not in lab.cells[3].metadata
     assert make_lab(nb) == lab, "the same solution gives the same ids"
     found = checks(lab)
     assert [(c.index, c.grade_id, c.exercise, c.function, c.points) for c in found] == [
         (1, "check_ex2_1_bcast_linear", "Exercise 2.1", "bcast_linear", 1),
-        (2, "check_ex2_1_bcast_linear_2", "Exercise 2.1", "bcast_linear", 1)]
+        (2, "check_ex2_1_bcast_linear_2", "Exercise 2.1", "bcast_linear", 1),
+    ]

@@ -6,7 +6,6 @@ import gc
 
 import pytest
 import torch
-
 from ddlab.runtime.memory import Ledger, OutOfMemory, tensor_bytes
 
 

@@ -33,12 +33,30 @@ def failures(output: str) -> str:
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.parametrize("ranks", [4, 3])
 def test_under_mpiexec(ranks: int) -> None:
-    command = [sys.executable, "-m", "pytest", str(MPI_TESTS), "--mpi-suite", "-q", "-p", "no:cacheprovider",
-               "-p", "no:warnings", "-o", "addopts=", "--import-mode=importlib", "--timeout", str(TEST_TIMEOUT),
-               "--timeout-method", "thread", "-ra"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(MPI_TESTS),
+        "--mpi-suite",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:warnings",
+        "-o",
+        "addopts=",
+        "--import-mode=importlib",
+        "--timeout",
+        str(TEST_TIMEOUT),
+        "--timeout-method",
+        "thread",
+        "-ra",
+    ]
     try:
         done = run_ranks(ranks, command, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"tests/mpi on {ranks} ranks did not finish in {TIMEOUT} s:\n{(err.output or '')[-20000:]}")
-    assert done.returncode == 0, (f"tests/mpi failed on {ranks} ranks:\n{failures(done.stdout)}\n\n"
-                                  f"{done.stdout[-20000:]}")
+    assert done.returncode == 0, (
+        f"tests/mpi failed on {ranks} ranks:\n{failures(done.stdout)}\n\n{done.stdout[-20000:]}"
+    )

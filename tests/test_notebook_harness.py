@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import nbformat
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +27,10 @@ def run_notebook(tmp_path: Path, folder: str, cells: list[tuple[str, list[str]]]
         shutil.copy(ROOT / name, tmp_path / name)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", folder, "-p", "no:warnings", "-q", *args],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return done.stdout + done.stderr
 
@@ -39,10 +41,14 @@ def test_a_lab_check_that_passes_on_its_stub_fails_the_run(tmp_path):
 
 
 def test_a_lab_check_that_raises_the_stub_error_passes(tmp_path):
-    report = run_notebook(tmp_path, "labs", [
-        ("def f():\n    raise NotImplementedError('Exercise 9.1 (f) is not done yet')", []),
-        ("f()", ["check", "raises-exception"]),
-    ])
+    report = run_notebook(
+        tmp_path,
+        "labs",
+        [
+            ("def f():\n    raise NotImplementedError('Exercise 9.1 (f) is not done yet')", []),
+            ("f()", ["check", "raises-exception"]),
+        ],
+    )
     assert "2 passed" in report and "failed" not in report, report
 
 
@@ -52,6 +58,7 @@ def test_a_lab_check_that_fails_for_another_reason_fails_the_run(tmp_path):
 
 
 def test_a_cell_timeout_fails_the_run(tmp_path):
-    report = run_notebook(tmp_path, "solutions", [("import time\ntime.sleep(60)", []), ("y = 2", [])],
-                          "--nbval-cell-timeout=3")
+    report = run_notebook(
+        tmp_path, "solutions", [("import time\ntime.sleep(60)", []), ("y = 2", [])], "--nbval-cell-timeout=3"
+    )
     assert "2 failed in" in report and "Timeout" in report, report

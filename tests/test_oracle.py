@@ -6,15 +6,29 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
-from ddlab.runtime.memory import Ledger
+from ddlab.allreduce.cost import Link, collective_seconds
 from ddlab.models import UNet, make_mlp
 from ddlab.models.cnn import resnet50, vgg16
-from ddlab.allreduce.cost import Link, collective_seconds
-from ddlab.oracle import (Curves, LayerInfo, ModelInfo, Platform, channel_parallel, data,
-                          data_parallel_memory, data_parallel_time, describe, filter_parallel, gpu_cluster, pipeline,
-                          plan, spatial, spatial_memory, spatial_time)
+from ddlab.oracle import (
+    Curves,
+    LayerInfo,
+    ModelInfo,
+    Platform,
+    channel_parallel,
+    data,
+    data_parallel_memory,
+    data_parallel_time,
+    describe,
+    filter_parallel,
+    gpu_cluster,
+    pipeline,
+    plan,
+    spatial,
+    spatial_memory,
+    spatial_time,
+)
+from ddlab.runtime.memory import Ledger
+from torch import nn
 
 FLAT = Platform("test", devices_per_node=4, flops=1e9, memory=2**30, intra=Link(1e-5, 1e-9), inter=Link(1e-4, 1e-8))
 

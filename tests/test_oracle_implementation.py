@@ -7,12 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from ddlab.allreduce.cost import Link, collective_seconds
 from ddlab.oracle import Curves, Platform, describe, filter_parallel, spatial
 from ddlab.oracle.implementation import LocalComm, LocalHalo
 from ddlab.oracle.strategies import channel_exchanges, halo_layers, halo_rows_padded, pipeline, sync_share
+from torch import nn
 
 NET = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
 INFO = describe(NET, (2, 8, 8))
@@ -24,8 +23,16 @@ def platform(overheads: dict[str, float], curves: dict[str, float]) -> Platform:
     table = Curves()
     for op, seconds in curves.items():
         table.add(op, 2, [1, 1e6], [seconds, seconds])
-    return Platform("test", devices_per_node=2, flops=1e9, memory=2**30, intra=Link(1e-5, 1e-9),
-                    inter=Link(1e-5, 1e-9), curves=table, overheads=overheads)
+    return Platform(
+        "test",
+        devices_per_node=2,
+        flops=1e9,
+        memory=2**30,
+        intra=Link(1e-5, 1e-9),
+        inter=Link(1e-5, 1e-9),
+        curves=table,
+        overheads=overheads,
+    )
 
 
 def test_spatial_overhead_and_halo_curve_by_hand():
@@ -75,11 +82,22 @@ def test_stand_ins_move_no_data_but_keep_shapes():
 
 
 def test_a_pipeline_pays_sync_only_as_its_ranks_crowd_the_cores():
-    crowded = Platform("test", devices_per_node=4, flops=1e9, memory=2**30, intra=Link(1e-5, 1e-9),
-                       inter=Link(1e-5, 1e-9), contention=(1.0, 2.0, 3.0, 4.0), sync=1e-3)
+    crowded = Platform(
+        "test",
+        devices_per_node=4,
+        flops=1e9,
+        memory=2**30,
+        intra=Link(1e-5, 1e-9),
+        inter=Link(1e-5, 1e-9),
+        contention=(1.0, 2.0, 3.0, 4.0),
+        sync=1e-3,
+    )
     assert sync_share(1, crowded) == 0 and sync_share(4, crowded) == 1
     assert sync_share(2.5, crowded) == pytest.approx(0.5)
     free = Platform("test", 4, 1e9, 2**30, Link(1e-5, 1e-9), Link(1e-5, 1e-9), contention=(1.0,) * 4, sync=1e-3)
     assert sync_share(1, free) == 1
     # M = 1: one stage computes at a time, so its messages are priced without sync
-    assert pipeline(INFO, 2, 3, 1, crowded).communication == pipeline(INFO, 2, 3, 1, replace(crowded, sync=0)).communication
+    assert (
+        pipeline(INFO, 2, 3, 1, crowded).communication
+        == pipeline(INFO, 2, 3, 1, replace(crowded, sync=0)).communication
+    )

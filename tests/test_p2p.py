@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from ddlab import p2p
 from ddlab.checks import CheckFailed, check_fit_alpha_beta
 

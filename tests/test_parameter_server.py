@@ -4,10 +4,9 @@ import math
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.parameter_server import Consistency, LeastSquares, gossip_step, may_start, slowdowns, train
 from ddlab.parameter_server.messages import shard_bounds
+from mpi4py import MPI
 
 
 def test_gate_lets_a_worker_run_at_most_bound_steps_ahead():

@@ -1,7 +1,6 @@
 """Lab 10's cost model: a server's step grows with the workers and shrinks with the shards; the ring's does not."""
 
 import pytest
-
 from ddlab.allreduce.cost import Link, predict
 from ddlab.parameter_server.cost import GAMMA, allreduce_seconds, predicted, server_seconds
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from ddlab.tools.labgen import generate
 
 try:
@@ -31,8 +30,9 @@ def test_labs_are_what_the_generator_makes():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_notebooks_carry_no_outputs(path: Path):
     nb = nbformat.read(path, as_version=4)
-    dirty = [i for i, c in enumerate(nb.cells)
-             if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+    dirty = [
+        i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count is not None)
+    ]
     assert not dirty, f"{path.name}: cells {dirty} have outputs; clear them before committing"
     assert nb.metadata.get("kernelspec", {}).get("name") == "ddlab", f"{path.name}: use the ddlab kernel"
 

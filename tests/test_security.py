@@ -8,10 +8,9 @@ import json
 import stat
 from pathlib import Path
 
+import ddlab.runtime.cluster
 import psutil
 import pytest
-
-import ddlab.runtime.cluster
 from ddlab.tools import slurm
 
 LIBRARY = Path(ddlab.runtime.cluster.__file__).parent
@@ -66,8 +65,10 @@ def test_messages_are_signed_with_a_secret_key(local_cluster) -> None:
         assert len(info["key"]) >= 32 and info["signature_scheme"] == "hmac-sha256"
     assert client.session.auth is not None and client.session.key
     view = client[:]
-    view.execute("_session = get_ipython().kernel.session; _signing = (_session.signature_scheme, bool(_session.key))",
-                 block=True)
+    view.execute(
+        "_session = get_ipython().kernel.session; _signing = (_session.signature_scheme, bool(_session.key))",
+        block=True,
+    )
     assert view.pull("_signing", block=True) == [("hmac-sha256", True)]
 
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.data import StressStrainCurves
-from ddlab.shuffling import exchange_plan, exchanged_count, remove_store, stage, write_shared
-from ddlab.shuffling import affordable_ranks, epoch_read_time
 from ddlab.runtime.blocks import block_bounds
+from ddlab.shuffling import (
+    affordable_ranks,
+    epoch_read_time,
+    exchange_plan,
+    exchanged_count,
+    remove_store,
+    stage,
+    write_shared,
+)
+from mpi4py import MPI
 
 
 @pytest.mark.parametrize("n, size, q", [(10, 3, 0.3), (103, 4, 0.1), (50, 5, 1.0), (7, 4, 0.0), (0, 2, 0.5)])

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from ddlab.tools import doctor
 from ddlab.runtime import mpi
+from ddlab.tools import doctor
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 #: Lab 02 (collectives on 4 engines), and lab 00, whose hang and crash recovery restarts them.
 LABS = [ROOT / "solutions" / "02_collectives.ipynb", ROOT / "solutions" / "00_cluster.ipynb"]
+
 
 @pytest.fixture(autouse=True)
 def nothing_left(request: pytest.FixtureRequest):
@@ -65,8 +65,17 @@ def test_solution_runs_on_engines_started_by_slurm(slurm, lab: Path) -> None:
     assert lab.exists(), f"{lab} is missing"
     before = {job["JobId"] for job in _engine_jobs(slurm)}
     env = {**os.environ, "DDLAB_PROFILE": "slurm"}
-    command = [sys.executable, "-m", "pytest", str(lab.relative_to(ROOT)), "-q",
-               "-p", "no:cacheprovider", "-p", "no:warnings"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(lab.relative_to(ROOT)),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:warnings",
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, f"{lab.name} failed on Slurm engines:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
     jobs = [job for job in _engine_jobs(slurm) if job["JobId"] not in before]
@@ -75,8 +84,12 @@ def test_solution_runs_on_engines_started_by_slurm(slurm, lab: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_doctor_reports_clean_on_slurm(slurm, as_set_up: None) -> None:
-    done = subprocess.run([str(Path(sys.executable).parent / "ddlab"), "doctor", "--profile", "slurm", "-n", "2",
-                           "--timeout", "300"], capture_output=True, text=True, timeout=540)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "ddlab"), "doctor", "--profile", "slurm", "-n", "2", "--timeout", "300"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.rstrip().endswith("All checks passed."), done.stdout
     assert "ok    engines: 2 engines on profile 'slurm'" in done.stdout

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ddlab.tools import slurm
 from ddlab.runtime import cluster, mpi
+from ddlab.tools import slurm
 
 
 def test_the_settings_file_loads_with_its_defaults() -> None:
@@ -22,19 +21,25 @@ def test_the_settings_file_loads_with_its_defaults() -> None:
 def test_environment_variables_override_the_file(tmp_path: Path) -> None:
     path = tmp_path / "settings.py"
     path.write_text('partition = "big"\nengines_per_node = 8\n')
-    env = {"DDLAB_SLURM_PARTITION": "teaching", "DDLAB_SLURM_CPUS_PER_ENGINE": "2",
-           "DDLAB_SLURM_SBATCH_OPTIONS": "--qos=course --reservation=lab1"}
+    env = {
+        "DDLAB_SLURM_PARTITION": "teaching",
+        "DDLAB_SLURM_CPUS_PER_ENGINE": "2",
+        "DDLAB_SLURM_SBATCH_OPTIONS": "--qos=course --reservation=lab1",
+    }
     settings = slurm.load_settings(path, env)
     assert (settings.partition, settings.engines_per_node, settings.cpus_per_engine) == ("teaching", 8, 2)
     assert settings.sbatch_options == ["--qos=course", "--reservation=lab1"]
 
 
-@pytest.mark.parametrize("text, words", [
-    ("partiton = 'x'\n", "unknown setting(s) partiton"),
-    ("engines_per_node = 0\n", "engines_per_node must be a positive whole number"),
-    ("launcher = 'ssh'\n", "launcher must be one of auto, mpiexec, srun"),
-    ("sbatch_options = '--qos=x'\n", "sbatch_options must be a list"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("partiton = 'x'\n", "unknown setting(s) partiton"),
+        ("engines_per_node = 0\n", "engines_per_node must be a positive whole number"),
+        ("launcher = 'ssh'\n", "launcher must be one of auto, mpiexec, srun"),
+        ("sbatch_options = '--qos=x'\n", "sbatch_options must be a list"),
+    ],
+)
 def test_mistakes_in_the_settings_are_named(tmp_path: Path, text: str, words: str) -> None:
     path = tmp_path / "settings.py"
     path.write_text(text)
@@ -58,19 +63,36 @@ def test_auto_picks_what_works_with_each_wheel() -> None:
 @pytest.fixture
 def script(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """script(n, name=value...): the engines' job script with those DDLAB_SLURM_* settings."""
+
     def make(n: int, **env: str) -> str:
         for name, value in env.items():
             monkeypatch.setenv("DDLAB_SLURM_" + name.upper(), value)
         return slurm.SlurmEngines(profile_dir=str(tmp_path), cluster_id="c1").batch_script(n)
+
     return make
 
 
 def test_the_job_asks_for_nodes_by_engines_per_node(script) -> None:
-    text = script(10, engines_per_node="4", cpus_per_engine="2", partition="course",
-                     account="cs101", time="01:30:00", sbatch_options="--qos=teach")
-    for line in ["#SBATCH --ntasks=10", "#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=4",
-                 "#SBATCH --cpus-per-task=2", "#SBATCH --time=01:30:00", "#SBATCH --partition=course",
-                 "#SBATCH --account=cs101", "#SBATCH --qos=teach", "export OMP_NUM_THREADS=2"]:
+    text = script(
+        10,
+        engines_per_node="4",
+        cpus_per_engine="2",
+        partition="course",
+        account="cs101",
+        time="01:30:00",
+        sbatch_options="--qos=teach",
+    )
+    for line in [
+        "#SBATCH --ntasks=10",
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --cpus-per-task=2",
+        "#SBATCH --time=01:30:00",
+        "#SBATCH --partition=course",
+        "#SBATCH --account=cs101",
+        "#SBATCH --qos=teach",
+        "export OMP_NUM_THREADS=2",
+    ]:
         assert line in text.splitlines()
 
 
@@ -131,8 +153,13 @@ def test_every_profile_loads() -> None:
 
 def test_the_course_kernel_starts_engines_in_the_notebooks_job(tmp_path: Path) -> None:
     script = cluster.CLUSTERS_DIR / "jupyterhub" / "install_kernel.sh"
-    done = subprocess.run([str(script), "--prefix", str(tmp_path)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHON": sys.executable})
+    done = subprocess.run(
+        [str(script), "--prefix", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert done.returncode == 0, done.stderr
     spec = json.loads((tmp_path / "share" / "jupyter" / "kernels" / "ddlab" / "kernel.json").read_text())
     assert spec["display_name"] == "Python (ddlab)" and spec["argv"][0] == sys.executable

@@ -6,9 +6,8 @@ import json
 import time
 
 import pytest
-from mpi4py import MPI
-
 from ddlab.runtime.trace import Span, Tracer, breakdown, chrome_trace, gather_spans, totals, write_chrome_trace
+from mpi4py import MPI
 
 
 def test_spans_record_their_duration():
@@ -29,8 +28,13 @@ def test_a_disabled_tracer_records_nothing():
 
 
 def test_exclusive_totals_subtract_nested_spans():
-    spans = [Span("backward", 0.0, 10.0), Span("allreduce", 2.0, 3.0), Span("allreduce", 8.0, 10.0),
-             Span("optimizer", 10.0, 11.0), Span("bucket 0", 2.0, 9.0, track="in flight")]
+    spans = [
+        Span("backward", 0.0, 10.0),
+        Span("allreduce", 2.0, 3.0),
+        Span("allreduce", 8.0, 10.0),
+        Span("optimizer", 10.0, 11.0),
+        Span("bucket 0", 2.0, 9.0, track="in flight"),
+    ]
     assert totals(spans) == {"backward": 7.0, "allreduce": 3.0, "optimizer": 1.0}
     assert totals(spans, exclusive=False) == {"backward": 10.0, "allreduce": 3.0, "optimizer": 1.0}
     assert totals(spans, track="in flight") == {"bucket 0": 7.0}
@@ -49,13 +53,23 @@ def test_breakdown_fills_missing_phases_with_zero():
 
 
 def test_chrome_trace_has_a_process_per_rank_and_a_thread_per_track(tmp_path):
-    per_rank = [[Span("forward", 0.001, 0.002, rank=0), Span("bucket 0", 0.0015, 0.003, "in flight", 0)],
-                [Span("forward", 0.001, 0.0025, rank=1)]]
+    per_rank = [
+        [Span("forward", 0.001, 0.002, rank=0), Span("bucket 0", 0.0015, 0.003, "in flight", 0)],
+        [Span("forward", 0.001, 0.0025, rank=1)],
+    ]
     trace = chrome_trace(per_rank)
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert [(e["pid"], e["tid"], e["name"]) for e in complete] == [(0, 0, "forward"), (0, 1, "bucket 0"), (1, 0, "forward")]
+    assert [(e["pid"], e["tid"], e["name"]) for e in complete] == [
+        (0, 0, "forward"),
+        (0, 1, "bucket 0"),
+        (1, 0, "forward"),
+    ]
     assert complete[0]["ts"] == pytest.approx(1000.0) and complete[0]["dur"] == pytest.approx(1000.0)
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace["traceEvents"] if e["name"] in ("process_name", "thread_name")}
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["name"] in ("process_name", "thread_name")
+    }
     assert names[(0, None)] == "rank 0" and names[(0, 1)] == "in flight"
     path = write_chrome_trace(tmp_path / "sub" / "run.trace.json", per_rank)
     assert json.loads(path.read_text()) == trace

@@ -6,10 +6,20 @@ import itertools
 
 import pytest
 import torch
-
 from ddlab.data.images import CLASSES, make_segmentation
-from ddlab.model_parallel import (Crossings, PiecePlan, StagePlan, balanced_split, check_bounds, layer_order_pieces,
-                                  naive_split, profile_layers, stage_costs, trace_shapes, u_split)
+from ddlab.model_parallel import (
+    Crossings,
+    PiecePlan,
+    StagePlan,
+    balanced_split,
+    check_bounds,
+    layer_order_pieces,
+    naive_split,
+    profile_layers,
+    stage_costs,
+    trace_shapes,
+    u_split,
+)
 from ddlab.models.unet import UNet, layer_names
 
 
@@ -115,4 +125,6 @@ def test_layer_order_pieces_send_the_skips_a_layer_order_split_sends():
     bounds = naive_split(len(model.layers), 3)
     pieces = PiecePlan(model, layer_order_pieces(bounds), (3, 16, 16))
     stages = StagePlan(model, bounds, (3, 16, 16))
-    assert [(e.name, e.src, e.dst, e.shape) for e in pieces.edges] == [(e.name, e.src, e.dst, e.shape) for e in stages.edges]
+    assert [(e.name, e.src, e.dst, e.shape) for e in pieces.edges] == [
+        (e.name, e.src, e.dst, e.shape) for e in stages.edges
+    ]

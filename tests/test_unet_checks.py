@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from ddlab.checks import CheckFailed, check_balanced_split, check_gpipe, check_one_f_one_b, check_pipedream_partition
 from ddlab.model_parallel import balanced_split, naive_split
 from ddlab.pipeline import gpipe, one_f_one_b, pipedream_partition
@@ -30,14 +29,17 @@ def test_balanced_split_check_passes_the_reference(capsys):
     assert capsys.readouterr().out.count("passed") == 3
 
 
-@pytest.mark.parametrize("wrong, says", [
-    (lambda costs, k: naive_split(len(costs), k), "get the largest down to"),
-    (greedy_without_search, "bounds"),
-    (lambda costs, k: balanced_split(costs, k)[1:], "are not"),
-    (lambda costs, k: None, "return a list"),
-    (lambda costs, k: [float(b) for b in balanced_split(costs, k)], "return a list"),
-    (lambda costs, k: [True, *balanced_split(costs, k)[1:]], "return a list"),
-])
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (lambda costs, k: naive_split(len(costs), k), "get the largest down to"),
+        (greedy_without_search, "bounds"),
+        (lambda costs, k: balanced_split(costs, k)[1:], "are not"),
+        (lambda costs, k: None, "return a list"),
+        (lambda costs, k: [float(b) for b in balanced_split(costs, k)], "return a list"),
+        (lambda costs, k: [True, *balanced_split(costs, k)[1:]], "return a list"),
+    ],
+)
 def test_balanced_split_check_fails_wrong_answers(wrong, says):
     with pytest.raises(CheckFailed, match=says):
         check_balanced_split(wrong)
@@ -64,14 +66,17 @@ def test_schedule_checks_pass_the_reference(capsys):
     assert capsys.readouterr().out.count("passed") == 2
 
 
-@pytest.mark.parametrize("check, wrong", [
-    (check_gpipe, gpipe_backwards_reversed),
-    (check_gpipe, one_f_one_b),
-    (check_one_f_one_b, gpipe),
-    (check_one_f_one_b, one_f_one_b_without_warmup),
-    (check_one_f_one_b, one_f_one_b_warmup_too_long),
-    (check_one_f_one_b, lambda k, m, stage: None),
-])
+@pytest.mark.parametrize(
+    "check, wrong",
+    [
+        (check_gpipe, gpipe_backwards_reversed),
+        (check_gpipe, one_f_one_b),
+        (check_one_f_one_b, gpipe),
+        (check_one_f_one_b, one_f_one_b_without_warmup),
+        (check_one_f_one_b, one_f_one_b_warmup_too_long),
+        (check_one_f_one_b, lambda k, m, stage: None),
+    ],
+)
 def test_schedule_checks_fail_wrong_orders(check, wrong):
     with pytest.raises(CheckFailed, match="expected|returned"):
         check(wrong)
@@ -93,6 +98,7 @@ def test_partition_check_passes_the_reference_and_fails_mistakes():
 
 def test_partition_check_does_not_show_the_answer_for_malformed_bounds():
     from ddlab.checks.pipeline import _cases
+
     n, k, stage_time, _ = _cases()[0]
 
     def drops_the_end(n, k, stage_time):

@@ -40,8 +40,10 @@ def skip_or_fail(what: str, err: Exception) -> None:
     """Skip saying what is missing, or fail under CI=true."""
     if IN_CI:
         pytest.fail(f"CI=true, so the {what} tests must run, but: {err}")
-    pytest.skip(f"{what} tests skipped: {err}. Their set-up installs it as root with apt-get, pip and npm; "
-                "they always run in CI.")
+    pytest.skip(
+        f"{what} tests skipped: {err}. Their set-up installs it as root with apt-get, pip and npm; "
+        "they always run in CI."
+    )
 
 
 def pip_install(*requirements: str, timeout: float = 600) -> None:
@@ -58,8 +60,9 @@ def pip_install(*requirements: str, timeout: float = 600) -> None:
 def install_browser() -> None:
     """Chromium (apt-get) and Playwright (pip), unless present."""
     try:
-        single_node.apt_install(CHROMIUM_PACKAGES, lambda: [] if os.path.exists(CHROMIUM) else [CHROMIUM],
-                                "Chromium", timeout=600)
+        single_node.apt_install(
+            CHROMIUM_PACKAGES, lambda: [] if os.path.exists(CHROMIUM) else [CHROMIUM], "Chromium", timeout=600
+        )
     except single_node.CannotInstall as err:
         raise Missing(str(err)) from None
     if importlib.util.find_spec("playwright") is None:
@@ -90,8 +93,10 @@ def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout: float
         except OSError:
             pass
         if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not answer ({'exited' if process.poll() is not None else 'timed out'}):\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
+            raise RuntimeError(
+                f"{url} did not answer ({'exited' if process.poll() is not None else 'timed out'}):\n"
+                f"{log.read_text(errors='replace')[-4000:]}"
+            )
         time.sleep(0.3)
 
 
@@ -116,8 +121,9 @@ def stop_process_tree(process: subprocess.Popen, timeout: float = 30) -> list[st
 
 def listening(port: int) -> bool:
     """True if something on this machine still listens on `port`."""
-    return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
-               for c in psutil.net_connections("tcp"))
+    return any(
+        c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp")
+    )
 
 
 def copy_notebooks(paths: list[str], folder: Path) -> None:
@@ -129,9 +135,11 @@ def copy_notebooks(paths: list[str], folder: Path) -> None:
 
 def write_lab_settings(settings_dir: Path) -> None:
     """JupyterLab user settings: render every cell (not only those in view), never autosave."""
-    for plugin, values in {"notebook-extension/tracker": '{"windowingMode": "none"}',
-                           "docmanager-extension/plugin": '{"autosave": false}',
-                           "apputils-extension/notification": '{"fetchNews": "false", "checkForUpdates": false}'}.items():
+    for plugin, values in {
+        "notebook-extension/tracker": '{"windowingMode": "none"}',
+        "docmanager-extension/plugin": '{"autosave": false}',
+        "apputils-extension/notification": '{"fetchNews": "false", "checkForUpdates": false}',
+    }.items():
         path = settings_dir / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(values)

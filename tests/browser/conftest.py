@@ -35,8 +35,9 @@ def browser():
     playwright = sync_playwright().start()
     try:
         # As root, Chromium runs only without its sandbox (containers, CI).
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                              args=["--no-sandbox"] if os.geteuid() == 0 else [])
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox"] if os.geteuid() == 0 else []
+        )
         try:
             yield chromium
         finally:
@@ -71,5 +72,3 @@ def page(browser, request: pytest.FixtureRequest):
                     ARTEFACTS.mkdir(parents=True, exist_ok=True)
                     tab.screenshot(path=str(ARTEFACTS / f"{name}.png"))
         context.close()
-
-

@@ -98,7 +98,10 @@ class NotebookPage:
         dialog.locator("button.jp-mod-accept").click()
         self.page.wait_for_function(
             """name => { const k = document.querySelector('.jp-NotebookPanel-toolbar .jp-Toolbar-kernelName');
-                         return k && k.innerText.trim() === name; }""", arg=name, timeout=timeout * 1000)
+                         return k && k.innerText.trim() === name; }""",
+            arg=name,
+            timeout=timeout * 1000,
+        )
         self.wait_until_idle(timeout)
 
     def wait_until_idle(self, timeout: float) -> None:
@@ -108,7 +111,8 @@ class NotebookPage:
             state = self.page.evaluate(
                 """() => { const i = document.querySelector('.jp-NotebookPanel-toolbar .jp-Notebook-ExecutionIndicator');
                            const prompts = Array.from(document.querySelectorAll('.jp-Notebook .jp-InputArea-prompt'));
-                           return [i ? i.getAttribute('data-status') : '', prompts.some(p => p.innerText.includes('*'))]; }""")
+                           return [i ? i.getAttribute('data-status') : '', prompts.some(p => p.innerText.includes('*'))]; }"""
+            )
             if state == ["idle", False]:
                 return
             if time.monotonic() > deadline:
@@ -126,7 +130,9 @@ class NotebookPage:
         self.menu("Run", "Run All Cells")
         self.page.wait_for_function(  # the run has started: the first code cell is queued or done
             "() => Array.from(document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputArea-prompt'))"
-            ".some(p => /\\[[0-9*]+\\]/.test(p.innerText))", timeout=30_000)
+            ".some(p => /\\[[0-9*]+\\]/.test(p.innerText))",
+            timeout=30_000,
+        )
         self.wait_until_idle(timeout)
 
     def add_cell(self, code: str) -> None:
@@ -144,7 +150,9 @@ class NotebookPage:
         self.menu("Kernel", "Shut Down Kernel")
         self.page.wait_for_function(
             """() => { const k = document.querySelector('.jp-NotebookPanel-toolbar .jp-Toolbar-kernelName');
-                       return k && k.innerText.trim() === 'No Kernel'; }""", timeout=timeout * 1000)
+                       return k && k.innerText.trim() === 'No Kernel'; }""",
+            timeout=timeout * 1000,
+        )
 
     def run_cell(self) -> None:
         """Shift+Enter in the cell being edited."""
@@ -162,8 +170,9 @@ class NotebookPage:
         for i, cell in enumerate(shown):
             meta = sources[i] if i < len(sources) else {"source": "", "metadata": {}}
             source = "".join(meta["source"]) if isinstance(meta["source"], list) else meta["source"]
-            cells.append(Cell(i, source, meta["metadata"].get("tags", []), cell["code"], cell["prompt"],
-                              cell["outputs"]))
+            cells.append(
+                Cell(i, source, meta["metadata"].get("tags", []), cell["code"], cell["prompt"], cell["outputs"])
+            )
         return cells
 
     def screenshot(self, path: Path) -> None:
@@ -209,7 +218,9 @@ def _draws(node: ast.AST, drawers: set[str]) -> bool:
     return False
 
 
-def student_view_problems(cells: list[Cell], notebook: Path, in_lab: bool, notices: tuple[re.Pattern, ...] = ()) -> list[str]:
+def student_view_problems(
+    cells: list[Cell], notebook: Path, in_lab: bool, notices: tuple[re.Pattern, ...] = ()
+) -> list[str]:
     """What in the rendered cells a student should not see, or misses; empty when all is well.
 
     - every code cell ran (a number in its prompt);

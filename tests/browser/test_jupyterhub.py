@@ -66,8 +66,12 @@ def install_hub() -> Path:
         if shutil.which("npm") is None:
             raise Missing("configurable-http-proxy is not installed and there is no npm to install it")
         npm_cache().mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(npm_cache()), PROXY],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(npm_cache()), PROXY],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if done.returncode != 0 or not proxy.exists():
             raise Missing(f"`npm install {PROXY}` failed:\n{done.stderr[-2000:]}")
     try:
@@ -92,17 +96,17 @@ def hub_config(folder: Path, proxy: Path, ports: dict[str, int], user: str, pass
 load_subconfig({str(EXAMPLE)!r})
 
 # Ports and addresses: everything on loopback, on free ports.
-c.JupyterHub.bind_url = "http://127.0.0.1:{ports['public']}"
+c.JupyterHub.bind_url = "http://127.0.0.1:{ports["public"]}"
 c.JupyterHub.hub_ip = "127.0.0.1"
-c.JupyterHub.hub_port = {ports['hub']}
-c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{ports['proxy_api']}"
+c.JupyterHub.hub_port = {ports["hub"]}
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{ports["proxy_api"]}"
 # Paths: the hub's state, the proxy from npm, the course folder, the private Slurm.
-c.JupyterHub.db_url = "sqlite:///{folder / 'jupyterhub.sqlite'}"
-c.JupyterHub.cookie_secret_file = {str(folder / 'cookie_secret')!r}
-c.JupyterHub.pid_file = {str(folder / 'jupyterhub.pid')!r}
+c.JupyterHub.db_url = "sqlite:///{folder / "jupyterhub.sqlite"}"
+c.JupyterHub.cookie_secret_file = {str(folder / "cookie_secret")!r}
+c.JupyterHub.pid_file = {str(folder / "jupyterhub.pid")!r}
 c.ConfigurableHTTPProxy.command = [{str(proxy)!r}]
-c.ConfigurableHTTPProxy.pid_file = {str(folder / 'proxy.pid')!r}
-c.Spawner.notebook_dir = {str(folder / 'course')!r}
+c.ConfigurableHTTPProxy.pid_file = {str(folder / "proxy.pid")!r}
+c.Spawner.notebook_dir = {str(folder / "course")!r}
 for _profile in c.ProfilesSpawner.profiles:
     _settings = _profile[3]
     if "req_prologue" in _settings:
@@ -137,8 +141,13 @@ def hub(browser, slurm, tmp_path_factory: pytest.TempPathFactory):
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     log = folder / "jupyterhub.log"
     with open(log, "w") as out:
-        process = subprocess.Popen([str(Path(sys.executable).parent / "jupyterhub"), "-f", "jupyterhub_config.py"],
-                                   cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "jupyterhub"), "-f", "jupyterhub_config.py"],
+            cwd=folder,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{ports['public']}"
     try:
         wait_for_http(f"{url}/hub/api", process, log, timeout=120, status=200)  # the hub, not its proxy
@@ -218,9 +227,17 @@ def test_config_example_is_what_the_hub_test_runs() -> None:
     text = hub_config(Path("/x"), Path("/p"), {"public": 1, "hub": 2, "proxy_api": 3}, "u", "pw", Path("/s"))
     overridden = set(re.findall(r"^(c\.\w+\.\w+)", text, re.MULTILINE))
     assert overridden <= {
-        "c.JupyterHub.bind_url", "c.JupyterHub.hub_ip", "c.JupyterHub.hub_port", "c.ConfigurableHTTPProxy.api_url",
-        "c.JupyterHub.db_url", "c.JupyterHub.cookie_secret_file", "c.JupyterHub.pid_file",
-        "c.ConfigurableHTTPProxy.command", "c.ConfigurableHTTPProxy.pid_file", "c.Spawner.notebook_dir",
+        "c.JupyterHub.bind_url",
+        "c.JupyterHub.hub_ip",
+        "c.JupyterHub.hub_port",
+        "c.ConfigurableHTTPProxy.api_url",
+        "c.JupyterHub.db_url",
+        "c.JupyterHub.cookie_secret_file",
+        "c.JupyterHub.pid_file",
+        "c.ConfigurableHTTPProxy.command",
+        "c.ConfigurableHTTPProxy.pid_file",
+        "c.Spawner.notebook_dir",
         "c.JupyterHub.authenticator_class",
-        "c.SharedPasswordAuthenticator.user_password", "c.Authenticator.allowed_users",
+        "c.SharedPasswordAuthenticator.user_password",
+        "c.Authenticator.allowed_users",
     }, overridden

@@ -17,7 +17,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from browser_support import ROOT, copy_notebooks, free_port, listening, stop_process_tree, wait_for_http, write_lab_settings
+from browser_support import (
+    ROOT,
+    copy_notebooks,
+    free_port,
+    listening,
+    stop_process_tree,
+    wait_for_http,
+    write_lab_settings,
+)
 from notebook_page import ENGINES_DOWN, NotebookPage, student_view_problems
 
 #: (notebook, seconds allowed for Run All); the fast labs, as the course's own tests run them.
@@ -39,9 +47,18 @@ def jupyterlab(browser, tmp_path_factory: pytest.TempPathFactory):
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "DDLAB_PROGRESS")}
     env.update(JUPYTER_CONFIG_DIR=str(folder / "config"), JUPYTER_RUNTIME_DIR=str(folder / "runtime"))
     jupyter = Path(sys.executable).parent / "jupyter"
-    command = [str(jupyter), "lab", f"--notebook-dir={root}", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-               "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               f"--LabApp.user_settings_dir={folder / 'settings'}", f"--LabApp.workspaces_dir={folder / 'workspaces'}"]
+    command = [
+        str(jupyter),
+        "lab",
+        f"--notebook-dir={root}",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--LabApp.user_settings_dir={folder / 'settings'}",
+        f"--LabApp.workspaces_dir={folder / 'workspaces'}",
+    ]
     command += ["--allow-root"] if os.geteuid() == 0 else []
     log = folder / "jupyterlab.log"
     with open(log, "w") as out:
@@ -80,6 +97,7 @@ def test_run_all_shows_what_a_student_expects(page, jupyterlab, path: str, secon
 
 def recover_from_a_hang(notebook: NotebookPage) -> None:
     """Lab 00's way out of a hang, clicked: stop button, restart(), and the notebook carries on."""
+
     def run(code: str, wait: bool = True) -> None:  # type into the empty last cell, Shift+Enter
         notebook.page.locator(".jp-Notebook .jp-Cell").last.locator(".cm-content").click()
         notebook.page.keyboard.insert_text(code)
@@ -89,8 +107,10 @@ def recover_from_a_hang(notebook: NotebookPage) -> None:
 
     notebook.add_cell("")
     run('rc = ddlab.runtime.cluster.start(n=4)\nkept = "variables kept"')
-    run("%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)",
-        wait=False)
+    run(
+        "%%px\nfrom mpi4py import MPI\nimport numpy as np\nMPI.COMM_WORLD.Recv(np.empty(1), source=MPI.ANY_SOURCE)",
+        wait=False,
+    )
     hung = notebook.page.locator(".jp-Notebook .jp-Cell").nth(-2)
     notebook.page.wait_for_timeout(3000)
     assert hung.locator(".jp-InputArea-prompt").inner_text().strip() == "[*]:", "the receive did not block"

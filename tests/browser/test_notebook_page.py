@@ -10,7 +10,11 @@ from notebook_page import ENGINES_DOWN, Cell, drawing_cells, student_view_proble
 
 NOTEBOOK = {
     "cells": [
-        {"cell_type": "code", "metadata": {}, "source": "import ddlab.plots\n\ndef show(x):\n    ddlab.plots.data_movement(x, x, '')"},
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "source": "import ddlab.plots\n\ndef show(x):\n    ddlab.plots.data_movement(x, x, '')",
+        },
         {"cell_type": "code", "metadata": {}, "source": "show(1)"},
         {"cell_type": "code", "metadata": {"tags": ["check"]}, "source": "%%px\nddlab.checks.check_x(x)"},
         {"cell_type": "code", "metadata": {"tags": ["raises-exception"]}, "source": "%%px --targets 3\nos._exit(1)"},
@@ -28,13 +32,20 @@ STDERR = "application/vnd.jupyter.stderr"
 
 def page(**changes: list[dict]) -> list[Cell]:
     """The page of a good run of NOTEBOOK, with some cells' outputs replaced."""
-    outputs = {0: [], 1: [out("", "image/png", images=1)], 2: [out("[stdout:0] passed: all ranks agree")],
-               3: [out("[Engine Exception]", STDERR), out("Only 3 of 4 engines are up: an engine crashed", STDERR)],
-               4: [out("1\n")]}
+    outputs = {
+        0: [],
+        1: [out("", "image/png", images=1)],
+        2: [out("[stdout:0] passed: all ranks agree")],
+        3: [out("[Engine Exception]", STDERR), out("Only 3 of 4 engines are up: an engine crashed", STDERR)],
+        4: [out("1\n")],
+    }
     for key, value in changes.items():
         outputs[int(key[1:])] = value
     cells = NOTEBOOK["cells"]
-    return [Cell(i, c["source"], c["metadata"].get("tags", []), True, f"[{i + 1}]:", outputs[i]) for i, c in enumerate(cells)]
+    return [
+        Cell(i, c["source"], c["metadata"].get("tags", []), True, f"[{i + 1}]:", outputs[i])
+        for i, c in enumerate(cells)
+    ]
 
 
 @pytest.fixture
@@ -49,15 +60,18 @@ def test_a_good_page_passes(notebook: Path) -> None:
     assert student_view_problems(page(), notebook, in_lab=False) == []
 
 
-@pytest.mark.parametrize("changes,complaint", [
-    ({"c1": [out("<Figure size 640x480 with 1 Axes>", "text/plain")]}, "draws a figure but shows no image"),
-    ({"c2": [out("[stdout:0] all good")]}, "no 'passed:' line"),
-    ({"c4": [out("1\n"), out("Traceback ... ValueError", STDERR)]}, "shows error output"),
-    ({"c4": [out("Only 3 of 4 engines are up: an engine crashed", STDERR)]}, "shows error output"),
-    ({"c4": [out("2026-01-31 12:00:00.123 [IPEngine.0] Registering", "text/plain")]}, "log line"),
-    ({"c4": [out("train:  40%|████      | 4/10 [00:01<00:02,  3.1it/s]", STDERR)]}, "a progress bar"),
-    ({"c4": [out("", "application/vnd.jupyter.widget-view+json", widgets=1)]}, "a widget"),
-])
+@pytest.mark.parametrize(
+    "changes,complaint",
+    [
+        ({"c1": [out("<Figure size 640x480 with 1 Axes>", "text/plain")]}, "draws a figure but shows no image"),
+        ({"c2": [out("[stdout:0] all good")]}, "no 'passed:' line"),
+        ({"c4": [out("1\n"), out("Traceback ... ValueError", STDERR)]}, "shows error output"),
+        ({"c4": [out("Only 3 of 4 engines are up: an engine crashed", STDERR)]}, "shows error output"),
+        ({"c4": [out("2026-01-31 12:00:00.123 [IPEngine.0] Registering", "text/plain")]}, "log line"),
+        ({"c4": [out("train:  40%|████      | 4/10 [00:01<00:02,  3.1it/s]", STDERR)]}, "a progress bar"),
+        ({"c4": [out("", "application/vnd.jupyter.widget-view+json", widgets=1)]}, "a widget"),
+    ],
+)
 def test_each_problem_is_caught(notebook: Path, changes: dict, complaint: str) -> None:
     problems = student_view_problems(page(**changes), notebook, in_lab=False)
     assert any(complaint in p for p in problems), problems

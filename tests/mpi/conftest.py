@@ -1,7 +1,7 @@
 """Multi-rank tests: every rank runs the same tests; only rank 0's report is worth reading."""
 
-from mpi4py import MPI
 import pytest
+from mpi4py import MPI
 
 
 @pytest.fixture

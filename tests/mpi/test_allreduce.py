@@ -13,21 +13,22 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from mpi4py import MPI
-
-from ddlab.allreduce import cost
-from ddlab.allreduce import ALGORITHMS, allreduce_mpi
+from ddlab.allreduce import ALGORITHMS, allreduce_mpi, cost
 from ddlab.checks import check_allreduce_rabenseifner, check_allreduce_recursive_doubling, check_allreduce_ring
 from ddlab.checks._core import run_counted
 from ddlab.runtime.counting import rounds
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 SIZES = list(range(1, WORLD.size + 1)) if WORLD.size <= 4 else list(range(5, WORLD.size + 1))
 DTYPES = [np.float32, np.float64, np.int64]
 COLLECTIVE = settings(
-    derandomize=True, database=None, deadline=None, max_examples=40 if WORLD.size <= 4 else 8,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=40 if WORLD.size <= 4 else 8,
     suppress_health_check=list(HealthCheck),  # timing-based checks could differ between ranks
 )
 lengths = st.integers(0, 70) | st.sampled_from([0, 1, 2, 1000, 4099])
@@ -56,7 +57,7 @@ def inputs(n: int, dtype: type, size: int, seed: int) -> list[np.ndarray]:
     rngs = [np.random.default_rng([seed, rank]) for rank in range(size)]
     if np.dtype(dtype).kind == "f":
         return [rng.standard_normal(n).astype(dtype) for rng in rngs]
-    return [rng.integers(-2**40, 2**40, n) for rng in rngs]
+    return [rng.integers(-(2**40), 2**40, n) for rng in rngs]
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -91,17 +92,23 @@ def test_every_rank_gets_the_same_sum(name: str, n: int, dtype: type, seed: int)
 
 @pytest.mark.parametrize("name", ALGORITHMS)
 @COLLECTIVE
-@given(size=st.sampled_from([s for s in SIZES if s > 1]), n=st.integers(0, 9),
-       mismatch=st.sampled_from(["length", "dtype", "2-D", "list"]), culprit=st.integers(0, 5))
-def test_mismatched_inputs_raise_the_same_error_everywhere(name: str, size: int, n: int, mismatch: str,
-                                                           culprit: int) -> None:
+@given(
+    size=st.sampled_from([s for s in SIZES if s > 1]),
+    n=st.integers(0, 9),
+    mismatch=st.sampled_from(["length", "dtype", "2-D", "list"]),
+    culprit=st.integers(0, 5),
+)
+def test_mismatched_inputs_raise_the_same_error_everywhere(
+    name: str, size: int, n: int, mismatch: str, culprit: int
+) -> None:
     culprit %= size
 
     def body(comm: MPI.Comm) -> str | None:
         x = np.ones(n, dtype=np.float64)
         if comm.rank == culprit:
-            x = {"length": np.ones(n + 1), "dtype": x.astype(np.float32), "2-D": x.reshape(1, n),
-                 "list": list(x)}[mismatch]
+            x = {"length": np.ones(n + 1), "dtype": x.astype(np.float32), "2-D": x.reshape(1, n), "list": list(x)}[
+                mismatch
+            ]
         try:
             ALGORITHMS[name](comm, x)
         except ValueError as err:
@@ -130,7 +137,7 @@ def test_critical_path_matches_the_cost_model(name: str) -> None:
     for size in SIZES:
         n = 24 * size
 
-        def body(comm: MPI.Comm) -> str | None:
+        def body(comm: MPI.Comm, size: int = size, n: int = n) -> str | None:  # this iteration's size and n
             _, traffic = run_counted(comm, ALGORITHMS[name], (np.ones(n),), name)
             model = cost.terms(name, size, n * 8)
             heaviest = max(t.bytes_sent for t in traffic)
@@ -147,11 +154,14 @@ def test_critical_path_matches_the_cost_model(name: str) -> None:
         assert on_first(size, body) == []
 
 
-@pytest.mark.parametrize("check, reference", [
-    (check_allreduce_recursive_doubling, ALGORITHMS["recursive_doubling"]),
-    (check_allreduce_ring, ALGORITHMS["ring"]),
-    (check_allreduce_rabenseifner, ALGORITHMS["rabenseifner"]),
-])
+@pytest.mark.parametrize(
+    "check, reference",
+    [
+        (check_allreduce_recursive_doubling, ALGORITHMS["recursive_doubling"]),
+        (check_allreduce_ring, ALGORITHMS["ring"]),
+        (check_allreduce_rabenseifner, ALGORITHMS["rabenseifner"]),
+    ],
+)
 def test_checks_pass_the_references(check: Callable, reference: Callable, capsys: pytest.CaptureFixture) -> None:
     check(reference)
     out = capsys.readouterr().out

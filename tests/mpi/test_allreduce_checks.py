@@ -9,13 +9,22 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
-from ddlab.allreduce import (allreduce_recursive_doubling, allreduce_ring, fold_in, fold_out, largest_power_of_two,
-                             member_rank)
-from ddlab.checks import (CheckFailed, check_allreduce_rabenseifner, check_allreduce_recursive_doubling,
-                          check_allreduce_ring)
+from ddlab.allreduce import (
+    allreduce_recursive_doubling,
+    allreduce_ring,
+    fold_in,
+    fold_out,
+    largest_power_of_two,
+    member_rank,
+)
+from ddlab.checks import (
+    CheckFailed,
+    check_allreduce_rabenseifner,
+    check_allreduce_recursive_doubling,
+    check_allreduce_ring,
+)
 from ddlab.runtime.blocks import block_bounds
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 
@@ -23,8 +32,10 @@ WORLD = MPI.COMM_WORLD
 def _ring_steps(rank: int, size: int, step: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
     """(dest, source, chunk sent, chunk received) in reduce-scatter and in allgather step `step`."""
     right, left = (rank + 1) % size, (rank - 1) % size
-    return ((right, left, (rank - step) % size, (rank - step - 1) % size),
-            (right, left, (rank + 1 - step) % size, (rank - step) % size))
+    return (
+        (right, left, (rank - step) % size, (rank - step - 1) % size),
+        (right, left, (rank + 1 - step) % size, (rank - step) % size),
+    )
 
 
 def _direct_steps(rank: int, size: int, step: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
@@ -37,7 +48,7 @@ def _ring(comm, x, steps=_ring_steps, end_shift: int = 0) -> np.ndarray:
     """A reduce-scatter + allgather with pluggable partners, chunk ends moved by `end_shift`."""
     work, rank, size = x.copy(), comm.Get_rank(), comm.Get_size()
     bounds = block_bounds(work.size, size)
-    chunk = [work[bounds[c]:max(bounds[c], bounds[c + 1] + end_shift)] for c in range(size)]
+    chunk = [work[bounds[c] : max(bounds[c], bounds[c + 1] + end_shift)] for c in range(size)]
     for phase in (0, 1):
         for step in range(size - 1):
             dest, source, send, receive = steps(rank, size, step)[phase]
@@ -126,16 +137,16 @@ def rabenseifner_without_fold(comm, x):
         partner, middle = rank ^ distance, low + distance
         keep, give = ((low, middle), (middle, high)) if rank < partner else ((middle, high), (low, middle))
         incoming = np.empty(bounds[keep[1]] - bounds[keep[0]], dtype=work.dtype)
-        comm.Sendrecv(work[bounds[give[0]]:bounds[give[1]]].copy(), dest=partner, recvbuf=incoming, source=partner)
-        work[bounds[keep[0]]:bounds[keep[1]]] += incoming
+        comm.Sendrecv(work[bounds[give[0]] : bounds[give[1]]].copy(), dest=partner, recvbuf=incoming, source=partner)
+        work[bounds[keep[0]] : bounds[keep[1]]] += incoming
         (low, high), distance = keep, distance // 2
     distance = 1
     while distance < size:
         partner = rank ^ distance
         theirs = (low - distance, low) if rank > partner else (high, high + distance)
         incoming = np.empty(bounds[theirs[1]] - bounds[theirs[0]], dtype=work.dtype)
-        comm.Sendrecv(work[bounds[low]:bounds[high]].copy(), dest=partner, recvbuf=incoming, source=partner)
-        work[bounds[theirs[0]]:bounds[theirs[1]]] = incoming
+        comm.Sendrecv(work[bounds[low] : bounds[high]].copy(), dest=partner, recvbuf=incoming, source=partner)
+        work[bounds[theirs[0]] : bounds[theirs[1]]] = incoming
         low, high, distance = min(low, theirs[0]), max(high, theirs[1]), distance * 2
     return work
 
@@ -177,8 +188,9 @@ def test_a_deadlock_fails_instead_of_hanging() -> None:
         check_allreduce_ring(ring_that_deadlocks)
 
 
-@pytest.mark.parametrize("check", [check_allreduce_recursive_doubling, check_allreduce_ring,
-                                   check_allreduce_rabenseifner])
+@pytest.mark.parametrize(
+    "check", [check_allreduce_recursive_doubling, check_allreduce_ring, check_allreduce_rabenseifner]
+)
 def test_a_stub_raises_not_implemented_on_every_rank(check: Callable) -> None:
     with pytest.raises(NotImplementedError, match="Exercise 3.2"):
         check(stub)

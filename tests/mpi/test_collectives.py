@@ -10,12 +10,10 @@ import math
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab import collectives
-from ddlab.checks import (CheckFailed, check_bcast_linear, check_bcast_tree, check_reduce_linear,
-                          check_reduce_tree)
+from ddlab.checks import CheckFailed, check_bcast_linear, check_bcast_tree, check_reduce_linear, check_reduce_tree
 from ddlab.runtime.counting import CountingComm, gather_traffic, rounds
+from mpi4py import MPI
 
 STALL = 3.0  # seconds a check waits for a message that never comes, in tests that provoke one
 
@@ -34,12 +32,17 @@ def _needs(size: int) -> None:
 
 # The references ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("check, fn", [
-    (check_bcast_linear, collectives.bcast_linear),
-    (check_bcast_tree, collectives.bcast_tree),
-    (check_reduce_linear, collectives.reduce_linear),
-    (check_reduce_tree, collectives.reduce_tree),
-], ids=["bcast_linear", "bcast_tree", "reduce_linear", "reduce_tree"])
+
+@pytest.mark.parametrize(
+    "check, fn",
+    [
+        (check_bcast_linear, collectives.bcast_linear),
+        (check_bcast_tree, collectives.bcast_tree),
+        (check_reduce_linear, collectives.reduce_linear),
+        (check_reduce_tree, collectives.reduce_tree),
+    ],
+    ids=["bcast_linear", "bcast_tree", "reduce_linear", "reduce_tree"],
+)
 def test_references_pass(comm, check, fn, capsys):
     check(fn)
     out = capsys.readouterr().out
@@ -51,8 +54,10 @@ def test_references_pass(comm, check, fn, capsys):
 def test_references_agree_with_mpi(comm, root, dtype):
     root = root % comm.Get_size()
     x = (np.arange(10) * (comm.Get_rank() + 2)).astype(dtype)[::2]
-    for mine, theirs in [(collectives.bcast_linear, collectives.bcast_mpi),
-                         (collectives.bcast_tree, collectives.bcast_mpi)]:
+    for mine, theirs in [
+        (collectives.bcast_linear, collectives.bcast_mpi),
+        (collectives.bcast_tree, collectives.bcast_mpi),
+    ]:
         np.testing.assert_array_equal(mine(comm, x, root), theirs(comm, x, root))
     for mine in (collectives.reduce_linear, collectives.reduce_tree):
         got, want = mine(comm, x, root), collectives.reduce_mpi(comm, x, root)
@@ -72,6 +77,7 @@ def test_stub_passes_through(comm):
 
 
 # Rounds, as the tree checks count them ------------------------------------------------
+
 
 def _traffic(comm, fn, x, root=0):
     counting = CountingComm(comm)
@@ -115,6 +121,7 @@ def test_rounds_match_wildcard_receives(comm):
 
 # Wrong roots and results on the wrong rank ---------------------------------------------
 
+
 def bcast_linear_from_0(comm, x, root=0):
     """Ignores `root`: always broadcasts rank 0's x."""
     return collectives.bcast_linear(comm, x, 0)
@@ -152,6 +159,7 @@ def test_reduce_result_on_wrong_rank(comm):
 
 
 # Inputs modified, results that alias the input ------------------------------------------
+
 
 def bcast_into_x(comm, x, root=0):
     """Receives straight into x (changing the caller's array), returns a copy."""
@@ -194,6 +202,7 @@ def test_input_modified(comm):
 
 # Rank counts that are not powers of two ------------------------------------------------
 
+
 def bcast_hypercube(comm, x, root=0):
     """floor(log2 P) hypercube steps: right only when P is a power of two."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -230,6 +239,7 @@ def test_power_of_two_only(comm):
 
 
 # Wrong message counts --------------------------------------------------------------------
+
 
 def bcast_to_self_too(comm, x, root=0):
     """The root also sends to itself (and receives its own message)."""
@@ -268,7 +278,10 @@ def test_wrong_message_count(comm):
     message = _fails(check_bcast_linear, bcast_twice)
     assert "on 2 ranks" in message and "2 messages sent, expected P-1 = 1" in message
     message = _fails(check_bcast_tree, bcast_twice)
-    assert "2 messages sent, expected P-1 = 1" in message and "rank 0 sent 2 messages; in a binomial tree no rank sends" in message
+    assert (
+        "2 messages sent, expected P-1 = 1" in message
+        and "rank 0 sent 2 messages; in a binomial tree no rank sends" in message
+    )
     message = _fails(check_bcast_linear, bcast_sends_twice, timeout=STALL)
     assert "on 2 ranks" in message and "Stalled" in message and "Send to rank 1" in message
 
@@ -279,7 +292,11 @@ def test_tree_that_is_linear(comm):
     assert "on 4 ranks" in message and "took 3 rounds" in message and "ceil(log2 P) = 2" in message
     assert "rank 0 sent 3 messages" in message and "0->1, 0->2, 0->3" in message
     message = _fails(check_reduce_tree, collectives.reduce_linear)
-    assert "on 4 ranks" in message and "took 3 rounds" in message and "rank 0 received 3 messages; in a binomial tree no rank receives" in message
+    assert (
+        "on 4 ranks" in message
+        and "took 3 rounds" in message
+        and "rank 0 received 3 messages; in a binomial tree no rank receives" in message
+    )
 
 
 def bcast_tree_nearest_child_first(comm, x, root=0):
@@ -334,6 +351,7 @@ def test_linear_that_is_a_tree(comm):
 
 # The MPI library's own collectives ---------------------------------------------------------
 
+
 def bcast_with_mpi(comm, x, root=0):
     out = np.array(x, order="C")
     comm.Bcast(out, root=root)
@@ -355,6 +373,7 @@ def test_mpi_collectives_refused(comm):
 
 
 # Memory layout -------------------------------------------------------------------------------
+
 
 def bcast_sends_x_as_is(comm, x, root=0):
     """Sends x itself: fails on views that are not contiguous."""

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.allreduce.cost import Link
-from ddlab.compression import (GIGABIT_ETHERNET, CompressedAllreduce, SlowLinkComm, densify,
-                               hierarchical_allreduce, sparse_allreduce, top_k)
+from ddlab.compression import (
+    GIGABIT_ETHERNET,
+    CompressedAllreduce,
+    SlowLinkComm,
+    densify,
+    hierarchical_allreduce,
+    sparse_allreduce,
+    top_k,
+)
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
-from ddlab.allreduce import allreduce_ring
+from ddlab.allreduce import allgather_ring, allreduce_ring, reduce_scatter_ring
 from ddlab.checks import CheckFailed, check_hierarchical_allreduce, check_sparse_allreduce, check_top_k_with_feedback
-from ddlab.allreduce import allgather_ring, reduce_scatter_ring
-from ddlab.compression import (held_blocks, hierarchical_allreduce, sparse_allreduce,
-                               top_k_with_feedback)
+from ddlab.compression import held_blocks, hierarchical_allreduce, sparse_allreduce, top_k_with_feedback
 from ddlab.runtime.blocks import block_bounds
+from mpi4py import MPI
 
 
 def feedback_in_place(gradient, residual, k):
@@ -70,14 +67,17 @@ def test_feedback_check_accepts(fn, capsys) -> None:
         assert "passed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("fn, says", [
-    (feedback_forgotten, "without the residual"),
-    (residual_dropped, "what was not sent"),
-    (residual_of_the_gradient, "what was not sent"),
-    (indices_int64, "int32"),
-    (values_float64, "dtype"),
-    (gradient_modified, "changed the gradient"),
-])
+@pytest.mark.parametrize(
+    "fn, says",
+    [
+        (feedback_forgotten, "without the residual"),
+        (residual_dropped, "what was not sent"),
+        (residual_of_the_gradient, "what was not sent"),
+        (indices_int64, "int32"),
+        (values_float64, "dtype"),
+        (gradient_modified, "changed the gradient"),
+    ],
+)
 def test_feedback_check_fails(fn, says: str) -> None:
     with pytest.raises(CheckFailed, match=says):
         check_top_k_with_feedback(fn)
@@ -94,8 +94,8 @@ def sparse_packed_bytes(comm, indices, values, n):
     comm.Allgatherv(mine, [every, (counts * pair, starts)])
     total = np.zeros(n, values.dtype)
     for start, c in zip(starts, counts):
-        block = every[start:start + c * pair]
-        np.add.at(total, block[:4 * c].view(np.int32), block[4 * c:].view(values.dtype))
+        block = every[start : start + c * pair]
+        np.add.at(total, block[: 4 * c].view(np.int32), block[4 * c :].view(values.dtype))
     return total
 
 
@@ -163,13 +163,16 @@ def test_sparse_check_accepts(fn) -> None:
     check_sparse_allreduce(fn)
 
 
-@pytest.mark.parametrize("fn, says", [
-    (sparse_without_offsets, "wrong at"),
-    (sparse_overwriting_duplicates, "wrong at"),
-    (sparse_as_dense, "bytes"),
-    (sparse_int64_indices, "int32"),
-    (sparse_through_allreduce, "Allreduce"),
-])
+@pytest.mark.parametrize(
+    "fn, says",
+    [
+        (sparse_without_offsets, "wrong at"),
+        (sparse_overwriting_duplicates, "wrong at"),
+        (sparse_as_dense, "bytes"),
+        (sparse_int64_indices, "int32"),
+        (sparse_through_allreduce, "Allreduce"),
+    ],
+)
 def test_sparse_check_fails(fn, says: str) -> None:
     with pytest.raises(CheckFailed, match=says):
         check_sparse_allreduce(fn)
@@ -220,12 +223,15 @@ def test_hierarchical_check_accepts(fn) -> None:
     check_hierarchical_allreduce(fn)
 
 
-@pytest.mark.parametrize("fn, says", [
-    (hierarchical_by_leaders, "other groups"),
-    (hierarchical_reducing_twice, "wrong at"),
-    (hierarchical_mixing_nodes, "other groups"),
-    (lambda comm, x, g: allreduce_ring(comm, x), "other groups"),
-])
+@pytest.mark.parametrize(
+    "fn, says",
+    [
+        (hierarchical_by_leaders, "other groups"),
+        (hierarchical_reducing_twice, "wrong at"),
+        (hierarchical_mixing_nodes, "other groups"),
+        (lambda comm, x, g: allreduce_ring(comm, x), "other groups"),
+    ],
+)
 def test_hierarchical_check_fails(fn, says: str) -> None:
     with pytest.raises(CheckFailed, match=says):
         check_hierarchical_allreduce(fn)

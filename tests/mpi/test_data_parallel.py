@@ -9,12 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab import data_parallel as dp
 from ddlab.data import StressStrainCurves
 from ddlab.models import make_mlp
 from ddlab.runtime.trace import Tracer
+from mpi4py import MPI
 
 TOLERANCE = 1e-10
 PER_RANK = 8
@@ -25,16 +24,19 @@ def worst_everywhere(comm: MPI.Comm, value: float) -> float:
 
 
 def relative(model: torch.nn.Module, reference: torch.nn.Module) -> float:
-    return max(float((a - b).abs().max() / b.abs().max()) for a, b in
-               zip(model.state_dict().values(), reference.state_dict().values()))
+    return max(
+        float((a - b).abs().max() / b.abs().max())
+        for a, b in zip(model.state_dict().values(), reference.state_dict().values())
+    )
 
 
 def data_for(comm: MPI.Comm, steps: int = 5) -> StressStrainCurves:
     return StressStrainCurves(n=comm.Get_size() * PER_RANK * steps, seed=2, dtype=torch.float64)
 
 
-def trained(comm: MPI.Comm, data: StressStrainCurves, batch_size: int, epochs: int = 2,
-            wrap: str | None = "ddlab", **options) -> torch.nn.Module:
+def trained(
+    comm: MPI.Comm, data: StressStrainCurves, batch_size: int, epochs: int = 2, wrap: str | None = "ddlab", **options
+) -> torch.nn.Module:
     model = make_mlp(seed=1, dtype=torch.float64)
     if wrap == "ddlab":
         wrapped = dp.DataParallel(model, comm, **options)
@@ -54,11 +56,21 @@ def one_process() -> torch.nn.Module:
     return trained(MPI.COMM_SELF, data_for(comm), comm.Get_size() * PER_RANK, wrap=None)
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"overlap": False}, {"bucket_cap_mb": 0}, {"bucket_cap_mb": 0.1}, {"bucket_cap_mb": None},
-    {"allreduce": "ring"}, {"allreduce": "rabenseifner", "bucket_cap_mb": 0.1},
-    {"progress": "thread", "bucket_cap_mb": 0.1}, {"progress": "thread", "overlap": False},
-], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"overlap": False},
+        {"bucket_cap_mb": 0},
+        {"bucket_cap_mb": 0.1},
+        {"bucket_cap_mb": None},
+        {"allreduce": "ring"},
+        {"allreduce": "rabenseifner", "bucket_cap_mb": 0.1},
+        {"progress": "thread", "bucket_cap_mb": 0.1},
+        {"progress": "thread", "overlap": False},
+    ],
+    ids=str,
+)
 def test_ranks_match_one_process_with_the_global_batch(comm, one_process, options):
     model = trained(comm, data_for(comm), PER_RANK, **options)
     assert worst_everywhere(comm, relative(model, one_process)) < TOLERANCE
@@ -83,8 +95,9 @@ def test_accumulation_communicates_once_per_step_and_matches_the_global_batch(co
     counting = CountingIallreduce(comm)
     wrapped = dp.DataParallel(model, counting)
     optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
-    history = dp.train(wrapped, optimizer, data_for(comm), comm, epochs=2, batch_size=PER_RANK // 2,
-                       accumulate=2, progress=False)
+    history = dp.train(
+        wrapped, optimizer, data_for(comm), comm, epochs=2, batch_size=PER_RANK // 2, accumulate=2, progress=False
+    )
     assert worst_everywhere(comm, relative(model, one_process)) < TOLERANCE
     assert counting.calls == history.steps * len(wrapped.buckets)
 
@@ -98,8 +111,10 @@ def test_no_sync_leaves_gradients_local(comm):
     local = [p.grad.clone() for p in model.parameters()]
     reference = make_mlp(seed=1, dtype=torch.float64)
     dp.squared_error(reference(x), y).mean().backward()
-    assert worst_everywhere(comm, max(float((a - b.grad).abs().max()) for a, b in
-                                      zip(local, reference.parameters()))) == 0.0
+    assert (
+        worst_everywhere(comm, max(float((a - b.grad).abs().max()) for a, b in zip(local, reference.parameters())))
+        == 0.0
+    )
 
 
 def test_parameters_and_buffers_are_broadcast_from_rank_0(comm):
@@ -124,8 +139,7 @@ def test_buckets_start_during_backward_with_overlap(comm, progress):
     backward = next(s for s in tracer.spans if s.name == "backward")
     starts = sorted(s.start for s in tracer.spans if s.track == dp.wrapper.IN_FLIGHT)
     assert len(model.buckets) > 2
-    assert comm.allreduce(int(len(starts) == len(model.buckets) and starts[0] < backward.end - 1e-6),
-                          op=MPI.MIN) == 1
+    assert comm.allreduce(int(len(starts) == len(model.buckets) and starts[0] < backward.end - 1e-6), op=MPI.MIN) == 1
 
 
 def test_torch_ddp_reaches_the_same_parameters(comm, one_process):
@@ -152,8 +166,7 @@ def test_checkpoint_written_by_rank_0_resumes_on_all_ranks(comm, tmp_path_factor
     dp.save_checkpoint(path, comm, first, optimizer, epoch=1)
     resumed, optimizer = fresh()  # new replicas, new optimizer state
     state = dp.load_checkpoint(path, comm, resumed, optimizer)
-    dp.train(resumed, optimizer, data, comm, epochs=2, start_epoch=state["epoch"], batch_size=PER_RANK,
-             progress=False)
+    dp.train(resumed, optimizer, data, comm, epochs=2, start_epoch=state["epoch"], batch_size=PER_RANK, progress=False)
     assert state == {"epoch": 1}
     assert worst_everywhere(comm, relative(resumed.module, straight.module)) < TOLERANCE
 
@@ -185,6 +198,14 @@ def test_a_plain_model_with_after_backward_averaging_matches_one_process(comm, o
     model = make_mlp(seed=1, dtype=torch.float64)
     dp.broadcast_parameters(model, comm)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    dp.train(model, optimizer, data_for(comm), comm, epochs=2, batch_size=PER_RANK, progress=False,
-             after_backward=lambda: dp.average_gradients(model, comm, "ring"))
+    dp.train(
+        model,
+        optimizer,
+        data_for(comm),
+        comm,
+        epochs=2,
+        batch_size=PER_RANK,
+        progress=False,
+        after_backward=lambda: dp.average_gradients(model, comm, "ring"),
+    )
     assert worst_everywhere(comm, relative(model, one_process)) < TOLERANCE

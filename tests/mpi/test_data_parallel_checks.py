@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab import checks
 from ddlab import data_parallel as dp
 from ddlab.allreduce import allreduce_ring
+from mpi4py import MPI
 
 
 def fails(check, fn, *words):
@@ -21,6 +20,7 @@ def fails(check, fn, *words):
 
 
 # broadcast_parameters -------------------------------------------------------------
+
 
 def broadcast_parameters_only(model, comm, root=0):
     for p in model.parameters():
@@ -77,7 +77,9 @@ def test_broadcast_check_passes_the_object_broadcast(comm):
 def test_broadcast_check_fails_when_only_the_root_broadcasts_and_does_not_hang(comm):
     if comm.Get_size() == 1:
         pytest.skip("one rank is the root")
-    fails(lambda fn: checks.check_broadcast_parameters(fn, timeout=3), broadcast_by_the_root_only, "broadcast_parameters")
+    fails(
+        lambda fn: checks.check_broadcast_parameters(fn, timeout=3), broadcast_by_the_root_only, "broadcast_parameters"
+    )
 
 
 def broadcast_then_barrier(model, comm, root=0):
@@ -92,18 +94,20 @@ def test_broadcast_check_names_the_collectives_it_allows(comm):
 def test_broadcast_check_passes_a_stub_error_through(comm):
     def stub(model, comm, root=0):
         raise NotImplementedError("Exercise 4.2")
+
     with pytest.raises(NotImplementedError):
         checks.check_broadcast_parameters(stub)
 
 
 # average_gradients ------------------------------------------------------------------
 
+
 def summed_gradients(model, comm, allreduce):
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
     total = torch.from_numpy(allreduce(comm, flat))
     offset = 0
     for p in model.parameters():
-        p.grad.copy_(total[offset:offset + p.numel()].view_as(p))
+        p.grad.copy_(total[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
 
 
@@ -157,6 +161,7 @@ def test_average_check_fails_when_a_rank_skips_the_allreduce_and_does_not_hang(c
 
 # train_step -----------------------------------------------------------------------------
 
+
 def reference_step(model, optimizer, x, y, comm, allreduce=None):
     optimizer.zero_grad()
     loss = dp.squared_error(model(x), y).mean()
@@ -196,11 +201,15 @@ def test_train_step_check_passes_the_reference(comm):
     checks.check_train_step(reference_step)
 
 
-@pytest.mark.parametrize("wrong, words", [
-    (step_without_averaging, "this rank's batch alone"),
-    (step_with_sums, "SUM"),
-    (step_before_averaging, "differ"),
-], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "wrong, words",
+    [
+        (step_without_averaging, "this rank's batch alone"),
+        (step_with_sums, "SUM"),
+        (step_before_averaging, "differ"),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
 def test_train_step_check_fails_on_wrong_steps(comm, wrong, words):
     if comm.Get_size() == 1:
         pytest.skip("one rank needs no averaging")
@@ -233,13 +242,24 @@ def test_train_step_check_accepts_a_numpy_float(comm):
 
 # overlapped_averaging ------------------------------------------------------------------
 
-def overlapped(model, comm, groups, register="register_post_accumulate_grad_hook", order=None, divide=True,
-               at_the_end=False, skip_last=False, flatten=None, no_reset=False):
+
+def overlapped(
+    model,
+    comm,
+    groups,
+    register="register_post_accumulate_grad_hook",
+    order=None,
+    divide=True,
+    at_the_end=False,
+    skip_last=False,
+    flatten=None,
+    no_reset=False,
+):
     """The lab's solution, with switches that make the wrong answers below.
 
     order: None (bucket order), "reversed", or "as_completed" (each bucket as soon as it is complete).
     """
-    fixed = list(range(len(groups)))[::-1 if order == "reversed" else 1]
+    fixed = list(range(len(groups)))[:: -1 if order == "reversed" else 1]
     completed = []  # buckets in the order their last gradient arrived
     size = comm.Get_size()
     owner = {p: k for k, group in enumerate(groups) for p in group}
@@ -275,7 +295,7 @@ def overlapped(model, comm, groups, register="register_post_accumulate_grad_hook
             requests[k] = None if no_reset else requests[k]
             offset = 0
             for p in group:
-                piece = torch.from_numpy(flats[k][offset:offset + p.numel()]).view_as(p)
+                piece = torch.from_numpy(flats[k][offset : offset + p.numel()]).view_as(p)
                 p.grad.copy_(piece / size if divide else piece)
                 offset += p.numel()
         if not no_reset:
@@ -291,7 +311,7 @@ def flattened_by_copy(group):
     flat = np.empty(sum(p.numel() for p in group))
     offset = 0
     for p in group:
-        flat[offset:offset + p.numel()] = p.grad.reshape(-1).numpy()
+        flat[offset : offset + p.numel()] = p.grad.reshape(-1).numpy()
         offset += p.numel()
     return torch.from_numpy(flat)
 
@@ -301,14 +321,17 @@ def test_overlap_check_passes_the_solution_and_another_flattening(comm):
     checks.check_overlapped_averaging(lambda m, c, g: overlapped(m, c, g, flatten=flattened_by_copy))
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"register": "register_hook"}, ["register_post_accumulate_grad_hook"]),
-    ({"order": "reversed"}, ["bucket order"]),
-    ({"order": "as_completed"}, ["first layer first", "bucket order"]),
-    ({"at_the_end": True}, ["after backward had returned"]),
-    ({"divide": False}, ["SUM"]),
-], ids=["hook_before_accumulation", "buckets_out_of_order", "buckets_as_they_complete", "no_overlap",
-         "no_division"])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"register": "register_hook"}, ["register_post_accumulate_grad_hook"]),
+        ({"order": "reversed"}, ["bucket order"]),
+        ({"order": "as_completed"}, ["first layer first", "bucket order"]),
+        ({"at_the_end": True}, ["after backward had returned"]),
+        ({"divide": False}, ["SUM"]),
+    ],
+    ids=["hook_before_accumulation", "buckets_out_of_order", "buckets_as_they_complete", "no_overlap", "no_division"],
+)
 def test_overlap_check_fails_wrong_answers(comm, options, words):
     if comm.Get_size() == 1 and not options.keys() & {"register", "order", "at_the_end"}:
         pytest.skip("one rank's sum is its mean")
@@ -316,12 +339,20 @@ def test_overlap_check_fails_wrong_answers(comm, options, words):
 
 
 def test_overlap_check_fails_a_forgotten_bucket(comm):
-    fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, skip_last=True), "expected one per bucket")
+    fails(
+        checks.check_overlapped_averaging,
+        lambda m, c, g: overlapped(m, c, g, skip_last=True),
+        "expected one per bucket",
+    )
 
 
 def test_overlap_check_names_the_step_when_the_state_is_not_reset(comm):
-    fails(checks.check_overlapped_averaging, lambda m, c, g: overlapped(m, c, g, no_reset=True),
-          "step 1 failed after step 0 went through", "start again from zero")
+    fails(
+        checks.check_overlapped_averaging,
+        lambda m, c, g: overlapped(m, c, g, no_reset=True),
+        "step 1 failed after step 0 went through",
+        "start again from zero",
+    )
 
 
 def test_overlap_check_names_the_call_to_use_for_a_blocking_allreduce(comm):
@@ -329,6 +360,7 @@ def test_overlap_check_names_the_call_to_use_for_a_blocking_allreduce(comm):
         def hook(p):
             comm.Allreduce(MPI.IN_PLACE, p.grad.numpy())
             p.grad /= comm.Get_size()
+
         for group in groups:
             for p in group:
                 p.register_post_accumulate_grad_hook(hook)
@@ -340,11 +372,15 @@ def test_overlap_check_names_the_call_to_use_for_a_blocking_allreduce(comm):
 def test_overlap_check_fails_within_the_timeout_when_one_rank_skips_a_bucket(comm):
     if comm.Get_size() == 1:
         pytest.skip("one rank has no one to wait for")
-    fails(lambda fn: checks.check_overlapped_averaging(fn, timeout=3),
-          lambda m, c, g: overlapped(m, c, g, skip_last=c.Get_rank() == 0), "overlapped_averaging")
+    fails(
+        lambda fn: checks.check_overlapped_averaging(fn, timeout=3),
+        lambda m, c, g: overlapped(m, c, g, skip_last=c.Get_rank() == 0),
+        "overlapped_averaging",
+    )
 
 
 # trains_with_allreduce ---------------------------------------------------------------
+
 
 def no_communication(comm, x):
     return x.copy()
@@ -389,8 +425,11 @@ def test_trains_with_check_fails_on_wrong_sums(comm, wrong):
     fails(checks.check_trains_with_allreduce, wrong, "wrong at")
 
 
-@pytest.mark.parametrize("wrong, words", [(in_place, "new array"), (as_float64, "dtype float64, expected float32"),
-                                          (powers_of_two_only, "on 3 ranks")], ids=["in_place", "float64", "pof2"])
+@pytest.mark.parametrize(
+    "wrong, words",
+    [(in_place, "new array"), (as_float64, "dtype float64, expected float32"), (powers_of_two_only, "on 3 ranks")],
+    ids=["in_place", "float64", "pof2"],
+)
 def test_trains_with_check_holds_lab_03s_contract(comm, wrong, words):
     if comm.Get_size() < 3:
         pytest.skip("needs 3 ranks or more")
@@ -403,7 +442,7 @@ def test_average_gradients_check_names_a_float32_round_trip(comm):
         mean = torch.as_tensor(allreduce(comm, flat.numpy())) / comm.Get_size()
         offset = 0
         for p in model.parameters():
-            p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
+            p.grad.copy_(mean[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
     fails(checks.check_average_gradients, through_float32, "float32 precision", "torch.float64")

@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab import checks, scaling
 
 
@@ -25,7 +23,7 @@ def bucketed(comm, arrays, cap_bytes, allreduce):
         total = allreduce(comm, np.concatenate([arrays[i].ravel() for i in bucket]))
         offset = 0
         for i in bucket:
-            out[i] = total[offset:offset + arrays[i].size].reshape(arrays[i].shape)
+            out[i] = total[offset : offset + arrays[i].size].reshape(arrays[i].shape)
             offset += arrays[i].size
     return out
 
@@ -60,10 +58,12 @@ def as_float64(comm, arrays, cap_bytes, allreduce):
 
 def direct_allreduce(comm, arrays, cap_bytes, allreduce):
     """Sums with comm.Allreduce itself instead of the allreduce it was given."""
+
     def own(c, x):
         out = np.empty_like(x)
         c.Allreduce(x, out)
         return out
+
     return bucketed(comm, arrays, cap_bytes, own)
 
 
@@ -71,11 +71,19 @@ def test_bucketed_check_passes_the_reference(comm):
     checks.check_allreduce_bucketed(bucketed)
 
 
-@pytest.mark.parametrize("wrong, words", [
-    (one_per_array, "allreduce calls"), (all_fused, "allreduce calls"), (in_place, "changed"),
-    (cap_exceeded, "allreduce calls"), (cap_exclusive, "with cap 448 bytes"), (as_float64, "dtype float64"),
-    (direct_allreduce, "never called the `allreduce` passed"),
-], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "wrong, words",
+    [
+        (one_per_array, "allreduce calls"),
+        (all_fused, "allreduce calls"),
+        (in_place, "changed"),
+        (cap_exceeded, "allreduce calls"),
+        (cap_exclusive, "with cap 448 bytes"),
+        (as_float64, "dtype float64"),
+        (direct_allreduce, "never called the `allreduce` passed"),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
 def test_bucketed_check_fails_on_wrong_packing(comm, wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_allreduce_bucketed(wrong)
@@ -97,6 +105,7 @@ def test_bucketed_check_fails_when_ranks_disagree_and_does_not_hang(comm):
 def test_bucketed_check_passes_a_stub_error_through(comm):
     def stub(comm, arrays, cap_bytes, allreduce):
         raise NotImplementedError("Exercise 5.2")
+
     with pytest.raises(NotImplementedError):
         checks.check_allreduce_bucketed(stub)
 
@@ -110,8 +119,10 @@ def test_timings_agree_on_every_rank(comm):
 def test_measure_training_returns_every_rank_its_phases(comm):
     result = scaling.measure_training(8, steps=3, warmup=1, n=512, bucket_cap_mb=0.1)
     gathered = comm.allgather((result["rank"], result["size"], sorted(result["phases"])))
-    assert gathered == [(r, comm.Get_size(), sorted(["data", "forward", "backward", "allreduce", "optimizer"]))
-                        for r in range(comm.Get_size())]
+    assert gathered == [
+        (r, comm.Get_size(), sorted(["data", "forward", "backward", "allreduce", "optimizer"]))
+        for r in range(comm.Get_size())
+    ]
     assert any(s.track == "allreduce in flight" for s in result["spans"])
 
 

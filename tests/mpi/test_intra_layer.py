@@ -11,15 +11,27 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
-
 from ddlab.checks._core import each_size
 from ddlab.data.images import make_segmentation
-from ddlab.intra_layer import (ChannelParallelConv, FilterParallelConv, FilterUNet, HaloExchange, SpatialUNet,
-                               channel_slice, filter_slice, filter_step, hybrid_step, make_grid, padded_conv2d,
-                               slab_bounds, spatial_conv2d, spatial_step)
+from ddlab.intra_layer import (
+    ChannelParallelConv,
+    FilterParallelConv,
+    FilterUNet,
+    HaloExchange,
+    SpatialUNet,
+    channel_slice,
+    filter_slice,
+    filter_step,
+    hybrid_step,
+    make_grid,
+    padded_conv2d,
+    slab_bounds,
+    spatial_conv2d,
+    spatial_step,
+)
 from ddlab.models.unet import Conv, UNet
 from ddlab.runtime.blocks import block_range
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 SIZES = list(range(2, WORLD.Get_size() + 1))
@@ -28,9 +40,11 @@ TOL = 1e-10
 
 def _each_sub(body) -> None:
     """body(sub) on the first P ranks for every P >= 2; its error must stay under TOL on every rank."""
+
     def problem(sub: MPI.Comm) -> str | None:
         error = body(sub)
         return f"largest error {error:.3g} (tolerance {TOL})" if error >= TOL else None
+
     each_size(WORLD, problem, "equality with one process", SIZES)
 
 
@@ -45,14 +59,16 @@ def test_halo_exchange_brings_the_neighbours_rows_and_zeros_at_the_edges():
         bounds, rank = slab_bounds(11, sub.Get_size()), sub.Get_rank()
         a, b = bounds[rank], bounds[rank + 1]
         above, below = HaloExchange.apply(x[:, :, a:b], sub, 1)
-        want_above = x[:, :, a - 1:a] if a > 0 else torch.zeros_like(above)
-        want_below = x[:, :, b:b + 1] if b < 11 else torch.zeros_like(below)
+        want_above = x[:, :, a - 1 : a] if a > 0 else torch.zeros_like(above)
+        want_below = x[:, :, b : b + 1] if b < 11 else torch.zeros_like(below)
         return max(_diff(above, want_above), _diff(below, want_below))
+
     _each_sub(body)
 
 
-@pytest.mark.parametrize("kernel, height, version", [(3, 11, "sum"), (5, 13, "sum"), (1, 9, "sum"), (3, 10, "padded"),
-                                                     (5, 12, "padded")])
+@pytest.mark.parametrize(
+    "kernel, height, version", [(3, 11, "sum"), (5, 13, "sum"), (1, 9, "sum"), (3, 10, "padded"), (5, 12, "padded")]
+)
 def test_spatial_conv_equals_one_process(kernel, height, version):
     conv_fn = {"sum": spatial_conv2d, "padded": padded_conv2d}[version]
 
@@ -72,8 +88,13 @@ def test_spatial_conv_equals_one_process(kernel, height, version):
         (out * weights[:, :, rows]).sum().backward()
         weight_grad = torch.from_numpy(sub.allreduce(mine.weight.grad.numpy()))
         bias_grad = torch.from_numpy(sub.allreduce(mine.bias.grad.numpy()))
-        return max(_diff(out, conv(x)[:, :, rows]), _diff(slab.grad, want[0][:, :, rows]),
-                   _diff(weight_grad, want[1]), _diff(bias_grad, want[2]))
+        return max(
+            _diff(out, conv(x)[:, :, rows]),
+            _diff(slab.grad, want[0][:, :, rows]),
+            _diff(weight_grad, want[1]),
+            _diff(bias_grad, want[2]),
+        )
+
     _each_sub(body)
 
 
@@ -100,6 +121,7 @@ def test_spatial_unet_equals_one_process_with_uneven_slabs(height):
         net = SpatialUNet(model, sub, height)
         loss = spatial_step(net, images, masks)
         return max(abs(loss - want), _grad_error(net.model, reference))
+
     _each_sub(body)
 
 
@@ -135,8 +157,13 @@ def test_filter_parallel_conv_equals_one_process(cout):
         x_ = x.detach().clone().requires_grad_()
         out = FilterParallelConv.apply(x_, weight, bias, sub, conv.padding)
         (out * weights).sum().backward()
-        return max(_diff(out, conv(x)), _diff(x_.grad, x.grad), _diff(weight.grad, conv.weight.grad[mine.start:mine.stop]),
-                   _diff(bias.grad, conv.bias.grad[mine.start:mine.stop]))
+        return max(
+            _diff(out, conv(x)),
+            _diff(x_.grad, x.grad),
+            _diff(weight.grad, conv.weight.grad[mine.start : mine.stop]),
+            _diff(bias.grad, conv.bias.grad[mine.start : mine.stop]),
+        )
+
     _each_sub(body)
 
 
@@ -149,8 +176,13 @@ def test_channel_parallel_conv_equals_one_process():
         x_ = x.detach()[:, cols].clone().requires_grad_()
         out = ChannelParallelConv.apply(x_, weight, bias, sub, conv.padding)
         (out * weights).sum().backward()
-        return max(_diff(out, conv(x)), _diff(x_.grad, x.grad[:, cols]), _diff(weight.grad, conv.weight.grad[:, cols]),
-                   _diff(bias.grad, conv.bias.grad))
+        return max(
+            _diff(out, conv(x)),
+            _diff(x_.grad, x.grad[:, cols]),
+            _diff(weight.grad, conv.weight.grad[:, cols]),
+            _diff(bias.grad, conv.bias.grad),
+        )
+
     _each_sub(body)
 
 
@@ -168,8 +200,13 @@ def test_filter_then_channel_parallel_keeps_the_slice_between_them():
         hidden = torch.relu(FilterParallelConv.apply(x_, w1, b1, sub, 1))[:, cols]
         ChannelParallelConv.apply(hidden, w2, b2, sub, 1).square().sum().backward()
         rows = block_range(6, sub.Get_rank(), sub.Get_size())
-        return max(_diff(x_.grad, x.grad), _diff(w1.grad, first.weight.grad[rows.start:rows.stop]),
-                   _diff(w2.grad, second.weight.grad[:, cols]), _diff(b2.grad, second.bias.grad))
+        return max(
+            _diff(x_.grad, x.grad),
+            _diff(w1.grad, first.weight.grad[rows.start : rows.stop]),
+            _diff(w2.grad, second.weight.grad[:, cols]),
+            _diff(b2.grad, second.bias.grad),
+        )
+
     _each_sub(body)
 
 
@@ -183,9 +220,12 @@ def test_filter_parallel_unet_equals_one_process():
         for layer, ref in zip(net.layers, reference.layers):
             if isinstance(ref, Conv):
                 rows = block_range(ref.conv.out_channels, sub.Get_rank(), sub.Get_size())
-                errors += [_diff(layer.weight.grad, ref.conv.weight.grad[rows.start:rows.stop]),
-                           _diff(layer.bias.grad, ref.conv.bias.grad[rows.start:rows.stop])]
+                errors += [
+                    _diff(layer.weight.grad, ref.conv.weight.grad[rows.start : rows.stop]),
+                    _diff(layer.bias.grad, ref.conv.bias.grad[rows.start : rows.stop]),
+                ]
             else:
                 errors += [_diff(p.grad, q.grad) for p, q in zip(layer.parameters(), ref.parameters())]
         return max(errors)
+
     _each_sub(body)

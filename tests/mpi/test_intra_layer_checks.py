@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
-
 from ddlab.checks import CheckFailed, check_filter_parallel_conv, check_halo_exchange, check_slab_bounds
 from ddlab.intra_layer import FilterParallelConv, HaloExchange, slab_bounds
 from ddlab.intra_layer.halo import exchange_rows
 from ddlab.runtime.blocks import block_bounds
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 
@@ -50,10 +49,22 @@ class HaloWrapsAround(HaloExchange):
         ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
         rank, size = comm.Get_rank(), comm.Get_size()
         up, down = torch.empty_like(x[:, :, :halo]), torch.empty_like(x[:, :, :halo])
-        comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), dest=(rank - 1) % size, sendtag=1,
-                      recvbuf=down.numpy(), source=(rank + 1) % size, recvtag=1)
-        comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), dest=(rank + 1) % size, sendtag=2,
-                      recvbuf=up.numpy(), source=(rank - 1) % size, recvtag=2)
+        comm.Sendrecv(
+            x[:, :, :halo].contiguous().numpy(),
+            dest=(rank - 1) % size,
+            sendtag=1,
+            recvbuf=down.numpy(),
+            source=(rank + 1) % size,
+            recvtag=1,
+        )
+        comm.Sendrecv(
+            x[:, :, -halo:].contiguous().numpy(),
+            dest=(rank + 1) % size,
+            sendtag=2,
+            recvbuf=up.numpy(),
+            source=(rank - 1) % size,
+            recvtag=2,
+        )
         return up, down
 
 
@@ -65,9 +76,9 @@ class HaloOverwrites(HaloExchange):
         from_above, from_below = exchange_rows(ctx.comm, grad_above, grad_below, (83, 84))
         grad_x = grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3])
         if from_above is not None:
-            grad_x[:, :, :ctx.halo] = from_above
+            grad_x[:, :, : ctx.halo] = from_above
         if from_below is not None:
-            grad_x[:, :, -ctx.halo:] = from_below
+            grad_x[:, :, -ctx.halo :] = from_below
         return grad_x, None, None
 
 
@@ -80,8 +91,22 @@ class HaloSendrecv(torch.autograd.Function):
         above_rank = rank - 1 if rank > 0 else MPI.PROC_NULL
         below_rank = rank + 1 if rank < size - 1 else MPI.PROC_NULL
         from_below, from_above = torch.zeros_like(up), torch.zeros_like(down)
-        comm.Sendrecv(up.contiguous().numpy(), dest=above_rank, sendtag=7, recvbuf=from_below.numpy(), source=below_rank, recvtag=7)
-        comm.Sendrecv(down.contiguous().numpy(), dest=below_rank, sendtag=8, recvbuf=from_above.numpy(), source=above_rank, recvtag=8)
+        comm.Sendrecv(
+            up.contiguous().numpy(),
+            dest=above_rank,
+            sendtag=7,
+            recvbuf=from_below.numpy(),
+            source=below_rank,
+            recvtag=7,
+        )
+        comm.Sendrecv(
+            down.contiguous().numpy(),
+            dest=below_rank,
+            sendtag=8,
+            recvbuf=from_above.numpy(),
+            source=above_rank,
+            recvtag=8,
+        )
         return from_above, from_below
 
     @staticmethod
@@ -110,7 +135,7 @@ class FilterSums(FilterParallelConv):
     def forward(ctx, x, weight, bias, comm, padding):
         whole = FilterParallelConv.forward(ctx, x, weight, bias, comm, padding)
         mine = torch.zeros_like(whole)
-        mine[:, :weight.shape[0]] = F.conv2d(x, weight, bias, padding=padding)
+        mine[:, : weight.shape[0]] = F.conv2d(x, weight, bias, padding=padding)
         out = torch.empty_like(mine)
         comm.Allreduce(mine.numpy(), out.numpy())
         return out
@@ -125,9 +150,9 @@ class FilterByAllreduce(torch.autograd.Function):
         counts[comm.Get_rank()] = weight.shape[0]
         sizes = torch.zeros(comm.Get_size(), dtype=torch.float64)
         comm.Allreduce(torch.tensor(counts, dtype=torch.float64).numpy(), sizes.numpy())
-        start = int(sizes[:comm.Get_rank()].sum())
+        start = int(sizes[: comm.Get_rank()].sum())
         mine = torch.zeros(x.shape[0], int(sizes.sum()), x.shape[2], x.shape[3], dtype=x.dtype)
-        mine[:, start:start + weight.shape[0]] = F.conv2d(x, weight, bias, padding=padding)
+        mine[:, start : start + weight.shape[0]] = F.conv2d(x, weight, bias, padding=padding)
         out = torch.empty_like(mine)
         comm.Allreduce(mine.numpy(), out.numpy())
         ctx.save_for_backward(x, weight, bias)
@@ -140,7 +165,7 @@ class FilterByAllreduce(torch.autograd.Function):
         with torch.enable_grad():
             x_, w_, b_ = (t.detach().requires_grad_() for t in (x, weight, bias))
             y = F.conv2d(x_, w_, b_, padding=ctx.padding)
-            gx, gw, gb = torch.autograd.grad(y, (x_, w_, b_), grad[:, ctx.start:ctx.start + weight.shape[0]])
+            gx, gw, gb = torch.autograd.grad(y, (x_, w_, b_), grad[:, ctx.start : ctx.start + weight.shape[0]])
         total = torch.empty_like(gx)
         ctx.comm.Allreduce(gx.contiguous().numpy(), total.numpy())
         return total, gw, gb, None, None
@@ -152,7 +177,7 @@ class FilterForgetsSum(FilterParallelConv):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        mine = grad[:, ctx.start:ctx.start + weight.shape[0]]
+        mine = grad[:, ctx.start : ctx.start + weight.shape[0]]
         grad_x = torch.nn.grad.conv2d_input(x.shape, weight, mine, padding=ctx.padding)
         grad_w = torch.nn.grad.conv2d_weight(x, weight.shape, mine, padding=ctx.padding)
         return grad_x, grad_w, mine.sum(dim=(0, 2, 3)), None, None
@@ -184,9 +209,16 @@ def test_reference_and_valid_alternatives_pass():
     check_slab_bounds(slabs_extra_rows_last)
 
 
-@pytest.mark.parametrize("wrong, says", [(HaloForgetsBackward, "gradient"), (HaloOneRow, "shape"),
-                                         (HaloWrongRows, "output"), (HaloWrapsAround, "output|sent"),
-                                         (HaloOverwrites, "slab's gradient")])
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (HaloForgetsBackward, "gradient"),
+        (HaloOneRow, "shape"),
+        (HaloWrongRows, "output"),
+        (HaloWrapsAround, "output|sent"),
+        (HaloOverwrites, "slab's gradient"),
+    ],
+)
 def test_wrong_halo_fails(wrong, says):
     with pytest.raises(CheckFailed, match=says):
         check_halo_exchange(wrong)

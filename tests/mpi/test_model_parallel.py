@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab.data.images import make_segmentation
-from ddlab.runtime.memory import Ledger
-from ddlab.model_parallel import (Mailbox, Stage, attempt, balanced_split, fit_sweep, gradient_error, largest_sides,
-                                  naive_split, reference_gradients, train_step, try_split)
+from ddlab.model_parallel import (
+    Mailbox,
+    Stage,
+    attempt,
+    balanced_split,
+    fit_sweep,
+    gradient_error,
+    largest_sides,
+    naive_split,
+    reference_gradients,
+    train_step,
+    try_split,
+)
 from ddlab.models.unet import UNet
+from ddlab.runtime.memory import Ledger
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 K = WORLD.Get_size()
@@ -117,7 +127,9 @@ def test_fit_sweep_reports_sizes_that_fit_and_oom():
     largest = largest_sides(results)
     summary = WORLD.allgather([(r.split, r.side, r.fits) for r in results])
     assert all(s == summary[0] for s in summary), "every rank must see the same results"
-    assert [(r.split, r.side) for r in results] == [(s, side) for side in (16, 64) for s in ("one process", "naive", "balanced")]
+    assert [(r.split, r.side) for r in results] == [
+        (s, side) for side in (16, 64) for s in ("one process", "naive", "balanced")
+    ]
     oom = [r for r in results if not r.fits]
     assert oom and all("out of memory" in r.error for r in oom)
     assert largest["one process"] == 16 and all(len(r.peaks) == (1 if r.split == "one process" else K) for r in results)

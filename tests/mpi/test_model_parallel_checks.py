@@ -5,10 +5,9 @@ Every rank runs the same tests; the checks make all ranks raise the same error.
 
 from __future__ import annotations
 
+import ddlab.checks.model_parallel as checks
 import pytest
 import torch
-
-import ddlab.checks.model_parallel as checks
 from ddlab.checks import CheckFailed, check_recv_tensor, check_send_tensor
 from ddlab.model_parallel import RecvTensor, SendTensor
 
@@ -91,11 +90,14 @@ def test_reference_functions_pass():
     check_recv_tensor(RecvTensor)
 
 
-@pytest.mark.parametrize("wrong, says", [
-    (SendKeepsGradient, "are missing. Check that SendTensor.backward returns the gradient"),
-    (SendNeverReceives, "differ from one process"),
-    (SendTwice, "activations sent forward: .*Check that SendTensor.forward posts each activation once"),
-])
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (SendKeepsGradient, "are missing. Check that SendTensor.backward returns the gradient"),
+        (SendNeverReceives, "differ from one process"),
+        (SendTwice, "activations sent forward: .*Check that SendTensor.forward posts each activation once"),
+    ],
+)
 def test_wrong_send_fails(wrong, says):
     with pytest.raises(CheckFailed, match=says):
         check_send_tensor(wrong)

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab.data.images import make_segmentation
-from ddlab.model_parallel import (PiecePlan, PieceStage, compare_layouts, gradient_error, layer_order_pieces,
-                                  naive_split, reference_gradients, train_step, u_split)
+from ddlab.model_parallel import (
+    PiecePlan,
+    PieceStage,
+    compare_layouts,
+    gradient_error,
+    layer_order_pieces,
+    naive_split,
+    reference_gradients,
+    train_step,
+    u_split,
+)
 from ddlab.models.unet import UNet
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 K = WORLD.Get_size()
@@ -46,7 +54,8 @@ def test_u_split_keeps_every_skip_on_its_rank():
     assert [p.owner for p in pieces] == [*range(K), *reversed(range(K - 1))]
     plan = PiecePlan(model, pieces, (3, 16, 16))
     assert [(e.name, e.src, e.dst) for e in plan.edges] == (
-        [("x", r, r + 1) for r in range(K - 1)] + [("x", r + 1, r) for r in reversed(range(K - 1))])
+        [("x", r, r + 1) for r in range(K - 1)] + [("x", r + 1, r) for r in reversed(range(K - 1))]
+    )
     with pytest.raises(ValueError, match="folds over"):
         u_split(_model(depth=1), 3)
 

@@ -3,12 +3,11 @@ the same workers in every mode, a pluggable allreduce, step timings."""
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.allreduce import allreduce_mpi, allreduce_ring
 from ddlab.parameter_server import LeastSquares, train
 from ddlab.parameter_server.cost import seconds_per_step
 from ddlab.parameter_server.run import train_on_workers
+from mpi4py import MPI
 
 PROBLEM = LeastSquares(n=12, samples=256, batch=8)
 STEPS = 12

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from ddlab.checks import CheckFailed, check_async_worker, check_gossip_step, check_ssp_gate
 from ddlab.parameter_server import gossip_step, may_start
 from ddlab.parameter_server.messages import GRADIENT, PARAMETERS, PARAMETERS_HEADER
@@ -123,13 +122,16 @@ def worker_forgets_last_flag(comm, n, gradient, steps):
         push(comm, step, incoming[0], grad, True)
 
 
-@pytest.mark.parametrize("worker, message", [
-    (worker_never_pushes, "waited"),
-    (worker_pushes_twice, "expected 1"),
-    (worker_pulls_once, "never received"),
-    (worker_keeps_stale_params, "parameters other than"),
-    (worker_forgets_last_flag, "waited"),
-])
+@pytest.mark.parametrize(
+    "worker, message",
+    [
+        (worker_never_pushes, "waited"),
+        (worker_pushes_twice, "expected 1"),
+        (worker_pulls_once, "never received"),
+        (worker_keeps_stale_params, "parameters other than"),
+        (worker_forgets_last_flag, "waited"),
+    ],
+)
 def test_wrong_async_workers_fail(comm, worker, message):
     with pytest.raises(CheckFailed, match=message):
         check_async_worker(worker)

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mpi4py import MPI
-
 from ddlab.data.images import make_segmentation
 from ddlab.data_parallel import close_gloo
 from ddlab.model_parallel import Stage, gradient_error, naive_split, reference_gradients
 from ddlab.models.unet import UNet
-from ddlab.pipeline import (TorchPipeline, calibrate, gpipe, measure_pipeline, measured_stage_times, one_f_one_b,
-                            pipedream_partition, pipeline_step)
+from ddlab.pipeline import (
+    TorchPipeline,
+    calibrate,
+    gpipe,
+    measure_pipeline,
+    measured_stage_times,
+    one_f_one_b,
+    pipedream_partition,
+    pipeline_step,
+)
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 K = WORLD.Get_size()
@@ -61,8 +68,10 @@ def test_measured_step_has_timelines_and_1f1b_keeps_fewer_activations():
     model = _model(torch.float32)
     images, masks = make_segmentation(2 * K, 32, seed=1)
     bounds = naive_split(len(model.layers), K)
-    runs = {s.__name__: measure_pipeline(WORLD, model, bounds, s, 2 * K, images, masks, repeats=1)
-            for s in (gpipe, one_f_one_b)}
+    runs = {
+        s.__name__: measure_pipeline(WORLD, model, bounds, s, 2 * K, images, masks, repeats=1)
+        for s in (gpipe, one_f_one_b)
+    }
     same = WORLD.allgather([(r.peak_activations, r.m) for r in runs.values()])
     assert all(s == same[0] for s in same), "every rank must get the same measurement"
     for run in runs.values():

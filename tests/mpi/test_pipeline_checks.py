@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import functools
 
+import ddlab.checks.pipeline as checks
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
-
-import ddlab.checks.pipeline as checks
 from ddlab.checks import CheckFailed, check_run_schedule
 from ddlab.pipeline import micro_batch_loss, run_schedule
+from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 
@@ -77,26 +76,32 @@ def short_timeout(monkeypatch):
     monkeypatch.setattr(checks, "TIMEOUT", 5.0)
 
 
-@pytest.mark.parametrize("fn", [run_schedule, plain, functools.partial(plain, bug="irecv and wait")],
-                         ids=["library", "plain point-to-point", "Irecv and Wait"])
+@pytest.mark.parametrize(
+    "fn",
+    [run_schedule, plain, functools.partial(plain, bug="irecv and wait")],
+    ids=["library", "plain point-to-point", "Irecv and Wait"],
+)
 def test_valid_executors_pass(fn, capsys):
     check_run_schedule(fn)
     assert WORLD.Get_rank() or "passed: run_schedule" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bug, expected", [
-    ("sends its input", "wrong values"),
-    ("overwrites gradients", "wrong values"),
-    ("ignores tags", "wrong values"),
-    ("oldest kept first", "wrong values"),
-    ("scales inputs in place", "changed in place"),
-    ("float32 messages", "wrong values"),
-    ("no gradient receive", "wrong values"),  # the unreceived sends are small enough to complete anyway
-    ("losses in backward order", "wrong losses"),  # caught by the mixed order's newest-first backwards
-    ("tensor losses", "wrong losses"),
-    ("None on the first ranks", "wrong losses"),
-    ("never waits for its sends", "Mailbox.free"),
-])
+@pytest.mark.parametrize(
+    "bug, expected",
+    [
+        ("sends its input", "wrong values"),
+        ("overwrites gradients", "wrong values"),
+        ("ignores tags", "wrong values"),
+        ("oldest kept first", "wrong values"),
+        ("scales inputs in place", "changed in place"),
+        ("float32 messages", "wrong values"),
+        ("no gradient receive", "wrong values"),  # the unreceived sends are small enough to complete anyway
+        ("losses in backward order", "wrong losses"),  # caught by the mixed order's newest-first backwards
+        ("tensor losses", "wrong losses"),
+        ("None on the first ranks", "wrong losses"),
+        ("never waits for its sends", "Mailbox.free"),
+    ],
+)
 def test_wrong_executors_fail_on_every_rank(bug, expected):
     with pytest.raises(CheckFailed, match=expected):
         check_run_schedule(functools.partial(plain, bug=bug))
@@ -113,6 +118,7 @@ def test_executors_that_never_finish_fail_within_the_timeout(bug, monkeypatch):
 def test_an_error_of_the_students_own_gets_no_deadlock_advice():
     def forgets_requires_grad(comm, layers, ops, inputs, targets):
         raise AttributeError("'NoneType' object has no attribute 'detach'")
+
     with pytest.raises(CheckFailed) as info:
         check_run_schedule(forgets_requires_grad)
     assert "AttributeError" in str(info.value) and "blocking send" not in str(info.value)
@@ -126,6 +132,7 @@ def test_extra_messages_are_counted():
         if comm.Get_rank() > 0:
             comm.Recv(np.zeros(1), comm.Get_rank() - 1, 99)
         return losses
+
     with pytest.raises(CheckFailed, match="wrong messages"):
         check_run_schedule(twice)
 
@@ -133,5 +140,6 @@ def test_extra_messages_are_counted():
 def test_stub_error_passes_through():
     def stub(comm, layers, ops, inputs, targets):
         raise NotImplementedError("Exercise 7.3 (run_schedule) is not done yet")
+
     with pytest.raises(NotImplementedError, match="7.3"):
         check_run_schedule(stub)

@@ -11,10 +11,9 @@ import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab import p2p
 from ddlab.checks import CheckFailed, check_collect, check_exchange, check_ping_pong
+from mpi4py import MPI
 
 SHORT = 3.0  # seconds a wrong implementation may block before the check gives up
 
@@ -303,6 +302,7 @@ def test_ping_pong_check_accepts_mpi_wtime_and_rank_1_first(comm):
 # collect: wrong answers --------------------------------------------------------------
 def _collect_any_source(by_source: bool):
     """Receives from any source, in arrival order; stores by sender (valid) or appends (wrong)."""
+
     def collect(comm, data):
         if comm.Get_rank() != 0:
             comm.Send(data, dest=0)
@@ -314,6 +314,7 @@ def _collect_any_source(by_source: bool):
             comm.Recv(buf, source=status.Get_source())
             arrays[status.Get_source() if by_source else arrived] = buf
         return arrays
+
     return collect
 
 
@@ -356,18 +357,21 @@ def test_collect_check_catches_a_missing_own_array(comm):
 
 def test_a_never_completing_irecv_fails_within_the_timeout(comm):
     """Waiting on an Irecv nobody sends to (Waitall, or the request's own Wait) fails the check in time."""
+
     def forgets_to_send(wait):
         def exchange(comm, data):
             received, partner = np.empty_like(data), _partner(comm)
             if partner is not None:  # receives from its partner, which never sends
                 wait(comm.Irecv(received, source=partner))
             return data.copy() if partner is None else received
+
         return exchange
 
     for wait in (lambda request: MPI.Request.Waitall([request]), lambda request: request.Wait()):
         start = time.monotonic()
-        message = expect_failure(check_exchange, forgets_to_send(wait), "Irecv from rank", "never completed",
-                                 "deadlock", "Waitall")
+        message = expect_failure(
+            check_exchange, forgets_to_send(wait), "Irecv from rank", "never completed", "deadlock", "Waitall"
+        )
         assert "Stalled" in message
         assert time.monotonic() - start < 4 * SHORT  # the timeout, plus the sizes that pass
 
@@ -428,6 +432,7 @@ def test_an_mpi_error_gets_a_hint(comm):
 
 def test_new_communicators_are_counted_refused_or_fail_in_time(comm):
     """Dup's and Split's messages count; a Split some rank never calls fails in time; other constructors are refused."""
+
     def on_a_dup(comm, data):
         partner, received, dup = _partner(comm), np.empty_like(data), comm.Dup()
         if partner is None:
@@ -463,8 +468,13 @@ def test_new_communicators_are_counted_refused_or_fail_in_time(comm):
     assert time.monotonic() - start < 4 * SHORT
     expect_failure(check_exchange, on_a_cartesian_grid, "UncountedCall", "comm.Create_cart", "comm.Split")
     if comm.Get_size() > 1:
-        expect_failure(check_exchange, split_or_dup, "MismatchedCollective", "rank 0 Split, rank 1 Dup",
-                       "the same collective calls, in the same order")
+        expect_failure(
+            check_exchange,
+            split_or_dup,
+            "MismatchedCollective",
+            "rank 0 Split, rank 1 Dup",
+            "the same collective calls, in the same order",
+        )
 
 
 def test_collect_check_catches_rank_0s_own_array_returned(comm):
@@ -479,6 +489,7 @@ def test_collect_check_catches_rank_0s_own_array_returned(comm):
 
 def test_a_request_never_waited_for_fails(comm):
     """An Isend whose request is dropped (never Wait-ed) fails, naming the call; Wait and Waitall pass."""
+
     def drops_the_isend(comm, data):
         partner, received = _partner(comm), np.empty_like(data)
         if partner is None:
@@ -502,6 +513,7 @@ def test_a_request_never_waited_for_fails(comm):
 
 def test_an_iprobe_loop_no_message_ends_fails_within_the_timeout(comm):
     """Polling Iprobe for one message too many stops at the timeout instead of spinning forever."""
+
     def one_too_many(comm, data):
         if comm.Get_rank() != 0:
             comm.Send(data, dest=0)

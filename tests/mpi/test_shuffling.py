@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.data import StressStrainCurves
-from ddlab.shuffling import Shuffler, exchange_plan, exchange_samples, remove_store, stage, write_shared
 from ddlab.data.sharding import epoch_permutation
 from ddlab.runtime.blocks import block_range
+from ddlab.shuffling import Shuffler, exchange_plan, exchange_samples, remove_store, stage, write_shared
+from mpi4py import MPI
 
 N = 103  # not a multiple of 3 or 4: partitions of different sizes
 EPOCHS = 3
@@ -35,8 +34,9 @@ def orders(comm: MPI.Comm, root, strategy: str, q: float = 0.0, seed: int = 0) -
     return epochs, shuffler
 
 
-@pytest.mark.parametrize("strategy, q", [("global", 0.0), ("local", 0.0), ("partial", 0.1), ("partial", 0.3),
-                                         ("partial", 1.0)])
+@pytest.mark.parametrize(
+    "strategy, q", [("global", 0.0), ("local", 0.0), ("partial", 0.1), ("partial", 0.3), ("partial", 1.0)]
+)
 def test_every_sample_once_per_epoch(comm, root, strategy, q):
     epochs, shuffler = orders(comm, root, strategy, q)
     for epoch, mine in enumerate(epochs):
@@ -69,7 +69,7 @@ def test_q1_is_a_permutation_of_global(comm, root):
         pool = np.concatenate(comm.allgather(np.sort(partial[epoch - 1])))
         dealt = pool[epoch_permutation(N, epoch, 0)]
         block = block_range(N, comm.rank, comm.size)
-        assert np.array_equal(np.sort(partial[epoch]), np.sort(dealt[block.start:block.stop]))
+        assert np.array_equal(np.sort(partial[epoch]), np.sort(dealt[block.start : block.stop]))
     assert all(c.shared == 0 for c in shuffler.counters[1:])
 
 
@@ -87,13 +87,12 @@ def test_global_reads_shared_local_reads_local(comm, root):
 
 def test_exchange_samples_carries_the_planned_rows(comm):
     counts = [len(block_range(50, r, comm.size)) for r in range(comm.size)]
-    offset = sum(counts[:comm.rank])
+    offset = sum(counts[: comm.rank])
     x = np.arange(offset, offset + counts[comm.rank], dtype=np.float64)[:, None] * np.array([1.0, -1.0, 0.5])
     send, recv_counts = exchange_plan(counts, comm.rank, 0.5, epoch=2, seed=7)
     got = exchange_samples(comm, x, send, recv_counts)
     everyone = comm.allgather((offset, send))
-    want = np.concatenate([x[:0]] + [(o + s[comm.rank])[:, None] * np.array([1.0, -1.0, 0.5])
-                                     for o, s in everyone])
+    want = np.concatenate([x[:0]] + [(o + s[comm.rank])[:, None] * np.array([1.0, -1.0, 0.5]) for o, s in everyone])
     assert np.array_equal(got, want)
 
 

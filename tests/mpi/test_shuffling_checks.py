@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from ddlab.checks import CheckFailed, check_exchange_plan, check_exchange_samples
 from ddlab.shuffling import exchange_plan, exchange_samples
+from mpi4py import MPI
 
 
 def plan_with_replacement(counts, rank, q, epoch, seed=0):
@@ -41,10 +40,12 @@ def plan_alternative(counts, rank, q, epoch, seed=0):
     picked = [int(q * m) for m in counts]
     starts = np.concatenate([[0], np.cumsum(picked)])
     destination = np.random.default_rng([seed, epoch, 99]).permutation(np.repeat(np.arange(size), picked))
-    chosen = np.random.default_rng([seed, epoch, rank, 5]).permutation(counts[rank])[:picked[rank]]
-    mine = destination[starts[rank]:starts[rank + 1]]
-    return ([chosen[mine == d] for d in range(size)],
-            [int(np.sum(destination[starts[s]:starts[s + 1]] == rank)) for s in range(size)])
+    chosen = np.random.default_rng([seed, epoch, rank, 5]).permutation(counts[rank])[: picked[rank]]
+    mine = destination[starts[rank] : starts[rank + 1]]
+    return (
+        [chosen[mine == d] for d in range(size)],
+        [int(np.sum(destination[starts[s] : starts[s + 1]] == rank)) for s in range(size)],
+    )
 
 
 def exchange_displacements_in_rows(comm, x, send, recv_counts):
@@ -53,8 +54,10 @@ def exchange_displacements_in_rows(comm, x, send, recv_counts):
     outgoing = np.ascontiguousarray(x[np.concatenate(send)])
     incoming = np.empty((sum(recv_counts), *x.shape[1:]), x.dtype)
     rows_out, rows_in = [len(s) for s in send], list(recv_counts)
-    comm.Alltoallv([outgoing, ([r * row for r in rows_out], np.cumsum([0] + rows_out[:-1]))],
-                   [incoming, ([r * row for r in rows_in], np.cumsum([0] + rows_in[:-1]))])
+    comm.Alltoallv(
+        [outgoing, ([r * row for r in rows_out], np.cumsum([0] + rows_out[:-1]))],
+        [incoming, ([r * row for r in rows_in], np.cumsum([0] + rows_in[:-1]))],
+    )
     return incoming
 
 
@@ -82,27 +85,35 @@ def exchange_with_row_type(comm, x, send, recv_counts):
     row.Commit()
     try:
         out_counts, in_counts = [len(s) for s in send], list(recv_counts)
-        comm.Alltoallv([outgoing, out_counts, np.cumsum([0] + out_counts[:-1]).tolist(), row],
-                       [incoming, in_counts, np.cumsum([0] + in_counts[:-1]).tolist(), row])
+        comm.Alltoallv(
+            [outgoing, out_counts, np.cumsum([0] + out_counts[:-1]).tolist(), row],
+            [incoming, in_counts, np.cumsum([0] + in_counts[:-1]).tolist(), row],
+        )
     finally:
         row.Free()
     return incoming
 
 
-@pytest.mark.parametrize("plan, message", [
-    (plan_with_replacement, "more than once|loses or duplicates"),
-    (plan_without_agreement, "expects .* samples from rank|would hold"),
-    (plan_ignoring_epoch, "same as epoch"),
-])
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (plan_with_replacement, "more than once|loses or duplicates"),
+        (plan_without_agreement, "expects .* samples from rank|would hold"),
+        (plan_ignoring_epoch, "same as epoch"),
+    ],
+)
 def test_wrong_plans_fail(comm, plan, message):
     with pytest.raises(CheckFailed, match=message):
         check_exchange_plan(plan)
 
 
-@pytest.mark.parametrize("exchange, message", [
-    (exchange_displacements_in_rows, "outside the|rows received"),
-    (exchange_point_to_point, "called comm.Alltoallv 0 times"),
-])
+@pytest.mark.parametrize(
+    "exchange, message",
+    [
+        (exchange_displacements_in_rows, "outside the|rows received"),
+        (exchange_point_to_point, "called comm.Alltoallv 0 times"),
+    ],
+)
 def test_wrong_exchanges_fail(comm, exchange, message):
     with pytest.raises(CheckFailed, match=message):
         check_exchange_samples(exchange)

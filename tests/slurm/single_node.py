@@ -77,14 +77,23 @@ def apt_install(packages: list[str], missing: Callable[[], list[str]], what: str
     if os.geteuid() != 0:
         raise CannotInstall(f"{what} is not installed ({', '.join(missing())} missing) and installing it needs root")
     if shutil.which("apt-get") is None:
-        raise CannotInstall(f"{what} is not installed ({', '.join(missing())} missing) and this machine has "
-                            "no apt-get to install it")
+        raise CannotInstall(
+            f"{what} is not installed ({', '.join(missing())} missing) and this machine has no apt-get to install it"
+        )
     deadline = time.monotonic() + timeout
     with _lock(Path(tempfile.gettempdir()) / "ddlab-apt-install.lock"), _no_service_starts():
         if not missing():  # another test run installed it while we waited
             return
-        command = ["apt-get", "install", "-y", "-q", "--no-install-recommends",
-                   "-o", "DPkg::Lock::Timeout=120", *packages]
+        command = [
+            "apt-get",
+            "install",
+            "-y",
+            "-q",
+            "--no-install-recommends",
+            "-o",
+            "DPkg::Lock::Timeout=120",
+            *packages,
+        ]
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         done = _run_bounded(command, env, deadline)
         if done.returncode != 0:  # stale package lists: refresh once and retry
@@ -99,8 +108,9 @@ def _run_bounded(command: list[str], env: dict[str, str], deadline: float) -> su
     if left <= 0:
         raise CannotInstall(f"ran out of time installing before `{' '.join(command)}`")
     try:
-        return subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=left)
+        return subprocess.run(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=left
+        )
     except subprocess.TimeoutExpired as err:
         raise CannotInstall(f"`{' '.join(command)}` took longer than allowed:\n{(err.output or '')[-3000:]}") from None
 
@@ -208,9 +218,18 @@ PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime={PARTITION_MAX_TIME} 
         """Start munged, slurmctld and slurmd; return once the node takes jobs."""
         env = self._daemon_env()
         f = self.folder
-        self._daemon([_which("munged"), "--force", f"--socket={f}/munge.socket", f"--key-file={f}/munge.key",
-                      f"--pid-file={f}/munged.pid", f"--log-file={f}/log/munged.log",
-                      f"--seed-file={f}/munged.seed"], env)
+        self._daemon(
+            [
+                _which("munged"),
+                "--force",
+                f"--socket={f}/munge.socket",
+                f"--key-file={f}/munge.key",
+                f"--pid-file={f}/munged.pid",
+                f"--log-file={f}/log/munged.log",
+                f"--seed-file={f}/munged.seed",
+            ],
+            env,
+        )
         self._daemon([_which("slurmctld"), "-i"], env)  # -i: ignore (absent) saved state
         self._daemon([_which("slurmd"), "-N", NODE], env)
         deadline = time.monotonic() + timeout
@@ -223,15 +242,17 @@ PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime={PARTITION_MAX_TIME} 
             time.sleep(0.5)
 
     def _daemon(self, command: list[str], env: dict[str, str]) -> None:
-        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=60, cwd=self.folder)
+        done = subprocess.run(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60, cwd=self.folder
+        )
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(command)}` failed ({done.returncode}):\n{done.stdout}\n{self.logs()}")
 
     def slurm(self, *command: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         """Run a Slurm command (sinfo, squeue, ...) against this Slurm."""
-        return subprocess.run(list(command), env={**os.environ, **self.env}, capture_output=True,
-                              text=True, timeout=timeout, check=check)
+        return subprocess.run(
+            list(command), env={**os.environ, **self.env}, capture_output=True, text=True, timeout=timeout, check=check
+        )
 
     def jobs(self) -> list[str]:
         """Ids of the jobs this Slurm knows that have not ended."""

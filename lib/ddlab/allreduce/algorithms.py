@@ -81,8 +81,10 @@ def _input_problem(rows: list[tuple[int, ...]]) -> str:
         if status == _NOT_1D:
             return f"rank {rank} passed a {value}-D array: pass a 1-D array (x.ravel())"
         if status == _NOT_NUMBERS:
-            return (f"rank {rank} passed an array that does not hold numbers in native byte order: "
-                    "pass float32, float64, int64, ...")
+            return (
+                f"rank {rank} passed an array that does not hold numbers in native byte order: "
+                "pass float32, float64, int64, ..."
+            )
     have = ", ".join(f"rank {rank} has {value} {_dtype_name(code)}" for rank, (_, value, code) in enumerate(rows))
     return f"every rank must pass the same length and dtype, but {have}"
 
@@ -97,7 +99,7 @@ def agree_on_input(comm: Comm, x: Any) -> None:
     table = array("q", bytes(mine.itemsize * len(mine) * size))
     real.Allgather(mine, table)
     if mine[0] != _OK or table.tobytes() != mine.tobytes() * size:
-        rows = [tuple(table[3 * r:3 * r + 3]) for r in range(size)]
+        rows = [tuple(table[3 * r : 3 * r + 3]) for r in range(size)]
         raise ValueError(f"allreduce: {_input_problem(rows)}")
 
 
@@ -108,6 +110,7 @@ def _start(comm: Comm, x: np.ndarray) -> np.ndarray:
 
 
 # The fix-up for rank counts that are not a power of two --------------------------
+
 
 def largest_power_of_two(size: int) -> int:
     """The largest power of two <= size."""
@@ -151,6 +154,7 @@ def fold_out(comm: Comm, work: np.ndarray, group_rank: int | None) -> None:
 
 
 # The algorithms -------------------------------------------------------------------
+
 
 def allreduce_naive(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Linear reduce to rank 0, then linear broadcast: 2(P-1) messages through rank 0."""
@@ -206,8 +210,8 @@ def allreduce_ring(comm: Comm, x: np.ndarray) -> np.ndarray:
     mine = np.ascontiguousarray(x)
     work = np.empty_like(mine)
     bounds = block_bounds(work.size, size)
-    own = [mine[bounds[c]:bounds[c + 1]] for c in range(size)]
-    chunks = [work[bounds[c]:bounds[c + 1]] for c in range(size)]
+    own = [mine[bounds[c] : bounds[c + 1]] for c in range(size)]
+    chunks = [work[bounds[c] : bounds[c + 1]] for c in range(size)]
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
         outgoing = (own if step == 0 else chunks)[(rank - step) % size]
@@ -227,8 +231,10 @@ def reduce_scatter_ring(comm: Comm, x: np.ndarray, bounds: list[int]) -> np.ndar
     chunk-sized buffers (a fresh full-size copy per call costs a pass over memory, and on a
     virtual machine the page faults of touching it first)."""
     rank, size = comm.Get_rank(), comm.Get_size()
+
     def chunk(c: int) -> np.ndarray:
-        return x[bounds[c % size]:bounds[c % size + 1]]
+        return x[bounds[c % size] : bounds[c % size + 1]]
+
     if size == 1:
         return chunk(0).copy()
     largest = max(bounds[c + 1] - bounds[c] for c in range(size))
@@ -237,7 +243,7 @@ def reduce_scatter_ring(comm: Comm, x: np.ndarray, bounds: list[int]) -> np.ndar
     sending = chunk(rank - 1)
     for step in range(size - 1):  # receive the left's partial sum of chunk rank-step-2, add mine, pass it on
         mine = chunk(rank - step - 2)
-        arriving = buffers[step % 2][:mine.size]
+        arriving = buffers[step % 2][: mine.size]
         comm.Sendrecv(sending, dest=right, sendtag=RING_TAG, recvbuf=arriving, source=left, recvtag=RING_TAG)
         arriving += mine
         sending = arriving
@@ -248,12 +254,18 @@ def allgather_ring(comm: Comm, mine: np.ndarray, bounds: list[int]) -> np.ndarra
     """Ring allgather: every rank's piece (rank r's is bounds[r]:bounds[r+1]) into one new array."""
     rank, size = comm.Get_rank(), comm.Get_size()
     out = np.empty(bounds[-1], dtype=mine.dtype)
-    chunks = [out[bounds[c]:bounds[c + 1]] for c in range(size)]
+    chunks = [out[bounds[c] : bounds[c + 1]] for c in range(size)]
     chunks[rank][...] = mine
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
-        comm.Sendrecv(chunks[(rank - step) % size], dest=right, sendtag=RING_TAG,
-                      recvbuf=chunks[(rank - step - 1) % size], source=left, recvtag=RING_TAG)
+        comm.Sendrecv(
+            chunks[(rank - step) % size],
+            dest=right,
+            sendtag=RING_TAG,
+            recvbuf=chunks[(rank - step - 1) % size],
+            source=left,
+            recvtag=RING_TAG,
+        )
     return out
 
 
@@ -273,14 +285,14 @@ def allreduce_rabenseifner(comm: Comm, x: np.ndarray) -> np.ndarray:
         bounds = block_bounds(work.size, pof2)
 
         def span(first: int, last: int) -> np.ndarray:  # blocks first..last-1 of work
-            return work[bounds[first]:bounds[last]]
+            return work[bounds[first] : bounds[last]]
 
         low, high, distance = 0, pof2, pof2 // 2
         while distance >= 1:
             partner, middle = group_rank ^ distance, low + distance
             keep, give = ((low, middle), (middle, high)) if group_rank < partner else ((middle, high), (low, middle))
             mine = span(*keep)
-            incoming = scratch[:mine.size]
+            incoming = scratch[: mine.size]
             peer = member_rank(partner, size)
             comm.Sendrecv(span(*give), dest=peer, sendtag=TAG, recvbuf=incoming, source=peer, recvtag=TAG)
             np.add(mine, incoming, out=mine)

@@ -101,7 +101,9 @@ def terms(algorithm: str, size: int, nbytes: float | np.ndarray) -> Terms:
     fold = float(p != pof2)
     share, pof2_share = (p - 1) / p, (pof2 - 1) / pof2
     if algorithm == "halving_doubling":
-        return collective_terms("reduce_scatter", size, n, "halving") + collective_terms("allgather", size, n, "doubling")
+        return collective_terms("reduce_scatter", size, n, "halving") + collective_terms(
+            "allgather", size, n, "doubling"
+        )
     formulas: dict[str, Callable[[], tuple[float, np.ndarray, np.ndarray]]] = {
         "naive": lambda: (2 * (p - 1), 2 * (p - 1) * n, (p - 1) * n),
         "tree": lambda: (2 * log_p, 2 * log_p * n, log_p * n),
@@ -151,8 +153,9 @@ def collective_terms(op: str, size: int, nbytes: float | np.ndarray, algorithm: 
     return Terms(float(messages[algorithm]), sent, part if op == "reduce_scatter" else 0.0 * n)
 
 
-def collective_seconds(op: str, size: int, nbytes: float | np.ndarray, link: Link,
-                       algorithm: str | None = None) -> float | np.ndarray:
+def collective_seconds(
+    op: str, size: int, nbytes: float | np.ndarray, link: Link, algorithm: str | None = None
+) -> float | np.ndarray:
     """Predicted seconds of collective `op` of `nbytes` bytes on `size` ranks over `link` (see `collective_terms`)."""
     return collective_terms(op, size, nbytes, algorithm).seconds(link)
 
@@ -223,8 +226,13 @@ def fit_link(comm: MPI.Comm, sizes: Sequence[int] | None = None, repeats: int | 
     return Link(alpha, beta, gamma)
 
 
-def time_allreduce(comm: MPI.Comm, algorithms: dict[str, Callable], sizes: Sequence[int],
-                   repeats: int = 3, dtype: npt.DTypeLike = np.float32) -> dict[str, np.ndarray]:
+def time_allreduce(
+    comm: MPI.Comm,
+    algorithms: dict[str, Callable],
+    sizes: Sequence[int],
+    repeats: int = 3,
+    dtype: npt.DTypeLike = np.float32,
+) -> dict[str, np.ndarray]:
     """Seconds of each call, per algorithm: an array of shape (len(sizes), repeats).
 
     A collective call; every rank gets the same numbers. Each call counts as its slowest

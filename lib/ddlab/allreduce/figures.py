@@ -17,8 +17,11 @@ def _contribution_cell(ax: plt.Axes, x: float, y: float, sources: set[int], p: i
     """One chunk of one rank: a stripe in the colour of every rank whose data it holds."""
     stripe = 0.9 / p
     for source in sorted(sources):
-        ax.add_patch(plt.Rectangle((x - 0.45 + source * stripe, y - 0.4), stripe, 0.8,
-                                   fc=rank_colour(source), ec="none", alpha=0.75))
+        ax.add_patch(
+            plt.Rectangle(
+                (x - 0.45 + source * stripe, y - 0.4), stripe, 0.8, fc=rank_colour(source), ec="none", alpha=0.75
+            )
+        )
     ax.add_patch(plt.Rectangle((x - 0.45, y - 0.4), 0.9, 0.8, fc="none", ec=edge, lw=lw))
 
 
@@ -36,7 +39,8 @@ def ring_allreduce_steps(p: int = 4) -> plt.Figure:
     """
     held = [[{r} for _ in range(p)] for r in range(p)]
     stages: list[tuple[str, list[list[set[int]]], set[tuple[int, int]]]] = [
-        ("start: each rank's own vector, in P chunks", held, set())]
+        ("start: each rank's own vector, in P chunks", held, set())
+    ]
     for phase, first, verb in (("reduce-scatter", 0, "adds it"), ("allgather", 1, "keeps it")):
         for step in range(p - 1):
             new = [[set(cell) for cell in row] for row in held]
@@ -44,8 +48,13 @@ def ring_allreduce_steps(p: int = 4) -> plt.Figure:
                 c = (r + first - step) % p
                 new[(r + 1) % p][c] = held[r][c] | (new[(r + 1) % p][c] if first == 0 else set())
             arrived = {((r + 1) % p, (r + first - step) % p) for r in range(p)}
-            stages.append((f"{phase} {step + 1}/{p - 1}: r sends chunk {_relative(first - step)}\n"
-                           f"to r+1, which {verb}", new, arrived))
+            stages.append(
+                (
+                    f"{phase} {step + 1}/{p - 1}: r sends chunk {_relative(first - step)}\nto r+1, which {verb}",
+                    new,
+                    arrived,
+                )
+            )
             held = new
     rows = -(-len(stages) // p)
     fig, axes = plt.subplots(rows, p, figsize=(2.6 * p, 2.5 * rows), squeeze=False)
@@ -63,10 +72,13 @@ def ring_allreduce_steps(p: int = 4) -> plt.Figure:
         for side in ax.spines.values():
             side.set_visible(False)
         ax.set_title(title, fontsize=8)
-    for ax in list(axes.flat)[len(stages):]:
+    for ax in list(axes.flat)[len(stages) :]:
         ax.axis("off")
-    fig.suptitle(f"Ring allreduce on {p} ranks: the stripes of a chunk are the ranks whose data it holds "
-                 "(red: just arrived; thick black: the complete sum)", fontsize=9)
+    fig.suptitle(
+        f"Ring allreduce on {p} ranks: the stripes of a chunk are the ranks whose data it holds "
+        "(red: just arrived; thick black: the complete sum)",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 
@@ -88,9 +100,11 @@ def exchange_pattern(p: int = 6, algorithm: str = "recursive_doubling") -> plt.F
         core = halving + [(d, size) for d, size in reversed(halving)]
     else:
         raise ValueError(f"algorithm must be 'recursive_doubling' or 'rabenseifner', got {algorithm!r}")
-    columns = ([("fold in", None, "n")] if extra else []) + [
-        (f"step {i + 1}\ndistance {d}", d, size) for i, (d, size) in enumerate(core)
-    ] + ([("fold out", None, "n")] if extra else [])
+    columns = (
+        ([("fold in", None, "n")] if extra else [])
+        + [(f"step {i + 1}\ndistance {d}", d, size) for i, (d, size) in enumerate(core)]
+        + ([("fold out", None, "n")] if extra else [])
+    )
     fig, ax = plt.subplots(figsize=(1.25 * len(columns) + 1.5, 0.45 * p + 1.3))
     out = {2 * i for i in range(extra)}
     for x, (label, distance, size) in enumerate(columns):
@@ -104,8 +118,16 @@ def exchange_pattern(p: int = 6, algorithm: str = "recursive_doubling") -> plt.F
                 if member < partner:
                     a, b = member_rank(member, p), member_rank(partner, p)
                     shift = 0.35 * ((member % distance) / max(distance, 1) - 0.4)
-                    ax.add_patch(FancyArrowPatch((x + shift, -a), (x + shift, -b), arrowstyle="<|-|>",
-                                                 mutation_scale=8, color="tab:red", lw=1.2))
+                    ax.add_patch(
+                        FancyArrowPatch(
+                            (x + shift, -a),
+                            (x + shift, -b),
+                            arrowstyle="<|-|>",
+                            mutation_scale=8,
+                            color="tab:red",
+                            lw=1.2,
+                        )
+                    )
         ax.text(x, -p + 0.2, f"{label}\n{size} items", ha="center", va="top", fontsize=8)
         for r in range(p):
             sitting_out = r in out and 0 < x < len(columns) - 1 if extra else False
@@ -122,9 +144,13 @@ def exchange_pattern(p: int = 6, algorithm: str = "recursive_doubling") -> plt.F
     return fig
 
 
-def allreduce_sweep(nbytes: Sequence[float], measured: dict[str, Sequence[float]], size: int,
-                    predicted: dict[str, Sequence[float]] | None = None,
-                    memcpy_bandwidth: float | None = None) -> plt.Figure:
+def allreduce_sweep(
+    nbytes: Sequence[float],
+    measured: dict[str, Sequence[float]],
+    size: int,
+    predicted: dict[str, Sequence[float]] | None = None,
+    memcpy_bandwidth: float | None = None,
+) -> plt.Figure:
     """Allreduce time against size (measured dots, predicted dashes) and bus bandwidth against memcpy's."""
 
     n = np.asarray(nbytes, dtype=float)

@@ -13,9 +13,11 @@ from ..runtime.comm import first_ranks
 from ..runtime.counting import CountingComm, Traffic, gather_traffic
 from .errors import CheckFailed
 
-MPI_ERROR_HINT = ("an error inside MPI: most often the ranks' collective calls did not match (a different "
-                  "collective, or the same ones in another order or with other sizes), or a receive buffer was "
-                  "smaller than its message")
+MPI_ERROR_HINT = (
+    "an error inside MPI: most often the ranks' collective calls did not match (a different "
+    "collective, or the same ones in another order or with other sizes), or a receive buffer was "
+    "smaller than its message"
+)
 
 
 def count(n: int, noun: str) -> str:
@@ -28,8 +30,9 @@ def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str =
     _raise_found(comm.allgather(problem), context, hint)
 
 
-def each_size(comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: str,
-              sizes: Sequence[int] | None = None) -> None:
+def each_size(
+    comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: str, sizes: Sequence[int] | None = None
+) -> None:
     """Run body(sub) on the first P ranks of comm for each P in sizes (default 1..size); one verdict for all.
 
     The one loop every check uses. body runs on the ranks of each sub-communicator
@@ -89,8 +92,15 @@ def _sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterat
                 sub.Free()
 
 
-def run_counted(comm: MPI.Comm, fn: Callable[..., Any], args: tuple, context: str,
-                timeout: float = 20.0, allow: tuple[str, ...] = (), stagger: float = 0.0) -> tuple[Any, list[Traffic]]:
+def run_counted(
+    comm: MPI.Comm,
+    fn: Callable[..., Any],
+    args: tuple,
+    context: str,
+    timeout: float = 20.0,
+    allow: tuple[str, ...] = (),
+    stagger: float = 0.0,
+) -> tuple[Any, list[Traffic]]:
     """Call fn(counting_comm, *args) on every rank of comm; return (result, all ranks' traffic).
 
     `allow` names MPI collectives the exercise may call (see CountingComm); others are refused.

@@ -38,8 +38,9 @@ def value_problem(result: object, x: np.ndarray, before: np.ndarray, want: np.nd
     """What breaks lab 03's contract: the sum `want` in a new array, `x` left as `before`."""
     if result is x or (isinstance(result, np.ndarray) and np.shares_memory(result, x)):
         return "the result shares memory with x: return a new array and leave x as it was"
-    return (array_problem(x, before, f"x on rank {rank} after the call (it must not change)")
-            or array_problem(result, want, f"the result on rank {rank}"))
+    return array_problem(x, before, f"x on rank {rank} after the call (it must not change)") or array_problem(
+        result, want, f"the result on rank {rank}"
+    )
 
 
 def _shown(sends: list[tuple[int, int]]) -> str:
@@ -53,14 +54,17 @@ def _sends(t: Traffic) -> list[tuple[int, int]]:
 
 # Who sends what, algorithm by algorithm ----------------------------------------------
 
+
 def _fold_note(size: int) -> str:
     pof2 = largest_power_of_two(size)
     if pof2 == size:
         return ""
     extra = size - pof2
-    return (f" P={size} is not a power of two, so ranks 0..{2 * extra - 1} fold in first (each even "
-            f"rank sends its whole vector to the odd rank after it and sits out) and the odd ones send "
-            f"the result back at the end; the other p'={pof2} ranks do the algorithm.")
+    return (
+        f" P={size} is not a power of two, so ranks 0..{2 * extra - 1} fold in first (each even "
+        f"rank sends its whole vector to the odd rank after it and sits out) and the odd ones send "
+        f"the result back at the end; the other p'={pof2} ranks do the algorithm."
+    )
 
 
 def _group(rank: int, size: int) -> int | None:
@@ -87,11 +91,13 @@ def recursive_doubling_problem(traffic: list[Traffic], size: int, n: int, itemsi
         want = recursive_doubling_sends(t.rank, size, n * itemsize)
         if _sends(t) != want:
             steps = pof2.bit_length() - 1
-            return (f"rank {t.rank} sent {t.messages_sent} messages: {_shown(_sends(t))}. Recursive doubling "
-                    f"on {pof2} ranks sends log2({pof2}) = {count(steps, 'message')} of all n = {n} "
-                    f"items ({n * itemsize} B), in step k to the {'member' if pof2 < size else 'rank'} whose "
-                    f"number differs in bit k (number XOR 2^k).{_fold_note(size)} "
-                    f"Expected from rank {t.rank}: {_shown(want)}.")
+            return (
+                f"rank {t.rank} sent {t.messages_sent} messages: {_shown(_sends(t))}. Recursive doubling "
+                f"on {pof2} ranks sends log2({pof2}) = {count(steps, 'message')} of all n = {n} "
+                f"items ({n * itemsize} B), in step k to the {'member' if pof2 < size else 'rank'} whose "
+                f"number differs in bit k (number XOR 2^k).{_fold_note(size)} "
+                f"Expected from rank {t.rank}: {_shown(want)}."
+            )
     return None
 
 
@@ -101,23 +107,31 @@ def ring_problem(traffic: list[Traffic], size: int, n: int, itemsize: int) -> st
     for t in traffic:
         right, left = (t.rank + 1) % size, (t.rank - 1) % size
         if t.messages_sent != 2 * (size - 1):
-            return (f"rank {t.rank} sent {t.messages_sent} messages; a ring on P={size} ranks sends "
-                    f"2(P-1) = {2 * (size - 1)}: P-1 in the reduce-scatter and P-1 in the allgather, one chunk each")
+            return (
+                f"rank {t.rank} sent {t.messages_sent} messages; a ring on P={size} ranks sends "
+                f"2(P-1) = {2 * (size - 1)}: P-1 in the reduce-scatter and P-1 in the allgather, one chunk each"
+            )
         elsewhere = [e.peer for e in t.sends if e.peer != right]
         if elsewhere:
-            return (f"rank {t.rank} sent a message to rank {elsewhere[0]}; in a ring every rank sends "
-                    f"only to its right neighbour, rank {right}, and receives only from its left, rank {left}")
+            return (
+                f"rank {t.rank} sent a message to rank {elsewhere[0]}; in a ring every rank sends "
+                f"only to its right neighbour, rank {right}, and receives only from its left, rank {left}"
+            )
         strangers = [e.peer for e in t.recvs if e.peer != left]
         if strangers:
             return f"rank {t.rank} received from rank {strangers[0]}; in a ring it receives only from rank {left}"
         big = [e.nbytes for e in t.sends if e.nbytes > largest]
         if big:
-            return (f"rank {t.rank} sent a message of {big[0]} B; a ring passes one chunk per message, at most "
-                    f"ceil(n/P) = {math.ceil(n / size)} items ({largest} B), never the whole vector")
+            return (
+                f"rank {t.rank} sent a message of {big[0]} B; a ring passes one chunk per message, at most "
+                f"ceil(n/P) = {math.ceil(n / size)} items ({largest} B), never the whole vector"
+            )
     total, want = sum(t.bytes_sent for t in traffic), 2 * (size - 1) * n * itemsize
     if total != want:
-        return (f"all ranks together sent {total} B; a ring passes each of the P chunks P-1 times in "
-                f"each phase: 2(P-1) n = {2 * (size - 1) * n} items, {want} B")
+        return (
+            f"all ranks together sent {total} B; a ring passes each of the P chunks P-1 times in "
+            f"each phase: 2(P-1) n = {2 * (size - 1) * n} items, {want} B"
+        )
     return None
 
 
@@ -131,38 +145,46 @@ def rabenseifner_problem(traffic: list[Traffic], size: int, n: int, itemsize: in
         folded = t.rank < 2 * extra
         want = 1 if group is None else 2 * steps + folded
         if len(sends) != want:
-            return (f"rank {t.rank} sent {len(sends)} messages: {_shown(sends)}. Rabenseifner's algorithm on "
-                    f"{pof2} ranks sends 2 log2({pof2}) = {2 * steps}: {steps} halving the data in the "
-                    f"reduce-scatter, {steps} doubling it in the allgather.{_fold_note(size)}")
+            return (
+                f"rank {t.rank} sent {len(sends)} messages: {_shown(sends)}. Rabenseifner's algorithm on "
+                f"{pof2} ranks sends 2 log2({pof2}) = {2 * steps}: {steps} halving the data in the "
+                f"reduce-scatter, {steps} doubling it in the allgather.{_fold_note(size)}"
+            )
         if folded:
             fold = [(t.rank + 1, n * itemsize)] if group is None else [(t.rank - 1, n * itemsize)]
             if (sends[:1] if group is None else sends[-1:]) != fold:
-                return (f"rank {t.rank} sent {_shown(sends)}; the fold should send {_shown(fold)}."
-                        f"{_fold_note(size)}")
+                return f"rank {t.rank} sent {_shown(sends)}; the fold should send {_shown(fold)}.{_fold_note(size)}"
             if group is None:
                 continue
             sends = sends[:-1]
         for peer, _ in sends:
             other = _group(peer, size) if 0 <= peer < size else None
             if group is None or other is None or bin(other ^ group).count("1") != 1:
-                return (f"rank {t.rank} (member {group} of the {pof2}-rank group) sent to rank {peer}; each "
-                        f"step pairs members whose numbers differ in one bit (member XOR distance)."
-                        f"{_fold_note(size)}")
+                return (
+                    f"rank {t.rank} (member {group} of the {pof2}-rank group) sent to rank {peer}; each "
+                    f"step pairs members whose numbers differ in one bit (member XOR distance)."
+                    f"{_fold_note(size)}"
+                )
         sent = sum(nbytes for _, nbytes in sends)
         bound = 2 * (pof2 - 1) * math.ceil(n / pof2) * itemsize
         if sent > bound:
-            return (f"rank {t.rank} sent {sent} B in the reduce-scatter and allgather; halving the data at "
-                    f"each step sends 2(p'-1)/p' n = {2 * (pof2 - 1) * n / pof2:.0f} items "
-                    f"(about {bound} B), not whole vectors")
+            return (
+                f"rank {t.rank} sent {sent} B in the reduce-scatter and allgather; halving the data at "
+                f"each step sends 2(p'-1)/p' n = {2 * (pof2 - 1) * n / pof2:.0f} items "
+                f"(about {bound} B), not whole vectors"
+            )
         core_total += sent
     want_total = 2 * (pof2 - 1) * n * itemsize
     if core_total != want_total:
-        return (f"the {pof2} group members together sent {core_total} B in the reduce-scatter and allgather; "
-                f"recursive halving and doubling move 2(p'-1) n = {2 * (pof2 - 1) * n} items, {want_total} B")
+        return (
+            f"the {pof2} group members together sent {core_total} B in the reduce-scatter and allgather; "
+            f"recursive halving and doubling move 2(p'-1) n = {2 * (pof2 - 1) * n} items, {want_total} B"
+        )
     return None
 
 
 # Running the cases -----------------------------------------------------------------
+
 
 def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype: type) -> None:
     """Run fn on comm for one length and dtype; raise CheckFailed (on every rank of comm) if wrong."""
@@ -172,8 +194,9 @@ def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype
     before = x.copy()
     where = f"{name} on P={size} ranks, x of length {n} ({np.dtype(dtype).name})"
     result, traffic = run_counted(comm, fn, (x,), where)
-    fail_together(comm, value_problem(result, x, before, sum(inputs[1:], inputs[0].copy()), rank),
-                  f"{where}: wrong result")
+    fail_together(
+        comm, value_problem(result, x, before, sum(inputs[1:], inputs[0].copy()), rank), f"{where}: wrong result"
+    )
     if n >= size:  # smaller vectors leave chunks empty; their messages may be skipped
         problem = rule(traffic, size, n, np.dtype(dtype).itemsize)
         if problem:
@@ -200,19 +223,28 @@ def _scope(size: int) -> str:
 def check_allreduce_recursive_doubling(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(comm, x) must sum like allreduce, swapping whole vectors with partner rank XOR 2^k."""
     size = _check(fn, "allreduce_recursive_doubling", recursive_doubling_problem, comm)
-    passed(comm or MPI.COMM_WORLD, f"allreduce_recursive_doubling sums correctly {_scope(size)}; each rank "
-           "sends log2 P whole vectors to partners rank XOR 2^k (with the fold when P is not a power of two)")
+    passed(
+        comm or MPI.COMM_WORLD,
+        f"allreduce_recursive_doubling sums correctly {_scope(size)}; each rank "
+        "sends log2 P whole vectors to partners rank XOR 2^k (with the fold when P is not a power of two)",
+    )
 
 
 def check_allreduce_ring(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(comm, x) must sum like allreduce, passing 2(P-1) chunks of n/P items around the ring."""
     size = _check(fn, "allreduce_ring", ring_problem, comm)
-    passed(comm or MPI.COMM_WORLD, f"allreduce_ring sums correctly {_scope(size)}; each rank sends 2(P-1) "
-           "chunks to its right neighbour, 2(P-1)/P n items in all: the bandwidth lower bound")
+    passed(
+        comm or MPI.COMM_WORLD,
+        f"allreduce_ring sums correctly {_scope(size)}; each rank sends 2(P-1) "
+        "chunks to its right neighbour, 2(P-1)/P n items in all: the bandwidth lower bound",
+    )
 
 
 def check_allreduce_rabenseifner(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(comm, x) must sum like allreduce by recursive halving, then recursive doubling."""
     size = _check(fn, "allreduce_rabenseifner", rabenseifner_problem, comm)
-    passed(comm or MPI.COMM_WORLD, f"allreduce_rabenseifner sums correctly {_scope(size)}; each rank sends "
-           "2 log2 P messages, 2(P-1)/P n items in all: the bandwidth lower bound in few messages")
+    passed(
+        comm or MPI.COMM_WORLD,
+        f"allreduce_rabenseifner sums correctly {_scope(size)}; each rank sends "
+        "2 log2 P messages, 2(P-1)/P n items in all: the bandwidth lower bound in few messages",
+    )

@@ -17,9 +17,11 @@ def check_block_range(fn: Callable[[int, int, int], range]) -> None:
             want = [block_range(n, rank, size) for rank in range(size)]
             for rank, g in enumerate(got):
                 if not isinstance(g, range):
-                    raise CheckFailed(f"n={n}, size={size}: rank {rank} got a {type(g).__name__}, expected a range: "
-                                      "return range(start, stop), which holds two numbers however many items "
-                                      "the block has")
+                    raise CheckFailed(
+                        f"n={n}, size={size}: rank {rank} got a {type(g).__name__}, expected a range: "
+                        "return range(start, stop), which holds two numbers however many items "
+                        "the block has"
+                    )
             for rank, (g, w) in enumerate(zip(got, want)):
                 if list(g) != list(w):
                     raise CheckFailed(

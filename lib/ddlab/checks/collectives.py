@@ -67,28 +67,32 @@ _LAYOUT_HINT = (
 )
 
 _RESULT_HINT = {
-    "bcast": ("Every rank must return a new array equal to the root's x (root={root}); "
-              "the other ranks' x only give the shape and dtype."),
-    "reduce": ("The root (rank {root}) must return a new array holding the elementwise sum of "
-               "every rank's x; every other rank returns None."),
+    "bcast": (
+        "Every rank must return a new array equal to the root's x (root={root}); "
+        "the other ranks' x only give the shape and dtype."
+    ),
+    "reduce": (
+        "The root (rank {root}) must return a new array holding the elementwise sum of "
+        "every rank's x; every other rank returns None."
+    ),
 }
 
 _NAMES = {"bcast": "broadcast", "reduce": "reduce"}
 
 _PATTERN_HINT = {
     ("bcast", "linear"): "In a linear broadcast the root sends x once to each other rank (not to "
-                         "itself, not twice) and each other rank receives once, from the root.",
+    "itself, not twice) and each other rank receives once, from the root.",
     ("reduce", "linear"): "In a linear reduce each rank other than the root sends its x once, to "
-                          "the root, which receives and adds them; no other messages.",
+    "the root, which receives and adds them; no other messages.",
     ("bcast", "tree"): "Compare with the lab's picture: every round, each rank that has the data sends "
-                       "it to one rank that has not, so the holders double; each rank receives once, "
-                       "before it sends. Another root: number the ranks from the root. If these are "
-                       "the tree's messages, look at their order: a rank sends first to the child with "
-                       "the most sending left to do.",
+    "it to one rank that has not, so the holders double; each rank receives once, "
+    "before it sends. Another root: number the ranks from the root. If these are "
+    "the tree's messages, look at their order: a rank sends first to the child with "
+    "the most sending left to do.",
     ("reduce", "tree"): "Compare with the lab's picture: the broadcast's messages reversed, round by round; "
-                        "each rank other than the root sends once, after adding what its children sent. "
-                        "If these are the tree's messages, look at their order: a rank receives from its "
-                        "children round by round, lowest round first.",
+    "each rank other than the root sends once, after adding what its children sent. "
+    "If these are the tree's messages, look at their order: a rank receives from its "
+    "children round by round, lowest round first.",
 }
 
 
@@ -117,8 +121,10 @@ def _result_problem(kind: str, got: Any, want: np.ndarray | None, x: np.ndarray)
         return "returned None, expected the " + ("root's array" if kind == "bcast" else "sum (this rank is the root)")
     problem = array_problem(got, want, "the result")
     if problem is None and np.shares_memory(got, x):
-        problem = ("returned x itself or a view of it: return a new array (e.g. a copy), so that "
-                   "changing the result cannot change the caller's x")
+        problem = (
+            "returned x itself or a view of it: return a new array (e.g. a copy), so that "
+            "changing the result cannot change the caller's x"
+        )
     return problem
 
 
@@ -135,18 +141,26 @@ def _pattern_problems(kind: str, algorithm: str, traffic: list[Traffic], root: i
         return [f"{_messages(len(messages))} sent, expected P-1 = {size - 1}, one {direction} (root = rank {root})"]
     problems, most = [], _expected_rounds(size)
     if len(messages) != size - 1:
-        problems.append(f"{_messages(len(messages))} sent, expected P-1 = {size - 1}: in a tree each rank "
-                        "other than the root " + ("receives the data once" if kind == "bcast" else "sends its partial sum once"))
+        problems.append(
+            f"{_messages(len(messages))} sent, expected P-1 = {size - 1}: in a tree each rank "
+            "other than the root " + ("receives the data once" if kind == "bcast" else "sends its partial sum once")
+        )
     taken = rounds(traffic, one_receive_at_a_time=True)
     if taken != most:
-        problems.append(f"took {taken} rounds (the longest chain of messages, each waiting for the one "
-                        f"before; a rank sends and receives one message at a time), a binomial tree "
-                        f"takes ceil(log2 P) = {most}")
-    verbs, attribute = (("sent", "sends"), "messages_sent") if kind == "bcast" else (("received", "receives"), "messages_received")
+        problems.append(
+            f"took {taken} rounds (the longest chain of messages, each waiting for the one "
+            f"before; a rank sends and receives one message at a time), a binomial tree "
+            f"takes ceil(log2 P) = {most}"
+        )
+    verbs, attribute = (
+        (("sent", "sends"), "messages_sent") if kind == "bcast" else (("received", "receives"), "messages_received")
+    )
     for t in traffic:
         if getattr(t, attribute) > most:
-            problems.append(f"rank {t.rank} {verbs[0]} {_messages(getattr(t, attribute))}; in a binomial tree "
-                            f"no rank {verbs[1]} more than ceil(log2 P) = {most}")
+            problems.append(
+                f"rank {t.rank} {verbs[0]} {_messages(getattr(t, attribute))}; in a binomial tree "
+                f"no rank {verbs[1]} more than ceil(log2 P) = {most}"
+            )
     return problems
 
 
@@ -167,8 +181,12 @@ def _check_case(sub: MPI.Comm, fn: Collective, name: str, root: int, case: Case,
         hint += "\n" + _LAYOUT_HINT
     fail_together(sub, _result_problem(kind, got, want, x), f"{call}: wrong result", hint)
     changed = array_problem(x, before, "x after the call")
-    fail_together(sub, changed and f"changed its input: {changed}", f"{call}: x was modified",
-                  "Leave x as it is: receive (and add) into a new array, e.g. np.empty(x.shape, x.dtype) or x.copy().")
+    fail_together(
+        sub,
+        changed and f"changed its input: {changed}",
+        f"{call}: x was modified",
+        "Leave x as it is: receive (and add) into a new array, e.g. np.empty(x.shape, x.dtype) or x.copy().",
+    )
     problems = _pattern_problems(kind, algorithm, traffic, root)
     if problems:
         raise CheckFailed(
@@ -189,8 +207,7 @@ def _check(fn: Collective, name: str, promise: str, timeout: float) -> None:
                 _check_case(sub, fn, name, root, case, timeout)
 
     each_size(world, every_root_and_case, name)
-    passed(world, f"{name}: {promise} (1 to {world.Get_size()} ranks, every root, "
-                  f"{len(CASES)} dtypes/shapes)")
+    passed(world, f"{name}: {promise} (1 to {world.Get_size()} ranks, every root, {len(CASES)} dtypes/shapes)")
 
 
 def check_bcast_linear(fn: Collective, timeout: float = 20.0) -> None:

@@ -57,8 +57,11 @@ def _pairs_problem(out: Any, fed: np.ndarray, k: int) -> str | None:
     indices, values, residual = out
     n = fed.size
     if not isinstance(indices, np.ndarray) or indices.dtype != np.int32 or indices.shape != (k,):
-        what = f"{indices.dtype} array of shape {indices.shape}" if isinstance(indices, np.ndarray) else \
-            type(indices).__name__
+        what = (
+            f"{indices.dtype} array of shape {indices.shape}"
+            if isinstance(indices, np.ndarray)
+            else type(indices).__name__
+        )
         return f"indices should be a 1-D int32 array of k = {k} positions, got {what}"
     if indices.size and (indices.min() < 0 or indices.max() >= n or np.unique(indices).size != k):
         return f"indices should be {k} distinct positions in 0..{n - 1}, got {np.sort(indices)[:8].tolist()}..."
@@ -67,16 +70,19 @@ def _pairs_problem(out: Any, fed: np.ndarray, k: int) -> str | None:
         return problem + ": are you sending the gradient without the residual?"
     left = np.delete(np.abs(fed), indices)
     if k and left.size and np.abs(fed[indices]).min() < left.max():
-        return ("indices are not the k largest magnitudes of gradient + residual: an item of magnitude "
-                f"{left.max():.4g} was left out while one of {np.abs(fed[indices]).min():.4g} was sent")
+        return (
+            "indices are not the k largest magnitudes of gradient + residual: an item of magnitude "
+            f"{left.max():.4g} was left out while one of {np.abs(fed[indices]).min():.4g} was sent"
+        )
     kept = fed.copy()
     kept[indices] = 0
     problem = array_problem(residual, kept, "the new residual")
     return problem + " (it should hold exactly what was not sent)" if problem else None
 
 
-def check_top_k_with_feedback(fn: Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
-                              ) -> None:
+def check_top_k_with_feedback(
+    fn: Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> None:
     """fn(gradient, residual, k) -> (indices, values, residual), step after step on every rank."""
     comm = MPI.COMM_WORLD
 
@@ -102,14 +108,22 @@ def check_top_k_with_feedback(fn: Callable[[np.ndarray, np.ndarray, int], tuple[
                 applied += _mpi_sum(sub, sent)
                 held = _mpi_sum(sub, residual.astype(np.float64))
                 gap = np.abs(applied + held - truth).max()
-                fail_together(sub, None if gap < 1e-4 else
-                              f"the sum over ranks of what was sent plus the residuals is {gap:.3g} away from the "
-                              "sum of all true gradients", context)
+                fail_together(
+                    sub,
+                    None
+                    if gap < 1e-4
+                    else f"the sum over ranks of what was sent plus the residuals is {gap:.3g} away from the "
+                    "sum of all true gradients",
+                    context,
+                )
         return None
 
     each_size(comm, body, "top_k_with_feedback")
-    passed(comm, "top-k with error feedback: the k largest of gradient + residual, and nothing lost over "
-                 f"{FEEDBACK_STEPS} steps on every rank count")
+    passed(
+        comm,
+        "top-k with error feedback: the k largest of gradient + residual, and nothing lost over "
+        f"{FEEDBACK_STEPS} steps on every rank count",
+    )
 
 
 def _sparse_input(n: int, k: int, dtype: type, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,8 +145,9 @@ def check_sparse_allreduce(fn: Callable[[Any, np.ndarray, np.ndarray, int], np.n
             dense = np.zeros(n, dtype)
             dense[indices] = values
             context = f"sparse_allreduce (n={n}, {np.dtype(dtype).name})"
-            got, traffic = run_counted(sub, fn, (indices.copy(), values.copy(), n), context,
-                                       allow=("Allgather", "Allgatherv"))
+            got, traffic = run_counted(
+                sub, fn, (indices.copy(), values.copy(), n), context, allow=("Allgather", "Allgatherv")
+            )
             problem = array_problem(got, _mpi_sum(sub, dense), "the sum")
             if problem is None and np.shares_memory(got, values):
                 problem = "the result shares memory with the values passed in: return a new array"
@@ -149,9 +164,11 @@ def _sparse_bytes_problem(traffic: Traffic, k: int, value_bytes: int, size: int)
     pairs = k * (4 + value_bytes)
     limit = (size - 1) * (pairs + COUNTS_OVERHEAD)
     if traffic.bytes_sent > limit:
-        return (f"sent {traffic.bytes_sent} bytes, but its {k} pairs take {pairs} bytes (int32 index + value) to "
-                f"each of the {size - 1} other ranks, {limit} with the counts: send only this rank's pairs, "
-                "indices as int32")
+        return (
+            f"sent {traffic.bytes_sent} bytes, but its {k} pairs take {pairs} bytes (int32 index + value) to "
+            f"each of the {size - 1} other ranks, {limit} with the counts: send only this rank's pairs, "
+            "indices as int32"
+        )
     return None
 
 
@@ -177,9 +194,11 @@ def check_hierarchical_allreduce(fn: Callable[[Any, np.ndarray, int], np.ndarray
                 problem = "the result shares memory with x: return a new array"
             crossing, allowed = _cross_bytes(traffic[rank], group_size), _cross_bytes(reference[rank], group_size)
             if problem is None and crossing > allowed * 1.05 + COUNTS_OVERHEAD:
-                problem = (f"sent {crossing} bytes to ranks of other groups, where the two-level scheme sends "
-                           f"{allowed}: only this rank's reduced slice should cross, between the ranks holding "
-                           "the same slice (do your groups hold consecutive ranks?)")
+                problem = (
+                    f"sent {crossing} bytes to ranks of other groups, where the two-level scheme sends "
+                    f"{allowed}: only this rank's reduced slice should cross, between the ranks holding "
+                    "the same slice (do your groups hold consecutive ranks?)"
+                )
             found = found or (problem and f"{context}: {problem}")
         return found
 

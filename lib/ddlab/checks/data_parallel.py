@@ -28,8 +28,9 @@ TOLERANCE = 1e-10
 TIMEOUT = 20.0  # seconds a rank may wait for another inside the student's code
 
 
-def _call(comm: MPI.Comm, call: Callable[[Any], Any], context: str, allow: tuple[str, ...] = (),
-          timeout: float = TIMEOUT) -> Any:
+def _call(
+    comm: MPI.Comm, call: Callable[[Any], Any], context: str, allow: tuple[str, ...] = (), timeout: float = TIMEOUT
+) -> Any:
     """call(counting) on every rank, `counting` a counting communicator standing for comm.
 
     The MPI collectives named in `allow` run under a timeout and others are refused, so a
@@ -51,6 +52,7 @@ def _relative(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> flo
 
 # Exercise 4.1 ---------------------------------------------------------------------
 
+
 def _shard_problem(fn: Callable[..., np.ndarray], n: int, size: int, epoch: int, seed: int) -> str | None:
     shards = []
     for rank in range(size):
@@ -61,15 +63,19 @@ def _shard_problem(fn: Callable[..., np.ndarray], n: int, size: int, epoch: int,
     want = -(-n // size)
     lengths = [len(s) for s in shards]
     if any(length != want for length in lengths):
-        return (f"n={n} samples over size={size} ranks: shard lengths {lengths}, expected {want} on every rank. "
-                "Every rank must take the same number of steps, or the last allreduce waits forever: "
-                "pad by repeating samples from the start of the epoch's order")
+        return (
+            f"n={n} samples over size={size} ranks: shard lengths {lengths}, expected {want} on every rank. "
+            "Every rank must take the same number of steps, or the last allreduce waits forever: "
+            "pad by repeating samples from the start of the epoch's order"
+        )
     everything = np.concatenate(shards) if shards else np.array([], dtype=np.int64)
     if everything.size and (everything.min() < 0 or everything.max() >= n):
         return f"n={n}, size={size}: indices must lie in [0, {n}), got {everything.min()}..{everything.max()}"
     missing = sorted(set(range(n)) - set(everything.tolist()))
     if missing:
-        return f"n={n}, size={size}, epoch={epoch}: no rank gets samples {missing[:5]}{'...' if len(missing) > 5 else ''}"
+        return (
+            f"n={n}, size={size}, epoch={epoch}: no rank gets samples {missing[:5]}{'...' if len(missing) > 5 else ''}"
+        )
     repeats = everything.size - n
     if repeats != want * size - n:
         return f"n={n}, size={size}: {repeats} samples appear twice, expected only the {want * size - n} of padding"
@@ -79,10 +85,12 @@ def _shard_problem(fn: Callable[..., np.ndarray], n: int, size: int, epoch: int,
     alone = np.resize(np.asarray(fn(n, 0, 1, epoch, seed)), want * size)  # one rank's order, padded from its start
     if not np.array_equal(dealt, alone):
         at = int(np.flatnonzero(dealt != alone)[0])
-        return (f"n={n}, size={size}, epoch={epoch}: read in turn (rank 0's first index, rank 1's first, ..., then "
-                f"every rank's second, ...), the shards should be the order one rank alone gets (size=1), padded "
-                f"with its own first entries; position {at} holds {dealt[at]} instead of {alone[at]}. Each rank "
-                "takes every size-th entry of the padded order, starting at its rank")
+        return (
+            f"n={n}, size={size}, epoch={epoch}: read in turn (rank 0's first index, rank 1's first, ..., then "
+            f"every rank's second, ...), the shards should be the order one rank alone gets (size=1), padded "
+            f"with its own first entries; position {at} holds {dealt[at]} instead of {alone[at]}. Each rank "
+            "takes every size-th entry of the padded order, starting at its rank"
+        )
     return None
 
 
@@ -93,23 +101,28 @@ def check_shard_indices(fn: Callable[[int, int, int, int, int], np.ndarray]) -> 
     n, size = 64, 4
     first = [np.asarray(fn(n, r, size, 0, 0)) for r in range(size)]
     if any(not np.array_equal(a, np.asarray(fn(n, r, size, 0, 0))) for r, a in enumerate(first)):
-        raise CheckFailed("two calls with the same (n, rank, size, epoch, seed) gave different shards: "
-                          "every rank must compute the same order without talking, so draw it from a "
-                          "generator seeded with (seed, epoch), e.g. np.random.default_rng([seed, epoch])")
+        raise CheckFailed(
+            "two calls with the same (n, rank, size, epoch, seed) gave different shards: "
+            "every rank must compute the same order without talking, so draw it from a "
+            "generator seeded with (seed, epoch), e.g. np.random.default_rng([seed, epoch])"
+        )
     for n_, size_ in [(12, 4), (10, 4), (13, 3), (1, 3), (100, 7), (64, 1), (0, 2)]:
         for epoch, seed in [(0, 0), (1, 0), (0, 7)]:
             problem = _shard_problem(fn, n_, size_, epoch, seed)
             if problem:
                 raise CheckFailed(problem)
     if all(np.array_equal(a, fn(n, r, size, 1, 0)) for r, a in enumerate(first)):
-        raise CheckFailed("epoch 0 and epoch 1 give the same shards: reshuffle every epoch (seed the order "
-                          "with the epoch number), or every epoch sees the same batches")
+        raise CheckFailed(
+            "epoch 0 and epoch 1 give the same shards: reshuffle every epoch (seed the order "
+            "with the epoch number), or every epoch sees the same batches"
+        )
     if all(np.array_equal(a, fn(n, r, size, 0, 1)) for r, a in enumerate(first)):
         raise CheckFailed("seeds 0 and 1 give the same shards: the order must depend on the seed")
     print("passed: shard_indices gives equal, disjoint shards, padded, reshuffled each epoch")
 
 
 # Exercise 4.2 ---------------------------------------------------------------------
+
 
 def _tiny_model(seed: int) -> nn.Module:
     """Linear layers and a BatchNorm (whose running statistics are buffers), different per seed."""
@@ -132,18 +145,27 @@ def _broadcast_problem(fn: Callable[..., None], comm: MPI.Comm, root: int, timeo
     """What is wrong after fn(model, comm, root) on this rank of `comm`, or None."""
     model = _tiny_model(seed=100 + comm.Get_rank())
     objects = [id(t) for t in [*model.parameters(), *model.buffers()]]
-    _call(comm, lambda counting: fn(model, counting, root), f"broadcast_parameters(model, comm, {root})",
-          allow=("Bcast",), timeout=timeout)
+    _call(
+        comm,
+        lambda counting: fn(model, counting, root),
+        f"broadcast_parameters(model, comm, {root})",
+        allow=("Bcast",),
+        timeout=timeout,
+    )
     if objects != [id(t) for t in [*model.parameters(), *model.buffers()]]:
-        return ("the model's parameters were replaced by new tensors: copy into them in place "
-                "(the optimizer holds the old ones), e.g. comm.Bcast(p.detach().numpy(), root)")
+        return (
+            "the model's parameters were replaced by new tensors: copy into them in place "
+            "(the optimizer holds the old ones), e.g. comm.Bcast(p.detach().numpy(), root)"
+        )
     want, got, buffers = _state(_tiny_model(seed=100 + root)), _state(model), dict(model.named_buffers())
     for name in want:
         if not np.array_equal(got[name], want[name]):
             kind = "buffer" if name in buffers else "parameter"
-            return (f"{kind} {name!r} differs from rank {root}'s (largest difference "
-                    f"{np.max(np.abs(got[name] - want[name])):.3g})"
-                    + (": buffers (BatchNorm's running statistics) must be broadcast too" if kind == "buffer" else ""))
+            return (
+                f"{kind} {name!r} differs from rank {root}'s (largest difference "
+                f"{np.max(np.abs(got[name] - want[name])):.3g})"
+                + (": buffers (BatchNorm's running statistics) must be broadcast too" if kind == "buffer" else "")
+            )
     return None
 
 
@@ -158,7 +180,9 @@ def check_broadcast_parameters(fn: Callable[..., None], timeout: float = TIMEOUT
     def every_root(sub: MPI.Comm) -> None:
         size = sub.Get_size()
         for root in sorted({0, size - 1}):
-            fail_together(sub, _broadcast_problem(fn, sub, root, timeout), f"broadcast_parameters on {size} ranks, root {root}")
+            fail_together(
+                sub, _broadcast_problem(fn, sub, root, timeout), f"broadcast_parameters on {size} ranks, root {root}"
+            )
 
     each_size(world, every_root, "broadcast_parameters")
     passed(world, "broadcast_parameters copies the root's parameters and buffers to every rank, in place")
@@ -166,13 +190,16 @@ def check_broadcast_parameters(fn: Callable[..., None], timeout: float = TIMEOUT
 
 # Exercise 4.3 ---------------------------------------------------------------------
 
+
 def _counting(log: list[int]) -> Allreduce:
     """The MPI library's allreduce, noting the length of each call in `log`."""
+
     def allreduce(comm: Comm, x: np.ndarray) -> np.ndarray:
         log.append(int(np.asarray(x).size))
         out = np.empty_like(x)
         comm.Allreduce(x, out, op=MPI.SUM)
         return out
+
     return allreduce
 
 
@@ -190,8 +217,13 @@ def _average_problem(comm: MPI.Comm, fn: Callable[..., None], timeout: float) ->
     before = _state(model)
     _set_gradients(model, rank)
     log: list[int] = []
-    _call(comm, lambda counting: fn(model, counting, _counting(log)), "average_gradients(model, comm, allreduce)",
-          allow=("Allreduce",), timeout=timeout)
+    _call(
+        comm,
+        lambda counting: fn(model, counting, _counting(log)),
+        "average_gradients(model, comm, allreduce)",
+        allow=("Allreduce",),
+        timeout=timeout,
+    )
     references: list[list[torch.Tensor]] = []
     for r in range(size):
         other = make_mlp(seed=3, dtype=torch.float64)
@@ -199,22 +231,29 @@ def _average_problem(comm: MPI.Comm, fn: Callable[..., None], timeout: float) ->
         references.append([p.grad for p in other.parameters() if p.grad is not None])
     numel = sum(p.numel() for p in model.parameters())
     if not log:
-        return ("the allreduce passed in was never called: use it (not comm.Allreduce), "
-                "so that any allreduce, your ring from lab 03 too, can be plugged in")
+        return (
+            "the allreduce passed in was never called: use it (not comm.Allreduce), "
+            "so that any allreduce, your ring from lab 03 too, can be plugged in"
+        )
     if len(log) > 1:
-        return (f"{len(log)} allreduce calls of {log[:6]}{'...' if len(log) > 6 else ''} elements: flatten "
-                f"all gradients into one array of {numel} and call allreduce once (each call costs one alpha)")
+        return (
+            f"{len(log)} allreduce calls of {log[:6]}{'...' if len(log) > 6 else ''} elements: flatten "
+            f"all gradients into one array of {numel} and call allreduce once (each call costs one alpha)"
+        )
     for i, (name, p) in enumerate(model.named_parameters()):
         grads = torch.stack([reference[i] for reference in references])
         if p.grad is None:
             return f"{name} has no gradient after average_gradients"
         if _relative(p.grad, grads.mean(0)) > TOLERANCE:
-            hint = (" (that is the sum over ranks: divide by comm.Get_size())"
-                    if size > 1 and _relative(p.grad, grads.sum(0)) < TOLERANCE else
-                    " (that is this rank's own gradient: nothing was averaged)"
-                    if size > 1 and _relative(p.grad, grads[rank]) < TOLERANCE else
-                    f" (it is, but only to float32 precision: keep the gradients' {p.dtype} through the allreduce)"
-                    if _relative(p.grad, grads.mean(0)) < 1e-6 else "")
+            hint = (
+                " (that is the sum over ranks: divide by comm.Get_size())"
+                if size > 1 and _relative(p.grad, grads.sum(0)) < TOLERANCE
+                else " (that is this rank's own gradient: nothing was averaged)"
+                if size > 1 and _relative(p.grad, grads[rank]) < TOLERANCE
+                else f" (it is, but only to float32 precision: keep the gradients' {p.dtype} through the allreduce)"
+                if _relative(p.grad, grads.mean(0)) < 1e-6
+                else ""
+            )
             return f"the gradient of {name} is not the mean over the {size} ranks{hint}"
         if p.grad.dtype != p.dtype:
             return f"the gradient of {name} is {p.grad.dtype}, the parameter {p.dtype}: keep the gradients' dtype"
@@ -230,15 +269,19 @@ def check_average_gradients(fn: Callable[..., None], timeout: float = TIMEOUT) -
     sizes = _small_and_all(world.Get_size())
     each_size(world, lambda sub: _average_problem(sub, fn, timeout), "average_gradients", sizes)
     numel = sum(p.numel() for p in make_mlp().parameters())
-    passed(world, f"average_gradients averages all {numel} gradient entries in one allreduce, "
-                  f"on {' and '.join(map(str, sizes))} ranks")
+    passed(
+        world,
+        f"average_gradients averages all {numel} gradient entries in one allreduce, "
+        f"on {' and '.join(map(str, sizes))} ranks",
+    )
 
 
 # Exercise 4.4 ---------------------------------------------------------------------
 
+
 def _global_batches(steps: int, per_rank: int, size: int) -> list[np.ndarray]:
     order = np.random.default_rng(11).permutation(steps * per_rank * size)
-    return [order[k * per_rank * size:(k + 1) * per_rank * size] for k in range(steps)]
+    return [order[k * per_rank * size : (k + 1) * per_rank * size] for k in range(steps)]
 
 
 def _one_process(batches: list[np.ndarray], data: StressStrainCurves, lr: float) -> list[torch.Tensor]:
@@ -262,11 +305,14 @@ def _train_step_problem(comm: MPI.Comm, fn: Callable[..., float], timeout: float
     batches = _global_batches(steps, per_rank, size)
     model = make_mlp(seed=5, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
     def step_on(x: torch.Tensor, y: torch.Tensor) -> Callable[[Any], Any]:
         return lambda counting: fn(model, optimizer, x, y, counting)
 
-    losses = [_call(comm, step_on(*data[batch[rank::size]]), f"train_step (step {step})", ("Allreduce",), timeout)
-              for step, batch in enumerate(batches)]
+    losses = [
+        _call(comm, step_on(*data[batch[rank::size]]), f"train_step (step {step})", ("Allreduce",), timeout)
+        for step, batch in enumerate(batches)
+    ]
     if not all(is_number(loss) for loss in losses):
         kind = next(type(loss).__name__ for loss in losses if not is_number(loss))
         return f"train_step should return the loss as a float (loss.item()), got {kind}"
@@ -274,16 +320,20 @@ def _train_step_problem(comm: MPI.Comm, fn: Callable[..., float], timeout: float
     worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr)))
     if worst <= TOLERANCE:
         return None
-    problem = (f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} "
-               f"by up to {worst:.2e} (relative; at most {TOLERANCE:g} expected)")
+    problem = (
+        f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} "
+        f"by up to {worst:.2e} (relative; at most {TOLERANCE:g} expected)"
+    )
     summed = _one_process(batches, data, lr * size)
     local = _one_process([b[rank::size] for b in batches], data, lr)
     if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE:
         return problem + ": they match the SUM of the gradients; average them (divide by the number of ranks)"
     if size > 1 and max(_relative(g, w) for g, w in zip(got, local)) <= TOLERANCE:
         return problem + ": they match training on this rank's batch alone; average the gradients before the step"
-    return problem + (". The order is: zero the gradients, loss = squared_error(model(x), y).mean(), "
-                      "backward, average the gradients over ranks, optimizer step")
+    return problem + (
+        ". The order is: zero the gradients, loss = squared_error(model(x), y).mean(), "
+        "backward, average the gradients over ranks, optimizer step"
+    )
 
 
 def check_train_step(fn: Callable[..., float], timeout: float = TIMEOUT) -> None:
@@ -292,16 +342,23 @@ def check_train_step(fn: Callable[..., float], timeout: float = TIMEOUT) -> None
     world = MPI.COMM_WORLD
     sizes = _small_and_all(world.Get_size())
     each_size(world, lambda sub: _train_step_problem(sub, fn, timeout), "train_step", sizes)
-    passed(world, f"train_step on {' and '.join(map(str, sizes))} ranks x batch 8 = one process with the "
-                  f"global batch (relative difference at most {TOLERANCE:g})")
+    passed(
+        world,
+        f"train_step on {' and '.join(map(str, sizes))} ranks x batch 8 = one process with the "
+        f"global batch (relative difference at most {TOLERANCE:g})",
+    )
 
 
 # Exercise 4.5 ---------------------------------------------------------------------
 OVERLAP_CAP_MB = 0.1  # the lab MLP's gradients in 3 buckets
-NEXT_STEP_HINT = ("what the hooks and finish() count per step (gradients ready, the next bucket to start, the "
-                  "requests) must start again from zero for the next step")
-HOOK_HINT = ("a hook that reads p.grad must run after the gradient is accumulated: "
-             "p.register_post_accumulate_grad_hook(hook), whose hook receives the parameter")
+NEXT_STEP_HINT = (
+    "what the hooks and finish() count per step (gradients ready, the next bucket to start, the "
+    "requests) must start again from zero for the next step"
+)
+HOOK_HINT = (
+    "a hook that reads p.grad must run after the gradient is accumulated: "
+    "p.register_post_accumulate_grad_hook(hook), whose hook receives the parameter"
+)
 
 
 class _Recorder:
@@ -328,8 +385,11 @@ def _overlap_problem(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], time
     for reverse in (False, True):
         problem = _overlap_run(comm, fn, timeout, reverse)
         if problem is not None:
-            return problem if not reverse else (
-                f"with the buckets handed first layer first (bucket 0 now completes last): {problem}")
+            return (
+                problem
+                if not reverse
+                else (f"with the buckets handed first layer first (bucket 0 now completes last): {problem}")
+            )
     return None
 
 
@@ -340,7 +400,7 @@ def _overlap_run(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout:
     data = StressStrainCurves(n=steps * per_rank * size, seed=3, dtype=torch.float64)
     batches = _global_batches(steps, per_rank, size)
     model = make_mlp(seed=5, dtype=torch.float64)
-    groups = plan_buckets(list(model.parameters()), OVERLAP_CAP_MB)[::-1 if reverse else 1]
+    groups = plan_buckets(list(model.parameters()), OVERLAP_CAP_MB)[:: -1 if reverse else 1]
     lengths = [sum(p.numel() for p in group) for group in groups]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -364,20 +424,24 @@ def _overlap_run(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout:
             except Exception as err:
                 if step == 0:
                     raise
-                raise RuntimeError(f"step {step} failed after step 0 went through ({type(err).__name__}: {err}): "
-                                   f"{NEXT_STEP_HINT}") from err
+                raise RuntimeError(
+                    f"step {step} failed after step 0 went through ({type(err).__name__}: {err}): {NEXT_STEP_HINT}"
+                ) from err
             counts = counting.agree(len(recorder.starts), "the other ranks to finish the step")
             if len(set(counts)) > 1:
-                raise ValueError(f"the ranks started {counts} Iallreduces in this step: every rank must start "
-                                 "every bucket, or the collectives no longer match")
+                raise ValueError(
+                    f"the ranks started {counts} Iallreduces in this step: every rank must start "
+                    "every bucket, or the collectives no longer match"
+                )
             optimizer.step()
             per_step.append(recorder.starts)
             recorder.starts = []
         return per_step
 
     try:
-        per_step, _ = run_counted(comm, train_steps, (), "three training steps with overlapped_averaging",
-                                  timeout, allow=("Iallreduce",))
+        per_step, _ = run_counted(
+            comm, train_steps, (), "three training steps with overlapped_averaging", timeout, allow=("Iallreduce",)
+        )
     except CheckFailed as err:
         if "NoneType" in str(err) and NEXT_STEP_HINT not in str(err):
             raise CheckFailed(f"{err}\n{HOOK_HINT}") from None
@@ -385,21 +449,29 @@ def _overlap_run(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout:
     for step, starts in enumerate(per_step):
         started = [length for length, _ in starts]
         if started != lengths:
-            return (f"step {step}: Iallreduce calls of {started} elements, expected one per bucket, in bucket order: "
-                    f"{lengths} (buckets start as 0, 1, 2, ... on every rank: collectives are matched by order)")
+            return (
+                f"step {step}: Iallreduce calls of {started} elements, expected one per bucket, in bucket order: "
+                f"{lengths} (buckets start as 0, 1, 2, ... on every rank: collectives are matched by order)"
+            )
         late = [k for k, (_, during) in enumerate(starts) if not during]
         if late:
-            return (f"step {step}: the Iallreduce of bucket {late[0]} started after backward had returned; start "
-                    "each bucket from the hook of its last gradient, while backward goes on (that is the overlap)")
+            return (
+                f"step {step}: the Iallreduce of bucket {late[0]} started after backward had returned; start "
+                "each bucket from the hook of its last gradient, while backward goes on (that is the overlap)"
+            )
     got = [p.detach() for p in model.parameters()]
     worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr)))
     if worst > TOLERANCE:
         summed = _one_process(batches, data, lr * size)
-        hint = (": they match the SUM of the gradients (divide by the number of ranks)"
-                if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE else
-                f" ({HOOK_HINT}; and finish() waits for every bucket and writes the averages into p.grad)")
-        return (f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} by up to "
-                f"{worst:.2e} (relative){hint}")
+        hint = (
+            ": they match the SUM of the gradients (divide by the number of ranks)"
+            if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE
+            else f" ({HOOK_HINT}; and finish() waits for every bucket and writes the averages into p.grad)"
+        )
+        return (
+            f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} by up to "
+            f"{worst:.2e} (relative){hint}"
+        )
     return None
 
 
@@ -411,12 +483,16 @@ def check_overlapped_averaging(fn: Callable[..., Callable[[], None]], timeout: f
     world = MPI.COMM_WORLD
     sizes = _small_and_all(world.Get_size())
     each_size(world, lambda sub: _overlap_problem(sub, fn, timeout), "overlapped_averaging", sizes)
-    passed(world, f"overlapped_averaging starts each bucket's Iallreduce during backward, in bucket order whatever "
-                  "order they complete in, and "
-                  f"trains as one process does, on {' and '.join(map(str, sizes))} ranks")
+    passed(
+        world,
+        f"overlapped_averaging starts each bucket's Iallreduce during backward, in bucket order whatever "
+        "order they complete in, and "
+        f"trains as one process does, on {' and '.join(map(str, sizes))} ranks",
+    )
 
 
 # Exercise 4.6 ---------------------------------------------------------------------
+
 
 def _allreduce_value_problem(comm: MPI.Comm, allreduce: Callable, dtype: type) -> str | None:
     """allreduce(comm, x) on a 1001-element vector of small integers in `dtype`, held to lab 03's contract.
@@ -438,8 +514,11 @@ def check_trains_with_allreduce(allreduce: Allreduce) -> None:
 
     def trains(comm: MPI.Comm) -> str | None:
         for dtype in DTYPES:
-            fail_together(comm, _allreduce_value_problem(comm, allreduce, dtype),
-                          f"your allreduce on {comm.Get_size()} ranks, a 1001-element vector")
+            fail_together(
+                comm,
+                _allreduce_value_problem(comm, allreduce, dtype),
+                f"your allreduce on {comm.Get_size()} ranks, a 1001-element vector",
+            )
         data = StressStrainCurves(n=comm.Get_size() * 16 * 3, seed=4, dtype=torch.float64)
         finals = []
         for choice in (allreduce, None):
@@ -449,10 +528,16 @@ def check_trains_with_allreduce(allreduce: Allreduce) -> None:
             train(wrapped, optimizer, data, comm, epochs=1, batch_size=16, progress=False)
             finals.append([p.detach().clone() for p in model.parameters()])
         worst = max(_relative(a, b) for a, b in zip(*finals))
-        return None if worst <= TOLERANCE else (
-            f"training with your allreduce ends {worst:.2e} (relative) away from training with MPI's Allreduce")
+        return (
+            None
+            if worst <= TOLERANCE
+            else (f"training with your allreduce ends {worst:.2e} (relative) away from training with MPI's Allreduce")
+        )
 
     sizes = _small_and_all(size)
     each_size(world, trains, "training with your allreduce", sizes)
-    passed(world, f"your allreduce sums float64, float32 and int64 into a new array and trains the model to the "
-                  f"same parameters as MPI_Allreduce, on {' and '.join(map(str, sizes))} ranks")
+    passed(
+        world,
+        f"your allreduce sums float64, float32 and int64 into a new array and trains the model to the "
+        f"same parameters as MPI_Allreduce, on {' and '.join(map(str, sizes))} ranks",
+    )

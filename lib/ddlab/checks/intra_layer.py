@@ -76,8 +76,9 @@ class _Shaped:
         for name, t in zip(("above", "below"), got):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"`{name}` has shape {shape}; a halo of {halo} rows of a slab {tuple(x.shape)} "
-                                 f"has shape {want}")
+                raise ValueError(
+                    f"`{name}` has shape {shape}; a halo of {halo} rows of a slab {tuple(x.shape)} has shape {want}"
+                )
         return got
 
 
@@ -98,11 +99,18 @@ def _halo_case(sub: MPI.Comm, fn: Any, kernel: int, height: int | None) -> str |
 
     where = f"{kernel}x{kernel} conv, image height {height}, rows {rows.start}-{rows.stop - 1} on this rank"
     (out, grad_x, grad_w, grad_b), traffic = run_counted(sub, run, (), f"HaloExchange ({where})")
-    problems = [_diff(out, conv(x).detach()[:, :, rows], "the conv's output"),
-                _diff(grad_x, _grad(x)[:, :, rows], "the slab's gradient (backward: did the halo's gradient go home?)")]
+    problems = [
+        _diff(out, conv(x).detach()[:, :, rows], "the conv's output"),
+        _diff(grad_x, _grad(x)[:, :, rows], "the slab's gradient (backward: did the halo's gradient go home?)"),
+    ]
     if grad_w is not None and grad_b is not None:
-        problems.append(_diff(torch.from_numpy(sub.allreduce(grad_w.numpy())), _grad(conv.weight),
-                              "the weight's gradient summed over ranks"))
+        problems.append(
+            _diff(
+                torch.from_numpy(sub.allreduce(grad_w.numpy())),
+                _grad(conv.weight),
+                "the weight's gradient summed over ranks",
+            )
+        )
     problem = next((p for p in problems if p), None)
     if problem:
         return f"({where}) {problem}"
@@ -111,10 +119,14 @@ def _halo_case(sub: MPI.Comm, fn: Any, kernel: int, height: int | None) -> str |
     owed = Counter({(peer, nbytes): 2 for peer in (rank - 1, rank + 1) if 0 <= peer < size})
     sent = Counter((e.peer, e.nbytes) for e in traffic[rank].sends if e.peer != MPI.PROC_NULL)
     if sent != owed:
+
         def describe(c: Counter) -> str:
             return ", ".join(f"{n} x {b} B to rank {p}" for (p, b), n in sorted(c.items())) or "nothing"
-        return (f"({where}) sent {describe(sent)}; a halo of {halo} rows x {W} columns x {C} channels x {N} "
-                f"images x 8 B is {nbytes} B, one to each neighbour forward and one backward: {describe(owed)}")
+
+        return (
+            f"({where}) sent {describe(sent)}; a halo of {halo} rows x {W} columns x {C} channels x {N} "
+            f"images x 8 B is {nbytes} B, one to each neighbour forward and one backward: {describe(owed)}"
+        )
     return None
 
 
@@ -122,10 +134,16 @@ def check_halo_exchange(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.HaloExchange: apply(x, comm, halo) -> (above, below)."""
     world = MPI.COMM_WORLD
     for case in HALO_CASES:
-        each_size(world, functools.partial(_halo_case, fn=fn, kernel=case[0], height=case[1]),
-                  "HaloExchange does not make a slab's convolution equal one process's")
-    passed(world, "HaloExchange: every slab's conv output and gradients equal one process's; "
-                  "one halo message to each neighbour per direction, of the halo's bytes")
+        each_size(
+            world,
+            functools.partial(_halo_case, fn=fn, kernel=case[0], height=case[1]),
+            "HaloExchange does not make a slab's convolution equal one process's",
+        )
+    passed(
+        world,
+        "HaloExchange: every slab's conv output and gradients equal one process's; "
+        "one halo message to each neighbour per direction, of the halo's bytes",
+    )
 
 
 # Exercise 8.2: the filter-parallel convolution ------------------------------------
@@ -144,10 +162,12 @@ def _filter_case(sub: MPI.Comm, fn: Any) -> str | None:
     out, grad_x, grad_w, grad_b = run_counted(sub, run, (), f"FilterParallelConv ({where})", allow=COLLECTIVES)[0]
     if grad_w is None or grad_b is None:
         return f"({where}) the gradient of this rank's weight or bias is missing: backward must return them"
-    problems = [_diff(out, conv(x).detach(), "the output (all channels, on every rank)"),
-                _diff(grad_x, _grad(x), "the input's gradient (the sum over every rank's channels)"),
-                _diff(grad_w, _grad(conv.weight)[mine.start:mine.stop], "this rank's weight gradient"),
-                _diff(grad_b, _grad(conv.bias)[mine.start:mine.stop], "this rank's bias gradient")]
+    problems = [
+        _diff(out, conv(x).detach(), "the output (all channels, on every rank)"),
+        _diff(grad_x, _grad(x), "the input's gradient (the sum over every rank's channels)"),
+        _diff(grad_w, _grad(conv.weight)[mine.start : mine.stop], "this rank's weight gradient"),
+        _diff(grad_b, _grad(conv.bias)[mine.start : mine.stop], "this rank's bias gradient"),
+    ]
     problem = next((p for p in problems if p), None)
     return f"({where}) {problem}" if problem else None
 
@@ -156,8 +176,11 @@ def check_filter_parallel_conv(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.FilterParallelConv: apply(x, weight, bias, comm, padding)."""
     world = MPI.COMM_WORLD
     each_size(world, lambda sub: _filter_case(sub, fn), "FilterParallelConv does not equal one process's convolution")
-    passed(world, "FilterParallelConv: the whole output on every rank, the input's and this rank's weight "
-                  "gradients equal one process's")
+    passed(
+        world,
+        "FilterParallelConv: the whole output on every rank, the input's and this rank's weight "
+        "gradients equal one process's",
+    )
 
 
 # Exercise 8.3: slab bounds -------------------------------------------------------
@@ -182,8 +205,10 @@ def _bounds_problem(fn: Callable[..., Any], height: int, size: int, levels: int)
     broken = [b for b in got if b % unit]
     if broken:
         level = min(n for n in range(levels + 1) if broken[0] % 2**n)
-        return (f"{case} returned {got}: bound {broken[0]} is not a multiple of 2**levels = {unit}, so after "
-                f"{count(level, 'halving')} it falls between two rows")
+        return (
+            f"{case} returned {got}: bound {broken[0]} is not a multiple of 2**levels = {unit}, so after "
+            f"{count(level, 'halving')} it falls between two rows"
+        )
     rows = [b - a for a, b in zip(got, got[1:])]
     if max(rows) - min(rows) > unit:
         return f"{case} returned {got}: slabs of {rows} rows; they can be more even (differ by at most {unit} rows)"
@@ -210,7 +235,9 @@ def _slab_case(sub: MPI.Comm, fn: Callable[..., Any]) -> str | None:
     F.cross_entropy(reference(images), masks).backward()
     net = SpatialUNet(model, sub, height, bounds=fn(height, size, 2))
     spatial_step(net, images, masks)
-    error = max(float((_grad(p) - _grad(q)).abs().max()) for p, q in zip(net.model.parameters(), reference.parameters()))
+    error = max(
+        float((_grad(p) - _grad(q)).abs().max()) for p, q in zip(net.model.parameters(), reference.parameters())
+    )
     if error > TOL:
         return f"a UNet of depth 2 on slabs {net.bounds} of height {height} gets gradients off by {error:.3g}"
     return None
@@ -220,5 +247,8 @@ def check_slab_bounds(fn: Callable[[int, int, int], list[int]]) -> None:
     """fn(height, size, levels) -> bounds, like ddlab.intra_layer.slab_bounds."""
     world = MPI.COMM_WORLD
     each_size(world, lambda sub: _slab_case(sub, fn), "slab_bounds is wrong")
-    passed(world, "slab_bounds: slabs whole at every pooling level, as even as possible; the spatial UNet "
-                  "trains on them like one process")
+    passed(
+        world,
+        "slab_bounds: slabs whole at every pooling level, as even as possible; the spatial UNet "
+        "trains on them like one process",
+    )

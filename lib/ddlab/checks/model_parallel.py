@@ -30,21 +30,25 @@ SIDE, BATCH = 8, 2
 TOY_SPLITS = {2: [0, 8, 15], 3: [0, 5, 10, 15], 4: [0, 4, 8, 12, 15], 5: [0, 3, 6, 9, 12, 15]}
 
 HINTS = {
-    "send": ("SendTensor's forward must post x to `peer` and return a 0-dim placeholder; its backward must "
-             "receive x's gradient from `peer` (the forward's tag, x's shape and dtype) and return one value "
-             "per input of forward: a gradient for x, None for the others."),
-    "recv": ("RecvTensor's backward must send the gradient it is given to `peer` with the forward message's "
-             "tag, once, and return one value per input of forward."),
+    "send": (
+        "SendTensor's forward must post x to `peer` and return a 0-dim placeholder; its backward must "
+        "receive x's gradient from `peer` (the forward's tag, x's shape and dtype) and return one value "
+        "per input of forward: a gradient for x, None for the others."
+    ),
+    "recv": (
+        "RecvTensor's backward must send the gradient it is given to `peer` with the forward message's "
+        "tag, once, and return one value per input of forward."
+    ),
 }
 #: What to look at, per exercise, when the activations (forward) or the gradients (backward) went wrong.
 PARTS = {
     ("send", "forward"): "SendTensor.forward posts each activation once, to `peer`, with its tag",
     ("send", "backward"): "SendTensor.backward receives x's gradient once (the forward's peer and tag)",
     ("send", "gradients"): "SendTensor.backward returns the gradient it received, unchanged, as x's gradient "
-                           "(its first value), and None for the mailbox, peer and tag",
+    "(its first value), and None for the mailbox, peer and tag",
     ("recv", "forward"): "RecvTensor.forward takes exactly one message, from `peer` with `tag`",
     ("recv", "backward"): "RecvTensor.backward posts the gradient it is given once, to `peer`, with the forward's "
-                          "tag, in the dtype it came in",
+    "tag, in the dtype it came in",
     ("recv", "gradients"): "RecvTensor.backward sends the gradient it is given, unchanged",
 }
 
@@ -96,27 +100,38 @@ def _one_split(comm: MPI.Comm, which: str, fn: type) -> str | None:
     owed = _expected_sends(stage)
     rank = comm.Get_rank()
     for direction, what, later in (("forward", "activations", True), ("backward", "gradients", False)):
-        mine, due = (Counter({key: n for key, n in counts.items() if (key[0] > rank) == later}) for counts in (sent, owed))
+        mine, due = (
+            Counter({key: n for key, n in counts.items() if (key[0] > rank) == later}) for counts in (sent, owed)
+        )
         if mine != due:
-            return (f"({where}) {what} sent {direction}: {_describe(mine)}; expected {_describe(due)}. "
-                    f"Check that {PARTS[which, direction]}")
+            return (
+                f"({where}) {what} sent {direction}: {_describe(mine)}; expected {_describe(due)}. "
+                f"Check that {PARTS[which, direction]}"
+            )
     error = gradient_error(stage, reference_gradients(model, images, masks))
     if error > 1e-10:
         layers = f"layers {bounds[stage.index]}-{bounds[stage.index + 1] - 1}"
         what = "are missing" if error == float("inf") else f"differ from one process's by up to {error:.3g}"
-        return (f"({where}) the gradients of stage {stage.index}'s parameters ({layers}) {what}. "
-                f"Check that {PARTS[which, 'gradients']}")
+        return (
+            f"({where}) the gradients of stage {stage.index}'s parameters ({layers}) {what}. "
+            f"Check that {PARTS[which, 'gradients']}"
+        )
     return None
 
 
 def _check_autograd(which: str, fn: type) -> None:
     world = MPI.COMM_WORLD
     if world.Get_size() < 2:
-        raise CheckFailed("this check needs at least 2 engines: start the cluster with ddlab.runtime.cluster.start(n=4)")
+        raise CheckFailed(
+            "this check needs at least 2 engines: start the cluster with ddlab.runtime.cluster.start(n=4)"
+        )
     sizes = [p for p in sorted(TOY_SPLITS) if p <= world.Get_size()]
     each_size(world, lambda sub: _one_split(sub, which, fn), f"{fn.__name__} is wrong", sizes)
-    passed(world, f"{fn.__name__}: the split UNet's gradients equal one process's; one message per tensor, "
-                  "activations forward and gradients backward")
+    passed(
+        world,
+        f"{fn.__name__}: the split UNet's gradients equal one process's; one message per tensor, "
+        "activations forward and gradients backward",
+    )
 
 
 def check_send_tensor(fn: type) -> None:
@@ -131,11 +146,21 @@ def check_recv_tensor(fn: type) -> None:
 
 def _split_cases() -> list[tuple[list[float], int]]:
     rng = random.Random(6)
-    cases = [([5.0], 1), ([1.0, 1.0, 1.0, 1.0], 2), ([1.0, 2.0, 3.0, 4.0, 5.0], 2), ([9.0, 1.0, 1.0, 1.0], 2),
-             ([1.0, 1.0, 1.0, 9.0], 3), ([0.0, 0.0, 3.0, 0.0], 2), ([2.0, 2.0, 2.0], 3), ([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], 4)]
+    cases = [
+        ([5.0], 1),
+        ([1.0, 1.0, 1.0, 1.0], 2),
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 2),
+        ([9.0, 1.0, 1.0, 1.0], 2),
+        ([1.0, 1.0, 1.0, 9.0], 3),
+        ([0.0, 0.0, 3.0, 0.0], 2),
+        ([2.0, 2.0, 2.0], 3),
+        ([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], 4),
+    ]
     for _ in range(40):
         n = rng.randint(1, 14)
-        costs = [round(rng.choice([rng.uniform(0, 1), rng.uniform(0, 10), float(rng.randint(0, 3))]), 3) for _ in range(n)]
+        costs = [
+            round(rng.choice([rng.uniform(0, 1), rng.uniform(0, 10), float(rng.randint(0, 3))]), 3) for _ in range(n)
+        ]
         cases.append((costs, rng.randint(1, n)))
     return cases
 

@@ -19,10 +19,10 @@ from ._core import each_size, passed
 
 HINTS = {
     "data_parallel_time": "each rank computes its share of the batch; the ring moves 2(P-1)/P of the gradient "
-                          "bytes in and out of every rank, in 2(P-1) messages.",
+    "bytes in and out of every rank, in 2(P-1) messages.",
     "data_parallel_memory": "which of the four parts does every replica hold whole, and which one shrinks with P?",
     "spatial_time": "count the messages of the busiest rank: per convolution, forward and backward, one per "
-                    "neighbour it has; then the gradients' allreduce.",
+    "neighbour it has; then the gradients' allreduce.",
     "spatial_memory": "a slab keeps halo rows only from the neighbours it has: edge slabs have one, inner slabs two.",
 }
 
@@ -60,8 +60,10 @@ def _problem(name: str, fn: Callable, case: tuple) -> str | None:
         except (TypeError, ValueError):
             return f"{name}{case}[{key!r}] is {got[key]!r}, not a number"
         if not ok:
-            return (f"{name}{case}[{key!r}] = {float(got[key]):.6g}, expected {value:.6g} "
-                    f"(ratio {float(got[key]) / value if value else float('inf'):.3g}). Hint: {HINTS[name]}")
+            return (
+                f"{name}{case}[{key!r}] = {float(got[key]):.6g}, expected {value:.6g} "
+                f"(ratio {float(got[key]) / value if value else float('inf'):.3g}). Hint: {HINTS[name]}"
+            )
     return None
 
 

@@ -53,8 +53,10 @@ def _table_problem(gate: Callable[[np.ndarray, int, float], bool]) -> str | None
                     return f"the gate should return a bool, got {type(got).__name__}"
                 if bool(got) != want:
                     verdict = "let it start" if got else "made it wait"
-                    return (f"clocks {clocks.tolist()} (steps finished), bound s = {bound}: a worker asking to "
-                            f"start step {step} was {verdict}; how far ahead of the slowest would it be?")
+                    return (
+                        f"clocks {clocks.tolist()} (steps finished), bound s = {bound}: a worker asking to "
+                        f"start step {step} was {verdict}; how far ahead of the slowest would it be?"
+                    )
     return None
 
 
@@ -66,8 +68,7 @@ def check_ssp_gate(gate: Callable[[np.ndarray, int, float], bool]) -> None:
 
     def body(sub: MPI.Comm) -> str | None:
         for bound in (0, 2):
-            record = train(sub, f"ssp{bound}", problem, STEPS, gate=gate, compute=0.002, straggler=3.0,
-                           timeout=10.0)
+            record = train(sub, f"ssp{bound}", problem, STEPS, gate=gate, compute=0.002, straggler=3.0, timeout=10.0)
             log = record.servers[0]
             if log.problem:
                 return f"with s = {bound} the server stopped: {log.problem}"
@@ -115,20 +116,25 @@ def _leftover(sub: MPI.Comm) -> list[tuple[int, int]]:
     return found
 
 
-def _worker_problem(server: _RecordingServer | None, calls: list[tuple[int, np.ndarray, np.ndarray]],
-                    sub: MPI.Comm, steps: int) -> str | None:
+def _worker_problem(
+    server: _RecordingServer | None, calls: list[tuple[int, np.ndarray, np.ndarray]], sub: MPI.Comm, steps: int
+) -> str | None:
     """Compare what this worker's gradient was called with (and returned) with what the server sent and applied."""
     rank = sub.Get_rank()
     sent, got, applied = sub.bcast((server.sent, server.got, server.log.applied) if server else None)
     if rank == 0:
         return None
     if [step for step, _, _ in calls] != list(range(steps)):
-        return (f"called gradient for steps {[step for step, _, _ in calls]}, expected {list(range(steps))} "
-                "(once per step, in order)")
+        return (
+            f"called gradient for steps {[step for step, _, _ in calls]}, expected {list(range(steps))} "
+            "(once per step, in order)"
+        )
     wrong = [t for (t, params, _), (_, want) in zip(calls, sent[rank]) if not np.array_equal(params, want)]
     if len(sent[rank]) != steps or wrong:
-        return (f"computed the gradient of step {wrong[0] if wrong else len(sent[rank])} at parameters other than "
-                "the ones the server sent for that step: receive fresh parameters before every step")
+        return (
+            f"computed the gradient of step {wrong[0] if wrong else len(sent[rank])} at parameters other than "
+            "the ones the server sent for that step: receive fresh parameters before every step"
+        )
     counts = Counter({step: applied[rank, step] for step in range(steps)})
     if any(count != 1 for count in counts.values()):
         return f"the server applied steps {sorted(counts.items())} (step, times): each step's gradient once"
@@ -179,8 +185,10 @@ def check_async_worker(async_worker: Worker) -> None:
         leftover = _leftover(sub)
         problem = _worker_problem(server, calls, sub, STEPS)  # a collective: every rank calls it
         if leftover:
-            return (f"messages (source, tag) {leftover} were never received: every parameter message the server "
-                    "sends must be received, every gradient sent once")
+            return (
+                f"messages (source, tag) {leftover} were never received: every parameter message the server "
+                "sends must be received, every gradient sent once"
+            )
         return problem
 
     calls: list[tuple[int, np.ndarray, np.ndarray]] = []
@@ -208,8 +216,10 @@ def check_gossip_step(gossip_step: Callable[[MPI.Comm, np.ndarray], np.ndarray])
         sends = traffic[rank].sends
         want = [((rank + 1) % size, params.nbytes)]
         if [(e.peer, e.nbytes) for e in sends] not in ([want, []] if size == 1 else [want]):
-            return (f"sent {[(e.peer, e.nbytes) for e in sends]} (rank, bytes), expected {want}: "
-                    "one message with the parameters to the right neighbour")
+            return (
+                f"sent {[(e.peer, e.nbytes) for e in sends]} (rank, bytes), expected {want}: "
+                "one message with the parameters to the right neighbour"
+            )
         return None
 
     each_size(comm, body, "check_gossip_step")

@@ -25,9 +25,11 @@ from ._core import CheckFailed, count, each_size, fail_together, is_integer, is_
 
 HINTS = {
     "gpipe": "GPipe runs the forwards of micro-batches 0..M-1, then their backwards in the same order.",
-    "one_f_one_b": ("1F1B: warm-up forwards, then one forward and one backward in turn (micro-batches in "
-                    "order), then the backwards still missing; compare the number of warm-up forwards with "
-                    "the lab's examples for this stage."),
+    "one_f_one_b": (
+        "1F1B: warm-up forwards, then one forward and one backward in turn (micro-batches in "
+        "order), then the backwards still missing; compare the number of warm-up forwards with "
+        "the lab's examples for this stage."
+    ),
 }
 
 
@@ -49,8 +51,13 @@ def _check_schedule(fn: Callable[[int, int, int], list], reference: Callable[[in
                 want = reference(k, m, stage)
                 got_list = [tuple(op) for op in got] if isinstance(got, (list, tuple)) else got
                 if got_list != want:
-                    first = next((i for i, (a, b) in enumerate(zip(got_list, want)) if a != b),
-                                 min(len(got_list), len(want))) if isinstance(got_list, list) else 0
+                    first = (
+                        next(
+                            (i for i, (a, b) in enumerate(zip(got_list, want)) if a != b), min(len(got_list), len(want))
+                        )
+                        if isinstance(got_list, list)
+                        else 0
+                    )
                     raise CheckFailed(
                         f"{name}(k={k}, m={m}, stage={stage}) returned {_show(got_list)}\n"
                         f"expected                             {_show(want)}\n"
@@ -58,8 +65,10 @@ def _check_schedule(fn: Callable[[int, int, int], list], reference: Callable[[in
                     )
                 got_all.append(got_list)
             simulate(got_all)  # a deadlock here would be a bug in the reference
-    print(f"passed: {name} gives every stage the reference order of forwards and backwards "
-          f"(at most {in_flight(reference(4, 8, 0))} micro-batches in flight on stage 0 of 4 with M=8)")
+    print(
+        f"passed: {name} gives every stage the reference order of forwards and backwards "
+        f"(at most {in_flight(reference(4, 8, 0))} micro-batches in flight on stage 0 of 4 with M=8)"
+    )
 
 
 def check_gpipe(fn: Callable[[int, int, int], list]) -> None:
@@ -98,6 +107,7 @@ def _cases() -> list[tuple[int, int, Callable[[int, int], float], str]]:
 
         def stage_time(a: int, b: int, compute: list[float] = compute, cut: list[float] = cut) -> float:
             return sum(compute[a:b]) + cut[a] + cut[b]
+
         cases.append((n, k, stage_time, label))
     return cases
 
@@ -112,8 +122,10 @@ def check_pipedream_partition(fn: Callable[[int, int, Callable[[int, int], float
             raise CheckFailed(f"{case}: got {got!r}; return a list of k+1 ints (the stage bounds)")
         got = list(got)
         if len(got) != k + 1 or got[0] != 0 or got[-1] != n or any(a >= b for a, b in zip(got, got[1:])):
-            raise CheckFailed(f"{case}: bounds {got} are not {k} contiguous non-empty stages of {n} layers "
-                              f"(k+1 increasing ints from 0 to {n}, e.g. {[*range(k), n]})")
+            raise CheckFailed(
+                f"{case}: bounds {got} are not {k} contiguous non-empty stages of {n} layers "
+                f"(k+1 increasing ints from 0 to {n}, e.g. {[*range(k), n]})"
+            )
         times = [round(stage_time(a, b), 3) for a, b in zip(got, got[1:])]
         if max(times) > best + 1e-9:
             raise CheckFailed(
@@ -129,18 +141,26 @@ def check_pipedream_partition(fn: Callable[[int, int, Callable[[int, int], float
 TIMEOUT = 10.0
 WIDTH, ROWS, MICRO = 3, 2, 5  # features per row, rows per micro-batch, micro-batches
 EXECUTOR_HINTS = {
-    "error": ("A blocking send waits for its receiver, and under 1F1B two "
-              "neighbours can be sending to each other at the same moment. Post sends without waiting for them "
-              "(Isend, or lab 06's Mailbox.post), wait for them all at the end (Waitall, or Mailbox.free), and "
-              "receive each message with its micro-batch's tag."),
-    "messages": ("Per micro-batch, stage s sends its output to rank s+1 after computing it and the gradient of its "
-                 "input to rank s-1 after its backward: one message each way, none from the first stage "
-                 "backward or the last stage forward."),
-    "values": ("A micro-batch's backward must start from the output its own forward made (keep what backward "
-               "needs per micro-batch, receive the gradient tagged with that micro-batch), and gradients must "
-               "add up over the micro-batches (do not reset or overwrite .grad between them)."),
-    "losses": ("The last rank returns one float per micro-batch in micro-batch order (0, 1, ..., M-1), whatever "
-               "order its backwards ran in; the other ranks return []."),
+    "error": (
+        "A blocking send waits for its receiver, and under 1F1B two "
+        "neighbours can be sending to each other at the same moment. Post sends without waiting for them "
+        "(Isend, or lab 06's Mailbox.post), wait for them all at the end (Waitall, or Mailbox.free), and "
+        "receive each message with its micro-batch's tag."
+    ),
+    "messages": (
+        "Per micro-batch, stage s sends its output to rank s+1 after computing it and the gradient of its "
+        "input to rank s-1 after its backward: one message each way, none from the first stage "
+        "backward or the last stage forward."
+    ),
+    "values": (
+        "A micro-batch's backward must start from the output its own forward made (keep what backward "
+        "needs per micro-batch, receive the gradient tagged with that micro-batch), and gradients must "
+        "add up over the micro-batches (do not reset or overwrite .grad between them)."
+    ),
+    "losses": (
+        "The last rank returns one float per micro-batch in micro-batch order (0, 1, ..., M-1), whatever "
+        "order its backwards ran in; the other ranks return []."
+    ),
 }
 
 
@@ -159,15 +179,17 @@ def _chain(k: int) -> tuple[list[nn.Module], list[torch.Tensor], list[torch.Tens
     generator = torch.Generator().manual_seed(7)
     with torch.random.fork_rng():  # the same layers on every rank, the caller's random state untouched
         torch.manual_seed(7)
-        stages: list[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double()
-                                   for _ in range(k)]
+        stages: list[nn.Module] = [
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double() for _ in range(k)
+        ]
     inputs = [torch.randn(ROWS, WIDTH, dtype=torch.float64, generator=generator) for _ in range(MICRO)]
     targets = [torch.randn(ROWS, WIDTH, dtype=torch.float64, generator=generator) for _ in range(MICRO)]
     return stages, inputs, targets
 
 
-def _one_process(stages: list[nn.Module], inputs: list[torch.Tensor],
-                 targets: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], list[float]]:
+def _one_process(
+    stages: list[nn.Module], inputs: list[torch.Tensor], targets: list[torch.Tensor]
+) -> tuple[list[list[torch.Tensor]], list[float]]:
     """Every stage's parameter gradients for the whole batch in one process, and each micro-batch's loss."""
     chain = copy.deepcopy(nn.Sequential(*stages))
     out = chain(torch.cat(inputs))
@@ -180,8 +202,10 @@ def _messages_problem(traffic: list[Any], rank: int, k: int) -> str | None:
     sent = Counter(e.peer for e in traffic[rank].sends)
     want = Counter({peer: MICRO for peer in (rank - 1, rank + 1) if 0 <= peer < k})
     if sent != want:
+
         def show(counts: Counter) -> str:
             return ", ".join(f"{n} to rank {peer}" for peer, n in sorted(counts.items())) or "none"
+
         return f"sent {show(sent)}; expected {show(want)} ({MICRO} micro-batches)"
     return None
 
@@ -212,6 +236,7 @@ def check_run_schedule(fn: Callable[..., Any]) -> None:
     process's (float64), and each rank must send one message per micro-batch to each
     neighbour (forward to rank+1, backward to rank-1), without deadlocking.
     """
+
     def body(sub: MPI.Comm) -> str | None:
         k, rank = sub.Get_size(), sub.Get_rank()
         stages, inputs, targets = _chain(k)
@@ -240,5 +265,8 @@ def check_run_schedule(fn: Callable[..., Any]) -> None:
         return None
 
     each_size(MPI.COMM_WORLD, body, "run_schedule")
-    passed(MPI.COMM_WORLD, f"run_schedule gives one process's gradients under GPipe, 1F1B and a mixed order on 1 to "
-                           f"{MPI.COMM_WORLD.Get_size()} stages, one message per micro-batch and direction")
+    passed(
+        MPI.COMM_WORLD,
+        f"run_schedule gives one process's gradients under GPipe, 1F1B and a mixed order on 1 to "
+        f"{MPI.COMM_WORLD.Get_size()} stages, one message per micro-batch and direction",
+    )

@@ -50,6 +50,8 @@ def _describe(events: list[Event]) -> str:
 
 # Exercise: collect -------------------------------------------------------------
 STAGGER = 0.1  # seconds between the ranks' first sends, highest rank first
+
+
 def _collect_data(rank: int) -> np.ndarray:
     """Rank r's float64 array: its own length (0 for some), values r*100 + 0, 1, 2, ..."""
     return np.arange((7 * rank + 5) % 13, dtype=np.float64) + 100.0 * rank
@@ -78,8 +80,10 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
     for source in range(size):
         problem = array_problem(got[source], _collect_data(source), f"item {source} (rank {source}'s array)")
         if problem and any(array_problem(got[source], _collect_data(r), "") is None for r in range(size)):
-            return (f"{problem}: it is another rank's array. Messages may arrive in any order (here: the "
-                    "highest rank's first); put each at its sender's index (status.Get_source())")
+            return (
+                f"{problem}: it is another rank's array. Messages may arrive in any order (here: the "
+                "highest rank's first); put each at its sender's index (status.Get_source())"
+            )
         if problem:
             return problem
     if got[0].size and np.shares_memory(got[0], data):
@@ -89,8 +93,10 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
     received = {e.peer: e.nbytes for e in recvs}
     if traffic[0].sends or len(recvs) != size - 1 or received != expected:
         hint = "" if all(e.nbytes == expected.get(e.peer) for e in recvs) else f" ({BUFFER_HINT})"
-        return (f"received {_describe(recvs)} and sent {_describe(traffic[0].sends)}; expected one message "
-                f"from each of ranks 1..{size - 1}, of their arrays' sizes in bytes{hint}")
+        return (
+            f"received {_describe(recvs)} and sent {_describe(traffic[0].sends)}; expected one message "
+            f"from each of ranks 1..{size - 1}, of their arrays' sizes in bytes{hint}"
+        )
     return None
 
 
@@ -136,7 +142,11 @@ def _exchange_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None
     if not np.array_equal(data, _exchange_data(rank)):
         return "exchange changed its input array: receive into a new array (np.empty_like(data)) instead"
     want = _exchange_data(rank if partner is None else partner)
-    whose = "its own array (no partner: the last of an odd number of ranks)" if partner is None else f"rank {partner}'s array"
+    whose = (
+        "its own array (no partner: the last of an odd number of ranks)"
+        if partner is None
+        else f"rank {partner}'s array"
+    )
     problem = array_problem(got, want, f"the result (expected {whose})")
     if problem:
         owner = _owner(got, size) if isinstance(got, np.ndarray) else None
@@ -151,7 +161,9 @@ def _exchange_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None
     sends, recvs = mine.sends, mine.recvs
     if len(sends) != 1 or sends[0].peer != partner or sends[0].nbytes != data.nbytes:
         hint = f" ({BUFFER_HINT})" if sends and sends[0].nbytes != data.nbytes else ""
-        return f"sent {_describe(sends)}; expected one message of {data.nbytes} bytes to rank {partner} (rank ^ 1){hint}"
+        return (
+            f"sent {_describe(sends)}; expected one message of {data.nbytes} bytes to rank {partner} (rank ^ 1){hint}"
+        )
     if len(recvs) != 1 or recvs[0].peer not in (partner, MPI.ANY_SOURCE) or recvs[0].nbytes != data.nbytes:
         return f"received {_describe(recvs)}; expected one message of {data.nbytes} bytes from rank {partner}"
     return None
@@ -173,16 +185,20 @@ def _ping_pong_traffic_problem(traffic: list[Traffic], nbytes: int, repeats: int
     """What is wrong with the messages of a ping-pong (the same answer on every rank)."""
     for t in traffic[2:]:
         if t.events:
-            return (f"rank {t.rank} sent {_describe(t.sends)} and received {_describe(t.recvs)}: "
-                    "only ranks 0 and 1 take part in a ping-pong")
+            return (
+                f"rank {t.rank} sent {_describe(t.sends)} and received {_describe(t.recvs)}: "
+                "only ranks 0 and 1 take part in a ping-pong"
+            )
     for t in traffic[:2]:
         stray = [e for e in t.events if e.peer != 1 - t.rank]
         if stray:
             return f"rank {t.rank} exchanged {_describe(stray)}; it should only talk to rank {1 - t.rank}"
     total = sum(t.messages_sent for t in traffic)
     if total != 2 * repeats:
-        return (f"{total} messages were sent in all, expected 2 * repeats = {2 * repeats} "
-                f"({repeats} round trips: rank 0 to rank 1 and back)")
+        return (
+            f"{total} messages were sent in all, expected 2 * repeats = {2 * repeats} "
+            f"({repeats} round trips: rank 0 to rank 1 and back)"
+        )
     for t in traffic[:2]:
         if t.messages_sent != repeats or t.messages_received != repeats:
             return f"rank {t.rank} sent {t.messages_sent} and received {t.messages_received} messages, expected {repeats} each"
@@ -204,13 +220,15 @@ def _seconds_problem(rank: int, result: Any) -> str | None:
 
 def _timed(sub: MPI.Comm, fn: Callable, buf: np.ndarray, repeats: int, timeout: float) -> tuple[Any, float]:
     """fn(counting communicator, buf, repeats) under the check's timeout, and the seconds the call took."""
+
     def timed_call(comm: Comm, buf: np.ndarray, repeats: int) -> tuple[Any, float]:
         start = time.perf_counter()
         result = fn(comm, buf, repeats)
         return result, time.perf_counter() - start
 
-    (result, elapsed), _ = run_counted(sub, timed_call, (buf, repeats), f"ping_pong timed on {sub.Get_size()} ranks",
-                                       timeout)
+    (result, elapsed), _ = run_counted(
+        sub, timed_call, (buf, repeats), f"ping_pong timed on {sub.Get_size()} ranks", timeout
+    )
     return result, elapsed
 
 
@@ -218,13 +236,17 @@ def _one_way_problem(result: float, elapsed: float, repeats: int) -> str | None:
     """The returned time against the call's own duration: 2 * repeats one-way messages fit inside it."""
     share = result * 2 * repeats / elapsed
     if share > 1.1:
-        return (f"returned {result:.3g} s, but the whole call took {elapsed:.3g} s for 2 * repeats = {2 * repeats} "
-                f"one-way messages, so one way takes at most {elapsed / (2 * repeats):.3g} s: return the one-way "
-                "time (a round trip is two messages)")
+        return (
+            f"returned {result:.3g} s, but the whole call took {elapsed:.3g} s for 2 * repeats = {2 * repeats} "
+            f"one-way messages, so one way takes at most {elapsed / (2 * repeats):.3g} s: return the one-way "
+            "time (a round trip is two messages)"
+        )
     if share < 0.5:
-        return (f"returned {result:.3g} s, but {2 * repeats} one-way messages at that time make only "
-                f"{100 * share:.0f}% of the {elapsed:.3g} s the call took: time all the repeats and divide "
-                "by the number of one-way messages, 2 * repeats")
+        return (
+            f"returned {result:.3g} s, but {2 * repeats} one-way messages at that time make only "
+            f"{100 * share:.0f}% of the {elapsed:.3g} s the call took: time all the repeats and divide "
+            "by the number of one-way messages, 2 * repeats"
+        )
     return None
 
 
@@ -245,9 +267,11 @@ def _plausibility_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | 
         return problem
     mine, reference = min(g for g, _ in got), min(want)
     if not reference / PLAUSIBLE <= mine <= reference * PLAUSIBLE:
-        return (f"returned {mine:.3g} s for a 1 MiB buffer and {repeats} repeats, but a reference ping-pong "
-                f"takes {reference:.3g} s per one-way message here: return seconds (not ms), "
-                "and divide the elapsed time by the number of one-way messages, 2 * repeats")
+        return (
+            f"returned {mine:.3g} s for a 1 MiB buffer and {repeats} repeats, but a reference ping-pong "
+            f"takes {reference:.3g} s per one-way message here: return seconds (not ms), "
+            "and divide the elapsed time by the number of one-way messages, 2 * repeats"
+        )
     return next(filter(None, (_one_way_problem(g, t, repeats) for g, t in got)), None)
 
 
@@ -258,7 +282,9 @@ def _ping_pong_problem(sub: MPI.Comm, fn: Callable, timeout: float, timing: bool
         result, traffic = run_counted(sub, fn, (buf, repeats), f"ping_pong on {count(size, 'rank')}", timeout)
         problem = _ping_pong_traffic_problem(traffic, buf.nbytes, repeats)
         if problem:
-            raise CheckFailed(f"ping_pong on {count(size, 'rank')}, buf of {nbytes} bytes, repeats={repeats}: {problem}")
+            raise CheckFailed(
+                f"ping_pong on {count(size, 'rank')}, buf of {nbytes} bytes, repeats={repeats}: {problem}"
+            )
         problem = _seconds_problem(sub.Get_rank(), result)
         if any(sub.allgather(problem)):  # agree before timing: it takes every rank
             return problem
@@ -295,10 +321,12 @@ def _fit_problem(fn: Callable, n: np.ndarray, t: np.ndarray, what: str) -> str |
     except (TypeError, ValueError):
         return f"on {what}: returned {got!r}, expected a tuple (alpha, beta) of two numbers"
     if not np.allclose([alpha, beta], want, rtol=1e-4, atol=0):
-        return (f"on {what}: got alpha = {alpha:.4g} s, beta = {beta:.4g} s/byte; the least-squares fit of "
-                f"relative errors, min sum(((alpha + beta*n - t) / t)**2), gives alpha = {want[0]:.4g} s, "
-                f"beta = {want[1]:.4g} s/byte. Use every point, and divide each equation "
-                "alpha + beta*n_i = t_i by t_i before solving (np.linalg.lstsq)")
+        return (
+            f"on {what}: got alpha = {alpha:.4g} s, beta = {beta:.4g} s/byte; the least-squares fit of "
+            f"relative errors, min sum(((alpha + beta*n - t) / t)**2), gives alpha = {want[0]:.4g} s, "
+            f"beta = {want[1]:.4g} s/byte. Use every point, and divide each equation "
+            "alpha + beta*n_i = t_i by t_i before solving (np.linalg.lstsq)"
+        )
     return None
 
 

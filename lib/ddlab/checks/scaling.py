@@ -25,8 +25,10 @@ def check_scaling_efficiency(fn: Callable[[dict[int, float], bool], dict[int, fl
             for p in want:
                 if not math.isclose(got[p], want[p], rel_tol=1e-9):
                     formula = "T(1) / T(P)" if weak else "T(1) / (P * T(P))"
-                    raise CheckFailed(f"times {times}, weak={weak}: efficiency at P={p} is {got[p]:.4g}, expected "
-                                      f"{want[p]:.4g} = {formula}")
+                    raise CheckFailed(
+                        f"times {times}, weak={weak}: efficiency at P={p} is {got[p]:.4g}, expected "
+                        f"{want[p]:.4g} = {formula}"
+                    )
     print("passed: scaling_efficiency for strong and weak scaling")
 
 
@@ -62,22 +64,29 @@ def _bucketed_problem(comm: MPI.Comm, fn: Callable[..., list[np.ndarray]], cap: 
         c.Allreduce(x, out, op=MPI.SUM)
         return out
 
-    got, _ = run_counted(comm, fn, (arrays, cap, allreduce), f"allreduce_bucketed with cap {cap} bytes", timeout,
-                         allow=("Allreduce",))
+    got, _ = run_counted(
+        comm, fn, (arrays, cap, allreduce), f"allreduce_bucketed with cap {cap} bytes", timeout, allow=("Allreduce",)
+    )
     want_calls = _expected_calls([int(np.prod(s)) for s in shapes], 4, cap)
     if not isinstance(got, list) or len(got) != len(arrays):
         return f"should return a list of {len(arrays)} arrays, got {type(got).__name__}"
     if not calls:
-        return ("never called the `allreduce` passed as its last argument: sum each bucket with that function "
-                "(the check counts its calls), not with comm.Allreduce or allreduce_mpi directly")
+        return (
+            "never called the `allreduce` passed as its last argument: sum each bucket with that function "
+            "(the check counts its calls), not with comm.Allreduce or allreduce_mpi directly"
+        )
     if calls != want_calls:
-        return (f"allreduce calls of {calls} elements, expected {want_calls}: fill buckets in order, "
-                f"starting a new one when the next array would pass {cap} bytes "
-                "(an array larger than the cap travels alone)")
+        return (
+            f"allreduce calls of {calls} elements, expected {want_calls}: fill buckets in order, "
+            f"starting a new one when the next array would pass {cap} bytes "
+            "(an array larger than the cap travels alone)"
+        )
     if any(not np.array_equal(a, o) for a, o in zip(arrays, originals)):
         return "the input arrays were changed: return new arrays"
     for i, (g, s) in enumerate(zip(got, shapes)):
-        want = (np.arange(np.prod(s), dtype=np.float32).reshape(s) * size * (size + 1) / 2 + i * size).astype(np.float32)
+        want = (np.arange(np.prod(s), dtype=np.float32).reshape(s) * size * (size + 1) / 2 + i * size).astype(
+            np.float32
+        )
         problem = array_problem(g, want, f"array {i} (shape {s}, the sum over ranks)")
         if problem is None and any(np.shares_memory(g, a) for a in arrays):
             problem = f"array {i} shares memory with an input array: return new arrays"
@@ -91,13 +100,17 @@ def check_allreduce_bucketed(fn: Callable[..., list[np.ndarray]], timeout: float
     on 3 ranks (not a power of two) and on all."""
     world = MPI.COMM_WORLD
     sizes = sorted({min(3, world.Get_size()), world.Get_size()})
+
     def with_cap(cap: float) -> Callable[[MPI.Comm], str | None]:
         return lambda sub: _bucketed_problem(sub, fn, cap, timeout)
 
     for cap in (0, 16, 400, 448, 476, 1000, math.inf):  # 448 = 48 + 400 and 476 = 448 + 28: a bucket exactly full
         each_size(world, with_cap(cap), f"allreduce_bucketed with cap {cap} bytes", sizes)
-    passed(world, "allreduce_bucketed packs arrays into buckets in order and sums them, one allreduce per bucket, "
-                  f"on {' and '.join(map(str, sizes))} ranks")
+    passed(
+        world,
+        "allreduce_bucketed packs arrays into buckets in order and sums them, one allreduce per bucket, "
+        f"on {' and '.join(map(str, sizes))} ranks",
+    )
 
 
 def check_lr_factor(fn: Callable[..., float]) -> None:
@@ -109,6 +122,8 @@ def check_lr_factor(fn: Callable[..., float]) -> None:
                     got, want = fn(step, k, rule, warmup), lr_factor(step, k, rule, warmup)
                     if not is_number(got) or not math.isclose(got, want, rel_tol=1e-9):
                         ramp = f", ramping up linearly from 1 over {warmup} steps" if warmup and step < warmup else ""
-                        raise CheckFailed(f"lr_factor(step={step}, k={k}, rule={rule!r}, warmup_steps={warmup}) "
-                                          f"returned {got!r}, expected {want:.4g}{ramp}")
+                        raise CheckFailed(
+                            f"lr_factor(step={step}, k={k}, rule={rule!r}, warmup_steps={warmup}) "
+                            f"returned {got!r}, expected {want:.4g}{ramp}"
+                        )
     print("passed: lr_factor gives the linear and square-root rules, with warm-up")

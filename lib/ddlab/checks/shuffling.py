@@ -23,8 +23,7 @@ from ..runtime.counting import COLLECTIVE_TAG
 from ..shuffling.shuffler import exchange_plan
 from ._core import array_problem, each_size, passed, run_counted
 
-PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0)
-              for epoch, seed in ((0, 0), (3, 11))]
+PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0) for epoch, seed in ((0, 0), (3, 11))]
 
 
 def _counts(n: int, size: int) -> list[int]:
@@ -37,15 +36,20 @@ def _plan_shape_problem(plan: Any, size: int, m: int) -> str | None:
         return f"should return a tuple (send, recv_counts), got {type(plan).__name__}"
     send, recv_counts = plan
     if not isinstance(send, list) or len(send) != size:
-        return f"send should be a list of {size} arrays (one per rank), got {type(send).__name__} of length " \
-               f"{len(send) if hasattr(send, '__len__') else '?'}"
+        return (
+            f"send should be a list of {size} arrays (one per rank), got {type(send).__name__} of length "
+            f"{len(send) if hasattr(send, '__len__') else '?'}"
+        )
     for d, positions in enumerate(send):
         if not isinstance(positions, np.ndarray) or positions.ndim != 1 or positions.dtype.kind not in "iu":
             return f"send[{d}] should be a 1-D NumPy array of integer positions"
         if positions.size and (positions.min() < 0 or positions.max() >= m):
             return f"send[{d}] holds positions outside 0..{m - 1} (this rank holds {m} samples)"
-    if (not isinstance(recv_counts, (list, tuple, np.ndarray)) or len(recv_counts) != size
-            or any(int(c) != c or c < 0 for c in recv_counts)):
+    if (
+        not isinstance(recv_counts, (list, tuple, np.ndarray))
+        or len(recv_counts) != size
+        or any(int(c) != c or c < 0 for c in recv_counts)
+    ):
         return f"recv_counts should be a list of {size} non-negative ints"
     return None
 
@@ -62,8 +66,10 @@ def _plan_problem(plans: list[Any], counts: list[int], rank: int, q: float) -> s
         return f"sends {len(leaving)} of its {m} samples, expected round(Q m) = round({q} * {m}) (exchanged fraction Q)"
     for s in range(size):
         if int(recv_counts[s]) != len(plans[s][0][rank]):
-            return (f"expects {int(recv_counts[s])} samples from rank {s}, but rank {s}'s plan sends it "
-                    f"{len(plans[s][0][rank])}: every rank must compute the same plan from (counts, q, epoch, seed)")
+            return (
+                f"expects {int(recv_counts[s])} samples from rank {s}, but rank {s}'s plan sends it "
+                f"{len(plans[s][0][rank])}: every rank must compute the same plan from (counts, q, epoch, seed)"
+            )
     kept = m - len(leaving) + int(sum(recv_counts))
     if kept != m:
         return f"would hold {kept} samples after the exchange, expected its {m} (send as many as it receives)"
@@ -98,7 +104,8 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
             if problem is None:
                 again = fn(list(counts), rank, q, epoch, seed)
                 if _plan_shape_problem(again, size, counts[rank]) or any(
-                        not np.array_equal(a, b) for a, b in zip(plan[0], again[0])):
+                    not np.array_equal(a, b) for a, b in zip(plan[0], again[0])
+                ):
                     problem = "two calls with the same arguments gave different plans: seed the choice from them"
             everyone = comm.allgather((problem, plan if problem is None else None))
             if any(p for p, _ in everyone):
@@ -140,8 +147,9 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
             x = holdings[rank]
             original = x.copy()
             case = f"{np.dtype(dtype).name} samples of shape {shape}, counts={counts}, q={q}"
-            got, traffic = run_counted(comm, fn, (x, *plans[rank]), f"exchange_samples with {case}",
-                                       allow=("Alltoallv",))
+            got, traffic = run_counted(
+                comm, fn, (x, *plans[rank]), f"exchange_samples with {case}", allow=("Alltoallv",)
+            )
             want = np.concatenate([holdings[s][plans[s][0][rank]] for s in range(size)]) if size else x[:0]
             problem = array_problem(got, want, "the rows received")
             if problem is None and np.shares_memory(got, x):
@@ -168,6 +176,8 @@ def _traffic_problem(traffic: Any, want_bytes: list[int]) -> str | None:
     sent = [e.nbytes for e in traffic.sends]
     if sent != want_bytes:
         wrong = next(d for d, (a, b) in enumerate(zip(sent, want_bytes)) if a != b)
-        return (f"the Alltoallv sends rank {wrong} {sent[wrong]} bytes, expected {want_bytes[wrong]} "
-                f"(the rows planned for it, and nothing else; counts and displacements are in elements)")
+        return (
+            f"the Alltoallv sends rank {wrong} {sent[wrong]} bytes, expected {want_bytes[wrong]} "
+            f"(the rows planned for it, and nothing else; counts and displacements are in elements)"
+        )
     return None

@@ -103,4 +103,3 @@ def reduce_mpi(comm: MPI.Comm, x: np.ndarray, root: int = 0) -> np.ndarray | Non
     out = np.empty(x.shape, x.dtype) if comm.Get_rank() == root else None
     comm.Reduce(_buffer(x), out, op=MPI.SUM, root=root)
     return out
-

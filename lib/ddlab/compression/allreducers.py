@@ -88,15 +88,19 @@ class CompressedAllreduce:
             payload = np.concatenate([quantized.scale.view(np.uint8), quantized.levels.view(np.uint8)])
             rows = _gather_dense(comm, payload)
             scale_bytes = quantized.scale.nbytes
-            decode = [dequantize_8bit(type(quantized)(r[scale_bytes:].view(np.int8), r[:scale_bytes].view(fed.dtype)))
-                      for r in rows]
+            decode = [
+                dequantize_8bit(type(quantized)(r[scale_bytes:].view(np.int8), r[:scale_bytes].view(fed.dtype)))
+                for r in rows
+            ]
             sent = dequantize_8bit(quantized)
         else:
             signs = sign_1bit(fed)
             payload = np.concatenate([signs.scale.view(np.uint8), signs.bits])
             rows = _gather_dense(comm, payload)
             scale_bytes = signs.scale.nbytes
-            decode = [unsign_1bit(type(signs)(r[scale_bytes:], r[:scale_bytes].view(fed.dtype), fed.size)) for r in rows]
+            decode = [
+                unsign_1bit(type(signs)(r[scale_bytes:], r[:scale_bytes].view(fed.dtype), fed.size)) for r in rows
+            ]
             sent = unsign_1bit(signs)
         self.bytes_sent += float(allgather_bytes_per_rank(payload.nbytes, size))
         return np.sum(decode, axis=0, dtype=fed.dtype), sent

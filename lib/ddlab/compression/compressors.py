@@ -85,7 +85,7 @@ def top_k(x: np.ndarray, k: int) -> Sparse:
     """The k entries of x largest in magnitude, indices ascending."""
     if not 0 <= k <= x.size:
         raise ValueError(f"k must be between 0 and len(x) = {x.size}, got {k}")
-    chosen = np.argpartition(np.abs(x), x.size - k)[x.size - k:] if k else np.empty(0, dtype=np.intp)
+    chosen = np.argpartition(np.abs(x), x.size - k)[x.size - k :] if k else np.empty(0, dtype=np.intp)
     chosen = np.sort(chosen).astype(INDEX)
     return Sparse(chosen, x[chosen], x.size)
 
@@ -133,8 +133,9 @@ def unsign_1bit(message: Signs) -> np.ndarray:
     return (2 * signs - 1) * message.scale[0]
 
 
-def top_k_with_feedback(gradient: np.ndarray, residual: np.ndarray,
-                        k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def top_k_with_feedback(
+    gradient: np.ndarray, residual: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One step of top-k with error feedback: (indices, values) to send and the new residual."""
     fed = gradient + residual
     message = top_k(fed, k)

@@ -33,15 +33,30 @@ class TrainingRun:
     seconds_per_step: float
 
 
-def train_compressed(comm: MPI.Comm, reduce: CompressedAllreduce, steps: int, lr: float = 0.05,
-                     seed: int = 0) -> TrainingRun:
+def train_compressed(
+    comm: MPI.Comm, reduce: CompressedAllreduce, steps: int, lr: float = 0.05, seed: int = 0
+) -> TrainingRun:
     """Train lab 04's MLP for `steps` steps with `reduce` as the allreduce; evaluate on held-out curves."""
     size = comm.Get_size()
     data = StressStrainCurves(n=size * BATCH * steps, seed=seed)
     test = StressStrainCurves(n=1024, seed=seed + 1)
     model = DataParallel(make_mlp(seed=seed), comm, allreduce=reduce)
-    history = train(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), data, comm, batch_size=BATCH,
-                    max_steps=steps, seed=seed, progress=False)
+    history = train(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+        data,
+        comm,
+        batch_size=BATCH,
+        max_steps=steps,
+        seed=seed,
+        progress=False,
+    )
     model.remove_hooks()
-    return TrainingRun(reduce.method, reduce.density, reduce.feedback, evaluate(model, test, comm)["mse"],
-                       reduce.bytes_sent / max(reduce.calls, 1), history.step_time())
+    return TrainingRun(
+        reduce.method,
+        reduce.density,
+        reduce.feedback,
+        evaluate(model, test, comm)["mse"],
+        reduce.bytes_sent / max(reduce.calls, 1),
+        history.step_time(),
+    )

@@ -22,13 +22,16 @@ def bytes_and_loss(runs: Sequence[TrainingRun], steps: int) -> plt.Figure:
     dense = next(r for r in runs if r.method == "dense")
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     for i, run in enumerate(runs):
-        label = run.method if run.method == "dense" else \
-            f"{run.method} {run.density:.0%} {'EF' if run.feedback else 'no EF'}"
-        style = dict(marker=MARKERS[run.method], s=70, color=f"C{i}", label=label,
-                     facecolors=f"C{i}" if run.feedback else "none")
+        label = (
+            run.method
+            if run.method == "dense"
+            else f"{run.method} {run.density:.0%} {'EF' if run.feedback else 'no EF'}"
+        )
+        style = dict(
+            marker=MARKERS[run.method], s=70, color=f"C{i}", label=label, facecolors=f"C{i}" if run.feedback else "none"
+        )
         left.scatter(run.bytes_per_step / dense.bytes_per_step, run.loss, **style)
-        right.scatter(run.bytes_per_step / dense.bytes_per_step, run.seconds_per_step / dense.seconds_per_step,
-                      **style)
+        right.scatter(run.bytes_per_step / dense.bytes_per_step, run.seconds_per_step / dense.seconds_per_step, **style)
     left.axhline(dense.loss * 1.1, color="grey", linestyle=":", label="dense loss + 10%")
     right.axhline(1, color="grey", linestyle=":", label="dense ring's time")
     left.set_ylabel(f"test mean squared error after {steps} steps")
@@ -40,8 +43,9 @@ def bytes_and_loss(runs: Sequence[TrainingRun], steps: int) -> plt.Figure:
     return fig
 
 
-def hierarchical_vs_flat(sizes: Sequence[float], measured: dict[str, Sequence[float]],
-                         predicted: dict[str, Sequence[float]], title: str) -> plt.Figure:
+def hierarchical_vs_flat(
+    sizes: Sequence[float], measured: dict[str, Sequence[float]], predicted: dict[str, Sequence[float]], title: str
+) -> plt.Figure:
     """Seconds per allreduce against bytes, measured (solid) and predicted (dotted), one colour per method."""
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for i, name in enumerate(measured):

@@ -81,8 +81,9 @@ def hierarchical_allreduce(comm: MPI.Comm, x: np.ndarray, group_size: int) -> np
 GIGABIT_ETHERNET = Link(alpha=120e-6, beta=1 / 100e6)
 
 
-def flat_ring_seconds(nbytes: float | np.ndarray, size: int, group_size: int, intra: Link,
-                      inter: Link) -> float | np.ndarray:
+def flat_ring_seconds(
+    nbytes: float | np.ndarray, size: int, group_size: int, intra: Link, inter: Link
+) -> float | np.ndarray:
     """Predicted time of the flat ring over groups: 2(P-1) steps, each as slow as its slowest link.
 
     A step's messages move in parallel; once there are two groups, some message of every
@@ -91,8 +92,9 @@ def flat_ring_seconds(nbytes: float | np.ndarray, size: int, group_size: int, in
     return terms("ring", size, nbytes).seconds(inter if size > group_size else intra)
 
 
-def hierarchical_seconds(nbytes: float | np.ndarray, size: int, group_size: int, intra: Link,
-                         inter: Link) -> float | np.ndarray:
+def hierarchical_seconds(
+    nbytes: float | np.ndarray, size: int, group_size: int, intra: Link, inter: Link
+) -> float | np.ndarray:
     """Predicted time of hierarchical_allreduce with full groups of g: a ring reduce-scatter and allgather
     of n inside each group, between them a ring allreduce of n/g across the groups."""
     g, nodes = min(group_size, size), -(-size // group_size)
@@ -102,6 +104,7 @@ def hierarchical_seconds(nbytes: float | np.ndarray, size: int, group_size: int,
 
 
 # The emulated slow link ----------------------------------------------------------------
+
 
 class SlowLinkComm:
     """A communicator whose messages between groups take alpha + n beta longer, as over a slow link.
@@ -136,8 +139,15 @@ class SlowLinkComm:
         self._delay(dest, buf)
         self.comm.Send(buf, dest, tag)
 
-    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
-                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG) -> None:
+    def Sendrecv(
+        self,
+        sendbuf: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = MPI.ANY_SOURCE,
+        recvtag: int = MPI.ANY_TAG,
+    ) -> None:
         self._delay(dest, sendbuf)
         self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
 

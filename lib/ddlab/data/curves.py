@@ -28,8 +28,6 @@ import torch
 N_POINTS = 200
 #: Features per sample: strain, stress and flag, 200 points each, channel after channel.
 N_FEATURES = 3 * N_POINTS
-#: What the network predicts, in order.
-TARGETS = ("yield strength [MPa]", "hardening exponent")
 
 # Ranges of the sampled quantities (uniform). Stress in MPa, strain dimensionless.
 YOUNG = (60e3, 220e3)
@@ -87,8 +85,7 @@ class StressStrainCurves:
     strength and hardening exponent scaled to [-1, 1] (`physical_targets` undoes it).
     """
 
-    def __init__(self, n: int = 100_000, seed: int = 0, noise: float = 0.02,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, n: int = 100_000, seed: int = 0, noise: float = 0.02, dtype: torch.dtype = torch.float32):
         if n < 1:
             raise ValueError(f"a data set needs at least one sample, got n={n}")
         self.n, self.seed, self.noise, self.dtype = int(n), int(seed), float(noise), dtype
@@ -141,10 +138,13 @@ class StressStrainCurves:
     def targets(self, index: int | slice | np.ndarray | list[int]) -> np.ndarray:
         """The scaled targets, in [-1, 1], as a float64 array of shape (samples, 2)."""
         p = self.parameters(index)
-        return np.stack([
-            2 * (p["yield"] - YIELD[0]) / (YIELD[1] - YIELD[0]) - 1,
-            2 * (p["exponent"] - HARDENING_EXPONENT[0]) / (HARDENING_EXPONENT[1] - HARDENING_EXPONENT[0]) - 1,
-        ], axis=1)
+        return np.stack(
+            [
+                2 * (p["yield"] - YIELD[0]) / (YIELD[1] - YIELD[0]) - 1,
+                2 * (p["exponent"] - HARDENING_EXPONENT[0]) / (HARDENING_EXPONENT[1] - HARDENING_EXPONENT[0]) - 1,
+            ],
+            axis=1,
+        )
 
     def __getitem__(self, index: int | slice | np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self._indices(index)

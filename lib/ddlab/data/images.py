@@ -12,8 +12,9 @@ import torch
 CLASSES = 3
 
 
-def make_segmentation(n: int, side: int, seed: int = 0, shapes: int = 3,
-                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def make_segmentation(
+    n: int, side: int, seed: int = 0, shapes: int = 3, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """n images (n, 3, side, side) and masks (n, side, side) of class indices, from `seed`.
 
     Each image holds `shapes` disks or squares of random colour, size and place on a

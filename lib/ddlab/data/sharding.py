@@ -42,8 +42,9 @@ def shard_length(n: int, size: int, remainder: str = "pad") -> int:
     return -(-n // size) if remainder == "pad" else n // size
 
 
-def shard_indices(n: int, rank: int, size: int, epoch: int, seed: int = 0,
-                  remainder: str = "pad", shuffle: bool = True) -> np.ndarray:
+def shard_indices(
+    n: int, rank: int, size: int, epoch: int, seed: int = 0, remainder: str = "pad", shuffle: bool = True
+) -> np.ndarray:
     """The sample indices `rank` trains on in `epoch`, in the order it takes them."""
     if size < 1 or not 0 <= rank < size or n < 0:
         raise ValueError(f"need n >= 0 and 0 <= rank < size, got n={n}, rank={rank}, size={size}")
@@ -62,14 +63,13 @@ def eval_shard(n: int, rank: int, size: int) -> range:
 class ShardedSampler:
     """A rank's shard for each epoch, cut into batches.
 
-        sampler = ShardedSampler(len(data), comm.rank, comm.size, seed=0)
-        for epoch in range(epochs):
-            for idx in sampler.batches(batch_size, epoch):
-                x, y = data[idx]
+    sampler = ShardedSampler(len(data), comm.rank, comm.size, seed=0)
+    for epoch in range(epochs):
+        for idx in sampler.batches(batch_size, epoch):
+            x, y = data[idx]
     """
 
-    def __init__(self, n: int, rank: int, size: int, seed: int = 0, remainder: str = "pad",
-                 shuffle: bool = True):
+    def __init__(self, n: int, rank: int, size: int, seed: int = 0, remainder: str = "pad", shuffle: bool = True):
         shard_length(n, size, remainder)  # validates remainder
         self.n, self.rank, self.size = n, rank, size
         self.seed, self.remainder, self.shuffle = seed, remainder, shuffle
@@ -91,4 +91,4 @@ class ShardedSampler:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         mine = self.indices(epoch)
         for k in range(self.num_batches(batch_size, drop_last)):
-            yield mine[k * batch_size:(k + 1) * batch_size]
+            yield mine[k * batch_size : (k + 1) * batch_size]

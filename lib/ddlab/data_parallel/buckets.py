@@ -76,7 +76,7 @@ class Bucket:
     def view(self, i: int) -> torch.Tensor:
         """The part of the buffer holding parameter i's gradient, shaped like it."""
         p = self.params[i]
-        return self.tensor[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        return self.tensor[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
     def gather_gradients(self) -> None:
         """Make every parameter's .grad a view of the buffer (copying in any gradient that is not one)."""
@@ -116,7 +116,9 @@ def cap_bytes(cap_mb: float | None) -> float:
     return cap_mb * 2**20
 
 
-def plan_buckets(params: list[torch.nn.Parameter], cap_mb: float | None = DEFAULT_CAP_MB) -> list[list[torch.nn.Parameter]]:
+def plan_buckets(
+    params: list[torch.nn.Parameter], cap_mb: float | None = DEFAULT_CAP_MB
+) -> list[list[torch.nn.Parameter]]:
     """Group parameters, last first, into runs of one dtype of at most cap bytes.
 
     A tensor larger than the cap gets a bucket of its own.

@@ -23,16 +23,20 @@ def _inner(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def save_checkpoint(path: str | Path, comm: MPI.Comm, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, **state: Any) -> None:
+def save_checkpoint(
+    path: str | Path, comm: MPI.Comm, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **state: Any
+) -> None:
     """Rank 0 writes model and optimizer state plus `state` (epoch, step...); all ranks return after."""
     problem = None
     if comm.Get_rank() == 0:
         path = Path(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"model": _inner(model).state_dict(), "state": state,
-                       "optimizer": optimizer.state_dict() if optimizer is not None else None}
+            payload = {
+                "model": _inner(model).state_dict(),
+                "state": state,
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            }
             partial = path.with_name(path.name + ".partial")
             torch.save(payload, partial)
             os.replace(partial, path)
@@ -43,8 +47,9 @@ def save_checkpoint(path: str | Path, comm: MPI.Comm, model: nn.Module,
         raise OSError(problem)
 
 
-def load_checkpoint(path: str | Path, comm: MPI.Comm, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, comm: MPI.Comm, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
     """Rank 0 reads the checkpoint and broadcasts it; every rank loads it; returns the saved `state`."""
     payload, problem = None, None
     if comm.Get_rank() == 0:

@@ -16,8 +16,12 @@ def stress_strain_curves(data: Any, indices: Sequence[int]) -> plt.Figure:
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     for i in range(len(strain)):
         intact = flag[i] == 1
-        line, = ax.plot(strain[i][intact] * 100, stress[i][intact], lw=1.2,
-                        label=f"yield {params['yield'][i]:.0f} MPa, n = {params['exponent'][i]:.2f}")
+        (line,) = ax.plot(
+            strain[i][intact] * 100,
+            stress[i][intact],
+            lw=1.2,
+            label=f"yield {params['yield'][i]:.0f} MPa, n = {params['exponent'][i]:.2f}",
+        )
         if not intact.all():
             last = np.flatnonzero(intact)[-1]
             ax.plot(strain[i][last] * 100, stress[i][last], "x", color=line.get_color(), ms=7)

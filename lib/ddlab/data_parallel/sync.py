@@ -32,8 +32,10 @@ def resolve_allreduce(choice: AllreduceChoice) -> Allreduce:
     if isinstance(choice, str):
         algorithms: dict[str, Allreduce] = dict(ALGORITHMS)
         if choice not in algorithms:
-            raise ValueError(f"no allreduce called {choice!r}: use 'mpi', one of {sorted(algorithms)}, "
-                             "or pass a function f(comm, x) -> new array")
+            raise ValueError(
+                f"no allreduce called {choice!r}: use 'mpi', one of {sorted(algorithms)}, "
+                "or pass a function f(comm, x) -> new array"
+            )
         return algorithms[choice]
     if not callable(choice):
         raise TypeError(f"allreduce must be None, a name or a function f(comm, x), got {type(choice).__name__}")
@@ -65,7 +67,7 @@ def _scatter_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy consecutive pieces of `flat` into `tensors`."""
     offset = 0
     for tensor in tensors:
-        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
 
 

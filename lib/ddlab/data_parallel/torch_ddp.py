@@ -42,8 +42,7 @@ def init_gloo(comm: MPI.Comm, timeout: float = 60.0) -> None:
     port = comm.bcast(_free_port() if rank == 0 else None, root=0)
     os.environ["MASTER_ADDR"] = os.environ.get("DDLAB_MASTER_ADDR", ADDRESS)
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout))
 
 
 def close_gloo() -> None:

@@ -46,8 +46,15 @@ def progress_bar(total: int, comm: MPI.Comm, desc: str = "", enabled: bool | Non
     The test suite sets DDLAB_PROGRESS=0 so that executed notebooks stay free of bars.
     """
     show = enabled if enabled is not None else os.environ.get("DDLAB_PROGRESS", "1") != "0"
-    return tqdm(total=total, desc=desc, disable=not (show and comm.Get_rank() == 0),
-                file=sys.stderr, leave=False, dynamic_ncols=True, delay=2.0)
+    return tqdm(
+        total=total,
+        desc=desc,
+        disable=not (show and comm.Get_rank() == 0),
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+        delay=2.0,
+    )
 
 
 def squared_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -68,13 +75,25 @@ class History:
         return sum(self.epoch_times) / max(self.steps, 1)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, comm: MPI.Comm, *,
-          epochs: int = 1, batch_size: int = 32, seed: int = 0, start_epoch: int = 0,
-          max_steps: int | None = None, accumulate: int = 1,
-          lr_at: Callable[[int], float] | None = None,
-          after_backward: Callable[[], None] | None = None,
-          tracer: Tracer | None = None, progress: bool | None = None,
-          remainder: str = "pad", time_budget: float | None = None) -> History:
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    comm: MPI.Comm,
+    *,
+    epochs: int = 1,
+    batch_size: int = 32,
+    seed: int = 0,
+    start_epoch: int = 0,
+    max_steps: int | None = None,
+    accumulate: int = 1,
+    lr_at: Callable[[int], float] | None = None,
+    after_backward: Callable[[], None] | None = None,
+    tracer: Tracer | None = None,
+    progress: bool | None = None,
+    remainder: str = "pad",
+    time_budget: float | None = None,
+) -> History:
     """Train on this rank's shard for epochs start_epoch..epochs-1 (or max_steps steps per epoch).
 
     A step takes `accumulate` batches of `batch_size` samples per rank; all but the last
@@ -106,7 +125,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, comm: M
             began = time.perf_counter()
             shard = sampler.indices(epoch)
             for step in range(steps_per_epoch):
-                chunk = shard[step * per_step:(step + 1) * per_step]
+                chunk = shard[step * per_step : (step + 1) * per_step]
                 if lr_at is not None:
                     for group, base in zip(optimizer.param_groups, base_lrs):
                         group["lr"] = base * lr_at(global_step)
@@ -126,10 +145,17 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, comm: M
     return history
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, chunk: np.ndarray,
-          batch_size: int, after_backward: Callable[[], None] | None, tracer: Tracer) -> float:
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    chunk: np.ndarray,
+    batch_size: int,
+    after_backward: Callable[[], None] | None,
+    tracer: Tracer,
+) -> float:
     """One optimizer step on `chunk`, in batches; returns the mean loss over the chunk."""
-    micro = [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    micro = [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     total = 0.0
     for j, idx in enumerate(micro):
         last = j == len(micro) - 1

@@ -54,15 +54,25 @@ class DataParallel(nn.Module):
     broadcast: start from rank 0's parameters and buffers.
     """
 
-    def __init__(self, module: nn.Module, comm: MPI.Comm, allreduce: AllreduceChoice = None,
-                 bucket_cap_mb: float | None = DEFAULT_CAP_MB, overlap: bool = True,
-                 progress: str = "test", tracer: Tracer | None = None, broadcast: bool = True):
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: MPI.Comm,
+        allreduce: AllreduceChoice = None,
+        bucket_cap_mb: float | None = DEFAULT_CAP_MB,
+        overlap: bool = True,
+        progress: str = "test",
+        tracer: Tracer | None = None,
+        broadcast: bool = True,
+    ):
         super().__init__()
         if progress not in ("test", "thread"):
             raise ValueError(f"progress must be 'test' or 'thread', got {progress!r}")
         if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise ValueError("progress='thread' needs MPI initialised with MPI_THREAD_MULTIPLE "
-                             "(mpi4py's default); use progress='test'")
+            raise ValueError(
+                "progress='thread' needs MPI initialised with MPI_THREAD_MULTIPLE "
+                "(mpi4py's default); use progress='test'"
+            )
         self.module = module
         self.comm = comm
         self.size = comm.Get_size()
@@ -141,8 +151,11 @@ class DataParallel(nn.Module):
         started = self.tracer.now()
         if self._function is None:
             request = self.comm.Iallreduce(MPI.IN_PLACE, bucket.buffer, op=MPI.SUM)
-            in_flight: InFlight = (RequestInFlight(request, self.tracer.now) if self._helper is None
-                                   else self._helper.submit(self._wait, request))
+            in_flight: InFlight = (
+                RequestInFlight(request, self.tracer.now)
+                if self._helper is None
+                else self._helper.submit(self._wait, request)
+            )
             bucket.start(in_flight, started)
             return
         bucket.start(None, started)
@@ -162,7 +175,7 @@ class DataParallel(nn.Module):
 
     def _poll(self) -> None:
         """Let MPI progress the allreduces in flight; note those that have completed."""
-        for bucket in self.buckets[:self._next]:
+        for bucket in self.buckets[: self._next]:
             self._traced(bucket, bucket.poll())
 
     def _finish(self, bucket: Bucket) -> None:

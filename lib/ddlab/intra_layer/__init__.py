@@ -1,6 +1,6 @@
 """Intra-layer parallelism (lab 08): split inside each layer, for images too large for one rank.
 
-- `slab_bounds`, `level_bounds`: which rows each rank holds, whole through every pooling level.
+- `slab_bounds`: which rows each rank holds, whole through every pooling level.
 - `HaloExchange` (`exchange_rows`): the rows a convolution needs from the neighbours, forward,
   and their gradients sent home, backward.
 - `spatial_conv2d`, `padded_conv2d`, `SpatialUNet`, `spatial_step`: the lab's UNet on slabs of rows.
@@ -27,5 +27,5 @@ from .filter_unet import FilterConv, FilterUNet, filter_step
 from .fit import COLUMNS, STRATEGIES, halo_share, intra_sweep, markdown_table, try_strategy
 from .halo import HaloExchange, exchange_rows, wait_all
 from .hybrid import Grid, group_samples, hybrid_step, make_grid
-from .slabs import level_bounds, slab_bounds
+from .slabs import slab_bounds
 from .spatial import SpatialUNet, conv_halo, padded_conv2d, slab_loss, spatial_conv2d, spatial_step

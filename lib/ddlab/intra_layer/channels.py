@@ -63,18 +63,19 @@ class FilterParallelConv(torch.autograd.Function):
     """Forward: my output channels, allgathered. Backward: my weights' gradient; x's gradient summed."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
-                padding: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, padding: int
+    ) -> torch.Tensor:
         whole, counts = allgather_channels(comm, F.conv2d(x, weight, bias, padding=padding))
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.padding, ctx.has_bias = comm, padding, bias is not None
-        ctx.start = sum(counts[:comm.Get_rank()])
+        ctx.start = sum(counts[: comm.Get_rank()])
         return whole
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
-        mine = grad[:, ctx.start:ctx.start + weight.shape[0]]
+        mine = grad[:, ctx.start : ctx.start + weight.shape[0]]
         grad_x = allreduce_sum(ctx.comm, conv2d_input(x.shape, weight, mine, padding=ctx.padding))
         grad_weight = conv2d_weight(x, weight.shape, mine, padding=ctx.padding)
         grad_bias = mine.sum(dim=(0, 2, 3)) if ctx.has_bias else None
@@ -85,8 +86,9 @@ class ChannelParallelConv(torch.autograd.Function):
     """Forward: my input channels' partial output, summed over ranks, plus bias. Backward: no messages."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
-                padding: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, padding: int
+    ) -> torch.Tensor:
         out = allreduce_sum(comm, F.conv2d(x, weight, padding=padding))
         ctx.save_for_backward(x, weight)
         ctx.padding, ctx.has_bias = padding, bias is not None
@@ -104,11 +106,11 @@ class ChannelParallelConv(torch.autograd.Function):
 def filter_slice(conv: torch.nn.Conv2d, comm: Comm) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
     """This rank's output channels of conv: copies of its weight rows and bias entries, as parameters."""
     rows = block_range(conv.out_channels, comm.Get_rank(), comm.Get_size())
-    bias = None if conv.bias is None else torch.nn.Parameter(conv.bias.detach()[rows.start:rows.stop].clone())
-    return torch.nn.Parameter(conv.weight.detach()[rows.start:rows.stop].clone()), bias
+    bias = None if conv.bias is None else torch.nn.Parameter(conv.bias.detach()[rows.start : rows.stop].clone())
+    return torch.nn.Parameter(conv.weight.detach()[rows.start : rows.stop].clone()), bias
 
 
 def channel_slice(conv: torch.nn.Conv2d, comm: Comm) -> tuple[torch.nn.Parameter, slice]:
     """This rank's input channels of conv: a copy of its weight columns, and which input channels they are."""
     cols = block_range(conv.in_channels, comm.Get_rank(), comm.Get_size())
-    return torch.nn.Parameter(conv.weight.detach()[:, cols.start:cols.stop].clone()), slice(cols.start, cols.stop)
+    return torch.nn.Parameter(conv.weight.detach()[:, cols.start : cols.stop].clone()), slice(cols.start, cols.stop)

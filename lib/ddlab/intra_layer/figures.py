@@ -20,11 +20,23 @@ def plot_slabs(bounds: list[int], halo: int, width: int = 16) -> Any:
         axes[1].add_patch(Rectangle((left, a), width, b - a, color=colour, alpha=0.6))
         for start, neighbour in ((a - halo, rank - 1), (b, rank + 1)):
             if 0 <= neighbour < len(bounds) - 1:
-                axes[1].add_patch(Rectangle((left, start), width, halo, facecolor=colours(neighbour % 10),
-                                            alpha=0.35, hatch="///", edgecolor="black"))
+                axes[1].add_patch(
+                    Rectangle(
+                        (left, start),
+                        width,
+                        halo,
+                        facecolor=colours(neighbour % 10),
+                        alpha=0.35,
+                        hatch="///",
+                        edgecolor="black",
+                    )
+                )
     axes[0].set(xlim=(0, width), title=f"the image: {len(bounds) - 1} slabs of rows")
-    axes[1].set(xlim=(0, len(bounds[1:]) * (width + 4)), xticks=[],
-                title=f"what each rank holds: its slab + {halo}-row halos (hatched)")
+    axes[1].set(
+        xlim=(0, len(bounds[1:]) * (width + 4)),
+        xticks=[],
+        title=f"what each rank holds: its slab + {halo}-row halos (hatched)",
+    )
     for ax in axes:
         ax.set_ylim(height, 0)
     axes[0].set_ylabel("row")

@@ -47,8 +47,9 @@ class FilterUNet(nn.Module):
         return x
 
 
-def filter_step(net: FilterUNet, images: torch.Tensor, masks: torch.Tensor,
-                optimizer: torch.optim.Optimizer | None = None) -> float:
+def filter_step(
+    net: FilterUNet, images: torch.Tensor, masks: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+) -> float:
     """One step on the whole batch (every rank sees all of it). Returns the mean loss."""
     loss = nn.functional.cross_entropy(net(images), masks)
     loss.backward()

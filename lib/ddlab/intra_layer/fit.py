@@ -30,8 +30,9 @@ COLUMNS = ("one process", "naive", "balanced", *STRATEGIES)
 COLLECTIVES = ("Allreduce", "Allgather", "Allgatherv")  # what the strategies call besides halo messages
 
 
-def _build(strategy: str, model: UNet, comm: MPI.Comm, side: int, timeout: float,
-           images: torch.Tensor, masks: torch.Tensor) -> tuple[Any, Callable, list[Any]]:
+def _build(
+    strategy: str, model: UNet, comm: MPI.Comm, side: int, timeout: float, images: torch.Tensor, masks: torch.Tensor
+) -> tuple[Any, Callable, list[Any]]:
     """The strategy's network on this rank, its step function, and the communicators it uses."""
     if strategy == "filter":
         counting = CountingComm(comm, timeout, COLLECTIVES)
@@ -50,8 +51,18 @@ def _build(strategy: str, model: UNet, comm: MPI.Comm, side: int, timeout: float
     raise ValueError(f"no strategy {strategy!r}: choose one of {STRATEGIES}")
 
 
-def try_strategy(comm: MPI.Comm, model: UNet, side: int, strategy: str, *, budget: int | None,
-                 batch: int = 2, steps: int = 2, seed: int = 0, timeout: float = 60.0) -> Fit:
+def try_strategy(
+    comm: MPI.Comm,
+    model: UNet,
+    side: int,
+    strategy: str,
+    *,
+    budget: int | None,
+    batch: int = 2,
+    steps: int = 2,
+    seed: int = 0,
+    timeout: float = 60.0,
+) -> Fit:
     """Train `steps` steps of model with `strategy` over comm's ranks under the budget; a collective over comm.
 
     The time per sample is the last step's; peaks are every rank's Ledger.report().
@@ -86,8 +97,9 @@ def try_strategy(comm: MPI.Comm, model: UNet, side: int, strategy: str, *, budge
     return Fit(strategy, side, [], None if error else seconds, comm.allgather(ledger.report()), error)
 
 
-def intra_sweep(comm: MPI.Comm, model: UNet, sides: list[int], budget: int, batch: int = 2,
-                steps: int = 2) -> list[Fit]:
+def intra_sweep(
+    comm: MPI.Comm, model: UNet, sides: list[int], budget: int, batch: int = 2, steps: int = 2
+) -> list[Fit]:
     """For each side, lab 06's three columns (`fit_sweep`) and lab 08's strategies. Same list on every rank."""
     results = []
     for side in sides:

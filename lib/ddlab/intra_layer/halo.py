@@ -44,8 +44,9 @@ def wait_all(comm: Comm, requests: list[MPI.Request], what: str, timeout: float 
             time.sleep(1e-4)
 
 
-def exchange_rows(comm: Comm, to_above: torch.Tensor, to_below: torch.Tensor,
-                  tags: tuple[int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def exchange_rows(
+    comm: Comm, to_above: torch.Tensor, to_below: torch.Tensor, tags: tuple[int, int]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Send to_above to rank-1 and to_below to rank+1 (where they exist); return what they sent back.
 
     Both tensors have the same shape; returns (from_above, from_below), None at an edge.

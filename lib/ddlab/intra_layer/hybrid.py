@@ -47,8 +47,13 @@ def group_samples(batch: int, grid: Grid) -> slice:
     return slice(samples.start, samples.stop)
 
 
-def hybrid_step(net: SpatialUNet, grid: Grid, images: torch.Tensor, masks: torch.Tensor,
-                optimizer: torch.optim.Optimizer | None = None) -> float:
+def hybrid_step(
+    net: SpatialUNet,
+    grid: Grid,
+    images: torch.Tensor,
+    masks: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> float:
     """One step of the whole batch: this group's samples, this rank's slab of them. Returns the mean loss.
 
     net must be a SpatialUNet over grid.spatial.

@@ -23,17 +23,14 @@ def slab_bounds(height: int, size: int, levels: int = 0) -> list[int]:
     """Row bounds of `size` slabs of an image `height` rows high that survive `levels` halvings."""
     unit = 2**levels
     if size < 1 or levels < 0 or height % unit:
-        raise ValueError(f"cannot cut {height} rows into {size} slabs for {levels} pooling levels: "
-                         f"the height must be a multiple of 2**levels = {unit} (and size >= 1)")
+        raise ValueError(
+            f"cannot cut {height} rows into {size} slabs for {levels} pooling levels: "
+            f"the height must be a multiple of 2**levels = {unit} (and size >= 1)"
+        )
     blocks = height // unit
     if blocks < size:
-        raise ValueError(f"{height} rows hold only {blocks} blocks of {unit} rows (2**levels) for {size} ranks: "
-                         "use fewer ranks, fewer levels or a taller image")
+        raise ValueError(
+            f"{height} rows hold only {blocks} blocks of {unit} rows (2**levels) for {size} ranks: "
+            "use fewer ranks, fewer levels or a taller image"
+        )
     return [unit * b for b in block_bounds(blocks, size)]
-
-
-def level_bounds(bounds: list[int], level: int) -> list[int]:
-    """The same slabs after `level` halvings (bounds must be multiples of 2**level)."""
-    if any(b % 2**level for b in bounds):
-        raise ValueError(f"bounds {bounds} do not survive {level} halvings: each must be a multiple of {2**level}")
-    return [b >> level for b in bounds]

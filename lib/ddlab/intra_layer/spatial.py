@@ -38,8 +38,10 @@ def conv_halo(conv: nn.Conv2d) -> int:
     kh, kw = conv.kernel_size
     same = conv.padding == (kh // 2, kw // 2) and conv.stride == (1, 1) and conv.dilation == (1, 1)
     if kh % 2 == 0 or kw % 2 == 0 or not same or conv.groups != 1:
-        raise ValueError(f"spatial_conv2d runs odd k x k convolutions with stride 1 and 'same' padding (k // 2); "
-                         f"got kernel {conv.kernel_size}, padding {conv.padding}, stride {conv.stride}")
+        raise ValueError(
+            f"spatial_conv2d runs odd k x k convolutions with stride 1 and 'same' padding (k // 2); "
+            f"got kernel {conv.kernel_size}, padding {conv.padding}, stride {conv.stride}"
+        )
     return kh // 2
 
 
@@ -56,7 +58,7 @@ def spatial_conv2d(x: torch.Tensor, conv: nn.Conv2d, comm: Comm, exchange: Any =
     # Halo row j above reaches output row i through kernel row j - i (0 .. p-1); halo row j
     # below reaches output row h-p+m through kernel row 2p+j-m (p+1 .. 2p): two thin convolutions.
     top = F.conv2d(F.pad(above, (0, 0, 0, p - 1)), conv.weight[:, :, :p], padding=(0, pw))  # p rows
-    bottom = F.conv2d(F.pad(below, (0, 0, p - 1, 0)), conv.weight[:, :, p + 1:], padding=(0, pw))
+    bottom = F.conv2d(F.pad(below, (0, 0, p - 1, 0)), conv.weight[:, :, p + 1 :], padding=(0, pw))
     rest = out.shape[2] - p
     return out + F.pad(top, (0, 0, 0, rest)) + F.pad(bottom, (0, 0, rest, 0))
 
@@ -76,8 +78,9 @@ class SpatialUNet(nn.Module):
     The bounds are `slab_bounds(height, size, model.depth)` unless given.
     """
 
-    def __init__(self, model: UNet, comm: Comm, height: int, exchange: Any = HaloExchange,
-                 bounds: list[int] | None = None):
+    def __init__(
+        self, model: UNet, comm: Comm, height: int, exchange: Any = HaloExchange, bounds: list[int] | None = None
+    ):
         super().__init__()
         self.model, self.comm, self.exchange = copy.deepcopy(model), comm, exchange
         self.bounds = slab_bounds(height, comm.Get_size(), model.depth) if bounds is None else list(bounds)
@@ -103,11 +106,18 @@ def slab_loss(net: SpatialUNet, images: torch.Tensor, masks: torch.Tensor) -> to
     """This rank's share of the mean cross-entropy, scaled by the slab count (so averaging gradients sums them)."""
     rows = net.rows
     logits = net(images[:, :, rows].clone())  # a copy: the rank keeps its slab, not the whole batch
-    return nn.functional.cross_entropy(logits, masks[:, rows].clone(), reduction="sum") * (net.comm.Get_size() / masks.numel())
+    return nn.functional.cross_entropy(logits, masks[:, rows].clone(), reduction="sum") * (
+        net.comm.Get_size() / masks.numel()
+    )
 
 
-def spatial_step(net: SpatialUNet, images: torch.Tensor, masks: torch.Tensor,
-                 optimizer: torch.optim.Optimizer | None = None, data_comm: Comm | None = None) -> float:
+def spatial_step(
+    net: SpatialUNet,
+    images: torch.Tensor,
+    masks: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+    data_comm: Comm | None = None,
+) -> float:
     """One step on the slabs of this batch: forward, backward, gradients summed over slabs (and averaged
     over `data_comm`, the ranks holding other samples, if any). Returns the batch's mean loss on every rank.
 

@@ -40,8 +40,9 @@ class RecvTensor(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, mailbox: Mailbox, peer: int, tag: int,
-                shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx, anchor: torch.Tensor, mailbox: Mailbox, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         ctx.mailbox, ctx.peer, ctx.tag = mailbox, peer, tag
         return mailbox.take(shape, dtype, peer, tag)
 
@@ -51,13 +52,20 @@ class RecvTensor(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
-def send(x: torch.Tensor, mailbox: Mailbox, peer: int, tag: int,
-         function: type[torch.autograd.Function] = SendTensor) -> torch.Tensor:
+def send(
+    x: torch.Tensor, mailbox: Mailbox, peer: int, tag: int, function: type[torch.autograd.Function] = SendTensor
+) -> torch.Tensor:
     """Send x to peer through autograd; returns the placeholder to call backward on."""
     return function.apply(x, mailbox, peer, tag)
 
 
-def recv(mailbox: Mailbox, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype,
-         function: type[torch.autograd.Function] = RecvTensor) -> torch.Tensor:
+def recv(
+    mailbox: Mailbox,
+    peer: int,
+    tag: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    function: type[torch.autograd.Function] = RecvTensor,
+) -> torch.Tensor:
     """Receive a tensor from peer through autograd; its gradient goes back to peer in backward."""
     return function.apply(torch.empty(0, requires_grad=True), mailbox, peer, tag, tuple(shape), dtype)

@@ -37,15 +37,20 @@ def posted(mailbox: Mailbox) -> dict[int, tuple[int, int]]:
 
 def step_traffic(per_rank: list[dict[int, tuple[int, int]]], plan: PiecePlan) -> StepTraffic:
     """Every rank's posted messages (`posted`, one single-micro-batch step), skip connections counted apart."""
-    counts = [(plan.edges[tag % len(plan.edges)].name, messages, nbytes)
-              for tags in per_rank for tag, (messages, nbytes) in tags.items()]
+    counts = [
+        (plan.edges[tag % len(plan.edges)].name, messages, nbytes)
+        for tags in per_rank
+        for tag, (messages, nbytes) in tags.items()
+    ]
     skips = [c for c in counts if c[0] != "x"]
-    return StepTraffic(sum(c[1] for c in counts), sum(c[2] for c in counts),
-                       sum(c[1] for c in skips), sum(c[2] for c in skips))
+    return StepTraffic(
+        sum(c[1] for c in counts), sum(c[2] for c in counts), sum(c[1] for c in skips), sum(c[2] for c in skips)
+    )
 
 
-def compare_layouts(comm: MPI.Comm, model: UNet, layouts: dict[str, list[Piece]], side: int, batch: int = 2,
-                    steps: int = 2) -> dict[str, tuple[Fit, StepTraffic]]:
+def compare_layouts(
+    comm: MPI.Comm, model: UNet, layouts: dict[str, list[Piece]], side: int, batch: int = 2, steps: int = 2
+) -> dict[str, tuple[Fit, StepTraffic]]:
     """Per layout: one counted training step, then `steps` measured ones (`try_split`, no budget) at this side.
 
     The same result on every rank. A collective over comm.
@@ -63,11 +68,14 @@ def compare_layouts(comm: MPI.Comm, model: UNet, layouts: dict[str, list[Piece]]
 
 def layout_table(results: dict[str, tuple[Fit, StepTraffic]]) -> str:
     """A text table: per layout, messages and MiB per step (all, and skips), ms per sample, peak MiB per rank."""
-    lines = [f"{'layout':10} {'messages':>8} {'MiB':>6} {'skip msgs':>9} {'skip MiB':>8} {'ms/sample':>9}  "
-             "peak MiB per rank"]
+    lines = [
+        f"{'layout':10} {'messages':>8} {'MiB':>6} {'skip msgs':>9} {'skip MiB':>8} {'ms/sample':>9}  peak MiB per rank"
+    ]
     for name, (fit, t) in results.items():
         ms = "" if fit.seconds_per_sample is None else f"{fit.seconds_per_sample * 1e3:9.0f}"
         peaks = " / ".join(f"{p / 2**20:.1f}" for p in fit.peak_per_rank)
-        lines.append(f"{name:10} {t.messages:8d} {t.nbytes / 2**20:6.2f} {t.skip_messages:9d} "
-                     f"{t.skip_bytes / 2**20:8.2f} {ms:>9}  {peaks}")
+        lines.append(
+            f"{name:10} {t.messages:8d} {t.nbytes / 2**20:6.2f} {t.skip_messages:9d} "
+            f"{t.skip_bytes / 2**20:8.2f} {ms:>9}  {peaks}"
+        )
     return "\n".join(lines)

@@ -8,8 +8,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 
-def memory_fit(sides: Sequence[int], peaks: dict[str, Sequence[Sequence[float]]], budget: float,
-               fits: dict[str, Sequence[bool]]) -> plt.Figure:
+def memory_fit(
+    sides: Sequence[int], peaks: dict[str, Sequence[Sequence[float]]], budget: float, fits: dict[str, Sequence[bool]]
+) -> plt.Figure:
     """Largest per-rank peak memory against image side, one line per split, the budget as a line; x marks OOM.
 
     peaks[split][i]: the ranks' peak bytes at sides[i].
@@ -17,7 +18,7 @@ def memory_fit(sides: Sequence[int], peaks: dict[str, Sequence[Sequence[float]]]
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     for split, per_side in peaks.items():
         worst = np.array([max(p) / 2**20 for p in per_side])
-        line, = ax.plot(sides, worst, "o-", ms=4, label=split)
+        (line,) = ax.plot(sides, worst, "o-", ms=4, label=split)
         failed = ~np.asarray(fits[split], dtype=bool)
         ax.plot(np.asarray(sides)[failed], worst[failed], "x", ms=9, mew=2, color=line.get_color())
     ax.axhline(budget / 2**20, color="black", ls="--", lw=1, label="budget per rank")
@@ -30,8 +31,13 @@ def memory_fit(sides: Sequence[int], peaks: dict[str, Sequence[Sequence[float]]]
     return fig
 
 
-def per_layer_bars(names: Sequence[str], values: dict[str, Sequence[float]], ylabel: str, title: str = "",
-                   bounds: Sequence[int] | None = None) -> plt.Figure:
+def per_layer_bars(
+    names: Sequence[str],
+    values: dict[str, Sequence[float]],
+    ylabel: str,
+    title: str = "",
+    bounds: Sequence[int] | None = None,
+) -> plt.Figure:
     """Stacked bars, one per layer (e.g. parameter and activation bytes); dashed lines at stage bounds."""
     fig, ax = plt.subplots(figsize=(max(7.0, 0.3 * len(names)), 3.4))
     bottom = np.zeros(len(names))

@@ -54,8 +54,18 @@ def memory_costs(model: UNet, side: int, batch: int, state_copies: int = 1, seed
     return [cost.memory(state_copies) for cost in profile_layers(model, images, masks)]
 
 
-def try_split(comm: Comm, model: UNet, bounds: list[int] | list[Piece], side: int, split: str, *,
-              budget: int | None, batch: int = 2, steps: int = 2, seed: int = 0) -> Fit:
+def try_split(
+    comm: Comm,
+    model: UNet,
+    bounds: list[int] | list[Piece],
+    side: int,
+    split: str,
+    *,
+    budget: int | None,
+    batch: int = 2,
+    steps: int = 2,
+    seed: int = 0,
+) -> Fit:
     """Train `steps` steps (SGD with momentum) of model cut at bounds (or as pieces) over comm's ranks, under the budget.
 
     The time per sample is the last step's (the first one also allocates
@@ -87,8 +97,7 @@ def try_split(comm: Comm, model: UNet, bounds: list[int] | list[Piece], side: in
     return Fit(split, side, bounds, None if error else seconds, raw.allgather(ledger.report()), error)
 
 
-def fit_sweep(comm: MPI.Comm, model: UNet, sides: list[int], budget: int, batch: int = 2,
-              steps: int = 2) -> list[Fit]:
+def fit_sweep(comm: MPI.Comm, model: UNet, sides: list[int], budget: int, batch: int = 2, steps: int = 2) -> list[Fit]:
     """For each side: one process (on rank 0 alone), then naive and balanced splits over all ranks.
 
     The balanced split comes from rank 0's per-layer memory profile at that side.
@@ -118,8 +127,10 @@ def fit_table(results: list[Fit], splits: tuple[str, ...] = SPLITS) -> str:
     sides = sorted({r.side for r in results})
     by = {(r.split, r.side): r for r in results}
     width = 26
-    lines = [f"{'side':>5} | " + " | ".join(f"{split:^{width}}" for split in splits),
-             f"{'':>5} | " + " | ".join(f"{'ms/sample  peak MiB/rank':^{width}}" for _ in splits)]
+    lines = [
+        f"{'side':>5} | " + " | ".join(f"{split:^{width}}" for split in splits),
+        f"{'':>5} | " + " | ".join(f"{'ms/sample  peak MiB/rank':^{width}}" for _ in splits),
+    ]
     lines.append("-" * len(lines[0]))
     for side in sides:
         cells = []
@@ -140,4 +151,3 @@ def fit_table(results: list[Fit], splits: tuple[str, ...] = SPLITS) -> str:
 def first_error(results: list[Fit]) -> str | None:
     """The first out-of-memory (or other) message of a sweep, to show what OOM says."""
     return next((r.error for r in results if r.error), None)
-

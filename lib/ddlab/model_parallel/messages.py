@@ -43,7 +43,7 @@ class Mailbox:
         self._sends: list[tuple[MPI.Request, np.ndarray]] = []
         self._open_recv: MPI.Request | None = None
         self._open_source = -1
-        self.sent: Counter[int] = Counter()      # messages posted to each peer
+        self.sent: Counter[int] = Counter()  # messages posted to each peer
         self.received: Counter[int] = Counter()  # messages completed from each peer
         self.sent_by_tag: Counter[int] = Counter()  # messages posted with each tag
         self.bytes_by_tag: Counter[int] = Counter()  # bytes of tensor data posted with each tag
@@ -95,8 +95,9 @@ class Mailbox:
         self.clock.wait_begin()
         request = self.comm.Irecv(buf, source, tag)
         self._open_recv, self._open_source = request, source
-        receive_cpu = self.watch.poll(request.Test, f"a {tuple(shape)} tensor from rank {source} (tag {tag})",
-                                      self.progress)
+        receive_cpu = self.watch.poll(
+            request.Test, f"a {tuple(shape)} tensor from rank {source} (tag {tag})", self.progress
+        )
         self._open_recv = None
         self.received[source] += 1
         self.clock.wait_end(float(buf[:header].view(np.float64)[0]) if header else None, receive_cpu)

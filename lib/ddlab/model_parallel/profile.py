@@ -22,10 +22,10 @@ class LayerCost:
     """What one layer costs, for one batch of one image size."""
 
     name: str
-    parameters: int    # bytes of its parameters
-    activations: int   # bytes of the tensors autograd saves in its forward (each storage once)
-    forward: float     # CPU seconds
-    backward: float    # CPU seconds
+    parameters: int  # bytes of its parameters
+    activations: int  # bytes of the tensors autograd saves in its forward (each storage once)
+    forward: float  # CPU seconds
+    backward: float  # CPU seconds
 
     def memory(self, state_copies: int = 1) -> int:
         """Bytes it needs in training: parameters, gradients, `state_copies` optimizer copies, activations."""
@@ -69,5 +69,7 @@ def profile_layers(model: UNet, images: torch.Tensor, masks: torch.Tensor, repea
             grad = inputs[i].grad
         model.zero_grad(set_to_none=True)
     names = layer_names(model)
-    return [LayerCost(names[i], tensor_bytes(list(model.layers[i].parameters())), saved[i], forward[i], backward[i])
-            for i in range(n)]
+    return [
+        LayerCost(names[i], tensor_bytes(list(model.layers[i].parameters())), saved[i], forward[i], backward[i])
+        for i in range(n)
+    ]

@@ -119,8 +119,13 @@ class StagePlan:
         producer = {layer.saves: i for i, layer in enumerate(model.layers) if layer.saves}
         for j, layer in enumerate(model.layers):
             if layer.uses and self.stage_of(producer[layer.uses]) != self.stage_of(j):
-                found.append((layer.uses, self.stage_of(producer[layer.uses]), self.stage_of(j), skip_shapes[layer.uses]))
-        self.edges = [Edge(name, src, dst, shape, i) for i, (name, src, dst, shape) in enumerate(sorted(found, key=lambda e: (e[1], e[2], e[0])))]
+                found.append(
+                    (layer.uses, self.stage_of(producer[layer.uses]), self.stage_of(j), skip_shapes[layer.uses])
+                )
+        self.edges = [
+            Edge(name, src, dst, shape, i)
+            for i, (name, src, dst, shape) in enumerate(sorted(found, key=lambda e: (e[1], e[2], e[0])))
+        ]
 
     def stage_of(self, layer: int) -> int:
         return next(s for s in range(self.k) if layer < self.bounds[s + 1])
@@ -162,8 +167,11 @@ class Crossings:
         self.n = len(model.layers)
         self.activation = [torch.Size(shape).numel() * size for shape in outputs]
         made = {layer.saves: i for i, layer in enumerate(model.layers) if layer.saves}
-        self.skips = [(made[layer.uses], j, torch.Size(skip_shapes[layer.uses]).numel() * size)
-                      for j, layer in enumerate(model.layers) if layer.uses]
+        self.skips = [
+            (made[layer.uses], j, torch.Size(skip_shapes[layer.uses]).numel() * size)
+            for j, layer in enumerate(model.layers)
+            if layer.uses
+        ]
 
     def __call__(self, a: int, b: int) -> list[int]:
         sizes = ([self.activation[a - 1]] if a > 0 else []) + ([self.activation[b - 1]] if b < self.n else [])

@@ -39,13 +39,26 @@ class Stage:
     (`torch.utils.checkpoint`). Creating a stage is a collective over comm.
     """
 
-    def __init__(self, model: UNet, bounds: list[int], comm: Comm, image_shape: tuple[int, ...], *,
-                 ledger: Ledger | None = None, clock: Timeline | None = None, recompute: bool = False,
-                 timeout: float = 60.0, send_function: type = SendTensor, recv_function: type = RecvTensor):
+    def __init__(
+        self,
+        model: UNet,
+        bounds: list[int],
+        comm: Comm,
+        image_shape: tuple[int, ...],
+        *,
+        ledger: Ledger | None = None,
+        clock: Timeline | None = None,
+        recompute: bool = False,
+        timeout: float = 60.0,
+        send_function: type = SendTensor,
+        recv_function: type = RecvTensor,
+    ):
         self.index, size = underlying(comm).Get_rank(), underlying(comm).Get_size()
         self.plan = StagePlan(model, bounds, image_shape)
         if self.plan.k != size:
-            raise ValueError(f"bounds {bounds} make {self.plan.k} stages but the communicator has {size} ranks: one stage per rank")
+            raise ValueError(
+                f"bounds {bounds} make {self.plan.k} stages but the communicator has {size} ranks: one stage per rank"
+            )
         self.layers = copy.deepcopy(nn.ModuleList(model.layers[i] for i in self.plan.layers(self.index)))
         names = layer_names(model)
         self.layer_names = [f"layer {i} ({names[i]})" for i in self.plan.layers(self.index)]
@@ -121,8 +134,9 @@ class Stage:
             self.mailbox.progress()
         return (x, *(skips[name] for name in out_names))
 
-    def _run_checkpointed(self, skip_names: list[str], out_names: list[str], x: torch.Tensor,
-                          *skip_tensors: torch.Tensor) -> tuple:
+    def _run_checkpointed(
+        self, skip_names: list[str], out_names: list[str], x: torch.Tensor, *skip_tensors: torch.Tensor
+    ) -> tuple:
         return self._run(x, dict(zip(skip_names, skip_tensors)), out_names)
 
     def _loss(self, mb: int, out: torch.Tensor, masks: torch.Tensor, scale: float) -> torch.Tensor:
@@ -134,12 +148,21 @@ class Stage:
 
     def _send(self, mb: int, x: torch.Tensor, made: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Post the output and the skips later stages need; the placeholders backward starts from."""
-        return [send(x if edge.name == "x" else made[edge.name], self.mailbox, edge.dst, self.plan.tag(edge, mb),
-                     self.send_function) for edge in self.outputs]
+        return [
+            send(
+                x if edge.name == "x" else made[edge.name],
+                self.mailbox,
+                edge.dst,
+                self.plan.tag(edge, mb),
+                self.send_function,
+            )
+            for edge in self.outputs
+        ]
 
 
-def train_step(stage: Stage | PieceStage, images: torch.Tensor, masks: torch.Tensor,
-               optimizer: torch.optim.Optimizer | None = None) -> float | None:
+def train_step(
+    stage: Stage | PieceStage, images: torch.Tensor, masks: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+) -> float | None:
     """One step on the whole batch, no pipelining: forward, backward, (optimizer step).
 
     Returns the loss on the last stage, None on the others.

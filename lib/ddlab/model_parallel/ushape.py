@@ -85,14 +85,19 @@ class PiecePlan:
             raise ValueError(f"every rank 0 to {self.k - 1} must run a piece: {pieces}")
         outputs, skip_shapes = trace_shapes(model, image_shape)
         piece_of = [q for q, p in enumerate(pieces) for _ in p.layers]
-        found = [("x", q, q + 1, outputs[pieces[q].layers[-1]])
-                 for q in range(len(pieces) - 1) if pieces[q].owner != pieces[q + 1].owner]
+        found = [
+            ("x", q, q + 1, outputs[pieces[q].layers[-1]])
+            for q in range(len(pieces) - 1)
+            if pieces[q].owner != pieces[q + 1].owner
+        ]
         made = {layer.saves: i for i, layer in enumerate(model.layers) if layer.saves}
         for j, layer in enumerate(model.layers):
             if layer.uses and self.owner(piece_of[made[layer.uses]]) != self.owner(piece_of[j]):
                 found.append((layer.uses, piece_of[made[layer.uses]], piece_of[j], skip_shapes[layer.uses]))
-        self.edges = [PieceEdge(name, self.owner(a), self.owner(b), shape, i, a, b)
-                      for i, (name, a, b, shape) in enumerate(sorted(found, key=lambda e: (e[1], e[2], e[0])))]
+        self.edges = [
+            PieceEdge(name, self.owner(a), self.owner(b), shape, i, a, b)
+            for i, (name, a, b, shape) in enumerate(sorted(found, key=lambda e: (e[1], e[2], e[0])))
+        ]
 
     def owner(self, piece: int) -> int:
         return self.pieces[piece].owner
@@ -132,9 +137,19 @@ class PieceStage:
     Creating it is a collective over comm.
     """
 
-    def __init__(self, model: UNet, pieces: list[Piece], comm: Comm, image_shape: tuple[int, ...], *,
-                 ledger: Ledger | None = None, clock: Timeline | None = None, timeout: float = 60.0,
-                 send_function: type = SendTensor, recv_function: type = RecvTensor):
+    def __init__(
+        self,
+        model: UNet,
+        pieces: list[Piece],
+        comm: Comm,
+        image_shape: tuple[int, ...],
+        *,
+        ledger: Ledger | None = None,
+        clock: Timeline | None = None,
+        timeout: float = 60.0,
+        send_function: type = SendTensor,
+        recv_function: type = RecvTensor,
+    ):
         self.index, size = underlying(comm).Get_rank(), underlying(comm).Get_size()
         self.plan = PiecePlan(model, pieces, image_shape)
         if self.plan.k != size:
@@ -164,8 +179,14 @@ class PieceStage:
         with self.clock.span("forward", mb), self.ledger.activations():
             for q in self.plan.own_pieces(self.index):
                 for edge in self.plan.inputs(q):
-                    tensor = recv(self.mailbox, edge.src, self.plan.tag(edge, mb), (images.shape[0], *edge.shape),
-                                  images.dtype, self.recv_function)
+                    tensor = recv(
+                        self.mailbox,
+                        edge.src,
+                        self.plan.tag(edge, mb),
+                        (images.shape[0], *edge.shape),
+                        images.dtype,
+                        self.recv_function,
+                    )
                     self.ledger.hold(tensor, f"the {edge.name} from rank {edge.src}")
                     if edge.name == "x":
                         x = tensor
@@ -180,8 +201,16 @@ class PieceStage:
                         loss = nn.functional.cross_entropy(x, masks, reduction="sum") * scale
                     self.losses[mb] = loss.item()
                     roots.append(loss)
-                roots += [send(x if e.name == "x" else skips.pop(e.name), self.mailbox, e.dst,
-                               self.plan.tag(e, mb), self.send_function) for e in self.plan.outputs(q)]
+                roots += [
+                    send(
+                        x if e.name == "x" else skips.pop(e.name),
+                        self.mailbox,
+                        e.dst,
+                        self.plan.tag(e, mb),
+                        self.send_function,
+                    )
+                    for e in self.plan.outputs(q)
+                ]
         self._roots[mb] = roots
 
     def backward(self, mb: int) -> None:

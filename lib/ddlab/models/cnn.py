@@ -28,8 +28,15 @@ def vgg16(classes: int = 1000) -> nn.Sequential:
         else:
             layers += [nn.Conv2d(cin, int(item), 3, padding=1), nn.ReLU()]
             cin = int(item)
-    layers += [nn.AdaptiveAvgPool2d(7), nn.Flatten(),
-               nn.Linear(512 * 7 * 7, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, classes)]
+    layers += [
+        nn.AdaptiveAvgPool2d(7),
+        nn.Flatten(),
+        nn.Linear(512 * 7 * 7, 4096),
+        nn.ReLU(),
+        nn.Linear(4096, 4096),
+        nn.ReLU(),
+        nn.Linear(4096, classes),
+    ]
     return nn.Sequential(*layers)
 
 
@@ -55,8 +62,12 @@ class Bottleneck(nn.Module):
 
 def resnet50(classes: int = 1000) -> nn.Sequential:
     """ResNet-50: a 7x7 stem, 16 bottleneck blocks in four stages, global pooling, one linear layer."""
-    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-                               nn.MaxPool2d(3, 2, 1)]
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+    ]
     cin = 64
     for stage, blocks in enumerate(RESNET50_BLOCKS):
         width = 64 * 2**stage

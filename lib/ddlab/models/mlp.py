@@ -21,8 +21,13 @@ HIDDEN = (192, 128, 64)
 class CurveMLP(nn.Sequential):
     """Fully connected layers with ReLU in between; the last layer is linear."""
 
-    def __init__(self, hidden: tuple[int, ...] = HIDDEN, in_features: int = N_FEATURES, out_features: int = 2,
-                 batch_norm: bool = False):
+    def __init__(
+        self,
+        hidden: tuple[int, ...] = HIDDEN,
+        in_features: int = N_FEATURES,
+        out_features: int = 2,
+        batch_norm: bool = False,
+    ):
         widths = [in_features, *hidden, out_features]
         layers: list[nn.Module] = []
         for i, (w_in, w_out) in enumerate(zip(widths[:-1], widths[1:])):
@@ -32,8 +37,9 @@ class CurveMLP(nn.Sequential):
         super().__init__(*layers)
 
 
-def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: tuple[int, ...] = HIDDEN,
-             batch_norm: bool = False) -> CurveMLP:
+def make_mlp(
+    seed: int = 0, dtype: torch.dtype = torch.float32, hidden: tuple[int, ...] = HIDDEN, batch_norm: bool = False
+) -> CurveMLP:
     """A CurveMLP whose initial weights depend only on `seed` (not on torch's global state)."""
     generator_state = torch.random.get_rng_state()
     try:

@@ -101,8 +101,11 @@ class UNet(nn.Module):
             cin = channels[level]
         layers += [Conv(cin, channels[depth]), Conv(channels[depth], channels[depth])]
         for level in reversed(range(depth)):
-            layers += [Up(level, channels[level + 1], channels[level]),
-                       Conv(2 * channels[level], channels[level]), Conv(channels[level], channels[level])]
+            layers += [
+                Up(level, channels[level + 1], channels[level]),
+                Conv(2 * channels[level], channels[level]),
+                Conv(channels[level], channels[level]),
+            ]
         layers.append(Head(channels[0], classes))
         self.layers = cast("Sequence[Layer]", nn.ModuleList(layers))
 
@@ -126,5 +129,5 @@ def layer_names(model: UNet) -> list[str]:
     for layer in model.layers:
         name = type(layer).__name__
         tag = layer.saves or layer.uses
-        names.append(name + (tag[len("skip"):] if tag else ""))
+        names.append(name + (tag[len("skip") :] if tag else ""))
     return names

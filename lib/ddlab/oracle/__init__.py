@@ -15,26 +15,26 @@ Large-Scale Training of Deep Neural Networks", HPDC 2021).
 
 from .describe import LayerInfo, ModelInfo, describe, profile_seconds
 from .formulas import (
-                       data_parallel_memory,
-                       data_parallel_time,
-                       neighbours,
-                       ring_allreduce_seconds,
-                       spatial_memory,
-                       spatial_time,
+    data_parallel_memory,
+    data_parallel_time,
+    neighbours,
+    ring_allreduce_seconds,
+    spatial_memory,
+    spatial_time,
 )
 from .measure import measure_platform
 from .planner import Plan, candidates, plan
 from .platform import OPS, Curves, Platform, gpu_cluster
 from .strategies import (
-                       MEMORY,
-                       Prediction,
-                       boundary_edges,
-                       channel_parallel,
-                       data,
-                       filter_parallel,
-                       halo_rows_minimal,
-                       halo_rows_padded,
-                       pipeline,
-                       spatial,
-                       unet_edges,
+    MEMORY,
+    Prediction,
+    boundary_edges,
+    channel_parallel,
+    data,
+    filter_parallel,
+    halo_rows_minimal,
+    halo_rows_padded,
+    pipeline,
+    spatial,
+    unet_edges,
 )

@@ -93,12 +93,18 @@ class ModelInfo:
 
     def step_seconds(self, samples: float) -> float:
         """Profiled seconds of a step on `samples` samples: the layers' forward and backward, and the update."""
-        return samples * sum(layer.seconds_forward + layer.seconds_backward for layer in self.layers) + self.update_seconds
+        return (
+            samples * sum(layer.seconds_forward + layer.seconds_backward for layer in self.layers) + self.update_seconds
+        )
 
     def scaled(self, factor: float) -> ModelInfo:
         """The same model with every profiled time (layers and update) multiplied by factor."""
-        layers = tuple(replace(layer, seconds_forward=layer.seconds_forward * factor,
-                               seconds_backward=layer.seconds_backward * factor) for layer in self.layers)
+        layers = tuple(
+            replace(
+                layer, seconds_forward=layer.seconds_forward * factor, seconds_backward=layer.seconds_backward * factor
+            )
+            for layer in self.layers
+        )
         return replace(self, layers=layers, update_seconds=self.update_seconds * factor)
 
     def at_side(self, side: int) -> ModelInfo:
@@ -114,15 +120,27 @@ class ModelInfo:
         area = factor * factor
 
         def grow(shape: tuple[int, ...]) -> tuple[int, ...]:
-            return shape if len(shape) != 3 else (shape[0], max(1, round(shape[1] * factor)), max(1, round(shape[2] * factor)))
+            return (
+                shape
+                if len(shape) != 3
+                else (shape[0], max(1, round(shape[1] * factor)), max(1, round(shape[2] * factor)))
+            )
 
         layers = []
         for layer in self.layers:
             k = area if len(layer.input_shape) == 3 and layer.input_shape[1] > 1 else 1.0
-            layers.append(replace(layer, flops_forward=layer.flops_forward * k, flops_backward=layer.flops_backward * k,
-                                  activation_bytes=round(layer.activation_bytes * k),
-                                  seconds_forward=layer.seconds_forward * k, seconds_backward=layer.seconds_backward * k,
-                                  input_shape=grow(layer.input_shape), output_shape=grow(layer.output_shape)))
+            layers.append(
+                replace(
+                    layer,
+                    flops_forward=layer.flops_forward * k,
+                    flops_backward=layer.flops_backward * k,
+                    activation_bytes=round(layer.activation_bytes * k),
+                    seconds_forward=layer.seconds_forward * k,
+                    seconds_backward=layer.seconds_backward * k,
+                    input_shape=grow(layer.input_shape),
+                    output_shape=grow(layer.output_shape),
+                )
+            )
         return replace(self, sample_shape=grow(self.sample_shape), layers=tuple(layers))
 
 
@@ -161,8 +179,13 @@ def _first_tensor(value: object) -> torch.Tensor:
     raise TypeError(f"cannot find a tensor in {type(value).__name__}")
 
 
-def describe(model: nn.Module, sample_shape: tuple[int, ...], name: str = "",
-             loss: LossFn | None = None, dtype: torch.dtype | None = None) -> ModelInfo:
+def describe(
+    model: nn.Module,
+    sample_shape: tuple[int, ...],
+    name: str = "",
+    loss: LossFn | None = None,
+    dtype: torch.dtype | None = None,
+) -> ModelInfo:
     """Trace one forward pass of model on one zero sample of sample_shape; see the module docstring.
 
     `loss(output)`, if given, runs inside the trace; what it saves goes to the last layer.
@@ -202,20 +225,37 @@ def describe(model: nn.Module, sample_shape: tuple[int, ...], name: str = "",
     for call in calls:
         module, x, y = call["module"], call["x"], call["y"]
         fwd = float(_flops(module, x[0], y[0]))
-        params = 0 if id(module) in counted else sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        params = (
+            0 if id(module) in counted else sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        )
         counted.add(id(module))
-        layers.append(LayerInfo(
-            name=f"{names.get(module, '?')}", kind=type(module).__name__,
-            flops_forward=fwd, flops_backward=fwd * (2 if params else 1),
-            parameter_bytes=params, activation_bytes=call["saved_end"] - call["saved_start"],
-            input_shape=tuple(x.shape[1:]), output_shape=tuple(y.shape[1:]),
-            itemsize=y.element_size(), halo=_halo(module), input_saved_before=call["seen"]))
+        layers.append(
+            LayerInfo(
+                name=f"{names.get(module, '?')}",
+                kind=type(module).__name__,
+                flops_forward=fwd,
+                flops_backward=fwd * (2 if params else 1),
+                parameter_bytes=params,
+                activation_bytes=call["saved_end"] - call["saved_start"],
+                input_shape=tuple(x.shape[1:]),
+                output_shape=tuple(y.shape[1:]),
+                itemsize=y.element_size(),
+                halo=_halo(module),
+                input_saved_before=call["seen"],
+            )
+        )
     del out
     return ModelInfo(name or type(model).__name__, tuple(sample_shape), tuple(layers))
 
 
-def profile_seconds(info: ModelInfo, model: nn.Module, batch: torch.Tensor, loss: LossFn,
-                    optimizer: torch.optim.Optimizer | None = None, repeats: int = 5) -> ModelInfo:
+def profile_seconds(
+    info: ModelInfo,
+    model: nn.Module,
+    batch: torch.Tensor,
+    loss: LossFn,
+    optimizer: torch.optim.Optimizer | None = None,
+    repeats: int = 5,
+) -> ModelInfo:
     """info with measured compute seconds per layer and sample, for this batch, on this process.
 
     Each leaf's forward time is the wall-clock time from its start to the next leaf's
@@ -231,8 +271,10 @@ def profile_seconds(info: ModelInfo, model: nn.Module, batch: torch.Tensor, loss
     updates: list[float] = []
     for repeat in range(repeats + 1):  # the first run pays for allocations
         stamps: list[float] = []
-        hooks = [leaf.register_forward_pre_hook(lambda *_, stamps=stamps: stamps.append(time.perf_counter()))
-                 for leaf in leaves]
+        hooks = [
+            leaf.register_forward_pre_hook(lambda *_, stamps=stamps: stamps.append(time.perf_counter()))
+            for leaf in leaves
+        ]
         try:
             start = time.perf_counter()
             value = loss(model(batch))
@@ -259,7 +301,10 @@ def profile_seconds(info: ModelInfo, model: nn.Module, batch: torch.Tensor, loss
     best_bwd, best_update = statistics.median(bwds), statistics.median(updates)
     samples = batch.shape[0]
     total_flops = sum(layer.flops_backward for layer in info.layers) or 1.0
-    layers = tuple(replace(layer, seconds_forward=f / samples,
-                           seconds_backward=best_bwd * layer.flops_backward / total_flops / samples)
-                   for layer, f in zip(info.layers, best_fwd))
+    layers = tuple(
+        replace(
+            layer, seconds_forward=f / samples, seconds_backward=best_bwd * layer.flops_backward / total_flops / samples
+        )
+        for layer, f in zip(info.layers, best_fwd)
+    )
     return replace(info, layers=layers, update_seconds=best_update, profiled=True)

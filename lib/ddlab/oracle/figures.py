@@ -10,8 +10,17 @@ import numpy as np
 from .strategies import MEMORY
 
 TIME_PARTS = ("compute", "communication", "bubble", "overhead")
-COLOURS = {"compute": "#4c72b0", "communication": "#dd8452", "bubble": "#c7c7c7", "overhead": "#c44e52", "parameters": "#4c72b0",
-           "gradients": "#55a868", "optimizer": "#8172b3", "activations": "#dd8452", "buffers": "#937860"}
+COLOURS = {
+    "compute": "#4c72b0",
+    "communication": "#dd8452",
+    "bubble": "#c7c7c7",
+    "overhead": "#c44e52",
+    "parameters": "#4c72b0",
+    "gradients": "#55a868",
+    "optimizer": "#8172b3",
+    "activations": "#dd8452",
+    "buffers": "#937860",
+}
 
 
 def plot_validation(results: Sequence) -> plt.Figure:
@@ -46,8 +55,9 @@ def plot_validation(results: Sequence) -> plt.Figure:
     return fig
 
 
-def plot_plan_map(best: dict[tuple[int, int], str], devices: Sequence[int], sides: Sequence[int],
-                  title: str) -> plt.Figure:
+def plot_plan_map(
+    best: dict[tuple[int, int], str], devices: Sequence[int], sides: Sequence[int], title: str
+) -> plt.Figure:
     """A grid of devices x image sides, each cell named by the planner's fastest feasible strategy."""
     names = sorted({name for name in best.values()})
     index = {name: i for i, name in enumerate(names)}

@@ -48,21 +48,32 @@ def data_parallel_time(compute: float, gradient_bytes: float, p: int, alpha: flo
     return {"compute": compute / p, "communication": ring_allreduce_seconds(gradient_bytes, p, alpha, beta)}
 
 
-def data_parallel_memory(parameter_bytes: float, activation_bytes: float, p: int,
-                         optimizer_copies: int) -> dict[str, float]:
-    return {"parameters": parameter_bytes, "gradients": parameter_bytes,
-            "optimizer": optimizer_copies * parameter_bytes, "activations": activation_bytes / p}
+def data_parallel_memory(
+    parameter_bytes: float, activation_bytes: float, p: int, optimizer_copies: int
+) -> dict[str, float]:
+    return {
+        "parameters": parameter_bytes,
+        "gradients": parameter_bytes,
+        "optimizer": optimizer_copies * parameter_bytes,
+        "activations": activation_bytes / p,
+    }
 
 
-def spatial_time(compute: float, halo_bytes: Sequence[float], gradient_bytes: float, p: int,
-                 alpha: float, beta: float) -> dict[str, float]:
+def spatial_time(
+    compute: float, halo_bytes: Sequence[float], gradient_bytes: float, p: int, alpha: float, beta: float
+) -> dict[str, float]:
     busiest = max(neighbours(rank, p) for rank in range(p))
     halos = sum(2 * busiest * (alpha + n * beta) for n in halo_bytes)  # forward and backward
-    return {"compute": compute / p,
-            "communication": halos + ring_allreduce_seconds(gradient_bytes, p, alpha, beta)}
+    return {"compute": compute / p, "communication": halos + ring_allreduce_seconds(gradient_bytes, p, alpha, beta)}
 
 
-def spatial_memory(parameter_bytes: float, activation_bytes: float, halo_bytes: Sequence[float], p: int,
-                   rank: int, optimizer_copies: int) -> dict[str, float]:
+def spatial_memory(
+    parameter_bytes: float,
+    activation_bytes: float,
+    halo_bytes: Sequence[float],
+    p: int,
+    rank: int,
+    optimizer_copies: int,
+) -> dict[str, float]:
     memory = data_parallel_memory(parameter_bytes, activation_bytes, p, optimizer_copies)
     return {**memory, "buffers": neighbours(rank, p) * sum(halo_bytes)}

@@ -47,9 +47,9 @@ class LocalComm:
 
     def Allgatherv(self, send: np.ndarray, spec: list[Any]) -> None:  # noqa: N802
         recv, counts = spec
-        start = sum(counts[:self.rank])
+        start = sum(counts[: self.rank])
         recv.reshape(-1)[:] = 0
-        recv.reshape(-1)[start:start + send.size] = send.reshape(-1)
+        recv.reshape(-1)[start : start + send.size] = send.reshape(-1)
 
     def Allreduce(self, send: np.ndarray, recv: np.ndarray, op: Any = None) -> None:  # noqa: N802
         recv[...] = send
@@ -68,8 +68,8 @@ class LocalHalo(torch.autograd.Function):
     def backward(ctx: Any, grad_above: torch.Tensor, grad_below: torch.Tensor) -> tuple:
         n, c, _, w = grad_above.shape
         grad_x = grad_above.new_zeros(n, c, ctx.rows, w)
-        grad_x[:, :, :ctx.halo] += grad_below.detach().contiguous()
-        grad_x[:, :, -ctx.halo:] += grad_above.detach().contiguous()
+        grad_x[:, :, : ctx.halo] += grad_below.detach().contiguous()
+        grad_x[:, :, -ctx.halo :] += grad_above.detach().contiguous()
         return grad_x, None, None
 
 
@@ -97,11 +97,13 @@ def halo_curve(comm: MPI.Comm, sizes: Sequence[float], gap: float) -> tuple[list
     def make(nbytes: int) -> Step:
         rows = torch.zeros(max(1, nbytes // 4))
         return lambda: exchange_rows(comm, rows, rows, (91, 92))
+
     return exchange_curve(comm, make, [int(n) for n in sizes], gap)
 
 
-def filter_curves(comm: MPI.Comm, outputs: Sequence[float], inputs: Sequence[float],
-                  gap: float) -> dict[str, tuple[list[float], list[float]]]:
+def filter_curves(
+    comm: MPI.Comm, outputs: Sequence[float], inputs: Sequence[float], gap: float
+) -> dict[str, tuple[list[float], list[float]]]:
     """Lab 08's filter collectives timed so: "filter allgather" of whole outputs, "filter allreduce" of inputs."""
     from ..intra_layer import allgather_channels, allreduce_sum
 
@@ -114,5 +116,8 @@ def filter_curves(comm: MPI.Comm, outputs: Sequence[float], inputs: Sequence[flo
     def reduce(nbytes: int) -> Step:
         whole = torch.zeros(max(1, nbytes // 4))
         return lambda: allreduce_sum(comm, whole)
-    return {"filter allgather": exchange_curve(comm, gather, [int(n) for n in outputs], gap),
-            "filter allreduce": exchange_curve(comm, reduce, [int(n) for n in inputs], gap)}
+
+    return {
+        "filter allgather": exchange_curve(comm, gather, [int(n) for n in outputs], gap),
+        "filter allreduce": exchange_curve(comm, reduce, [int(n) for n in inputs], gap),
+    }

@@ -123,15 +123,17 @@ def measure_sync(comm: MPI.Comm, rounds: int = 10, gap: float = 4e-3) -> float:
     return measure_exchange(comm, lambda: comm.Allreduce(MPI.IN_PLACE, token), gap, rounds)
 
 
-def exchange_curve(comm: MPI.Comm, make: Callable[[int], Callable[[], object]], sizes: Sequence[int],
-                   gap: float, rounds: int = 10) -> tuple[list[float], list[float]]:
+def exchange_curve(
+    comm: MPI.Comm, make: Callable[[int], Callable[[], object]], sizes: Sequence[int], gap: float, rounds: int = 10
+) -> tuple[list[float], list[float]]:
     """(sizes, seconds): `measure_exchange` of make(nbytes)() at each size, the same on every rank."""
     seconds = [measure_exchange(comm, make(n), gap, rounds) for n in sizes]
     return [float(n) for n in sizes], comm.bcast(seconds, root=0)
 
 
-def measure_platform(comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int = 5,
-                     name: str = "this machine") -> Platform:
+def measure_platform(
+    comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int = 5, name: str = "this machine"
+) -> Platform:
     """This machine's Platform (see the module docstring); every rank gets the same one."""
     size = comm.Get_size()
     torch.set_num_threads(1)
@@ -153,7 +155,18 @@ def measure_platform(comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int 
     table = comm.bcast(curves.table, root=0)
     contention = comm.bcast(contention, root=0)
     flops = comm.bcast(flops, root=0)
-    return Platform(name=name, devices_per_node=size, flops=flops, memory=int(memory), intra=link, inter=link,
-                    curves=Curves(dict(table)), contention=contention, sync=sync,
-                    sources={"all": "measured by ddlab.oracle.measure_platform on this machine",
-                             "inter": "one machine: the same link as intra"})
+    return Platform(
+        name=name,
+        devices_per_node=size,
+        flops=flops,
+        memory=int(memory),
+        intra=link,
+        inter=link,
+        curves=Curves(dict(table)),
+        contention=contention,
+        sync=sync,
+        sources={
+            "all": "measured by ddlab.oracle.measure_platform on this machine",
+            "inter": "one machine: the same link as intra",
+        },
+    )

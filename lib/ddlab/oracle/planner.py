@@ -43,9 +43,11 @@ class Plan:
     def table(self) -> str:
         lines = [f"{self.devices} devices:"]
         for pred in self.ranked:
-            lines.append(f"  {pred.label:34} {pred.time * 1e3:9.2f} ms  (compute {pred.compute * 1e3:.2f}, "
-                         f"comm {pred.communication * 1e3:.2f}, bubble {pred.bubble * 1e3:.2f})  "
-                         f"peak {pred.peak / GIB:.2f} GiB")
+            lines.append(
+                f"  {pred.label:34} {pred.time * 1e3:9.2f} ms  (compute {pred.compute * 1e3:.2f}, "
+                f"comm {pred.communication * 1e3:.2f}, bubble {pred.bubble * 1e3:.2f})  "
+                f"peak {pred.peak / GIB:.2f} GiB"
+            )
         for name, reason in self.infeasible:
             lines.append(f"  {name:34} infeasible: {reason}")
         return "\n".join(lines)
@@ -58,8 +60,10 @@ def divisors(n: int) -> list[int]:
 def _slab_problem(model: ModelInfo, s: int) -> str | None:
     for layer in model.layers:
         if layer.halo and len(layer.input_shape) == 3 and layer.input_shape[1] < s * max(layer.halo, 1):
-            return (f"{s} slabs of the {layer.input_shape[1]} rows at layer {layer.name} ({layer.kind}) "
-                    f"are thinner than its halo of {layer.halo}")
+            return (
+                f"{s} slabs of the {layer.input_shape[1]} rows at layer {layer.name} ({layer.kind}) "
+                f"are thinner than its halo of {layer.halo}"
+            )
     if not any(layer.halo for layer in model.layers):
         return "the model has no convolutions over rows to cut"
     return None
@@ -74,8 +78,9 @@ def _channel_problem(model: ModelInfo, f: int) -> str | None:
     return None
 
 
-def candidates(model: ModelInfo, batch: int, devices: int, platform: Platform,
-               optimizer_copies: int = 1) -> list[tuple[str, Prediction | str]]:
+def candidates(
+    model: ModelInfo, batch: int, devices: int, platform: Platform, optimizer_copies: int = 1
+) -> list[tuple[str, Prediction | str]]:
     """(strategy, prediction or structural reason) for every layout of `devices`."""
     out: list[tuple[str, Prediction | str]] = []
     copies = optimizer_copies
@@ -111,12 +116,20 @@ def candidates(model: ModelInfo, batch: int, devices: int, platform: Platform,
                 if best is None or pred.time < best.time:
                     best = pred
             m *= 2
-        out.append((prefix + "pipeline", best or f"a batch of {samples} per group is fewer micro-batches than {inner} stages"))
+        out.append(
+            (prefix + "pipeline", best or f"a batch of {samples} per group is fewer micro-batches than {inner} stages")
+        )
     return out
 
 
-def plan(model: ModelInfo, batch: int, devices: int, platform: Platform, budget: float | None = None,
-         optimizer_copies: int = 1) -> Plan:
+def plan(
+    model: ModelInfo,
+    batch: int,
+    devices: int,
+    platform: Platform,
+    budget: float | None = None,
+    optimizer_copies: int = 1,
+) -> Plan:
     """The feasible strategies for `devices` devices, fastest first; budget: bytes per device (default the platform's)."""
     budget = platform.memory if budget is None else budget
     best: dict[str, Prediction] = {}
@@ -125,8 +138,11 @@ def plan(model: ModelInfo, batch: int, devices: int, platform: Platform, budget:
         if isinstance(result, str):
             reasons.setdefault(name, result)
         elif result.peak > budget:
-            reasons.setdefault(name, f"{result.label} needs {result.peak / GIB:.2f} GiB on its busiest rank, "
-                                     f"over the {budget / GIB:.2f} GiB budget")
+            reasons.setdefault(
+                name,
+                f"{result.label} needs {result.peak / GIB:.2f} GiB on its busiest rank, "
+                f"over the {budget / GIB:.2f} GiB budget",
+            )
         elif name not in best or result.time < best[name].time:
             best[name] = result
     ranked = sorted(best.values(), key=lambda p: p.time)

@@ -129,17 +129,24 @@ def gpu_cluster() -> Platform:
         sources={
             "devices_per_node": "ABCI system overview (AIST): 4 NVIDIA Tesla V100 SXM2 per compute node",
             "memory": "NVIDIA Tesla V100 datasheet: 16 GB HBM2 (SXM2 16 GB as in ABCI)",
-            "flops": ("NVIDIA V100 datasheet: 15.7 TFLOP/s FP32 peak; achieved on training taken as "
-                      "~380 images/s ResNet-50 FP32 on one V100 (NVIDIA Deep Learning Examples, "
-                      "ResNet-50 v1.5 training performance tables), times 24.7 GFLOP per image "
-                      "(forward 8.23 GFLOP traced here, backward twice that)"),
-            "intra": ("NVLink 2: 25 GB/s per link and direction (V100 datasheet: 6 links, 300 GB/s total); "
-                      "two links between each GPU pair of an ABCI node: 50 GB/s; alpha 10 us, "
-                      "a typical NCCL step latency (assumed, not sourced)"),
-            "inter": ("2 x InfiniBand EDR (100 Gb/s = 12.5 GB/s each) per ABCI node: 25 GB/s; "
-                      "alpha 10 us (assumed, as intra)"),
+            "flops": (
+                "NVIDIA V100 datasheet: 15.7 TFLOP/s FP32 peak; achieved on training taken as "
+                "~380 images/s ResNet-50 FP32 on one V100 (NVIDIA Deep Learning Examples, "
+                "ResNet-50 v1.5 training performance tables), times 24.7 GFLOP per image "
+                "(forward 8.23 GFLOP traced here, backward twice that)"
+            ),
+            "intra": (
+                "NVLink 2: 25 GB/s per link and direction (V100 datasheet: 6 links, 300 GB/s total); "
+                "two links between each GPU pair of an ABCI node: 50 GB/s; alpha 10 us, "
+                "a typical NCCL step latency (assumed, not sourced)"
+            ),
+            "inter": (
+                "2 x InfiniBand EDR (100 Gb/s = 12.5 GB/s each) per ABCI node: 25 GB/s; alpha 10 us (assumed, as intra)"
+            ),
             "contention": "one process per GPU: devices do not share compute (1.0)",
-            "overheads": ("none: an implementation's own work per exchange (kernel launches, copies) is "
-                          "microseconds against layers of milliseconds on a V100; not measured here"),
+            "overheads": (
+                "none: an implementation's own work per exchange (kernel launches, copies) is "
+                "microseconds against layers of milliseconds on a V100; not measured here"
+            ),
         },
     )

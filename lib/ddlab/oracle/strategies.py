@@ -83,8 +83,9 @@ class Prediction:
         return self.strategy + "(" + ", ".join(f"{k}={v}" for k, v in self.layout.items()) + ")"
 
 
-def memory(parameters: float = 0, gradients: float = 0, optimizer: float = 0, activations: float = 0,
-           buffers: float = 0) -> dict[str, float]:
+def memory(
+    parameters: float = 0, gradients: float = 0, optimizer: float = 0, activations: float = 0, buffers: float = 0
+) -> dict[str, float]:
     return dict(zip(MEMORY, (parameters, gradients, optimizer, activations, buffers)))
 
 
@@ -141,15 +142,26 @@ def _busy(devices: int, platform: Platform) -> float:
 
 
 # Data parallelism ------------------------------------------------------------------------
-def data(model: ModelInfo, batch: int, p: int, platform: Platform, optimizer_copies: int = 1,
-         bucket_buffers: bool = True, stride: int = 1, sharing: int = 1) -> Prediction:
+def data(
+    model: ModelInfo,
+    batch: int,
+    p: int,
+    platform: Platform,
+    optimizer_copies: int = 1,
+    bucket_buffers: bool = True,
+    stride: int = 1,
+    sharing: int = 1,
+) -> Prediction:
     """B/P samples per rank, whole model everywhere, one allreduce of the gradients per bucket."""
     samples = batch / p
     w = model.parameter_bytes
     compute = (compute_seconds(model.layers, samples, platform) + _update(model, 1.0)) * _busy(p, platform)
     comm = _grad_allreduce(w, p, platform, stride, sharing) if p > 1 else 0.0
-    mem = {**_state(w, optimizer_copies), "activations": model.activation_bytes * samples,
-           "buffers": w if bucket_buffers else 0.0}
+    mem = {
+        **_state(w, optimizer_copies),
+        "activations": model.activation_bytes * samples,
+        "buffers": w if bucket_buffers else 0.0,
+    }
     return Prediction("data", p, {"P": p}, compute, comm, 0.0, (mem,))
 
 
@@ -179,8 +191,15 @@ def halo_bytes(layer: LayerInfo, rows: int) -> float:
     return channels * rows * width * layer.itemsize
 
 
-def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_copies: int = 1,
-            halo_rows: HaloRows = halo_rows_minimal, data_ways: int = 1) -> Prediction:
+def spatial(
+    model: ModelInfo,
+    batch: int,
+    s: int,
+    platform: Platform,
+    optimizer_copies: int = 1,
+    halo_rows: HaloRows = halo_rows_minimal,
+    data_ways: int = 1,
+) -> Prediction:
     """Every sample cut into s slabs of rows; halos per k x k convolution; gradients allreduced.
 
     With data_ways D > 1 (data x spatial): D groups of s ranks on B/D samples each, then
@@ -196,8 +215,7 @@ def spatial(model: ModelInfo, batch: int, s: int, platform: Platform, optimizer_
     halo, span = 0.0, min(s, platform.devices_per_node)
     for layer in halo_layers(model, s):
         nbytes = halo_bytes(layer, layer.halo) * samples
-        halo += 2 * _exchange(platform, "halo", nbytes, s,
-                              busiest * platform.comm("p2p", nbytes, span) + platform.sync)
+        halo += 2 * _exchange(platform, "halo", nbytes, s, busiest * platform.comm("p2p", nbytes, span) + platform.sync)
     w = model.parameter_bytes
     comm = halo + _grad_allreduce(w, s, platform)
     if data_ways > 1:
@@ -228,8 +246,9 @@ def channel_exchanges(model: ModelInfo, f: int) -> int:
     return 2 * sum(split_layers(model, f)) if f > 1 else 0
 
 
-def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform: Platform,
-                      optimizer_copies: int, data_ways: int) -> Prediction:
+def _channel_parallel(
+    kind: str, model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int, data_ways: int
+) -> Prediction:
     samples = batch / data_ways
     split = split_layers(model, f)
     share = [1 / f if cut else 1.0 for cut in split]
@@ -243,8 +262,7 @@ def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform:
     for layer, cut in zip(model.layers, split):
         if cut and f > 1:
             for op, nbytes in zip(ops, (layer.output_bytes * samples, layer.input_bytes * samples)):
-                comm += _exchange(platform, f"{kind} {op}", nbytes, f,
-                                  platform.comm(op, nbytes, f) + platform.sync)
+                comm += _exchange(platform, f"{kind} {op}", nbytes, f, platform.comm(op, nbytes, f) + platform.sync)
         # filter: every rank keeps whole inputs; channel: the split layers keep their input's channels
         acts += layer.activation_bytes * (1 / f if cut and kind == "channel" else 1.0) * samples
     if data_ways > 1:
@@ -255,14 +273,16 @@ def _channel_parallel(kind: str, model: ModelInfo, batch: int, f: int, platform:
     return Prediction(name, p, layout, compute, comm, 0.0, (mem,), overhead=overhead)
 
 
-def filter_parallel(model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int = 1,
-                    data_ways: int = 1) -> Prediction:
+def filter_parallel(
+    model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int = 1, data_ways: int = 1
+) -> Prediction:
     """Output channels split over f ranks: allgather forward, allreduce of the input's gradient backward."""
     return _channel_parallel("filter", model, batch, f, platform, optimizer_copies, data_ways)
 
 
-def channel_parallel(model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int = 1,
-                     data_ways: int = 1) -> Prediction:
+def channel_parallel(
+    model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int = 1, data_ways: int = 1
+) -> Prediction:
     """Input channels split over f ranks: allreduce of partial outputs forward, allgather of gradients backward."""
     return _channel_parallel("channel", model, batch, f, platform, optimizer_copies, data_ways)
 
@@ -270,14 +290,17 @@ def channel_parallel(model: ModelInfo, batch: int, f: int, platform: Platform, o
 # Layer (pipeline) parallelism -----------------------------------------------------------
 def boundary_edges(model: ModelInfo) -> Edges:
     """What a stage of layers a..b-1 receives ("in") and sends ("out") when only neighbouring layers talk."""
+
     def edges(a: int, b: int) -> list[tuple[str, int, int]]:
         found = [("in", model.layers[a - 1].output_bytes, a)] if a > 0 else []
         return found + ([("out", model.layers[b - 1].output_bytes, b - 1)] if b < len(model.layers) else [])
+
     return edges
 
 
 def unet_edges(crossings: Any) -> Edges:
     """Edges of lab 06's UNet from its `Crossings` (built with batch=1): the activations and the skips."""
+
     def edges(a: int, b: int) -> list[tuple[str, int, int]]:
         found = [("in", crossings.activation[a - 1], a)] if a > 0 else []
         found += [("out", crossings.activation[b - 1], b - 1)] if b < crossings.n else []
@@ -285,12 +308,22 @@ def unet_edges(crossings: Any) -> Edges:
             if (a <= src < b) != (a <= dst < b):
                 found.append(("skip in", nbytes, dst) if a <= dst < b else ("skip out", nbytes, src))
         return found
+
     return edges
 
 
-def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, optimizer_copies: int = 1,
-             schedule: str = "1f1b", bounds: list[int] | None = None, edges: Edges | None = None,
-             data_ways: int = 1) -> Prediction:
+def pipeline(
+    model: ModelInfo,
+    batch: int,
+    k: int,
+    m: int,
+    platform: Platform,
+    optimizer_copies: int = 1,
+    schedule: str = "1f1b",
+    bounds: list[int] | None = None,
+    edges: Edges | None = None,
+    data_ways: int = 1,
+) -> Prediction:
     """K stages (balanced by compute unless bounds are given), M micro-batches of B/(D M) samples.
 
     edges(a, b): what a stage holding layers a..b-1 receives and sends, per sample
@@ -322,8 +355,9 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
         layers = model.layers[a:b]
         stage_compute.append(compute_seconds(layers, micro, platform) * slow)
         crossing = edges(a, b)
-        stage_comm.append(sum(2 * (platform.comm("p2p", nbytes * micro, 2) + sync)
-                              for _, nbytes, _ in crossing) if k > 1 else 0.0)
+        stage_comm.append(
+            sum(2 * (platform.comm("p2p", nbytes * micro, 2) + sync) for _, nbytes, _ in crossing) if k > 1 else 0.0
+        )
         in_flight = m if schedule == "gpipe" else min(k - s, m)
         w = sum(layer.parameter_bytes for layer in layers)
         received = sum(nbytes for kind, nbytes, _ in crossing if kind == "in" and layers[0].input_saved_before)
@@ -337,14 +371,18 @@ def pipeline(model: ModelInfo, batch: int, k: int, m: int, platform: Platform, o
         ranks.append({**_state(w, optimizer_copies), "activations": acts, "buffers": 0.0})
     slots = [c + t for c, t in zip(stage_compute, stage_comm)]
     worst = max(range(k), key=lambda s: slots[s])
-    share = max(sum(r["parameters"] for r in ranks[s:s + 1]) for s in range(k)) / max(model.parameter_bytes, 1)
+    share = max(sum(r["parameters"] for r in ranks[s : s + 1]) for s in range(k)) / max(model.parameter_bytes, 1)
     compute = m * stage_compute[worst] + _update(model, share) * slow
     comm = m * stage_comm[worst]
     if data_ways > 1:
-        comm += _grad_allreduce(max(r["parameters"] for r in ranks), data_ways, platform, stride=k,
-                                sharing=min(k, platform.devices_per_node))
+        comm += _grad_allreduce(
+            max(r["parameters"] for r in ranks),
+            data_ways,
+            platform,
+            stride=k,
+            sharing=min(k, platform.devices_per_node),
+        )
     name = "pipeline" if data_ways == 1 else "data x pipeline"
     layout = {"K": k, "M": m} if data_ways == 1 else {"D": data_ways, "K": k, "M": m}
     bubble = sum(slots) - slots[worst]
-    return Prediction(name, p, layout, compute, comm, bubble, tuple(ranks),
-                      notes=f"{schedule}, bounds {bounds}")
+    return Prediction(name, p, layout, compute, comm, bubble, tuple(ranks), notes=f"{schedule}, bounds {bounds}")

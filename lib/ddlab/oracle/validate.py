@@ -75,9 +75,15 @@ class Validation:
         return min(self.memory_accuracies)
 
 
-def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, Callable]], name: str,
-             sample_shape: tuple[int, ...], platform: Platform, pieces: int = 1,
-             rounds: int = 5) -> tuple[ModelInfo, Platform]:
+def _profile(
+    comm: MPI.Comm,
+    make: Callable[[], tuple[nn.Module, torch.Tensor, Callable]],
+    name: str,
+    sample_shape: tuple[int, ...],
+    platform: Platform,
+    pieces: int = 1,
+    rounds: int = 5,
+) -> tuple[ModelInfo, Platform]:
     """Rank 0 describes the model and profiles it alone on one rank's work; the contention of that work.
 
     `make()` returns (model, the batch one rank computes, loss). When a rank computes
@@ -100,8 +106,12 @@ def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, C
     info = None
     if comm.Get_rank() == 0:
         info = profile_seconds(describe(model, sample_shape, name, loss=loss), model, batch, loss, optimizer, repeats=3)
-        layers = tuple(replace(layer, seconds_forward=layer.seconds_forward * pieces,
-                               seconds_backward=layer.seconds_backward * pieces) for layer in info.layers)
+        layers = tuple(
+            replace(
+                layer, seconds_forward=layer.seconds_forward * pieces, seconds_backward=layer.seconds_backward * pieces
+            )
+            for layer in info.layers
+        )
         info = replace(info, layers=layers)
 
     def work() -> float:
@@ -124,7 +134,8 @@ def _profile(comm: MPI.Comm, make: Callable[[], tuple[nn.Module, torch.Tensor, C
     sync = comm.bcast(measure_sync(comm), root=0)
     info = comm.bcast(info, root=0)
     return info.scaled(level / info.step_seconds(batch.shape[0] / pieces)), replace(
-        platform, contention=contention, sync=sync)
+        platform, contention=contention, sync=sync
+    )
 
 
 def timed_steps(comm: MPI.Comm, step: Callable[[], object], steps: int) -> float:
@@ -146,8 +157,14 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 
 # Lab 04: data parallelism --------------------------------------------------------------------
-def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple[int, ...] = (1024, 1024, 512),
-             steps: int = 5, rounds: int = 5) -> Validation:
+def run_data(
+    comm: MPI.Comm,
+    platform: Platform,
+    batch: int = 256,
+    hidden: tuple[int, ...] = (1024, 1024, 512),
+    steps: int = 5,
+    rounds: int = 5,
+) -> Validation:
     """lab 04's DataParallel on an MLP of `hidden` widths, batch B split over the ranks."""
     from ..data_parallel import DataParallel
     from ..models import make_mlp
@@ -156,8 +173,9 @@ def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple
     local = batch // p
     x, y = torch.randn(batch, 600), torch.randn(batch, 2)
     loss = lambda out: ((out - torch.zeros_like(out)) ** 2).sum(dim=1).mean()  # noqa: E731  (the run's, shapes alike)
-    info, platform = _profile(comm, lambda: (make_mlp(hidden=hidden), x[:local].clone(), loss), "MLP", (600,),
-                              platform, rounds=rounds)
+    info, platform = _profile(
+        comm, lambda: (make_mlp(hidden=hidden), x[:local].clone(), loss), "MLP", (600,), platform, rounds=rounds
+    )
     prediction = data(info, batch, p, platform, bucket_buffers=False)  # the gradients are views of the buckets
     module = make_mlp(hidden=hidden)
     optimizer = _sgd(module.parameters())
@@ -184,13 +202,25 @@ def run_data(comm: MPI.Comm, platform: Platform, batch: int = 256, hidden: tuple
 def _unet_loss(masks: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The UNet's loss for profiling: cross-entropy against a target of the output's own size and storage."""
     pixels = masks.numel()
-    return lambda out: nn.functional.cross_entropy(
-        out, torch.zeros(out.shape[0], *out.shape[2:], dtype=torch.long), reduction="sum") / pixels
+    return lambda out: (
+        nn.functional.cross_entropy(out, torch.zeros(out.shape[0], *out.shape[2:], dtype=torch.long), reduction="sum")
+        / pixels
+    )
 
 
-def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8, side: int = 64,
-                 width: int = 4, depth: int = 3, schedule: str = "1f1b", steps: int = 5,
-                 bounds: list[int] | None = None, rounds: int = 5) -> Validation:
+def run_pipeline(
+    comm: MPI.Comm,
+    platform: Platform,
+    m: int = 4,
+    batch: int = 8,
+    side: int = 64,
+    width: int = 4,
+    depth: int = 3,
+    schedule: str = "1f1b",
+    steps: int = 5,
+    bounds: list[int] | None = None,
+    rounds: int = 5,
+) -> Validation:
     """lab 06's UNet stages, one per rank, run with lab 07's schedule on M micro-batches (M=1: lab 06).
 
     The stages are the oracle's balanced cut (from the profile) unless `bounds` are given.
@@ -206,11 +236,16 @@ def run_pipeline(comm: MPI.Comm, platform: Platform, m: int = 4, batch: int = 8,
     images, masks = make_segmentation(batch, side, seed=0)
     micro = batch // m
     shape = (3, side, side)
-    info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:micro].clone(), _unet_loss(masks[:micro])),
-                              "UNet", shape, platform, rounds=rounds)
+    info, platform = _profile(
+        comm,
+        lambda: (copy.deepcopy(unet), images[:micro].clone(), _unet_loss(masks[:micro])),
+        "UNet",
+        shape,
+        platform,
+        rounds=rounds,
+    )
     crossings = Crossings(unet, shape, batch=1)
-    prediction = pipeline(info, batch, k, m, platform, schedule=schedule, edges=unet_edges(crossings),
-                          bounds=bounds)
+    prediction = pipeline(info, batch, k, m, platform, schedule=schedule, edges=unet_edges(crossings), bounds=bounds)
     bounds = [int(b) for b in prediction.notes.split("bounds ")[1].strip("[]").split(", ")]
     ledger = Ledger(stage=f"stage {comm.Get_rank()}")
     stage = Stage(unet, bounds, comm, shape, ledger=ledger)
@@ -247,11 +282,21 @@ def _stubbed_step(net: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Call
         nn.functional.cross_entropy(net(x), target).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+
     return step
 
 
-def _implementation(comm: MPI.Comm, platform: Platform, name: str, stubbed: Callable[[], None], first: Prediction,
-                    exchanges: int, samples: int, curves: Callable[[float], dict[str, Curve]], ranks: int) -> Platform:
+def _implementation(
+    comm: MPI.Comm,
+    platform: Platform,
+    name: str,
+    stubbed: Callable[[], None],
+    first: Prediction,
+    exchanges: int,
+    samples: int,
+    curves: Callable[[float], dict[str, Curve]],
+    ranks: int,
+) -> Platform:
     """platform with what an implementation adds, measured before its run (see `implementation`).
 
     overheads[name]: its step over stand-in messages against first.compute, per exchange
@@ -266,8 +311,17 @@ def _implementation(comm: MPI.Comm, platform: Platform, name: str, stubbed: Call
     return replace(platform, curves=table, overheads={**platform.overheads, name: overhead})
 
 
-def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: int = 4, side: int = 64,
-                width: int = 4, depth: int = 3, steps: int = 5, rounds: int = 5) -> Validation:
+def run_spatial(
+    comm: MPI.Comm,
+    platform: Platform,
+    data_ways: int = 1,
+    batch: int = 4,
+    side: int = 64,
+    width: int = 4,
+    depth: int = 3,
+    steps: int = 5,
+    rounds: int = 5,
+) -> Validation:
     """lab 08's SpatialUNet: slabs of rows over P / D ranks, D groups of samples (D > 1: data x spatial).
 
     The ledger's activations include the halo strips lab 08's convolution keeps (the
@@ -291,15 +345,34 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     slab = images[samples][:, :, rows].contiguous()
     target = masks[samples][:, rows].contiguous()
     slab_rows = side // s
-    info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images[:group, :, :slab_rows].contiguous(),
-                                   _unet_loss(masks[:group, :slab_rows].contiguous())), "UNet", (3, side, side),
-                              platform, s, rounds)
+    info, platform = _profile(
+        comm,
+        lambda: (
+            copy.deepcopy(unet),
+            images[:group, :, :slab_rows].contiguous(),
+            _unet_loss(masks[:group, :slab_rows].contiguous()),
+        ),
+        "UNet",
+        (3, side, side),
+        platform,
+        s,
+        rounds,
+    )
     first = spatial(info, batch, s, platform, halo_rows=halo_rows_padded, data_ways=data_ways)
     # LocalComm stands in for the slab group: it has the collectives a step calls, moving no data
     local = SpatialUNet(unet, cast(Comm, LocalComm(scomm.Get_rank(), s)), side, exchange=LocalHalo)
     sizes = [halo_bytes(layer, layer.halo) * group for layer in halo_layers(info, s)]
-    platform = _implementation(comm, platform, "halo", _stubbed_step(local, slab, target), first, 2 * len(sizes),
-                               group, lambda gap: {"halo": halo_curve(scomm, [min(sizes), max(sizes)], gap)}, s)
+    platform = _implementation(
+        comm,
+        platform,
+        "halo",
+        _stubbed_step(local, slab, target),
+        first,
+        2 * len(sizes),
+        group,
+        lambda gap: {"halo": halo_curve(scomm, [min(sizes), max(sizes)], gap)},
+        s,
+    )
     prediction = spatial(info, batch, s, platform, halo_rows=halo_rows_padded, data_ways=data_ways)
     optimizer = _sgd(net.model.parameters())
     ledger = Ledger(stage=f"rank {comm.Get_rank()}")
@@ -324,8 +397,16 @@ def run_spatial(comm: MPI.Comm, platform: Platform, data_ways: int = 1, batch: i
     return Validation(prediction, seconds, comm.allgather(_ledger_report(ledger)), kinds)
 
 
-def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 64, width: int = 8,
-               depth: int = 3, steps: int = 5, rounds: int = 5) -> Validation:
+def run_filter(
+    comm: MPI.Comm,
+    platform: Platform,
+    batch: int = 4,
+    side: int = 64,
+    width: int = 8,
+    depth: int = 3,
+    steps: int = 5,
+    rounds: int = 5,
+) -> Validation:
     """lab 08's FilterUNet: every 3x3 convolution's output channels split over the ranks.
 
     Before the run, as for spatial: the implementation's overhead per collective (its step
@@ -336,17 +417,25 @@ def run_filter(comm: MPI.Comm, platform: Platform, batch: int = 4, side: int = 6
 
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
-    info, platform = _profile(comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side),
-                              platform, rounds=rounds)
+    info, platform = _profile(
+        comm, lambda: (copy.deepcopy(unet), images, _unet_loss(masks)), "UNet", (3, side, side), platform, rounds=rounds
+    )
     first = filter_parallel(info, batch, p, platform)
     # LocalComm stands in for the ranks: it has the collectives a step calls, moving no data
     local = FilterUNet(unet, cast(Comm, LocalComm(comm.Get_rank(), p)))
     split = [layer for layer, cut in zip(info.layers, split_layers(info, p)) if cut]
     outputs, inputs = [layer.output_bytes * batch for layer in split], [layer.input_bytes * batch for layer in split]
-    platform = _implementation(comm, platform, "filter", _stubbed_step(local, images, masks), first,
-                               channel_exchanges(info, p), batch,
-                               lambda gap: filter_curves(comm, [min(outputs), max(outputs)], [min(inputs), max(inputs)],
-                                                         gap), p)
+    platform = _implementation(
+        comm,
+        platform,
+        "filter",
+        _stubbed_step(local, images, masks),
+        first,
+        channel_exchanges(info, p),
+        batch,
+        lambda gap: filter_curves(comm, [min(outputs), max(outputs)], [min(inputs), max(inputs)], gap),
+        p,
+    )
     prediction = filter_parallel(info, batch, p, platform)
     net = FilterUNet(unet, comm)
     optimizer = _sgd(net.parameters())
@@ -382,6 +471,8 @@ def run_all(comm: MPI.Comm, platform: Platform, steps: int = 5, scale: int = 1, 
     `rounds`: of the profile's alternating alone / all-at-once timing (`_profile`)."""
     results = []
     for _, fn, kwargs in RUNS:
-        extra = {"batch": kwargs.get("batch", {"run_data": 256}.get(fn.__name__, 8 if fn is run_pipeline else 4)) * scale}
+        extra = {
+            "batch": kwargs.get("batch", {"run_data": 256}.get(fn.__name__, 8 if fn is run_pipeline else 4)) * scale
+        }
         results.append(fn(comm, platform, steps=steps, rounds=rounds, **kwargs, **extra))
     return results

@@ -17,7 +17,9 @@ def latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], alpha: 
     model = alpha + beta * dense
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     left.loglog(n, t * 1e6, "o", ms=4, label="measured (ping-pong)")
-    left.loglog(dense, model * 1e6, "-", label=f"model: alpha = {alpha * 1e6:.3g} us, 1/beta = {1 / beta / 1e9:.3g} GB/s")
+    left.loglog(
+        dense, model * 1e6, "-", label=f"model: alpha = {alpha * 1e6:.3g} us, 1/beta = {1 / beta / 1e9:.3g} GB/s"
+    )
     left.set_ylabel("one-way time (microseconds)")
     left.set_title("Time per message: alpha + beta * n", fontsize=10)
     right.semilogx(n, n / t / 1e9, "o", ms=4, label="measured n / T(n)")

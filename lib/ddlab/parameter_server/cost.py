@@ -39,8 +39,17 @@ def allreduce_seconds(workers: int, n: int, link: Link) -> float:
     return float(predict("ring", workers, GAMMA * n, link))
 
 
-def seconds_per_step(comm: MPI.Comm, mode: str, workers: int, n: int, *, servers: int = 1, steps: int = 5,
-                     repeats: int = 3, allreduce: Allreduce | None = None) -> float:
+def seconds_per_step(
+    comm: MPI.Comm,
+    mode: str,
+    workers: int,
+    n: int,
+    *,
+    servers: int = 1,
+    steps: int = 5,
+    repeats: int = 3,
+    allreduce: Allreduce | None = None,
+) -> float:
     """Seconds per step of `mode` with `workers` workers on the first ranks of comm, no compute (a collective).
 
     Server modes use servers + workers ranks, "allreduce" (with `allreduce`, MPI's by
@@ -54,13 +63,17 @@ def seconds_per_step(comm: MPI.Comm, mode: str, workers: int, n: int, *, servers
     seconds = 0.0
     if sub is not None:
         problem = LeastSquares(n=n, samples=2, batch=1)
-        seconds = min(train(sub, mode, problem, steps, servers=servers, allreduce=allreduce).seconds / steps
-                      for _ in range(repeats))
+        seconds = min(
+            train(sub, mode, problem, steps, servers=servers, allreduce=allreduce).seconds / steps
+            for _ in range(repeats)
+        )
         sub.Free()
     return float(comm.allreduce(seconds, op=MPI.MAX))
 
 
 def predicted(workers: list[int], n: int, link: Link, servers: int = 1) -> dict[str, np.ndarray]:
     """Both models' seconds per step for each P in workers: {"server": ..., "ring allreduce": ...}."""
-    return {"server": np.array([server_seconds(p, servers, n, link) for p in workers]),
-            "ring allreduce": np.array([allreduce_seconds(p, n, link) for p in workers])}
+    return {
+        "server": np.array([server_seconds(p, servers, n, link) for p in workers]),
+        "ring allreduce": np.array([allreduce_seconds(p, n, link) for p in workers]),
+    }

@@ -11,8 +11,9 @@ from ..plots.helpers import finish_panels
 from .run import Record
 
 
-def cost_against_workers(workers: Sequence[int], measured: dict[str, Sequence[float]],
-                         predicted: dict[str, Sequence[float]], title: str) -> plt.Figure:
+def cost_against_workers(
+    workers: Sequence[int], measured: dict[str, Sequence[float]], predicted: dict[str, Sequence[float]], title: str
+) -> plt.Figure:
     """Milliseconds per step against the number of workers P: measured (left) and modelled (right), per method."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, name in enumerate(measured):
@@ -47,15 +48,23 @@ def loss_per_mode(runs: dict[float, Sequence[Record]]) -> plt.Figure:
     return fig
 
 
-def staleness_and_divergence(staleness: dict[str, Sequence[int]], divergence: Sequence[float],
-                             title: str) -> plt.Figure:
+def staleness_and_divergence(
+    staleness: dict[str, Sequence[int]], divergence: Sequence[float], title: str
+) -> plt.Figure:
     """Left: how many updates were applied between a gradient's pull and its push, per mode; right: gossip's spread."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     most = max((max(values, default=0) for values in staleness.values()), default=0)
     edges = np.arange(most + 2) - 0.5
     for i, (mode, values) in enumerate(staleness.items()):
-        left.hist(values, bins=edges, histtype="step", lw=1.5, color=f"C{i}", density=True,
-                  label=f"{mode}: mean {np.mean(values):.1f}, max {max(values, default=0)}")
+        left.hist(
+            values,
+            bins=edges,
+            histtype="step",
+            lw=1.5,
+            color=f"C{i}",
+            density=True,
+            label=f"{mode}: mean {np.mean(values):.1f}, max {max(values, default=0)}",
+        )
     left.set_ylabel("fraction of updates")
     left.set_xlabel("staleness (updates applied since the gradient's parameters)")
     right.plot(np.arange(len(divergence)), divergence, color="C3", label="max over ranks of |w_r - mean|")

@@ -21,7 +21,7 @@ class Consistency:
 
     @classmethod
     def parse(cls, mode: str) -> Consistency:
-        """"sync", "async" or "ssp<k>" (e.g. "ssp2")."""
+        """ "sync", "async" or "ssp<k>" (e.g. "ssp2")."""
         if mode == "sync":
             return cls(0, average=True)
         if mode == "async":

@@ -11,7 +11,7 @@ import numpy as np
 class LeastSquares:
     """Fit w to y = X w_true + noise; worker k's batch at step t depends only on (seed, k, t)."""
 
-    n: int = 16            # parameters
+    n: int = 16  # parameters
     samples: int = 512
     batch: int = 16
     seed: int = 0

@@ -55,9 +55,22 @@ class Record:
         return next((t for t, _, value in self.curve if value <= loss), float("inf"))
 
 
-def train(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 0.05, *, servers: int = 1,
-          compute: float = 0.0, straggler: float = 1.0, seed: int = 0, early: dict[int, int] | None = None,
-          timeout: float = 30.0, gate: Gate = may_start, allreduce: Allreduce | None = None) -> Record:
+def train(
+    comm: Comm,
+    mode: str,
+    problem: LeastSquares,
+    steps: int,
+    lr: float = 0.05,
+    *,
+    servers: int = 1,
+    compute: float = 0.0,
+    straggler: float = 1.0,
+    seed: int = 0,
+    early: dict[int, int] | None = None,
+    timeout: float = 30.0,
+    gate: Gate = may_start,
+    allreduce: Allreduce | None = None,
+) -> Record:
     """Run `steps` steps of `mode` (a collective); the worker on rank r runs only early[r] steps if given (0: it dies silently)."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -75,8 +88,9 @@ def train(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 
     underlying(comm).Barrier()
     try:
         if mode in ("allreduce", "gossip"):
-            return _decentralized(comm, mode, problem, steps, lr, float((compute * slow)[comm.Get_rank()]), watch,
-                                  allreduce)
+            return _decentralized(
+                comm, mode, problem, steps, lr, float((compute * slow)[comm.Get_rank()]), watch, allreduce
+            )
         return _parameter_server(comm, mode, problem, steps, lr, servers, compute * slow, early or {}, watch, gate)
     finally:
         if private is not None:
@@ -84,8 +98,18 @@ def train(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 
             private.Free()
 
 
-def _parameter_server(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float, servers: int,
-                      compute: np.ndarray, early: dict[int, int], watch: Watch, gate: Gate) -> Record:
+def _parameter_server(
+    comm: Comm,
+    mode: str,
+    problem: LeastSquares,
+    steps: int,
+    lr: float,
+    servers: int,
+    compute: np.ndarray,
+    early: dict[int, int],
+    watch: Watch,
+    gate: Gate,
+) -> Record:
     rank, size = comm.Get_rank(), comm.Get_size()
     bounds = shard_bounds(problem.n, servers)
     workers = list(range(servers, size))
@@ -97,14 +121,21 @@ def _parameter_server(comm: Comm, mode: str, problem: LeastSquares, steps: int, 
         log = server.serve()
     else:
         k = rank - servers
-        log = work(comm, bounds, problem.n, rank, lambda w, t: problem.gradient(w, k, t),
-                   early.get(rank, steps), watch, float(compute[k]))
+        log = work(
+            comm,
+            bounds,
+            problem.n,
+            rank,
+            lambda w, t: problem.gradient(w, k, t),
+            early.get(rank, steps),
+            watch,
+            float(compute[k]),
+        )
     seconds = time.perf_counter() - began
     raw = underlying(comm)
     logs = raw.allgather(log)
     server_logs: list[ServerLog] = logs[:servers]
-    events = sorted((t, s, version, part) for s, slog in enumerate(server_logs)
-                    for t, version, part in slog.snapshots)
+    events = sorted((t, s, version, part) for s, slog in enumerate(server_logs) for t, version, part in slog.snapshots)
     params, curve = problem.start(), []
     per_step = 1 if Consistency.parse(mode).average else len(workers)
     for t, s, version, part in events:  # the full vector as the shards changed, one shard at a time
@@ -114,8 +145,16 @@ def _parameter_server(comm: Comm, mode: str, problem: LeastSquares, steps: int, 
     return Record(mode, params, curve, raw.allreduce(seconds, op=MPI.MAX), server_logs, logs[servers:])
 
 
-def _decentralized(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float, compute: float,
-                   watch: Watch, allreduce: Allreduce | None) -> Record:
+def _decentralized(
+    comm: Comm,
+    mode: str,
+    problem: LeastSquares,
+    steps: int,
+    lr: float,
+    compute: float,
+    watch: Watch,
+    allreduce: Allreduce | None,
+) -> Record:
     """Every rank a worker: average gradients by allreduce, or parameters by asynchronous gossip."""
     rank, size, raw = comm.Get_rank(), comm.Get_size(), underlying(comm)
     gossip = AsyncGossip(comm, problem.n, watch) if mode == "gossip" else None
@@ -142,8 +181,18 @@ def _decentralized(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr:
     return Record(mode, mean[-1], curve, seconds, divergence=[float(d) for d in divergence])
 
 
-def train_on_workers(comm: Comm, mode: str, problem: LeastSquares, steps: int, lr: float = 0.05, *,
-                     servers: int = 1, compute: float = 0.0, straggler: float = 1.0, seed: int = 0) -> Record:
+def train_on_workers(
+    comm: Comm,
+    mode: str,
+    problem: LeastSquares,
+    steps: int,
+    lr: float = 0.05,
+    *,
+    servers: int = 1,
+    compute: float = 0.0,
+    straggler: float = 1.0,
+    seed: int = 0,
+) -> Record:
     """`train` with the same workers in every mode (a collective): ranks servers.. are the workers.
 
     Server modes run on all of comm; "allreduce" and "gossip" run on the worker ranks
@@ -151,6 +200,7 @@ def train_on_workers(comm: Comm, mode: str, problem: LeastSquares, steps: int, l
     modes more workers (nor a different straggler: worker k is rank servers + k in both).
     Every rank gets the record.
     """
+
     def run(on: Comm, shards: int) -> Record:
         return train(on, mode, problem, steps, lr, servers=shards, compute=compute, straggler=straggler, seed=seed)
 

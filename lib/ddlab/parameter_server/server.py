@@ -44,13 +44,22 @@ class ServerLog:
 class Server:
     """One server's state: its slice, the workers' clocks, who waits for parameters."""
 
-    def __init__(self, comm: Comm, params: np.ndarray, workers: list[int], steps: int, lr: float,
-                 mode: Consistency, watch: Watch, gate: Gate = may_start):
+    def __init__(
+        self,
+        comm: Comm,
+        params: np.ndarray,
+        workers: list[int],
+        steps: int,
+        lr: float,
+        mode: Consistency,
+        watch: Watch,
+        gate: Gate = may_start,
+    ):
         self.comm, self.params, self.workers, self.steps = comm, params.copy(), workers, steps
         self.lr, self.mode, self.watch, self.gate = lr, mode, watch, gate
         self.clock = dict.fromkeys(workers, 0)
-        self.running = set(workers)   # have not sent their last gradient
-        self.waiting = set(workers)   # want parameters for step clock[w]
+        self.running = set(workers)  # have not sent their last gradient
+        self.waiting = set(workers)  # want parameters for step clock[w]
         self.pending: dict[int, tuple[int, np.ndarray]] = {}  # synchronous: worker -> (step, gradient)
         self.version = 0
         self.sends: list[tuple[MPI.Request, np.ndarray]] = []
@@ -126,8 +135,10 @@ class Server:
         self.release()
         while self.running:
             if self.running <= self.waiting and not self.pending:
-                self.stop(f"deadlock: workers {sorted(self.waiting)} all wait and the gate lets none start "
-                          f"(clocks {[self.clock[w] for w in sorted(self.waiting)]}, bound {self.mode.bound})")
+                self.stop(
+                    f"deadlock: workers {sorted(self.waiting)} all wait and the gate lets none start "
+                    f"(clocks {[self.clock[w] for w in sorted(self.waiting)]}, bound {self.mode.bound})"
+                )
                 break
             try:
                 worker, step, version, more, grad = self.receive()
@@ -158,8 +169,10 @@ class Server:
                 self.waiting.add(worker)
             gone = [w for w in self.workers if w not in self.running and w not in self.pending]
             if self.mode.average and self.pending and gone:
-                self.stop(f"synchronous step {step} can never complete: workers {gone} stopped early "
-                          f"(after {[self.clock[w] for w in gone]} steps of {self.steps})")
+                self.stop(
+                    f"synchronous step {step} can never complete: workers {gone} stopped early "
+                    f"(after {[self.clock[w] for w in gone]} steps of {self.steps})"
+                )
                 continue
             self.release()
         self.watch.poll(lambda: all(r.Test() for r, _ in self.sends), "workers to receive their parameters")

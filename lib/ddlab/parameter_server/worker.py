@@ -35,8 +35,15 @@ def pull(comm: Comm, bounds: list[tuple[int, int]], n: int, watch: Watch) -> tup
     return params, np.array([buf[0] for buf in bufs]), all(buf[1] == 1 for buf in bufs)
 
 
-def push(comm: Comm, bounds: list[tuple[int, int]], worker: int, step: int, versions: np.ndarray,
-         grad: np.ndarray, more: bool) -> list[tuple[MPI.Request, np.ndarray]]:
+def push(
+    comm: Comm,
+    bounds: list[tuple[int, int]],
+    worker: int,
+    step: int,
+    versions: np.ndarray,
+    grad: np.ndarray,
+    more: bool,
+) -> list[tuple[MPI.Request, np.ndarray]]:
     """Send each server its slice of the gradient without waiting; return the requests and buffers."""
     sends = []
     for server, (a, b) in enumerate(bounds):
@@ -45,8 +52,16 @@ def push(comm: Comm, bounds: list[tuple[int, int]], worker: int, step: int, vers
     return sends
 
 
-def work(comm: Comm, bounds: list[tuple[int, int]], n: int, worker: int, gradient: Gradient, steps: int,
-         watch: Watch, compute: float = 0.0) -> WorkerLog:
+def work(
+    comm: Comm,
+    bounds: list[tuple[int, int]],
+    n: int,
+    worker: int,
+    gradient: Gradient,
+    steps: int,
+    watch: Watch,
+    compute: float = 0.0,
+) -> WorkerLog:
     """Run `steps` steps (pull, compute for `compute` seconds at least, push); stop if a server says so."""
     log = WorkerLog()
     sends: list[tuple[MPI.Request, np.ndarray]] = []

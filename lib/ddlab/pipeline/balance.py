@@ -38,8 +38,17 @@ class Calibration:
         return max(max(column) / (sum(column) / len(column)) for column in zip(*times))
 
 
-def calibrate(comm: Comm, model: UNet, images: torch.Tensor, masks: torch.Tensor, stage_times: StageTimes,
-              m: int, rounds: int = 3, partition: Partition = pipedream_partition, repeats: int = 3) -> Calibration:
+def calibrate(
+    comm: Comm,
+    model: UNet,
+    images: torch.Tensor,
+    masks: torch.Tensor,
+    stage_times: StageTimes,
+    m: int,
+    rounds: int = 3,
+    partition: Partition = pipedream_partition,
+    repeats: int = 3,
+) -> Calibration:
     """Solve, measure a 1F1B step of m micro-batches (images holds m of them), rescale, solve again.
 
     Each stage is scored by its slower direction (`StageTimes.per_direction`), and each

@@ -28,8 +28,9 @@ def micro_batch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return ((output - target) ** 2).sum()
 
 
-def run_schedule(comm: Comm, layers: nn.Module, ops: list[Op], inputs: list[torch.Tensor],
-                 targets: list[torch.Tensor]) -> list[float]:
+def run_schedule(
+    comm: Comm, layers: nn.Module, ops: list[Op], inputs: list[torch.Tensor], targets: list[torch.Tensor]
+) -> list[float]:
     """Exercise 7.3's reference: run_schedule(comm, layers, ops, inputs, targets) -> losses.
 
     Rank r of comm runs stage r (`layers`) through `ops`; inputs[i] (used on rank 0)

@@ -64,8 +64,14 @@ def pipedream_partition(n: int, k: int, stage_time: StageTime) -> list[int]:
 class StageTimes:
     """T(a, b): seconds of a stage holding layers a..b-1, from per-layer forward and backward and its messages."""
 
-    def __init__(self, forward: list[float], backward: list[float], crossings: Callable[[int, int], list[int]],
-                 alpha: float, beta: float):
+    def __init__(
+        self,
+        forward: list[float],
+        backward: list[float],
+        crossings: Callable[[int, int], list[int]],
+        alpha: float,
+        beta: float,
+    ):
         self.forward, self.backward = list(forward), list(backward)
         self.crossings, self.alpha, self.beta = crossings, alpha, beta
 
@@ -117,8 +123,9 @@ def message_cost(repeats: int = 9, large: int = 2**20) -> tuple[float, float]:
     return small, max(big - small, 0.0) / large
 
 
-def measured_stage_times(comm: Comm, model: UNet, images: torch.Tensor, masks: torch.Tensor,
-                         repeats: int = 3) -> StageTimes:
+def measured_stage_times(
+    comm: Comm, model: UNet, images: torch.Tensor, masks: torch.Tensor, repeats: int = 3
+) -> StageTimes:
     """T(a, b) for this micro-batch, from layer and message costs measured on every rank.
 
     Every rank profiles the whole model `repeats` times at once (so the machine is
@@ -133,5 +140,6 @@ def measured_stage_times(comm: Comm, model: UNet, images: torch.Tensor, masks: t
     alphas, betas = zip(*raw.allgather(message_cost()))
     crossings = Crossings(model, tuple(images.shape[1:]), images.shape[0])
     return StageTimes(forward, backward, crossings, AGGREGATE(alphas), AGGREGATE(betas))
+
 
 AGGREGATE = min

@@ -33,8 +33,14 @@ def micro_batches(images: torch.Tensor, masks: torch.Tensor, m: int) -> list[tup
     return [(x.clone(), y.clone()) for x, y in zip(images.chunk(m), masks.chunk(m))]
 
 
-def pipeline_step(stage: Stage, schedule: Schedule, images: torch.Tensor, masks: torch.Tensor, m: int,
-                  optimizer: torch.optim.Optimizer | None = None) -> float | None:
+def pipeline_step(
+    stage: Stage,
+    schedule: Schedule,
+    images: torch.Tensor,
+    masks: torch.Tensor,
+    m: int,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> float | None:
     """One step on the batch as m micro-batches, ops in the order schedule(K, m, stage) gives.
 
     Returns the batch's loss on the last stage, None elsewhere.
@@ -49,7 +55,9 @@ def pipeline_step(stage: Stage, schedule: Schedule, images: torch.Tensor, masks:
         else:
             raise ValueError(f"unknown op {(kind, i)!r}: ops are ('F', i) or ('B', i)")
     if stage.in_flight():
-        raise ValueError(f"stage {stage.index}: the schedule never ran the backward of micro-batches {stage.in_flight()}")
+        raise ValueError(
+            f"stage {stage.index}: the schedule never ran the backward of micro-batches {stage.in_flight()}"
+        )
     stage.mailbox.flush()
     if optimizer is not None:
         optimizer.step()
@@ -133,9 +141,18 @@ def _stage_time(spans: list[Span]) -> float:
     return sum(s.duration for s in spans if s.name in BUSY_KINDS)
 
 
-def measure_pipeline(comm: Comm, model: UNet, bounds: list[int], schedule: Schedule, m: int,
-                     images: torch.Tensor, masks: torch.Tensor, recompute: bool = False,
-                     warmup: int = 1, repeats: int = 3) -> PipelineRun:
+def measure_pipeline(
+    comm: Comm,
+    model: UNet,
+    bounds: list[int],
+    schedule: Schedule,
+    m: int,
+    images: torch.Tensor,
+    masks: torch.Tensor,
+    recompute: bool = False,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> PipelineRun:
     """Run `warmup` steps, then measure `repeats` more. A collective: every rank gets the same result."""
     raw = underlying(comm)
     rank = raw.Get_rank()

@@ -43,7 +43,9 @@ def one_f_one_b(k: int, m: int, stage: int) -> list[Op]:
 
 def _check(k: int, m: int, stage: int) -> None:
     if k < 1 or m < 1 or not 0 <= stage < k:
-        raise ValueError(f"need k >= 1 stages, m >= 1 micro-batches and 0 <= stage < k, got k={k}, m={m}, stage={stage}")
+        raise ValueError(
+            f"need k >= 1 stages, m >= 1 micro-batches and 0 <= stage < k, got k={k}, m={m}, stage={stage}"
+        )
 
 
 def in_flight(ops: list[Op]) -> int:
@@ -55,8 +57,9 @@ def in_flight(ops: list[Op]) -> int:
     return most
 
 
-def simulate(schedules: list[list[Op]], forward: float | list[float] = 1.0,
-             backward: float | list[float] = 2.0) -> list[list[tuple[Op, float, float]]]:
+def simulate(
+    schedules: list[list[Op]], forward: float | list[float] = 1.0, backward: float | list[float] = 2.0
+) -> list[list[tuple[Op, float, float]]]:
     """Run per-stage op lists on a linear chain of stages; messages take no time.
 
     forward, backward: the time of one micro-batch's op, the same on every stage or
@@ -97,8 +100,10 @@ def simulate(schedules: list[list[Op]], forward: float | list[float] = 1.0,
 def as_spans(timeline: list[list[tuple[Op, float, float]]]) -> list[list[Span]]:
     """A simulated timeline as spans like measured ones (kind and micro-batch), for the same Gantt charts."""
     names = {"F": "forward", "B": "backward"}
-    return [[Span(names[kind], start, end, rank=s, number=i) for (kind, i), start, end in ops]
-            for s, ops in enumerate(timeline)]
+    return [
+        [Span(names[kind], start, end, rank=s, number=i) for (kind, i), start, end in ops]
+        for s, ops in enumerate(timeline)
+    ]
 
 
 def bubble(timeline: list[list[tuple[Op, float, float]]]) -> float:

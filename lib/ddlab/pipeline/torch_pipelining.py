@@ -27,7 +27,7 @@ class RelayStage(nn.Module):
 
     def __init__(self, model: UNet, bounds: list[int], stage: int):
         super().__init__()
-        self.layers = copy.deepcopy(nn.ModuleList(model.layers[bounds[stage]:bounds[stage + 1]]))
+        self.layers = copy.deepcopy(nn.ModuleList(model.layers[bounds[stage] : bounds[stage + 1]]))
         plan = StagePlan(model, bounds, (model.in_channels, 2**model.depth, 2**model.depth))
         made = {layer.saves: plan.stage_of(i) for i, layer in enumerate(model.layers) if layer.saves}
         used = {layer.uses: plan.stage_of(j) for j, layer in enumerate(model.layers) if layer.uses}
@@ -41,8 +41,7 @@ class RelayStage(nn.Module):
         return (x, *(skips[name] for name in self.carried_on)) if self.carried_on else x
 
 
-def forward_bytes(model: UNet, bounds: list[int], image_shape: tuple[int, ...], batch: int,
-                  relayed: bool) -> int:
+def forward_bytes(model: UNet, bounds: list[int], image_shape: tuple[int, ...], batch: int, relayed: bool) -> int:
     """Bytes all stages send in one forward pass: direct skips (ddlab) or relayed ones (torch)."""
     plan = StagePlan(model, bounds, image_shape)
     size = next(model.parameters()).element_size() * batch
@@ -84,7 +83,7 @@ class TorchPipeline:
     def gradient_error(self, reference: list[list[torch.Tensor]], bounds: list[int]) -> float:
         """Largest |gradient - reference| over this rank's parameters."""
         worst = 0.0
-        for layer, grads in zip(self.module.layers, reference[bounds[self.rank]:bounds[self.rank + 1]]):
+        for layer, grads in zip(self.module.layers, reference[bounds[self.rank] : bounds[self.rank + 1]]):
             for param, want in zip(layer.parameters(), grads):
                 if param.grad is None:
                     return float("inf")

@@ -16,6 +16,17 @@ from .timelines import COLOURS, gantt, gantt_pair
 from .unet import unet_diagram
 
 __all__ = [
-    "COLOURS", "arrow", "box", "byte_label", "cluster_diagram", "data_movement", "finish_panels", "gantt",
-    "gantt_pair", "rank_colour", "size_axis", "time_vs_size", "unet_diagram",
+    "COLOURS",
+    "arrow",
+    "box",
+    "byte_label",
+    "cluster_diagram",
+    "data_movement",
+    "finish_panels",
+    "gantt",
+    "gantt_pair",
+    "rank_colour",
+    "size_axis",
+    "time_vs_size",
+    "unet_diagram",
 ]

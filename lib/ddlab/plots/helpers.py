@@ -27,7 +27,9 @@ def byte_label(n: float) -> str:
     return f"{n:g} B"
 
 
-def size_axis(ax: plt.Axes, sizes: Sequence[float] | np.ndarray, label: str, every: int = 3, legend_size: int = 8) -> None:
+def size_axis(
+    ax: plt.Axes, sizes: Sequence[float] | np.ndarray, label: str, every: int = 3, legend_size: int = 8
+) -> None:
     """A log x-axis of byte sizes: power-of-two ticks named in B/KiB/MiB, a grid, the legend."""
     ticks = [2**k for k in range(0, 40, every) if min(sizes) <= 2**k <= max(sizes)]
     ax.set_xticks(ticks, [byte_label(k) for k in ticks], fontsize=8)

@@ -24,15 +24,30 @@ def _draw_ranks(ax: plt.Axes, arrays: Sequence[np.ndarray | None], width: int, c
             if combined:  # a sum over all ranks: a stripe of every rank's colour
                 stripe = 0.9 / len(arrays)
                 for source in range(len(arrays)):
-                    ax.add_patch(plt.Rectangle((i - 0.45 + source * stripe, y - 0.4), stripe, 0.8,
-                                               fc=rank_colour(source), ec="none", alpha=0.6))
+                    ax.add_patch(
+                        plt.Rectangle(
+                            (i - 0.45 + source * stripe, y - 0.4),
+                            stripe,
+                            0.8,
+                            fc=rank_colour(source),
+                            ec="none",
+                            alpha=0.6,
+                        )
+                    )
                 ax.add_patch(plt.Rectangle((i - 0.45, y - 0.4), 0.9, 0.8, fc="none", ec="black"))
             else:
                 origin = int(value) // 10
                 colour = rank_colour(origin) if origin < len(arrays) else "lightgray"
                 ax.add_patch(plt.Rectangle((i - 0.45, y - 0.4), 0.9, 0.8, fc=colour, ec="black", alpha=0.85))
-            ax.text(i, y, f"{value:g}", ha="center", va="center", fontsize=8,
-                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"} if combined else None)
+            ax.text(
+                i,
+                y,
+                f"{value:g}",
+                ha="center",
+                va="center",
+                fontsize=8,
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"} if combined else None,
+            )
     ax.set_xlim(-0.6, max(width, 1) - 0.4)
     ax.set_ylim(-0.6, len(arrays) - 0.4)
     ax.set_yticks(range(len(arrays)), [f"rank {r}" for r in reversed(range(len(arrays)))])
@@ -41,8 +56,9 @@ def _draw_ranks(ax: plt.Axes, arrays: Sequence[np.ndarray | None], width: int, c
         ax.spines[side].set_visible(False)
 
 
-def data_movement(before: Sequence[np.ndarray | None], after: Sequence[np.ndarray | None], title: str,
-                  combined: bool = False) -> plt.Figure:
+def data_movement(
+    before: Sequence[np.ndarray | None], after: Sequence[np.ndarray | None], title: str, combined: bool = False
+) -> plt.Figure:
     """Every rank's array before and after a collective, side by side.
 
     Values are read as labels 10 * rank + index, so each cell takes the colour of the
@@ -51,8 +67,12 @@ def data_movement(before: Sequence[np.ndarray | None], after: Sequence[np.ndarra
     over ranks (reduce, allreduce) and are drawn striped in every rank's colour.
     """
     widths = [max([np.size(a) for a in arrays if a is not None], default=1) for arrays in (before, after)]
-    fig, axes = plt.subplots(1, 2, figsize=(2.5 + 0.55 * sum(widths), 0.9 + 0.45 * len(before)),
-                             gridspec_kw={"width_ratios": [max(w, 2) for w in widths]})
+    fig, axes = plt.subplots(
+        1,
+        2,
+        figsize=(2.5 + 0.55 * sum(widths), 0.9 + 0.45 * len(before)),
+        gridspec_kw={"width_ratios": [max(w, 2) for w in widths]},
+    )
     for ax, arrays, width, label in zip(axes, (before, after), widths, ("before", "after")):
         _draw_ranks(ax, arrays, width, combined and label == "after")
         ax.set_title(label, fontsize=9)

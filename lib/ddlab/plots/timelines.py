@@ -10,14 +10,28 @@ import matplotlib.pyplot as plt
 from ..runtime.trace import MAIN, Span
 
 #: A colour per kind of span: training phases (labs 04-05) and pipeline ops (labs 06-07).
-COLOURS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#55a868", "allreduce": "#c44e52",
-           "optimizer": "#dd8452", "bucket": "#e6a0a2", "send": "#dd8452", "recv": "#8172b3",
-           "idle": "#eeeeee", "other": "#bbbbbb"}
+COLOURS = {
+    "data": "#8c8c8c",
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "allreduce": "#c44e52",
+    "optimizer": "#dd8452",
+    "bucket": "#e6a0a2",
+    "send": "#dd8452",
+    "recv": "#8172b3",
+    "idle": "#eeeeee",
+    "other": "#bbbbbb",
+}
 _DARK = ("forward", "backward", "allreduce", "recv")  # kinds whose numbers are written in white
 
 
-def gantt(spans_by_rank: Sequence[Sequence[Span]], title: str = "", ax: plt.Axes | None = None,
-          unit: float = 1e3, unit_name: str = "ms") -> plt.Figure:
+def gantt(
+    spans_by_rank: Sequence[Sequence[Span]],
+    title: str = "",
+    ax: plt.Axes | None = None,
+    unit: float = 1e3,
+    unit_name: str = "ms",
+) -> plt.Figure:
     """One row per rank and track, one bar per span coloured by its kind, numbered (micro-batch, bucket).
 
     spans_by_rank: per rank, ddlab.runtime.trace.Spans. Nested spans are drawn over the ones
@@ -36,20 +50,39 @@ def gantt(spans_by_rank: Sequence[Sequence[Span]], title: str = "", ax: plt.Axes
     for row, (_, _, spans) in enumerate(rows):
         for span in sorted(spans, key=lambda s: (s.start, -s.end)):  # enclosing spans first, nested on top
             width = (span.end - span.start) * unit
-            ax.barh(row, width, left=span.start * unit, height=0.7, color=COLOURS.get(span.name, "#999999"),
-                    edgecolor="white", linewidth=0.4)
+            ax.barh(
+                row,
+                width,
+                left=span.start * unit,
+                height=0.7,
+                color=COLOURS.get(span.name, "#999999"),
+                edgecolor="white",
+                linewidth=0.4,
+            )
             if span.number is not None and width > end / 90:
-                ax.text(span.start * unit + width / 2, row, str(span.number), ha="center", va="center", fontsize=7,
-                        color="white" if span.name in _DARK else "black")
-    ax.set_yticks(range(len(rows)), [f"rank {r}" + ("" if t == MAIN else f" ({t})") for r, t, _ in rows],
-                  fontsize=8)
+                ax.text(
+                    span.start * unit + width / 2,
+                    row,
+                    str(span.number),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if span.name in _DARK else "black",
+                )
+    ax.set_yticks(range(len(rows)), [f"rank {r}" + ("" if t == MAIN else f" ({t})") for r, t, _ in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, end)
     ax.set_xlabel(f"time ({unit_name})")
     kinds = [k for k in COLOURS if any(s.name == k for _, _, spans in rows for s in spans)]
-    ax.legend([plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds], kinds, fontsize=7,
-              ncol=max(len(kinds), 1), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)),
-              frameon=False)
+    ax.legend(
+        [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in kinds],
+        kinds,
+        fontsize=7,
+        ncol=max(len(kinds), 1),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)),
+        frameon=False,
+    )
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -34,14 +34,29 @@ def unet_diagram(names: Sequence[str], bounds: Sequence[int] | None = None, titl
     for i, name in enumerate(names):
         if name.startswith("Down"):
             j = names.index("Up" + name[4:])
-            ax.add_patch(FancyArrowPatch((i, -places[i] + 0.32), (j, -places[j] + 0.32), arrowstyle="-|>",
-                                         mutation_scale=10, connectionstyle="arc3,rad=-0.12", color="tab:red"))
+            ax.add_patch(
+                FancyArrowPatch(
+                    (i, -places[i] + 0.32),
+                    (j, -places[j] + 0.32),
+                    arrowstyle="-|>",
+                    mutation_scale=10,
+                    connectionstyle="arc3,rad=-0.12",
+                    color="tab:red",
+                )
+            )
     if bounds is not None:
         for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            ax.text((a + b - 1) / 2, 1.05, f"stage {s}", ha="center", fontsize=9,
-                    bbox=dict(fc=_STAGE_COLOURS[s % len(_STAGE_COLOURS)], ec="none"))
-    ax.text(-0.5, -max(places) - 0.55, "C conv+ReLU   D store skip, pool   U upsample, concat skip   H head",
-            fontsize=8)
+            ax.text(
+                (a + b - 1) / 2,
+                1.05,
+                f"stage {s}",
+                ha="center",
+                fontsize=9,
+                bbox=dict(fc=_STAGE_COLOURS[s % len(_STAGE_COLOURS)], ec="none"),
+            )
+    ax.text(
+        -0.5, -max(places) - 0.55, "C conv+ReLU   D store skip, pool   U upsample, concat skip   H head", fontsize=8
+    )
     ax.text(len(names) - 0.5, -max(places) - 0.55, "red: skip connections", ha="right", fontsize=8, color="tab:red")
     ax.set_xlim(-0.7, len(names) - 0.3)
     ax.set_ylim(-max(places) - 0.7, 1.4)

@@ -110,7 +110,7 @@ def cleanup_orphans(profile: str | None = None) -> list[str]:
     profile = profile or default_profile()
     stopped = []
     for cluster in _saved_clusters(profile):
-        owner = cluster.cluster_id[len(_ID_PREFIX):]
+        owner = cluster.cluster_id[len(_ID_PREFIX) :]
         orphaned = owner.isdigit() and not _pid_alive(int(owner))
         if orphaned or owner == str(os.getpid()):
             with contextlib.suppress(Exception):

@@ -26,12 +26,18 @@ class Comm(Protocol):
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None: ...
 
-    def Recv(self, buf: Any, source: int = ..., tag: int = ...,
-             status: MPI.Status | None = None) -> None: ...
+    def Recv(self, buf: Any, source: int = ..., tag: int = ..., status: MPI.Status | None = None) -> None: ...
 
-    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
-                 source: int = ..., recvtag: int = ...,
-                 status: MPI.Status | None = None) -> None: ...
+    def Sendrecv(
+        self,
+        sendbuf: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = ...,
+        recvtag: int = ...,
+        status: MPI.Status | None = None,
+    ) -> None: ...
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request: ...
 

@@ -49,15 +49,30 @@ from .waiting import PeerFailed, Stalled, Watch, WatchedRequest
 #: The MPI collectives, by base name: their non-blocking (I...) and persistent (..._init)
 #: forms and the lower-case object API are collectives too.
 COLLECTIVES = {
-    "barrier", "bcast", "reduce", "allreduce", "gather", "gatherv", "scatter", "scatterv",
-    "allgather", "allgatherv", "alltoall", "alltoallv", "alltoallw", "reduce_scatter",
-    "reduce_scatter_block", "scan", "exscan",
+    "barrier",
+    "bcast",
+    "reduce",
+    "allreduce",
+    "gather",
+    "gatherv",
+    "scatter",
+    "scatterv",
+    "allgather",
+    "allgatherv",
+    "alltoall",
+    "alltoallv",
+    "alltoallw",
+    "reduce_scatter",
+    "reduce_scatter_block",
+    "scan",
+    "exscan",
 }
 
 #: Point-to-point calls the counting communicator does not count, and what to use instead.
 UNCOUNTED = {
-    **dict.fromkeys(("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init"),
-                    "Isend (a new request each time)"),
+    **dict.fromkeys(
+        ("Send_init", "Ssend_init", "Bsend_init", "Rsend_init", "Psend_init"), "Isend (a new request each time)"
+    ),
     **dict.fromkeys(("Recv_init", "Precv_init"), "Irecv (a new request each time)"),
     **dict.fromkeys(("Bsend", "Rsend", "bsend"), "Send (or Isend and Wait)"),
     **dict.fromkeys(("Ibsend", "Irsend", "ibsend"), "Isend"),
@@ -66,8 +81,19 @@ UNCOUNTED = {
     "Attach_buffer": "Send or Isend (no buffer to attach)",
     # communicators whose messages the check could not follow
     **dict.fromkeys(("Clone", "Idup", "Dup_with_info", "Idup_with_info"), "Dup"),
-    **dict.fromkeys(("Create", "Create_group", "Split_type", "Create_cart", "Create_graph", "Create_dist_graph",
-                     "Create_dist_graph_adjacent", "Create_intercomm"), "Split (by color and key)"),
+    **dict.fromkeys(
+        (
+            "Create",
+            "Create_group",
+            "Split_type",
+            "Create_cart",
+            "Create_graph",
+            "Create_dist_graph",
+            "Create_dist_graph_adjacent",
+            "Create_intercomm",
+        ),
+        "Split (by color and key)",
+    ),
 }
 
 
@@ -153,25 +179,34 @@ def _vector_blocks(spec: Any, size: int, what: str) -> list[int]:
     """Bytes per rank of an mpi4py vector buffer spec, e.g. [array, (counts, displs)] or
     [array, counts, displs, datatype]; ValueError if a block lies outside the array."""
     if not isinstance(spec, (list, tuple)) or len(spec) < 2:
-        raise ValueError(f"Alltoallv: give the {what} buffer as [array, (counts, displacements)] "
-                         "or [array, counts, displacements, datatype]")
+        raise ValueError(
+            f"Alltoallv: give the {what} buffer as [array, (counts, displacements)] "
+            "or [array, counts, displacements, datatype]"
+        )
     data, rest = np.asarray(spec[0]), list(spec[1:])
     datatype = rest.pop() if rest and isinstance(rest[-1], MPI.Datatype) else None
     if len(rest) == 1 and isinstance(rest[0], (list, tuple)) and len(rest[0]) == 2 and np.ndim(rest[0][0]) == 1:
         rest = list(rest[0])
     counts = np.asarray(rest[0], dtype=np.int64)
-    displs = (np.asarray(rest[1], dtype=np.int64) if len(rest) > 1 and rest[1] is not None
-              else np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64))
+    displs = (
+        np.asarray(rest[1], dtype=np.int64)
+        if len(rest) > 1 and rest[1] is not None
+        else np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    )
     if counts.shape != (size,) or displs.shape != (size,):
-        raise ValueError(f"Alltoallv: the {what} counts and displacements need one entry per rank ({size}), "
-                         f"got {counts.size} and {displs.size}")
+        raise ValueError(
+            f"Alltoallv: the {what} counts and displacements need one entry per rank ({size}), "
+            f"got {counts.size} and {displs.size}"
+        )
     unit = datatype.Get_extent()[1] if datatype is not None else data.itemsize
     ends = (displs + counts) * unit
     bad = np.flatnonzero((counts < 0) | (displs < 0) | (ends > data.nbytes))
     if bad.size:
         r = int(bad[0])
-        raise ValueError(f"Alltoallv: the {what} block for rank {r} (displacement {displs[r]}, count {counts[r]}) "
-                         f"lies outside the {what} buffer of {data.nbytes // unit} elements")
+        raise ValueError(
+            f"Alltoallv: the {what} block for rank {r} (displacement {displs[r]}, count {counts[r]}) "
+            f"lies outside the {what} buffer of {data.nbytes // unit} elements"
+        )
     return (counts * unit).tolist()
 
 
@@ -186,8 +221,14 @@ def _tag(tag: int) -> str:
 class CountingComm:
     """Wraps an mpi4py communicator; forwards point-to-point calls and records them."""
 
-    def __init__(self, comm: MPI.Comm, timeout: float = 20.0, allow: tuple[str, ...] = (), stagger: float = 0.0,
-                 parent: CountingComm | None = None):
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        timeout: float = 20.0,
+        allow: tuple[str, ...] = (),
+        stagger: float = 0.0,
+        parent: CountingComm | None = None,
+    ):
         """`stagger`: seconds a rank's first send waits per rank above it, so that messages
         to one receiver arrive in reverse rank order (a check's way to force the bad order).
         `parent`: the counting communicator this one was split from (see Split)."""
@@ -246,8 +287,12 @@ class CountingComm:
         """Every rank's value, gathered on the notice communicator under the timeout: a check's way to
         stop before a rank starts another collective the others have not matched."""
         everyone = np.empty(self.size, dtype=np.int64)
-        self._wait([self.watch.alarm.Iallgather(np.array([value], dtype=np.int64), everyone)], [MPI.Status()], what,
-                   cancel=False)
+        self._wait(
+            [self.watch.alarm.Iallgather(np.array([value], dtype=np.int64), everyone)],
+            [MPI.Status()],
+            what,
+            cancel=False,
+        )
         return [int(v) for v in everyone]
 
     def _same_call(self, name: str) -> None:
@@ -255,17 +300,24 @@ class CountingComm:
         codes = self.agree(CONSTRUCTORS.index(name), f"{name} to be called on every rank")
         if len(set(codes)) > 1:
             calls = ", ".join(f"rank {rank} {CONSTRUCTORS[code]}" for rank, code in enumerate(codes))
-            raise MismatchedCollective(f"the ranks called different collectives at the same point ({calls}): every "
-                                       "rank must make the same collective calls, in the same order")
+            raise MismatchedCollective(
+                f"the ranks called different collectives at the same point ({calls}): every "
+                "rank must make the same collective calls, in the same order"
+            )
 
     def unwaited(self) -> str | None:
         """What the student's code left without a Wait/Test that completed it (a request never waited), or None."""
-        left = [request.entry.what.removesuffix(" to complete").removesuffix(" to be received")
-                for request in self.requests if request != MPI.REQUEST_NULL]
+        left = [
+            request.entry.what.removesuffix(" to complete").removesuffix(" to be received")
+            for request in self.requests
+            if request != MPI.REQUEST_NULL
+        ]
         if not left:
             return None
-        return (f"{', '.join(left)} returned a request that was never waited for: call Wait (or Waitall on all of "
-                "them) on every request before returning, so the message is complete and its buffer free")
+        return (
+            f"{', '.join(left)} returned a request that was never waited for: call Wait (or Waitall on all of "
+            "them) on every request before returning, so the message is complete and its buffer free"
+        )
 
     def _handed(self, request: WatchedRequest) -> WatchedRequest:
         """A request handed to the student's code, remembered so that unwaited() can name it."""
@@ -278,13 +330,18 @@ class CountingComm:
 
     def __getattr__(self, name: str) -> Any:
         if is_collective(name) and name not in self.allow:
-            uses = (f"may call only comm.{', comm.'.join(self.allow)}" if self.allow else
-                    "builds it from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only")
+            uses = (
+                f"may call only comm.{', comm.'.join(self.allow)}"
+                if self.allow
+                else "builds it from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only"
+            )
             raise ForbiddenCollective(f"comm.{name} is the MPI library's own collective: this exercise {uses}.")
         if name in UNCOUNTED:
-            raise UncountedCall(f"comm.{name} is not counted by the check's communicator: use comm.{UNCOUNTED[name]} "
-                                f"instead (the check counts Send/Recv, Isend/Irecv/Issend, Sendrecv, "
-                                f"Sendrecv_replace, Probe and their lower-case object forms).")
+            raise UncountedCall(
+                f"comm.{name} is not counted by the check's communicator: use comm.{UNCOUNTED[name]} "
+                f"instead (the check counts Send/Recv, Isend/Irecv/Issend, Sendrecv, "
+                f"Sendrecv_replace, Probe and their lower-case object forms)."
+            )
         return getattr(self.comm, name)
 
     # Allowed collectives --------------------------------------------------------
@@ -303,8 +360,12 @@ class CountingComm:
         except ValueError as err:
             problem, mine = str(err), [[-1] * size, [-1] * size]
         everyone = np.empty((size, 2, size), dtype=np.int64)
-        self._wait([self.watch.alarm.Iallgather(np.array(mine, dtype=np.int64), everyone)], [MPI.Status()],
-                   "the other ranks to call Alltoallv", cancel=False)
+        self._wait(
+            [self.watch.alarm.Iallgather(np.array(mine, dtype=np.int64), everyone)],
+            [MPI.Status()],
+            "the other ranks to call Alltoallv",
+            cancel=False,
+        )
         if problem is not None:
             raise ValueError(problem)
         sends, recvs = everyone[:, 0, :], everyone[:, 1, :]
@@ -312,8 +373,10 @@ class CountingComm:
             raise ValueError(f"Alltoallv: rank {int(np.flatnonzero((sends < 0).any(1))[0])} passed invalid buffers")
         if not np.array_equal(sends, recvs.T):
             s, d = (int(v) for v in np.argwhere(sends != recvs.T)[0])
-            raise ValueError(f"Alltoallv: rank {s} sends rank {d} {sends[s, d]} bytes but rank {d}'s receive counts "
-                             f"and displacements make room for {recvs[d, s]} bytes from it (they must match pairwise)")
+            raise ValueError(
+                f"Alltoallv: rank {s} sends rank {d} {sends[s, d]} bytes but rank {d}'s receive counts "
+                f"and displacements make room for {recvs[d, s]} bytes from it (they must match pairwise)"
+            )
         for peer in range(size):
             self._log("send", peer, COLLECTIVE_TAG, int(sends[self.rank, peer]))
         self._wait([self.comm.Ialltoallv(sendbuf, recvbuf)], [MPI.Status()], "Alltoallv to complete", cancel=False)
@@ -325,8 +388,12 @@ class CountingComm:
         """MPI's Allreduce, if allowed, as its non-blocking twin under the timeout; named in the calls."""
         if "Allreduce" not in self.allow:
             self.__getattr__("Allreduce")  # raises ForbiddenCollective
-        self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op)], [MPI.Status()], "Allreduce to be called on every rank",
-                   cancel=False)
+        self._wait(
+            [self.comm.Iallreduce(sendbuf, recvbuf, op)],
+            [MPI.Status()],
+            "Allreduce to be called on every rank",
+            cancel=False,
+        )
         self.traffic.calls.append("Allreduce")
 
     def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> MPI.Request:
@@ -334,15 +401,22 @@ class CountingComm:
         if "Iallreduce" not in self.allow:
             self.__getattr__("Iallreduce")  # raises ForbiddenCollective
         self.traffic.calls.append("Iallreduce")
-        return self.watch.watched(self.comm.Iallreduce(sendbuf, recvbuf, op),
-                                  "Iallreduce to be started on every rank and to complete", collective=True)
+        return self.watch.watched(
+            self.comm.Iallreduce(sendbuf, recvbuf, op),
+            "Iallreduce to be started on every rank and to complete",
+            collective=True,
+        )
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """MPI's Bcast, if allowed, as its non-blocking twin under the timeout; named in the calls."""
         if "Bcast" not in self.allow:
             self.__getattr__("Bcast")  # raises ForbiddenCollective
-        self._wait([self.comm.Ibcast(buf, root)], [MPI.Status()], f"Bcast from rank {root} to be called on every rank",
-                   cancel=False)
+        self._wait(
+            [self.comm.Ibcast(buf, root)],
+            [MPI.Status()],
+            f"Bcast from rank {root} to be called on every rank",
+            cancel=False,
+        )
         self.traffic.calls.append("Bcast")
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
@@ -404,55 +478,84 @@ class CountingComm:
     # Buffer API ---------------------------------------------------------------
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
         self._log("send", dest, tag, _nbytes(buf))
-        self._wait([self.comm.Issend(buf, dest, tag)], [MPI.Status()], f"Send to rank {dest} (tag {tag}) to be received")
+        self._wait(
+            [self.comm.Issend(buf, dest, tag)], [MPI.Status()], f"Send to rank {dest} (tag {tag}) to be received"
+        )
 
     Ssend = Send
 
-    def Recv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
-             status: MPI.Status | None = None) -> None:
+    def Recv(
+        self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None
+    ) -> None:
         status = status if status is not None else MPI.Status()
         self._wait([self.comm.Irecv(buf, source, tag)], [status], f"Recv from {_peer(source)} (tag {_tag(tag)})")
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
 
-    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
-                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
-                 status: MPI.Status | None = None) -> None:
+    def Sendrecv(
+        self,
+        sendbuf: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = MPI.ANY_SOURCE,
+        recvtag: int = MPI.ANY_TAG,
+        status: MPI.Status | None = None,
+    ) -> None:
         status = status if status is not None else MPI.Status()
         self._log("send", dest, sendtag, _nbytes(sendbuf))
         requests = [self.comm.Irecv(recvbuf, source, recvtag), self.comm.Isend(sendbuf, dest, sendtag)]
         self._wait(requests, [status, MPI.Status()], f"Sendrecv with rank {dest} / {_peer(source)}")
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
 
-    def Sendrecv_replace(self, buf: Any, dest: int, sendtag: int = 0, source: int = MPI.ANY_SOURCE,
-                         recvtag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> None:
+    def Sendrecv_replace(
+        self,
+        buf: Any,
+        dest: int,
+        sendtag: int = 0,
+        source: int = MPI.ANY_SOURCE,
+        recvtag: int = MPI.ANY_TAG,
+        status: MPI.Status | None = None,
+    ) -> None:
         status = status if status is not None else MPI.Status()
         self._log("send", dest, sendtag, _nbytes(buf))
-        self._wait([self.comm.Isendrecv_replace(buf, dest, sendtag, source, recvtag)], [status],
-                   f"Sendrecv_replace with rank {dest} / {_peer(source)}")
+        self._wait(
+            [self.comm.Isendrecv_replace(buf, dest, sendtag, source, recvtag)],
+            [status],
+            f"Sendrecv_replace with rank {dest} / {_peer(source)}",
+        )
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, _nbytes(buf))
-        return self._handed(self.watch.watched(self.comm.Isend(buf, dest, tag), f"Isend to rank {dest} (tag {tag}) to complete"))
+        return self._handed(
+            self.watch.watched(self.comm.Isend(buf, dest, tag), f"Isend to rank {dest} (tag {tag}) to complete")
+        )
 
     def Issend(self, buf: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, _nbytes(buf))
-        return self._handed(self.watch.watched(self.comm.Issend(buf, dest, tag), f"Issend to rank {dest} (tag {tag}) to be received"))
+        return self._handed(
+            self.watch.watched(self.comm.Issend(buf, dest, tag), f"Issend to rank {dest} (tag {tag}) to be received")
+        )
 
     def Irecv(self, buf: Any, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, _nbytes(buf))
-        return self._handed(self.watch.watched(self.comm.Irecv(buf, source, tag), f"Irecv from {_peer(source)} (tag {_tag(tag)})"))
+        return self._handed(
+            self.watch.watched(self.comm.Irecv(buf, source, tag), f"Irecv from {_peer(source)} (tag {_tag(tag)})")
+        )
 
     # Object (pickle) API ------------------------------------------------------
     def send(self, obj: Any, dest: int, tag: int = 0) -> None:
         payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
         self._log("send", dest, tag, len(payload))
-        self._wait([self.comm.issend(obj, dest, tag)], [MPI.Status()], f"send to rank {dest} (tag {tag}) to be received")
+        self._wait(
+            [self.comm.issend(obj, dest, tag)], [MPI.Status()], f"send to rank {dest} (tag {tag}) to be received"
+        )
 
     ssend = send
 
-    def recv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
-             status: MPI.Status | None = None) -> Any:
+    def recv(
+        self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None
+    ) -> Any:
         status = status if status is not None else MPI.Status()
         probe = MPI.Status()
         self.watch.poll(lambda: self.comm.Iprobe(source, tag, probe), f"recv from {_peer(source)} (tag {_tag(tag)})")
@@ -460,9 +563,16 @@ class CountingComm:
         self._log("recv", status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
         return obj
 
-    def sendrecv(self, sendobj: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
-                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
-                 status: MPI.Status | None = None) -> Any:
+    def sendrecv(
+        self,
+        sendobj: Any,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf: Any = None,
+        source: int = MPI.ANY_SOURCE,
+        recvtag: int = MPI.ANY_TAG,
+        status: MPI.Status | None = None,
+    ) -> Any:
         request = self.isend(sendobj, dest, sendtag)
         obj = self.recv(recvbuf, source, recvtag, status)
         self._wait([request], [MPI.Status()], f"sendrecv's send to rank {dest}")
@@ -470,21 +580,34 @@ class CountingComm:
 
     def isend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
-        return self._handed(self.watch.watched(self.comm.isend(obj, dest, tag), f"isend to rank {dest} (tag {tag}) to complete", pickled=True))
+        return self._handed(
+            self.watch.watched(
+                self.comm.isend(obj, dest, tag), f"isend to rank {dest} (tag {tag}) to complete", pickled=True
+            )
+        )
 
     def issend(self, obj: Any, dest: int, tag: int = 0) -> MPI.Request:
         self._log("send", dest, tag, len(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
-        return self._handed(self.watch.watched(self.comm.issend(obj, dest, tag), f"issend to rank {dest} (tag {tag}) to be received", pickled=True))
+        return self._handed(
+            self.watch.watched(
+                self.comm.issend(obj, dest, tag), f"issend to rank {dest} (tag {tag}) to be received", pickled=True
+            )
+        )
 
     def irecv(self, buf: Any = None, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> MPI.Request:
         self._log("recv", source, tag, 0)
-        return self._handed(self.watch.watched(self.comm.irecv(buf, source, tag), f"irecv from {_peer(source)} (tag {_tag(tag)})", pickled=True))
+        return self._handed(
+            self.watch.watched(
+                self.comm.irecv(buf, source, tag), f"irecv from {_peer(source)} (tag {_tag(tag)})", pickled=True
+            )
+        )
 
-    def Probe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
-              status: MPI.Status | None = None) -> bool:
+    def Probe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> bool:
         """MPI's Probe (waits for a message without receiving it), with the timeout."""
         status = status if status is not None else MPI.Status()
-        self.watch.poll(lambda: self.comm.Iprobe(source, tag, status), f"Probe for a message from {_peer(source)} (tag {_tag(tag)})")
+        self.watch.poll(
+            lambda: self.comm.Iprobe(source, tag, status), f"Probe for a message from {_peer(source)} (tag {_tag(tag)})"
+        )
         return True
 
     probe = Probe
@@ -499,8 +622,10 @@ class CountingComm:
         now = time.monotonic()
         self._probing_since = now if self._probing_since is None else self._probing_since
         if now - self._probing_since > self.timeout:
-            raise Stalled(f"rank {self.rank} polled {what} for {self.timeout:g} s and none came: is the matching "
-                          "send missing, or is this rank waiting for one message too many?")
+            raise Stalled(
+                f"rank {self.rank} polled {what} for {self.timeout:g} s and none came: is the matching "
+                "send missing, or is this rank waiting for one message too many?"
+            )
         return False
 
     iprobe = Iprobe
@@ -545,7 +670,8 @@ def rounds(all_traffic: list[Traffic], *, one_receive_at_a_time: bool = False) -
 def _take_message(pending: dict[tuple[int, int, int], list[int]], source: int, dest: int, tag: int) -> int | None:
     """Pop the round of the message a receive matches (the earliest, for wildcards), or None."""
     queues = [
-        queue for (s, d, t), queue in pending.items()
+        queue
+        for (s, d, t), queue in pending.items()
         if queue and d == dest and source in (s, MPI.ANY_SOURCE) and tag in (t, MPI.ANY_TAG)
     ]
     return min(queues, key=lambda queue: queue[0]).pop(0) if queues else None

@@ -31,11 +31,7 @@ def mpiexec_path() -> str:
     if candidate.exists():
         return str(candidate)
     on_path = shutil.which("mpiexec")
-    hint = (
-        f" (the one on PATH, {on_path}, may belong to another MPI than mpi4py's)"
-        if on_path
-        else ""
-    )
+    hint = f" (the one on PATH, {on_path}, may belong to another MPI than mpi4py's)" if on_path else ""
     raise MPISetupError(
         f"No mpiexec next to {sys.executable}{hint}. Run `make setup` in the course "
         "folder to install the MPI wheel, or set DDLAB_MPIEXEC to the mpiexec that "
@@ -48,9 +44,7 @@ def implementation(mpiexec: str | None = None) -> str:
     """'openmpi' or 'mpich', read from `mpiexec --version` without initialising MPI here."""
     exe = mpiexec or mpiexec_path()
     try:
-        out = subprocess.run(
-            [exe, "--version"], capture_output=True, text=True, timeout=30, env=launch_env()
-        )
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, env=launch_env())
     except (OSError, subprocess.TimeoutExpired) as err:
         raise MPISetupError(f"`{exe} --version` failed: {err}. Reinstall with `make setup`.") from None
     text = (out.stdout + out.stderr).lower()
@@ -152,8 +146,12 @@ def run_for_each(rank_counts: list[int], command: list[str], timeout: float) -> 
     return status
 
 
-def bench_main(parser: argparse.ArgumentParser, child: Callable[[argparse.Namespace], None],
-               timeout: float, ranks: list[int] | None = None) -> int:
+def bench_main(
+    parser: argparse.ArgumentParser,
+    child: Callable[[argparse.Namespace], None],
+    timeout: float,
+    ranks: list[int] | None = None,
+) -> int:
     """A benchmark's main: rerun this script, same arguments, under mpiexec; there, call `child`.
 
     Run directly, the script relaunches itself with `--child` on each rank count in turn

@@ -176,10 +176,17 @@ def chrome_trace(spans_by_rank: list[list[Span]], label: str = "rank") -> dict:
             events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": track}})
         tid_of = {track: tid for tid, track in enumerate(tracks)}
         for span in spans:
-            events.append({
-                "ph": "X", "name": span.label, "cat": span.track, "pid": rank, "tid": tid_of[span.track],
-                "ts": round(span.start * 1e6, 3), "dur": round(max(span.duration, 0.0) * 1e6, 3),
-            })
+            events.append(
+                {
+                    "ph": "X",
+                    "name": span.label,
+                    "cat": span.track,
+                    "pid": rank,
+                    "tid": tid_of[span.track],
+                    "ts": round(span.start * 1e6, 3),
+                    "dur": round(max(span.duration, 0.0) * 1e6, 3),
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -127,8 +127,10 @@ class Watch:
             raise kind(message)
 
     def _stalled(self, what: str) -> str:
-        return (f"rank {self.rank} waited {self.timeout:.0f} s for {what} and it never completed: is the "
-                "matching call missing on the other rank, or are both ranks waiting for each other (a deadlock)?")
+        return (
+            f"rank {self.rank} waited {self.timeout:.0f} s for {what} and it never completed: is the "
+            "matching call missing on the other rank, or are both ranks waiting for each other (a deadlock)?"
+        )
 
     def _take_notice(self, what: str) -> None:
         """Receive one failure notice if there is one, and remember it as this watch's failure."""

@@ -60,9 +60,18 @@ def _world() -> MPI.Comm:
     return MPI.COMM_WORLD
 
 
-def measure_training(per_rank_batch: int, steps: int = 20, warmup: int = 5, bucket_cap_mb: float | None = 25.0,
-                     overlap: bool = True, allreduce: Any = None, n: int = 100_000, hidden: tuple[int, ...] | None = None,
-                     seed: int = 0, comm: MPI.Comm | None = None) -> dict[str, Any]:
+def measure_training(
+    per_rank_batch: int,
+    steps: int = 20,
+    warmup: int = 5,
+    bucket_cap_mb: float | None = 25.0,
+    overlap: bool = True,
+    allreduce: Any = None,
+    n: int = 100_000,
+    hidden: tuple[int, ...] | None = None,
+    seed: int = 0,
+    comm: MPI.Comm | None = None,
+) -> dict[str, Any]:
     """Train the lab's MLP for `steps` timed steps on every rank; call it on all ranks at once.
 
     Returns, for this rank: the wall-clock seconds per step (the same on all ranks, which
@@ -79,23 +88,37 @@ def measure_training(per_rank_batch: int, steps: int = 20, warmup: int = 5, buck
     comm = comm or _world()
     threads = threads_per_rank()
     tracer = Tracer(comm.Get_rank())
-    model = DataParallel(make_mlp(seed=seed, hidden=hidden or HIDDEN), comm, allreduce=allreduce,
-                         bucket_cap_mb=bucket_cap_mb, overlap=overlap, tracer=tracer)
+    model = DataParallel(
+        make_mlp(seed=seed, hidden=hidden or HIDDEN),
+        comm,
+        allreduce=allreduce,
+        bucket_cap_mb=bucket_cap_mb,
+        overlap=overlap,
+        tracer=tracer,
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     data = StressStrainCurves(n=n, seed=seed)
     train(model, optimizer, data, comm, batch_size=per_rank_batch, max_steps=warmup, progress=False)
     tracer.align(comm)
     began = time.perf_counter()
-    train(model, optimizer, data, comm, batch_size=per_rank_batch, max_steps=steps, seed=1, tracer=tracer,
-          progress=False)
+    train(
+        model, optimizer, data, comm, batch_size=per_rank_batch, max_steps=steps, seed=1, tracer=tracer, progress=False
+    )
     comm.Barrier()
     seconds = (time.perf_counter() - began) / steps
-    return {"rank": comm.Get_rank(), "size": comm.Get_size(), "threads": threads, "step_time": seconds,
-            "phases": {name: total / steps for name, total in tracer.totals().items()}, "spans": tracer.spans}
+    return {
+        "rank": comm.Get_rank(),
+        "size": comm.Get_size(),
+        "threads": threads,
+        "step_time": seconds,
+        "phases": {name: total / steps for name, total in tracer.totals().items()},
+        "spans": tracer.spans,
+    }
 
 
-def time_pieces(comm: MPI.Comm, n_elements: int, pieces: Sequence[int], repeats: int = 10,
-                allreduce: Callable | None = None) -> dict[int, float]:
+def time_pieces(
+    comm: MPI.Comm, n_elements: int, pieces: Sequence[int], repeats: int = 10, allreduce: Callable | None = None
+) -> dict[int, float]:
     """Seconds to allreduce n float32 elements as k equal pieces, one after another, per k.
 
     A collective call; every rank gets the same numbers (each repeat counts its slowest
@@ -104,8 +127,10 @@ def time_pieces(comm: MPI.Comm, n_elements: int, pieces: Sequence[int], repeats:
     minimum is the best estimate of what the operation itself costs.
     """
     if allreduce is None:
+
         def allreduce(c: MPI.Comm, x: np.ndarray) -> None:
             c.Allreduce(MPI.IN_PLACE, x)
+
     data = np.ones(n_elements, dtype=np.float32)
     splits = {k: np.array_split(data, k) for k in pieces}
     samples: dict[int, list[float]] = {k: [] for k in pieces}

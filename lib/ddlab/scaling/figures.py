@@ -12,8 +12,9 @@ from ..plots.helpers import byte_label, finish_panels
 from ..plots.timelines import COLOURS
 
 
-def scaling_curves(ranks: Sequence[int], strong: Sequence[float], weak: Sequence[float] | None = None,
-                   title: str = "") -> plt.Figure:
+def scaling_curves(
+    ranks: Sequence[int], strong: Sequence[float], weak: Sequence[float] | None = None, title: str = ""
+) -> plt.Figure:
     """Speedup and efficiency from times per step (strong: fixed global work; weak: fixed work per rank)."""
     p, strong_t = np.asarray(ranks, dtype=float), np.asarray(strong, dtype=float)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -32,8 +33,9 @@ def scaling_curves(ranks: Sequence[int], strong: Sequence[float], weak: Sequence
     return finish_panels(fig, (left, right), "ranks P", title)
 
 
-def time_breakdown(rows: Sequence[dict[str, float]], labels: Sequence[str], title: str = "",
-                   unit: float = 1e3, unit_name: str = "ms") -> plt.Figure:
+def time_breakdown(
+    rows: Sequence[dict[str, float]], labels: Sequence[str], title: str = "", unit: float = 1e3, unit_name: str = "ms"
+) -> plt.Figure:
     """Stacked bars: one bar per row (a rank, a run), one segment per phase."""
     phases = list(dict.fromkeys(k for row in rows for k in row))
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 3), 3.6))
@@ -51,8 +53,9 @@ def time_breakdown(rows: Sequence[dict[str, float]], labels: Sequence[str], titl
     return fig
 
 
-def batch_size_tradeoff(batch_sizes: Sequence[int], epoch_times: Sequence[float], scores: Sequence[float],
-                        title: str = "") -> plt.Figure:
+def batch_size_tradeoff(
+    batch_sizes: Sequence[int], epoch_times: Sequence[float], scores: Sequence[float], title: str = ""
+) -> plt.Figure:
     """Larger batches: shorter epochs (left), but fewer updates, so less learnt per epoch (right)."""
     b = np.asarray(batch_sizes, dtype=float)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
@@ -86,14 +89,25 @@ def learning_curves(curves: dict[str, Sequence[float]], xlabel: str, ylabel: str
     return fig
 
 
-def fusion_costs(pieces: Sequence[int], measured: Sequence[float], alpha: float, beta: float, nbytes: float,
-                 marks: dict[str, int] | None = None) -> plt.Figure:
+def fusion_costs(
+    pieces: Sequence[int],
+    measured: Sequence[float],
+    alpha: float,
+    beta: float,
+    nbytes: float,
+    marks: dict[str, int] | None = None,
+) -> plt.Figure:
     """k allreduces of n/k bytes against one of n: measured ratio and (k alpha + n beta)/(alpha + n beta)."""
     k = np.asarray(pieces, dtype=float)
     fine = np.geomspace(k.min(), k.max(), 200)
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    ax.plot(fine, (fine * alpha + nbytes * beta) / (alpha + nbytes * beta), "k--", lw=1,
-            label="model (k alpha + n beta) / (alpha + n beta)")
+    ax.plot(
+        fine,
+        (fine * alpha + nbytes * beta) / (alpha + nbytes * beta),
+        "k--",
+        lw=1,
+        label="model (k alpha + n beta) / (alpha + n beta)",
+    )
     ax.plot(k, measured, "o", label="measured T(k pieces) / T(1 piece)")
     for name, value in (marks or {}).items():
         ax.axvline(value, color="gray", ls=":", lw=1)
@@ -109,8 +123,9 @@ def fusion_costs(pieces: Sequence[int], measured: Sequence[float], alpha: float,
     return fig
 
 
-def score_against_time(runs: dict[str, tuple[Sequence[float], Sequence[float]]], target: float | None = None,
-                       title: str = "") -> plt.Figure:
+def score_against_time(
+    runs: dict[str, tuple[Sequence[float], Sequence[float]]], target: float | None = None, title: str = ""
+) -> plt.Figure:
     """Held-out score against training wall-clock, one line per run (label: (times, scores)); a target as a line.
 
     Labels ending in "1 rank" are dashed, in the colour of the same setting on more ranks.
@@ -119,8 +134,16 @@ def score_against_time(runs: dict[str, tuple[Sequence[float], Sequence[float]]],
     colours: dict[str, Any] = {}
     for label, (times, scores) in runs.items():
         setting, _, ranks = label.rpartition(", ")
-        line, = ax.plot(times, scores, "--" if ranks == "1 rank" else "-", marker="o", ms=3, lw=1.3,
-                        color=colours.get(setting), label=label)
+        (line,) = ax.plot(
+            times,
+            scores,
+            "--" if ranks == "1 rank" else "-",
+            marker="o",
+            ms=3,
+            lw=1.3,
+            color=colours.get(setting),
+            label=label,
+        )
         colours.setdefault(setting, line.get_color())
     if target is not None:
         ax.axhline(target, color="black", lw=0.8, ls=":", label=f"target {target:g}")

@@ -40,8 +40,17 @@ def syncs_per_epoch(n: int, global_batch: int, ranks: int) -> int:
     return -(-shard // (global_batch // ranks))
 
 
-def train_for_time(comm: MPI.Intracomm, seconds: float, global_batch: int, lr: float = 0.003, *, n: int = 4096,
-                   test: int = 1024, threads: int | None = None, seed: int = 0) -> dict[str, Any]:
+def train_for_time(
+    comm: MPI.Intracomm,
+    seconds: float,
+    global_batch: int,
+    lr: float = 0.003,
+    *,
+    n: int = 4096,
+    test: int = 1024,
+    threads: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Train the lab's MLP (SGD with momentum) for `seconds` of training wall-clock at one global batch.
 
     After every epoch, and when the budget is spent, the model is scored (R^2) on `test`
@@ -73,9 +82,18 @@ def train_for_time(comm: MPI.Intracomm, seconds: float, global_batch: int, lr: f
     try:
         while times[-1] < seconds:
             calls = counted.allreduces
-            history = train(model, optimizer, train_data, comm, epochs=epoch + 1, start_epoch=epoch,
-                            batch_size=global_batch // size, seed=seed, progress=False,
-                            time_budget=seconds - times[-1])
+            history = train(
+                model,
+                optimizer,
+                train_data,
+                comm,
+                epochs=epoch + 1,
+                start_epoch=epoch,
+                batch_size=global_batch // size,
+                seed=seed,
+                progress=False,
+                time_budget=seconds - times[-1],
+            )
             if history.steps == syncs_per_epoch(n, global_batch, size):  # a full epoch
                 allreduces.append(counted.allreduces - calls)
             steps += history.steps
@@ -87,9 +105,19 @@ def train_for_time(comm: MPI.Intracomm, seconds: float, global_batch: int, lr: f
         model.remove_hooks()
         torch.set_num_threads(before)
     epochs = steps / syncs_per_epoch(n, global_batch, size)
-    return {"global_batch": global_batch, "ranks": size, "lr": lr, "times": times, "scores": scores,
-            "allreduces": allreduces, "allreduces_total": counted.allreduces, "steps": steps,
-            "epochs": epochs, "epoch_time": times[-1] / epochs, "mse": result["mse"]}
+    return {
+        "global_batch": global_batch,
+        "ranks": size,
+        "lr": lr,
+        "times": times,
+        "scores": scores,
+        "allreduces": allreduces,
+        "allreduces_total": counted.allreduces,
+        "steps": steps,
+        "epochs": epochs,
+        "epoch_time": times[-1] / epochs,
+        "mse": result["mse"],
+    }
 
 
 def time_to_score(times: Sequence[float], scores: Sequence[float], target: float) -> float | None:
@@ -114,11 +142,13 @@ def allreduce_vs_gloo(comm: MPI.Intracomm, sizes: Sequence[int], repeats: int = 
     for nbytes in sizes:
         x = np.ones(max(nbytes // 4, 1), dtype=np.float32)
         tensor = torch.from_numpy(x)  # the same memory
-        ops = {"MPI Allreduce": lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
-               "gloo all_reduce": lambda tensor=tensor: dist.all_reduce(tensor)}
+        ops = {
+            "MPI Allreduce": lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
+            "gloo all_reduce": lambda tensor=tensor: dist.all_reduce(tensor),
+        }
         samples: dict[str, list[float]] = {name: [] for name in ops}
         for repeat in range(repeats + 1):
-            for name, op in (ops.items() if repeat % 2 else reversed(ops.items())):
+            for name, op in ops.items() if repeat % 2 else reversed(ops.items()):
                 comm.Barrier()
                 began = time.perf_counter()
                 op()

@@ -16,8 +16,15 @@ def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
     fig, ax = plt.subplots(figsize=(3.6, 3.2))
     image = ax.imshow(sends, cmap="Blues")
     for (r, d), value in np.ndenumerate(sends):
-        ax.text(d, r, str(value), ha="center", va="center", fontsize=9,
-                color="white" if value > sends.max() / 2 else "black")
+        ax.text(
+            d,
+            r,
+            str(value),
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="white" if value > sends.max() / 2 else "black",
+        )
     ax.set_xticks(range(len(sends)))
     ax.set_yticks(range(len(sends)))
     ax.set_xlabel("to rank")
@@ -28,7 +35,9 @@ def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
     return fig
 
 
-def loss_and_bytes(losses: dict[str, Sequence[float]], moved: dict[str, dict[str, float]], title: str = "") -> plt.Figure:
+def loss_and_bytes(
+    losses: dict[str, Sequence[float]], moved: dict[str, dict[str, float]], title: str = ""
+) -> plt.Figure:
     """Left: validation loss per epoch per strategy. Right: bytes each strategy took from each source."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
     for label, values in losses.items():
@@ -53,8 +62,9 @@ def loss_and_bytes(losses: dict[str, Sequence[float]], moved: dict[str, dict[str
     return fig
 
 
-def io_model(ranks: np.ndarray, times: dict[str, np.ndarray], compute: np.ndarray, crossover: float,
-             title: str = "") -> plt.Figure:
+def io_model(
+    ranks: np.ndarray, times: dict[str, np.ndarray], compute: np.ndarray, crossover: float, title: str = ""
+) -> plt.Figure:
     """Seconds per epoch of reading, per strategy, and of computing, against ranks (log-log)."""
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for label, values in times.items():

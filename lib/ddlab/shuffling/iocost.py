@@ -20,9 +20,16 @@ from __future__ import annotations
 import numpy as np
 
 
-def epoch_read_time(strategy: str, ranks: np.ndarray | int, nbytes: float, fs_bandwidth: float,
-                    link_bandwidth: float, local_bandwidth: float, net_bandwidth: float,
-                    q: float = 0.0) -> np.ndarray:
+def epoch_read_time(
+    strategy: str,
+    ranks: np.ndarray | int,
+    nbytes: float,
+    fs_bandwidth: float,
+    link_bandwidth: float,
+    local_bandwidth: float,
+    net_bandwidth: float,
+    q: float = 0.0,
+) -> np.ndarray:
     """Seconds to get one epoch's samples to the ranks under `strategy` ("global", "local", "partial")."""
     p = np.asarray(ranks, dtype=float)
     per_rank = nbytes / p

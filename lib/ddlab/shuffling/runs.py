@@ -36,8 +36,18 @@ def average_buffers(model: torch.nn.Module, comm: MPI.Comm) -> None:
             values /= comm.Get_size()
 
 
-def train_shuffled(comm: MPI.Comm, root: Path | str, strategy: str, q: float = 0.0, *, epochs: int = 8,
-                   batch_size: int = 32, lr: float = 0.02, validation: int = 1024, seed: int = 0) -> dict[str, Any]:
+def train_shuffled(
+    comm: MPI.Comm,
+    root: Path | str,
+    strategy: str,
+    q: float = 0.0,
+    *,
+    epochs: int = 8,
+    batch_size: int = 32,
+    lr: float = 0.02,
+    validation: int = 1024,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Train on the store at `root` with one strategy; per epoch: validation MSE and bytes summed over ranks.
 
     batch_size is per rank; every rank takes floor(smallest partition / batch_size)
@@ -55,7 +65,9 @@ def train_shuffled(comm: MPI.Comm, root: Path | str, strategy: str, q: float = 0
     held_out = StressStrainCurves(validation, seed=seed + 1000)
     steps = min(shuffler.counts) // batch_size
     if steps < 1:
-        raise ValueError(f"batch_size {batch_size} per rank is larger than the smallest partition ({min(shuffler.counts)})")
+        raise ValueError(
+            f"batch_size {batch_size} per rank is larger than the smallest partition ({min(shuffler.counts)})"
+        )
     losses = []
     for epoch in range(epochs):
         order = shuffler.start_epoch(epoch)
@@ -63,7 +75,7 @@ def train_shuffled(comm: MPI.Comm, root: Path | str, strategy: str, q: float = 0
         for k in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr * (1 - (epoch * steps + k) / (epochs * steps))
-            x, y = shuffler.read(order[k * batch_size:(k + 1) * batch_size])
+            x, y = shuffler.read(order[k * batch_size : (k + 1) * batch_size])
             loss = squared_error(model(torch.from_numpy(x)), torch.from_numpy(y)).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -73,12 +85,24 @@ def train_shuffled(comm: MPI.Comm, root: Path | str, strategy: str, q: float = 0
         losses.append(evaluate(model, held_out, comm)["mse"])
     moved = np.array([[c.shared, c.local, c.exchanged] for c in shuffler.counters], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, moved, op=MPI.SUM)
-    return {"val_loss": losses, "shared": moved[:, 0].tolist(), "local": moved[:, 1].tolist(),
-            "exchanged": moved[:, 2].tolist()}
+    return {
+        "val_loss": losses,
+        "shared": moved[:, 0].tolist(),
+        "local": moved[:, 1].tolist(),
+        "exchanged": moved[:, 2].tolist(),
+    }
 
 
-def train_for_seconds(comm: MPI.Comm, seconds: float, global_batch: int, lr: float, *, n: int = 4096,
-                      validation: int = 1024, seed: int = 0) -> dict[str, Any]:
+def train_for_seconds(
+    comm: MPI.Comm,
+    seconds: float,
+    global_batch: int,
+    lr: float,
+    *,
+    n: int = 4096,
+    validation: int = 1024,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Train for `seconds` of wall-clock (rank 0's clock decides, every step) with global shuffling.
 
     The data set is made in memory first (not timed; kept for the next call). Returns the epochs done (a
@@ -96,9 +120,9 @@ def train_for_seconds(comm: MPI.Comm, seconds: float, global_batch: int, lr: flo
     began, steps, stop = time.perf_counter(), 0, False
     while not stop:
         epoch, k = divmod(steps, steps_per_epoch)
-        mine = epoch_permutation(n, epoch, seed)[k * global_batch:(k + 1) * global_batch]
+        mine = epoch_permutation(n, epoch, seed)[k * global_batch : (k + 1) * global_batch]
         block = block_range(global_batch, comm.Get_rank(), size)
-        idx = torch.from_numpy(mine[block.start:block.stop])
+        idx = torch.from_numpy(mine[block.start : block.stop])
         loss = squared_error(model(x_all[idx]), y_all[idx]).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,8 +133,14 @@ def train_for_seconds(comm: MPI.Comm, seconds: float, global_batch: int, lr: flo
     elapsed = comm.bcast(time.perf_counter() - began, root=0)
     mse = evaluate(model, StressStrainCurves(validation, seed=seed + 1000), comm)["mse"]
     epochs = steps / steps_per_epoch
-    return {"global_batch": global_batch, "lr": lr, "steps": steps, "epochs": epochs,
-            "epoch_time": elapsed / epochs, "val_loss": mse if np.isfinite(mse) else float("nan")}
+    return {
+        "global_batch": global_batch,
+        "lr": lr,
+        "steps": steps,
+        "epochs": epochs,
+        "epoch_time": elapsed / epochs,
+        "val_loss": mse if np.isfinite(mse) else float("nan"),
+    }
 
 
 @functools.lru_cache(maxsize=2)

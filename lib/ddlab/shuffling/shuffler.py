@@ -51,8 +51,9 @@ def exchanged_count(m: int, q: float) -> int:
     return int(np.floor(q * m + 0.5))
 
 
-def exchange_plan(counts: list[int], rank: int, q: float, epoch: int,
-                  seed: int = 0) -> tuple[list[np.ndarray], list[int]]:
+def exchange_plan(
+    counts: list[int], rank: int, q: float, epoch: int, seed: int = 0
+) -> tuple[list[np.ndarray], list[int]]:
     """Which of this rank's samples go to which rank this epoch, and how many arrive from each.
 
     Each rank r picks k_r = round(q m_r) of its positions (sorted), from a generator
@@ -69,9 +70,9 @@ def exchange_plan(counts: list[int], rank: int, q: float, epoch: int,
     destination[epoch_permutation(int(starts[-1]), epoch, seed)] = slot_owner  # pool item -> rank
     rng = np.random.default_rng([seed, epoch, rank])
     chosen = np.sort(rng.choice(counts[rank], picked[rank], replace=False)).astype(np.int64)
-    mine = destination[starts[rank]:starts[rank + 1]]
+    mine = destination[starts[rank] : starts[rank + 1]]
     send = [chosen[mine == d] for d in range(size)]
-    recv_counts = [int(np.count_nonzero(destination[starts[s]:starts[s + 1]] == rank)) for s in range(size)]
+    recv_counts = [int(np.count_nonzero(destination[starts[s] : starts[s + 1]] == rank)) for s in range(size)]
     return send, recv_counts
 
 
@@ -82,8 +83,9 @@ def exchange_samples(comm: MPI.Comm, x: np.ndarray, send: list[np.ndarray], recv
     incoming = np.empty((sum(recv_counts), *x.shape[1:]), dtype=x.dtype)
     send_counts = np.array([len(s) for s in send], dtype=np.int64) * row
     recv_elems = np.array(recv_counts, dtype=np.int64) * row
-    comm.Alltoallv([outgoing, (send_counts, _displacements(send_counts))],
-                   [incoming, (recv_elems, _displacements(recv_elems))])
+    comm.Alltoallv(
+        [outgoing, (send_counts, _displacements(send_counts))], [incoming, (recv_elems, _displacements(recv_elems))]
+    )
     return incoming
 
 
@@ -115,8 +117,9 @@ class Shuffler:
     the local partition); `start_epoch` is collective for "partial".
     """
 
-    def __init__(self, comm: MPI.Comm, shared: SampleFiles, local: SampleFiles, strategy: str,
-                 q: float = 0.0, seed: int = 0):
+    def __init__(
+        self, comm: MPI.Comm, shared: SampleFiles, local: SampleFiles, strategy: str, q: float = 0.0, seed: int = 0
+    ):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         exchanged_count(1, q)  # validates q

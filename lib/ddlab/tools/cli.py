@@ -1,7 +1,7 @@
 """The `ddlab` command: `ddlab doctor` checks an installation, `ddlab grade` grades submitted notebooks.
 
-    $ ddlab doctor [--profile P] [-n N] [--timeout S]
-    $ ddlab grade --lab NN SUBMISSIONS...
+$ ddlab doctor [--profile P] [-n N] [--timeout S]
+$ ddlab grade --lab NN SUBMISSIONS...
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddlab", description="Tools of the ddlab course kit.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("doctor", help="check MPI and a cluster profile, and say what to fix")
-    check.add_argument("--profile", default=None,
-                        help="cluster profile: local, slurm, jupyterhub (default: $DDLAB_PROFILE or local)")
+    check.add_argument(
+        "--profile", default=None, help="cluster profile: local, slurm, jupyterhub (default: $DDLAB_PROFILE or local)"
+    )
     check.add_argument("-n", type=int, default=2, help="number of engines to start (default 2)")
     check.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engines (default 120)")
     grading.add_parser(commands)

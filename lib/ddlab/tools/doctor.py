@@ -33,10 +33,7 @@ REPO_HINT = "run `make setup` in the course folder"
 
 # What one rank reports about its MPI world; run with `python -c`.
 _HELLO = (
-    "import sys\n"
-    "from mpi4py import MPI\n"
-    "c = MPI.COMM_WORLD\n"
-    "sys.stdout.write(f'DDLAB-HELLO {c.rank} {c.size}\\n')\n"
+    "import sys\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nsys.stdout.write(f'DDLAB-HELLO {c.rank} {c.size}\\n')\n"
 )
 
 # mpi4py's version, the MPI library it loaded (without initialising MPI) and from where.
@@ -100,8 +97,9 @@ class Report:
 
 def _run(command: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int | None, str]:
     """(exit code or None on timeout, output) of a short command; MPI jobs are killed on timeout."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
@@ -146,25 +144,32 @@ def check_mpi_library() -> list[Finding]:
         impl = mpi.implementation(exe)
         _, version = _run([exe, "--version"], env=mpi.launch_env())
     except mpi.MPISetupError as err:
-        return [Finding("mpiexec", FAIL, str(err),
-                        REPO_HINT + ", or set DDLAB_MPIEXEC to an mpiexec that matches mpi4py.")]
+        return [
+            Finding("mpiexec", FAIL, str(err), REPO_HINT + ", or set DDLAB_MPIEXEC to an mpiexec that matches mpi4py.")
+        ]
     number = re.search(r"\d+\.\d+(\.\d+)?", version)
     names = {"openmpi": "Open MPI", "mpich": "MPICH"}
     found = [Finding("mpiexec", OK, f"{exe} ({names.get(impl, impl)}{' ' + number.group(0) if number else ''})")]
     try:
         lib = mpi4py_library()
     except (RuntimeError, ValueError, IndexError) as err:
-        found.append(Finding("mpi4py", FAIL, f"cannot load mpi4py's MPI library: {err}",
-                             f"{REPO_HINT} (it installs mpi4py together with the MPI wheel)."))
+        found.append(
+            Finding(
+                "mpi4py",
+                FAIL,
+                f"cannot load mpi4py's MPI library: {err}",
+                f"{REPO_HINT} (it installs mpi4py together with the MPI wheel).",
+            )
+        )
         return found
     library = library_name(lib["library"])
     found.append(Finding("MPI library", OK, f"{library} ({lib['libmpi']})"))
     found.append(Finding("mpi4py", OK, f"{lib['version']}, running its {Path(lib['module']).name} build"))
     if _implementation_of(library) != impl:
         found[-1] = Finding(
-            "mpi4py", FAIL,
-            f"mpi4py runs on {library}, but ddlab's mpiexec ({exe}) belongs to {impl}: "
-            "ranks would start as singletons",
+            "mpi4py",
+            FAIL,
+            f"mpi4py runs on {library}, but ddlab's mpiexec ({exe}) belongs to {impl}: ranks would start as singletons",
             "unset DDLAB_MPIEXEC, or reinstall with `make setup` (MPI=openmpi or MPI=mpich) so both come from one MPI.",
         )
     return found
@@ -190,14 +195,18 @@ def _classify_mpiexec_output(out: str, n: int, exe: str) -> tuple[str, str] | No
     """(what happened, what to change) for the failures Open MPI and MPICH print, or None."""
     low = out.lower()
     if "as root" in low or "allow-run-as-root" in low:
-        return ("Open MPI refuses to start as root",
-                "ddlab sets OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 for its own launches; for "
-                "mpiexec typed by hand export both (e.g. in a container's environment), or work as a normal user.")
+        return (
+            "Open MPI refuses to start as root",
+            "ddlab sets OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 for its own launches; for "
+            "mpiexec typed by hand export both (e.g. in a container's environment), or work as a normal user.",
+        )
     if "not enough slots" in low:
         cores = os.cpu_count() or 1
-        return (f"Open MPI starts at most one rank per core ({cores} here) and {n} were asked for",
-                f"add --oversubscribe (`{exe} --oversubscribe -n {n} ...`), or use `python -m ddlab.runtime.mpi -n {n} ...` "
-                "which adds it when needed, or start fewer ranks.")
+        return (
+            f"Open MPI starts at most one rank per core ({cores} here) and {n} were asked for",
+            f"add --oversubscribe (`{exe} --oversubscribe -n {n} ...`), or use `python -m ddlab.runtime.mpi -n {n} ...` "
+            "which adds it when needed, or start fewer ranks.",
+        )
     return None
 
 
@@ -214,10 +223,14 @@ def check_path_mpiexec(n: int = 2, timeout: float = 60) -> Finding:
     sizes = hello_sizes(out)
     if code == 0 and sizes == [n] * n:
         return Finding(name, OK, f"{theirs} differs from ddlab's {ours} but starts {n}-rank jobs with this mpi4py")
-    what = (f"{n} singletons (every rank alone in its own 1-rank world)" if sizes and set(sizes) == {1}
-            else f"no {n}-rank job (exit {code}): {out.strip()[-300:]}")
+    what = (
+        f"{n} singletons (every rank alone in its own 1-rank world)"
+        if sizes and set(sizes) == {1}
+        else f"no {n}-rank job (exit {code}): {out.strip()[-300:]}"
+    )
     return Finding(
-        name, WARN,
+        name,
+        WARN,
         f"{theirs} is another MPI's mpiexec than mpi4py's ({ours}); `mpiexec -n {n} python ...` starts {what}",
         f"use {ours} (or `source {Path(ours).parent}/activate` so it comes first on PATH), or "
         f"`python -m ddlab.runtime.mpi -n {n} ...`; remove or unload the other MPI (e.g. `module unload`) "
@@ -241,23 +254,37 @@ def check_mpiexec_by_hand(n: int = 2, timeout: float = 120) -> Finding:
         # A terminal of a notebook spawned into Slurm: mpiexec sees the notebook's step.
         oversubscribe = " --oversubscribe" if mpi.implementation() == "openmpi" else ""
         return Finding(
-            name, WARN,
-            f"inside this notebook's Slurm job step, `mpiexec -n {n}` " + ("did not start within "
-            f"{timeout:.0f} s (its srun waits for the CPUs the notebook's step holds)" if code is None
-            else "sees only the step's single slot") + " (ddlab's engines are not affected)",
+            name,
+            WARN,
+            f"inside this notebook's Slurm job step, `mpiexec -n {n}` "
+            + (
+                f"did not start within {timeout:.0f} s (its srun waits for the CPUs the notebook's step holds)"
+                if code is None
+                else "sees only the step's single slot"
+            )
+            + " (ddlab's engines are not affected)",
             f"type `SLURM_OVERLAP=1 {exe}{oversubscribe} -n {n} ...` (SLURM_OVERLAP=1 is srun --overlap).",
         )
     if code is None:
-        return Finding(name, FAIL, f"`{exe} -n {n} python` did not finish in {timeout:.0f} s",
-                       "the machine may be overloaded, or a firewall blocks local TCP connections; "
-                       "try `python -m ddlab.runtime.mpi -n 2 --timeout 60 python -c 'import mpi4py.MPI'`.")
+        return Finding(
+            name,
+            FAIL,
+            f"`{exe} -n {n} python` did not finish in {timeout:.0f} s",
+            "the machine may be overloaded, or a firewall blocks local TCP connections; "
+            "try `python -m ddlab.runtime.mpi -n 2 --timeout 60 python -c 'import mpi4py.MPI'`.",
+        )
     known = _classify_mpiexec_output(out, n, exe)
     if known:
-        return Finding(name, WARN, f"`{exe} -n {n} python ...`: {known[0]} (ddlab's own launches are not affected)",
-                       known[1])
+        return Finding(
+            name, WARN, f"`{exe} -n {n} python ...`: {known[0]} (ddlab's own launches are not affected)", known[1]
+        )
     if sizes and set(sizes) == {1}:
-        return Finding(name, FAIL, f"`{exe} -n {n}` started {n} singletons: mpi4py uses another MPI than {exe}",
-                       REPO_HINT + " so mpi4py and mpiexec come from the same MPI wheel.")
+        return Finding(
+            name,
+            FAIL,
+            f"`{exe} -n {n}` started {n} singletons: mpi4py uses another MPI than {exe}",
+            REPO_HINT + " so mpi4py and mpiexec come from the same MPI wheel.",
+        )
     return Finding(name, FAIL, f"`{exe} -n {n} python` failed (exit {code}):\n{out.strip()[-1500:]}", REPO_HINT + ".")
 
 
@@ -273,8 +300,12 @@ def _probe() -> dict:
     from ddlab.tools.doctor import library_name  # shipped by value: import what it uses
 
     comm = MPI.COMM_WORLD
-    return {"rank": comm.rank, "size": comm.size, "host": socket.gethostname(),
-            "library": library_name(MPI.Get_library_version())}
+    return {
+        "rank": comm.rank,
+        "size": comm.size,
+        "host": socket.gethostname(),
+        "library": library_name(MPI.Get_library_version()),
+    }
 
 
 def _allreduce(nbytes: int, repetitions: int) -> tuple[bool, float]:
@@ -304,13 +335,21 @@ def _slurm_preflight(profile: str) -> Finding | None:
 
     missing = [c for c in ("sbatch", "srun", "squeue", "scancel", "scontrol") if shutil.which(c) is None]
     if missing:
-        return Finding("Slurm", FAIL, f"{', '.join(missing)} not found on PATH",
-                       "run the notebook on the cluster's login or JupyterHub node, or `module load slurm` first; "
-                       "on a laptop use profile 'local'.")
+        return Finding(
+            "Slurm",
+            FAIL,
+            f"{', '.join(missing)} not found on PATH",
+            "run the notebook on the cluster's login or JupyterHub node, or `module load slurm` first; "
+            "on a laptop use profile 'local'.",
+        )
     if profile == "jupyterhub" and not os.environ.get("SLURM_JOB_ID"):
-        return Finding("Slurm", FAIL, "profile 'jupyterhub' starts engines inside this notebook's Slurm job, but "
-                       "$SLURM_JOB_ID is not set (the notebook does not run in a job)",
-                       "use profile 'slurm' (engines submitted as a job), or spawn the notebook with batchspawner.")
+        return Finding(
+            "Slurm",
+            FAIL,
+            "profile 'jupyterhub' starts engines inside this notebook's Slurm job, but "
+            "$SLURM_JOB_ID is not set (the notebook does not run in a job)",
+            "use profile 'slurm' (engines submitted as a job), or spawn the notebook with batchspawner.",
+        )
     try:
         settings = slurm.load_settings()
     except (slurm.SettingsError, SyntaxError, OSError) as err:
@@ -318,12 +357,15 @@ def _slurm_preflight(profile: str) -> Finding | None:
     address = slurm.controller_address(settings)
     mine = slurm.host_addresses()
     if address not in mine:
-        return Finding("controller address", FAIL,
-                       f"{address} is not an address of this machine (it has {', '.join(mine)}), "
-                       "so the controller cannot listen there",
-                       f"set controller_address in {slurm.settings_file()} (or $DDLAB_SLURM_CONTROLLER_ADDRESS) "
-                       "to the one "
-                       "compute nodes reach, usually the cluster-internal network's.")
+        return Finding(
+            "controller address",
+            FAIL,
+            f"{address} is not an address of this machine (it has {', '.join(mine)}), "
+            "so the controller cannot listen there",
+            f"set controller_address in {slurm.settings_file()} (or $DDLAB_SLURM_CONTROLLER_ADDRESS) "
+            "to the one "
+            "compute nodes reach, usually the cluster-internal network's.",
+        )
     return None
 
 
@@ -331,31 +373,64 @@ def _slurm_problem(text: str, settings_path: str) -> tuple[str, str] | None:
     """Known sbatch/srun/job messages -> (what happened, what to change)."""
     low = " ".join(text.lower().split())  # messages wrap lines; match across them
     table = [
-        ("invalid partition", "Slurm does not know the partition",
-         f"set partition in {settings_path} to one `sinfo -s` lists (or \"\" for the default)."),
-        ("invalid account", "Slurm refuses the account",
-         f"set account in {settings_path} to one `sacctmgr show assoc user=$USER` lists (or \"\")."),
-        ("requested time limit", "the time limit is not allowed",
-         f"lower time in {settings_path} to at most the partition's limit (`sinfo -o \"%P %l\"`)."),
-        ("requested node configuration is not available", "no node has that many CPUs",
-         f"lower engines_per_node or cpus_per_engine in {settings_path} (CPUs per node: `sinfo -o \"%P %c\"`)."),
-        ("requested nodes are busy", "a nested srun waits for CPUs the notebook's own job step holds",
-         "start engines inside an allocation with `srun --overlap` (the jupyterhub profile does)."),
-        ("no-pmix-but", "srun offered PMI2 but this Open MPI only speaks PMIx, so every engine started alone",
-         f"set launcher = \"mpiexec\" (or \"auto\") in {settings_path}."),
-        ("pmi2_init failed", "the ranks could not reach srun's PMI2 server",
-         f"set launcher = \"auto\" in {settings_path}."),
-        ("an error occurred in mpi_init", "MPI could not start under srun (with Open MPI: Slurm's PMIx is older "
-         "than the wheel's; Debian 12's Slurm 22.05 has PMIx 4, Open MPI 5 needs a matching PMIx)",
-         f"set launcher = \"mpiexec\" (or \"auto\") in {settings_path}: "
-         "Open MPI's own mpiexec starts the ranks inside the job."),
-        ("no module named", "the engines' Python cannot import a module it needs",
-         "the course environment must be visible on compute nodes (a shared file system), "
-         f"or set python in {settings_path}."),
-        ("access an executable", "the engines' Python does not exist on the compute node",
-         f"put the course environment on a file system compute nodes see, or set python in {settings_path}."),
-        ("no such file or directory", "a program of the engines' command does not exist on the compute node",
-         f"put the course environment on a file system compute nodes see, or set python in {settings_path}."),
+        (
+            "invalid partition",
+            "Slurm does not know the partition",
+            f'set partition in {settings_path} to one `sinfo -s` lists (or "" for the default).',
+        ),
+        (
+            "invalid account",
+            "Slurm refuses the account",
+            f'set account in {settings_path} to one `sacctmgr show assoc user=$USER` lists (or "").',
+        ),
+        (
+            "requested time limit",
+            "the time limit is not allowed",
+            f'lower time in {settings_path} to at most the partition\'s limit (`sinfo -o "%P %l"`).',
+        ),
+        (
+            "requested node configuration is not available",
+            "no node has that many CPUs",
+            f'lower engines_per_node or cpus_per_engine in {settings_path} (CPUs per node: `sinfo -o "%P %c"`).',
+        ),
+        (
+            "requested nodes are busy",
+            "a nested srun waits for CPUs the notebook's own job step holds",
+            "start engines inside an allocation with `srun --overlap` (the jupyterhub profile does).",
+        ),
+        (
+            "no-pmix-but",
+            "srun offered PMI2 but this Open MPI only speaks PMIx, so every engine started alone",
+            f'set launcher = "mpiexec" (or "auto") in {settings_path}.',
+        ),
+        (
+            "pmi2_init failed",
+            "the ranks could not reach srun's PMI2 server",
+            f'set launcher = "auto" in {settings_path}.',
+        ),
+        (
+            "an error occurred in mpi_init",
+            "MPI could not start under srun (with Open MPI: Slurm's PMIx is older "
+            "than the wheel's; Debian 12's Slurm 22.05 has PMIx 4, Open MPI 5 needs a matching PMIx)",
+            f'set launcher = "mpiexec" (or "auto") in {settings_path}: '
+            "Open MPI's own mpiexec starts the ranks inside the job.",
+        ),
+        (
+            "no module named",
+            "the engines' Python cannot import a module it needs",
+            "the course environment must be visible on compute nodes (a shared file system), "
+            f"or set python in {settings_path}.",
+        ),
+        (
+            "access an executable",
+            "the engines' Python does not exist on the compute node",
+            f"put the course environment on a file system compute nodes see, or set python in {settings_path}.",
+        ),
+        (
+            "no such file or directory",
+            "a program of the engines' command does not exist on the compute node",
+            f"put the course environment on a file system compute nodes see, or set python in {settings_path}.",
+        ),
     ]
     for needle, what, fix in table:
         if needle in low:
@@ -364,10 +439,10 @@ def _slurm_problem(text: str, settings_path: str) -> tuple[str, str] | None:
 
 
 _PENDING_FIXES = {
-    "PartitionTimeLimit": "lower time in {path} to at most the partition's limit (`sinfo -o \"%P %l\"`).",
+    "PartitionTimeLimit": 'lower time in {path} to at most the partition\'s limit (`sinfo -o "%P %l"`).',
     "Resources": "the cluster is busy: wait (ddlab doctor --timeout 600 / start(n, timeout=600)), ask for fewer "
-                 "engines, or ask the admins for a reservation and add \"--reservation=NAME\" to sbatch_options "
-                 "in {path}.",
+    'engines, or ask the admins for a reservation and add "--reservation=NAME" to sbatch_options '
+    "in {path}.",
     "Priority": "other jobs come first: wait (a longer timeout), or use a reservation (sbatch_options in {path}).",
     "ReqNodeNotAvail": "the nodes are down or reserved: pick another partition in {path}.",
     "PartitionDown": "the partition is down: pick another partition in {path}.",
@@ -397,10 +472,13 @@ def _diagnose_slurm_start(error: BaseException, cluster: object) -> tuple[str, s
         what = str(error).splitlines()[0]
         return (what + (f" ({known[0]})" if known else ""), known[1] if known else f"check the settings in {path}.")
     if state == "PENDING":
-        fix = _PENDING_FIXES.get(reason, "see the reason under JOB REASON CODES in `man squeue`; "
-                                 "change the settings in {path}.")
-        return (f"the engines' job {job_id} is still queued (reason: {reason}), so no engine started",
-                fix.format(path=path))
+        fix = _PENDING_FIXES.get(
+            reason, "see the reason under JOB REASON CODES in `man squeue`; change the settings in {path}."
+        )
+        return (
+            f"the engines' job {job_id} is still queued (reason: {reason}), so no engine started",
+            fix.format(path=path),
+        )
     if state == "TIMEOUT":
         return (f"the engines' job {job_id} reached its time limit", f"raise time in {path}.")
     known = _slurm_problem(text, path)
@@ -408,16 +486,21 @@ def _diagnose_slurm_start(error: BaseException, cluster: object) -> tuple[str, s
         return f"{known[0]}.\n{_tail(text)}", known[1]
     if state == "RUNNING" and "registering with controller" in text.lower():
         address = slurm.controller_address(slurm.load_settings())
-        return (f"the engines of job {job_id} run and tried to register, "
-                f"but never reached the controller at {address}",
-                f"set controller_address in {path} to an address of this machine that compute nodes can reach "
-                f"(this machine has {', '.join(slurm.host_addresses())}); ask the admins whether a firewall blocks it.")
+        return (
+            f"the engines of job {job_id} run and tried to register, but never reached the controller at {address}",
+            f"set controller_address in {path} to an address of this machine that compute nodes can reach "
+            f"(this machine has {', '.join(slurm.host_addresses())}); ask the admins whether a firewall blocks it.",
+        )
     if state == "RUNNING":
-        return (f"the job {job_id} runs, but its engines have not even tried to register yet",
-                "Python starts slowly from a busy shared file system or on busy nodes: give them longer "
-                "(`ddlab doctor --timeout 600`, start(n, timeout=600)).")
-    return (f"the engines did not register.\n{_tail(text)}",
-            f"read the engines' output above; check the settings in {path}.")
+        return (
+            f"the job {job_id} runs, but its engines have not even tried to register yet",
+            "Python starts slowly from a busy shared file system or on busy nodes: give them longer "
+            "(`ddlab doctor --timeout 600`, start(n, timeout=600)).",
+        )
+    return (
+        f"the engines did not register.\n{_tail(text)}",
+        f"read the engines' output above; check the settings in {path}.",
+    )
 
 
 def _tail(text: str, lines: int = 12) -> str:
@@ -438,12 +521,16 @@ def _diagnose_start(profile: str, error: BaseException, cluster: object, timeout
         return known
     longer = int(max(300, 3 * timeout))
     if "registered within" in text:
-        return (f"{_tail(text, 3)}",
-                f"the engines are still starting or cannot reach the controller on 127.0.0.1: give them longer "
-                f"(`ddlab doctor --timeout {longer}`, start(n, timeout={longer})), close other "
-                "busy programs, or start fewer engines; a firewall must allow connections on 127.0.0.1.")
+        return (
+            f"{_tail(text, 3)}",
+            f"the engines are still starting or cannot reach the controller on 127.0.0.1: give them longer "
+            f"(`ddlab doctor --timeout {longer}`, start(n, timeout={longer})), close other "
+            "busy programs, or start fewer engines; a firewall must allow connections on 127.0.0.1.",
+        )
     if "exited before registering" in text:
-        return _tail(text), REPO_HINT + "; `python -m ddlab.runtime.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
+        return _tail(
+            text
+        ), REPO_HINT + "; `python -m ddlab.runtime.mpi -n 2 python -c 'import mpi4py.MPI'` tests MPI alone."
     return _tail(text), REPO_HINT + "."
 
 
@@ -451,15 +538,20 @@ def _singletons_fix(profile: str) -> str:
     from . import slurm
 
     if profile == "local":
-        return ("the mpiexec that started them is not mpi4py's MPI: unset DDLAB_MPIEXEC, or "
-                f"{REPO_HINT} so mpiexec and mpi4py come from one MPI wheel.")
-    return (f"srun started each engine without a PMI this MPI speaks ({mpi.implementation()}): "
-            f"set launcher = \"auto\" in {slurm.settings_file()} (Open MPI: its own mpiexec; MPICH: srun --mpi=pmi2); "
-            "`srun --mpi=list` shows what your Slurm offers.")
+        return (
+            "the mpiexec that started them is not mpi4py's MPI: unset DDLAB_MPIEXEC, or "
+            f"{REPO_HINT} so mpiexec and mpi4py come from one MPI wheel."
+        )
+    return (
+        f"srun started each engine without a PMI this MPI speaks ({mpi.implementation()}): "
+        f'set launcher = "auto" in {slurm.settings_file()} (Open MPI: its own mpiexec; MPICH: srun --mpi=pmi2); '
+        "`srun --mpi=list` shows what your Slurm offers."
+    )
 
 
-def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int = 8 << 20,
-                  repetitions: int = 10) -> list[Finding]:
+def check_engines(
+    profile: str, n: int = 2, timeout: float = 120.0, nbytes: int = 8 << 20, repetitions: int = 10
+) -> list[Finding]:
     """Start n engines on the profile, check they form one MPI job, time an allreduce, stop them."""
     from ..runtime import cluster as clusters
 
@@ -469,9 +561,15 @@ def check_engines(profile: str, n: int = 2, timeout: float = 120.0, nbytes: int 
             return [problem]
     running = clusters.current()  # a notebook's own cluster: probe it rather than start a second one
     if running is not None and (running.profile, running.n) != (profile, n):
-        return [Finding("engines", WARN, f"this kernel already runs {running.n} engines on profile "
-                        f"{running.profile!r}; the doctor does not stop them",
-                        "run `ddlab doctor` in a terminal, or ddlab.runtime.cluster.stop() first.")]
+        return [
+            Finding(
+                "engines",
+                WARN,
+                f"this kernel already runs {running.n} engines on profile "
+                f"{running.profile!r}; the doctor does not stop them",
+                "run `ddlab doctor` in a terminal, or ddlab.runtime.cluster.stop() first.",
+            )
+        ]
     started = time.monotonic()
     cluster = None
     try:
@@ -498,22 +596,46 @@ def _probe_engines(client: Any, profile: str, n: int, how: str, nbytes: int, rep
     sizes = sorted({r["size"] for r in ranks})
     hosts = sorted({r["host"] for r in ranks})
     if sizes == [1] and n > 1:
-        return [Finding("engines", FAIL,
-                        f"{n} engines registered, but each is alone in a 1-rank MPI world (singletons)",
-                        _singletons_fix(profile))]
+        return [
+            Finding(
+                "engines",
+                FAIL,
+                f"{n} engines registered, but each is alone in a 1-rank MPI world (singletons)",
+                _singletons_fix(profile),
+            )
+        ]
     if sizes != [n] or sorted(client.ids) != sorted(r["rank"] for r in ranks):
-        return [Finding("engines", FAIL, f"engine ids {sorted(client.ids)} and MPI ranks/sizes {ranks} do not match",
-                        "stop the cluster (ddlab.runtime.cluster.stop()) and start it again; if it persists, "
-                        + REPO_HINT + ".")]
-    found = [Finding("engines", OK, f"{n} engines on profile {profile!r} {how}, ids = MPI ranks "
-                     f"0..{n - 1}, on {', '.join(hosts)} ({ranks[0]['library']})")]
+        return [
+            Finding(
+                "engines",
+                FAIL,
+                f"engine ids {sorted(client.ids)} and MPI ranks/sizes {ranks} do not match",
+                "stop the cluster (ddlab.runtime.cluster.stop()) and start it again; if it persists, "
+                + REPO_HINT
+                + ".",
+            )
+        ]
+    found = [
+        Finding(
+            "engines",
+            OK,
+            f"{n} engines on profile {profile!r} {how}, ids = MPI ranks "
+            f"0..{n - 1}, on {', '.join(hosts)} ({ranks[0]['library']})",
+        )
+    ]
     results = view.apply_sync(_allreduce, nbytes, repetitions)
     correct = all(ok for ok, _ in results)
     seconds = max(t for _, t in results)
     detail = f"{nbytes / 2**20:.0f} MiB over {n} ranks in {seconds * 1e3:.2f} ms (median of {repetitions})"
     if not correct:
-        found.append(Finding("allreduce", FAIL, detail + ": wrong sum",
-                             REPO_HINT + "; report this with the output of `ddlab doctor`."))
+        found.append(
+            Finding(
+                "allreduce",
+                FAIL,
+                detail + ": wrong sum",
+                REPO_HINT + "; report this with the output of `ddlab doctor`.",
+            )
+        )
     else:
         found.append(Finding("allreduce", OK, detail + ", sum correct"))
     return found

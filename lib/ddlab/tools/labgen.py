@@ -85,8 +85,14 @@ def exercise_id(exercise: str, function: str) -> str:
 
 def _nbgrader(grade_id: str, solution: bool, points: int | None = None) -> dict:
     """nbgrader's cell metadata (schema 3) for a solution cell, or an autograded test cell if points."""
-    meta = {"grade": points is not None, "grade_id": grade_id, "locked": not solution,
-            "schema_version": 3, "solution": solution, "task": False}
+    meta = {
+        "grade": points is not None,
+        "grade_id": grade_id,
+        "locked": not solution,
+        "schema_version": 3,
+        "solution": solution,
+        "task": False,
+    }
     return meta | ({"points": points} if points is not None else {})
 
 
@@ -114,7 +120,9 @@ def make_lab(solution: nbformat.NotebookNode, name: str = "notebook") -> nbforma
                 count += 1
                 grade_id = f"{base}_{count}"
             used.add(grade_id)
-            cell.metadata["nbgrader"] = _nbgrader(grade_id, CHECK_TAG not in tags, POINTS if CHECK_TAG in tags else None)
+            cell.metadata["nbgrader"] = _nbgrader(
+                grade_id, CHECK_TAG not in tags, POINTS if CHECK_TAG in tags else None
+            )
         if (CHECK_TAG in tags or NEEDS_TAG in tags) and RAISES_TAG not in tags:
             tags.append(RAISES_TAG)
         if tags:
@@ -132,15 +140,6 @@ def checks(lab: nbformat.NotebookNode) -> list[Check]:
         if meta.get("grade") and label is not None:
             found.append(Check(index, meta["grade_id"], label[0], label[1], cell.source, meta["points"]))
     return found
-
-
-def clear_outputs(notebook: nbformat.NotebookNode) -> bool:
-    """Strip outputs and execution counts in place; True if anything was removed."""
-    changed = False
-    for cell in notebook.cells:
-        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
-            cell.outputs, cell.execution_count, changed = [], None, True
-    return changed
 
 
 def render(notebook: nbformat.NotebookNode) -> str:

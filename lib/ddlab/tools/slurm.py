@@ -123,8 +123,9 @@ def _validate(settings: Settings, path: Path) -> None:
     for name in ("engines_per_node", "cpus_per_engine"):
         value = getattr(settings, name)
         if not isinstance(value, int) or value < 1:
-            raise SettingsError(f"{name} must be a positive whole number, got {value!r} "
-                                f"(in {path} or {ENV_PREFIX}{name.upper()}).")
+            raise SettingsError(
+                f"{name} must be a positive whole number, got {value!r} (in {path} or {ENV_PREFIX}{name.upper()})."
+            )
     if settings.launcher not in LAUNCHERS:
         raise SettingsError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {settings.launcher!r} (in {path}).")
     if not isinstance(settings.sbatch_options, list):
@@ -210,8 +211,9 @@ def _engine_command(launcher: Any) -> list[str]:
 def job_state(job_id: str) -> tuple[str, str]:
     """(state, reason) of a Slurm job, e.g. ('PENDING', 'PartitionTimeLimit'); ('', '') if unknown."""
     try:
-        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
-                             text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "", ""
     fields = dict(word.split("=", 1) for word in out.split() if "=" in word)
@@ -244,8 +246,17 @@ def _engines_leave(launcher: Any, timeout: float = 15.0) -> None:
 
 
 #: Job states after which the engines will never register.
-ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-         "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"}
+ENDED = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+}
 
 
 class SlurmEngines(SlurmEngineSetLauncher):

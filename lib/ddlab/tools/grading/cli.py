@@ -23,10 +23,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lab", required=True, help="the lab's number, e.g. 03")
     parser.add_argument("submissions", nargs="+", type=Path, help="the students' notebooks (.ipynb)")
     parser.add_argument("--labs", type=Path, default=LABS_DIR, help=f"where the labs are (default {LABS_DIR})")
-    parser.add_argument("--out", type=Path, default=Path("grades"),
-                        help="folder for grades.csv and feedback/STUDENT.html (default ./grades)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds a cell may run before it counts as timed out (default 300)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("grades"),
+        help="folder for grades.csv and feedback/STUDENT.html (default ./grades)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a cell may run before it counts as timed out (default 300)",
+    )
 
 
 def find_lab(labs: Path, number: str) -> Path:
@@ -34,7 +42,9 @@ def find_lab(labs: Path, number: str) -> Path:
     found = sorted(labs.glob(f"{int(number):02d}_*.ipynb")) if number.isdigit() else []
     if len(found) != 1:
         known = ", ".join(p.name for p in sorted(labs.glob("[0-9][0-9]_*.ipynb"))) or "none"
-        raise SystemExit(f"ddlab grade: no lab {number!r} in {labs} (labs there: {known}); pass --labs DIR if elsewhere")
+        raise SystemExit(
+            f"ddlab grade: no lab {number!r} in {labs} (labs there: {known}); pass --labs DIR if elsewhere"
+        )
     return found[0]
 
 
@@ -56,8 +66,11 @@ def main(args: argparse.Namespace) -> int:
             results += graded
             (feedback / f"{student}.html").write_text(feedback_html(student, lab_path.stem, graded))
             points = sum(r.points for r in graded)
-            print(f"{student}: {points} of {sum(r.check.points for r in graded)} points "
-                  f"({', '.join(r.status for r in graded)}) in {time.monotonic() - started:.0f} s", flush=True)
+            print(
+                f"{student}: {points} of {sum(r.check.points for r in graded)} points "
+                f"({', '.join(r.status for r in graded)}) in {time.monotonic() - started:.0f} s",
+                flush=True,
+            )
     write_sheet(results, args.out / "grades.csv")
     print(f"wrote {args.out / 'grades.csv'} and {feedback}/")
     for line in survivors:

@@ -72,7 +72,7 @@ def _raised(text: str) -> tuple[str, str]:
         match = _EXCEPTION.match(line)
         if match and (match.group(1).endswith(("Error", "Exception", "Interrupt")) or match.group(1) in VERDICTS):
             rest = []
-            for more in lines[number + 1:]:
+            for more in lines[number + 1 :]:
                 if not more.startswith(" ") or not more.strip():
                     break
                 rest.append(more)
@@ -85,8 +85,10 @@ def verdict(check: Check, cell: nbformat.NotebookNode, reference: str | None) ->
     text = _text(cell)
     if not any(output.output_type == "error" for output in cell.get("outputs", [])):
         if reference:
-            return "failed", (f"{check.function} is {reference}, the library's reference version, "
-                              "not your own: write it yourself to get the points.")
+            return "failed", (
+                f"{check.function} is {reference}, the library's reference version, "
+                "not your own: write it yourself to get the points."
+            )
         said = [line.split("passed:", 1)[1].strip() for line in text.splitlines() if "passed:" in line]
         return "passed", said[0] if said else "the check ran without an error"
     name, message = _raised(text)
@@ -137,15 +139,18 @@ def _is_px(cell: nbformat.NotebookNode) -> bool:
     return cell.source.lstrip().startswith(("%%px", "%px"))
 
 
-def _outcome(check: Check, cell: nbformat.NotebookNode, finished: bool, state: dict[str, Any],
-             timeout: float) -> tuple[str, str]:
+def _outcome(
+    check: Check, cell: nbformat.NotebookNode, finished: bool, state: dict[str, Any], timeout: float
+) -> tuple[str, str]:
     """(status, message) of a restored check cell: did it finish, and what did the probe after it say."""
     if not finished:
         return "timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); the engines were restarted"
     status, message = verdict(check, cell, state.get("reference"))
     if status != "passed" and state.get("healthy") is False:
-        return "error", (f"{message}\nThe engines died or stopped answering during this check "
-                         f"({state.get('problem', 'MPI ended the job')}); they were restarted.")
+        return "error", (
+            f"{message}\nThe engines died or stopped answering during this check "
+            f"({state.get('problem', 'MPI ended the job')}); they were restarted."
+        )
     return status, message
 
 
@@ -165,12 +170,23 @@ def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) 
     return results
 
 
-def _run(notebook: nbformat.NotebookNode, placed: dict[int, Check], path: Path, timeout: float,
-         outcomes: dict[str, tuple[str, str]]) -> str:
+def _run(
+    notebook: nbformat.NotebookNode,
+    placed: dict[int, Check],
+    path: Path,
+    timeout: float,
+    outcomes: dict[str, tuple[str, str]],
+) -> str:
     """Run the notebook up to its last check, filling in outcomes; return why the checks not reached were not."""
-    client = NotebookClient(notebook, timeout=int(timeout), kernel_name=KERNEL, allow_errors=True,
-                            interrupt_on_timeout=True, error_on_timeout={"ename": TIMED_OUT, "evalue": "", "traceback": []},
-                            resources={"metadata": {"path": str(path.resolve().parent)}})
+    client = NotebookClient(
+        notebook,
+        timeout=int(timeout),
+        kernel_name=KERNEL,
+        allow_errors=True,
+        interrupt_on_timeout=True,
+        error_on_timeout={"ename": TIMED_OUT, "evalue": "", "traceback": []},
+        resources={"metadata": {"path": str(path.resolve().parent)}},
+    )
     kernel, replay = _Kernel(client), []
     try:
         with client.setup_kernel():
@@ -179,7 +195,9 @@ def _run(notebook: nbformat.NotebookNode, placed: dict[int, Check], path: Path, 
                 if cell.cell_type != "code":
                     continue
                 finished = kernel.run(cell, index)
-                state: dict[str, Any] = kernel.probe(check.function if check else None) if finished else {"healthy": False}
+                state: dict[str, Any] = (
+                    kernel.probe(check.function if check else None) if finished else {"healthy": False}
+                )
                 if check is not None:
                     outcomes[check.grade_id] = _outcome(check, cell, finished, state, timeout)
                 elif finished and state.get("healthy") and _is_px(cell):
@@ -224,7 +242,7 @@ def leftovers(ipython_dir: str) -> list[psutil.Process]:
 def clean_up(ipython_dir: str, wait: float = 20.0) -> list[str]:
     """Stop the clusters whose kernel is gone; kill what still runs after `wait` s; return what was killed."""
     for profile_dir in Path(ipython_dir).glob("profile_ddlab-*"):
-        cleanup_orphans(profile_dir.name[len("profile_ddlab-"):])
+        cleanup_orphans(profile_dir.name[len("profile_ddlab-") :])
     deadline = time.monotonic() + wait
     while (left := leftovers(ipython_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)

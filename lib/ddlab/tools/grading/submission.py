@@ -14,7 +14,9 @@ def is_check(cell: nbformat.NotebookNode) -> bool:
     """A check cell, or what is left of one: tagged check, an nbgrader test cell, or calling a check."""
     meta = cell.get("metadata", {})
     return cell.cell_type == "code" and bool(
-        CHECK_TAG in meta.get("tags", []) or meta.get("nbgrader", {}).get("grade") or "ddlab.checks.check_" in cell.source
+        CHECK_TAG in meta.get("tags", [])
+        or meta.get("nbgrader", {}).get("grade")
+        or "ddlab.checks.check_" in cell.source
     )
 
 
@@ -28,7 +30,9 @@ def _exercise_cells(cells: list[nbformat.NotebookNode]) -> dict[str, int]:
     return found
 
 
-def prepare(lab: nbformat.NotebookNode, submission: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode, dict[int, Check]]:
+def prepare(
+    lab: nbformat.NotebookNode, submission: nbformat.NotebookNode
+) -> tuple[nbformat.NotebookNode, dict[int, Check]]:
     """The notebook to grade and, by cell index in it, the check each restored check cell is.
 
     The submission's check cells (or edited or emptied ones) are dropped, and the lab's
