@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIB = ROOT / "lib"
 BIN = Path(sys.executable).parent
 #: What ruff checks and formats, from the repository's root.
-LINTED = ["lib", "tests", "bench", "conftest.py"]
+LINTED = ["lib", "tests", "bench", "conftest.py", "docs/figures.py"]
 
 
 def run(tool: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
