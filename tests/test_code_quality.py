@@ -96,6 +96,14 @@ def test_no_import_cycle_between_packages():
     assert cycle is None, "packages import each other in a cycle: " + " -> ".join(cycle or [])
 
 
+def test_the_layers_depend_downwards():
+    """docs/architecture.md's three layers: the runtime stands on nothing else of ddlab; only tools/ uses tools/."""
+    graph = package_imports(LIB)
+    assert not graph.get("runtime"), f"runtime/ must import nothing else of ddlab, it imports {graph.get('runtime')}"
+    users = sorted(package for package, imported in graph.items() if "tools" in imported)
+    assert not users, f"tools/ is the operator's layer, on top: {users} import it"
+
+
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None

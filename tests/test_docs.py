@@ -313,8 +313,8 @@ def _drawn_tree() -> set[str]:
     drawn: set[str] = set()
     stack: list[str] = []
     for line in blocks[0][1:]:
-        if not line.strip():
-            continue
+        if not line.strip() or line.strip().startswith("#"):
+            continue  # blank, or a layer's heading
         indent = len(line) - len(line.lstrip(" "))
         assert indent % 2 == 0 and indent >= 2, f"architecture.md tree: indent by 2 spaces per level: {line!r}"
         depth, name = indent // 2 - 1, line.split()[0]
