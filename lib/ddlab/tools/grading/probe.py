@@ -14,19 +14,28 @@ ANSWER_TIMEOUT = 15.0
 
 
 def reference_name(name: str | None) -> str | None:
-    """On an engine: 'module.function' if the engine's `name` is one of ddlab's own functions, by identity."""
+    """On an engine: 'package.function' if the engine's `name` is one of ddlab's own functions, by identity
+    (named from the package that exports it, e.g. ddlab.allreduce.allreduce_ring)."""
     from IPython import get_ipython
 
     shell = get_ipython()
     value = shell.user_ns.get(name) if shell is not None and name else None
     if value is None:
         return None
+    home = getattr(value, "__module__", None) or ""
+    found = []  # where it is defined, or a package above re-exporting it: the shortest is its public name
     for module_name, module in list(sys.modules.items()):
-        if module_name.split(".")[0] == "ddlab" and module_name != __name__:
-            for attribute, candidate in list(vars(module).items()):
-                if candidate is value and getattr(value, "__module__", None) == module_name:
-                    return f"{module_name}.{attribute}"
-    return None
+        if (
+            module_name.split(".")[0] == "ddlab"
+            and module_name != __name__
+            and f"{home}.".startswith(f"{module_name}.")
+        ):
+            found += [
+                f"{module_name}.{attribute}"
+                for attribute, candidate in list(vars(module).items())
+                if candidate is value
+            ]
+    return min(found, key=len, default=None)
 
 
 def report(name: str | None = None) -> None:
