@@ -11,7 +11,7 @@ cell states.
 
 The rates were fitted (least squares of the relative error) to walkthroughs of labs 00-07,
 in which reviewers solved each lab from its student version as a new student would,
-counting attempts and judging each exercise's minutes (README, "How long each lab takes"):
+counting attempts and judging each exercise's minutes (docs/teaching.md, "How long each lab takes"):
 a first reading of technical prose with formulas and figures at 120 words a minute, half
 the hints read, per exercise 2 minutes plus 0.75 per solution line, cells run twice, and
 10 minutes per lab for starting the engines, restarts and looking around.

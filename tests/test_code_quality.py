@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIB = ROOT / "lib"
 BIN = Path(sys.executable).parent
 #: What ruff checks and formats, from the repository's root.
-LINTED = ["lib", "tests", "bench", "conftest.py"]
+LINTED = ["lib", "tests", "bench", "conftest.py", "docs/figures.py"]
 
 
 def run(tool: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -94,6 +94,14 @@ def test_no_import_cycle_between_packages():
     assert "runtime" in graph["allreduce"] and "allreduce" in graph["data_parallel"], graph  # the graph is read at all
     cycle = find_cycle(graph)
     assert cycle is None, "packages import each other in a cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_layers_depend_downwards():
+    """docs/architecture.md's three layers: the runtime stands on nothing else of ddlab; only tools/ uses tools/."""
+    graph = package_imports(LIB)
+    assert not graph.get("runtime"), f"runtime/ must import nothing else of ddlab, it imports {graph.get('runtime')}"
+    users = sorted(package for package, imported in graph.items() if "tools" in imported)
+    assert not users, f"tools/ is the operator's layer, on top: {users} import it"
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -26,7 +26,7 @@ ROOT = HERE.parents[1]
 ARTEFACTS = ROOT / "out" / "browser"
 IN_CI = os.environ.get("CI", "").lower() == "true"
 CHROMIUM = "/usr/bin/chromium"
-#: What the set-up installs (README, "Teaching with ddlab", lists the same).
+#: What the set-up installs (docs/testing.md lists the same).
 CHROMIUM_PACKAGES = ["chromium"]
 PLAYWRIGHT = "playwright==1.65.2"
 single_node = sys.modules["single_node"]  # loaded by tests/conftest.py
