@@ -11,9 +11,10 @@ vector of the same length. The error bounds the tests hold them to, for x of n i
   to 127 levels of max|x| per sign: unbiased, |x_i - d_i| <= max|x| / 127, one byte per item.
 - `sign_1bit(x)`: the signs (one bit per item, packed) times mean|x| (1-bit SGD, Seide
   et al., Interspeech 2014; signSGD, Bernstein et al., ICML 2018). ||x - d||^2 =
-  ||x||^2 - ||x||_1^2 / n <= ||x||^2: a contraction, so error feedback makes it
-  converge (Karimireddy et al., "Error feedback fixes SignSGD and other gradient
-  compression schemes", ICML 2019).
+  ||x||^2 - ||x||_1^2 / n <= ||x||^2: a contraction, so error feedback makes SGD with it
+  converge (Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
+  Compression Schemes", ICML 2019; for top-k and random-k, Stich et al., "Sparsified SGD
+  with Memory", NeurIPS 2018; both prove it for SGD without momentum).
 
 `ErrorFeedback` keeps the residual, what compression left out, and adds it to the
 next gradient: e_{t+1} = (g_t + e_t) - d_t, so sum of d_t + e_T = sum of g_t exactly.

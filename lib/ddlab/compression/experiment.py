@@ -1,7 +1,9 @@
 """Lab 04's trainer with a compressed allreduce: the test loss after some steps, bytes and time per step.
 
-`train_compressed(comm, reduce, steps)` trains lab 04's MLP (SGD with momentum 0.9, batches of 32 per rank: error
-feedback's guarantees are for SGD; Adam rescales each coordinate and undoes them)
+`train_compressed(comm, reduce, steps)` trains lab 04's MLP (SGD with momentum 0.9, batches of 32 per rank; the
+proofs for error feedback, Stich et al., NeurIPS 2018 and Karimireddy et al., ICML 2019, are for SGD without
+momentum, and Deep Gradient Compression, Lin et al., ICLR 2018, needed momentum correction, local clipping,
+momentum-factor masking and warm-up to keep accuracy with momentum: none of them is here)
 for `steps` steps of one epoch with `reduce` as DataParallel's allreduce, the same data
 and start for every method, and reports what the notebook and bench/compression.py plot.
 """

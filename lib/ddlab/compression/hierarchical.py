@@ -9,8 +9,12 @@ holds the contiguous blocks b with b * s // g == l. Then:
 2. for each block, allreduce it across groups between the ranks holding it;
 3. allgather inside the group: every rank gets every block.
 
-Only step 2 crosses the slow link, and it carries n/g items per rank instead of the
-flat ring's 2(P-1)/P n, split over as many messages as there are groups. This is the
+Only step 2 crosses the slow link, and it carries 2(N-1)/N n/g items per rank (N
+groups) instead of the flat ring's 2(P-1)/P n. The g ranks of a node send theirs at
+once: through one network port per node that is 2(N-1)/N n per node, close to what the
+flat ring sends through it (one message of n/P per step), so there the gain is latency
+(2(N-1) slow steps instead of 2(P-1)); the bytes per port fall g-fold only with a port
+per rank, which `hierarchical_seconds` and `SlowLinkComm` assume. This is the
 two-level scheme behind Horovod's hierarchical allreduce and, co-designed with the
 network's topology, Nguyen & Wahib's halving-doubling allreduce ("An allreduce
 algorithm and network co-design for large-scale training of distributed deep learning",

@@ -1,10 +1,12 @@
 """Allreduce of sparse gradients: every rank's (index, value) pairs through Allgatherv.
 
-Sparse vectors do not add up chunk by chunk like dense ones (rank 3's top entries are
-not where rank 1's are), so a ring cannot cut them into P pieces: each rank must get
-every other rank's pairs. Allgatherv does that; each rank then adds the P sparse
-vectors into a dense one. That is the inefficiency the literature points at: the
-bytes grow with P, where the ring's stay at 2(P-1)/P n.
+The sum of sparse vectors fills in: rank 3's top entries are not where rank 1's are, so
+their sum holds both sets of positions. A ring could cut the positions into P chunks,
+but the partial sums its reduce-scatter passes on would grow at every step towards
+dense ones, so the dense ring's bandwidth bound (messages of one size) does not carry
+over. Instead each rank gets every other rank's pairs: Allgatherv, then each rank adds
+the P sparse vectors into a dense one. The bytes grow with P, where the ring's stay at
+2(P-1)/P n.
 
 Exercise signature (lab 11):
 `sparse_allreduce(comm, indices, values, n)`: `indices` a 1-D int32 array of distinct

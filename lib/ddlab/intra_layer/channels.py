@@ -9,11 +9,23 @@ only): the input's gradient is the sum of the partials, an allreduce.
 Channel parallel: rank r owns input channels block_range(Cin, r, P) (its columns of the
 weight) and only those channels of the input. Forward, its partial output (the
 contribution of its channels) is summed over ranks by an allreduce, then the bias is
-added. Backward needs no message: the output's gradient is the same on every rank.
+added. Backward sends no message: the output's gradient is the same on every rank, and
+the gradient of the rank's own input channels is all it returns. That suffices when the
+rank's input slice is all there is before the layer (the data, or the slice a
+filter-parallel layer kept). Where every rank holds the whole input and cuts its
+channels out of it, the layers before need the whole input gradient: an allgather
+(the backward of that cut), which lab 09's oracle charges and this layer leaves out.
+
+Both layers take the output's gradient to be the same on every rank (the layers after
+run whole everywhere), so the backward of the filter layer's allgather is a slice; with
+different partial gradients on the ranks it would be a reduce-scatter.
 
 A filter-parallel layer followed by a channel-parallel one with the same split
-(Megatron-LM's column-then-row pairing) lets each rank keep its channel slice in
-between, so the pair costs one allgather and one allreduce forward.
+(Megatron-LM's column-then-row pairing: Shoeybi et al., "Megatron-LM: Training
+Multi-Billion Parameter Language Models Using Model Parallelism", arXiv 2019) needs no
+message between them: the filter layer's output slice is the channel layer's input, and
+the pair costs one allreduce forward and one backward. FilterParallelConv always
+gathers its output; used in such a pair, that allgather is more than the pair needs.
 
 Exercise 8.2 signature: `FilterParallelConv.apply(x, weight, bias, comm, padding) -> y`: x
 the whole input (N, Cin, H, W), the same on every rank; weight (Cout_r, Cin, k, k) and bias
@@ -83,7 +95,10 @@ class FilterParallelConv(torch.autograd.Function):
 
 
 class ChannelParallelConv(torch.autograd.Function):
-    """Forward: my input channels' partial output, summed over ranks, plus bias. Backward: no messages."""
+    """Forward: my input channels' partial output, summed over ranks, plus bias. Backward: no messages.
+
+    The input's gradient returned is this rank's channels' only (see the module docstring for when that suffices).
+    """
 
     @staticmethod
     def forward(

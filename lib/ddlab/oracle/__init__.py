@@ -1,7 +1,7 @@
 """The oracle (lab 09): predict time and memory per iteration of every strategy before running it.
 
-After ParaDL (Kahira, Nguyen et al., "An Oracle for Characterizing and Guiding
-Large-Scale Training of Deep Neural Networks", HPDC 2021).
+After ParaDL (Kahira, Nguyen et al., "An Oracle for Guiding Large-Scale Model/Hybrid
+Parallel Training of Convolutional Neural Networks", HPDC 2021).
 
 - `describe`, `profile_seconds`, `ModelInfo`, `LayerInfo`: a torch model traced layer by layer.
 - `Platform`, `Curves`, `gpu_cluster`: devices, compute, memory, measured collectives (links are

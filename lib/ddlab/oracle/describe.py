@@ -16,8 +16,10 @@ children: Conv2d, Linear, ReLU, a UNet `Down` ...), in call order:
   already saved by an earlier layer (a stage that receives it holds a copy of its own).
 
 Everything is per sample: the oracle multiplies by the samples a rank holds.
-`profile_seconds` adds measured compute seconds per layer (ParaDL too takes each
-layer's compute time from a run on one device).
+`profile_seconds` adds measured compute seconds per layer (ParaDL too profiles each
+layer's compute time per sample on the target device: Kahira, Nguyen et al., "A
+Model-driven Analysis of the Practical Limits of Large-scale DNN Training", technical
+report, sec. IV).
 """
 
 from __future__ import annotations

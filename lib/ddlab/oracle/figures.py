@@ -1,4 +1,9 @@
-"""Lab 09's figures: predicted against measured (as ParaDL's figure 2), and the planner's map."""
+"""Lab 09's figures: predicted against measured, and the planner's map.
+
+The first is laid out as figure 2 of ParaDL's technical report (Kahira, Nguyen et al., "A
+Model-driven Analysis of the Practical Limits of Large-scale DNN Training", paraDL-analysis
+repository): predicted time by part beside the measured time.
+"""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ nodes the inter-node link (the slowest edge of the ring sets its pace). `sharing
 is how many such flows share one node's network link at once (hybrid strategies).
 
 `contention[n-1]` is how much slower a device computes while n devices of a node
-compute at once (1 on a GPU; on a CPU the cores and memory bandwidth are shared), and
+compute at once (1 on a GPU; on a CPU the cores and memory bandwidth are shared; not
+ParaDL's contention, which is the network's and corresponds to `sharing` here), and
 `sync` what each blocking exchange costs beyond its message time when the ranks that
 must meet share cores with each other and other programs (a partner that is not
 running must first be scheduled; 0 with a core or device per rank): both measured by

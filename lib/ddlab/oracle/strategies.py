@@ -1,8 +1,10 @@
 """Time per iteration and peak memory per rank of every strategy, from a model and a platform.
 
-The structure is ParaDL's (Kahira, Nguyen et al., HPDC 2021): a step's time is the
-compute each rank does (the layers' compute time for its share of the work, slowed by
-contention when devices share cores), plus the communication the strategy needs (priced
+The structure is ParaDL's (Kahira, Nguyen et al., "An Oracle for Guiding Large-Scale
+Model/Hybrid Parallel Training of Convolutional Neural Networks", HPDC 2021): a step's time
+is the compute each rank does (the layers' compute time for its share of the work, slowed
+by contention when devices share cores: this library's term, not ParaDL's, whose contention
+is the network's, here the `sharing` of a node's link), plus the communication the strategy needs (priced
 by the platform's measured collectives), plus the pipeline bubble; memory per rank is the
 ZeRO split (parameters, gradients, optimizer state) plus activations plus buffers and halos.
 
@@ -28,7 +30,9 @@ and Python of lab 08; measured, 0 where not measured).
 - filter(P), channel(P): the weights of every convolution and linear layer split by
   output (filter) or input (channel) channels; filter allgathers each output forward and
   allreduces the input's gradient backward; channel allreduces each output forward and
-  allgathers the input's gradient backward (lab 08).
+  allgathers the input's gradient backward. That prices a chain in which every split
+  layer's input is whole on every rank (each rank cuts its channels out of it); lab 08's
+  ChannelParallelConv, whose input arrives already split, sends nothing backward.
 - data x spatial (D x S), data x filter (D x F), data x pipeline (D x K): D groups,
   each running the second strategy on B/D samples, then an allreduce over the D groups
   of each rank's gradients. Groups are placed so the inner strategy stays inside a node.

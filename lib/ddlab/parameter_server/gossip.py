@@ -1,10 +1,14 @@
 """Decentralized training without a server: average with a ring neighbour instead of with everyone.
 
 `gossip_step` is exercise 10.3: one synchronous averaging step with the left
-neighbour. `AsyncGossip` is the asynchronous version training uses: each rank posts
-its parameters to the right neighbour without waiting, and averages with the
+neighbour, the mixing matrix W[i, i] = W[i, i-1] = 1/2 (doubly stochastic: it keeps the
+replicas' mean), as in D-PSGD (Lian et al., NeurIPS 2017). `AsyncGossip` is the
+asynchronous version training uses, in the setting of AD-PSGD (Lian et al.,
+"Asynchronous Decentralized Parallel Stochastic Gradient Descent", ICML 2018): each rank
+posts its parameters to the right neighbour without waiting, and averages with the
 newest parameters that have arrived from the left, if any, so no rank ever waits
-for another during training.
+for another during training. Those may be several steps old (staleness), and only the
+receiver averages (AD-PSGD averages a pair atomically), so the replicas' mean drifts.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Each of P ranks trains on n/P samples of s bytes per epoch.
 Against a compute time per epoch of t_1 / P (perfect scaling), global shuffling costs
 more than the training itself once n s / B_fs > t_1 / P: `affordable_ranks`.
 Bandwidths in bytes per second. Staging (one copy from shared storage) is left out.
+The global formula assumes every epoch reads the shared copy; a cache that reads it once
+(NoPFS: Dryden et al., "Clairvoyant Prefetching for Distributed Machine Learning I/O",
+SC 2021) leaves only the n s - P c bytes that do not fit in P node caches of c bytes.
 """
 
 from __future__ import annotations

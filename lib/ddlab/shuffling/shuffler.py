@@ -8,7 +8,11 @@ its partition holds (block sizes of n over P ranks), in an order given by:
   (`epoch_permutation`); rank r takes block r of it and reads those samples from the
   shared copy. Every epoch reads the whole data set from shared storage.
 - **local**: rank r shuffles its own partition, read from local storage. Only the first
-  copy (`stage`) touches shared storage, but a rank sees the same biased slice forever.
+  copy (`stage`) touches shared storage, but a rank sees the same slice forever. With
+  equal batches from equal partitions the averaged gradient is still a stratified,
+  unbiased sample; what a sorted slice distorts is what a rank computes from its batch
+  alone (BatchNorm's statistics in lab 12's network). Nguyen et al. partition at
+  random; `storage` sorts, the worst case.
 - **partial** (partial-local, exchange fraction Q): at the start of every epoch each
   rank sends round(Q m) of its m local samples to other ranks with one Alltoallv and
   receives as many, then shuffles what it holds. Q = 0 is local; Q = 1 deals out a
