@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-
 from ddlab.data.text import VOCAB_SIZE, BatchSampler, decode, make_corpus
 from ddlab.models.gpt import GPTConfig, dropout_mask, evaluate, make_gpt, seeded_dropout, train_gpt
 
