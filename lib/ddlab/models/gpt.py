@@ -21,7 +21,7 @@ so a split model drops exactly what one process drops. Tensors are (batch, seque
 
 Dropout is applied as `x.masked_fill(~keep, 0) * scale`, so autograd keeps the mask
 (one byte per element) and not a scaled copy: what backward keeps is then what
-Korthikanti et al. count (see `ddlab.tensor_parallel.memory`).
+Korthikanti et al. count (see `ddlab.tensor_parallel.formulas`).
 """
 
 from __future__ import annotations

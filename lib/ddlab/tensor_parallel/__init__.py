@@ -8,7 +8,7 @@
 - `ParallelAttention` (by heads), `ParallelMLP`, `ParallelBlock`.
 - `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`: the vocabulary split, logits never gathered.
 - `TensorParallelGPT`, `reduce_sequence_parallel_grads`, `make_data_tensor_grid`, `train_step`.
-- `memory`: Korthikanti et al.'s activation formulas and what a split block keeps, measured.
+- `activation_bytes_per_layer`, `bytes_sent_per_step`: Korthikanti et al.'s activation formulas, the bytes sent.
 
 Every function takes its communicator explicitly. Exercise signatures are in the docstrings
 of `conjugates` (14.1), `layers` (14.2), `block` (14.3), `vocab` (14.4).
@@ -17,6 +17,7 @@ of `conjugates` (14.1), `layers` (14.2), `block` (14.3), `vocab` (14.4).
 from .block import ParallelAttention, ParallelBlock, ParallelMLP, head_range, qkv_rows
 from .collectives import allgather, allreduce, reduce_scatter
 from .conjugates import Copy, Gather, Reduce, ReduceScatter
+from .formulas import activation_bytes_per_layer, bytes_sent_per_step, ring_bytes
 from .layers import ColumnParallelLinear, GatherLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 from .model import DataTensorGrid, TensorParallelGPT, make_data_tensor_grid, reduce_sequence_parallel_grads, train_step
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
