@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from ddlab.checks._core import each_size
 from ddlab.comm import first_ranks
+from ddlab.counting import CountingComm, gather_traffic
+from ddlab.memory import Ledger
 from ddlab.models.gpt import GPTConfig, make_gpt
 from ddlab.partition import block_range
 from ddlab.tensor_parallel import (
@@ -29,8 +31,10 @@ from ddlab.tensor_parallel import (
     RowParallelLinear,
     TensorParallelGPT,
     VocabParallelEmbedding,
+    activation_bytes_per_layer,
     allgather,
     allreduce,
+    bytes_sent_per_step,
     make_data_tensor_grid,
     reduce_scatter,
     reduce_sequence_parallel_grads,
@@ -316,4 +320,60 @@ def test_every_data_x_tensor_layout_takes_the_steps_of_one_process():
             split = _curve(sub, ways, 4, sequence_parallel=ways > 1)
             errors.append(max(abs(a - b) for a, b in zip(one, split)))
         return max(errors) / 100  # tolerance 1e-8 on the losses
+    _each_sub(body)
+
+
+def _divides(sub: MPI.Comm) -> bool:
+    return CONFIG.n_head % sub.Get_size() == 0
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_the_activation_formula_at_16_bits_is_korthikanti_et_al_s(t):
+    s, b, h, a = 64, 8, 128, 8
+    assert activation_bytes_per_layer(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(s, b, h, a, t) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_bytes_per_layer(s, b, h, a, t, True) == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)))
+
+
+def test_activation_bytes_per_rank_are_korthikanti_formulas():
+    """What one block keeps for backward, measured by the ledger in float16, within 10% of the formulas
+    (the formulas assume the heads divide evenly: other rank counts are left out)."""
+    def body(sub):
+        if not _divides(sub):
+            return 0.0
+        model = make_gpt(CONFIG, seed=2, dtype=torch.float16)
+        s, b, h, a, t = 12, 2, CONFIG.n_embd, CONFIG.n_head, sub.Get_size()
+        x = torch.randn(b, s, h, dtype=torch.float16)
+        errors = []
+        for sp in (False, True):
+            block = ParallelBlock(model.blocks[0], sub, sp)
+            ledger = Ledger()
+            ledger.ignore(block)
+            mine = x[:, _rows(s, sub)] if sp else x
+            with ledger.activations():
+                out = block(mine.clone().requires_grad_(), 5, s)
+            want = activation_bytes_per_layer(s, b, h, a, t, sp)
+            errors.append(abs(ledger.used["activations"] / want - 1) * TOL / 0.1)  # under TOL means within 10%
+            del out
+        return max(errors)
+    _each_sub(body)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_bytes_sent_per_step_are_the_formula(sequence_parallel):
+    """Every byte a training step sends, counted, equals 4 allreduces (or their halves) of s·b·h per block
+    plus the embedding, output layer, loss and sequence-parallel gradient terms."""
+    def body(sub):
+        counting = CountingComm(sub, timeout=60.0)
+        split = TensorParallelGPT(make_gpt(CONFIG, seed=2, dtype=torch.float64), counting, sequence_parallel)
+        idx = torch.randint(0, 26, (2, 12), generator=torch.Generator().manual_seed(1))
+        _, loss = split(idx, idx.roll(1, 1), seed=3)
+        loss.backward()
+        reduce_sequence_parallel_grads(split)
+        sent = [t.bytes_sent for t in gather_traffic(counting)]
+        counting.free()
+        replicated = sum(p.numel() for p in split.replicated_parameters())
+        want = bytes_sent_per_step(12, 2, CONFIG.n_embd, CONFIG.n_layer, sub.Get_size(), sequence_parallel, 8,
+                                   replicated)["total"]
+        return max(abs(s - want) for s in sent)
     _each_sub(body)
