@@ -7,8 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ddlab.checks import CheckFailed, check_conjugates, check_vocab_parallel_cross_entropy
-from ddlab.tensor_parallel import Copy, Reduce, allgather, allreduce, reduce_scatter, vocab_parallel_cross_entropy
+from ddlab.checks import CheckFailed, check_conjugates, check_parallel_linear, check_vocab_parallel_cross_entropy
+from ddlab.tensor_parallel import (
+    Copy,
+    Reduce,
+    allgather,
+    allreduce,
+    column_parallel_linear,
+    reduce_scatter,
+    row_parallel_linear,
+    vocab_parallel_cross_entropy,
+)
 from mpi4py import MPI
 
 
@@ -138,3 +147,28 @@ def test_a_cross_entropy_that_gathers_the_logits_fails():
         pytest.skip("one rank holds all the logits: gathering them sends nothing")
     with pytest.raises(CheckFailed, match="never gathers the logits"):
         check_vocab_parallel_cross_entropy(gathers_the_logits)
+
+
+def row_adds_bias_on_every_rank(x, weight, bias, comm):
+    """Wrong: the bias added to each rank's part before the sum, so t times in all."""
+    return Reduce.apply(torch.nn.functional.linear(x, weight, bias), comm)
+
+
+def column_by_hand(x, weight, bias, comm):
+    """Valid, written differently: the conjugate f around a matmul and an add."""
+    return Copy.apply(x, comm) @ weight.T + bias
+
+
+def test_the_reference_linear_layers_pass():
+    check_parallel_linear(column_parallel_linear, row_parallel_linear)
+
+
+def test_linear_layers_written_differently_pass():
+    check_parallel_linear(column_by_hand, row_parallel_linear)
+
+
+def test_a_row_parallel_layer_adding_its_bias_on_every_rank_fails():
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("on one rank the bias is added once either way")
+    with pytest.raises(CheckFailed, match="add the bias, once"):
+        check_parallel_linear(column_parallel_linear, row_adds_bias_on_every_rank)

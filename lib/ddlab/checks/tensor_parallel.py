@@ -1,4 +1,4 @@
-"""Checks for lab 14: the conjugate pair and the vocabulary-parallel cross-entropy.
+"""Checks for lab 14: the conjugate pair, the column- and row-parallel layers, the vocabulary-parallel loss.
 
 Each check runs the student's code on the first P ranks for P = 1 .. world size through
 a counting communicator (no MPI collective allowed: the lab's `ddlab.tensor_parallel.allreduce`
@@ -135,3 +135,64 @@ def check_vocab_parallel_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor,
     each_size(world, body, "vocab_parallel_cross_entropy is wrong")
     passed(world, "vocab_parallel_cross_entropy: loss and gradients equal one process's, logits never gathered")
 
+
+
+#: The MLP of the linear-layer check: (batch, sequence, width) in, `HIDDEN` features split over the ranks.
+BATCH, LENGTH, WIDTH, HIDDEN = 2, 5, 6, 12
+
+
+def _mlp_case(counting: CountingComm, column: Callable[..., Any], row: Callable[..., Any],
+              first: torch.nn.Linear, second: torch.nn.Linear, x: torch.Tensor, g: torch.Tensor) -> tuple:
+    features = block_range(HIDDEN, counting.Get_rank(), counting.Get_size())
+    cut = slice(features.start, features.stop)
+    w1 = first.weight.detach()[cut].clone().requires_grad_()
+    b1 = first.bias.detach()[cut].clone().requires_grad_()
+    w2 = second.weight.detach()[:, cut].clone().requires_grad_()
+    b2 = second.bias.detach().clone().requires_grad_()
+    mine = x.detach().clone().requires_grad_()
+    y = row(F.gelu(column(mine, w1, b1, counting)), w2, b2, counting)
+    forward = counting.traffic.bytes_sent
+    y.backward(g)
+    return y.detach(), mine.grad, [w1.grad, b1.grad, w2.grad, b2.grad], forward, counting.traffic.bytes_sent - forward
+
+
+def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -> None:
+    """column(x, weight, bias, comm), row(x, weight, bias, comm): as ddlab.tensor_parallel.column_parallel_linear
+    and row_parallel_linear, checked as the two layers of an MLP (column, GELU, row)."""
+    world = MPI.COMM_WORLD
+    generator = torch.Generator().manual_seed(2)
+    first, second = torch.nn.Linear(WIDTH, HIDDEN).double(), torch.nn.Linear(HIDDEN, WIDTH).double()
+    with torch.no_grad():
+        for p in (*first.parameters(), *second.parameters()):
+            p.copy_(torch.randn(p.shape, dtype=torch.float64, generator=generator))
+    x = torch.randn(BATCH, LENGTH, WIDTH, dtype=torch.float64, generator=generator, requires_grad=True)
+    g = torch.randn(BATCH, LENGTH, WIDTH, dtype=torch.float64, generator=generator)
+    y = second(F.gelu(first(x)))
+    y.backward(g)
+
+    def body(sub: MPI.Comm) -> str | None:
+        size = sub.Get_size()
+        (out, grad_x, grads, forward, backward), _ = run_counted(
+            sub, lambda c: _mlp_case(c, column, row, first, second, x, g), (), "the parallel MLP", timeout=TIMEOUT)
+        cut = block_range(HIDDEN, sub.Get_rank(), size)
+        assert first.weight.grad is not None and first.bias.grad is not None
+        assert second.weight.grad is not None and second.bias.grad is not None
+        wants = [("the output (row's)", out, y.detach(), "row must sum the ranks' parts and then add the bias, once"),
+                 ("the input's gradient", grad_x, x.grad, "column's backward must sum the input's gradient over ranks"),
+                 ("column's weight gradient", grads[0], first.weight.grad[cut.start:cut.stop], ""),
+                 ("column's bias gradient", grads[1], first.bias.grad[cut.start:cut.stop], ""),
+                 ("row's weight gradient", grads[2], second.weight.grad[:, cut.start:cut.stop], ""),
+                 ("row's bias gradient", grads[3], second.bias.grad, "")]
+        for label, got, want, hint in wants:
+            problem = _error(got, want)
+            if problem:
+                return f"{label} {problem}" + (f": {hint}" if hint else "")
+        one = 2 * ring_bytes(BATCH * LENGTH * WIDTH, size, 8)
+        if (forward, backward) != (one, one):
+            return (f"sent {forward:.0f} bytes forward and {backward:.0f} backward; expected {one:.0f} each: one "
+                    f"allreduce of the output forward (in row) and one of the input's gradient backward (in column)")
+        return None
+
+    each_size(world, body, "the column- and row-parallel layers are wrong")
+    passed(world, "column_parallel_linear and row_parallel_linear: the split MLP equals one process's, one "
+                  "allreduce forward and one backward")
