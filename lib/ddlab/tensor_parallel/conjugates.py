@@ -1,0 +1,90 @@
+"""The conjugate pairs of tensor parallelism, as autograd functions.
+
+Megatron-LM (Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language
+Models Using Model Parallelism", 2019, section 3) needs two functions around a split
+MLP or attention block, each the other's conjugate:
+
+- `Copy` ("f"): forward the identity (every rank needs the whole input of a
+  column-parallel layer); backward an allreduce (each rank's columns gave a part of the
+  input's gradient; the input's gradient is their sum).
+- `Reduce` ("g"): forward an allreduce (each rank's rows of a row-parallel layer give a
+  part of the output; the output is their sum); backward the identity (every rank needs
+  the whole output gradient, and has it).
+
+Sequence parallelism (Korthikanti et al., MLSys 2023, section 4.2.2) keeps the tensors
+between the split layers as blocks of the sequence, and replaces them by another pair:
+
+- `Gather` ("g-bar" of Korthikanti et al.): forward an allgather of the sequence blocks;
+  backward a reduce-scatter (the whole gradient is a sum of parts; each rank keeps its block).
+- `ReduceScatter` ("g"): forward a reduce-scatter to sequence blocks; backward an allgather.
+
+Tensors are (batch, sequence, features): the sequence is dim 1, split by `block_range`.
+
+Exercise 14.1 signature: `Copy.apply(x, comm)` and `Reduce.apply(x, comm)`: x any float
+tensor (the same shape and dtype on every rank of comm); Copy returns x's values and in
+backward the gradient summed over ranks; Reduce returns x summed over ranks and in
+backward the gradient unchanged. Each sends exactly one allreduce (here the ring's two
+halves) of x's size, Copy in backward, Reduce in forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..runtime.comm import Comm
+from .collectives import allgather, allreduce, reduce_scatter
+
+SEQUENCE = 1  # the sequence dimension of (batch, sequence, features)
+
+
+class Copy(torch.autograd.Function):
+    """f: identity forward, allreduce backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return allreduce(ctx.comm, grad), None
+
+
+class Reduce(torch.autograd.Function):
+    """g: allreduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        return allreduce(comm, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class Gather(torch.autograd.Function):
+    """Sequence blocks -> the whole sequence (allgather); backward, the gradient summed and scattered back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, length: int) -> torch.Tensor:
+        ctx.comm = comm
+        return allgather(comm, x, SEQUENCE, length)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return reduce_scatter(ctx.comm, grad, SEQUENCE), None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """Partial sums of the whole sequence -> this rank's block of their sum; backward, the blocks allgathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm, ctx.length = comm, x.shape[SEQUENCE]
+        return reduce_scatter(comm, x, SEQUENCE)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return allgather(ctx.comm, grad, SEQUENCE, ctx.length), None
