@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from ddlab.data.text import VOCAB_SIZE, BatchSampler, decode, make_corpus
@@ -70,7 +68,7 @@ def test_gpt_shapes_parameters_and_initial_loss(tied):
         model(torch.zeros(1, 17, dtype=torch.int64))
 
 
-def test_a_small_gpt_learns_the_corpus_quickly():
+def test_a_small_gpt_learns_the_corpus():
     torch.manual_seed(0)
     corpus = make_corpus()
     config = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
@@ -78,10 +76,7 @@ def test_a_small_gpt_learns_the_corpus_quickly():
     train = BatchSampler(corpus.train, 16, config.block_size, seed=1)
     val = BatchSampler(corpus.val, 16, config.block_size, seed=2)
     before = evaluate(model, val.batch_at, 4)
-    start = time.perf_counter()
     losses = train_gpt(model, train.batch_at, 150, lr=1e-2)
-    seconds = time.perf_counter() - start
     after = evaluate(model, val.batch_at, 4)
     assert before > 5.3 and after < 3.3, f"validation loss {before:.2f} -> {after:.2f} after 150 steps"
     assert sum(losses[-10:]) / 10 < losses[0] - 2
-    assert seconds < 60
