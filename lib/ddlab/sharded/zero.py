@@ -52,6 +52,7 @@ optimizer state (master shards here, the optimizer's state through the ledger's 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
@@ -78,7 +79,7 @@ def raw(tensor: torch.Tensor) -> np.ndarray:
     forbid freeing a unit by shrinking it."""
     dtype = np.dtype(np.int16) if tensor.dtype == torch.bfloat16 else torch.empty((), dtype=tensor.dtype).numpy().dtype
     nbytes = tensor.numel() * tensor.element_size()
-    return np.frombuffer(memoryview(MPI.buffer.fromaddress(tensor.data_ptr(), nbytes)), dtype=dtype)
+    return np.frombuffer(memoryview((ctypes.c_byte * nbytes).from_address(tensor.data_ptr())), dtype=dtype)
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:
