@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
@@ -70,6 +71,9 @@ from .collectives import CollectivesChoice, resolve_collectives
 from .flat import FlatSpace
 
 STAGES = (1, 2, 3)
+#: Reduce-scatters in flight at once: each overlaps the backward of the units before it, and
+#: the bound keeps their float32 buffers to two units' worth instead of the whole model's.
+REDUCES_IN_FLIGHT = 2
 
 
 def raw(tensor: torch.Tensor) -> np.ndarray:
@@ -111,6 +115,7 @@ class Unit:
         self.sending: torch.Tensor | None = None  # the shard being allgathered, alive until it lands
         self.reducing: tuple[Future[np.ndarray], torch.Tensor] | None = None
         self.pending = 0  # parameters whose gradient this backward has still to produce
+        self.reduced = False  # its reduce-scatter has started in this backward
         self.grad_charged = False
 
     @property
@@ -156,6 +161,7 @@ class Sharded(nn.Module):
         self._helper = (ThreadPoolExecutor(1, thread_name_prefix="ddlab-sharded")
                         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE else None)
         self._in_backward = False
+        self._reducing: deque[Unit] = deque()  # units whose reduce-scatter is in flight, oldest first
         self._grad_charged: set[int] = set()
         self._hooks: list[Any] = []
         for unit in self.units:
@@ -297,6 +303,10 @@ class Sharded(nn.Module):
         if self.ledger is not None:
             self.ledger.charge("gradients", flat.numel() * flat.element_size(), f"unit {unit.index} being reduced")
         unit.reducing = (self._submit(self._reduce_scatter, self.comm, flat.numpy(), unit.space.bounds), flat)
+        unit.reduced = True
+        self._reducing.append(unit)
+        while len(self._reducing) > REDUCES_IN_FLIGHT:
+            self._finish_reduce(self._reducing.popleft())
         if self.stage == 3:
             self._free(unit)
 
@@ -352,19 +362,19 @@ class Sharded(nn.Module):
             return
         self._in_backward = True
         for unit in self.units:
-            unit.pending = len(unit.params)
+            unit.pending, unit.reduced = len(unit.params), False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         """Reduce what backward left (stage 1: everything; else units with unused parameters), wait for all."""
         try:
             for unit in reversed(self.units):
-                if unit.reducing is None and (self.stage == 1 or unit.pending > 0):
+                if not unit.reduced and (self.stage == 1 or unit.pending > 0):
                     if unit.gathering is not None:
                         self._finish_gather(unit)  # a prefetch still in flight lands (and is freed) first
                     self._start_reduce(unit)
-            for unit in self.units:
-                self._finish_reduce(unit)
+            while self._reducing:
+                self._finish_reduce(self._reducing.popleft())
         finally:
             self._in_backward = False
 
