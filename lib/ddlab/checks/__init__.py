@@ -60,6 +60,9 @@ _WHERE = {
     "check_data_parallel_memory": "oracle",
     "check_spatial_time": "oracle",
     "check_spatial_memory": "oracle",
+    "check_reduce_scatter": "sharded",
+    "check_allgather": "sharded",
+    "check_reshard": "sharded",
 }
 
 __all__ = list(_WHERE)

@@ -1,0 +1,161 @@
+"""Checks of lab 13 (sharded data parallelism): the ring's two halves, and resharding a checkpoint.
+
+- `check_reduce_scatter(fn)`: fn(comm, x, bounds) -> a new array, on rank r the sum over ranks
+  of x[bounds[r]:bounds[r+1]]; point-to-point messages only; x left alone; no more bytes
+  than the ring's reduce-scatter.
+- `check_allgather(fn)`: fn(comm, mine, bounds) -> a new array of bounds[-1] items, rank q's
+  `mine` at bounds[q]:bounds[q+1]; point-to-point only; each call a fresh array (the caller
+  keeps it: a buffer reused by the next call would change it); no more bytes than the ring's.
+- `check_reshard(fn)`: fn(shards, numel, size, rank) -> rank's shard of the flat buffer cut
+  for `size` ranks, from the shards another rank count wrote (padding is zeros).
+
+Bounds come as the flat space of lab 13 cuts them (equal shards) and unevenly: a short
+last shard, and a rank with an empty one, so an answer that assumes equal shards fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..compression.hierarchical import allgather_ring, reduce_scatter_ring
+from ..counting import Traffic
+from ..partition import block_bounds
+from ._core import array_problem, each_size, fail_together, passed, run_counted
+from .errors import CheckFailed
+
+#: Slack over the ring's bytes (the ring is optimal up to message boundaries).
+BYTES_SLACK = 1.05
+
+
+def _cases(size: int) -> list[tuple[str, list[int]]]:
+    """(description, bounds) for a communicator of `size` ranks."""
+    equal = 3 * size
+    uneven = [*block_bounds(3 * size - 2, size - 1), 3 * size - 2] if size > 1 else [0, 5]
+    short_last = [min(4 * r, 4 * size - 3) for r in range(size)] + [4 * size - 3]
+    empty = [0, *range(1, size), size - 1] if size > 1 else [0, 0]
+    return [(f"{equal} items in equal shards", [r * 3 for r in range(size + 1)]),
+            (f"{short_last[-1]} items, the last shard short", short_last),
+            (f"{uneven[-1]} items, the last rank's shard empty", uneven),
+            (f"{empty[-1]} items, some shards empty", empty)]
+
+
+def _sent(traffic: list[Traffic]) -> int:
+    return sum(t.bytes_sent for t in traffic)
+
+
+def _bytes_problem(traffic: list[Traffic], reference: list[Traffic]) -> str | None:
+    got, ring = _sent(traffic), _sent(reference)
+    if got > ring * BYTES_SLACK + 64:
+        return (f"the ranks sent {got} bytes in all, the ring sends {ring}: each rank should send every chunk but "
+                "its own once (pass partial sums on, or send each chunk straight to its owner), not whole buffers")
+    return None
+
+
+def check_reduce_scatter(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> None:
+    """fn(comm, x, bounds) -> new array: the sum over ranks of x[bounds[r]:bounds[r+1]] on rank r."""
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        rank, size = sub.Get_rank(), sub.Get_size()
+        for description, bounds in _cases(size):
+            for dtype in (np.float64, np.float32):
+                context = f"reduce_scatter ({description}, {np.dtype(dtype).name})"
+                x = np.random.default_rng([bounds[-1], rank]).integers(-9, 9, bounds[-1]).astype(dtype)
+                before = x.copy()
+                got, traffic = run_counted(sub, fn, (x, list(bounds)), context)
+                _, reference = run_counted(sub, reduce_scatter_ring, (before.copy(), list(bounds)), "the reference")
+                total = np.empty_like(before)
+                sub.Allreduce(before, total, op=MPI.SUM)
+                problem = array_problem(got, total[bounds[rank]:bounds[rank + 1]], f"rank {rank}'s shard")
+                if problem is None and not np.array_equal(x, before):
+                    problem = "x was changed: work on copies of its chunks (the caller still needs its gradients)"
+                if problem is None and np.shares_memory(got, x):
+                    problem = "the result shares memory with x: return a new array"
+                found = problem or _bytes_problem(traffic, reference)
+                fail_together(sub, found and f"{context}: {found}", "reduce_scatter")
+        return None
+
+    each_size(comm, body, "reduce_scatter")
+    passed(comm, "reduce_scatter: each rank gets the sums of its own shard, equal or uneven, in the ring's bytes")
+
+
+def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> None:
+    """fn(comm, mine, bounds) -> new array of bounds[-1] items, rank q's piece at bounds[q]:bounds[q+1]."""
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        rank, size = sub.Get_rank(), sub.Get_size()
+        for description, bounds in _cases(size):
+            context = f"allgather ({description})"
+            results, wants = [], []
+            for call in range(2):  # two calls: the first result must survive the second
+                full = np.random.default_rng([bounds[-1], call]).standard_normal(bounds[-1])
+                mine = full[bounds[rank]:bounds[rank + 1]].copy()
+                got, traffic = run_counted(sub, fn, (mine, list(bounds)), context)
+                _, reference = run_counted(sub, allgather_ring, (mine.copy(), list(bounds)), "the reference")
+                problem = array_problem(got, full, "the gathered buffer")
+                if problem is None and np.shares_memory(got, mine):
+                    problem = "the result shares memory with `mine`: return a new array"
+                found = problem or _bytes_problem(traffic, reference)
+                fail_together(sub, found and f"{context}: {found}", "allgather")
+                results.append(got)
+                wants.append(full)
+            found = None
+            if np.shares_memory(results[0], results[1]) or not np.array_equal(results[0], wants[0]):
+                found = (f"{context}: the second call changed the first call's result: each call must return a "
+                         "new array (a buffer reused across calls overwrites the parameters a unit still uses)")
+            fail_together(sub, found, "allgather")
+        return None
+
+    each_size(comm, body, "allgather")
+    passed(comm, "allgather: every rank gets every shard, equal or uneven, in a new array, in the ring's bytes")
+
+
+def _reference_shard(flat: np.ndarray, size: int, rank: int) -> np.ndarray:
+    shard = max(1, -(-flat.size // size))
+    padded = np.zeros(shard * size, dtype=flat.dtype)
+    padded[:flat.size] = flat
+    return padded[rank * shard:(rank + 1) * shard].copy()
+
+
+def check_reshard(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray]) -> None:
+    """fn(shards, numel, size, rank) -> rank's shard when `numel` items are cut for `size` ranks.
+
+    `shards` are the equal padded shards another rank count wrote (their padding is not
+    zero here: it is nothing the new shard may copy). Each call must return a new array.
+    """
+    problems = []
+    for numel in (10, 12, 2, 7, 1):
+        flat = np.random.default_rng(numel).standard_normal(numel)
+        shards = [_reference_shard(flat, 4, q) for q in range(4)]
+        for size in (2, 3, 1, 4, 5):  # 4 -> 2 -> 3 -> 1 ..., each from the previous count's shards
+            old_shard = shards[0].size
+            for q, shard in enumerate(shards):  # mark the old padding: it must not reach the new shards
+                shard[max(0, numel - q * old_shard):] = 7e7
+            new = []
+            for rank in range(size):
+                context = f"reshard of {numel} items from {len(shards)} to {size} ranks, rank {rank}"
+                given = [s.copy() for s in shards]
+                got = fn(given, numel, size, rank)
+                problem = array_problem(got, _reference_shard(flat, size, rank), "the new shard")
+                if problem is None and any(np.shares_memory(got, s) for s in given):
+                    problem = "the new shard shares memory with an old one: return a new array"
+                if problem is None and any(not np.array_equal(a, b) for a, b in zip(given, shards)):
+                    problem = "the old shards were changed: read them, do not write them"
+                if problem:
+                    problems.append(f"{context}: {problem}")
+                    break
+                new.append(got)
+            if problems:
+                break
+            shards = new
+        if problems:
+            break
+    if problems:
+        raise CheckFailed(problems[0] + "\n(new rank r holds items [r s, (r+1) s) of the flat buffer, "
+                          "s = ceil(numel / size); copy the overlapping pieces of the old shards, items past "
+                          "numel are zeros)")
+    print("passed: reshard cuts a checkpoint's shards for any rank count, 4 -> 2 -> 3 -> 1 -> 4 -> 5, padding zeros")
