@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddlab.checks import CheckFailed, check_allgather, check_reduce_scatter, check_reshard
+from ddlab.checks import CheckFailed, check_allgather, check_reduce_scatter, check_reshard, check_zero2_step
 from ddlab.compression.hierarchical import allgather_ring, reduce_scatter_ring
 
 TAG = 13
@@ -178,3 +178,68 @@ def test_reshard_check_accepts(fn) -> None:
 def test_reshard_check_fails(fn, message) -> None:
     with pytest.raises(CheckFailed, match=message):
         check_reshard(fn)
+
+
+def zero2_step_ring(comm, grad, params, momentum, lr):
+    """The lab's answer: reduce-scatter, update this rank's shard, allgather."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shard = grad.size // size
+    bounds = [q * shard for q in range(size + 1)]
+    mine = reduce_scatter_ring(comm, grad, bounds) / size
+    momentum[...] = 0.9 * momentum + mine
+    return allgather_ring(comm, params[rank * shard:(rank + 1) * shard] - lr * momentum, bounds)
+
+
+def zero2_step_direct(comm, grad, params, momentum, lr):
+    """Another valid answer: the direct reduce-scatter and allgather above."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shard = grad.size // size
+    bounds = [q * shard for q in range(size + 1)]
+    momentum *= 0.9
+    momentum += reduce_scatter_direct(comm, grad, bounds) / size
+    return allgather_direct(comm, params[rank * shard:(rank + 1) * shard] - lr * momentum, bounds)
+
+
+def zero2_step_summing(comm, grad, params, momentum, lr):
+    """Wrong: the sum of the gradients, not their mean."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shard = grad.size // size
+    bounds = [q * shard for q in range(size + 1)]
+    momentum[...] = 0.9 * momentum + reduce_scatter_ring(comm, grad, bounds)
+    return allgather_ring(comm, params[rank * shard:(rank + 1) * shard] - lr * momentum, bounds)
+
+
+def zero2_step_allreduce_then_allgather(comm, grad, params, momentum, lr):
+    """Wrong in bytes: a whole allreduce (each rank then uses only its shard), then the allgather."""
+    from ddlab.allreduce import allreduce_ring
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shard = grad.size // size
+    bounds = [q * shard for q in range(size + 1)]
+    mine = allreduce_ring(comm, grad)[rank * shard:(rank + 1) * shard] / size
+    momentum[...] = 0.9 * momentum + mine
+    return allgather_ring(comm, params[rank * shard:(rank + 1) * shard] - lr * momentum, bounds)
+
+
+def zero2_step_momentum_not_kept(comm, grad, params, momentum, lr):
+    """Wrong: a new momentum array, so the rank's state never changes."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shard = grad.size // size
+    bounds = [q * shard for q in range(size + 1)]
+    momentum = 0.9 * momentum + reduce_scatter_ring(comm, grad, bounds) / size
+    return allgather_ring(comm, params[rank * shard:(rank + 1) * shard] - lr * momentum, bounds)
+
+
+@pytest.mark.parametrize("fn", [zero2_step_ring, zero2_step_direct])
+def test_zero2_step_check_accepts(fn) -> None:
+    check_zero2_step(fn)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (zero2_step_summing, "new parameters is wrong"),
+    (zero2_step_allreduce_then_allgather, "one reduce-scatter and one allgather send"),
+    (zero2_step_momentum_not_kept, "momentum shard after the step"),
+])
+def test_zero2_step_check_fails(fn, message) -> None:
+    with pytest.raises(CheckFailed, match=message):
+        check_zero2_step(fn)

@@ -63,6 +63,7 @@ _WHERE = {
     "check_reduce_scatter": "sharded",
     "check_allgather": "sharded",
     "check_reshard": "sharded",
+    "check_zero2_step": "sharded",
 }
 
 __all__ = list(_WHERE)

@@ -6,6 +6,9 @@
 - `check_allgather(fn)`: fn(comm, mine, bounds) -> a new array of bounds[-1] items, rank q's
   `mine` at bounds[q]:bounds[q+1]; point-to-point only; each call a fresh array (the caller
   keeps it: a buffer reused by the next call would change it); no more bytes than the ring's.
+- `check_zero2_step(fn)`: fn(comm, grad, params, momentum, lr) -> the new full parameters after one
+  step of SGD with momentum on the mean gradient, each rank updating only its shard (momentum is
+  this rank's shard, updated in place): a reduce-scatter, a shard update, an allgather.
 - `check_reshard(fn)`: fn(shards, numel, size, rank) -> rank's shard of the flat buffer cut
   for `size` ranks, from the shards another rank count wrote (padding is zeros).
 
@@ -112,6 +115,64 @@ def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> N
 
     each_size(comm, body, "allgather")
     passed(comm, "allgather: every rank gets every shard, equal or uneven, in a new array, in the ring's bytes")
+
+
+#: The momentum coefficient of exercise 13.4's SGD.
+MOMENTUM = 0.9
+
+
+def check_zero2_step(fn: Callable[[Any, np.ndarray, np.ndarray, np.ndarray, float], np.ndarray]) -> None:
+    """fn(comm, grad, params, momentum, lr) -> new full params; momentum (this rank's shard) updated in place.
+
+    grad: this rank's full flat gradient, params: the full flat parameters (alike on every rank),
+    both of P equal shards; with g the mean over ranks of grad's shard r, rank r sets
+    momentum = 0.9 momentum + g and its shard of the parameters to params - lr momentum; every
+    rank returns all the new shards in a new array. Messages: point-to-point only, no more bytes
+    than one reduce-scatter and one allgather of the ring.
+    """
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        rank, size = sub.Get_rank(), sub.Get_size()
+        for shard in (3, 1):
+            n = shard * size
+            context = f"zero2_step ({size} shards of {shard})"
+            grad = np.random.default_rng([n, rank]).standard_normal(n)
+            params = np.random.default_rng(n).standard_normal(n)
+            momentum = np.random.default_rng([n, rank, 1]).standard_normal(shard)
+            mean = np.empty_like(grad)
+            sub.Allreduce(grad, mean, op=MPI.SUM)
+            mean /= size
+            mine = slice(rank * shard, (rank + 1) * shard)
+            want_momentum = MOMENTUM * momentum + mean[mine]
+            pieces = sub.allgather(params[mine] - 0.1 * want_momentum)
+            given = (grad.copy(), params.copy(), momentum.copy())
+            got, traffic = run_counted(sub, fn, (*given, 0.1), context)
+            bounds = [q * shard for q in range(size + 1)]
+            _, halves = run_counted(sub, reduce_scatter_ring, (grad.copy(), bounds), "the reference")
+            _, gathered = run_counted(sub, allgather_ring, (params[mine].copy(), bounds), "the reference")
+            problem = array_problem(got, np.concatenate(pieces), "the new parameters")
+            if problem is None:
+                problem = array_problem(given[2], want_momentum, "the momentum shard after the step")
+                if problem:
+                    problem += (" (update it in place, momentum[...] = ..., with the mean gradient: the sum over "
+                                "ranks divided by their number)")
+            if problem is None and not (np.array_equal(given[0], grad) and np.array_equal(given[1], params)):
+                problem = "grad or params was changed: return the new parameters in a new array"
+            if problem is None and any(np.shares_memory(got, a) for a in given):
+                problem = "the result shares memory with an argument: return a new array"
+            if problem is None:
+                got_bytes, ring = _sent(traffic), _sent(halves) + _sent(gathered)
+                if got_bytes > ring * BYTES_SLACK + 64:
+                    problem = (f"the ranks sent {got_bytes} bytes in all, one reduce-scatter and one allgather send "
+                               f"{ring}: reduce-scatter the gradient (an allreduce sends the whole sum to every rank, "
+                               "which then needs no allgather at all), update your shard, allgather the parameters")
+            fail_together(sub, problem and f"{context}: {problem}", "zero2_step")
+        return None
+
+    each_size(comm, body, "zero2_step")
+    passed(comm, "zero2_step: each rank updates only its shard, with its own momentum, in one reduce-scatter and "
+                 "one allgather")
 
 
 def _reference_shard(flat: np.ndarray, size: int, rank: int) -> np.ndarray:
