@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -88,4 +91,42 @@ def test_bad_arguments_say_what_to_do():
     model = sharded.Sharded(make_mlp(), MPI.COMM_SELF)
     with pytest.raises(ValueError, match="build the optimizer on model.shards"):
         model.attach(torch.optim.SGD(make_mlp().parameters(), lr=0.1))
+    model.close()
+
+
+KILLED_WRITER = """
+import sys, time
+import torch
+from mpi4py import MPI
+from ddlab import sharded
+from ddlab.models import make_mlp
+
+model = sharded.Sharded(make_mlp(seed=1), MPI.COMM_SELF, stage=2)
+optimizer = model.attach(torch.optim.Adam(model.shards(), lr=1e-3))
+sharded.save_sharded(sys.argv[1], model, optimizer)  # a whole checkpoint first, then a rewrite that dies
+
+
+def stuck(target, payload):
+    target.with_name(target.name + ".partial").write_bytes(b"half a shard")
+    print("writing", flush=True)
+    time.sleep(120)
+
+
+sharded.checkpoint._write = stuck
+sharded.save_sharded(sys.argv[1], model, optimizer)
+"""
+
+
+def test_a_checkpoint_whose_writer_was_killed_mid_write_is_refused(tmp_path):
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "writing"
+    finally:
+        writer.kill()  # SIGKILL while its shard is half written
+        writer.wait()
+    assert (tmp_path / "index.json").exists()  # the earlier checkpoint's index is still there...
+    model = sharded.Sharded(make_mlp(seed=1), MPI.COMM_SELF, stage=2)
+    optimizer = model.attach(torch.optim.Adam(model.shards(), lr=1e-3))
+    with pytest.raises(sharded.CheckpointError, match="no COMMITTED marker"):  # ...but it is not loaded
+        sharded.load_sharded(tmp_path, model, optimizer)
     model.close()
