@@ -18,7 +18,7 @@ One MPI job (4 ranks by default), an MLP of Linear layers 600-w-...-w-2 (w = --w
 4. The largest model (hidden layers of width w) each stage trains one step of under a
    fixed per-rank ledger budget (--budget MiB), over DDP's.
 
-    .venv/bin/python bench/sharded.py [--ranks 4] [--width 1024] [--layers 6] [--rounds 7] [--budget 32] [--search-width 512]
+    .venv/bin/python bench/sharded.py [--ranks 4] [--width 1024] [--layers 6] [--rounds 7] [--budget 32] [--search-width 512] [--sections 1 2 3 4]
 
 It relaunches itself under mpiexec (ddlab.mpi.bench_main).
 """
@@ -96,135 +96,140 @@ def child(args: argparse.Namespace) -> None:
     say(f"\n{size} ranks, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; MLP 600-{args.width}x{args.layers}-2: "
         f"{psi / 1e6:.2f}M parameters, batch {BATCH} per rank, Adam")
 
-    # 1. Memory -------------------------------------------------------------------------------------
     names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-    paper = {0: 16.0, 1: 4 + 12 / size, 2: 2 + 14 / size, 3: 16 / size}
-    state, peak, parts = {}, {}, {}
-    for stage in range(4):
-        ledger = Ledger()
-        model, optimizer = build(stage, comm, ledger, mixed=True)
-        for _ in range(2):
-            step(model, optimizer, ledger)
-        if isinstance(model, sharded.Sharded):
-            model.synchronize()
-        state[stage] = ledger.used["parameters"] + ledger.used["gradients"] + ledger.used["optimizer"]
-        parts[stage] = {k: ledger.used[k] / psi for k in ("parameters", "gradients", "optimizer")}
-        peak[stage] = ledger.peak_total
-        close(model)
-    say("\n1. model-state bytes per rank after a step (ledger), per parameter, and over DDP's")
-    for stage in range(4):
-        split = ", ".join(f"{k} {v:.2f}" for k, v in parts[stage].items())
-        say(f"  {names[stage]:>7}: {state[stage] / psi:5.2f} B/param ({split}); "
-            f"over DDP {state[stage] / state[0]:.3f} (paper {paper[stage] / 16:.3f}); "
-            f"peak with activations and gathered units {peak[stage] / 2**20:.1f} MiB = {peak[stage] / peak[0]:.3f} of DDP's")
 
-    # 2. Bytes sent per step --------------------------------------------------------------------------
-    sent = {}
-    for stage in range(4):
-        counting = CountingComm(comm, timeout=300, allow=("Bcast",))
-        model, optimizer = build(stage, counting, **({"allreduce": "ring"} if stage == 0 else {"collectives": "ring"}))
-        step(model, optimizer)
-        if isinstance(model, sharded.Sharded):
-            model.synchronize()
-        before = counting.traffic.bytes_sent
-        step(model, optimizer)
-        if isinstance(model, sharded.Sharded):
-            model.synchronize()
-        sent[stage] = comm.allreduce(counting.traffic.bytes_sent - before)
-        close(model)
-        counting.free()
-    say("\n2. bytes sent per step, all ranks (counted; ring halves, float32), over DDP's (paper: 1, 1, 1.5)")
-    say("  " + ", ".join(f"{names[s]} {sent[s] / 2**20:.1f} MiB = {sent[s] / sent[0]:.3f}" for s in range(4)))
-
-    # 3. Step time --------------------------------------------------------------------------------------
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    dp.init_gloo(comm)
-    models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {
-        "DDP": build(0, comm),
-        "ZeRO-1": build(1, comm),
-        "ZeRO-2": build(2, comm),
-        "ZeRO-3": build(3, comm),
-        "ZeRO-3 prefetch 1": build(3, comm, prefetch=1),
-        "ZeRO-3 prefetch 2": build(3, comm, prefetch=2),
-    }
-    problems = {}
-    try:
-        ddp = dp.torch_ddp(mlp())
-        models["torch ZeroRedundancyOptimizer"] = (ddp, ZeroRedundancyOptimizer(
-            ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4))
-    except (RuntimeError, ValueError) as err:
-        problems["torch ZeroRedundancyOptimizer"] = str(err)
-    try:
-        mesh = init_device_mesh("cpu", (size,))
-        fsdp = mlp()
-        for layer in fsdp:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(fsdp, mesh=mesh)
-        models["torch FSDP2"] = (fsdp, torch.optim.Adam(fsdp.parameters(), lr=1e-4))
-    except (RuntimeError, ValueError) as err:
-        problems["torch FSDP2"] = str(err)
-    seconds: dict[str, list[float]] = {name: [] for name in models}
-    order = list(models)
-    for round_ in range(args.rounds + 1):
-        for name in order[round_ % len(order):] + order[:round_ % len(order)]:
-            model, optimizer = models[name]
-            comm.Barrier()
-            began = time.perf_counter()
-            for _ in range(args.steps):
-                step(model, optimizer)
-            if isinstance(model, sharded.Sharded):
-                model.synchronize()
-            comm.Barrier()
-            if round_ > 0:  # round 0 warms up
-                seconds[name].append((time.perf_counter() - began) / args.steps)
-    median = {k: statistics.median(v) for k, v in seconds.items()}
-    best = {k: min(v) for k, v in seconds.items()}
-    say(f"\n3. time per step (float32, MPI collectives), median of {args.rounds} rounds of {args.steps} steps "
-        "(fastest round), over DDP's")
-    for name in models:
-        say(f"  {name:>30}: {1e3 * median[name]:7.1f} ms ({1e3 * best[name]:.1f}) = {median[name] / median['DDP']:.2f} "
-            f"({best[name] / best['DDP']:.2f})")
-    for name, problem in problems.items():
-        say(f"  {name:>30}: does not run here: {problem}")
-    say(f"  ZeRO-3 prefetch 1 over without: {median['ZeRO-3 prefetch 1'] / median['ZeRO-3']:.2f}")
-    for model, _ in models.values():
-        close(model)
-    dp.close_gloo()
-
-    # 4. Largest model under a budget ------------------------------------------------------------------
-    budget = int(args.budget * 2**20)
-
-    def fits(stage: int, layers: int) -> bool:
-        ledger = Ledger(budget)
-        model = None
-        try:
-            model, optimizer = build(stage, comm, ledger, layers=layers, width=args.search_width, mixed=stage > 0)
+    # 1. Memory -------------------------------------------------------------------------------------
+    if 1 in args.sections:
+        paper = {0: 16.0, 1: 4 + 12 / size, 2: 2 + 14 / size, 3: 16 / size}
+        state, peak, parts = {}, {}, {}
+        for stage in range(4):
+            ledger = Ledger()
+            model, optimizer = build(stage, comm, ledger, mixed=True)
             for _ in range(2):
                 step(model, optimizer, ledger)
-            ok = True
-        except OutOfMemory:
-            ok = False
-        if model is not None:
+            if isinstance(model, sharded.Sharded):
+                model.synchronize()
+            state[stage] = ledger.used["parameters"] + ledger.used["gradients"] + ledger.used["optimizer"]
+            parts[stage] = {k: ledger.used[k] / psi for k in ("parameters", "gradients", "optimizer")}
+            peak[stage] = ledger.peak_total
             close(model)
-        return bool(comm.allreduce(int(ok), op=MPI.MIN))
+        say("\n1. model-state bytes per rank after a step (ledger), per parameter, and over DDP's")
+        for stage in range(4):
+            split = ", ".join(f"{k} {v:.2f}" for k, v in parts[stage].items())
+            say(f"  {names[stage]:>7}: {state[stage] / psi:5.2f} B/param ({split}); "
+                f"over DDP {state[stage] / state[0]:.3f} (paper {paper[stage] / 16:.3f}); "
+                f"peak with activations and gathered units {peak[stage] / 2**20:.1f} MiB = {peak[stage] / peak[0]:.3f} of DDP's")
 
-    largest = {}
-    for stage in range(4):
-        low, high = 0, 1  # fits(low) (0: nothing checked yet); grow high until it does not fit
-        while fits(stage, high):
-            low, high = high, high * 2
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if fits(stage, middle) else (low, middle)
-        largest[stage] = count_parameters(mlp(low, args.search_width)) if low else 0
-    say(f"\n4. largest model trained under {args.budget:.0f} MiB per rank (ledger: model state, activations, "
-        f"gathered units), hidden layers of {args.search_width}")
-    say("  " + ", ".join(f"{names[s]} {largest[s] / 1e6:.2f}M = {largest[s] / max(largest[0], 1):.2f}x"
-                         for s in range(4)))
+    # 2. Bytes sent per step --------------------------------------------------------------------------
+    if 2 in args.sections:
+        sent = {}
+        for stage in range(4):
+            counting = CountingComm(comm, timeout=300, allow=("Bcast",))
+            model, optimizer = build(stage, counting, **({"allreduce": "ring"} if stage == 0 else {"collectives": "ring"}))
+            step(model, optimizer)
+            if isinstance(model, sharded.Sharded):
+                model.synchronize()
+            before = counting.traffic.bytes_sent
+            step(model, optimizer)
+            if isinstance(model, sharded.Sharded):
+                model.synchronize()
+            sent[stage] = comm.allreduce(counting.traffic.bytes_sent - before)
+            close(model)
+            counting.free()
+        say("\n2. bytes sent per step, all ranks (counted; ring halves, float32), over DDP's (paper: 1, 1, 1.5)")
+        say("  " + ", ".join(f"{names[s]} {sent[s] / 2**20:.1f} MiB = {sent[s] / sent[0]:.3f}" for s in range(4)))
+
+    # 3. Step time --------------------------------------------------------------------------------------
+    if 3 in args.sections:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        dp.init_gloo(comm)
+        models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {
+            "DDP": build(0, comm),
+            "ZeRO-1": build(1, comm),
+            "ZeRO-2": build(2, comm),
+            "ZeRO-3": build(3, comm),
+            "ZeRO-3 prefetch 1": build(3, comm, prefetch=1),
+            "ZeRO-3 prefetch 2": build(3, comm, prefetch=2),
+        }
+        problems = {}
+        try:
+            ddp = dp.torch_ddp(mlp())
+            models["torch ZeroRedundancyOptimizer"] = (ddp, ZeroRedundancyOptimizer(
+                ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4))
+        except (RuntimeError, ValueError) as err:
+            problems["torch ZeroRedundancyOptimizer"] = str(err)
+        try:
+            mesh = init_device_mesh("cpu", (size,))
+            fsdp = mlp()
+            for layer in fsdp:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(fsdp, mesh=mesh)
+            models["torch FSDP2"] = (fsdp, torch.optim.Adam(fsdp.parameters(), lr=1e-4))
+        except (RuntimeError, ValueError) as err:
+            problems["torch FSDP2"] = str(err)
+        seconds: dict[str, list[float]] = {name: [] for name in models}
+        order = list(models)
+        for round_ in range(args.rounds + 1):
+            for name in order[round_ % len(order):] + order[:round_ % len(order)]:
+                model, optimizer = models[name]
+                comm.Barrier()
+                began = time.perf_counter()
+                for _ in range(args.steps):
+                    step(model, optimizer)
+                if isinstance(model, sharded.Sharded):
+                    model.synchronize()
+                comm.Barrier()
+                if round_ > 0:  # round 0 warms up
+                    seconds[name].append((time.perf_counter() - began) / args.steps)
+        median = {k: statistics.median(v) for k, v in seconds.items()}
+        best = {k: min(v) for k, v in seconds.items()}
+        say(f"\n3. time per step (float32, MPI collectives), median of {args.rounds} rounds of {args.steps} steps "
+            "(fastest round), over DDP's")
+        for name in models:
+            say(f"  {name:>30}: {1e3 * median[name]:7.1f} ms ({1e3 * best[name]:.1f}) = {median[name] / median['DDP']:.2f} "
+                f"({best[name] / best['DDP']:.2f})")
+        for name, problem in problems.items():
+            say(f"  {name:>30}: does not run here: {problem}")
+        say(f"  ZeRO-3 prefetch 1 over without: {median['ZeRO-3 prefetch 1'] / median['ZeRO-3']:.2f}")
+        for model, _ in models.values():
+            close(model)
+        dp.close_gloo()
+
+    # 4. Largest model under a budget ------------------------------------------------------------------
+    if 4 in args.sections:
+        budget = int(args.budget * 2**20)
+
+        def fits(stage: int, layers: int) -> bool:
+            ledger = Ledger(budget)
+            model = None
+            try:
+                model, optimizer = build(stage, comm, ledger, layers=layers, width=args.search_width, mixed=stage > 0)
+                for _ in range(2):
+                    step(model, optimizer, ledger)
+                ok = True
+            except OutOfMemory:
+                ok = False
+            if model is not None:
+                close(model)
+            return bool(comm.allreduce(int(ok), op=MPI.MIN))
+
+        largest = {}
+        for stage in range(4):
+            low, high = 0, 1  # fits(low) (0: nothing checked yet); grow high until it does not fit
+            while fits(stage, high):
+                low, high = high, high * 2
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if fits(stage, middle) else (low, middle)
+            largest[stage] = count_parameters(mlp(low, args.search_width)) if low else 0
+        say(f"\n4. largest model trained under {args.budget:.0f} MiB per rank (ledger: model state, activations, "
+            f"gathered units), hidden layers of {args.search_width}")
+        say("  " + ", ".join(f"{names[s]} {largest[s] / 1e6:.2f}M = {largest[s] / max(largest[0], 1):.2f}x"
+                             for s in range(4)))
 
 
 def main() -> int:
@@ -232,6 +237,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[4])
+    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4], help="which measurements (1-4)")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=7)

@@ -117,7 +117,7 @@ def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> N
     passed(comm, "allgather: every rank gets every shard, equal or uneven, in a new array, in the ring's bytes")
 
 
-#: The momentum coefficient of exercise 13.4's SGD.
+#: The momentum coefficient of exercise 13.3's SGD.
 MOMENTUM = 0.9
 
 
