@@ -64,6 +64,7 @@ _WHERE = {
     "check_allgather": "sharded",
     "check_reshard": "sharded",
     "check_zero2_step": "sharded",
+    "check_zero3_unit": "sharded",
 }
 
 __all__ = list(_WHERE)

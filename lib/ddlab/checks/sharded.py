@@ -9,6 +9,8 @@
 - `check_zero2_step(fn)`: fn(comm, grad, params, momentum, lr) -> the new full parameters after one
   step of SGD with momentum on the mean gradient, each rank updating only its shard (momentum is
   this rank's shard, updated in place): a reduce-scatter, a shard update, an allgather.
+- `check_zero3_unit(fn)`: fn(unit, gather, free, reduce) places a ZeRO-3 unit's hooks: gather
+  before forward, free after, gather before backward, reduce and free once its gradients are all there.
 - `check_reshard(fn)`: fn(shards, numel, size, rank) -> rank's shard of the flat buffer cut
   for `size` ranks, from the shards another rank count wrote (padding is zeros).
 
@@ -21,7 +23,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+import torch
 from mpi4py import MPI
+from torch import nn
 
 from ..compression.hierarchical import allgather_ring, reduce_scatter_ring
 from ..counting import Traffic
@@ -220,3 +224,106 @@ def check_reshard(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray]) -
                           "s = ceil(numel / size); copy the overlapping pieces of the old shards, items past "
                           "numel are zeros)")
     print("passed: reshard cuts a checkpoint's shards for any rank count, 4 -> 2 -> 3 -> 1 -> 4 -> 5, padding zeros")
+
+
+def _zero3_model() -> nn.Sequential:
+    generator = torch.Generator().manual_seed(13)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return model
+
+
+class _UnitLog:
+    """What happened to one unit during a check of exercise 13.5: its gathers, frees and reductions."""
+
+    def __init__(self, index: int, module: nn.Module, problems: list[str]):
+        self.index, self.module, self.problems = index, module, problems
+        self.params = list(module.parameters())
+        self.values = [p.detach().clone() for p in self.params]
+        self.gathered, self.reduced = True, 0
+        self.calls: list[str] = []
+        self.grads: list[torch.Tensor] = []
+
+    def gather(self) -> None:
+        self.calls.append("gather")
+        if not self.gathered:
+            with torch.no_grad():
+                for p, value in zip(self.params, self.values):
+                    p.untyped_storage().resize_(value.numel() * value.element_size())
+                    p.data.copy_(value)  # .data: not a change autograd tracks (its saved views stay valid)
+            self.gathered = True
+
+    def free(self) -> None:
+        self.calls.append("free")
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def reduce(self) -> None:
+        self.calls.append("reduce")
+        missing = [tuple(p.shape) for p in self.params if p.grad is None]
+        if missing and not self.problems:
+            self.problems.append(f"unit {self.index}'s gradients were reduce-scattered before its backward ended "
+                                 f"(no gradient yet for its {missing} parameters): reduce once every parameter of "
+                                 "the unit has its gradient (count them in post-accumulate-grad hooks)")
+        self.reduced += 1
+        self.grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+
+def check_zero3_unit(fn: Callable[[nn.Module, Callable[[], None], Callable[[], None], Callable[[], None]], Any]) -> None:
+    """fn(unit, gather, free, reduce) installs hooks on `unit` (an nn.Module) so that, in every step,
+    gather() runs before the unit's forward, free() right after it, gather() again before the
+    unit's backward, and, once all of the unit's gradients exist, reduce() then free().
+
+    The check wraps three Linear layers of a small model as units (its gather and free fill and
+    empty the parameters' storage, its reduce records and clears the gradients), runs two steps
+    of forward and backward, and compares the gradients reduce() saw with autograd's on a plain copy.
+    """
+    reference = _zero3_model()
+    x = torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(3, 5)
+    reference(x).square().sum().backward()
+    problems: list[str] = []
+    model = _zero3_model()
+    units = [_UnitLog(i, model[2 * i], problems) for i in range(3)]
+    for unit in units:
+        unit.free()
+        unit.calls.clear()
+        fn(unit.module, unit.gather, unit.free, unit.reduce)
+        unit.module.register_forward_pre_hook(
+            lambda m, a, unit=unit: None if unit.gathered or problems else problems.append(
+                f"unit {unit.index} computed its forward with its parameters freed: gather() in a forward pre-hook"))
+        unit.module.register_forward_hook(
+            lambda m, a, o, unit=unit: None if not unit.gathered or problems else problems.append(
+                f"unit {unit.index}'s parameters were not freed after its forward: free() in a forward hook, so "
+                "only the unit that computes holds its full parameters"))
+    for step in range(2):
+        for unit in units:
+            unit.reduced = 0
+        try:
+            model(x).square().sum().backward()
+        except RuntimeError as err:
+            problems.append(f"backward failed ({err}): gather() the unit again before its backward needs its "
+                            "parameters, e.g. in a hook on its output's gradient")
+        for unit in units:
+            if problems:
+                break
+            if unit.reduced != 1:
+                problems.append(f"step {step}: unit {unit.index}'s gradients were reduced {unit.reduced} times: "
+                                "once per backward, when the last of its gradients has arrived")
+            elif unit.gathered:
+                problems.append(f"unit {unit.index} still holds its parameters after backward: free() it once its "
+                                "gradients are reduced")
+            else:
+                want = [p.grad if p.grad is not None else torch.zeros_like(p) for p in reference[2 * unit.index].parameters()]
+                if not all(torch.allclose(g, w, rtol=1e-12, atol=0) for g, w in zip(unit.grads, want)):
+                    problems.append(f"unit {unit.index}: the gradients reduce() saw differ from autograd's")
+        if problems:
+            break
+    if problems:
+        raise CheckFailed(problems[0])
+    print("passed: zero3 hooks gather each unit before forward and backward, free it after, and reduce its "
+          "gradients once they are complete")
