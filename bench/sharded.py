@@ -1,0 +1,276 @@
+"""ZeRO-1/2/3 (ddlab.sharded) against data parallelism: memory, bytes sent, step time, largest model.
+
+One MPI job (4 ranks by default), an MLP of Linear layers 600-w-...-w-2 (w = --width,
+--layers hidden layers), batch 32 per rank, Adam. Four measurements, ratios over DDP's:
+
+1. Model-state bytes per rank after a step, from a `ddlab.runtime.memory.Ledger` (parameters,
+   gradients, optimizer state), and the peak including activations and gathered units.
+   DDP is lab 04's DataParallel in float32 (4 + 4 + 8 = 16 bytes per parameter); ZeRO
+   runs in mixed precision (bfloat16 compute, float32 masters and reduction), whose
+   replicated total is 2 + 2 + 12 = 16 as well. The paper's ratios (Rajbhandari et al.,
+   SC 2020, table 1 / figure 1, K = 12): (4 + 12/P)/16, (2 + 14/P)/16, (16/P)/16.
+2. Bytes sent per step by all ranks (ddlab.runtime.counting.CountingComm, lab 03's ring halves
+   and ring allreduce, float32), over DataParallel's with the ring: 1.0, 1.0, 1.5.
+3. Time per step (float32, MPI's collectives) over DataParallel's: ZeRO-1, ZeRO-2,
+   ZeRO-3 without and with prefetch, torch's ZeroRedundancyOptimizer (on DDP) and
+   FSDP2's fully_shard per Linear, both on gloo. Variants take turns each round, order
+   rotated; median over rounds (and fastest round).
+4. The largest model (hidden layers of width w) each stage trains one step of under a
+   fixed per-rank ledger budget (--budget MiB), over DDP's.
+
+    .venv/bin/python bench/sharded.py [--ranks 4] [--width 1024] [--layers 6] [--rounds 7] [--budget 32] [--search-width 512] [--sections 1 2 3 4]
+
+It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+TIMEOUT = 3600
+BATCH = 32
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+    from ddlab import data_parallel as dp
+    from ddlab import sharded
+    from ddlab.data import StressStrainCurves
+    from ddlab.models.mlp import count_parameters, make_mlp
+    from ddlab.runtime.counting import CountingComm
+    from ddlab.runtime.memory import Ledger, OutOfMemory
+    from mpi4py import MPI
+    from torch import nn
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dp.threads_per_rank()
+    data = StressStrainCurves(n=BATCH * size * 4)
+    x, y = data[list(range(rank * BATCH, (rank + 1) * BATCH))]
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
+
+    def mlp(layers: int = args.layers, width: int = args.width) -> nn.Module:
+        return make_mlp(seed=1, hidden=(width,) * layers)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, ledger: Ledger | None = None) -> None:
+        optimizer.zero_grad()
+        if ledger is None:
+            prediction = model(x)
+        else:
+            with ledger.activations():
+                prediction = model(x)
+        dp.squared_error(prediction.float(), y).mean().backward()
+        optimizer.step()
+
+    def build(
+        stage: int,
+        communicator: Any,
+        ledger: Ledger | None = None,
+        layers: int = args.layers,
+        width: int = args.width,
+        mixed: bool = False,
+        **options: Any,
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """stage 0: lab 04's DataParallel in float32; 1-3: ddlab.sharded."""
+        module = mlp(layers, width)
+        if stage == 0:
+            if ledger is not None:
+                ledger.watch(module)  # before DataParallel, so gradients are charged as autograd makes them
+            model = dp.DataParallel(module, communicator, **options)
+            optimizer = torch.optim.Adam(module.parameters(), lr=1e-4)
+            if ledger is not None:
+                ledger.watch(nn.Module(), optimizer)
+            return model, optimizer
+        precision = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mixed else {}
+        model = sharded.Sharded(module, communicator, stage=stage, ledger=ledger, **precision, **options)
+        return model, model.attach(torch.optim.Adam(model.shards(), lr=1e-4))
+
+    def close(model: nn.Module) -> None:
+        if isinstance(model, sharded.Sharded):
+            model.close()
+        elif isinstance(model, dp.DataParallel):
+            model.remove_hooks()
+
+    psi = count_parameters(mlp())
+    say(
+        f"\n{size} ranks, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; MLP 600-{args.width}x{args.layers}-2: "
+        f"{psi / 1e6:.2f}M parameters, batch {BATCH} per rank, Adam"
+    )
+
+    names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+    # 1. Memory -------------------------------------------------------------------------------------
+    if 1 in args.sections:
+        paper = {0: 16.0, 1: 4 + 12 / size, 2: 2 + 14 / size, 3: 16 / size}
+        state, peak, parts = {}, {}, {}
+        for stage in range(4):
+            ledger = Ledger()
+            model, optimizer = build(stage, comm, ledger, mixed=True)
+            for _ in range(2):
+                step(model, optimizer, ledger)
+            if isinstance(model, sharded.Sharded):
+                model.synchronize()
+            state[stage] = ledger.used["parameters"] + ledger.used["gradients"] + ledger.used["optimizer"]
+            parts[stage] = {k: ledger.used[k] / psi for k in ("parameters", "gradients", "optimizer")}
+            peak[stage] = ledger.peak_total
+            close(model)
+        say("\n1. model-state bytes per rank after a step (ledger), per parameter, and over DDP's")
+        for stage in range(4):
+            split = ", ".join(f"{k} {v:.2f}" for k, v in parts[stage].items())
+            say(
+                f"  {names[stage]:>7}: {state[stage] / psi:5.2f} B/param ({split}); "
+                f"over DDP {state[stage] / state[0]:.3f} (paper {paper[stage] / 16:.3f}); "
+                f"peak with activations and gathered units {peak[stage] / 2**20:.1f} MiB = {peak[stage] / peak[0]:.3f} of DDP's"
+            )
+
+    # 2. Bytes sent per step --------------------------------------------------------------------------
+    if 2 in args.sections:
+        sent = {}
+        for stage in range(4):
+            counting = CountingComm(comm, timeout=300, allow=("Bcast",))
+            model, optimizer = build(
+                stage, counting, **({"allreduce": "ring"} if stage == 0 else {"collectives": "ring"})
+            )
+            step(model, optimizer)
+            if isinstance(model, sharded.Sharded):
+                model.synchronize()
+            before = counting.traffic.bytes_sent
+            step(model, optimizer)
+            if isinstance(model, sharded.Sharded):
+                model.synchronize()
+            sent[stage] = comm.allreduce(counting.traffic.bytes_sent - before)
+            close(model)
+            counting.free()
+        say("\n2. bytes sent per step, all ranks (counted; ring halves, float32), over DDP's (paper: 1, 1, 1.5)")
+        say("  " + ", ".join(f"{names[s]} {sent[s] / 2**20:.1f} MiB = {sent[s] / sent[0]:.3f}" for s in range(4)))
+
+    # 3. Step time --------------------------------------------------------------------------------------
+    if 3 in args.sections:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        dp.init_gloo(comm)
+        models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {
+            "DDP": build(0, comm),
+            "ZeRO-1": build(1, comm),
+            "ZeRO-2": build(2, comm),
+            "ZeRO-3": build(3, comm),
+            "ZeRO-3 prefetch 1": build(3, comm, prefetch=1),
+            "ZeRO-3 prefetch 2": build(3, comm, prefetch=2),
+        }
+        problems = {}
+        try:
+            ddp = dp.torch_ddp(mlp())
+            models["torch ZeroRedundancyOptimizer"] = (
+                ddp,
+                ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4),
+            )
+        except (RuntimeError, ValueError) as err:
+            problems["torch ZeroRedundancyOptimizer"] = str(err)
+        try:
+            mesh = init_device_mesh("cpu", (size,))
+            fsdp = mlp()
+            for layer in fsdp:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(fsdp, mesh=mesh)
+            models["torch FSDP2"] = (fsdp, torch.optim.Adam(fsdp.parameters(), lr=1e-4))
+        except (RuntimeError, ValueError) as err:
+            problems["torch FSDP2"] = str(err)
+        seconds: dict[str, list[float]] = {name: [] for name in models}
+        order = list(models)
+        for round_ in range(args.rounds + 1):
+            for name in order[round_ % len(order) :] + order[: round_ % len(order)]:
+                model, optimizer = models[name]
+                comm.Barrier()
+                began = time.perf_counter()
+                for _ in range(args.steps):
+                    step(model, optimizer)
+                if isinstance(model, sharded.Sharded):
+                    model.synchronize()
+                comm.Barrier()
+                if round_ > 0:  # round 0 warms up
+                    seconds[name].append((time.perf_counter() - began) / args.steps)
+        median = {k: statistics.median(v) for k, v in seconds.items()}
+        best = {k: min(v) for k, v in seconds.items()}
+        say(
+            f"\n3. time per step (float32, MPI collectives), median of {args.rounds} rounds of {args.steps} steps "
+            "(fastest round), over DDP's"
+        )
+        for name in models:
+            say(
+                f"  {name:>30}: {1e3 * median[name]:7.1f} ms ({1e3 * best[name]:.1f}) = {median[name] / median['DDP']:.2f} "
+                f"({best[name] / best['DDP']:.2f})"
+            )
+        for name, problem in problems.items():
+            say(f"  {name:>30}: does not run here: {problem}")
+        say(f"  ZeRO-3 prefetch 1 over without: {median['ZeRO-3 prefetch 1'] / median['ZeRO-3']:.2f}")
+        for model, _ in models.values():
+            close(model)
+        dp.close_gloo()
+
+    # 4. Largest model under a budget ------------------------------------------------------------------
+    if 4 in args.sections:
+        budget = int(args.budget * 2**20)
+
+        def fits(stage: int, layers: int) -> bool:
+            ledger = Ledger(budget)
+            model = None
+            try:
+                model, optimizer = build(stage, comm, ledger, layers=layers, width=args.search_width, mixed=stage > 0)
+                for _ in range(2):
+                    step(model, optimizer, ledger)
+                ok = True
+            except OutOfMemory:
+                ok = False
+            if model is not None:
+                close(model)
+            return bool(comm.allreduce(int(ok), op=MPI.MIN))
+
+        largest = {}
+        for stage in range(4):
+            low, high = 0, 1  # fits(low) (0: nothing checked yet); grow high until it does not fit
+            while fits(stage, high):
+                low, high = high, high * 2
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if fits(stage, middle) else (low, middle)
+            largest[stage] = count_parameters(mlp(low, args.search_width)) if low else 0
+        say(
+            f"\n4. largest model trained under {args.budget:.0f} MiB per rank (ledger: model state, activations, "
+            f"gathered units), hidden layers of {args.search_width}"
+        )
+        say(
+            "  "
+            + ", ".join(
+                f"{names[s]} {largest[s] / 1e6:.2f}M = {largest[s] / max(largest[0], 1):.2f}x" for s in range(4)
+            )
+        )
+
+
+def main() -> int:
+    from ddlab.runtime.mpi import bench_main
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4])
+    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4], help="which measurements (1-4)")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=32.0, help="MiB per rank for the largest-model search")
+    parser.add_argument("--search-width", type=int, default=512, help="hidden width for the largest-model search")
+    return bench_main(parser, child, TIMEOUT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Sharded data parallelism (lab 13): ZeRO stages 1-3 / FSDP built from a reduce-scatter and an allgather.
+
+- `FlatSpace` (flat.py): a unit's parameters in one padded flat buffer, P equal shards, views.
+- `Sharded` (zero.py): ZeRO-1, ZeRO-2, ZeRO-3 with prefetch, mixed precision and activation checkpointing.
+- `DynamicLossScale` (precision.py): float16 training without gradients underflowing.
+- `save_sharded`, `load_sharded` (checkpoint.py): each rank writes its shards; load on any rank count.
+- collectives.py: the pluggable reduce-scatter and allgather ("mpi", "ring" = lab 03's halves, yours).
+"""
+
+from .checkpoint import CheckpointError, load_sharded, save_sharded
+from .collectives import CHOICES, allgather_mpi, reduce_scatter_mpi, resolve_collectives
+from .flat import FlatSpace
+from .precision import DynamicLossScale
+from .zero import STAGES, Sharded, Unit
