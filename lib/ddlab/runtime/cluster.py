@@ -267,9 +267,6 @@ def restart(timeout: float = 120.0) -> ipp.Client:
     running = _current
     cluster, client, n = running.cluster, running.client, running.n
     cluster.stop_engines_sync()
-    # Engines that mpiexec left behind (see _shut_down) go too; the controller stays.
-    if controller := _controller_pids(cluster):
-        reaper.kill(cluster.profile_dir, cluster.cluster_id, spare=controller)
     # Forget the old engines so their ids and queued tasks do not linger.
     deadline = time.monotonic() + 30
     while client.ids and time.monotonic() < deadline:
@@ -282,16 +279,6 @@ def restart(timeout: float = 120.0) -> ipp.Client:
         raise
     running.view = _activate(client)
     return client
-
-
-def _controller_pids(cluster: ipp.Cluster) -> frozenset[int]:
-    """The controller's process and its children (the schedulers)."""
-    process = getattr(cluster.controller, "process", None)
-    if process is None:
-        return frozenset()
-    with contextlib.suppress(psutil.Error):
-        return frozenset([process.pid, *(child.pid for child in process.children(recursive=True))])
-    return frozenset()
 
 
 @contextlib.contextmanager

@@ -53,11 +53,9 @@ def processes(profile_dir: str, cluster_id: str) -> list[psutil.Process]:
     return found
 
 
-def kill(
-    profile_dir: str, cluster_id: str, spare: frozenset[int] = frozenset(), timeout: float = KILL_TIMEOUT
-) -> list[psutil.Process]:
-    """SIGKILL the cluster's processes on this machine but those in `spare`; return any left after `timeout` s."""
-    victims = [proc for proc in processes(profile_dir, cluster_id) if proc.pid not in spare]
+def kill(profile_dir: str, cluster_id: str, timeout: float = KILL_TIMEOUT) -> list[psutil.Process]:
+    """SIGKILL every process of the cluster on this machine; return those still there after `timeout` s."""
+    victims = processes(profile_dir, cluster_id)
     for proc in victims:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGKILL)
