@@ -25,6 +25,7 @@ from .formulas import (
 from .measure import measure_platform
 from .planner import Plan, candidates, plan
 from .platform import OPS, Curves, Platform, gpu_cluster
+from .published import TABLE1, PublishedRun, a100_cluster, reproduce
 from .strategies import (
     MEMORY,
     Prediction,
@@ -38,3 +39,5 @@ from .strategies import (
     spatial,
     unet_edges,
 )
+from .transformer import GPT, Layout, TransformerPrediction, iteration_flops, memory_per_rank, predict_step, step_time
+from .transformer_planner import TransformerPlan, explain, meshes, plan_transformer, search

@@ -1,0 +1,139 @@
+"""The transformer planner (lab 16): every layout of N devices for a GPT, fastest first, and why the others fail.
+
+`search` tries every mesh d x t x p x c = N with the other choices of a template layout (ZeRO
+stage, micro-batch, recomputation, precision, sequence parallelism) and returns the
+feasible predictions, fastest first (ties: less memory first), and each rejected layout
+with its reason: a dimension that does not divide what it cuts (`transformer.problem`), or
+out of memory on the busiest rank, by how much. `plan_transformer` runs `search` for every
+template of the options (`ZERO_STAGES` 0-3, `MICRO_BATCHES` 1-8, the three recomputations, sequence
+parallelism on or off) and merges them. `explain` says, part by part, why one prediction
+is faster than another.
+
+Exercise 16.4 signature: `search(gpt, devices, template, platform, budget) -> (ranked,
+rejected)`: `ranked` a list of `TransformerPrediction` (from `transformer.predict`) of every
+layout `template.with_(data=d, tensor=t, pipeline=p, context=c)` with d t p c = devices
+that runs and fits in `budget` bytes, fastest first; `rejected` a list of (layout, reason)
+of all the others, the reason containing "divide" when a dimension does not divide what it
+cuts and "memory" when the busiest rank needs more than the budget (saying by how much).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from .planner import divisors
+from .platform import Platform
+from .transformer import GPT, RECOMPUTE, TIME_PARTS, Layout, TransformerPrediction, predict, problem
+
+GIB = 2**30
+
+#: The choices `plan_transformer` tries beside the mesh.
+ZERO_STAGES = (0, 1, 2, 3)
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def meshes(devices: int) -> list[tuple[int, int, int, int]]:
+    """Every (d, t, p, c) with d t p c = devices."""
+    if devices < 1:
+        raise ValueError(f"need at least one device, got {devices}")
+    out = []
+    for t, p, c in itertools.product(divisors(devices), repeat=3):
+        if devices % (t * p * c) == 0:
+            out.append((devices // (t * p * c), t, p, c))
+    return out
+
+
+def search(
+    gpt: GPT, devices: int, template: Layout, platform: Platform, budget: float | None = None
+) -> tuple[list[TransformerPrediction], list[tuple[Layout, str]]]:
+    """Feasible predictions of every mesh of `devices` (template's other choices), fastest first; rejected, why."""
+    budget = platform.memory if budget is None else budget
+    ranked: list[TransformerPrediction] = []
+    rejected: list[tuple[Layout, str]] = []
+    for d, t, p, c in meshes(devices):
+        layout = template.with_(data=d, tensor=t, pipeline=p, context=c)
+        reason = problem(gpt, layout)
+        if reason:
+            rejected.append((layout, reason))
+            continue
+        pred = predict(gpt, layout, platform)
+        if pred.peak > budget:
+            rejected.append(
+                (
+                    layout,
+                    f"out of memory: needs {pred.peak / GIB:.1f} GiB on its busiest rank, "
+                    f"{(pred.peak - budget) / GIB:.1f} GiB over the {budget / GIB:.1f} GiB budget",
+                )
+            )
+            continue
+        ranked.append(pred)
+    ranked.sort(key=lambda pred: (pred.time, pred.peak))
+    return ranked, rejected
+
+
+@dataclass
+class TransformerPlan:
+    """Feasible predictions fastest first, and (layout, reason) for every rejected layout."""
+
+    gpt: GPT
+    devices: int
+    ranked: list[TransformerPrediction] = field(default_factory=list)
+    rejected: list[tuple[Layout, str]] = field(default_factory=list)
+
+    @property
+    def best(self) -> TransformerPrediction | None:
+        return self.ranked[0] if self.ranked else None
+
+    def reasons(self) -> dict[str, int]:
+        """How many layouts each kind of reason rejected (the reason up to its first colon or figure)."""
+        counts: dict[str, int] = {}
+        for _, reason in self.rejected:
+            kind = "out of memory" if reason.startswith("out of memory") else reason.split(" ")[0] + " does not divide"
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def table(self, top: int = 5) -> str:
+        lines = [f"{self.gpt.name or 'GPT'} on {self.devices} devices: {len(self.ranked)} layouts fit"]
+        for pred in self.ranked[:top]:
+            lines.append(
+                f"  {pred.layout.label:44} {pred.time:8.2f} s  {pred.model_flops_per_device() / 1e12:6.1f} TFLOP/s  "
+                f"{pred.peak / GIB:6.1f} GiB"
+            )
+        lines += [f"  rejected, {kind}: {n}" for kind, n in sorted(self.reasons().items())]
+        return "\n".join(lines)
+
+
+def plan_transformer(
+    gpt: GPT, devices: int, batch: int, platform: Platform, budget: float | None = None, precision: str = "mixed"
+) -> TransformerPlan:
+    """Every layout of `devices` devices for a global batch of `batch` sequences, fastest first (ZeRO stages, micro-batches, recomputations, sequence parallelism or not)."""
+    plan = TransformerPlan(gpt, devices)
+    for zero, b, recompute, sp in itertools.product(ZERO_STAGES, MICRO_BATCHES, RECOMPUTE, (False, True)):
+        template = Layout(
+            zero=zero, micro_batch=b, batch=batch, recompute=recompute, precision=precision, sequence_parallel=sp
+        )
+        ranked, rejected = search(gpt, devices, template, platform, budget)
+        plan.ranked += ranked
+        plan.rejected += rejected
+    plan.ranked.sort(key=lambda pred: (pred.time, pred.peak))
+    return plan
+
+
+def explain(chosen: TransformerPrediction, other: TransformerPrediction) -> str:
+    """Why `chosen` is faster (or not) than `other`: the parts that differ, largest first, and the layouts' changes."""
+    changes = [
+        f"{name} {getattr(other.layout, name)} -> {getattr(chosen.layout, name)}"
+        for name in ("data", "tensor", "pipeline", "context", "zero", "micro_batch", "recompute", "sequence_parallel")
+        if getattr(other.layout, name) != getattr(chosen.layout, name)
+    ]
+    deltas = sorted(((chosen.seconds[k] - other.seconds[k], k) for k in TIME_PARTS), key=lambda x: x[0])
+    parts = [f"{k} {'-' if dt < 0 else '+'}{abs(dt):.2f} s" for dt, k in deltas if abs(dt) >= 0.005 * other.time]
+    if not changes:
+        return "the same layout"
+    saving = other.time - chosen.time
+    return (
+        f"{', '.join(changes)}: {saving:+.2f} s per iteration ({saving / other.time:+.1%})"
+        + (f"; {', '.join(parts)}" if parts else "; no part differs by 0.5% (same time, less memory)")
+        + f"; memory {other.peak / GIB:.1f} -> {chosen.peak / GIB:.1f} GiB"
+    )
