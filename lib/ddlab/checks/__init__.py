@@ -68,6 +68,9 @@ _WHERE = {
     "check_reshard": "sharded",
     "check_zero2_step": "sharded",
     "check_zero3_unit": "sharded",
+    "check_memory_per_rank": "oracle_transformer",
+    "check_step_time": "oracle_transformer",
+    "check_layout_search": "oracle_transformer",
 }
 
 __all__ = list(_WHERE)

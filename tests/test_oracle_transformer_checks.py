@@ -1,0 +1,259 @@
+"""Lab 16's oracle checks fail wrong formulas and searches with a useful message and pass valid alternatives."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from ddlab.checks import CheckFailed, check_layout_search, check_memory_per_rank, check_step_time
+from ddlab.oracle.transformer import iteration_flops, memory_per_rank, predict, problem, stage_parameters, step_time
+from ddlab.oracle.transformer_planner import search
+
+# ---- Exercise 16.2: memory_per_rank
+
+
+def valid_memory(psi, s, b, h, a, layers, t, d, zero, recompute, sequence_parallel=False):
+    """Written from the lab's statement, term by term."""
+    sbh = s * b * h
+    state = {"parameters": 2.0 * psi, "gradients": 2.0 * psi, "optimizer": 12.0 * psi}
+    for part, stage in (("optimizer", 1), ("gradients", 2), ("parameters", 3)):
+        if zero >= stage:
+            state[part] /= d
+    replicated = t if sequence_parallel else 1
+    layer = sbh * (10 / replicated + 24 / t + 5 * a * s / (h * t))
+    if recompute == "full":
+        activations = layers * 2 * sbh / replicated + layer
+    elif recompute == "selective":
+        activations = layers * sbh * (10 / replicated + 24 / t)
+    else:
+        activations = layers * layer
+    return {"activations": activations, **state}
+
+
+def _changed(fn, change):
+    def wrong(*args, **kwargs):
+        out = dict(fn(*args, **kwargs))
+        change(out, *args)
+        return out
+
+    return wrong
+
+
+def zero2_like_zero1(psi, s, b, h, a, layers, t, d, zero, recompute, sp=False):
+    out = memory_per_rank(psi, s, b, h, a, layers, t, d, min(zero, 1) if zero == 2 else zero, recompute, sp)
+    return out
+
+
+def zero1_shards_parameters(psi, s, b, h, a, layers, t, d, zero, recompute, sp=False):
+    out = memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute, sp)
+    if zero == 1:
+        out["parameters"] /= d
+    return out
+
+
+def everything_split(psi, s, b, h, a, layers, t, d, zero, recompute, sp=False):  # 34/t without sequence parallelism
+    return memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute, True)
+
+
+def full_without_working_layer(psi, s, b, h, a, layers, t, d, zero, recompute, sp=False):
+    out = memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute, sp)
+    if recompute == "full":
+        out["activations"] = layers * 2 * s * b * h / (t if sp else 1)
+    return out
+
+
+def selective_keeps_attention(psi, s, b, h, a, layers, t, d, zero, recompute, sp=False):
+    return memory_per_rank(psi, s, b, h, a, layers, t, d, zero, "none" if recompute == "selective" else recompute, sp)
+
+
+def attention_not_split(psi, s, b, h, a, layers, t, d, zero, recompute, sp=False):
+    out = memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute, sp)
+    if recompute == "none":
+        out["activations"] += layers * s * b * h * 5 * a * s / h * (1 - 1 / t)
+    return out
+
+
+# ---- Exercise 16.3: step_time
+
+
+def valid_time(gpt, layout, platform):
+    """From the lab's statement: closed-form FLOPs, the collectives counted per micro-batch and layer."""
+    B, s, h, v, L = layout.batch, gpt.seq, gpt.hidden, gpt.vocab, gpt.layers
+    if layout.recompute == "full":
+        flops = 96 * B * s * L * h**2 * (1 + s / (6 * h) + v / (16 * L * h))
+    else:
+        flops = 72 * B * s * L * h**2 * (1 + s / (6 * h) + v / (12 * L * h))
+        flops += 4 * B * s**2 * h * L * (layout.recompute == "selective")
+    d, t, p, c = layout.data, layout.tensor, layout.pipeline, layout.context
+    m = B // (d * layout.micro_batch)
+    compute = flops / (d * t * p * c) / platform.flops
+    activation = layout.micro_batch * s // c * h * 2
+    full = layout.recompute == "full"
+    per_layer = (6 if full else 4) * platform.comm("allreduce", activation, t)
+    kv = 2 * layout.micro_batch * s * h / t * 2
+    ring = (3 if full else 2) * platform.comm("allgather", kv, c, t) + platform.comm("reduce_scatter", kv, c, t)
+    grads = stage_parameters(gpt, layout) * 2
+    if layout.zero == 3:
+        data = 2 * m * platform.comm("allgather", grads, d * c, t) + platform.comm("reduce_scatter", grads, d * c, t)
+    else:
+        data = platform.comm("allreduce", grads, d * c, t)
+    pipe = 2 * m * platform.comm("p2p", activation / t, 2, stride=t * c * d) if p > 1 else 0.0
+    return {
+        "data": data,
+        "pipeline": pipe,
+        "context": m * L // p * ring,
+        "tensor": m * L // p * per_layer,
+        "bubble": compute * (p - 1) / m,
+        "compute": compute,
+    }
+
+
+def bubble_over_m_plus_p(gpt, layout, platform):
+    out = step_time(gpt, layout, platform)
+    p, m = layout.pipeline, layout.micro_batches
+    out["bubble"] = (p - 1) / (m + p - 1) * out["compute"]
+    return out
+
+
+def tensor_forgets_recompute(gpt, layout, platform):
+    out = step_time(gpt, layout, platform)
+    out["tensor"] *= 4 / 6 if layout.recompute == "full" else 1
+    return out
+
+
+def pipeline_sends_whole_activation(gpt, layout, platform):
+    out = step_time(gpt, layout, platform)
+    if layout.pipeline > 1:
+        n = layout.micro_batch * gpt.seq // layout.context * gpt.hidden * 2
+        stride = layout.tensor * layout.context * layout.data
+        out["pipeline"] = 2 * layout.micro_batches * platform.comm("p2p", n, 2, stride=stride)
+    return out
+
+
+def compute_without_recompute(gpt, layout, platform):
+    out = step_time(gpt, layout, platform)
+    out["compute"] = iteration_flops(gpt, layout.batch, "none") / layout.devices / platform.flops
+    return out
+
+
+def zero3_as_allreduce(gpt, layout, platform):
+    return step_time(gpt, layout.with_(zero=0), platform)
+
+
+# ---- Exercise 16.4: search
+
+
+def valid_search(gpt, devices, template, platform, budget):
+    """Recursive factorisation, sorted by time only."""
+
+    def split(n, k):
+        if k == 1:
+            return [(n,)]
+        return [(f, *rest) for f in range(1, n + 1) if n % f == 0 for rest in split(n // f, k - 1)]
+
+    ranked, rejected = [], []
+    for d, t, p, c in split(devices, 4):
+        layout = template.with_(data=d, tensor=t, pipeline=p, context=c)
+        why = problem(gpt, layout)
+        if why:
+            rejected.append((layout, "cannot run: " + why))
+            continue
+        pred = predict(gpt, layout, platform)
+        if pred.peak > budget:
+            rejected.append((layout, f"memory: {pred.peak - budget:.0f} bytes too many"))
+        else:
+            ranked.append(pred)
+    return sorted(ranked, key=lambda pred: pred.time), rejected
+
+
+def slowest_first(*args):
+    ranked, rejected = search(*args)
+    return ranked[::-1], rejected
+
+
+def ignores_the_budget(gpt, devices, template, platform, budget):
+    return search(gpt, devices, template, platform, float("inf"))
+
+
+def no_context(gpt, devices, template, platform, budget):
+    ranked, rejected = search(gpt, devices, template, platform, budget)
+    return [p for p in ranked if p.layout.context == 1], [r for r in rejected if r[0].context == 1]
+
+
+def vague_reasons(*args):
+    ranked, rejected = search(*args)
+    return ranked, [(layout, "not possible") for layout, _ in rejected]
+
+
+def listed_twice(*args):
+    ranked, rejected = search(*args)
+    return ranked + ranked[:1], rejected
+
+
+@pytest.mark.parametrize(
+    "check, wrong, words",
+    [
+        (check_memory_per_rank, zero2_like_zero1, "gradients"),
+        (check_memory_per_rank, zero1_shards_parameters, "parameters"),
+        (check_memory_per_rank, everything_split, "activations"),
+        (check_memory_per_rank, full_without_working_layer, "activations"),
+        (check_memory_per_rank, selective_keeps_attention, "activations"),
+        (check_memory_per_rank, attention_not_split, "activations"),
+        (check_memory_per_rank, lambda *a: [1, 2], "dict"),
+        (check_memory_per_rank, lambda *a: {"parameters": 1}, "keys"),
+        (check_step_time, bubble_over_m_plus_p, "bubble"),
+        (check_step_time, tensor_forgets_recompute, "tensor"),
+        (check_step_time, pipeline_sends_whole_activation, "pipeline"),
+        (check_step_time, compute_without_recompute, "compute"),
+        (check_step_time, zero3_as_allreduce, "data"),
+        (check_step_time, lambda *a: 1 / 0, "ZeroDivisionError"),
+        (check_layout_search, slowest_first, "fastest first"),
+        (check_layout_search, ignores_the_budget, "should be rejected"),
+        (check_layout_search, no_context, "not in ranked"),
+        (check_layout_search, vague_reasons, "should say 'divide'"),
+        (check_layout_search, listed_twice, "twice"),
+        (check_layout_search, lambda *a: search(*a)[0], "return \\(ranked, rejected\\)"),
+    ],
+)
+def test_wrong_answers_fail(check, wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        check(wrong)
+
+
+@pytest.mark.parametrize(
+    "check, valid",
+    [
+        (check_memory_per_rank, valid_memory),
+        (check_memory_per_rank, memory_per_rank),
+        (check_step_time, valid_time),
+        (check_step_time, step_time),
+        (check_layout_search, valid_search),
+        (check_layout_search, search),
+    ],
+)
+def test_valid_answers_pass(check, valid, capsys):
+    check(valid)
+    assert capsys.readouterr().out.startswith("passed:")
+
+
+@pytest.mark.parametrize("check", [check_memory_per_rank, check_step_time, check_layout_search])
+def test_stub_error_passes_through(check):
+    def stub(*args):
+        raise NotImplementedError("Exercise 16: write it")
+
+    with pytest.raises(NotImplementedError):
+        check(stub)
+
+
+def test_cases_cover_every_choice():
+    from ddlab.checks.oracle_transformer import memory_cases, search_cases, time_cases
+
+    cases = memory_cases()
+    assert {c[8] for c in cases} == {0, 1, 2, 3}
+    assert {(c[9], c[10]) for c in cases} == set(itertools.product(("none", "selective", "full"), (False, True)))
+    assert {c[6] for c in cases} >= {1, 8}
+    layouts = [lay for _, lay, _ in time_cases()]
+    assert {lay.zero for lay in layouts} == {0, 1, 2, 3} and any(lay.micro_batches < lay.pipeline for lay in layouts)
+    assert all(any(getattr(lay, dim) > 1 for lay in layouts) for dim in ("data", "tensor", "pipeline", "context"))
+    memory = [sum("memory" in why for _, why in search(*case)[1]) for case in search_cases()]
+    assert any(memory) and all(search(*case)[0] for case in search_cases())
