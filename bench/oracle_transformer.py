@@ -1,0 +1,77 @@
+"""Lab 16's transformer oracle at scale: Narayanan et al.'s Table 1 predicted, and the planner's layouts.
+
+For each of the ten GPT runs of Narayanan et al. (SC 2021, Table 1: 1.7 B parameters on 32
+A100s to 1008 B on 3072) it prints the published layout, their measured teraFLOP/s per GPU,
+the oracle's prediction on the A100 platform of published figures (`ddlab.oracle.a100_cluster`),
+the accuracy 1 - |pred - meas| / meas (ParaDL's measure, Kahira et al., HPDC 2021), then the
+planner's fastest layout under the 80 GB budget (every mesh d x t x p x c, ZeRO 0-3,
+micro-batches 1-8, the three recomputations, sequence parallelism or not), its predicted
+throughput (counted as Narayanan et al. count it, with the recomputation's FLOPs, so the two
+compare) and why it is faster, and the fastest mesh with the paper's own options; then the mean accuracy, and how much the table moves with the
+one assumed figure (the message latency alpha) set to 0. One process; no MPI.
+
+    .venv/bin/python bench/oracle_transformer.py [--rows 10] [--no-plan]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=10, help="how many rows of Table 1 (from the smallest)")
+    parser.add_argument("--no-plan", action="store_true", help="skip the planner (about 20 s a row)")
+    args = parser.parse_args()
+
+    from ddlab.oracle import a100_cluster, plan_transformer, reproduce
+    from ddlab.oracle.published import accuracy
+    from ddlab.oracle.transformer_planner import explain, search
+
+    platform = a100_cluster()
+    rows = reproduce(platform)[: args.rows]
+    print(f"{platform.name}: {platform.flops / 1e12:.1f} TFLOP/s achieved per GPU, {platform.memory / 1e9:.0f} GB")
+    print(f"{'model':11} {'GPUs':>5} {'published layout':30} {'meas':>5} {'pred':>6} {'acc':>6}  {'peak GB':>7}")
+    for run, pred, acc in rows:
+        print(
+            f"{run.gpt.name:11} {run.layout.devices:5d} {run.layout.label:30} {run.measured_tflops:5.0f} "
+            f"{pred.model_flops_per_device() / 1e12:6.1f} {acc:6.3f}  {pred.peak / 1e9:7.1f}"
+        )
+    mean = statistics.mean(acc for _, _, acc in rows)
+    print(f"mean accuracy {mean:.3f} (target >= 0.85), worst {min(acc for _, _, acc in rows):.3f}")
+
+    no_alpha = replace(platform, intra=replace(platform.intra, alpha=0.0), inter=replace(platform.inter, alpha=0.0))
+    moved = [
+        abs(acc - accuracy(p.model_flops_per_device() / 1e12, r.measured_tflops))
+        for (r, p, _), (_, _, acc) in zip(reproduce(no_alpha), rows)
+    ]
+    print(f"with alpha = 0 instead of 5 us, accuracy moves by at most {max(moved):.4f}")
+
+    if args.no_plan:
+        return
+    print("\nthe planner's fastest layout under 80 GB (throughput counted with the recomputation's FLOPs):")
+    for run, published, _ in rows:
+        start = time.perf_counter()
+        plan = plan_transformer(run.gpt, run.layout.devices, run.layout.batch, platform)
+        best = plan.best
+        assert best is not None
+        print(
+            f"{run.gpt.name:11} {best.layout.label:44} {best.model_flops_per_device() / 1e12:6.1f} TFLOP/s "
+            f"(published layout {published.model_flops_per_device() / 1e12:.1f}), {len(plan.ranked)} fit, "
+            f"{len(plan.rejected)} rejected ({time.perf_counter() - start:.0f} s)"
+        )
+        print(f"{'':11} why: {explain(best, published)}")
+        same = search(run.gpt, run.layout.devices, run.layout, platform)[0][0]  # the paper's options, any mesh
+        print(
+            f"{'':11} with the paper's options (full recomputation, no ZeRO, no SP, b = 1): {same.layout.label}, "
+            f"{same.model_flops_per_device() / 1e12:.1f} TFLOP/s; {explain(same, published)}"
+        )
+        rank = [p.layout for p in plan.ranked].index(run.layout) + 1
+        print(f"{'':11} the published layout ranks {rank} of {len(plan.ranked)}; rejected: {plan.reasons()}")
+
+
+if __name__ == "__main__":
+    main()
