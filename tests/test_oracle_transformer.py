@@ -181,3 +181,24 @@ def test_predict_step_and_bad_layouts():
         predict_step(Layout(recompute="some", batch=8), TABLE1[4].gpt, pf)
     with pytest.raises(ValueError, match="ZeRO stage 4"):
         predict_step(Layout(zero=4, batch=8), TABLE1[4].gpt, pf)
+
+
+def test_a_lab_gpt_on_shared_cores_in_float64():
+    from ddlab.models.gpt import GPTConfig
+
+    g = GPT.from_config(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32))
+    assert (g.layers, g.hidden, g.heads, g.seq, g.vocab) == (4, 32, 4, 16, 64)
+    link = Link(alpha=1e-5, beta=1e-9)
+    pf = Platform("laptop", 4, flops=1e9, memory=10**9, intra=link, inter=link, contention=(1.0, 1.5, 2.0, 3.0))
+    lay = Layout(data=2, tensor=2, batch=4, precision="fp64")
+    seconds = step_time(g, lay, pf)
+    assert seconds["compute"] == pytest.approx(iteration_flops(g, 4, "none") / 4 / 1e9 * 3.0)  # 4 ranks busy: x3
+    assert step_time(g, lay.with_(data=1, batch=2), pf)["compute"] == pytest.approx(
+        iteration_flops(g, 2, "none") / 2 / 1e9 * 1.5
+    )
+    memory = rank_memory(g, lay)
+    psi = (4 * (12 * 32**2 + 13 * 32) + 64 * 32 + 16 * 32) / 2
+    assert memory["parameters"] + memory["gradients"] + memory["optimizer"] == pytest.approx(32 * psi)
+    per_layer = 16 * 1 * 32 * (4 * 8 + 2 + 12 * 8 / 2 + (2 * 8 + 1) * 4 * 16 / 32 / 2)
+    assert memory["activations"] == pytest.approx(4 * per_layer + 8 * 16 * 64 / 2)  # and the float64 logits
+    assert predict_step(lay, g, pf) == (sum(seconds.values()), sum(memory.values()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from ddlab.checks import CheckFailed, check_layout_search, check_memory_per_rank, check_step_time
@@ -86,7 +87,9 @@ def valid_time(gpt, layout, platform):
         flops += 4 * B * s**2 * h * L * (layout.recompute == "selective")
     d, t, p, c = layout.data, layout.tensor, layout.pipeline, layout.context
     m = B // (d * layout.micro_batch)
-    compute = flops / (d * t * p * c) / platform.flops
+    compute = (
+        flops / (d * t * p * c) / platform.flops * platform.slowdown(min(d * t * p * c, platform.devices_per_node))
+    )
     activation = layout.micro_batch * s // c * h * 2
     full = layout.recompute == "full"
     per_layer = (6 if full else 4) * platform.comm("allreduce", activation, t)
@@ -134,6 +137,10 @@ def compute_without_recompute(gpt, layout, platform):
     out = step_time(gpt, layout, platform)
     out["compute"] = iteration_flops(gpt, layout.batch, "none") / layout.devices / platform.flops
     return out
+
+
+def no_slowdown(gpt, layout, platform):  # ignores the devices sharing a node's cores
+    return step_time(gpt, layout, replace(platform, contention=(1.0,)))
 
 
 def zero3_as_allreduce(gpt, layout, platform):
@@ -206,6 +213,7 @@ def listed_twice(*args):
         (check_step_time, pipeline_sends_whole_activation, "pipeline"),
         (check_step_time, compute_without_recompute, "compute"),
         (check_step_time, zero3_as_allreduce, "data"),
+        (check_step_time, no_slowdown, "compute"),
         (check_step_time, lambda *a: 1 / 0, "ZeroDivisionError"),
         (check_layout_search, slowest_first, "fastest first"),
         (check_layout_search, ignores_the_budget, "should be rejected"),

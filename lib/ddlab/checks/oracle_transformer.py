@@ -27,7 +27,7 @@ HINTS = {
     "too; a layer keeps sbh(10 + 24/t + 5as/(ht)) bytes (sbh(34/t + 5as/(ht)) with sequence parallelism); "
     "selective recomputation drops the attention term; full keeps 2sbh per layer (/t with sequence parallelism) "
     "plus one layer's activations.",
-    "step_time": "count per micro-batch and per layer of a stage: 4 tensor allreduces (6 with full recomputation), "
+    "step_time": "the compute is slowed by platform.slowdown(devices of a node computing at once); count per micro-batch and per layer of a stage: 4 tensor allreduces (6 with full recomputation), "
     "3 context allgathers and a reduce-scatter (one allgather more with full recomputation); 2 pipeline messages "
     "per micro-batch; the bubble is (p-1)/m of the compute.",
     "search": "try every (d, t, p, c) whose product is the device count; a layout that does not run or does not fit "
@@ -40,7 +40,13 @@ def _flat(bandwidth: float) -> Platform:
 
     link = Link(alpha=2e-5, beta=1 / bandwidth)
     return Platform(
-        "flat", devices_per_node=4, flops=2e12, memory=2 * 10**9, intra=link, inter=Link(5e-5, 4 / bandwidth)
+        "flat",
+        devices_per_node=4,
+        flops=2e12,
+        memory=2 * 10**9,
+        intra=link,
+        inter=Link(5e-5, 4 / bandwidth),
+        contention=(1.0, 1.4, 1.8, 2.5),  # cores shared as on a laptop: compute slows with busy devices
     )
 
 

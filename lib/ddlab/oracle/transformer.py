@@ -6,7 +6,7 @@ over them), t-way tensor parallelism (Megatron's, optionally with sequence paral
 pipeline stages of l/p layers run by 1F1B on m = B/(d b) micro-batches of b sequences, c-way
 context parallelism (ring attention over sequence blocks of s/c), with or without activation
 recomputation, in mixed precision (2-byte parameters, gradients and activations, 12 bytes of
-Adam state per parameter) or float32. Ranks are placed tensor innermost, then context, then
+Adam state per parameter), float32 or float64. Ranks are placed tensor innermost, then context, then
 data, then pipeline (Megatron's order: tensor inside a node).
 
 Compute: the FLOPs of one iteration (Narayanan et al., "Efficient Large-Scale Language Model
@@ -15,7 +15,9 @@ per layer and sequence the forward does 24 s h^2 + 4 s^2 h, the output layer 2 s
 backward twice the forward; full recomputation reruns the layers' forward (with it,
 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), their count), selective recomputation (Korthikanti
 et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023) only
-the attention's 4 s^2 h. Each of the N devices does 1/N of them at `platform.flops`.
+the attention's 4 s^2 h. Each of the N devices does 1/N of them at `platform.flops`, slowed by
+`platform.slowdown` with min(N, devices per node) devices of a node computing at once (1 on a
+GPU; on a laptop's shared cores lab 09 measures it).
 
 Bubble: 1F1B idles (p-1)/m of the compute (lab 07).
 
@@ -42,14 +44,14 @@ Memory of the busiest rank (the first or the last stage):
 - state (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
   Models", SC 2020): with mixed-precision Adam 2 + 2 + 12 = 16 bytes per parameter;
   stage 1 shards the optimizer (4 + 12/D), stage 2 the gradients too (2 + 14/D), stage 3
-  everything (16/D), D = d c the ranks holding the same weights; float32: 4 + 4 + 8;
+  everything (16/D), D = d c the ranks holding the same weights; float32: 4 + 4 + 8, float64 8 + 8 + 16;
 - activations (Korthikanti et al., section 4, `ddlab.tensor_parallel.formulas`): a layer keeps
   sbh (10 + 24/t + 5as/(ht)) bytes at 2-byte activations, sbh (34/t + 5as/(ht)) with sequence
   parallelism, with s the rank's s/c tokens; selective recomputation drops the attention
   term 5as/(ht); full recomputation keeps only each layer's input, 2sbh (/t with sequence
   parallelism), plus one layer's whole activations while it is recomputed; under 1F1B the
   first stage holds min(p, m) micro-batches of its l/p layers; the last stage also keeps
-  the logits in float32 for the loss, 4 b (s/c) V / t bytes.
+  the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes.
 
 Signatures (lab 16's exercises):
 - Exercise 16.2 `memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute,
@@ -67,12 +69,14 @@ Signatures (lab 16's exercises):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from ..tensor_parallel.formulas import activation_bytes_per_layer
 from .platform import Platform
 
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}  # bytes per parameter: weights, gradients, optimizer
+#: Bytes per parameter (weights, gradients, Adam's state); activations take the weights' size.
+PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}
 TIME_PARTS = ("compute", "bubble", "tensor", "context", "pipeline", "data")
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -87,6 +91,18 @@ class GPT:
     seq: int = 2048
     vocab: int = 51200
     name: str = ""
+
+    @classmethod
+    def from_config(cls, config: Any, seq: int | None = None, name: str = "") -> GPT:
+        """The GPT of a `ddlab.models.gpt.GPTConfig` (labs 14-16), for sequences of `seq` tokens (its block size)."""
+        return cls(
+            layers=config.n_layer,
+            hidden=config.n_embd,
+            heads=config.n_head,
+            seq=seq or config.block_size,
+            vocab=config.vocab_size,
+            name=name,
+        )
 
     def parameters(self) -> float:
         """12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)): Narayanan et al.'s count (their equation 2)."""
@@ -255,7 +271,8 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
 
     first = held(gpt.layers // lay.pipeline * in_flight)
     last = held(gpt.layers // lay.pipeline)
-    last["activations"] += 4 * lay.micro_batch * s_local * gpt.vocab / lay.tensor  # float32 logits for the loss
+    logits = max(4, PRECISIONS[lay.precision][0])  # the loss's logits in float32 at least
+    last["activations"] += logits * lay.micro_batch * s_local * gpt.vocab / lay.tensor
     return max(first, last, key=lambda m: sum(m.values()))
 
 
@@ -266,7 +283,8 @@ def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     m, b, h, s = lay.micro_batches, lay.micro_batch, gpt.hidden, gpt.seq
     stage_layers = gpt.layers // lay.pipeline
     reruns = 1 if lay.recompute == "full" else 0
-    compute = iteration_flops(gpt, lay.batch, lay.recompute) / lay.devices / platform.flops
+    busy = min(lay.devices, platform.devices_per_node)
+    compute = iteration_flops(gpt, lay.batch, lay.recompute) / lay.devices / platform.flops * platform.slowdown(busy)
     bubble = (lay.pipeline - 1) / m * compute
     tokens = b * (s // lay.context) * h  # elements of one micro-batch's activation on a rank
     tensor = m * stage_layers * (4 + 2 * reruns) * platform.comm("allreduce", tokens * e, lay.tensor)
