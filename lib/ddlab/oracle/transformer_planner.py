@@ -114,8 +114,8 @@ def plan_transformer(
             zero=zero, micro_batch=b, batch=batch, recompute=recompute, precision=precision, sequence_parallel=sp
         )
         ranked, rejected = search(gpt, devices, template, platform, budget)
-        plan.ranked += ranked
-        plan.rejected += rejected
+        plan.ranked += [pred for pred in ranked if pred.layout.tensor > 1 or not sp]  # SP on t = 1: the same layout
+        plan.rejected += [(lay, why) for lay, why in rejected if lay.tensor > 1 or not sp]
     plan.ranked.sort(key=lambda pred: (pred.time, pred.peak))
     return plan
 
