@@ -6,14 +6,15 @@ Megatron-LM", SC 2021 (arXiv:2104.04473), Table 1: ten GPT models from 1.7 B par
 nodes (8 A100 80 GB per node); their measured teraFLOP/s per GPU count the FLOPs of
 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), recomputation included, and all ran with activation
 recomputation. The table gives t, p, the GPUs and the global batch of each row; d is
-GPUs / (t p). It does not give the micro-batch size: `TABLE1` takes b = 1, the size the
-paper's largest runs use (their section 5.1 text; an assumption for the smaller rows).
+GPUs / (t p). It does not give the micro-batch size: `TABLE1` takes b = 1, an assumption
+(in the oracle b changes only the bubble, through m = B/(d b), and the activation memory).
 
 The platform (`a100_cluster`) takes only published hardware figures, each named in
 `sources`, and one achieved-compute figure: the hardware FLOPs utilisation Korthikanti et
 al. ("Reducing Activation Recomputation in Large Transformer Models", MLSys 2023) measured
 for their 1-trillion-parameter GPT on A100s with data-parallel size 1, 57.0% of peak (their
-Table 5; also Megatron-LM's README). Nothing is fitted to the rows of Table 1.
+paper, arXiv:2205.05198, as Megatron-LM's README quotes it: model FLOPs utilisation 56.3%,
+hardware 57.0%). Nothing is fitted to the rows of Table 1.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def a100_cluster(achieved: float = ACHIEVED) -> Platform:
             "devices_per_node": "NVIDIA DGX A100 datasheet: 8 A100 80 GB GPUs per system (Selene's nodes)",
             "flops": (
                 "NVIDIA A100 datasheet: 312 TFLOP/s BF16/FP16 tensor-core peak (dense); times 57.0%, the hardware "
-                "FLOPs utilisation Korthikanti et al. (MLSys 2023, Table 5) measured for a 1 T GPT on A100s"
+                "FLOPs utilisation Korthikanti et al. (MLSys 2023) measured for a 1 T GPT on A100s"
             ),
             "memory": "NVIDIA A100 80 GB datasheet: 80 GB HBM2e",
             "intra": (
