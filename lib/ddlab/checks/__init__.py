@@ -68,6 +68,9 @@ _WHERE = {
     "check_reshard": "sharded",
     "check_zero2_step": "sharded",
     "check_zero3_unit": "sharded",
+    "check_merge_partials": "context_parallel",
+    "check_ring_attention": "context_parallel",
+    "check_zigzag": "context_parallel",
 }
 
 __all__ = list(_WHERE)

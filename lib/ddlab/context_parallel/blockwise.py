@@ -63,10 +63,10 @@ def merge_partials(a: Partial, b: Partial) -> Partial:
 
 def finish(partial: Partial) -> tuple[np.ndarray, np.ndarray]:
     """(attention output, log-sum-exp of each row) from a partial over all the keys a row sees."""
-    out, m, l = partial
-    if np.any(l == 0):
+    out, m, total = partial
+    if np.any(total == 0):
         raise ValueError("a query row saw no key at all: every position must see itself (check the positions)")
-    return out / l[..., None], m + np.log(l)
+    return out / total[..., None], m + np.log(total)
 
 
 def attend_block_backward(

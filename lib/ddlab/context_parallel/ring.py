@@ -149,18 +149,17 @@ class RingAttention(torch.autograd.Function):
     """Ring attention as an autograd function: forward keeps q, k, v, the output and the log-sum-exp only."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, positions: np.ndarray
     ) -> torch.Tensor:
-        arrays = [t.detach().numpy() for t in (q, k, v)]
-        out, lse = ring_attention(comm, *arrays, positions)
+        out, lse = ring_attention(comm, q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), positions)
         out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.comm, ctx.positions = comm, positions
         return out_t
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = (t.detach().numpy() for t in ctx.saved_tensors)
         grads = ring_attention_backward(
             ctx.comm, q, k, v, out, lse, grad_out.detach().contiguous().numpy(), ctx.positions
