@@ -55,6 +55,16 @@ def _close_problem(got: Any, want: np.ndarray, what: str) -> str | None:
     return None
 
 
+def _call(fn: Callable[..., Any], *args: Any, what: str) -> tuple[Any, str | None]:
+    """(fn(*args), None), or (None, what went wrong) if it raised (a stub's NotImplementedError passes through)."""
+    try:
+        return fn(*args), None
+    except NotImplementedError:
+        raise
+    except Exception as err:  # the student's function failed: say so, do not crash the check
+        return None, f"{what} raised {type(err).__name__}: {err}"
+
+
 def _merge_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q, k, v of 8 positions in 2 heads; the later keys score higher, so their block's maximum is larger."""
     rng = np.random.default_rng(15)
@@ -85,9 +95,11 @@ def check_merge_partials(fn: Callable[..., tuple[np.ndarray, np.ndarray, np.ndar
     problem = None
     for description, first, second in _merge_cases():
         given = tuple(a.copy() for a in (*first, *second))
-        got = fn(*given)
+        got, problem = _call(fn, *given, what="merge")
         want = merge_partials(first, second)
-        if not isinstance(got, tuple) or len(got) != 3:
+        if problem:
+            problem = f"{description}: {problem}"
+        elif not isinstance(got, tuple) or len(got) != 3:
             problem = f"{description}: return a tuple (o, m, l), got {type(got).__name__}"
         else:
             for name, g, w in zip(("o", "m", "l"), got, want):
@@ -100,7 +112,7 @@ def check_merge_partials(fn: Callable[..., tuple[np.ndarray, np.ndarray, np.ndar
             break
     if problem is None:  # the merged partial, finished, is softmax attention over both blocks
         _, first, second = _merge_cases()[0]
-        merged, _, total = fn(*first, *second)
+        merged, _, total = fn(*(a.copy() for a in (*first, *second)))
         if not np.allclose(merged / total[..., None], reference_attention(*_merge_inputs())[0], rtol=0, atol=TOLERANCE):
             problem = "the merged result, divided by l, is not the causal attention over both blocks"
     if problem:
@@ -177,6 +189,40 @@ def check_ring_attention(fn: Callable[..., tuple[np.ndarray, np.ndarray]]) -> No
     passed(comm, "ring attention: every rank's rows equal one process's, in P-1 steps of K and V round the ring")
 
 
+ZIGZAG_HINT = (
+    "(pad x with zero rows to a multiple of 2*size, cut it into 2*size chunks of equal length; rank r holds "
+    "chunk r, then chunk 2*size-1-r; unsplit puts them back and drops the padding)"
+)
+
+
+def _zigzag_problem(
+    split: Callable[[np.ndarray, int, int], np.ndarray],
+    unsplit: Callable[[list[np.ndarray], int], np.ndarray],
+    size: int,
+    shape: tuple[int, ...],
+) -> str | None:
+    """What is wrong with split and unsplit for one sequence on `size` ranks, on one process."""
+    length = shape[-2]
+    context = f"{length} positions of shape {shape} on {size} ranks"
+    x = np.random.default_rng([*shape, size]).standard_normal(shape)
+    positions = all_positions(length, size)
+    parts = []
+    for rank in range(size):
+        got, problem = _call(split, x.copy(), size, rank, what=f"split(x, {size}, {rank})")
+        problem = problem or _close_problem(got, take_rows(x, positions[rank]), f"rank {rank}'s split")
+        if problem is None and np.shares_memory(got, x):
+            problem = f"rank {rank}'s split shares memory with x: return a new array"
+        if problem:
+            return f"{context}: {problem}"
+        parts.append(got)
+    given = [p.copy() for p in parts]
+    back, problem = _call(unsplit, given, length, what="unsplit")
+    problem = problem or _close_problem(back, x, "unsplit")
+    if problem is None and any(np.shares_memory(back, p) for p in given):
+        problem = "unsplit shares memory with a part: return a new array"
+    return problem and f"{context}: {problem}"
+
+
 def check_zigzag(
     split: Callable[[np.ndarray, int, int], np.ndarray], unsplit: Callable[[list[np.ndarray], int], np.ndarray]
 ) -> None:
@@ -185,40 +231,26 @@ def check_zigzag(
     problem = None
     for size in (1, 2, 3, 4):
         for shape in ((8 * size, 2), (8 * size + 3, 2), (1, 3), (2, 2 * size - 1, 2)):
-            length = shape[-2]
-            context = f"{length} positions of shape {shape} on {size} ranks"
-            x = np.random.default_rng([*shape, size]).standard_normal(shape)
-            positions = all_positions(length, size)
-            parts = []
-            for rank in range(size):
-                got = split(x.copy(), size, rank)
-                problem = _close_problem(got, take_rows(x, positions[rank]), f"{context}: rank {rank}'s split")
-                if problem is None and np.shares_memory(got, x):
-                    problem = f"{context}: rank {rank}'s split shares memory with x: return a new array"
-                if problem:
-                    break
-                parts.append(got)
-            if problem is None:
-                given = [p.copy() for p in parts]
-                back = unsplit(given, length)
-                problem = _close_problem(back, x, f"{context}: unsplit")
-                if problem is None and any(np.shares_memory(back, p) for p in given):
-                    problem = f"{context}: unsplit shares memory with a part: return a new array"
+            problem = _zigzag_problem(split, unsplit, size, shape)
             if problem:
-                raise CheckFailed(
-                    f"zig-zag: {problem}\n(pad x with zero rows to a multiple of 2*size, cut it into 2*size chunks "
-                    "of equal length; rank r holds chunk r, then chunk 2*size-1-r; unsplit puts them back and drops "
-                    "the padding)"
-                )
+                raise CheckFailed(f"zig-zag: {problem}\n{ZIGZAG_HINT}")
 
     def body(sub: MPI.Comm) -> str | None:  # the split and unsplit around ring attention on P ranks
         rank, size = sub.Get_rank(), sub.Get_size()
         length = 6 * size + 1
         q, k, v = (np.random.default_rng([length, i]).standard_normal((2, length, 3)) for i in range(3))
         positions = all_positions(length, size)
-        out, _ = ring_attention(sub, split(q, size, rank), split(k, size, rank), split(v, size, rank), positions)
-        back = unsplit(sub.allgather(out), length)
-        return _close_problem(back, reference_attention(q, k, v)[0], "attention of the unsplit outputs")
+        mine, problem = [], None
+        for a in (q, k, v):
+            got, problem = _call(split, a.copy(), size, rank, what=f"split(x, {size}, {rank})")
+            problem = problem or _close_problem(got, take_rows(a, positions[rank]), f"rank {rank}'s split")
+            if problem:
+                break
+            mine.append(got)
+        fail_together(sub, problem, f"zig-zag split of {length} positions")  # before the ring, which needs all ranks
+        out, _ = ring_attention(sub, mine[0], mine[1], mine[2], positions)
+        back, problem = _call(unsplit, sub.allgather(out), length, what="unsplit")
+        return problem or _close_problem(back, reference_attention(q, k, v)[0], "unsplit of the ranks' outputs")
 
     each_size(comm, body, "zig-zag split around ring attention")
     passed(comm, "zig-zag: each rank holds chunks r and 2P-1-r, padded; unsplit restores the sequence")
