@@ -3,8 +3,7 @@
 A sequence of `length` tokens is padded to a multiple of 2P and cut into 2P chunks of c rows.
 The contiguous split gives rank r chunks 2r and 2r+1; the zig-zag split gives it chunk r and
 chunk 2P-1-r, one early and one late, so that under the causal mask every rank has the same
-work (Liu et al., "Ring Attention with Blockwise Transformers", 2023, balance the causal case
-this way). Padding rows sit past the end: their positions are >= length, so no real query
+work (the split of Llama 3's context parallelism: Dubey et al., "The Llama 3 Herd of Models", 2024). Padding rows sit past the end: their positions are >= length, so no real query
 sees them (the causal mask hides them for free) and their outputs are dropped.
 """
 
