@@ -28,7 +28,7 @@ from ddlab.runtime.comm import first_ranks
 from ddlab.runtime.counting import CountingComm, gather_traffic
 from ddlab.runtime.waiting import Stalled
 
-CASES = [((11, 4), True), ((16, 3), True), ((2, 3, 13, 4), True), ((13, 4), False), ((2, 16, 2), False)]
+CASES = [((11, 4), True), ((2, 3, 16, 4), True), ((13, 4), False), ((2, 16, 2), False)]
 
 
 def _inputs(shape: tuple[int, ...]) -> list[np.ndarray]:
