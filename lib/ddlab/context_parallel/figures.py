@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.colors import to_hex
 
 from ..plots.helpers import arrow, box, rank_colour
 from .layout import all_positions, causal_work
@@ -18,8 +19,8 @@ def ring_steps(size: int = 4) -> plt.Figure:
         for rank in range(size):
             owner = (rank - step) % size
             x = 1.9 * rank
-            box(ax, x, y + 0.1, 0.7, 0.5, f"Q{rank}", rank_colour(rank))
-            box(ax, x + 0.8, y + 0.1, 0.7, 0.5, f"KV{owner}", rank_colour(owner))
+            box(ax, x, y + 0.1, 0.7, 0.5, f"Q{rank}", to_hex(rank_colour(rank)))
+            box(ax, x + 0.8, y + 0.1, 0.7, 0.5, f"KV{owner}", to_hex(rank_colour(owner)))
             if step < size - 1 and rank < size - 1:
                 arrow(ax, (x + 1.15, y + 0.08), (x + 1.9 + 1.15, y - 0.35), color="grey")
             elif step < size - 1:  # the last rank's block wraps round to rank 0
