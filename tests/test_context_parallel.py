@@ -230,3 +230,18 @@ def test_zigzag_check_accepts(split, unsplit, capsys):
 def test_zigzag_check_fails(split, unsplit, message):
     with pytest.raises(CheckFailed, match=message):
         check_zigzag(split, unsplit)
+
+
+def test_figures_draw_the_ring_and_the_layouts():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from ddlab.context_parallel.figures import layouts, ring_steps
+
+    ring = ring_steps(3)
+    assert sum(t.get_text().startswith("KV") for t in ring.axes[0].texts) == 9  # 3 ranks x 3 steps
+    both = layouts(12, 3)
+    assert [ax.get_title().split(":")[0] for ax in both.axes] == ["contiguous", "zig-zag"]
+    assert "max/mean 1.00" in both.axes[1].get_title()
+    plt.close("all")
