@@ -24,7 +24,7 @@ import torch
 from mpi4py import MPI
 
 from ..runtime.comm import Comm
-from ..runtime.counting import CountingComm
+from ..runtime.counting import CountingComm, underlying
 from ..runtime.waiting import Stalled, Watch
 from .blockwise import Partial, attend_block, attend_block_backward, empty_partial, finish, merge_partials
 
@@ -39,8 +39,9 @@ class Ring:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.next, self.previous = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        self._own = not isinstance(comm, CountingComm)  # a CountingComm's requests already have its deadline
-        self.watch = Watch(comm, timeout) if isinstance(comm, MPI.Comm) else comm.watch  # type: ignore[attr-defined]
+        # a check's CountingComm has its own watch (and deadline); a real communicator gets one here
+        self._own = not isinstance(comm, CountingComm)
+        self.watch = comm.watch if isinstance(comm, CountingComm) else Watch(underlying(comm), timeout)
 
     def shift(self, send: np.ndarray, tag: int) -> tuple[np.ndarray, list[MPI.Request]]:
         """Start sending `send` to the next rank and receiving its like from the previous: (buffer, requests)."""
