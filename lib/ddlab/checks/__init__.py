@@ -71,6 +71,9 @@ _WHERE = {
     "check_memory_per_rank": "oracle_transformer",
     "check_step_time": "oracle_transformer",
     "check_layout_search": "oracle_transformer",
+    "check_merge_partials": "context_parallel",
+    "check_ring_attention": "context_parallel",
+    "check_zigzag": "context_parallel",
 }
 
 __all__ = list(_WHERE)
