@@ -68,6 +68,8 @@ _WHERE = {
     "check_reshard": "sharded",
     "check_zero2_step": "sharded",
     "check_zero3_unit": "sharded",
+    "check_dispatch": "experts",
+    "check_combine": "experts",
 }
 
 __all__ = list(_WHERE)

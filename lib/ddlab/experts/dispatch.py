@@ -83,7 +83,11 @@ def dispatch_plan(comm: MPI.Comm, expert: np.ndarray, n_experts: int) -> Dispatc
     size = comm.Get_size()
     local = experts_per_rank(n_experts, size)
     expert = np.asarray(expert)
-    if expert.ndim != 1 or expert.dtype.kind not in "iu" or (expert.size and not 0 <= expert.min() <= expert.max() < n_experts):
+    if (
+        expert.ndim != 1
+        or expert.dtype.kind not in "iu"
+        or (expert.size and not 0 <= expert.min() <= expert.max() < n_experts)
+    ):
         raise ValueError(f"expert must be a 1-D integer array of expert ids in 0..{n_experts - 1}")
     counts = np.bincount(expert, minlength=n_experts).astype(np.int64).reshape(size, local)
     received = np.empty_like(counts)
