@@ -82,10 +82,10 @@ def _calls_problem(traffic: Traffic, calls: list[str], want_bytes: dict[str, lis
     start = 0
     for name in calls:
         want = want_bytes[name]
-        got = sends[start : start + len(want)]
-        if got != want:
-            d = next(d for d, (a, b) in enumerate(zip(got, want)) if a != b)
-            return f"its {name} sends rank {d} {got[d]} bytes, expected {want[d]} (counts and displacements are in elements)"
+        sent = sends[start : start + len(want)]
+        if sent != want:
+            d = next(d for d, (a, b) in enumerate(zip(sent, want)) if a != b)
+            return f"its {name} sends rank {d} {sent[d]} bytes, expected {want[d]} (counts and displacements are in elements)"
         start += len(want)
     return None
 

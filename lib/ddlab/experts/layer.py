@@ -11,8 +11,8 @@ layer and the dense fallback hold the same weights, and since capacities come fr
 rank's own tokens they drop the same assignments: a rank's output equals the fallback's
 on the same tokens.
 
-After each forward, `aux_loss` (Switch Transformer's balancing loss), `dropped` and
-`load` describe the last routing.
+After each forward, `routing` holds the last routing (`router.Routing`), and `aux_loss`
+(Switch Transformer's balancing loss), `dropped` and `load` come from it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from ..models.gpt import GPT
 from .dispatch import ExchangeRows, dispatch_plan, experts_per_rank
-from .router import route
+from .router import Routing, route
 
 
 class Expert(nn.Module):
@@ -45,7 +45,10 @@ def _seeded(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * std if "weight" in name else 0)
+            if "weight" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            else:
+                param.zero_()
     return module
 
 
@@ -73,14 +76,34 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             _seeded(Expert(n_embd, hidden), seed * 1_000_003 + self.first + j + 1).to(dtype) for j in range(local)
         )
-        self.aux_loss = torch.zeros(())
-        self.dropped, self.load = 0, torch.zeros(n_experts, dtype=torch.int64)
+        self._routing: Routing | None = None
+
+    @property
+    def routing(self) -> Routing:
+        """The routing of the last forward."""
+        if self._routing is None:
+            raise RuntimeError("this MoE layer has not run a forward yet: its routing is not known")
+        return self._routing
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """The last forward's balancing loss (Switch Transformer's, without alpha)."""
+        return self.routing.aux_loss
+
+    @property
+    def dropped(self) -> int:
+        """Assignments the last forward dropped at capacity."""
+        return self.routing.dropped
+
+    @property
+    def load(self) -> torch.Tensor:
+        """Assignments each expert was given in the last forward, before dropping."""
+        return self.routing.load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., n_embd) -> the same shape: each token's experts' outputs, weighted by its gates."""
         tokens = x.reshape(-1, x.shape[-1])
-        routing = route(self.gate(tokens), self.k, self.capacity_factor)
-        self.aux_loss, self.dropped, self.load = routing.aux_loss, routing.dropped, routing.load
+        routing = self._routing = route(self.gate(tokens), self.k, self.capacity_factor)
         rows = tokens[routing.token]
         if self.comm is None:
             out = self._apply_experts(rows, routing.expert)
