@@ -55,10 +55,14 @@ def expert_load(loads: dict[str, np.ndarray], capacity: float | None = None, tit
     for j, (label, load) in enumerate(loads.items()):
         load = np.asarray(load, dtype=float)
         ax.bar(
-            np.arange(len(load)) + j * width, load, width, label=f"{label} (max/mean {load.max() / load.mean():.2f})"
+            np.arange(len(load)) + (j - (len(loads) - 1) / 2) * width,
+            load,
+            width,
+            label=f"{label} (max/mean {load.max() / load.mean():.2f})",
         )
     if capacity is not None:
         ax.axhline(capacity, color="tab:red", ls="--", lw=1, label=f"capacity {capacity:g}")
+    ax.set_xticks(range(max((len(load) for load in loads.values()), default=0)))
     ax.set_xlabel("expert")
     ax.set_ylabel("assignments")
     ax.legend(fontsize=8)
