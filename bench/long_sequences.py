@@ -12,8 +12,11 @@ of 16 (float64), ratios measured side by side in one run:
    about 1.75 in pairs the mask keeps ((2P-1)/P), 2P/(P+1) in whole blocks.
 3. Ring attention forward time with the messages overlapped with compute over waiting for each
    block before computing (median of --rounds, the two alternating).
+4. The mixture of experts (bench/experts.py, run in the same job): all-to-all bytes against the
+   formula, tokens dropped per capacity factor, expert load with and without the balancing loss
+   after --steps training steps, and the MoE layer's step time over the dense MLP's.
 
-    .venv/bin/python bench/long_sequences.py [--ranks 4] [--length 1024] [--heads 2] [--rounds 5] [--sections memory balance overlap]
+    .venv/bin/python bench/long_sequences.py [--ranks 4] [--length 1024] [--heads 2] [--rounds 5] [--steps 300] [--sections memory balance overlap experts]
 
 More sections plug in through SECTIONS (name -> function(comm, args, say)). It relaunches
 itself under mpiexec (ddlab.runtime.mpi.bench_main).
@@ -119,11 +122,20 @@ def overlap(comm: Any, args: argparse.Namespace, say: Say) -> None:
     say(f"  overlapped {with_ * 1e3:.1f} ms, waiting first {without * 1e3:.1f} ms: ratio {with_ / without:.3f}")
 
 
+def mixture_of_experts(comm: Any, args: argparse.Namespace, say: Say) -> None:
+    """Part 2: bench/experts.py's all-to-all bytes, dropped tokens, balance and step time."""
+    from experts import run  # bench/experts.py: this script's folder is on sys.path
+
+    say("")
+    run(comm, args.steps, args.rounds)
+
+
 #: The measurements, by name, in the order they run.
 SECTIONS: dict[str, Callable[[Any, argparse.Namespace, Say], None]] = {
     "memory": attention_memory,
     "balance": causal_balance,
     "overlap": overlap,
+    "experts": mixture_of_experts,
 }
 
 
@@ -152,6 +164,7 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=1024, help="sequence length S")
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300, help="training steps of each balance run (experts)")
     return bench_main(parser, child, TIMEOUT)
 
 

@@ -74,6 +74,8 @@ _WHERE = {
     "check_merge_partials": "context_parallel",
     "check_ring_attention": "context_parallel",
     "check_zigzag": "context_parallel",
+    "check_dispatch": "experts",
+    "check_combine": "experts",
 }
 
 __all__ = list(_WHERE)

@@ -15,7 +15,7 @@ A check may allow named collectives (`allow=("Alltoallv",)`) for exercises that 
 about calling one: the call is forwarded, its buffer arguments validated first (so a
 count or displacement past the end of a buffer is an error, not a crash), and its
 bytes logged as one send per destination and one receive per source, tag
-COLLECTIVE_TAG. Alltoallv, Allgather and Allgatherv are supported (the gathers log
+COLLECTIVE_TAG. Alltoallv, Alltoall (lab 15's counts), Allgather and Allgatherv are supported (the gathers log
 their sends only: this rank's buffer once to every other rank), Allreduce (lab 08's
 filter and channel parallel convolutions: named in `Traffic.calls`, bytes not logged), and
 Bcast, which allows the object form `bcast` too (lab 04's parameter broadcast; named in
@@ -105,7 +105,7 @@ def is_collective(name: str) -> bool:
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
 COLLECTIVE_TAG = -1
-ALLOWABLE = ("Alltoallv", "Allreduce", "Iallreduce", "Allgather", "Allgatherv", "Bcast")
+ALLOWABLE = ("Alltoall", "Alltoallv", "Allreduce", "Iallreduce", "Allgather", "Allgatherv", "Bcast")
 
 
 class ForbiddenCollective(RuntimeError):
@@ -383,6 +383,20 @@ class CountingComm:
         for peer in range(size):
             self._log("recv", peer, COLLECTIVE_TAG, int(recvs[self.rank, peer]))
         self.traffic.calls.append("Alltoallv")
+
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        """MPI's Alltoall, if allowed (lab 15's exchange of counts): equal blocks, one per rank, bytes logged."""
+        if "Alltoall" not in self.allow:
+            return self.__getattr__("Alltoall")
+        send, recv = _nbytes(sendbuf), _nbytes(recvbuf)
+        if send % self.size or recv % self.size:
+            raise ValueError(f"Alltoall: the buffers ({send} and {recv} bytes) must hold {self.size} equal blocks")
+        for peer in range(self.size):
+            self._log("send", peer, COLLECTIVE_TAG, send // self.size)
+        self._wait([self.comm.Ialltoall(sendbuf, recvbuf)], [MPI.Status()], "Alltoall to complete", cancel=False)
+        for peer in range(self.size):
+            self._log("recv", peer, COLLECTIVE_TAG, recv // self.size)
+        self.traffic.calls.append("Alltoall")
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
         """MPI's Allreduce, if allowed, as its non-blocking twin under the timeout; named in the calls."""

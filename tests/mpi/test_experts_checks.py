@@ -1,0 +1,146 @@
+"""Lab 15's dispatch and combine checks fail the plausible wrong answers on every rank, without hanging,
+and accept valid answers written differently. Every rank runs the same tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ddlab.checks import CheckFailed, check_combine, check_dispatch
+from ddlab.experts import combine, dispatch
+
+
+def _displacements(counts):
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+def _send_rows(comm, rows, send_rows, recv_rows, dtype=None):
+    """One Alltoallv of whole rows, receiving into a buffer of `dtype` (default the rows')."""
+    width = int(np.prod(rows.shape[1:], dtype=np.int64))
+    incoming = np.empty((int(sum(recv_rows)), *rows.shape[1:]), dtype=dtype or rows.dtype)
+    out, into = np.asarray(send_rows, np.int64) * width, np.asarray(recv_rows, np.int64) * width
+    comm.Alltoallv([np.ascontiguousarray(rows), (out, _displacements(out))], [incoming, (into, _displacements(into))])
+    return incoming
+
+
+def dispatch_by_buckets(comm, x, expert, n_experts):
+    """Valid: a bucket per expert instead of a sort; counts sent as a flat array built in a loop."""
+    size = comm.Get_size()
+    local = n_experts // size
+    buckets = [np.flatnonzero(expert == e) for e in range(n_experts)]
+    counts = np.array([len(b) for b in buckets], dtype=np.int64)
+    received = np.zeros(n_experts, dtype=np.int64)
+    comm.Alltoall(counts, received)
+    received = received.reshape(size, local)
+    rows = _send_rows(comm, x[np.concatenate(buckets)], counts.reshape(size, local).sum(1), received.sum(1))
+    return rows, received
+
+
+def dispatch_counts_after_rows(comm, x, expert, n_experts):
+    """Sends the rows first, guessing it receives as many as it sends, and only then exchanges the counts."""
+    size = comm.Get_size()
+    counts = np.bincount(expert, minlength=n_experts).astype(np.int64).reshape(size, -1)
+    order = np.argsort(expert, kind="stable")
+    guess = [int(counts.sum()) // size] * size
+    rows = _send_rows(comm, x[order], counts.sum(1), guess)
+    received = np.empty_like(counts)
+    comm.Alltoall(counts, received)
+    return rows, received
+
+
+def dispatch_into_float64(comm, x, expert, n_experts):
+    """Receives into a float64 buffer whatever the rows' dtype."""
+    size = comm.Get_size()
+    counts = np.bincount(expert, minlength=n_experts).astype(np.int64).reshape(size, -1)
+    received = np.empty_like(counts)
+    comm.Alltoall(counts, received)
+    order = np.argsort(expert, kind="stable")
+    return _send_rows(comm, x[order], counts.sum(1), received.sum(1), np.float64), received
+
+
+def dispatch_unstable(comm, x, expert, n_experts):
+    """Sorts by expert with an unstable sort: rows of one expert leave out of the sender's order."""
+    size = comm.Get_size()
+    counts = np.bincount(expert, minlength=n_experts).astype(np.int64).reshape(size, -1)
+    received = np.empty_like(counts)
+    comm.Alltoall(counts, received)
+    order = np.lexsort((-np.arange(len(expert)), expert))  # ties reversed
+    return _send_rows(comm, x[order], counts.sum(1), received.sum(1)), received
+
+
+def dispatch_skipping_when_empty(comm, x, expert, n_experts):
+    """Returns at once when this rank has no rows: the others wait for it in the Alltoall."""
+    if len(x) == 0:
+        return x.copy(), np.zeros((comm.Get_size(), n_experts // comm.Get_size()), dtype=np.int64)
+    return dispatch(comm, x, expert, n_experts)
+
+
+def combine_in_arrival_order(comm, y, counts, expert, n_experts):
+    """Sends the results back but keeps them in the order they arrived (sorted by expert)."""
+    size = comm.Get_size()
+    sent = np.bincount(expert, minlength=n_experts).reshape(size, -1).sum(1)
+    return _send_rows(comm, y, counts.sum(1), sent)
+
+
+def combine_by_inverse_index(comm, y, counts, expert, n_experts):
+    """Valid: buckets again, and the inverse permutation applied as a gather by its inverse index."""
+    size = comm.Get_size()
+    order = np.concatenate([np.flatnonzero(expert == e) for e in range(n_experts)]).astype(np.int64)
+    back = _send_rows(comm, y, counts.sum(1), np.bincount(expert, minlength=n_experts).reshape(size, -1).sum(1))
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return back[inverse]
+
+
+def combine_into_float64(comm, y, counts, expert, n_experts):
+    """Receives the results back into a float64 buffer whatever their dtype."""
+    size = comm.Get_size()
+    order = np.argsort(expert, kind="stable")
+    sent = np.bincount(expert, minlength=n_experts).reshape(size, -1).sum(1)
+    back = _send_rows(comm, y, counts.sum(1), sent, np.float64)
+    out = np.empty_like(back)
+    out[order] = back
+    return out
+
+
+def combine_in_place(comm, y, counts, expert, n_experts):
+    """Writes the results into y and returns it: y is the caller's."""
+    out = combine(comm, y, counts, expert, n_experts)
+    y[: len(out)] = out[: len(y)]
+    return out
+
+
+@pytest.mark.parametrize("answer", [dispatch, dispatch_by_buckets])
+def test_dispatch_check_accepts_valid_answers(comm, answer):
+    check_dispatch(answer)
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [
+        (dispatch_counts_after_rows, "counts first|Alltoallv"),
+        (dispatch_into_float64, "dtype|bytes"),
+        (dispatch_unstable, "rows received is wrong"),
+    ],
+)
+def test_dispatch_check_fails_wrong_answers(comm, answer, says):
+    with pytest.raises(CheckFailed, match=says):
+        check_dispatch(answer)
+
+
+def test_dispatch_check_fails_a_rank_that_skips_the_exchange_within_its_timeout(comm):
+    with pytest.raises(CheckFailed, match="Alltoall"):
+        check_dispatch(dispatch_skipping_when_empty, timeout=2)
+
+
+@pytest.mark.parametrize("answer", [combine, combine_by_inverse_index])
+def test_combine_check_accepts_valid_answers(comm, answer):
+    check_combine(answer)
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [(combine_in_arrival_order, "row i"), (combine_in_place, "changed y|view"), (combine_into_float64, "dtype|bytes")],
+)
+def test_combine_check_fails_wrong_answers(comm, answer, says):
+    with pytest.raises(CheckFailed, match=says):
+        check_combine(answer)
