@@ -360,6 +360,7 @@ class Sharded(nn.Module):
                 self._start_gather(ahead)
 
     def _after_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        self._progress()
         if self.stage != 3:
             return
         if torch.is_grad_enabled():
