@@ -9,12 +9,15 @@ One MPI job (4 ranks by default), an MLP of Linear layers 600-w-...-w-2 (w = --w
    runs in mixed precision (bfloat16 compute, float32 masters and reduction), whose
    replicated total is 2 + 2 + 12 = 16 as well. The paper's ratios (Rajbhandari et al.,
    SC 2020, table 1 / figure 1, K = 12): (4 + 12/P)/16, (2 + 14/P)/16, (16/P)/16.
-2. Bytes sent per step by all ranks (ddlab.runtime.counting.CountingComm, lab 03's ring halves
-   and ring allreduce, float32), over DataParallel's with the ring: 1.0, 1.0, 1.5.
+2. Bytes sent per step by all ranks (ddlab.runtime.counting.CountingComm, float32), ZeRO with lab
+   03's ring halves and with MPI's Reduce_scatter/Allgatherv (counted as each rank's chunks sent
+   to their owners), over DataParallel's with the ring allreduce: 1.0, 1.0, 1.5.
 3. Time per step (float32, MPI's collectives) over DataParallel's: ZeRO-1, ZeRO-2,
    ZeRO-3 without and with prefetch, torch's ZeroRedundancyOptimizer (on DDP) and
    FSDP2's fully_shard per Linear, both on gloo. Variants take turns each round, order
-   rotated; median over rounds (and fastest round).
+   rotated; a round's time is the slowest rank's; median over rounds (and fastest round),
+   and the median of the ratios within each round. ZeRO-3's waits for its collectives
+   (ddlab.runtime.trace spans) say what prefetch hides.
 4. The largest model (hidden layers of width w) each stage trains one step of under a
    fixed per-rank ledger budget (--budget MiB), over DDP's.
 
@@ -44,6 +47,7 @@ def child(args: argparse.Namespace) -> None:
     from ddlab.models.mlp import count_parameters, make_mlp
     from ddlab.runtime.counting import CountingComm
     from ddlab.runtime.memory import Ledger, OutOfMemory
+    from ddlab.runtime.trace import Tracer
     from mpi4py import MPI
     from torch import nn
 
@@ -133,11 +137,12 @@ def child(args: argparse.Namespace) -> None:
 
     # 2. Bytes sent per step --------------------------------------------------------------------------
     if 2 in args.sections:
-        sent = {}
-        for stage in range(4):
-            counting = CountingComm(comm, timeout=300, allow=("Bcast",))
+        sent: dict[tuple[int, str], int] = {}
+        runs = [(0, "ring")] + [(stage, kind) for kind in ("ring", "mpi") for stage in (1, 2, 3)]
+        for stage, kind in runs:
+            counting = CountingComm(comm, timeout=300, allow=("Bcast", "Allgatherv", "Reduce_scatter"))
             model, optimizer = build(
-                stage, counting, **({"allreduce": "ring"} if stage == 0 else {"collectives": "ring"})
+                stage, counting, **({"allreduce": "ring"} if stage == 0 else {"collectives": kind})
             )
             step(model, optimizer)
             if isinstance(model, sharded.Sharded):
@@ -146,11 +151,22 @@ def child(args: argparse.Namespace) -> None:
             step(model, optimizer)
             if isinstance(model, sharded.Sharded):
                 model.synchronize()
-            sent[stage] = comm.allreduce(counting.traffic.bytes_sent - before)
+            sent[stage, kind] = comm.allreduce(counting.traffic.bytes_sent - before)
             close(model)
             counting.free()
-        say("\n2. bytes sent per step, all ranks (counted; ring halves, float32), over DDP's (paper: 1, 1, 1.5)")
-        say("  " + ", ".join(f"{names[s]} {sent[s] / 2**20:.1f} MiB = {sent[s] / sent[0]:.3f}" for s in range(4)))
+        say(
+            "\n2. bytes sent per step, all ranks (counted, float32), over DDP's with the ring (paper: 1, 1, 1.5); "
+            "ZeRO with lab 03's ring halves, then with MPI's Reduce_scatter and Allgatherv"
+        )
+        for kind in ("ring", "mpi"):
+            say(
+                f"  {kind}: "
+                + ", ".join(
+                    f"{names[s]} {sent[s, kind] / 2**20:.1f} MiB = {sent[s, kind] / sent[0, 'ring']:.3f}"
+                    for s in (1, 2, 3)
+                )
+                + f" (DDP {sent[0, 'ring'] / 2**20:.1f} MiB)"
+            )
 
     # 3. Step time --------------------------------------------------------------------------------------
     if 3 in args.sections:
@@ -159,13 +175,14 @@ def child(args: argparse.Namespace) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         dp.init_gloo(comm)
+        tracers = {name: Tracer(rank) for name in ("ZeRO-3", "ZeRO-3 prefetch 1", "ZeRO-3 prefetch 2")}
         models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {
             "DDP": build(0, comm),
             "ZeRO-1": build(1, comm),
             "ZeRO-2": build(2, comm),
-            "ZeRO-3": build(3, comm),
-            "ZeRO-3 prefetch 1": build(3, comm, prefetch=1),
-            "ZeRO-3 prefetch 2": build(3, comm, prefetch=2),
+            "ZeRO-3": build(3, comm, tracer=tracers["ZeRO-3"]),
+            "ZeRO-3 prefetch 1": build(3, comm, prefetch=1, tracer=tracers["ZeRO-3 prefetch 1"]),
+            "ZeRO-3 prefetch 2": build(3, comm, prefetch=2, tracer=tracers["ZeRO-3 prefetch 2"]),
         }
         problems = {}
         try:
@@ -187,33 +204,59 @@ def child(args: argparse.Namespace) -> None:
         except (RuntimeError, ValueError) as err:
             problems["torch FSDP2"] = str(err)
         seconds: dict[str, list[float]] = {name: [] for name in models}
+        cpu_seconds: dict[str, list[float]] = {name: [] for name in models}  # CPU time of a rank, mean over ranks
         order = list(models)
         for round_ in range(args.rounds + 1):
             for name in order[round_ % len(order) :] + order[: round_ % len(order)]:
                 model, optimizer = models[name]
                 comm.Barrier()
-                began = time.perf_counter()
+                if name in tracers:
+                    tracers[name].enabled = round_ > 0
+                began, cpu = time.perf_counter(), time.process_time()
                 for _ in range(args.steps):
                     step(model, optimizer)
                 if isinstance(model, sharded.Sharded):
                     model.synchronize()
+                cpu = time.process_time() - cpu
                 comm.Barrier()
                 if round_ > 0:  # round 0 warms up
-                    seconds[name].append((time.perf_counter() - began) / args.steps)
+                    seconds[name].append(comm.allreduce(time.perf_counter() - began, op=MPI.MAX) / args.steps)
+                    cpu_seconds[name].append(comm.allreduce(cpu) / size / args.steps)
+
+        def paired(name: str, over: str = "DDP") -> float:
+            """Median over rounds of name's time over `over`'s in the same round (load drifts between rounds)."""
+            return statistics.median(a / b for a, b in zip(seconds[name], seconds[over]))
+
         median = {k: statistics.median(v) for k, v in seconds.items()}
         best = {k: min(v) for k, v in seconds.items()}
         say(
             f"\n3. time per step (float32, MPI collectives), median of {args.rounds} rounds of {args.steps} steps "
-            "(fastest round), over DDP's"
+            "(fastest round), over DDP's: ratio of medians, median of same-round ratios"
         )
         for name in models:
             say(
                 f"  {name:>30}: {1e3 * median[name]:7.1f} ms ({1e3 * best[name]:.1f}) = {median[name] / median['DDP']:.2f} "
-                f"({best[name] / best['DDP']:.2f})"
+                f"({best[name] / best['DDP']:.2f}), same-round {paired(name):.2f}"
             )
         for name, problem in problems.items():
             say(f"  {name:>30}: does not run here: {problem}")
-        say(f"  ZeRO-3 prefetch 1 over without: {median['ZeRO-3 prefetch 1'] / median['ZeRO-3']:.2f}")
+        for name in ("ZeRO-3 prefetch 1", "ZeRO-3 prefetch 2"):
+            say(
+                f"  {name} over without: {median[name] / median['ZeRO-3']:.2f}, same-round {paired(name, 'ZeRO-3'):.2f}"
+            )
+        steps = args.rounds * args.steps
+        say(
+            "  per step, mean over ranks, ms: waits for allgathers, for reduce-scatters (trace spans); "
+            "CPU time of a rank (median over rounds)"
+        )
+        for name in models:
+            waits = tracers[name].totals() if name in tracers else {}
+            mean = [
+                comm.allreduce(waits.get(what, 0.0)) / size / steps
+                for what in ("allgather wait", "reduce-scatter wait")
+            ]
+            shown = f"{1e3 * mean[0]:6.1f}, {1e3 * mean[1]:6.1f}" if name in tracers else "     -,      -"
+            say(f"  {name:>30}: {shown}; CPU {1e3 * statistics.median(cpu_seconds[name]):6.1f}")
         for model, _ in models.values():
             close(model)
         dp.close_gloo()

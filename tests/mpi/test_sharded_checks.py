@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from ddlab.allreduce import allgather_ring, reduce_scatter_ring
-from ddlab.checks import CheckFailed, check_allgather, check_reduce_scatter, check_reshard, check_zero2_step
+from ddlab.checks import (
+    CheckFailed,
+    check_allgather,
+    check_reduce_scatter,
+    check_reshard,
+    check_zero2_step,
+    check_zero3_unit,
+)
+from mpi4py import MPI
 
 TAG = 13
 
@@ -254,3 +262,37 @@ def test_zero2_step_check_accepts(fn) -> None:
 def test_zero2_step_check_fails(fn, message) -> None:
     with pytest.raises(CheckFailed, match=message):
         check_zero2_step(fn)
+
+
+def zero3_hooks_in_a_closure(unit, gather, free, reduce):
+    """A valid answer written tersely: the ids of the gradients still to come, in a set."""
+    params = list(unit.parameters())
+    waiting: set[int] = set()
+
+    def output_grad(grad):
+        gather()
+        waiting.update(id(p) for p in params)
+
+    def forward(module, args, output):
+        free()
+        output.register_hook(output_grad)
+
+    def gradient(param):
+        waiting.discard(id(param))
+        if not waiting:
+            reduce()
+            free()
+
+    unit.register_forward_pre_hook(lambda module, args: gather())
+    unit.register_forward_hook(forward)
+    for p in params:
+        p.register_post_accumulate_grad_hook(gradient)
+
+
+def test_the_one_process_checks_say_passed_once_from_rank_0(capsys) -> None:
+    check_reshard(reshard_by_overlaps)
+    check_zero3_unit(zero3_hooks_in_a_closure)
+    printed = capsys.readouterr().out
+    lines = printed.count("passed: ")
+    want = 2 if MPI.COMM_WORLD.Get_rank() == 0 else 0
+    assert MPI.COMM_WORLD.allreduce(int(lines == want), op=MPI.MIN) == 1, printed

@@ -16,7 +16,8 @@ about calling one: the call is forwarded, its buffer arguments validated first (
 count or displacement past the end of a buffer is an error, not a crash), and its
 bytes logged as one send per destination and one receive per source, tag
 COLLECTIVE_TAG. Alltoallv, Alltoall (lab 15's counts), Allgather and Allgatherv are supported (the gathers log
-their sends only: this rank's buffer once to every other rank), Allreduce (lab 08's
+their sends only: this rank's buffer once to every other rank), Reduce_scatter (lab 13's
+MPI choice: logs its sends only, each other rank's chunk of this rank's buffer to it), Allreduce (lab 08's
 filter and channel parallel convolutions: named in `Traffic.calls`, bytes not logged), and
 Bcast, which allows the object form `bcast` too (lab 04's parameter broadcast; named in
 `Traffic.calls`). Each runs as its non-blocking twin under the timeout. Iallreduce (lab 04's
@@ -105,7 +106,7 @@ def is_collective(name: str) -> bool:
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
 COLLECTIVE_TAG = -1
-ALLOWABLE = ("Alltoall", "Alltoallv", "Allreduce", "Iallreduce", "Allgather", "Allgatherv", "Bcast")
+ALLOWABLE = ("Alltoall", "Alltoallv", "Allreduce", "Iallreduce", "Allgather", "Allgatherv", "Reduce_scatter", "Bcast")
 
 
 class ForbiddenCollective(RuntimeError):
@@ -461,6 +462,22 @@ class CountingComm:
         start = self.comm.Iallgather if name == "Allgather" else self.comm.Iallgatherv
         self._wait([start(sendbuf, recvbuf)], [MPI.Status()], f"{name} to complete", cancel=False)
         self.traffic.calls.append(name)
+
+    def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, recvcounts: list[int], op: MPI.Op = MPI.SUM) -> None:
+        """MPI's Reduce_scatter, if allowed; logs each other rank's chunk of sendbuf as sent to it."""
+        if "Reduce_scatter" not in self.allow:
+            self.__getattr__("Reduce_scatter")  # raises ForbiddenCollective
+        itemsize = _nbytes(sendbuf) // max(1, sum(recvcounts))
+        for peer, count in enumerate(recvcounts):
+            if peer != self.rank:
+                self._log("send", peer, COLLECTIVE_TAG, count * itemsize)
+        self._wait(
+            [self.comm.Ireduce_scatter(sendbuf, recvbuf, recvcounts, op)],
+            [MPI.Status()],
+            "Reduce_scatter to complete",
+            cancel=False,
+        )
+        self.traffic.calls.append("Reduce_scatter")
 
     # New communicators -----------------------------------------------------------
     def Split(self, color: int = 0, key: int = 0) -> Any:

@@ -28,13 +28,19 @@ Bytes sent per step, for Ψ parameters: stages 1 and 2 move one reduce-scatter a
 allgather, (P-1)/P Ψ each, as a ring allreduce; stage 3 two allgathers and one
 reduce-scatter, 1.5 times that.
 
-Collectives run in order in one helper thread (if MPI runs with MPI_THREAD_MULTIPLE,
-mpi4py's default; else inline), on a duplicate of `comm`, so they overlap computing:
-reduce-scatters run while backward goes on (stages 2 and 3), the allgathers after a
-step while the next forward starts (stages 1 and 2), and with `prefetch=k` (stage 3)
-the allgathers of the next k units, forward and backward, while the current one
-computes: at most k units are gathered ahead. The collectives are pluggable
-(`collectives.py`): "mpi", "ring" (lab 03's halves), or a pair of functions.
+With "mpi" the collectives are MPI's non-blocking ones (`Iallgather`,
+`Ireduce_scatter_block`, on a duplicate of `comm`), started in the same order on
+every rank, so they overlap computing: reduce-scatters run while backward goes on
+(stages 2 and 3, at most REDUCES_IN_FLIGHT at once), the allgathers after a step while
+the next forward starts (stages 1 and 2), and with `prefetch=k` (stage 3) the
+allgathers of the next k units, forward and backward, while the current one computes:
+at most k units are gathered ahead. MPI moves a request on only inside an MPI call, so
+every hook tests those in flight; a rank that must wait tests with a back-off that
+sleeps instead of spinning (no helper thread: on a shared core, a thread spinning in
+`Wait` takes the time of the rank computing). The collectives are pluggable
+(`collectives.py`): "mpi", "ring" (lab 03's halves), or a pair of functions, which run
+to their end when started (correct, no overlap). A `tracer` records the time each
+rank waits for them ("allgather wait", "reduce-scatter wait").
 
 Mixed precision (Micikevicius et al., "Mixed Precision Training", ICLR 2018): master
 shards and optimizer state stay in the parameters' dtype (float32), the units are
@@ -55,8 +61,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -67,7 +72,8 @@ from torch import nn
 from ..data_parallel.sync import broadcast_parameters
 from ..runtime.counting import underlying
 from ..runtime.memory import Ledger
-from .collectives import CollectivesChoice, resolve_collectives
+from ..runtime.trace import Tracer
+from .collectives import Collectives, CollectivesChoice, InFlight
 from .flat import FlatSpace
 
 STAGES = (1, 2, 3)
@@ -110,9 +116,9 @@ class Unit:
         for p, view in zip(self.params, self.space.views(self.full)):
             p.data = view
         self.gathered = True
-        self.gathering: Future[np.ndarray] | None = None
+        self.gathering: InFlight | None = None  # its allgather, into `full`
         self.sending: torch.Tensor | None = None  # the shard being allgathered, alive until it lands
-        self.reducing: tuple[Future[np.ndarray], torch.Tensor] | None = None
+        self.reducing: tuple[InFlight, int] | None = None  # its reduce-scatter, and the bytes of the buffer sent
         self.pending = 0  # parameters whose gradient this backward has still to produce
         self.reduced = False  # its reduce-scatter has started in this backward
         self.grad_charged = False
@@ -131,6 +137,7 @@ class Sharded(nn.Module):
     prefetch: stage 3, units gathered ahead. param_dtype, reduce_dtype: mixed precision
     (default: the parameters' dtype). checkpoint: recompute each unit in backward.
     broadcast: start from rank 0's parameters. ledger: charged with model state.
+    tracer: records the waits for collectives.
     """
 
     def __init__(
@@ -146,6 +153,7 @@ class Sharded(nn.Module):
         checkpoint: bool = False,
         broadcast: bool = True,
         ledger: Ledger | None = None,
+        tracer: Tracer | None = None,
     ):
         super().__init__()
         if stage not in STAGES:
@@ -153,10 +161,11 @@ class Sharded(nn.Module):
         if prefetch < 0:
             raise ValueError(f"prefetch is a number of units gathered ahead (>= 0), got {prefetch}")
         self.module, self.stage, self.prefetch, self.ledger = module, stage, prefetch, ledger
-        self._reduce_scatter, self._allgather = resolve_collectives(collectives)
+        self._collectives = Collectives(collectives)
+        self.tracer = tracer or Tracer(enabled=False)
         if broadcast:
             broadcast_parameters(module, underlying(comm))  # a CountingComm's real one: not step traffic
-        self.comm = comm.Dup()  # the helper thread's own: never mixed with the caller's messages
+        self.comm = comm.Dup()  # its own: collectives in flight never mix with the caller's messages
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         dtypes = {p.dtype for p in module.parameters()}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
@@ -167,11 +176,6 @@ class Sharded(nn.Module):
         if self.reduce_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"reduce_dtype must be float32 or float64 (sums need range), got {self.reduce_dtype}")
         self.units = self._make_units(units)
-        self._helper = (
-            ThreadPoolExecutor(1, thread_name_prefix="ddlab-sharded")
-            if MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-            else None
-        )
         self._in_backward = False
         self._reducing: deque[Unit] = deque()  # units whose reduce-scatter is in flight, oldest first
         self._grad_charged: set[int] = set()
@@ -249,49 +253,53 @@ class Sharded(nn.Module):
         self.synchronize()
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            flat = torch.from_numpy(self._allgather(self.comm, unit.master.detach().numpy(), unit.space.bounds))
+            mine = unit.master.detach().numpy()
+            flat = torch.from_numpy(self._collectives.allgather(self.comm, mine, unit.space.bounds))
             out.update(zip(unit.names, (view.clone() for view in unit.space.views(flat))))
         return out
 
     def close(self) -> None:
-        """Remove the hooks, stop the helper thread, free the duplicate communicator (a collective)."""
+        """Remove the hooks, free the duplicate communicator (a collective)."""
         self.synchronize()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         for unit in self.units:
             unit.module.__dict__.pop("forward", None)
-        if self._helper is not None:
-            self._helper.shutdown()
         self.comm.Free()
 
     # Collectives ----------------------------------------------------------------
-    def _submit(self, function: Callable[..., np.ndarray], *args: Any) -> Future[np.ndarray]:
-        if self._helper is not None:
-            return self._helper.submit(function, *args)
-        done: Future[np.ndarray] = Future()
-        done.set_result(function(*args))
-        return done
+    def _progress(self) -> None:
+        """Let MPI move on the collectives in flight (it does only inside MPI calls)."""
+        for unit in self.units:
+            if unit.gathering is not None:
+                unit.gathering.done()
+        for unit in self._reducing:
+            if unit.reducing is not None:
+                unit.reducing[0].done()
 
     def _start_gather(self, unit: Unit) -> None:
+        """Start allgathering the unit's shards into its full buffer (its storage back first, if freed)."""
         if unit.gathered or unit.gathering is not None:
             return
         if self.stage == 3 and self.ledger is not None:
             self.ledger.charge("parameters", unit.full_bytes, f"gathered unit {unit.index}")
+        storage = unit.full.untyped_storage()
+        if storage.nbytes() < unit.full_bytes:
+            storage.resize_(unit.full_bytes)
         unit.sending = unit.master.detach().to(self.param_dtype)
-        unit.gathering = self._submit(self._allgather, self.comm, raw(unit.sending), unit.space.bounds)
+        unit.gathering = self._collectives.start_allgather(
+            self.comm, raw(unit.sending), unit.space.bounds, raw(unit.full)
+        )
 
     def _finish_gather(self, unit: Unit) -> None:
         if unit.gathered:
             return
         self._start_gather(unit)
         assert unit.gathering is not None
-        gathered, unit.gathering, unit.sending = unit.gathering.result(), None, None
-        storage = unit.full.untyped_storage()
-        if storage.nbytes() < unit.full_bytes:
-            storage.resize_(unit.full_bytes)
-        raw(unit.full)[...] = gathered
-        unit.gathered = True
+        with self.tracer.span("allgather wait"):
+            unit.gathering.wait()
+        unit.gathering, unit.sending, unit.gathered = None, None, True
         if self.ledger is not None:
             self.ledger.ignore(unit.module)  # autograd's saved views of it are parameters, not activations
 
@@ -318,7 +326,8 @@ class Sharded(nn.Module):
                 p.grad = None
         if self.ledger is not None:
             self.ledger.charge("gradients", flat.numel() * flat.element_size(), f"unit {unit.index} being reduced")
-        unit.reducing = (self._submit(self._reduce_scatter, self.comm, flat.numpy(), unit.space.bounds), flat)
+        started = self._collectives.start_reduce_scatter(self.comm, flat.numpy(), unit.space.bounds)
+        unit.reducing = (started, flat.numel() * flat.element_size())
         unit.reduced = True
         self._reducing.append(unit)
         while len(self._reducing) > REDUCES_IN_FLIGHT:
@@ -328,10 +337,12 @@ class Sharded(nn.Module):
 
     def _finish_reduce(self, unit: Unit) -> None:
         assert unit.reducing is not None
-        (future, flat), unit.reducing = unit.reducing, None
-        shard = torch.from_numpy(future.result()).to(self.master_dtype).div_(self.size)
+        (started, nbytes), unit.reducing = unit.reducing, None
+        with self.tracer.span("reduce-scatter wait"):
+            summed = started.wait()
+        shard = torch.from_numpy(summed).to(self.master_dtype).div_(self.size)
         if self.ledger is not None:
-            self.ledger.release("gradients", flat.numel() * flat.element_size())
+            self.ledger.release("gradients", nbytes)
             if unit.master.grad is None and not unit.grad_charged:
                 self.ledger.charge("gradients", shard.numel() * shard.element_size(), "a gradient shard")
                 unit.grad_charged = True
@@ -342,12 +353,14 @@ class Sharded(nn.Module):
 
     # Called by torch ------------------------------------------------------------
     def _before_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        self._progress()
         self._finish_gather(unit)
         if self.stage == 3:
             for ahead in self.units[unit.index + 1 : unit.index + 1 + self.prefetch]:
                 self._start_gather(ahead)
 
     def _after_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        self._progress()
         if self.stage != 3:
             return
         if torch.is_grad_enabled():
@@ -358,6 +371,7 @@ class Sharded(nn.Module):
 
     def _before_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._begin_backward()
+        self._progress()
         self._finish_gather(unit)
         for ahead in self.units[max(0, unit.index - self.prefetch) : unit.index][::-1]:
             self._start_gather(ahead)
@@ -373,6 +387,7 @@ class Sharded(nn.Module):
                 f"the gradient of {tuple(param.shape)} parameters",
             )
         unit.pending -= 1
+        self._progress()
         if unit.pending == 0 and self.stage >= 2:
             self._start_reduce(unit)
 
