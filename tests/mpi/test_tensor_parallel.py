@@ -248,7 +248,10 @@ def test_vocabulary_parallel_embedding_and_cross_entropy_equal_one_process(seque
         mine = logits.detach()[:, vocab.start : vocab.stop].clone().requires_grad_()
         split_loss = vocab_parallel_cross_entropy(mine, targets, sub, vocab.start)
         (split_loss * 3).backward()
-        errors += [abs(float(split_loss.detach()) - float(loss.detach())), _diff(mine.grad, 3 * logits.grad[:, vocab.start : vocab.stop])]
+        errors += [
+            abs(float(split_loss.detach()) - float(loss.detach())),
+            _diff(mine.grad, 3 * logits.grad[:, vocab.start : vocab.stop]),
+        ]
         return max(errors)
 
     _each_sub(body)
@@ -273,7 +276,7 @@ def test_whole_gpt_equals_one_process(sequence_parallel, tied):
         reduce_sequence_parallel_grads(split)
         vocab = split.vocab
         return max(
-            abs(float(loss) - float(split_loss)),
+            abs(float(loss.detach()) - float(split_loss.detach())),
             _diff(mine, logits.detach()[..., vocab.start : vocab.stop]),
             _grad_error(split, model),
         )
