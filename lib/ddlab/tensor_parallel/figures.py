@@ -4,8 +4,9 @@ Each tensor is drawn as a square, the sequence down and the features across: gre
 rank holds it whole, cut into horizontal stripes (one colour per rank) if split along the
 sequence, into vertical stripes if split along the features (heads, hidden features), and as
 a deck of t squares if each rank holds a partial sum of the whole. The collectives sit
-between them as circles, with what they do forward and backward (Shoeybi et al., 2019,
-figure 3; Korthikanti et al., MLSys 2023, figure 5).
+between them as circles, with what they do forward and backward, named as in the papers:
+f and g (Shoeybi et al., 2019, figure 3), and with sequence parallelism g and g-bar
+(Korthikanti et al., MLSys 2023, figure 5: their g is an allgather).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ TENSOR_PARALLEL = [
 SEQUENCE_PARALLEL = [
     ("x", "sequence"),
     ("LayerNorm", "sequence"),
-    ("g-bar\nfwd: allgather\nbwd: reduce-scatter", "allgather"),
+    ("g\nfwd: allgather\nbwd: reduce-scatter", "allgather"),
     ("column-parallel\nq, k, v by heads\n(MLP: fc)", "features"),
     ("attention per head\n(MLP: GELU)", "features"),
     ("row-parallel\nproj by rows:\npartial sums", "partial"),
-    ("g\nfwd: reduce-scatter\nbwd: allgather", "reduce-scatter"),
+    ("$\\bar{g}$\nfwd: reduce-scatter\nbwd: allgather", "reduce-scatter"),
     ("+ bias, dropout,\n+ x", "sequence"),
 ]
 COLLECTIVES = {"f": "#fde68a", "g": "#fca5a5", "allgather": "#fde68a", "reduce-scatter": "#fca5a5"}
