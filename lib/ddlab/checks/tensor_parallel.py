@@ -1,23 +1,27 @@
-"""Checks for lab 14: the conjugate pair, the column- and row-parallel layers, the vocabulary-parallel loss.
+"""Checks for lab 14: the conjugate pair, the column- and row-parallel layers, attention split by heads,
+the vocabulary-parallel loss, the sequence-parallel block.
 
 Each check runs the student's code on the first P ranks for P = 1 .. world size through
 a counting communicator (no MPI collective allowed: the lab's `ddlab.tensor_parallel.allreduce`
 and `allgather` are the ring's point-to-point halves, so every byte is counted) and
-compares with one process in float64 (1e-10): outputs, the input's gradient, and the
-bytes each rank sends forward and backward.
+compares with one process in float64 (1e-10): outputs, the input's gradient, the weights'
+gradients, and the bytes sent forward and backward.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import copy
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
+from ..models.gpt import Block, CausalSelfAttention, GPTConfig, make_gpt
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm
+from ..tensor_parallel.block import BlockParts, qkv_rows
 from ..tensor_parallel.formulas import ring_bytes
 from ._core import each_size, passed, run_counted
 
@@ -226,4 +230,221 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
         world,
         "column_parallel_linear and row_parallel_linear: the split MLP equals one process's, one "
         "allreduce forward and one backward",
+    )
+
+
+#: The attention and block checks' sizes: 4 heads (split 1..4 ways by block_range), a sequence of 10
+#: (3 ranks get 4, 3 and 3 of its rows), dropout on in the block.
+HEADS, EMBD, BLOCK_BATCH, BLOCK_LENGTH, DROPOUT, SEED = 4, 16, 2, 10, 0.25, 9
+
+
+def _random_block(dropout: float) -> Block:
+    """One process's Block in float64, every weight random (a zero bias would hide a bias added t times)."""
+    config = GPTConfig(vocab_size=16, block_size=BLOCK_LENGTH, n_layer=1, n_head=HEADS, n_embd=EMBD, dropout=dropout)
+    block = make_gpt(config, seed=0, dtype=torch.float64).blocks[0]
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            noise = torch.randn(p.shape, dtype=torch.float64, generator=generator)
+            p.copy_(1 + noise / 5 if ".ln_" in f".{name}" else noise / 2)
+    return cast(Block, block)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    shape = (BLOCK_BATCH, BLOCK_LENGTH, EMBD)
+    return torch.randn(shape, dtype=torch.float64, generator=generator), torch.randn(
+        shape, dtype=torch.float64, generator=generator
+    )
+
+
+def _first_problem(wants: list[tuple[str, Any, torch.Tensor | None, str]]) -> str | None:
+    for label, got, want, hint in wants:
+        if want is None:
+            continue
+        problem = _error(got, want)
+        if problem:
+            return f"{label} {problem}" + (f": {hint}" if hint else "")
+    return None
+
+
+def _grad(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else p.grad
+
+
+def _attention_case(counting: CountingComm, fn: Callable[..., Any]) -> tuple:
+    attn = copy.deepcopy(_random_block(0.0).attn)
+    x, g = _inputs()
+    mine = x.clone().requires_grad_()
+    y = fn(mine, attn, counting)
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"the attention must return a tensor, got {type(y).__name__}")
+    forward = counting.traffic.bytes_sent
+    y.backward(g)
+    grads = [_grad(p) for p in (attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias)]
+    return y.detach(), mine.grad, grads, forward, counting.traffic.bytes_sent - forward
+
+
+def check_parallel_attention(fn: Callable[[torch.Tensor, CausalSelfAttention, Comm], torch.Tensor]) -> None:
+    """fn(x, attn, comm) -> the whole output of attn from this rank's heads, as
+    ddlab.tensor_parallel.parallel_attention: rank r uses heads block_range(n_head, r, t) only (the other
+    rows of attn.qkv and columns of attn.proj get no gradient on it); bytes summed over the ranks: one allreduce
+    of the (B, T, n_embd) activations forward, one backward."""
+    world = MPI.COMM_WORLD
+    one = _random_block(0.0).attn
+    x, g = _inputs()
+    x.requires_grad_()
+    one(x, None, 0).backward(g)
+
+    def body(sub: MPI.Comm) -> str | None:
+        size, rank = sub.Get_size(), sub.Get_rank()
+        (out, grad_x, grads, forward, backward), _ = run_counted(
+            sub, lambda c: _attention_case(c, fn), (), "the parallel attention", timeout=TIMEOUT
+        )
+        heads = block_range(HEADS, rank, size)
+        rows = qkv_rows(EMBD, HEADS, heads)
+        d = EMBD // HEADS
+        cols = torch.arange(heads.start * d, heads.stop * d)
+
+        def only(grad: torch.Tensor | None, index: torch.Tensor, dim: int) -> torch.Tensor:
+            assert grad is not None
+            kept = torch.zeros_like(grad)
+            kept.index_copy_(dim, index, grad.index_select(dim, index))
+            return kept
+
+        by_heads = f"rank {rank} of {size} holds heads {heads.start}..{heads.stop - 1} (block_range): the q, k and v "
+        by_heads += "rows of those heads, whole heads of n_embd / n_head features each, and proj's matching columns"
+        problem = _first_problem(
+            [
+                ("the output", out, one(x.detach(), None, 0).detach(), "each head attends with all of its features"),
+                ("the input's gradient", grad_x, x.grad, "sum it over the ranks (f) once"),
+                ("qkv's weight gradient", grads[0], only(one.qkv.weight.grad, rows, 0), by_heads),
+                ("qkv's bias gradient", grads[1], only(one.qkv.bias.grad, rows, 0), by_heads),
+                ("proj's weight gradient", grads[2], only(one.proj.weight.grad, cols, 1), by_heads),
+                ("proj's bias gradient", grads[3], one.proj.bias.grad, "add the whole bias once, after the sum"),
+            ]
+        )
+        if problem:
+            return problem
+        totals = sub.allgather((forward, backward))
+        sent = (sum(f for f, _ in totals), sum(b for _, b in totals))
+        want = 2 * (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * 8  # one allreduce, summed over the ranks
+        if sent != (want, want):
+            return (
+                f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected {want:.0f} "
+                f"each: one allreduce of the output forward (after proj) and one of the input's gradient backward "
+                f"(before qkv)"
+            )
+        return None
+
+    each_size(world, body, "the attention split by heads is wrong")
+    passed(world, "attention split by heads: output and gradients equal one process's, one allreduce each way")
+
+
+def _block_parameters(block: Block | BlockParts) -> list[tuple[str, torch.Tensor | None]]:
+    """The parameters of a Block, or their counterparts in a BlockParts, in one order, named."""
+    attn: Any
+    mlp: Any
+    if isinstance(block, BlockParts):
+        attn, mlp, biases = block.split.attn, block.split.mlp, (block.attn_bias, block.mlp_bias)
+    else:
+        attn, mlp, biases = block.attn, block.mlp, (block.attn.proj.bias, block.mlp.proj.bias)
+    return [
+        ("ln_1.weight", block.ln_1.weight),
+        ("ln_1.bias", block.ln_1.bias),
+        ("ln_2.weight", block.ln_2.weight),
+        ("ln_2.bias", block.ln_2.bias),
+        ("attn_bias", biases[0]),
+        ("mlp_bias", biases[1]),
+        ("attn.qkv.weight", attn.qkv.weight),
+        ("attn.qkv.bias", attn.qkv.bias),
+        ("attn.proj.weight", attn.proj.weight),
+        ("mlp.fc.weight", mlp.fc.weight),
+        ("mlp.fc.bias", mlp.fc.bias),
+        ("mlp.proj.weight", mlp.proj.weight),
+    ]
+
+
+#: How many of `_block_parameters` are whole on every rank (the LayerNorms, the row-parallel biases).
+REPLICATED = 6
+
+
+def _block_case(counting: CountingComm, fn: Callable[..., Any], block: Block) -> tuple:
+    parts = BlockParts(copy.deepcopy(block), counting)
+    x, g = _inputs()
+    rows = block_range(BLOCK_LENGTH, counting.Get_rank(), counting.Get_size())
+    mine = x[:, rows.start : rows.stop].clone().requires_grad_()
+    y = fn(mine, parts, counting, SEED, BLOCK_LENGTH)
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"the block must return a tensor, got {type(y).__name__}")
+    forward = counting.traffic.bytes_sent
+    y.backward(g[:, rows.start : rows.stop])
+    grads = [_grad(p) for _, p in _block_parameters(parts)]
+    return y.detach(), mine.grad, grads, forward, counting.traffic.bytes_sent - forward
+
+
+def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, int, int], torch.Tensor]) -> None:
+    """fn(x, parts, comm, seed, length) -> this rank's rows of a Block's output, as
+    ddlab.tensor_parallel.sequence_parallel_block (parts a ddlab.tensor_parallel.BlockParts, dropout on).
+    Bytes, summed over the ranks: forward two allgathers and two reduce-scatters of the (B, T, n_embd)
+    activations; backward the same four halves, and an allreduce of the six whole parameters' gradients."""
+    world = MPI.COMM_WORLD
+    block = _random_block(DROPOUT)
+    x, g = _inputs()
+    x.requires_grad_()
+    one = block(x, SEED)
+    one.backward(g)
+    whole_grad = x.grad
+    assert whole_grad is not None
+
+    def body(sub: MPI.Comm) -> str | None:
+        size, rank = sub.Get_size(), sub.Get_rank()
+        (out, grad_x, grads, forward, backward), _ = run_counted(
+            sub, lambda c: _block_case(c, fn, block), (), "the sequence-parallel block", timeout=TIMEOUT
+        )
+        rows = block_range(BLOCK_LENGTH, rank, size)
+        heads = block_range(HEADS, rank, size)
+        d = EMBD // HEADS
+        hidden = block_range(4 * EMBD, rank, size)
+        index = {
+            "attn.qkv": (qkv_rows(EMBD, HEADS, heads), 0),
+            "attn.proj": (torch.arange(heads.start * d, heads.stop * d), 1),
+            "mlp.fc": (torch.arange(hidden.start, hidden.stop), 0),
+            "mlp.proj": (torch.arange(hidden.start, hidden.stop), 1),
+        }
+        seq = slice(rows.start, rows.stop)
+        wants: list[tuple[str, Any, torch.Tensor | None, str]] = [
+            ("the output", out, one.detach()[:, seq], "each rank drops with its rows of the whole tensor's mask"),
+            ("the input's gradient", grad_x, whole_grad[:, seq], ""),
+        ]
+        summed = "it saw only this rank's rows of the sequence: sum its gradient over the ranks"
+        for i, ((name, p), got) in enumerate(zip(_block_parameters(block), grads)):
+            want = _grad(p)
+            if want is not None and i >= REPLICATED:
+                rows_of, dim = index[name.rsplit(".", 1)[0]]
+                want = want.index_select(dim, rows_of)
+            wants.append((f"{name}'s gradient", got, want, summed if i < REPLICATED else ""))
+        problem = _first_problem(wants)
+        if problem:
+            return problem
+        totals = sub.allgather((forward, backward))
+        half = (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * 8  # one allgather or reduce-scatter, all ranks
+        params = sum(p.numel() for _, p in _block_parameters(block)[:REPLICATED] if p is not None)
+        want_sent = (4 * half, 4 * half + 2 * (size - 1) * params * 8)
+        sent = (sum(f for f, _ in totals), sum(b for _, b in totals))
+        if sent != want_sent:
+            return (
+                f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected "
+                f"{want_sent[0]:.0f} (two allgathers and two reduce-scatters of the (B, T, n_embd) activations: "
+                f"{half:.0f} bytes each) and {want_sent[1]:.0f} (the same four halves, and one allreduce of the "
+                f"{params} values of the whole parameters' gradients); an allreduce in place of a reduce-scatter "
+                f"sends twice the bytes"
+            )
+        return None
+
+    each_size(world, body, "the sequence-parallel block is wrong")
+    passed(
+        world,
+        "sequence-parallel block: output and every gradient equal one process's, dropout on; two allgathers "
+        "and two reduce-scatters each way, the whole parameters' gradients summed",
     )

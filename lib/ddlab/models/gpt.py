@@ -99,11 +99,14 @@ def causal_attention(
     site: int,
     all_heads: int | None = None,
     head_part: slice = slice(None),
+    all_samples: int | None = None,
+    sample_part: slice = slice(None),
 ) -> torch.Tensor:
     """Causal attention of `heads` heads: q, k, v (B, T, heads * d) -> (B, T, heads * d).
 
-    The attention probabilities drop with the mask of `all_heads` heads (default `heads`),
-    of which these are `head_part`: a rank holding some of the heads drops what one process does.
+    The attention probabilities drop with the mask of `all_heads` heads (default `heads`) and
+    `all_samples` samples (default B), of which these are `head_part` and `sample_part`: a rank
+    holding some of the heads, or some of a batch's samples, drops what one process does.
     """
     batch, length, width = q.shape
     d = width // heads
@@ -114,7 +117,8 @@ def causal_attention(
     scores = (split(q) @ split(k).transpose(-2, -1)) * (1.0 / math.sqrt(d))
     future = torch.full((length, length), float("-inf"), dtype=q.dtype).triu(1)
     probs = torch.softmax(scores + future, dim=-1)
-    probs = seeded_dropout(probs, p, seed, site, (batch, all_heads or heads, length, length), (slice(None), head_part))
+    whole = (all_samples or batch, all_heads or heads, length, length)
+    probs = seeded_dropout(probs, p, seed, site, whole, (sample_part, head_part))
     return (probs @ split(v)).transpose(1, 2).reshape(batch, length, width)
 
 

@@ -5,16 +5,30 @@
   `ReduceScatter`: sequence parallelism's pair.
 - `column_parallel_linear`, `row_parallel_linear`, `ColumnParallelLinear`, `RowParallelLinear`,
   `GatherLinear`: a linear layer split by output or input features.
-- `ParallelAttention` (by heads), `ParallelMLP`, `ParallelBlock`.
+- `ParallelAttention` (by heads), `ParallelMLP`, `ParallelBlock`; `parallel_attention` and
+  `sequence_parallel_block` (with `BlockParts`), the functional forms exercises 14.3 and 14.5 write.
 - `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`: the vocabulary split, logits never gathered.
-- `TensorParallelGPT`, `reduce_sequence_parallel_grads`, `make_data_tensor_grid`, `train_step`.
+- `TensorParallelGPT`, `reduce_sequence_parallel_grads`, `make_data_tensor_grid`, `train_step`; `Samples`
+  and `residual_part`: which part of the whole tensor a rank's dropout masks keep (samples, sequence rows).
+- `figures.plot_split_block`: the split block, which tensor is split and where each collective sits.
 - `activation_bytes_per_layer`, `bytes_sent_per_step`: Korthikanti et al.'s activation formulas, the bytes sent.
 
 Every function takes its communicator explicitly. Exercise signatures are in the docstrings
-of `conjugates` (14.1), `layers` (14.2), `block` (14.3), `vocab` (14.4).
+of `conjugates` (14.1), `layers` (14.2), `block` (14.3, 14.5), `vocab` (14.4).
 """
 
-from .block import ParallelAttention, ParallelBlock, ParallelMLP, head_range, qkv_rows
+from .block import (
+    BlockParts,
+    ParallelAttention,
+    ParallelBlock,
+    ParallelMLP,
+    Samples,
+    head_range,
+    parallel_attention,
+    qkv_rows,
+    residual_part,
+    sequence_parallel_block,
+)
 from .collectives import allgather, allreduce, reduce_scatter
 from .conjugates import Copy, Gather, Reduce, ReduceScatter
 from .formulas import activation_bytes_per_layer, bytes_sent_per_step, ring_bytes

@@ -18,15 +18,22 @@ block's tokens: their gradients are summed over the tensor group after backward
 Dropout draws the mask of the whole tensor and keeps this rank's part (its heads, its block
 of the sequence), so the split block drops exactly what one process's does.
 
-Exercise 14.3 signature: `ParallelAttention(attn, comm)(x, seed=None, site=1)` with `attn`
-a `ddlab.models.gpt.CausalSelfAttention`: x the whole input (B, T, n_embd) on every rank;
-returns the whole output; this rank's parameters are its heads' rows of `qkv` and columns of
-`proj` (and proj's whole bias).
+Exercise 14.3 signature: `parallel_attention(x, attn, comm)` with `attn` a whole
+`ddlab.models.gpt.CausalSelfAttention` (dropout off): x the whole input (B, T, n_embd) on every
+rank; returns the whole output, using only this rank's heads `head_range(n_head, comm)`: its
+rows `qkv_rows` of `attn.qkv` (column-parallel) and the matching columns of `attn.proj`
+(row-parallel, proj's whole bias added once); one allreduce forward, one backward.
+
+Exercise 14.5 signature: `sequence_parallel_block(x, parts, comm, seed, length)`: x this rank's
+rows `block_range(length, rank, t)` of the residual stream (B, T_r, n_embd); parts a `BlockParts`;
+returns this rank's rows of the block's output, equal to one process's `Block(x, seed)`, with the
+whole LayerNorms' and biases' gradients summed over the ranks (each saw only its rows).
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +42,35 @@ from torch import nn
 from ..models.gpt import MLP, Block, CausalSelfAttention, causal_attention, seeded_dropout
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .conjugates import Copy, Gather, ReduceScatter
+from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
+
+
+@dataclass(frozen=True)
+class Samples:
+    """This rank's samples `rows` of a global batch of `total` (data parallelism): dropout draws the
+    whole batch's masks and keeps these rows, so a data-parallel run drops what one process does."""
+
+    rows: range
+    total: int
+
+    @property
+    def part(self) -> slice:
+        return slice(self.rows.start, self.rows.stop)
+
+
+def residual_part(
+    shape: tuple[int, ...], length: int | None, comm: Comm, sequence_parallel: bool, samples: Samples | None = None
+) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+    """The whole residual-stream tensor's shape and this rank's part of it (its samples; with sequence
+    parallelism its rows `block_range(length, rank, t)`), for `seeded_dropout`; shape is this rank's."""
+    batch, mine = (shape[0], slice(None)) if samples is None else (samples.total, samples.part)
+    if not sequence_parallel:
+        return (batch, *shape[1:]), (mine,)
+    if length is None:
+        raise ValueError("a sequence-parallel layer needs the whole sequence's length")
+    rows = block_range(length, comm.Get_rank(), comm.Get_size())
+    return (batch, length, *shape[2:]), (mine, slice(rows.start, rows.stop))
 
 
 def head_range(n_head: int, comm: Comm) -> range:
@@ -68,11 +103,24 @@ class ParallelAttention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, seed: int | None = None, site: int = 1, length: int | None = None
+        self,
+        x: torch.Tensor,
+        seed: int | None = None,
+        site: int = 1,
+        length: int | None = None,
+        samples: Samples | None = None,
     ) -> torch.Tensor:
+        return self.proj(self._heads(self.qkv(x, length), seed, site, samples))
+
+    def partial(self, x: torch.Tensor, seed: int | None = None, site: int = 1) -> torch.Tensor:
+        """x the whole input -> this rank's heads' part of the output (before the sum, no bias); no message."""
+        return F.linear(self._heads(F.linear(x, self.qkv.weight, self.qkv.bias), seed, site), self.proj.weight)
+
+    def _heads(self, qkv: torch.Tensor, seed: int | None, site: int, samples: Samples | None = None) -> torch.Tensor:
+        """This rank's q, k, v (B, T, 3 x its heads' width) -> its heads' attention output (B, T, their width)."""
         width = len(self.heads) * (self.config.n_embd // self.config.n_head)
-        q, k, v = self.qkv(x, length).split(width, dim=2)
-        y = causal_attention(
+        q, k, v = qkv.split(width, dim=2)
+        return causal_attention(
             q,
             k,
             v,
@@ -82,8 +130,9 @@ class ParallelAttention(nn.Module):
             site,
             self.config.n_head,
             slice(self.heads.start, self.heads.stop),
+            None if samples is None else samples.total,
+            slice(None) if samples is None else samples.part,
         )
-        return self.proj(y)
 
 
 class ParallelMLP(nn.Module):
@@ -99,6 +148,10 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor, length: int | None = None) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x, length)))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x the whole input -> this rank's features' part of the output (before the sum, no bias); no message."""
+        return F.linear(F.gelu(F.linear(x, self.fc.weight, self.fc.bias)), self.proj.weight)
+
 
 class ParallelBlock(nn.Module):
     """A Block split over comm's ranks (tensor parallel, and sequence parallel if asked)."""
@@ -110,17 +163,15 @@ class ParallelBlock(nn.Module):
         self.attn = ParallelAttention(block.attn, comm, sequence_parallel)
         self.mlp = ParallelMLP(block.mlp, comm, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, seed: int | None = None, length: int | None = None) -> torch.Tensor:
-        """x: the whole (B, T, n_embd), or with sequence parallelism this rank's block of a sequence `length` long."""
-        whole: tuple[int, ...] | None = None
-        part: tuple[slice, ...] = ()
-        if self.sequence_parallel:
-            if length is None:
-                raise ValueError("a sequence-parallel block needs the whole sequence's length")
-            rows = block_range(length, self.comm.Get_rank(), self.comm.Get_size())
-            whole, part = (x.shape[0], length, x.shape[2]), (slice(None), slice(rows.start, rows.stop))
+    def forward(
+        self, x: torch.Tensor, seed: int | None = None, length: int | None = None, samples: Samples | None = None
+    ) -> torch.Tensor:
+        """x: the whole (B, T, n_embd), or with sequence parallelism this rank's block of a sequence `length` long;
+        samples: which samples of a global batch x holds (data parallelism), for the dropout masks."""
+        whole, part = residual_part(tuple(x.shape), length, self.comm, self.sequence_parallel, samples)
         p = self.config.dropout
-        x = x + seeded_dropout(self.attn(self.ln_1(x), seed, self.site, length), p, seed, self.site + 1, whole, part)
+        y = self.attn(self.ln_1(x), seed, self.site, length, samples)
+        x = x + seeded_dropout(y, p, seed, self.site + 1, whole, part)
         return x + seeded_dropout(self.mlp(self.ln_2(x), length), p, seed, self.site + 2, whole, part)
 
     def replicated_parameters(self) -> list[torch.Tensor]:
@@ -128,3 +179,65 @@ class ParallelBlock(nn.Module):
         they act on sequence blocks, and their gradients must be summed over the tensor group)."""
         params: list[torch.Tensor] = [*self.ln_1.parameters(), *self.ln_2.parameters()]
         return params + [b for b in (self.attn.proj.bias, self.mlp.proj.bias) if b is not None]
+
+
+class BlockParts(nn.Module):
+    """This rank's parts of a Block, for writing its sequence-parallel forward (exercise 14.5) by hand.
+
+    `ln_1`, `ln_2`, `attn_bias`, `mlp_bias`: the whole LayerNorms and row-parallel biases (the same on
+    every rank); `attention(h, seed)` and `mlp(h)`: the whole normalized input (B, T, n_embd) -> this
+    rank's part of the sub-layer's output (its heads', its hidden features'), before the sum over ranks
+    and without the bias, with no message (attention drops its probabilities with its heads' part of
+    the whole mask); `p`: the dropout probability; `site`: the block's first dropout site (the two
+    residual dropouts are at site + 1 and site + 2).
+    """
+
+    def __init__(self, block: Block, comm: Comm):
+        super().__init__()
+        self.split = ParallelBlock(block, comm)
+        self.ln_1, self.ln_2 = self.split.ln_1, self.split.ln_2
+        self.attn_bias, self.mlp_bias = self.split.attn.proj.bias, self.split.mlp.proj.bias
+        self.p, self.site = block.config.dropout, block.site
+
+    def attention(self, h: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+        return self.split.attn.partial(h, seed, self.site)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.split.mlp.partial(h)
+
+
+def parallel_attention(x: torch.Tensor, attn: CausalSelfAttention, comm: Comm) -> torch.Tensor:
+    """The whole output of `attn` (dropout off) from this rank's heads only: their rows of qkv, columns of proj."""
+    config = attn.config
+    heads = head_range(config.n_head, comm)
+    d = config.n_embd // config.n_head
+    rows, cols = qkv_rows(config.n_embd, config.n_head, heads), torch.arange(heads.start * d, heads.stop * d)
+    bias = None if attn.qkv.bias is None else attn.qkv.bias[rows]
+    q, k, v = column_parallel_linear(x, attn.qkv.weight[rows], bias, comm).split(len(cols), dim=2)
+    y = causal_attention(q, k, v, len(heads), 0.0, None, 0)
+    return row_parallel_linear(y, attn.proj.weight[:, cols], attn.proj.bias, comm)
+
+
+def _summed_grad(p: torch.Tensor | None, comm: Comm) -> torch.Tensor | None:
+    """p itself forward; backward its gradient summed over comm (a whole parameter that saw one sequence block)."""
+    return None if p is None else Copy.apply(p, comm)
+
+
+def sequence_parallel_block(
+    x: torch.Tensor, parts: BlockParts, comm: Comm, seed: int | None, length: int
+) -> torch.Tensor:
+    """This rank's rows of a Block's output from its rows x of the input (Korthikanti et al., figure 5)."""
+    whole, part = residual_part(tuple(x.shape), length, comm, sequence_parallel=True)
+
+    def norm(ln: nn.LayerNorm, h: torch.Tensor) -> torch.Tensor:
+        weight, bias = _summed_grad(ln.weight, comm), _summed_grad(ln.bias, comm)
+        return Gather.apply(F.layer_norm(h, ln.normalized_shape, weight, bias, ln.eps), comm, length)
+
+    def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        summed = _summed_grad(bias, comm)
+        return y if summed is None else y + summed
+
+    y = add_bias(ReduceScatter.apply(parts.attention(norm(parts.ln_1, x), seed), comm), parts.attn_bias)
+    x = x + seeded_dropout(y, parts.p, seed, parts.site + 1, whole, part)
+    y = add_bias(ReduceScatter.apply(parts.mlp(norm(parts.ln_2, x)), comm), parts.mlp_bias)
+    return x + seeded_dropout(y, parts.p, seed, parts.site + 2, whole, part)

@@ -14,9 +14,9 @@ MLP or attention block, each the other's conjugate:
 Sequence parallelism (Korthikanti et al., MLSys 2023, section 4.2.2) keeps the tensors
 between the split layers as blocks of the sequence, and replaces them by another pair:
 
-- `Gather` ("g-bar" of Korthikanti et al.): forward an allgather of the sequence blocks;
+- `Gather` (Korthikanti et al.'s "g", not Megatron's): forward an allgather of the sequence blocks;
   backward a reduce-scatter (the whole gradient is a sum of parts; each rank keeps its block).
-- `ReduceScatter` ("g"): forward a reduce-scatter to sequence blocks; backward an allgather.
+- `ReduceScatter` (their "g-bar"): forward a reduce-scatter to sequence blocks; backward an allgather.
 
 Tensors are (batch, sequence, features): the sequence is dim 1, split by `block_range`.
 

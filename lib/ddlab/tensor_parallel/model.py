@@ -36,7 +36,7 @@ from ..intra_layer import make_grid
 from ..models.gpt import GPT, Block, seeded_dropout
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
-from .block import ParallelBlock
+from .block import ParallelBlock, Samples, residual_part
 from .collectives import allreduce
 from .conjugates import Copy, Gather
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -67,28 +67,33 @@ class TensorParallelGPT(nn.Module):
         return self.wte.weight if self.lm_head is None else self.lm_head
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, seed: int | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        seed: int | None = None,
+        samples: Samples | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) whole on every rank -> this rank's logits (B, T, V_r) and the mean loss (if targets)."""
+        """idx (B, T) whole on every rank -> this rank's logits (B, T, V_r) and the mean loss (if targets).
+        samples: which samples of a global batch idx is (data parallelism), so dropout drops what one process does."""
         batch, length = idx.shape
         if length > self.config.block_size:
             raise ValueError(f"a sequence of {length} tokens is longer than block_size={self.config.block_size}")
         if self.training and self.config.dropout > 0 and seed is None:
             raise ValueError("training with dropout needs seed= (e.g. the step number): the masks are drawn from it")
         seed = seed if self.training else None
-        rank, size = self.comm.Get_rank(), self.comm.Get_size()
-        whole: tuple[int, ...] | None = None
-        part: tuple[slice, ...] = ()
+        size = self.comm.Get_size()
         positions = torch.arange(length)
+        shape: tuple[int, ...] = (batch, length, self.config.n_embd)
         if self.sequence_parallel:
             if length < size:
                 raise ValueError(f"a sequence of {length} tokens cannot be split over {size} ranks")
-            rows = block_range(length, rank, size)
+            rows = block_range(length, self.comm.Get_rank(), size)
             positions = positions[rows.start : rows.stop]
-            whole, part = (batch, length, self.config.n_embd), (slice(None), slice(rows.start, rows.stop))
+            shape = (batch, len(rows), self.config.n_embd)
+        whole, part = residual_part(shape, length, self.comm, self.sequence_parallel, samples)
         x = seeded_dropout(self.wte(idx) + self.wpe(positions), self.config.dropout, seed, 0, whole, part)
         for block in self.blocks:
-            x = block(x, seed, length)
+            x = block(x, seed, length, samples)
         x = self.ln_f(x)
         x = Gather.apply(x, self.comm, length) if self.sequence_parallel else Copy.apply(x, self.comm)
         logits = F.linear(x, self.output_weight)
@@ -158,17 +163,15 @@ def train_step(
 
     With `data` (a data group of D ranks), this rank's tensor group takes its block of the
     batch's samples (D must divide the batch) and the gradients are averaged over `data`.
-    Dropout masks are then drawn per data rank (seed * D + data rank), so with dropout a
-    data-parallel run does not drop what one process does; without dropout it steps as one
-    process does on the whole batch.
+    Dropout draws the whole batch's masks from `seed` and keeps this rank's samples (`Samples`),
+    so the run steps as one process does on the whole batch, with dropout or without.
     """
     ways = 1 if data is None else data.Get_size()
     if idx.shape[0] % ways:
         raise ValueError(f"a batch of {idx.shape[0]} does not split evenly over {ways} data ranks: use a multiple")
     mine = block_range(idx.shape[0], 0 if data is None else data.Get_rank(), ways)
-    if seed is not None and data is not None:
-        seed = seed * ways + data.Get_rank()
-    _, loss = model(idx[mine.start : mine.stop], targets[mine.start : mine.stop], seed=seed)
+    samples = Samples(mine, idx.shape[0])
+    _, loss = model(idx[mine.start : mine.stop], targets[mine.start : mine.stop], seed=seed, samples=samples)
     assert loss is not None
     optimizer.zero_grad()
     loss.backward()
