@@ -22,6 +22,7 @@ from ddlab.oracle import (
     describe,
     filter_parallel,
     gpu_cluster,
+    hybrid_time,
     pipeline,
     plan,
     spatial,
@@ -168,7 +169,13 @@ def test_exercise_formulas_by_hand():
     assert t == {"compute": 2.0, "communication": 6 * 1.0 + 1.5 * 100 * 0.1}
     assert data_parallel_memory(10, 40, 4, 2) == {"parameters": 10, "gradients": 10, "optimizer": 20, "activations": 10}
     s = spatial_time(8.0, [10.0, 20.0], 100.0, 4, 1.0, 0.1)
-    assert s["communication"] == pytest.approx(2 * 2 * (1 + 1) + 2 * 2 * (1 + 2) + 6 + 15)
+    # both neighbours at once; the first convolution (on the data) exchanges forward only
+    assert s["communication"] == pytest.approx((1 + 1) + 2 * (1 + 2) + 6 + 15)
+    serial = spatial_time(8.0, [10.0, 20.0], 100.0, 4, 1.0, 0.1, at_once=False)
+    assert serial["communication"] == pytest.approx(2 * (1 + 1) + 2 * 2 * (1 + 2) + 6 + 15)
+    h = hybrid_time(8.0, [10.0, 20.0], 100.0, 2, 4, (1.0, 0.1), (3.0, 0.2), 4)
+    # halos on half the bytes; ring of 4 inside the node; ring of 2 across nodes, 4 rings sharing the link
+    assert h == {"compute": 1.0, "communication": pytest.approx((1 + 0.5) + 2 * (1 + 1) + 6 + 15 + 2 * 3 + 100 * 0.8)}
     assert spatial_memory(10, 40, [3, 5], 4, 0, 1)["buffers"] == 8
     assert spatial_memory(10, 40, [3, 5], 4, 2, 1)["buffers"] == 16
 

@@ -38,3 +38,4 @@ from .strategies import (
     spatial,
     unet_edges,
 )
+from .formulas import hybrid_time
