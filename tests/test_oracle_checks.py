@@ -8,8 +8,8 @@ from ddlab.checks import (
     CheckFailed,
     check_data_parallel_memory,
     check_data_parallel_time,
-    check_spatial_memory,
     check_hybrid_time,
+    check_spatial_memory,
     check_spatial_time,
 )
 from ddlab.oracle import formulas
@@ -48,6 +48,19 @@ def sharded_weights(params, acts, p, copies):  # ZeRO's sharding is not data par
 def both_sides(params, acts, halos, p, rank, copies):  # halo on both sides of the edge ranks too
     out = formulas.data_parallel_memory(params, acts, p, copies)
     return {**out, "buffers": (2 if p > 1 else 0) * sum(halos)}
+
+
+def numpy_memory(params, acts, halos, p, rank, copies):  # valid: NumPy integers and NumPy sums
+    sides = np.int64(rank > 0) + np.int64(rank < p - 1)
+    return {
+        **{
+            k: np.int64(v)
+            for k, v in formulas.data_parallel_memory(params, acts, p, copies).items()
+            if k != "activations"
+        },
+        "activations": np.float64(acts) / p,
+        "buffers": sides * np.sum(np.asarray(halos, dtype=np.float64)),
+    }
 
 
 def valid_memory(params, acts, halos, p, rank, copies):  # valid: count the neighbours explicitly
@@ -161,6 +174,7 @@ def test_wrong_formulas_fail(check, wrong, words):
         (check_hybrid_time, hybrid),
         (check_hybrid_time, valid_hybrid),
         (check_spatial_memory, valid_memory),
+        (check_spatial_memory, numpy_memory),
     ],
 )
 def test_valid_formulas_pass(check, valid, capsys):
@@ -188,7 +202,7 @@ def test_cases_exercise_numpy_inputs_and_every_argument():
     import ddlab.checks.oracle as checks
 
     cases = checks._cases("hybrid_time")
-    assert any(isinstance(c[3], np.integer) for c in cases) and any(isinstance(c[1], np.ndarray) for c in cases)
+    assert any(isinstance(c[1], np.ndarray) for c in cases) and any(isinstance(c[1], tuple) for c in cases)
     assert {c[3] for c in cases} >= {1, 2, 3, 4, 8} and {c[4] for c in cases} >= {1, 2, 4}
     assert {c[7] for c in cases} == {2, 4, 8}
     assert any(c[3] * c[4] > c[7] for c in cases) and any(1 < c[3] * c[4] <= c[7] for c in cases)

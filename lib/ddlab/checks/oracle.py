@@ -3,8 +3,8 @@
 The student's formula is compared with the reference (`ddlab.oracle.formulas`) on
 generated cases: 1 to 9 ranks (one rank, two, odd and even counts), small and large
 messages, fast and slow links, 1 to 4 convolutions, hybrids inside one node and across
-nodes. Some cases pass NumPy integers, float32 halo arrays and tuples where others pass
-Python numbers and lists: a formula must take both, and may return NumPy numbers. The
+nodes. Some cases pass float32 NumPy arrays or tuples of halo bytes where others pass
+lists: a formula must take all three, and may return NumPy numbers (integers too). The
 functions are pure: every rank runs all cases, `each_size` gathers one verdict. A formula
 must leave its inputs unchanged and answer within `DEADLINE` seconds a case.
 """
@@ -43,18 +43,13 @@ ALTERNATIVES: dict[str, list[dict[str, Any]]] = {"spatial_time": [{"at_once": Fa
 
 
 def _numpy_flavour(case: tuple, trial: int) -> tuple:
-    """Every third case with NumPy integers for counts and a float32 array (or tuple) for lists."""
+    """Every third case with a float32 NumPy array (or a tuple) where the others pass a list of bytes."""
     if trial % 3 != 1:
         return case
-    out = []
-    for value in case:
-        if isinstance(value, list):
-            out.append(np.asarray(value, dtype=np.float32) if trial % 2 else tuple(value))
-        elif isinstance(value, int) and not isinstance(value, bool):
-            out.append(np.int64(value))
-        else:
-            out.append(value)
-    return tuple(out)
+    return tuple(
+        (np.asarray(value, dtype=np.float32) if trial % 2 else tuple(value)) if isinstance(value, list) else value
+        for value in case
+    )
 
 
 def _cases(name: str) -> list[tuple]:

@@ -66,7 +66,9 @@ def read_rows(path: Path = DATA) -> list[dict[str, str]]:
 STAGED = Link(alpha=3e-3 + 110e-9, beta=1 / 16e9)
 
 
-def staged_halo(devices_per_node: int, sizes: tuple[float, ...] = (1.0, 1e3, 1e6, 1e9)) -> tuple[list[float], list[float]]:
+def staged_halo(
+    devices_per_node: int, sizes: tuple[float, ...] = (1.0, 1e3, 1e6, 1e9)
+) -> tuple[list[float], list[float]]:
     """Seconds of one halo exchange through the host: every GPU of the node sends to both neighbours at once.
 
     2 x devices_per_node messages share the node's PCIe switch, so each moves at 1/(2 x devices) of it.

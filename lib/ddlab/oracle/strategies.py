@@ -314,9 +314,7 @@ def filter_parallel(
     split_compute: bool = True,
 ) -> Prediction:
     """Output channels split over f ranks: allgather forward, allreduce of the input's gradient backward."""
-    return _channel_parallel(
-        "filter", model, batch, f, platform, optimizer_copies, data_ways, split_compute
-    )
+    return _channel_parallel("filter", model, batch, f, platform, optimizer_copies, data_ways, split_compute)
 
 
 def channel_parallel(
@@ -329,9 +327,7 @@ def channel_parallel(
     split_compute: bool = True,
 ) -> Prediction:
     """Input channels split over f ranks: allreduce of partial outputs forward, allgather of gradients backward."""
-    return _channel_parallel(
-        "channel", model, batch, f, platform, optimizer_copies, data_ways, split_compute
-    )
+    return _channel_parallel("channel", model, batch, f, platform, optimizer_copies, data_ways, split_compute)
 
 
 # Layer (pipeline) parallelism -----------------------------------------------------------
