@@ -5,7 +5,16 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from ddlab.oracle.published import DATA, STRATEGIES, abci, compare, model_info, ranked_as_measured, read_rows
+from ddlab.oracle.published import (
+    DATA,
+    STAGED,
+    STRATEGIES,
+    abci,
+    compare,
+    model_info,
+    ranked_as_measured,
+    read_rows,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +67,11 @@ def test_unknown_strategy_is_refused():
     info = model_info("ResNet-50")
     with pytest.raises(ValueError, match="choose one of"):
         predict(info, "pipeline", 32, 64, abci(info))
+
+
+def test_staged_halo_curve_is_the_link():
+    info = model_info("ResNet-50")
+    curves = abci(info).curves
+    for n in (100.0, 3e5, 6e6, 7.7e7, 2e9):
+        exact = 2 * (STAGED.alpha + 4 * n * STAGED.beta)  # two rounds of the node's 4 flows
+        assert curves.seconds("halo", n, 4) == pytest.approx(exact, rel=1e-3)
