@@ -85,7 +85,7 @@ def plot_plan_map(
 def plot_published(rows: Sequence) -> plt.Figure:
     """ParaDL's published runs: predicted against measured epoch seconds, ParaDL's and this library's.
 
-    One panel per model, log-log; on the diagonal a prediction is exact. `rows`: `published.Row`s.
+    One panel per model, log-log; on the diagonal a prediction is exact. `rows`: `paradl_abci.Row`s.
     """
     models = sorted({r.model for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.4), squeeze=False)

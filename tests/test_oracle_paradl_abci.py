@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from ddlab.oracle.published import (
+from ddlab.oracle.paradl_abci import (
     DATA,
     STAGED,
     STRATEGIES,
@@ -62,7 +62,7 @@ def test_platform_takes_published_inputs_only():
 
 
 def test_unknown_strategy_is_refused():
-    from ddlab.oracle.published import predict
+    from ddlab.oracle.paradl_abci import predict
 
     info = model_info("ResNet-50")
     with pytest.raises(ValueError, match="choose one of"):
