@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,12 +22,14 @@ from ddlab.oracle import (
     describe,
     filter_parallel,
     gpu_cluster,
+    hybrid_time,
     pipeline,
     plan,
     spatial,
     spatial_memory,
     spatial_time,
 )
+from ddlab.oracle.strategies import channel_exchanges, halo_exchanges
 from ddlab.runtime.memory import Ledger
 from torch import nn
 
@@ -107,14 +110,37 @@ def test_pipeline_keeps_activations_per_micro_batch_in_flight():
 
 def test_spatial_halos_and_edges():
     conv = LayerInfo("c", "Conv2d", 1e6, 2e6, 400, 4096, (4, 16, 16), (4, 16, 16), 4, halo=1)
-    model = ModelInfo("one conv", (4, 16, 16), (conv,))
+    model = ModelInfo("two convs", (4, 16, 16), (conv, replace(conv, name="d")))
     pred = spatial(model, 2, 4, FLAT)
     row = 4 * 1 * 16 * 4 * 2  # channels x halo rows x width x itemsize x samples
     edge, inner = pred.memory
-    assert edge["buffers"] == row and inner["buffers"] == 2 * row
-    assert edge["activations"] == 4096 * 2 / 4
-    halos = 2 * 2 * (FLAT.intra.alpha + row * FLAT.intra.beta)
-    assert pred.communication == pytest.approx(halos + collective_seconds("allreduce", 4, 400, FLAT.intra))
+    assert edge["buffers"] == 2 * row and inner["buffers"] == 2 * 2 * row
+    assert edge["activations"] == 2 * 4096 * 2 / 4
+    # both neighbours at once (one message time); the first conv, on the data, sends no halo backward
+    assert halo_exchanges(model, 4) == 1 + 2
+    halos = (1 + 2) * (FLAT.intra.alpha + row * FLAT.intra.beta)
+    assert pred.communication == pytest.approx(halos + collective_seconds("allreduce", 4, 800, FLAT.intra))
+
+
+def test_first_layer_sends_nothing_backward():
+    """Filter and channel parallelism: no collective for the data's gradient, forward only on the first layer."""
+    model = _toy(2, act=100, params=400)
+    for predict in (filter_parallel, channel_parallel):
+        pred = predict(model, 4, 4, FLAT)
+        fwd, bwd = ("allgather", "allreduce") if predict is filter_parallel else ("allreduce", "allgather")
+        first, second = model.layers
+        want = collective_seconds(fwd, 4, first.output_bytes * 4, FLAT.intra)
+        want += collective_seconds(fwd, 4, second.output_bytes * 4, FLAT.intra)
+        want += collective_seconds(bwd, 4, second.input_bytes * 4, FLAT.intra)
+        assert pred.communication == pytest.approx(want)
+        assert channel_exchanges(model, 4) == 3
+
+
+def test_split_compute_off_prices_whole_layers():
+    model = _toy(2, act=100, params=400)
+    split, whole = filter_parallel(model, 4, 4, FLAT), filter_parallel(model, 4, 4, FLAT, split_compute=False)
+    assert whole.compute == pytest.approx(4 * split.compute)
+    assert whole.communication == split.communication
 
 
 def test_filter_and_channel_split_weights():
@@ -143,7 +169,13 @@ def test_exercise_formulas_by_hand():
     assert t == {"compute": 2.0, "communication": 6 * 1.0 + 1.5 * 100 * 0.1}
     assert data_parallel_memory(10, 40, 4, 2) == {"parameters": 10, "gradients": 10, "optimizer": 20, "activations": 10}
     s = spatial_time(8.0, [10.0, 20.0], 100.0, 4, 1.0, 0.1)
-    assert s["communication"] == pytest.approx(2 * 2 * (1 + 1) + 2 * 2 * (1 + 2) + 6 + 15)
+    # both neighbours at once; the first convolution (on the data) exchanges forward only
+    assert s["communication"] == pytest.approx((1 + 1) + 2 * (1 + 2) + 6 + 15)
+    serial = spatial_time(8.0, [10.0, 20.0], 100.0, 4, 1.0, 0.1, at_once=False)
+    assert serial["communication"] == pytest.approx(2 * (1 + 1) + 2 * 2 * (1 + 2) + 6 + 15)
+    h = hybrid_time(8.0, [10.0, 20.0], 100.0, 2, 4, (1.0, 0.1), (3.0, 0.2), 4)
+    # halos on half the bytes; ring of 4 inside the node; ring of 2 across nodes, 4 rings sharing the link
+    assert h == {"compute": 1.0, "communication": pytest.approx((1 + 0.5) + 2 * (1 + 1) + 6 + 15 + 2 * 3 + 100 * 0.8)}
     assert spatial_memory(10, 40, [3, 5], 4, 0, 1)["buffers"] == 8
     assert spatial_memory(10, 40, [3, 5], 4, 2, 1)["buffers"] == 16
 

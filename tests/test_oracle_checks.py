@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from ddlab.checks import (
     CheckFailed,
     check_data_parallel_memory,
     check_data_parallel_time,
+    check_hybrid_time,
     check_spatial_memory,
     check_spatial_time,
 )
@@ -48,6 +50,19 @@ def both_sides(params, acts, halos, p, rank, copies):  # halo on both sides of t
     return {**out, "buffers": (2 if p > 1 else 0) * sum(halos)}
 
 
+def numpy_memory(params, acts, halos, p, rank, copies):  # valid: NumPy integers and NumPy sums
+    sides = np.int64(rank > 0) + np.int64(rank < p - 1)
+    return {
+        **{
+            k: np.int64(v)
+            for k, v in formulas.data_parallel_memory(params, acts, p, copies).items()
+            if k != "activations"
+        },
+        "activations": np.float64(acts) / p,
+        "buffers": sides * np.sum(np.asarray(halos, dtype=np.float64)),
+    }
+
+
 def valid_memory(params, acts, halos, p, rank, copies):  # valid: count the neighbours explicitly
     sides = len([r for r in (rank - 1, rank + 1) if 0 <= r < p])
     return {
@@ -60,18 +75,65 @@ def valid_memory(params, acts, halos, p, rank, copies):  # valid: count the neig
 
 
 def halo_once(compute, halos, nbytes, p, alpha, beta):  # only the forward exchange
-    busiest = min(2, p - 1)
     return {
         "compute": compute / p,
-        "communication": sum(busiest * (alpha + h * beta) for h in halos) + ring(nbytes, p, alpha, beta),
+        "communication": sum(alpha + h * beta for h in halos) * (p > 1) + ring(nbytes, p, alpha, beta),
     }
 
 
-def one_neighbour(compute, halos, nbytes, p, alpha, beta):  # every rank as if it had one neighbour
+def first_backward_too(compute, halos, nbytes, p, alpha, beta):  # charges a backward halo on the data
     return {
         "compute": compute / p,
         "communication": sum(2 * (alpha + h * beta) for h in halos) * (p > 1) + ring(nbytes, p, alpha, beta),
     }
+
+
+def serialised(compute, halos, nbytes, p, alpha, beta):  # valid: the text allows the two messages in turn
+    busiest = min(2, p - 1)
+    halo = sum((1 if i == 0 else 2) * busiest * (alpha + h * beta) for i, h in enumerate(halos))
+    return {"compute": compute / p, "communication": halo + ring(nbytes, p, alpha, beta)}
+
+
+def at_once_loop(compute, halos, nbytes, p, alpha, beta):  # valid: exchanges listed one by one, NumPy sums
+    exchanges = [] if p == 1 else [alpha + halos[0] * beta]
+    for h in list(halos)[1:]:
+        exchanges += [alpha + h * beta] * (2 if p > 1 else 0)
+    return {"compute": np.float64(compute) / p, "communication": np.sum(exchanges) + ring(nbytes, p, alpha, beta)}
+
+
+def sorts_in_place(compute, halos, nbytes, p, alpha, beta):  # right value, but sorts the caller's list
+    if isinstance(halos, list):
+        halos.sort()
+    return formulas.spatial_time(compute, halos, nbytes, p, alpha, beta)
+
+
+def spins(compute, halos, nbytes, p, alpha, beta):  # a loop that never ends on one rank's count
+    while p > 4:
+        pass
+    return formulas.spatial_time(compute, halos, nbytes, p, alpha, beta)
+
+
+def hybrid(compute, halos, nbytes, d, s, intra, inter, per_node, share=True, split=True, crosses=True, first=1):
+    """The hybrid written out, with switches for the plausible mistakes."""
+    (a, b), (a2, b2) = intra, inter
+    halo = 0.0
+    if s > 1:
+        for i, h in enumerate(halos):
+            halo += (first if i == 0 else 2) * (a + (h / d if split else h) * b)
+    if d * s > per_node or not crosses:
+        a2, b2 = a2, b2 * (s if share else 1)
+    else:
+        a2, b2 = a, b
+    comm = halo + ring(nbytes, s, a, b) + ring(nbytes, d, a2, b2)
+    return {"compute": compute / (d * s), "communication": comm}
+
+
+def valid_hybrid(compute, halos, nbytes, d, s, intra, inter, per_node):  # valid: via the 9.3 formula
+    inside = formulas.spatial_time(compute / d, [h / d for h in halos], nbytes, s, *intra)
+    leaves = d * s > per_node
+    alpha, beta = (inter[0], inter[1] * s) if leaves else (intra[0], intra[1])
+    across = formulas.data_parallel_time(0.0, nbytes, d, alpha, beta)["communication"]
+    return {"compute": inside["compute"], "communication": inside["communication"] + across}
 
 
 @pytest.mark.parametrize(
@@ -83,7 +145,13 @@ def one_neighbour(compute, halos, nbytes, p, alpha, beta):  # every rank as if i
         (check_data_parallel_memory, sharded_weights, "parameters"),
         (check_spatial_memory, both_sides, "buffers"),
         (check_spatial_time, halo_once, "communication"),
-        (check_spatial_time, one_neighbour, "communication"),
+        (check_spatial_time, first_backward_too, "communication"),
+        (check_spatial_time, sorts_in_place, "changed its inputs"),
+        (check_hybrid_time, lambda *a: hybrid(*a, share=False), "communication"),
+        (check_hybrid_time, lambda *a: hybrid(*a, split=False), "communication"),
+        (check_hybrid_time, lambda *a: hybrid(*a, first=2), "communication"),
+        (check_hybrid_time, lambda *a: hybrid(*a, crosses=False), "communication"),
+        (check_hybrid_time, lambda c, *a: {**hybrid(c, *a), "compute": c / a[2]}, "compute"),
         (check_data_parallel_time, lambda *a: (1.0, 2.0), "dict"),
         (check_spatial_memory, lambda *a: {"parameters": 1}, "keys"),
     ],
@@ -100,7 +168,13 @@ def test_wrong_formulas_fail(check, wrong, words):
         (check_data_parallel_time, formulas.data_parallel_time),
         (check_data_parallel_memory, formulas.data_parallel_memory),
         (check_spatial_time, formulas.spatial_time),
+        (check_spatial_time, serialised),
+        (check_spatial_time, at_once_loop),
+        (check_hybrid_time, formulas.hybrid_time),
+        (check_hybrid_time, hybrid),
+        (check_hybrid_time, valid_hybrid),
         (check_spatial_memory, valid_memory),
+        (check_spatial_memory, numpy_memory),
     ],
 )
 def test_valid_formulas_pass(check, valid, capsys):
@@ -114,3 +188,26 @@ def test_stub_error_passes_through():
 
     with pytest.raises(NotImplementedError):
         check_data_parallel_time(stub)
+
+
+def test_a_formula_that_never_returns_fails_within_the_deadline(monkeypatch):
+    import ddlab.checks.oracle as checks
+
+    monkeypatch.setattr(checks, "DEADLINE", 0.5)
+    with pytest.raises(CheckFailed, match="did not return within"):
+        check_spatial_time(spins)
+
+
+def test_cases_exercise_numpy_inputs_and_every_argument():
+    import ddlab.checks.oracle as checks
+
+    cases = checks._cases("hybrid_time")
+    assert any(isinstance(c[1], np.ndarray) for c in cases) and any(isinstance(c[1], tuple) for c in cases)
+    assert {c[3] for c in cases} >= {1, 2, 3, 4, 8} and {c[4] for c in cases} >= {1, 2, 4}
+    assert {c[7] for c in cases} == {2, 4, 8}
+    assert any(c[3] * c[4] > c[7] for c in cases) and any(1 < c[3] * c[4] <= c[7] for c in cases)
+
+
+def test_hybrid_refuses_slabs_wider_than_a_node():
+    with pytest.raises(ValueError, match="s <= per_node"):
+        formulas.hybrid_time(1.0, [1.0], 1.0, 2, 8, (1e-6, 1e-9), (1e-5, 1e-9), 4)

@@ -60,6 +60,7 @@ _WHERE = {
     "check_data_parallel_memory": "oracle",
     "check_spatial_time": "oracle",
     "check_spatial_memory": "oracle",
+    "check_hybrid_time": "oracle",
     "check_conjugates": "tensor_parallel",
     "check_parallel_linear": "tensor_parallel",
     "check_vocab_parallel_cross_entropy": "tensor_parallel",

@@ -1,30 +1,55 @@
-"""Checks for lab 09: the data-parallel and spatial time and memory formulas.
+"""Checks for lab 09: the data-parallel, spatial and hybrid time and memory formulas.
 
 The student's formula is compared with the reference (`ddlab.oracle.formulas`) on
 generated cases: 1 to 9 ranks (one rank, two, odd and even counts), small and large
-messages, fast and slow links, 1 to 4 convolutions. The functions are pure, so every
-rank runs all cases; `each_size` gathers one verdict.
+messages, fast and slow links, 1 to 4 convolutions, hybrids inside one node and across
+nodes. Some cases pass float32 NumPy arrays or tuples of halo bytes where others pass
+lists: a formula must take all three, and may return NumPy numbers (integers too). The
+functions are pure: every rank runs all cases, `each_size` gathers one verdict. A formula
+must leave its inputs unchanged and answer within `DEADLINE` seconds a case.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
-from typing import Callable
+import signal
+import threading
+from typing import Any, Callable, Iterator
 
+import numpy as np
 from mpi4py import MPI
 
 from ..oracle import formulas
-from ._core import each_size, passed
+from ._core import each_size, is_number, passed
+from .errors import CheckFailed
+
+DEADLINE = 10.0  # seconds for one case: these are closed forms, a loop that never ends fails
 
 HINTS = {
     "data_parallel_time": "each rank computes its share of the batch; the ring moves 2(P-1)/P of the gradient "
     "bytes in and out of every rank, in 2(P-1) messages.",
     "data_parallel_memory": "which of the four parts does every replica hold whole, and which one shrinks with P?",
-    "spatial_time": "count the messages of the busiest rank: per convolution, forward and backward, one per "
-    "neighbour it has; then the gradients' allreduce.",
+    "spatial_time": "per convolution one exchange forward (both neighbours at once), one backward except for the "
+    "first convolution, whose input is the data; then the gradients' allreduce.",
     "spatial_memory": "a slab keeps halo rows only from the neighbours it has: edge slabs have one, inner slabs two.",
+    "hybrid_time": "a group computes 1/d of the batch on s slabs: its halos are 1/d of the bytes; the gradients "
+    "are summed inside the group, then over the d groups, whose rings share a node's link when they leave it.",
 }
+
+#: Other answers the lab's text allows: the reference with these keyword arguments.
+ALTERNATIVES: dict[str, list[dict[str, Any]]] = {"spatial_time": [{"at_once": False}]}
+
+
+def _numpy_flavour(case: tuple, trial: int) -> tuple:
+    """Every third case with a float32 NumPy array (or a tuple) where the others pass a list of bytes."""
+    if trial % 3 != 1:
+        return case
+    return tuple(
+        (np.asarray(value, dtype=np.float32) if trial % 2 else tuple(value)) if isinstance(value, list) else value
+        for value in case
+    )
 
 
 def _cases(name: str) -> list[tuple]:
@@ -36,35 +61,88 @@ def _cases(name: str) -> list[tuple]:
         compute, nbytes = rng.uniform(1e-3, 1.0), rng.choice([0, 4, 4096, 2**20, 10**8 + 4])
         halos = [float(rng.choice([64, 4096, 2**16])) for _ in range(1 + trial % 4)]
         if name == "data_parallel_time":
-            cases.append((compute, nbytes, p, alpha, beta))
+            case: tuple = (compute, nbytes, p, alpha, beta)
         elif name == "data_parallel_memory":
-            cases.append((nbytes, rng.choice([1000, 2**24]), p, trial % 3))
+            case = (nbytes, rng.choice([1000, 2**24]), p, trial % 3)
         elif name == "spatial_time":
-            cases.append((compute, halos, nbytes, p, alpha, beta))
+            case = (compute, halos, nbytes, p, alpha, beta)
+        elif name == "hybrid_time":
+            per_node = [2, 4, 8][trial % 3]
+            s = rng.choice([s for s in (1, 2, 3, 4) if s <= per_node])
+            d = [1, 2, 3, 4, 8][trial % 5]
+            inter = (alpha * rng.uniform(1, 10), beta * rng.uniform(1, 10))
+            case = (compute, halos, nbytes, d, s, (alpha, beta), inter, per_node)
         else:
             for rank in range(p):
-                cases.append((nbytes, 2**20, halos, p, rank, trial % 3))
+                cases.append(_numpy_flavour((nbytes, 2**20, halos, p, rank, trial % 3), trial + rank))
+            continue
+        cases.append(_numpy_flavour(case, trial))
     return cases
 
 
+@contextlib.contextmanager
+def _deadline(seconds: float, what: str) -> Iterator[None]:
+    """CheckFailed if the body runs longer than `seconds` (on the main thread; elsewhere no limit can interrupt it)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise CheckFailed(f"{what} did not return within {seconds:.0f} s: a loop that never ends?")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _copy(case: tuple) -> tuple:
+    return tuple(value.copy() if isinstance(value, np.ndarray) else value for value in case)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    for x, y in zip(a, b):
+        if isinstance(x, np.ndarray):
+            if not (isinstance(y, np.ndarray) and np.array_equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _mismatch(name: str, got: dict, want: dict, case: tuple) -> str | None:
+    for key, value in want.items():
+        number = got[key]
+        if not is_number(number):
+            return f"{name}{case}[{key!r}] is {number!r}, not a number"
+        if not math.isclose(float(number), value, rel_tol=1e-6, abs_tol=1e-15):
+            return (
+                f"{name}{case}[{key!r}] = {float(number):.6g}, expected {value:.6g} "
+                f"(ratio {float(number) / value if value else float('inf'):.3g}). Hint: {HINTS[name]}"
+            )
+    return None
+
+
 def _problem(name: str, fn: Callable, case: tuple) -> str | None:
-    want = getattr(formulas, name)(*case)
-    got = fn(*case)
+    reference = getattr(formulas, name)
+    want = reference(*case)
+    given = tuple(list(v) if isinstance(v, list) else v for v in _copy(case))  # the student's own copy
+    with _deadline(DEADLINE, f"{name}{case}"):
+        got = fn(*given)
+    if not _same(given, case):
+        return f"{name}{case} changed its inputs (now {given}): leave them as they are, compute on copies"
     if not isinstance(got, dict):
         return f"{name}{case} returned {type(got).__name__}; return a dict with keys {sorted(want)}"
     if set(got) != set(want):
         return f"{name}{case} returned keys {sorted(got)}; expected {sorted(want)}"
-    for key, value in want.items():
-        try:
-            ok = math.isclose(float(got[key]), value, rel_tol=1e-9, abs_tol=1e-15)
-        except (TypeError, ValueError):
-            return f"{name}{case}[{key!r}] is {got[key]!r}, not a number"
-        if not ok:
-            return (
-                f"{name}{case}[{key!r}] = {float(got[key]):.6g}, expected {value:.6g} "
-                f"(ratio {float(got[key]) / value if value else float('inf'):.3g}). Hint: {HINTS[name]}"
-            )
-    return None
+    problem = _mismatch(name, got, want, case)
+    for options in ALTERNATIVES.get(name, []) if problem else []:
+        if _mismatch(name, got, reference(*case, **options), case) is None:
+            return None
+    return problem
 
 
 def _check(name: str, fn: Callable, comm: MPI.Comm | None) -> None:
@@ -99,3 +177,8 @@ def check_spatial_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
 def check_spatial_memory(fn: Callable, comm: MPI.Comm | None = None) -> None:
     """fn(parameter_bytes, activation_bytes, halo_bytes, p, rank, optimizer_copies) -> five parts (Exercise 9.4)."""
     _check("spatial_memory", fn, comm)
+
+
+def check_hybrid_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
+    """fn(compute, halo_bytes, gradient_bytes, d, s, intra, inter, per_node) -> the two parts (Exercise 9.5)."""
+    _check("hybrid_time", fn, comm)

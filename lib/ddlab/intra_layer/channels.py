@@ -4,7 +4,8 @@ Filter parallel: rank r owns output channels block_range(Cout, r, P) (its rows o
 weight and bias) and sees the whole input. Forward, it computes its channels and an
 allgather assembles the whole output on every rank. Backward, its channels' gradient
 gives its weights' gradient, and a partial input gradient (through its channels
-only): the input's gradient is the sum of the partials, an allreduce.
+only): the input's gradient is the sum of the partials, an allreduce; none where the
+input wants no gradient (a first layer on the data: `ctx.needs_input_grad`).
 
 Channel parallel: rank r owns input channels block_range(Cin, r, P) (its columns of the
 weight) and only those channels of the input. Forward, its partial output (the
@@ -88,7 +89,9 @@ class FilterParallelConv(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
         mine = grad[:, ctx.start : ctx.start + weight.shape[0]]
-        grad_x = allreduce_sum(ctx.comm, conv2d_input(x.shape, weight, mine, padding=ctx.padding))
+        grad_x = None  # the data (a first layer's input) wants no gradient: no allreduce then
+        if ctx.needs_input_grad[0]:
+            grad_x = allreduce_sum(ctx.comm, conv2d_input(x.shape, weight, mine, padding=ctx.padding))
         grad_weight = conv2d_weight(x, weight.shape, mine, padding=ctx.padding)
         grad_bias = mine.sum(dim=(0, 2, 3)) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None, None
@@ -112,7 +115,7 @@ class ChannelParallelConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
-        grad_x = conv2d_input(x.shape, weight, grad, padding=ctx.padding)
+        grad_x = conv2d_input(x.shape, weight, grad, padding=ctx.padding) if ctx.needs_input_grad[0] else None
         grad_weight = conv2d_weight(x, weight.shape, grad, padding=ctx.padding)
         grad_bias = grad.sum(dim=(0, 2, 3)) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None, None

@@ -17,6 +17,7 @@ from .describe import LayerInfo, ModelInfo, describe, profile_seconds
 from .formulas import (
     data_parallel_memory,
     data_parallel_time,
+    hybrid_time,
     neighbours,
     ring_allreduce_seconds,
     spatial_memory,

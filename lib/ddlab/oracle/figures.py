@@ -80,3 +80,33 @@ def plot_plan_map(
     ax.set_title(title)
     fig.tight_layout()
     return fig
+
+
+def plot_published(rows: Sequence) -> plt.Figure:
+    """ParaDL's published runs: predicted against measured epoch seconds, ParaDL's and this library's.
+
+    One panel per model, log-log; on the diagonal a prediction is exact. `rows`: `paradl_abci.Row`s.
+    """
+    models = sorted({r.model for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.4), squeeze=False)
+    markers = {"data x spatial": "o", "data x filter": "s", "filter": "^", "channel": "v"}
+    for ax, model in zip(axes[0], models):
+        chosen = [r for r in rows if r.model == model]
+        for who, colour in (("paradl", "#937860"), ("ddlab", "#4c72b0")):
+            for strategy, marker in markers.items():
+                points = [r for r in chosen if r.strategy == strategy]
+                ax.scatter(
+                    [r.measured for r in points],
+                    [getattr(r, who) for r in points],
+                    marker=marker,
+                    color=colour,
+                    label=f"{'ParaDL' if who == 'paradl' else 'ddlab'}, {strategy}",
+                )
+        low = min(min(r.measured, r.paradl, r.ddlab) for r in chosen) / 1.5
+        high = max(max(r.measured, r.paradl, r.ddlab) for r in chosen) * 1.5
+        ax.plot([low, high], [low, high], color="#888888", lw=1)
+        ax.set(xscale="log", yscale="log", xlabel="measured s / epoch", ylabel="predicted s / epoch", title=model)
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle("ParaDL's ABCI runs (its technical report, Table VIII): predicted against measured")
+    fig.tight_layout()
+    return fig

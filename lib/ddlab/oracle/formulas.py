@@ -17,9 +17,22 @@ whole batch saves for backward, and each rank holds 1/p of the samples.
 Exercise 9.3 signature: `spatial_time(compute, halo_bytes, gradient_bytes, p, alpha, beta)
 -> dict` with keys "compute" and "communication": the image is cut into p slabs of rows, each
 rank computes 1/p; `halo_bytes[i]` is the bytes of the halo convolution i needs from one
-neighbour (the whole batch). In the forward and again in the backward pass of every
-convolution, the busiest rank sends one message of halo_bytes[i] to each of its neighbours,
-one after the other (alpha + n beta each); at the end the ranks allreduce the gradients (ring).
+neighbour (the whole batch), convolution 0 being the first layer, on the data. As lab 08's
+`exchange_rows` does, a rank exchanges with both its neighbours at once: an exchange costs
+one message time, alpha + n beta. Every convolution exchanges forward, and again backward
+(the halo's gradient) except the first: the data wants no gradient. At the end the ranks
+allreduce the gradients (ring). Accepted too, as the text allows: the busiest rank's two
+messages one after the other (`at_once=False`: twice the exchange where a rank has two
+neighbours, for links that cannot carry both at once).
+
+Exercise 9.5 signature: `hybrid_time(compute, halo_bytes, gradient_bytes, d, s, intra, inter,
+per_node) -> dict` with keys "compute" and "communication": data x spatial, d groups of s
+slabs, each group on 1/d of the batch; intra and inter are (alpha, beta) of the links inside
+a node of `per_node` devices and between nodes. The slabs of a group sit in one node (s <=
+per_node, else ValueError): halo exchanges as in 9.3 on the group's 1/d of the halo bytes,
+over the intra link; the group's ring allreduce of the gradients (intra); then a ring over
+the d groups: inside a node while d s <= per_node, else over the inter link, whose bandwidth
+the s rings of a node share (beta times s).
 
 Exercise 9.4 signature: `spatial_memory(parameter_bytes, activation_bytes, halo_bytes, p,
 rank, optimizer_copies) -> dict` with keys "parameters", "gradients", "optimizer",
@@ -36,7 +49,7 @@ from ..allreduce.cost import Link, terms
 
 def ring_allreduce_seconds(nbytes: float, p: int, alpha: float, beta: float) -> float:
     """2(p-1) alpha + 2(p-1)/p n beta: the ring's reduce-scatter then allgather (lab 03's model); 0 on one rank."""
-    return float(terms("ring", p, nbytes).seconds(Link(alpha, beta)))
+    return float(terms("ring", int(p), float(nbytes)).seconds(Link(float(alpha), float(beta))))
 
 
 def neighbours(rank: int, p: int) -> int:
@@ -59,12 +72,44 @@ def data_parallel_memory(
     }
 
 
+def halo_seconds(halo_bytes: Sequence[float], p: int, alpha: float, beta: float, at_once: bool = True) -> float:
+    """Halo exchanges of a step on p slabs: forward per convolution, backward but for the first (on the data)."""
+    if p <= 1:
+        return 0.0
+    messages = 1 if at_once else max(neighbours(rank, p) for rank in range(p))
+    return sum((1 if i == 0 else 2) * messages * (alpha + n * beta) for i, n in enumerate(halo_bytes))
+
+
 def spatial_time(
-    compute: float, halo_bytes: Sequence[float], gradient_bytes: float, p: int, alpha: float, beta: float
+    compute: float,
+    halo_bytes: Sequence[float],
+    gradient_bytes: float,
+    p: int,
+    alpha: float,
+    beta: float,
+    at_once: bool = True,
 ) -> dict[str, float]:
-    busiest = max(neighbours(rank, p) for rank in range(p))
-    halos = sum(2 * busiest * (alpha + n * beta) for n in halo_bytes)  # forward and backward
+    halos = halo_seconds(halo_bytes, p, alpha, beta, at_once)
     return {"compute": compute / p, "communication": halos + ring_allreduce_seconds(gradient_bytes, p, alpha, beta)}
+
+
+def hybrid_time(
+    compute: float,
+    halo_bytes: Sequence[float],
+    gradient_bytes: float,
+    d: int,
+    s: int,
+    intra: tuple[float, float],
+    inter: tuple[float, float],
+    per_node: int,
+) -> dict[str, float]:
+    if s > per_node:
+        raise ValueError(f"{s} slabs do not fit in a node of {per_node} devices: choose s <= per_node")
+    halos = halo_seconds([n / d for n in halo_bytes], s, *intra)
+    inside = ring_allreduce_seconds(gradient_bytes, s, *intra)
+    alpha, beta = (inter[0], inter[1] * s) if d * s > per_node else intra
+    across = ring_allreduce_seconds(gradient_bytes, d, alpha, beta)
+    return {"compute": compute / (d * s), "communication": halos + inside + across}
 
 
 def spatial_memory(

@@ -78,6 +78,7 @@ class Platform:
     sync: float = 0.0  # seconds a blocking exchange loses while ranks compute on shared cores
     overheads: dict[str, float] = field(default_factory=dict)  # an implementation's own work per exchange and sample
     sources: dict[str, str] = field(default_factory=dict)
+    crossings: int = 1  # times each of `sharing` flows crosses the node's shared path to the network
 
     def link(self, ranks: int) -> Link:
         return self.intra if ranks <= self.devices_per_node else self.inter
@@ -87,7 +88,9 @@ class Platform:
 
         The ranks sit `stride` apart (a data group of a hybrid); the collective crosses
         nodes if they span more than a node, and then `sharing` flows share each node's
-        link. For p2p, `ranks` is 2, or the span between the two ranks.
+        link, each crossing it `crossings` times (ParaDL counts 2 on ABCI: a GPU reaches
+        the adapter through the PCIe switch its traffic leaves by). For p2p, `ranks` is 2,
+        or the span between the two ranks.
         """
         if ranks <= 1 and op != "p2p":
             return 0.0
@@ -100,7 +103,7 @@ class Platform:
             return 0.0
         link = self.link(ranks * stride)
         if sharing > 1 and ranks * stride > self.devices_per_node:
-            link = replace(link, beta=link.beta * sharing)
+            link = replace(link, beta=link.beta * sharing * self.crossings)
         return float(collective_seconds(op, ranks, nbytes, link))
 
     def slowdown(self, busy: float) -> float:

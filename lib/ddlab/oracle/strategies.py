@@ -14,7 +14,9 @@ The strategies (P devices, batch B):
   buckets of at most 25 MiB (lab 04); buffers: the flat bucket buffers (none with
   bucket_buffers=False: lab 04's, like DDP's gradient_as_bucket_view, hold the gradients).
 - spatial(P): each rank a slab of H/P rows of every sample; a halo exchange per k x k
-  convolution forward and backward; allreduce of the gradients (lab 08).
+  convolution forward and backward, both neighbours at once as lab 08's exchange_rows
+  does (one message time, not two); none backward for a first layer, whose input (the
+  data) needs no gradient; allreduce of the gradients (lab 08).
 
 Every blocking exchange also pays the platform's `sync` (0 on dedicated devices).
 Where the platform holds a measured curve of the implementation's own exchange (lab
@@ -31,8 +33,13 @@ and Python of lab 08; measured, 0 where not measured).
   output (filter) or input (channel) channels; filter allgathers each output forward and
   allreduces the input's gradient backward; channel allreduces each output forward and
   allgathers the input's gradient backward. That prices a chain in which every split
-  layer's input is whole on every rank (each rank cuts its channels out of it); lab 08's
-  ChannelParallelConv, whose input arrives already split, sends nothing backward.
+  layer's input is whole on every rank (each rank cuts its channels out of it; the
+  backward of that cut is the allgather); lab 08's ChannelParallelConv, whose input
+  arrives already split, sends nothing backward. A first layer, whose input is the data,
+  sends nothing backward under either split: no gradient of the data is needed.
+  `split_compute=False` prices a framework whose split layers take as long as whole ones
+  (ParaDL's runs: "the computation of a convolution layer barely changes with the increase
+  in number of filters", technical report sec. VII-C).
 - data x spatial (D x S), data x filter (D x F), data x pipeline (D x K): D groups,
   each running the second strategy on B/D samples, then an allreduce over the D groups
   of each rank's gradients. Groups are placed so the inner strategy stays inside a node.
@@ -190,6 +197,16 @@ def halo_layers(model: ModelInfo, s: int) -> list[LayerInfo]:
     return [layer for layer, cut in zip(model.layers, _spatial_layers(model, s)) if cut and layer.halo and s > 1]
 
 
+def passes(model: ModelInfo, layer: LayerInfo) -> int:
+    """Exchanges a split layer makes a step: forward and backward, forward only on the data (no gradient wanted)."""
+    return 1 if layer is model.layers[0] else 2
+
+
+def halo_exchanges(model: ModelInfo, s: int) -> int:
+    """Halo exchanges of a step on s slabs: two per halo layer, one for a first layer."""
+    return sum(passes(model, layer) for layer in halo_layers(model, s))
+
+
 def halo_bytes(layer: LayerInfo, rows: int) -> float:
     channels, _, width = layer.input_shape
     return channels * rows * width * layer.itemsize
@@ -215,11 +232,11 @@ def spatial(
     work = sum(layer_seconds(layer, platform) * (1 / s if cut else 1.0) for layer, cut in zip(model.layers, sliced))
     p = s * data_ways
     compute = (work * samples + _update(model, 1.0)) * _busy(p, platform)
-    busiest = max(neighbours(r, s) for r in range(s))
     halo, span = 0.0, min(s, platform.devices_per_node)
     for layer in halo_layers(model, s):
-        nbytes = halo_bytes(layer, layer.halo) * samples
-        halo += 2 * _exchange(platform, "halo", nbytes, s, busiest * platform.comm("p2p", nbytes, span) + platform.sync)
+        nbytes = halo_bytes(layer, layer.halo) * samples  # to each neighbour, both at once
+        fallback = platform.comm("p2p", nbytes, span) + platform.sync
+        halo += passes(model, layer) * _exchange(platform, "halo", nbytes, s, fallback)
     w = model.parameter_bytes
     comm = halo + _grad_allreduce(w, s, platform)
     if data_ways > 1:
@@ -231,7 +248,7 @@ def spatial(
         kept = sum(halo_bytes(layer, halo_rows(layer.halo, sides)) for layer in halo_layers(model, s)) * samples
         ranks.append({**_state(w, optimizer_copies), "activations": acts, "buffers": kept})
     name, layout = ("spatial", {"S": s}) if data_ways == 1 else ("data x spatial", {"D": data_ways, "S": s})
-    overhead = 2 * len(halo_layers(model, s)) * samples * platform.overheads.get("halo", 0.0)
+    overhead = halo_exchanges(model, s) * samples * platform.overheads.get("halo", 0.0)
     return Prediction(name, p, layout, compute, comm, 0.0, tuple(ranks), overhead=overhead)
 
 
@@ -246,18 +263,27 @@ def split_layers(model: ModelInfo, ways: int) -> list[bool]:
 
 
 def channel_exchanges(model: ModelInfo, f: int) -> int:
-    """Collectives a filter- or channel-parallel step calls: one forward and one backward per split layer."""
-    return 2 * sum(split_layers(model, f)) if f > 1 else 0
+    """Collectives a filter- or channel-parallel step calls: forward and backward per split layer (a first one: forward)."""
+    if f <= 1:
+        return 0
+    return sum(passes(model, layer) for layer, cut in zip(model.layers, split_layers(model, f)) if cut)
 
 
 def _channel_parallel(
-    kind: str, model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int, data_ways: int
+    kind: str,
+    model: ModelInfo,
+    batch: int,
+    f: int,
+    platform: Platform,
+    optimizer_copies: int,
+    data_ways: int,
+    split_compute: bool = True,
 ) -> Prediction:
     samples = batch / data_ways
     split = split_layers(model, f)
     share = [1 / f if cut else 1.0 for cut in split]
     p = f * data_ways
-    work = sum(layer_seconds(layer, platform) * s for layer, s in zip(model.layers, share))
+    work = sum(layer_seconds(layer, platform) * (s if split_compute else 1.0) for layer, s in zip(model.layers, share))
     w = sum(layer.parameter_bytes * s for layer, s in zip(model.layers, share))
     compute = (work * samples + _update(model, w / max(model.parameter_bytes, 1))) * _busy(p, platform)
     ops = ("allgather", "allreduce") if kind == "filter" else ("allreduce", "allgather")
@@ -265,7 +291,8 @@ def _channel_parallel(
     acts = 0.0
     for layer, cut in zip(model.layers, split):
         if cut and f > 1:
-            for op, nbytes in zip(ops, (layer.output_bytes * samples, layer.input_bytes * samples)):
+            sent = zip(ops, (layer.output_bytes * samples, layer.input_bytes * samples))
+            for op, nbytes in list(sent)[: passes(model, layer)]:
                 comm += _exchange(platform, f"{kind} {op}", nbytes, f, platform.comm(op, nbytes, f) + platform.sync)
         # filter: every rank keeps whole inputs; channel: the split layers keep their input's channels
         acts += layer.activation_bytes * (1 / f if cut and kind == "channel" else 1.0) * samples
@@ -278,17 +305,29 @@ def _channel_parallel(
 
 
 def filter_parallel(
-    model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int = 1, data_ways: int = 1
+    model: ModelInfo,
+    batch: int,
+    f: int,
+    platform: Platform,
+    optimizer_copies: int = 1,
+    data_ways: int = 1,
+    split_compute: bool = True,
 ) -> Prediction:
     """Output channels split over f ranks: allgather forward, allreduce of the input's gradient backward."""
-    return _channel_parallel("filter", model, batch, f, platform, optimizer_copies, data_ways)
+    return _channel_parallel("filter", model, batch, f, platform, optimizer_copies, data_ways, split_compute)
 
 
 def channel_parallel(
-    model: ModelInfo, batch: int, f: int, platform: Platform, optimizer_copies: int = 1, data_ways: int = 1
+    model: ModelInfo,
+    batch: int,
+    f: int,
+    platform: Platform,
+    optimizer_copies: int = 1,
+    data_ways: int = 1,
+    split_compute: bool = True,
 ) -> Prediction:
     """Input channels split over f ranks: allreduce of partial outputs forward, allgather of gradients backward."""
-    return _channel_parallel("channel", model, batch, f, platform, optimizer_copies, data_ways)
+    return _channel_parallel("channel", model, batch, f, platform, optimizer_copies, data_ways, split_compute)
 
 
 # Layer (pipeline) parallelism -----------------------------------------------------------

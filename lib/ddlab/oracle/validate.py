@@ -331,7 +331,7 @@ def run_spatial(
     """
     from ..data_parallel import average_gradients
     from ..intra_layer import SpatialUNet, group_samples, make_grid
-    from .strategies import halo_bytes, halo_layers, halo_rows_padded, spatial
+    from .strategies import halo_bytes, halo_exchanges, halo_layers, halo_rows_padded, spatial
 
     unet, images, masks = _unet_setup(batch, side, width, depth)
     p = comm.Get_size()
@@ -368,7 +368,7 @@ def run_spatial(
         "halo",
         _stubbed_step(local, slab, target),
         first,
-        2 * len(sizes),
+        halo_exchanges(info, s),
         group,
         lambda gap: {"halo": halo_curve(scomm, [min(sizes), max(sizes)], gap)},
         s,
