@@ -1,0 +1,14 @@
+"""The device mesh (lab 16): named dimensions over sub-communicators, and lab 14's GPT trained on it.
+
+- `DIMS`, `Mesh`, `split_mesh` (exercise 16.1's reference), `coordinates`, `check_sizes`, `layouts`:
+  P ranks as pipeline x data x context x tensor, each dimension's communicator made by Split.
+- `GPTStage`, `MeshTrainer`, `train_on_mesh`, `MeshRun`: a GPT's pipeline stage of tensor-parallel
+  blocks (labs 07 and 14), data parallelism or ZeRO (labs 04 and 13) on the data dimension.
+- `plot_layouts` (figures.py): each layout's step time and peak memory per rank.
+
+Every function takes its communicator explicitly. Exercise 16.1's signature is in `layout`'s docstring.
+"""
+
+from .figures import plot_layouts
+from .layout import DIMS, Mesh, check_sizes, coordinates, layouts, split_mesh
+from .training import GPTStage, MeshRun, MeshTrainer, train_on_mesh
