@@ -68,6 +68,7 @@ _WHERE = {
     "check_reshard": "sharded",
     "check_zero2_step": "sharded",
     "check_zero3_unit": "sharded",
+    "check_split_mesh": "mesh",
 }
 
 __all__ = list(_WHERE)

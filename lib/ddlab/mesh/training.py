@@ -95,7 +95,9 @@ class GPTStage(nn.Module):
         if mesh.sizes["context"] > 1:
             raise ValueError("training with context > 1 (ring attention, lab 15) is not composed yet: use context=1")
         if config.n_layer < stages:
-            raise ValueError(f"{config.n_layer} blocks cannot fill {stages} pipeline stages: use at most n_layer stages")
+            raise ValueError(
+                f"{config.n_layer} blocks cannot fill {stages} pipeline stages: use at most n_layer stages"
+            )
         self.first, self.last = index == 0, index == stages - 1
         self.tensor = mesh.tensor
         self.layers = block_range(config.n_layer, index, stages)
@@ -124,7 +126,10 @@ class GPTStage(nn.Module):
         start = self.head.vocab.start
 
         def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tensor, start) / micro_batches
+            return (
+                vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tensor, start)
+                / micro_batches
+            )
 
         return loss
 
