@@ -6,7 +6,7 @@ import time
 
 import pytest
 from ddlab.checks import CheckFailed, check_split_mesh
-from ddlab.mesh import DIMS, check_sizes, coordinates, split_mesh
+from ddlab.mesh import DIMS, coordinates, split_mesh, validate_sizes
 
 SHORT = 3.0
 
@@ -24,7 +24,7 @@ def expect_failure(fn, *words: str) -> str:
 # Valid alternatives ------------------------------------------------------------------
 def by_cartesian_grid(comm, sizes):
     """Create_cart over (pipeline, data, context, tensor), its coordinates, one Sub per dimension."""
-    check_sizes(sizes, comm.Get_size())
+    validate_sizes(sizes, comm.Get_size())
     grid = comm.Create_cart([sizes[name] for name in DIMS], reorder=False)
     coords = dict(zip(DIMS, (int(c) for c in grid.Get_coords(grid.Get_rank()))))
     comms = {name: grid.Sub([other == name for other in DIMS]) for name in DIMS}
@@ -58,7 +58,7 @@ def test_the_reference_and_valid_alternatives_pass(comm) -> None:
 # Wrong answers ---------------------------------------------------------------------------
 def coordinates_data_fastest(comm, sizes):
     """Coordinates in the wrong order: data varies fastest instead of tensor."""
-    check_sizes(sizes, comm.Get_size())
+    validate_sizes(sizes, comm.Get_size())
     order = ("pipeline", "tensor", "context", "data")
     rank, coords = comm.Get_rank(), {}
     for name in reversed(order):
@@ -72,14 +72,14 @@ def coordinates_data_fastest(comm, sizes):
 
 def colour_is_the_coordinate(comm, sizes):
     """Split colours wrong: colour by this dimension's own coordinate (the ranks sharing it, not the others)."""
-    check_sizes(sizes, comm.Get_size())
+    validate_sizes(sizes, comm.Get_size())
     coords = coordinates(comm.Get_rank(), sizes)
     return coords, {name: comm.Split(coords[name], comm.Get_rank()) for name in DIMS}
 
 
 def key_reversed(comm, sizes):
     """The right groups, ranked backwards."""
-    check_sizes(sizes, comm.Get_size())
+    validate_sizes(sizes, comm.Get_size())
     coords = coordinates(comm.Get_rank(), sizes)
     comms = {}
     for name in DIMS:

@@ -8,7 +8,7 @@ check's deadline (a rank that never calls it fails the check instead of hanging 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from mpi4py import MPI
 
@@ -35,18 +35,19 @@ class _MeshComm(CountingComm):
 
     def Create_cart(self, dims: Any, periods: Any = None, reorder: bool = False) -> Any:
         self._same_call("Create_cart")
-        return _MeshComm(self.comm.Create_cart(dims, periods, reorder), self.timeout, parent=self)
+        return _MeshComm(cast(MPI.Intracomm, self.comm).Create_cart(dims, periods, reorder), self.timeout, parent=self)
 
     def Sub(self, remain_dims: Any) -> Any:
         self._same_call("Sub")
-        return _MeshComm(self.comm.Sub(remain_dims), self.timeout, parent=self)
+        return _MeshComm(cast(MPI.Cartcomm, self.comm).Sub(remain_dims), self.timeout, parent=self)
 
 
 def _run(sub: MPI.Comm, fn: SplitMesh, cases: list[dict[str, int]], timeout: float) -> list[tuple[Any, str | None]]:
     """fn(comm, sizes) on sub's ranks for each sizes in turn: (its result, None), or (None, the ValueError's text)."""
 
     def call(counting: CountingComm) -> list[tuple[Any, str | None]]:
-        comm, out = _MeshComm(counting.comm, timeout, parent=counting), []
+        comm = cast(MPI.Comm, _MeshComm(counting.comm, timeout, parent=counting))  # what the student's code calls
+        out: list[tuple[Any, str | None]] = []
         for sizes in cases:
             try:
                 out.append((fn(comm, dict(sizes)), None))
@@ -61,7 +62,7 @@ def _run(sub: MPI.Comm, fn: SplitMesh, cases: list[dict[str, int]], timeout: flo
 def _communicators(result: Any) -> list[MPI.Comm]:
     """The real communicators among what fn returned (to free them)."""
     comms = result[1] if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict) else {}
-    found = []
+    found: list[MPI.Comm] = []
     for value in comms.values():
         raw = underlying(value) if isinstance(value, (CountingComm, MPI.Comm)) else None
         if isinstance(raw, MPI.Comm) and raw != MPI.COMM_NULL and all(raw is not f for f in found):

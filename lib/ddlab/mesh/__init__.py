@@ -1,6 +1,6 @@
 """The device mesh (lab 16): named dimensions over sub-communicators, and lab 14's GPT trained on it.
 
-- `DIMS`, `Mesh`, `split_mesh` (exercise 16.1's reference), `coordinates`, `check_sizes`, `layouts`:
+- `DIMS`, `Mesh`, `split_mesh` (exercise 16.1's reference), `coordinates`, `validate_sizes`, `layouts`:
   P ranks as pipeline x data x context x tensor, each dimension's communicator made by Split.
 - `GPTStage`, `MeshTrainer`, `train_on_mesh`, `MeshRun`: a GPT's pipeline stage of tensor-parallel
   blocks (labs 07 and 14), data parallelism or ZeRO (labs 04 and 13) on the data dimension.
@@ -10,5 +10,5 @@ Every function takes its communicator explicitly. Exercise 16.1's signature is i
 """
 
 from .figures import plot_layouts
-from .layout import DIMS, Mesh, check_sizes, coordinates, layouts, split_mesh
+from .layout import DIMS, Mesh, coordinates, layouts, split_mesh, validate_sizes
 from .training import GPTStage, MeshRun, MeshTrainer, train_on_mesh

@@ -37,7 +37,7 @@ Sizes = dict[str, int]
 SplitMesh = Callable[[MPI.Comm, Sizes], tuple[dict[str, int], dict[str, MPI.Comm]]]
 
 
-def check_sizes(sizes: Sizes, world: int) -> None:
+def validate_sizes(sizes: Sizes, world: int) -> None:
     """Raise ValueError unless sizes names exactly DIMS, each a positive int, multiplying to world."""
     if set(sizes) != set(DIMS):
         raise ValueError(f"give a size to each of {DIMS} (1 for a dimension not used), got {sorted(sizes)}")
@@ -63,7 +63,7 @@ def coordinates(rank: int, sizes: Sizes) -> dict[str, int]:
 
 def split_mesh(comm: MPI.Comm, sizes: Sizes) -> tuple[dict[str, int], dict[str, MPI.Comm]]:
     """Exercise 16.1's reference: this rank's coordinates, and one sub-communicator per dimension (by Split)."""
-    check_sizes(sizes, comm.Get_size())
+    validate_sizes(sizes, comm.Get_size())
     coords = coordinates(comm.Get_rank(), sizes)
     comms = {}
     for name in DIMS:
@@ -102,7 +102,7 @@ class Mesh:
 
         split: the function that makes the coordinates and communicators (exercise 16.1's signature)."""
         sizes = {"pipeline": pipeline, "data": data, "context": context, "tensor": tensor}
-        check_sizes(sizes, comm.Get_size())
+        validate_sizes(sizes, comm.Get_size())
         coords, comms = split(comm, sizes)
         return cls(sizes, coords, comms)
 
