@@ -117,7 +117,8 @@ def rank_zero_skips_a_split(comm, sizes):
 
 
 def test_the_wrong_answers_fail(comm) -> None:
-    expect_failure(coordinates_data_fastest, "coords are")
+    if comm.Get_size() >= 4:  # on 1, 2 or 3 ranks only one dimension is above 1: any order numbers the ranks alike
+        expect_failure(coordinates_data_fastest, "coords are")
     expect_failure(colour_is_the_coordinate, "holds ranks")
     if comm.Get_size() > 1:
         expect_failure(key_reversed, "holds ranks", "ranked by it")

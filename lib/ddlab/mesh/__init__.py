@@ -4,11 +4,10 @@
   P ranks as pipeline x data x context x tensor, each dimension's communicator made by Split.
 - `GPTStage`, `MeshTrainer`, `train_on_mesh`, `MeshRun`: a GPT's pipeline stage of tensor-parallel
   blocks (labs 07 and 14), data parallelism or ZeRO (labs 04 and 13) on the data dimension.
-- `plot_layouts` (figures.py): each layout's step time and peak memory per rank.
+- figures.py: `plot_layouts`, each layout's step time and peak memory per rank.
 
 Every function takes its communicator explicitly. Exercise 16.1's signature is in `layout`'s docstring.
 """
 
-from .figures import plot_layouts
 from .layout import DIMS, Mesh, coordinates, layouts, split_mesh, validate_sizes
 from .training import GPTStage, MeshRun, MeshTrainer, train_on_mesh
