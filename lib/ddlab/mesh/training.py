@@ -44,7 +44,7 @@ from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from ..runtime.memory import Ledger
 from ..sharded import Sharded
-from ..tensor_parallel import Copy, ParallelBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ..tensor_parallel import Copy, ParallelBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
 from .layout import Mesh
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -73,7 +73,7 @@ class Head(nn.Module):
             )
         self.tensor = tensor
         self.ln_f = copy.deepcopy(model.ln_f)
-        self.vocab = block_range(model.config.vocab_size, tensor.Get_rank(), tensor.Get_size())
+        self.vocab = vocab_range(model.config.vocab_size, tensor)
         self.out = nn.Linear(model.config.n_embd, len(self.vocab), bias=False, dtype=model.lm_head.weight.dtype)
         with torch.no_grad():
             self.out.weight.copy_(model.lm_head.weight[self.vocab.start : self.vocab.stop])
