@@ -79,6 +79,7 @@ _WHERE = {
     "check_zigzag": "context_parallel",
     "check_dispatch": "experts",
     "check_combine": "experts",
+    "check_split_mesh": "mesh",
 }
 
 __all__ = list(_WHERE)

@@ -15,6 +15,8 @@ same moment, which blocking sends would deadlock.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -29,7 +31,13 @@ def micro_batch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor
 
 
 def run_schedule(
-    comm: Comm, layers: nn.Module, ops: list[Op], inputs: list[torch.Tensor], targets: list[torch.Tensor]
+    comm: Comm,
+    layers: nn.Module,
+    ops: list[Op],
+    inputs: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = micro_batch_loss,
+    activation: tuple[tuple[int, ...], torch.dtype] | None = None,
 ) -> list[float]:
     """Exercise 7.3's reference: run_schedule(comm, layers, ops, inputs, targets) -> losses.
 
@@ -37,6 +45,10 @@ def run_schedule(
     and targets[i] (used on the last rank) are micro-batch i's, and every activation
     has inputs[i]'s shape and dtype. Gradients accumulate in the parameters' .grad.
     Returns the micro-batch losses in micro-batch order on the last rank, [] elsewhere.
+
+    Beyond the exercise (lab 16's GPT stages): `loss(output, target)` replaces the squared
+    error, and `activation` = (shape, dtype) of what the stages send when it is not the
+    inputs' (token ids in, float activations between stages).
     """
     mailbox = Mailbox(comm)
     rank, size = mailbox.rank, mailbox.size
@@ -45,11 +57,11 @@ def run_schedule(
     losses: dict[int, float] = {}
     for kind, i in ops:
         if kind == "F":
-            shape, dtype = tuple(inputs[i].shape), inputs[i].dtype
+            shape, dtype = activation or (tuple(inputs[i].shape), inputs[i].dtype)
             x = inputs[i] if first else mailbox.take(shape, dtype, rank - 1, i).requires_grad_()
             y = layers(x)
             if last:
-                y = micro_batch_loss(y, targets[i])
+                y = loss(y, targets[i])
                 losses[i] = y.item()
             else:
                 mailbox.post(y, rank + 1, i)

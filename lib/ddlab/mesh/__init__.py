@@ -1,0 +1,13 @@
+"""The device mesh (lab 16): named dimensions over sub-communicators, and lab 14's GPT trained on it.
+
+- `DIMS`, `Mesh`, `split_mesh` (exercise 16.1's reference), `coordinates`, `validate_sizes`, `layouts`:
+  P ranks as pipeline x data x context x tensor, each dimension's communicator made by Split.
+- `GPTStage`, `MeshTrainer`, `train_on_mesh`, `MeshRun`: a GPT's pipeline stage of tensor-parallel
+  blocks (labs 07 and 14), data parallelism or ZeRO (labs 04 and 13) on the data dimension.
+- figures.py: `plot_layouts`, each layout's step time and peak memory per rank.
+
+Every function takes its communicator explicitly. Exercise 16.1's signature is in `layout`'s docstring.
+"""
+
+from .layout import DIMS, Mesh, coordinates, layouts, split_mesh, validate_sizes
+from .training import GPTStage, MeshRun, MeshTrainer, train_on_mesh

@@ -1,0 +1,261 @@
+"""Lab 14's GPT trained on a mesh: pipeline stages of tensor-parallel blocks, data (or ZeRO) over the rest.
+
+Nothing here is a new mechanism; each dimension is an earlier lab's, on that dimension's communicator:
+
+- tensor (lab 14): every block is a `ParallelBlock` (heads and MLP features split), the
+  embedding a `VocabParallelEmbedding`, the output layer split by vocabulary and the loss
+  `vocab_parallel_cross_entropy`, all over `mesh.tensor`;
+- pipeline (lab 07): stage s holds blocks `block_range(n_layer, s, pipeline)` (the first
+  stage the embeddings too, the last the final LayerNorm and the output layer) and runs
+  a schedule (1F1B by default) with lab 07's `run_schedule` over `mesh.pipeline`;
+- data (lab 04) over `mesh.data`: each data rank takes its block of the batch and the
+  gradients are averaged (`average_gradients`) before the step; or with `zero` = 1, 2, 3
+  the stage is lab 13's `Sharded` over `mesh.data`, one unit per embedding, block and head;
+- context: the mesh names it and `Mesh.build(context=...)` makes its communicator, but
+  this trainer takes context = 1 only (ring attention, lab 15, is not composed here yet).
+
+A step of batch B with M micro-batches: each data rank takes B / D samples, cut in M
+micro-batches; each micro-batch's loss is its mean cross-entropy over M, so the
+micro-batches' gradients add up to the data rank's mean, and averaging over the data
+ranks gives the whole batch's mean: the step one process takes (without dropout).
+
+The output layer is split from the embedding (`GPTConfig(tied=False)`): a tied GPT
+across pipeline stages would need the two copies' gradients summed between the first
+and last stages (Megatron's embedding group), which is not built here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from ..data_parallel import average_gradients
+from ..models.gpt import GPT, BatchAt, Block
+from ..pipeline import Schedule, one_f_one_b, run_schedule
+from ..runtime.blocks import block_range
+from ..runtime.comm import Comm
+from ..runtime.memory import Ledger
+from ..sharded import Sharded
+from ..tensor_parallel import Copy, ParallelBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from .layout import Mesh
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Embeddings(nn.Module):
+    """The first stage's input: token embedding split by vocabulary over `tensor`, position embedding whole."""
+
+    def __init__(self, model: GPT, tensor: Comm):
+        super().__init__()
+        self.wte = VocabParallelEmbedding(model.wte, tensor)
+        self.wpe = copy.deepcopy(model.wpe)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+
+
+class Head(nn.Module):
+    """The last stage's output: final LayerNorm whole, this rank's vocabulary rows of the output layer."""
+
+    def __init__(self, model: GPT, tensor: Comm):
+        super().__init__()
+        if model.lm_head is None:
+            raise ValueError(
+                "the mesh splits the output layer from the embedding: build the GPT with GPTConfig(tied=False)"
+            )
+        self.tensor = tensor
+        self.ln_f = copy.deepcopy(model.ln_f)
+        self.vocab = vocab_range(model.config.vocab_size, tensor)
+        self.out = nn.Linear(model.config.n_embd, len(self.vocab), bias=False, dtype=model.lm_head.weight.dtype)
+        with torch.no_grad():
+            self.out.weight.copy_(model.lm_head.weight[self.vocab.start : self.vocab.stop])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, n_embd) whole -> this rank's logits (B, T, V / t)."""
+        return self.out(Copy.apply(self.ln_f(x), self.tensor))
+
+
+class GPTStage(nn.Module):
+    """Pipeline stage `mesh.coords['pipeline']` of a GPT, split over `mesh.tensor`; built from one process's GPT."""
+
+    def __init__(self, model: GPT, mesh: Mesh):
+        super().__init__()
+        config = model.config
+        stages, index = mesh.sizes["pipeline"], mesh.coords["pipeline"]
+        if config.dropout > 0:
+            raise ValueError("the mesh trains without dropout (GPTConfig(dropout=0.0)): set dropout to 0")
+        if mesh.sizes["context"] > 1:
+            raise ValueError("training with context > 1 (ring attention, lab 15) is not composed yet: use context=1")
+        if config.n_layer < stages:
+            raise ValueError(
+                f"{config.n_layer} blocks cannot fill {stages} pipeline stages: use at most n_layer stages"
+            )
+        self.first, self.last = index == 0, index == stages - 1
+        self.tensor = mesh.tensor
+        self.layers = block_range(config.n_layer, index, stages)
+        self.embed = Embeddings(model, mesh.tensor) if self.first else None
+        self.blocks = nn.ModuleList(
+            ParallelBlock(_block(model, i), mesh.tensor) for i in range(self.layers.start, self.layers.stop)
+        )
+        self.head = Head(model, mesh.tensor) if self.last else None
+        self.width = config.n_embd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or the residual stream (B, T, n_embd) -> the residual stream, or logits (last)."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x if self.head is None else self.head(x)
+
+    def units(self) -> list[nn.Module]:
+        """The modules forward calls in order, each a ZeRO unit."""
+        return [m for m in (self.embed, *self.blocks, self.head) if m is not None]
+
+    def loss(self, micro_batches: int) -> LossFn:
+        """The last stage's loss of a micro-batch: mean cross-entropy (vocabulary-parallel) over micro_batches."""
+        assert self.head is not None, "only the last stage has a loss"
+        start = self.head.vocab.start
+
+        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return (
+                vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tensor, start)
+                / micro_batches
+            )
+
+        return loss
+
+
+def _block(model: GPT, index: int) -> Block:
+    block = model.blocks[index]
+    assert isinstance(block, Block)
+    return block
+
+
+@dataclass
+class MeshTrainer:
+    """This rank's stage of a GPT on a mesh, its optimizer (AdamW, as `train_gpt`), and optionally ZeRO on data.
+
+    zero: 0 for lab 04's gradient averaging over `mesh.data`, or a ZeRO stage 1-3 (lab 13's `Sharded`).
+    ledger: charged with this rank's parameters, gradients, optimizer state and activations.
+    """
+
+    model: GPT
+    mesh: Mesh
+    lr: float = 3e-3
+    zero: int = 0
+    schedule: Schedule = one_f_one_b
+    ledger: Ledger | None = None
+    stage: GPTStage = field(init=False)
+    module: nn.Module = field(init=False)
+    optimizer: torch.optim.Optimizer = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero is 0 (plain data parallelism) or a ZeRO stage 1, 2, 3, got {self.zero!r}")
+        self.stage = GPTStage(self.model, self.mesh)
+        if self.zero:
+            sharded = Sharded(self.stage, self.mesh.data, stage=self.zero, units=self.stage.units(), ledger=self.ledger)
+            self.module = sharded
+            self.optimizer = sharded.attach(torch.optim.AdamW(sharded.shards(), lr=self.lr, weight_decay=0.0))
+        else:
+            self.module = self.stage
+            self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=self.lr, weight_decay=0.0)
+            if self.ledger is not None:
+                self.ledger.watch(self.stage, self.optimizer)
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, micro_batches: int = 1) -> float:
+        """One step on the global batch (idx, targets), whole on every rank; returns its mean loss on every rank."""
+        data, pipeline = self.mesh.data, self.mesh.pipeline
+        ways = data.Get_size() * micro_batches
+        if micro_batches < 1 or idx.shape[0] % ways:
+            raise ValueError(
+                f"a batch of {idx.shape[0]} does not split into {data.Get_size()} data ranks x {micro_batches} "
+                f"micro-batches: use a batch that is a multiple of {ways}"
+            )
+        mine = block_range(idx.shape[0], data.Get_rank(), data.Get_size())
+        inputs = list(idx[mine.start : mine.stop].chunk(micro_batches))
+        outputs = list(targets[mine.start : mine.stop].chunk(micro_batches))
+        width = (inputs[0].shape[0], inputs[0].shape[1], self.stage.width)
+        ops = self.schedule(pipeline.Get_size(), micro_batches, pipeline.Get_rank())
+        loss = self.stage.loss(micro_batches) if self.stage.last else _no_loss
+        self.optimizer.zero_grad()
+        with self.ledger.activations() if self.ledger is not None else contextlib.nullcontext():
+            losses = run_schedule(pipeline, self.module, ops, inputs, outputs, loss, (width, self.model_dtype))
+        if not self.zero and data.Get_size() > 1:
+            average_gradients(self.stage, data)
+        self.optimizer.step()
+        value = data.allreduce(sum(losses)) / data.Get_size() if self.stage.last else 0.0
+        return float(pipeline.bcast(value, root=pipeline.Get_size() - 1))
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def close(self) -> None:
+        """Stop ZeRO's helper thread and free its communicator (a collective over the data ranks)."""
+        if isinstance(self.module, Sharded):
+            self.module.close()
+
+
+def _no_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("only the last pipeline stage computes the loss")
+
+
+@dataclass
+class MeshRun:
+    """A layout's training run: the losses of every step, its step time and every rank's peak memory.
+
+    seconds: the median over the steps after the first of the slowest rank's time per step.
+    peak_bytes: per world rank, the ledger's peak (parameters, gradients, optimizer state, activations).
+    """
+
+    label: str
+    sizes: dict[str, int]
+    zero: int
+    losses: list[float]
+    seconds: float
+    peak_bytes: list[int]
+
+
+def train_on_mesh(
+    comm: MPI.Comm,
+    model: GPT,
+    batch_at: BatchAt,
+    steps: int,
+    data: int = 1,
+    tensor: int = 1,
+    pipeline: int = 1,
+    micro_batches: int = 1,
+    zero: int = 0,
+    lr: float = 3e-3,
+) -> MeshRun:
+    """Train a copy of `model` for `steps` steps on the mesh data x tensor x pipeline of comm's ranks. A collective.
+
+    Every rank passes the same one-process model (its weights are split here) and gets the same MeshRun."""
+    mesh = Mesh.build(comm, data=data, tensor=tensor, pipeline=pipeline)
+    ledger = Ledger(stage=f"rank {comm.Get_rank()} ({mesh.label})")
+    trainer = MeshTrainer(model, mesh, lr=lr, zero=zero, ledger=ledger)
+    losses, times = [], []
+    try:
+        for step in range(steps):
+            idx, targets = batch_at(step)
+            comm.Barrier()
+            start = time.perf_counter()
+            losses.append(trainer.step(idx, targets, micro_batches))
+            times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    finally:
+        trainer.close()
+        ledger.close()
+        mesh.free()
+    seconds = statistics.median(times[1:] if len(times) > 1 else times)
+    label = mesh.label + (f" ZeRO-{zero}" if zero else "")
+    return MeshRun(label, dict(mesh.sizes), zero, losses, seconds, comm.allgather(ledger.report()["peak"]))
