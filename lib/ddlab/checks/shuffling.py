@@ -21,7 +21,7 @@ from mpi4py import MPI
 from ..runtime.blocks import block_bounds
 from ..runtime.counting import COLLECTIVE_TAG
 from ..shuffling.shuffler import exchange_plan
-from ._core import array_problem, each_size, passed, run_counted
+from ._core import array_problem, count, each_size, fail_together, passed, run_counted
 
 PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0) for epoch, seed in ((0, 0), (3, 11))]
 
@@ -112,8 +112,9 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
                 return f"{case}: {problem}" if problem else None
             plans = [plan for _, plan in everyone]
             problem = _plan_problem(plans, counts, rank, q) or _replay_problem(plans, counts)
-            if problem:
-                return f"{case}: {problem}"
+            # Each rank judges the plans from its own side: stop together, or the ranks that found
+            # nothing would wait in the next case for the ones that stopped.
+            fail_together(comm, problem and f"{case}: {problem}", f"exchange_plan on {count(size, 'rank')}")
             if n == 200 and 0 < q < 1 and size > 1:
                 later = fn(list(counts), rank, q, epoch + 1, seed)
                 if all(np.array_equal(a, b) for a, b in zip(plan[0], later[0])):
@@ -158,8 +159,7 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
                 problem = "changed x: leave the caller's samples as they are"
             if problem is None:
                 problem = _traffic_problem(traffic[rank], [len(p) * x[0:1].nbytes for p in plans[rank][0]])
-            if problem:
-                return f"{case}: {problem}"
+            fail_together(comm, problem and f"{case}: {problem}", f"exchange_samples on {count(size, 'rank')}")
         return None
 
     each_size(world, body, "exchange_samples")
