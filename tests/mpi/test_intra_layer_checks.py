@@ -22,6 +22,25 @@ class HaloForgetsBackward(HaloExchange):
         return grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3]), None, None
 
 
+class HaloGlobalBackward(HaloExchange):
+    """Backward sends on the notebook's global communicator, blocking: on a sub-communicator it would deadlock."""
+
+    @staticmethod
+    def backward(ctx, grad_above, grad_below):
+        rank, size = WORLD.Get_rank(), ctx.comm.Get_size()
+        grad_x = grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3])
+        from_above, from_below = torch.zeros_like(grad_above), torch.zeros_like(grad_below)
+        up = rank - 1 if rank > 0 else MPI.PROC_NULL
+        down = rank + 1 if rank + 1 < WORLD.Get_size() else MPI.PROC_NULL
+        WORLD.Sendrecv(grad_above.contiguous().numpy(), up, 5, from_below.numpy(), down, 5)
+        WORLD.Sendrecv(grad_below.contiguous().numpy(), down, 6, from_above.numpy(), up, 6)
+        if rank > 0:
+            grad_x[:, :, : ctx.halo] += from_above
+        if rank + 1 < size:
+            grad_x[:, :, -ctx.halo :] += from_below
+        return grad_x, None, None
+
+
 class HaloOneRow(HaloExchange):
     """Always exchanges one row, whatever the kernel needs."""
 
@@ -217,6 +236,7 @@ def test_reference_and_valid_alternatives_pass():
         (HaloWrongRows, "output"),
         (HaloWrapsAround, "output|sent"),
         (HaloOverwrites, "slab's gradient"),
+        (HaloGlobalBackward, "half of .*notebook's `comm`"),
     ],
 )
 def test_wrong_halo_fails(wrong, says):
