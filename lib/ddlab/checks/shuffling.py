@@ -148,10 +148,10 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
             x = holdings[rank]
             original = x.copy()
             case = f"{np.dtype(dtype).name} samples of shape {shape}, counts={counts}, q={q}"
+            want = np.concatenate([holdings[s][plans[s][0][rank]] for s in range(size)])  # before fn can touch x
             got, traffic = run_counted(
                 comm, fn, (x, *plans[rank]), f"exchange_samples with {case}", allow=("Alltoallv",)
             )
-            want = np.concatenate([holdings[s][plans[s][0][rank]] for s in range(size)]) if size else x[:0]
             problem = array_problem(got, want, "the rows received")
             if problem is None and np.shares_memory(got, x):
                 problem = "returned x or a view of it: return a new array"
