@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,6 +220,11 @@ def slabs_extra_rows_last(height, size, levels):
     return bounds
 
 
+def slabs_as_numpy(height, size, levels):
+    """Valid: the reference's bounds as a NumPy array of int64."""
+    return np.asarray(slab_bounds(height, size, levels), dtype=np.int64)
+
+
 def test_reference_and_valid_alternatives_pass():
     check_halo_exchange(HaloExchange)
     check_halo_exchange(HaloSendrecv)
@@ -226,6 +232,7 @@ def test_reference_and_valid_alternatives_pass():
     check_filter_parallel_conv(FilterByAllreduce)
     check_slab_bounds(slab_bounds)
     check_slab_bounds(slabs_extra_rows_last)
+    check_slab_bounds(slabs_as_numpy)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import functools
 from collections import Counter
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
@@ -24,7 +25,7 @@ from ..intra_layer.fit import COLLECTIVES
 from ..models.unet import UNet
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
-from ._core import count, each_size, passed, run_counted
+from ._core import count, each_size, is_integer, passed, run_counted
 
 TOL = 1e-10
 N, C, COUT, W = 2, 3, 5, 6
@@ -209,9 +210,9 @@ def _bounds_problem(fn: Callable[..., Any], height: int, size: int, levels: int)
             return None
         return f"{case} returned {got!r}; {height // unit} blocks of {unit} rows cannot give {size} ranks one each: raise ValueError"
     got = fn(height, size, levels)
-    if not isinstance(got, (list, tuple)) or len(got) != size + 1 or not all(isinstance(b, int) for b in got):
+    if not isinstance(got, (list, tuple, np.ndarray)) or len(got) != size + 1 or not all(is_integer(b) for b in got):
         return f"{case} returned {got!r}; return a list of size + 1 = {size + 1} ints"
-    got = list(got)
+    got = [int(b) for b in got]
     if got[0] != 0 or got[-1] != height or any(a >= b for a, b in zip(got, got[1:])):
         return f"{case} returned {got}: bounds must increase strictly from 0 to {height}"
     broken = [b for b in got if b % unit]
