@@ -28,7 +28,15 @@ from ..runtime.counting import Traffic
 from ._core import array_problem, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
 
-FEEDBACK_CASES = [(60, 6, np.float32), (33, 1, np.float64), (8, 8, np.float32)]
+#: (n, k, dtype, ties): k = 0 sends nothing; with ties the gradients are small integers, so the k-th
+#: largest magnitude is shared and any of the tied items may go.
+FEEDBACK_CASES = [
+    (60, 6, np.float32, False),
+    (33, 1, np.float64, False),
+    (8, 8, np.float32, False),
+    (20, 0, np.float64, False),
+    (30, 5, np.float32, True),
+]
 FEEDBACK_STEPS = 4
 SPARSE_CASES = [(1000, (10, 0, 25, 3), np.float32), (40, (10, 40, 7, 10), np.float64)]
 COUNTS_OVERHEAD = 64  # bytes per peer allowed on top of the pairs (the counts' exchange)
@@ -88,14 +96,18 @@ def check_top_k_with_feedback(
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> None:
-        for n, k, dtype in FEEDBACK_CASES:
+        for n, k, dtype, ties in FEEDBACK_CASES:
             residual = np.zeros(n, dtype)
             truth, applied = np.zeros(n), np.zeros(n)
             for step in range(FEEDBACK_STEPS):
-                gradient = np.random.default_rng([n, step, sub.Get_rank()]).standard_normal(n).astype(dtype)
+                rng = np.random.default_rng([n, step, sub.Get_rank()])
+                gradient = (rng.integers(-2, 3, n) if ties else rng.standard_normal(n)).astype(dtype)
                 before, fed = gradient.copy(), gradient + residual
                 out, problem = _call(fn, gradient, residual, k)
-                context = f"top_k_with_feedback (n={n}, k={k}, {np.dtype(dtype).name}, step {step + 1})"
+                context = (
+                    f"top_k_with_feedback (n={n}, k={k}{', tied magnitudes' if ties else ''}, "
+                    f"{np.dtype(dtype).name}, step {step + 1})"
+                )
                 if problem is None and not np.array_equal(gradient, before):
                     problem = "changed the gradient passed in: compute gradient + residual into a new array"
                 problem = problem or _pairs_problem(out, fed, k)
