@@ -38,6 +38,14 @@ def plan_miscounted_on_rank_0(counts, rank, q, epoch, seed=0):
     return send, recv_counts
 
 
+def plan_keeping_everything(counts, rank, q, epoch, seed=0):
+    """Sends round(Q m) samples, all to itself: every count agrees, nothing moves."""
+    k = round(q * counts[rank])
+    send = [np.empty(0, np.int64) for _ in counts]
+    send[rank] = np.sort(np.random.default_rng([seed, epoch, rank]).permutation(counts[rank])[:k])
+    return send, [k if s == rank else 0 for s in range(len(counts))]
+
+
 def plan_ignoring_epoch(counts, rank, q, epoch, seed=0):
     """The same exchange every epoch."""
     return exchange_plan(counts, rank, q, 0, seed)
@@ -117,6 +125,7 @@ def exchange_reverses_x_on_rank_0(comm, x, send, recv_counts):
         (plan_with_replacement, "more than once|loses or duplicates"),
         (plan_without_agreement, "expects .* samples from rank|would hold"),
         (plan_ignoring_epoch, "same as epoch"),
+        (plan_keeping_everything, "to itself: the exchange moves nothing"),
         (plan_miscounted_on_rank_0, "rank 0: .*expects .* samples from rank|rank 0: .*would hold"),
     ],
 )

@@ -115,6 +115,16 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
             # Each rank judges the plans from its own side: stop together, or the ranks that found
             # nothing would wait in the next case for the ones that stopped.
             fail_together(comm, problem and f"{case}: {problem}", f"exchange_plan on {count(size, 'rank')}")
+            if n == 200 and q > 0 and size > 1:
+                moved = sum(len(positions) for d, positions in enumerate(plan[0]) if d != rank)
+                fail_together(
+                    comm,
+                    None
+                    if moved
+                    else f"{case}: sends all its {len(np.concatenate(plan[0]))} samples to itself: the exchange "
+                    "moves nothing and mixes nothing; draw each sample's destination among all ranks",
+                    f"exchange_plan on {count(size, 'rank')}",
+                )
             if n == 200 and 0 < q < 1 and size > 1:
                 later = fn(list(counts), rank, q, epoch + 1, seed)
                 if all(np.array_equal(a, b) for a, b in zip(plan[0], later[0])):
