@@ -161,6 +161,14 @@ class FilterSums(FilterParallelConv):
         return out
 
 
+class FilterFixedPadding(FilterParallelConv):
+    """Pads by 1 whatever padding it is given (the only padding of a 3x3 conv that keeps the size)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        return FilterParallelConv.forward(ctx, x, weight, bias, comm, 1)
+
+
 class FilterByAllreduce(torch.autograd.Function):
     """A valid alternative: my channels in place in a zero tensor, summed over ranks; backward also one Allreduce."""
 
@@ -171,8 +179,9 @@ class FilterByAllreduce(torch.autograd.Function):
         sizes = torch.zeros(comm.Get_size(), dtype=torch.float64)
         comm.Allreduce(torch.tensor(counts, dtype=torch.float64).numpy(), sizes.numpy())
         start = int(sizes[: comm.Get_rank()].sum())
-        mine = torch.zeros(x.shape[0], int(sizes.sum()), x.shape[2], x.shape[3], dtype=x.dtype)
-        mine[:, start : start + weight.shape[0]] = F.conv2d(x, weight, bias, padding=padding)
+        own = F.conv2d(x, weight, bias, padding=padding)
+        mine = torch.zeros(x.shape[0], int(sizes.sum()), own.shape[2], own.shape[3], dtype=x.dtype)
+        mine[:, start : start + weight.shape[0]] = own
         out = torch.empty_like(mine)
         comm.Allreduce(mine.numpy(), out.numpy())
         ctx.save_for_backward(x, weight, bias)
@@ -249,6 +258,11 @@ def test_reference_and_valid_alternatives_pass():
 def test_wrong_halo_fails(wrong, says):
     with pytest.raises(CheckFailed, match=says):
         check_halo_exchange(wrong)
+
+
+def test_filter_that_ignores_padding_fails():
+    with pytest.raises(CheckFailed, match="(?s)padding 0.*(size|shape)"):
+        check_filter_parallel_conv(FilterFixedPadding)
 
 
 def test_filter_that_sums_fails():

@@ -47,12 +47,15 @@ def _grad(t: torch.Tensor | None) -> torch.Tensor:
     return t.grad
 
 
-def _reference(kernel: int, cout: int, height: int, seed: int) -> tuple[torch.nn.Conv2d, torch.Tensor, torch.Tensor]:
-    """A float64 conv, an input and output weights; the conv's and the input's gradients filled in."""
+def _reference(
+    kernel: int, cout: int, height: int, seed: int, padding: int | None = None
+) -> tuple[torch.nn.Conv2d, torch.Tensor, torch.Tensor]:
+    """A float64 conv (padding kernel // 2 unless given), an input and output weights; gradients filled in."""
     torch.manual_seed(seed)
-    conv = torch.nn.Conv2d(C, cout, kernel, padding=kernel // 2).double()
+    pad = kernel // 2 if padding is None else padding
+    conv = torch.nn.Conv2d(C, cout, kernel, padding=pad).double()
     x = torch.randn(N, C, height, W, dtype=torch.float64, requires_grad=True)
-    weights = torch.randn(N, cout, height, W, dtype=torch.float64)
+    weights = torch.randn(N, cout, height + 2 * pad - kernel + 1, W + 2 * pad - kernel + 1, dtype=torch.float64)
     (conv(x) * weights).sum().backward()
     return conv, x, weights
 
@@ -160,18 +163,21 @@ def check_halo_exchange(fn: Any) -> None:
 
 
 # Exercise 8.2: the filter-parallel convolution ------------------------------------
-def _filter_case(sub: MPI.Comm, fn: Any) -> str | None:
-    conv, x, weights = _reference(3, COUT, 7, seed=2)
+def _filter_case(sub: MPI.Comm, fn: Any, padding: int) -> str | None:
+    conv, x, weights = _reference(3, COUT, 7, seed=2, padding=padding)
     mine = block_range(COUT, sub.Get_rank(), sub.Get_size())
 
     def run(counting: Any) -> tuple:
         weight, bias = filter_slice(conv, counting)
         x_ = x.detach().clone().requires_grad_()
-        out = fn.apply(x_, weight, bias, counting, conv.padding)
+        out = fn.apply(x_, weight, bias, counting, padding)
         (out * weights).sum().backward()
         return out, x_.grad, weight.grad, None if bias is None else bias.grad
 
-    where = f"{COUT} output channels over {sub.Get_size()} ranks, this rank's {mine.start}-{mine.stop - 1}"
+    where = (
+        f"{COUT} output channels over {sub.Get_size()} ranks, this rank's {mine.start}-{mine.stop - 1}, "
+        f"padding {padding}"
+    )
     out, grad_x, grad_w, grad_b = run_counted(sub, run, (), f"FilterParallelConv ({where})", allow=COLLECTIVES)[0]
     if grad_w is None or grad_b is None:
         return f"({where}) the gradient of this rank's weight or bias is missing: backward must return them"
@@ -188,7 +194,12 @@ def _filter_case(sub: MPI.Comm, fn: Any) -> str | None:
 def check_filter_parallel_conv(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.FilterParallelConv: apply(x, weight, bias, comm, padding)."""
     world = MPI.COMM_WORLD
-    each_size(world, lambda sub: _filter_case(sub, fn), "FilterParallelConv does not equal one process's convolution")
+    for padding in (1, 0, 2):  # the argument the signature names: 1 keeps the size, 0 shrinks it, 2 grows it
+        each_size(
+            world,
+            functools.partial(_filter_case, fn=fn, padding=padding),
+            "FilterParallelConv does not equal one process's convolution",
+        )
     passed(
         world,
         "FilterParallelConv: the whole output on every rank, the input's and this rank's weight "
