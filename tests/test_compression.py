@@ -128,8 +128,33 @@ def test_held_blocks_cover_every_block_once() -> None:
             assert held == list(range(g))
 
 
-def test_hierarchical_model_beats_flat_when_the_link_is_slow() -> None:
+def test_hierarchical_model_prices_one_link_per_node() -> None:
     fast, slow = Link(1e-6, 1e-10), Link(1e-4, 1e-8)
     n = 64 * 2**20
-    assert hierarchical_seconds(n, 4, 2, fast, slow) < flat_ring_seconds(n, 4, 2, fast, slow) / 2
-    assert hierarchical_seconds(n, 2, 2, fast, slow) == pytest.approx(flat_ring_seconds(n, 2, 2, fast, slow))
+    inside = hierarchical_seconds(n, 2, 2, fast, slow)  # one node: the group steps only
+    assert inside == pytest.approx(flat_ring_seconds(n, 2, 2, fast, slow))
+    for size, g in ((4, 2), (6, 2), (6, 3), (8, 4)):
+        nodes = size // g
+        # g rings of n/g at once through each node's one link: one ring of n over the nodes,
+        # 2(N-1) steps of n/N bytes each, not n/(gN)
+        across = 2 * (nodes - 1) * (slow.alpha + n / nodes * slow.beta)
+        inside = hierarchical_seconds(n, g, g, fast, slow)
+        assert hierarchical_seconds(n, size, g, fast, slow) == pytest.approx(inside + across)
+        assert hierarchical_seconds(n, size, g, fast, slow) < flat_ring_seconds(n, size, g, fast, slow)
+
+
+def test_bias_and_error_tells_biased_from_unbiased_compressors():
+    from ddlab.compression import bias_and_error, densify, qsgd, random_k, top_k, unqsgd
+
+    x = np.random.default_rng(0).standard_normal(200)
+    k = 20
+    top = bias_and_error(lambda v, rng: densify(top_k(v, k)), x, 50)
+    kept = densify(top_k(x, k))
+    exact = float(np.linalg.norm(kept - x) / np.linalg.norm(x))
+    assert top == pytest.approx((exact, exact**2))  # deterministic: the bias is the whole error
+    unscaled = bias_and_error(lambda v, rng: densify(random_k(v, k, rng)), x, 2000)
+    assert unscaled[0] == pytest.approx(1 - k / x.size, abs=0.03)  # E[d] = (k/n) x
+    scaled = bias_and_error(lambda v, rng: densify(random_k(v, k, rng)) * (x.size / k), x, 2000)
+    assert scaled[0] < 0.1 and scaled[1] == pytest.approx(x.size / k - 1, rel=0.1)
+    quantized = bias_and_error(lambda v, rng: unqsgd(*qsgd(v, 4, rng), 4), x, 2000)
+    assert quantized[0] < 0.05 and quantized[1] <= min(x.size / 16, np.sqrt(x.size) / 4)

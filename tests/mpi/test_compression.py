@@ -8,9 +8,11 @@ from ddlab.allreduce.cost import Link
 from ddlab.compression import (
     GIGABIT_ETHERNET,
     CompressedAllreduce,
+    NodePorts,
     SlowLinkComm,
     densify,
     hierarchical_allreduce,
+    node_of,
     sparse_allreduce,
     top_k,
 )
@@ -76,6 +78,21 @@ def test_hierarchical_equals_mpi_allreduce(comm, group_size: int, n: int) -> Non
     x = np.random.default_rng([n, comm.rank]).integers(-50, 50, n).astype(np.float64)
     got = hierarchical_allreduce(comm, x, group_size)
     np.testing.assert_array_equal(got, _mpi_sum(x))
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3])
+def test_the_ranks_of_a_node_share_its_one_link(comm, group_size: int) -> None:
+    """Bookings made at once by a node's ranks queue one after another; other nodes' do not wait for them."""
+    ports = NodePorts(comm, group_size)
+    try:
+        comm.Barrier()
+        ends = comm.allgather(ports.reserve(node_of(comm.rank, group_size), 10.0))  # booked, not slept
+    finally:
+        ports.free()
+    for node in range(-(-comm.size // group_size)):
+        mine = sorted(ends[node * group_size : (node + 1) * group_size])
+        assert all(b - a >= 10.0 - 1e-6 for a, b in zip(mine, mine[1:]))  # one after another
+        assert mine[0] - min(ends) < 10.0  # every node's first booking starts at once
 
 
 def test_hierarchical_over_a_slow_link_delays_only_traffic_between_groups(comm) -> None:

@@ -60,6 +60,26 @@ def gradient_modified(gradient, residual, k):
     return top_k_with_feedback(gradient, np.zeros_like(gradient), k)
 
 
+def feedback_without_k0(gradient, residual, k):
+    """argpartition at n - k: fails when k = 0 (nothing to send), where the contract says all stays."""
+    fed = gradient + residual
+    indices = np.argpartition(np.abs(fed), fed.size - k)[fed.size - k :].astype(np.int32)
+    values = fed[indices]
+    fed[indices] = 0
+    return indices, values, fed
+
+
+def feedback_above_threshold(gradient, residual, k):
+    """Sends every item at least as large as the k-th largest magnitude: more than k when magnitudes tie."""
+    fed = gradient + residual
+    threshold = np.sort(np.abs(fed))[fed.size - k] if k else np.inf
+    indices = np.flatnonzero(np.abs(fed) >= threshold).astype(np.int32)
+    values = fed[indices]
+    kept = fed.copy()
+    kept[indices] = 0
+    return indices, values, kept
+
+
 @pytest.mark.parametrize("fn", [top_k_with_feedback, feedback_in_place])
 def test_feedback_check_accepts(fn, capsys) -> None:
     check_top_k_with_feedback(fn)
@@ -76,6 +96,8 @@ def test_feedback_check_accepts(fn, capsys) -> None:
         (indices_int64, "int32"),
         (values_float64, "dtype"),
         (gradient_modified, "changed the gradient"),
+        (feedback_without_k0, "(?s)k=0.*raised ValueError"),
+        (feedback_above_threshold, "(?s)tied magnitudes.*k = 5 positions"),
     ],
 )
 def test_feedback_check_fails(fn, says: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,25 @@ class HaloForgetsBackward(HaloExchange):
     @staticmethod
     def backward(ctx, grad_above, grad_below):
         return grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3]), None, None
+
+
+class HaloGlobalBackward(HaloExchange):
+    """Backward sends on the notebook's global communicator, blocking: on a sub-communicator it would deadlock."""
+
+    @staticmethod
+    def backward(ctx, grad_above, grad_below):
+        rank, size = WORLD.Get_rank(), ctx.comm.Get_size()
+        grad_x = grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3])
+        from_above, from_below = torch.zeros_like(grad_above), torch.zeros_like(grad_below)
+        up = rank - 1 if rank > 0 else MPI.PROC_NULL
+        down = rank + 1 if rank + 1 < WORLD.Get_size() else MPI.PROC_NULL
+        WORLD.Sendrecv(grad_above.contiguous().numpy(), up, 5, from_below.numpy(), down, 5)
+        WORLD.Sendrecv(grad_below.contiguous().numpy(), down, 6, from_above.numpy(), up, 6)
+        if rank > 0:
+            grad_x[:, :, : ctx.halo] += from_above
+        if rank + 1 < size:
+            grad_x[:, :, -ctx.halo :] += from_below
+        return grad_x, None, None
 
 
 class HaloOneRow(HaloExchange):
@@ -141,6 +161,14 @@ class FilterSums(FilterParallelConv):
         return out
 
 
+class FilterFixedPadding(FilterParallelConv):
+    """Pads by 1 whatever padding it is given (the only padding of a 3x3 conv that keeps the size)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        return FilterParallelConv.forward(ctx, x, weight, bias, comm, 1)
+
+
 class FilterByAllreduce(torch.autograd.Function):
     """A valid alternative: my channels in place in a zero tensor, summed over ranks; backward also one Allreduce."""
 
@@ -151,8 +179,9 @@ class FilterByAllreduce(torch.autograd.Function):
         sizes = torch.zeros(comm.Get_size(), dtype=torch.float64)
         comm.Allreduce(torch.tensor(counts, dtype=torch.float64).numpy(), sizes.numpy())
         start = int(sizes[: comm.Get_rank()].sum())
-        mine = torch.zeros(x.shape[0], int(sizes.sum()), x.shape[2], x.shape[3], dtype=x.dtype)
-        mine[:, start : start + weight.shape[0]] = F.conv2d(x, weight, bias, padding=padding)
+        own = F.conv2d(x, weight, bias, padding=padding)
+        mine = torch.zeros(x.shape[0], int(sizes.sum()), own.shape[2], own.shape[3], dtype=x.dtype)
+        mine[:, start : start + weight.shape[0]] = own
         out = torch.empty_like(mine)
         comm.Allreduce(mine.numpy(), out.numpy())
         ctx.save_for_backward(x, weight, bias)
@@ -200,6 +229,11 @@ def slabs_extra_rows_last(height, size, levels):
     return bounds
 
 
+def slabs_as_numpy(height, size, levels):
+    """Valid: the reference's bounds as a NumPy array of int64."""
+    return np.asarray(slab_bounds(height, size, levels), dtype=np.int64)
+
+
 def test_reference_and_valid_alternatives_pass():
     check_halo_exchange(HaloExchange)
     check_halo_exchange(HaloSendrecv)
@@ -207,6 +241,7 @@ def test_reference_and_valid_alternatives_pass():
     check_filter_parallel_conv(FilterByAllreduce)
     check_slab_bounds(slab_bounds)
     check_slab_bounds(slabs_extra_rows_last)
+    check_slab_bounds(slabs_as_numpy)
 
 
 @pytest.mark.parametrize(
@@ -217,11 +252,17 @@ def test_reference_and_valid_alternatives_pass():
         (HaloWrongRows, "output"),
         (HaloWrapsAround, "output|sent"),
         (HaloOverwrites, "slab's gradient"),
+        (HaloGlobalBackward, "half of .*notebook's `comm`"),
     ],
 )
 def test_wrong_halo_fails(wrong, says):
     with pytest.raises(CheckFailed, match=says):
         check_halo_exchange(wrong)
+
+
+def test_filter_that_ignores_padding_fails():
+    with pytest.raises(CheckFailed, match="(?s)padding 0.*(size|shape)"):
+        check_filter_parallel_conv(FilterFixedPadding)
 
 
 def test_filter_that_sums_fails():

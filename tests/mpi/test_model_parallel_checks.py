@@ -46,6 +46,15 @@ class SendWrongTag(SendTensor):
         return ctx.mailbox.take(ctx.shape, ctx.dtype, ctx.peer, ctx.tag + 1), None, None, None
 
 
+class SendPlaceholderShape(SendTensor):
+    """Receives the gradient into the placeholder gradient's shape (0-dim) instead of x's saved shape."""
+
+    @staticmethod
+    def backward(ctx, placeholder_grad):
+        grad = ctx.mailbox.take(tuple(placeholder_grad.shape), placeholder_grad.dtype, ctx.peer, ctx.tag)
+        return grad, None, None, None
+
+
 class SendStub(SendTensor):
     @staticmethod
     def forward(ctx, x, mailbox, peer, tag):
@@ -118,6 +127,13 @@ def test_wrong_tag_fails_within_the_timeout(monkeypatch):
     monkeypatch.setattr(checks, "TIMEOUT", 2.0)
     with pytest.raises(CheckFailed, match="Stalled.*deadlock"):
         check_send_tensor(SendWrongTag)
+
+
+def test_receiving_into_the_placeholder_shape_fails_within_the_timeout(monkeypatch):
+    monkeypatch.setattr(checks, "TIMEOUT", 2.0)
+    with pytest.raises(CheckFailed, match="expected a \\(\\) tensor .*holds .* bytes.*placeholder"):
+        check_send_tensor(SendPlaceholderShape)
+    check_send_tensor(SendTensor)  # and the ranks are still in step afterwards
 
 
 def test_stub_raises_not_implemented_on_every_rank():

@@ -29,6 +29,23 @@ def plan_without_agreement(counts, rank, q, epoch, seed=0):
     return [positions[d::size] for d in range(size)], [len(positions[d::size]) for d in range(size)]
 
 
+def plan_miscounted_on_rank_0(counts, rank, q, epoch, seed=0):
+    """Right everywhere but on rank 0, which expects one sample more from the last rank: only it can tell."""
+    send, recv_counts = exchange_plan(counts, rank, q, epoch, seed)
+    if rank == 0:
+        recv_counts = list(recv_counts)
+        recv_counts[-1] += 1
+    return send, recv_counts
+
+
+def plan_keeping_everything(counts, rank, q, epoch, seed=0):
+    """Sends round(Q m) samples, all to itself: every count agrees, nothing moves."""
+    k = round(q * counts[rank])
+    send = [np.empty(0, np.int64) for _ in counts]
+    send[rank] = np.sort(np.random.default_rng([seed, epoch, rank]).permutation(counts[rank])[:k])
+    return send, [k if s == rank else 0 for s in range(len(counts))]
+
+
 def plan_ignoring_epoch(counts, rank, q, epoch, seed=0):
     """The same exchange every epoch."""
     return exchange_plan(counts, rank, q, 0, seed)
@@ -94,12 +111,22 @@ def exchange_with_row_type(comm, x, send, recv_counts):
     return incoming
 
 
+def exchange_reverses_x_on_rank_0(comm, x, send, recv_counts):
+    """Right rows, but rank 0 reverses the caller's array in place afterwards: only rank 0 sees it."""
+    got = exchange_samples(comm, x, send, recv_counts)
+    if comm.Get_rank() == 0:
+        x[:] = x[::-1].copy()
+    return got
+
+
 @pytest.mark.parametrize(
     "plan, message",
     [
         (plan_with_replacement, "more than once|loses or duplicates"),
         (plan_without_agreement, "expects .* samples from rank|would hold"),
         (plan_ignoring_epoch, "same as epoch"),
+        (plan_keeping_everything, "to itself: the exchange moves nothing"),
+        (plan_miscounted_on_rank_0, "rank 0: .*expects .* samples from rank|rank 0: .*would hold"),
     ],
 )
 def test_wrong_plans_fail(comm, plan, message):
@@ -112,6 +139,7 @@ def test_wrong_plans_fail(comm, plan, message):
     [
         (exchange_displacements_in_rows, "outside the|rows received"),
         (exchange_point_to_point, "called comm.Alltoallv 0 times"),
+        (exchange_reverses_x_on_rank_0, "rank 0: .*changed x"),
     ],
 )
 def test_wrong_exchanges_fail(comm, exchange, message):

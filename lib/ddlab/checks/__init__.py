@@ -49,6 +49,7 @@ _WHERE = {
     "check_halo_exchange": "intra_layer",
     "check_slab_bounds": "intra_layer",
     "check_hierarchical_allreduce": "compression",
+    "check_qsgd": "compression",
     "check_sparse_allreduce": "compression",
     "check_top_k_with_feedback": "compression",
     "check_async_worker": "parameter_server",

@@ -26,8 +26,17 @@ from mpi4py import MPI
 from ..compression import hierarchical_allreduce, node_of
 from ..runtime.counting import Traffic
 from ._core import array_problem, each_size, fail_together, passed, run_counted
+from .errors import CheckFailed
 
-FEEDBACK_CASES = [(60, 6, np.float32), (33, 1, np.float64), (8, 8, np.float32)]
+#: (n, k, dtype, ties): k = 0 sends nothing; with ties the gradients are small integers, so the k-th
+#: largest magnitude is shared and any of the tied items may go.
+FEEDBACK_CASES = [
+    (60, 6, np.float32, False),
+    (33, 1, np.float64, False),
+    (8, 8, np.float32, False),
+    (20, 0, np.float64, False),
+    (30, 5, np.float32, True),
+]
 FEEDBACK_STEPS = 4
 SPARSE_CASES = [(1000, (10, 0, 25, 3), np.float32), (40, (10, 40, 7, 10), np.float64)]
 COUNTS_OVERHEAD = 64  # bytes per peer allowed on top of the pairs (the counts' exchange)
@@ -87,14 +96,18 @@ def check_top_k_with_feedback(
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> None:
-        for n, k, dtype in FEEDBACK_CASES:
+        for n, k, dtype, ties in FEEDBACK_CASES:
             residual = np.zeros(n, dtype)
             truth, applied = np.zeros(n), np.zeros(n)
             for step in range(FEEDBACK_STEPS):
-                gradient = np.random.default_rng([n, step, sub.Get_rank()]).standard_normal(n).astype(dtype)
+                rng = np.random.default_rng([n, step, sub.Get_rank()])
+                gradient = (rng.integers(-2, 3, n) if ties else rng.standard_normal(n)).astype(dtype)
                 before, fed = gradient.copy(), gradient + residual
                 out, problem = _call(fn, gradient, residual, k)
-                context = f"top_k_with_feedback (n={n}, k={k}, {np.dtype(dtype).name}, step {step + 1})"
+                context = (
+                    f"top_k_with_feedback (n={n}, k={k}{', tied magnitudes' if ties else ''}, "
+                    f"{np.dtype(dtype).name}, step {step + 1})"
+                )
                 if problem is None and not np.array_equal(gradient, before):
                     problem = "changed the gradient passed in: compute gradient + residual into a new array"
                 problem = problem or _pairs_problem(out, fed, k)
@@ -204,3 +217,108 @@ def check_hierarchical_allreduce(fn: Callable[[Any, np.ndarray, int], np.ndarray
 
     each_size(comm, body, "hierarchical_allreduce")
     passed(comm, "hierarchical allreduce: MPI's sums, and only each rank's slice crosses between groups")
+
+
+# Exercise 11.4: QSGD ----------------------------------------------------------------
+QSGD_DRAWS = 400  # draws of the unbiasedness test
+QSGD_SIGMAS = 6.0  # how far (in standard errors) the mean of the draws may stray from x
+
+
+def _qsgd_cases() -> list[tuple[str, np.ndarray, int]]:
+    """(what, x, s): both dtypes, s from 1 to 127, exact ties, zeros, one item, the lab's size."""
+    rng = np.random.default_rng(11)
+    cases = [
+        ("ties: s |x_i| / ||x|| is an integer", np.array([3.0, -4.0, 0.0, 12.0]), 13),
+        ("ties, float32", np.array([-6.0, 8.0], dtype=np.float32), 10),
+        ("one item", np.array([-2.5]), 3),
+        ("a zero vector", np.zeros(7, dtype=np.float32), 4),
+    ]
+    for dtype in (np.float32, np.float64):
+        for s in (1, 4, 127):
+            x = rng.standard_normal(1000).astype(dtype)
+            x[::17] = 0
+            cases.append((f"{np.dtype(dtype).name}, 1000 items", x, s))
+    cases.append(("s given as a NumPy integer", rng.standard_normal(50), np.int64(5)))
+    return cases
+
+
+def _levels_problem(out: Any, x: np.ndarray, s: int) -> str | None:
+    """What is wrong with one (norm, levels), or None; they may differ from the reference's draw by draw."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        return f"should return a tuple (norm, levels), got {type(out).__name__}"
+    norm, levels = out
+    want = np.array([np.linalg.norm(x.astype(np.float64))]).astype(x.dtype)
+    if not isinstance(norm, np.ndarray) or norm.shape != (1,) or norm.dtype != x.dtype:
+        return f"norm should be an array of shape (1,) in x's dtype {x.dtype}, got {norm!r}"
+    if not np.isclose(norm[0], want[0], rtol=1e-5, atol=0):
+        return f"norm is {norm[0]:.6g}, expected ||x||_2 = {want[0]:.6g} (QSGD scales by the 2-norm)"
+    if not isinstance(levels, np.ndarray) or levels.dtype != np.int8 or levels.shape != x.shape:
+        what = f"{levels.dtype} {levels.shape}" if isinstance(levels, np.ndarray) else type(levels).__name__
+        return f"levels should be an int8 array of shape {x.shape} (one byte per item), got {what}"
+    if want[0] == 0:
+        return None if not levels.any() else "a zero vector must give zero levels"
+    ratio = np.abs(x.astype(np.float64)) / float(want[0]) * int(s)
+    tie = np.abs(ratio - np.round(ratio)) <= 1e-4 * int(s)  # an integer, up to float32's rounding
+    low = np.where(tie, np.round(ratio), np.floor(ratio))
+    high = np.where(tie, low, low + 1)
+    size = np.abs(levels.astype(np.int64))
+    bad = np.flatnonzero((size < low) | (size > high) | (np.sign(levels) * np.sign(x) < 0))
+    if bad.size:
+        i = bad[0]
+        return (
+            f"levels[{i}] is {levels[i]} for x[{i}] = {x[i]:.6g}: s |x_i| / ||x|| = {ratio[i]:.4f}, so the "
+            f"level is {'-' if x[i] < 0 else ''}{int(low[i])}"
+            + ("" if tie[i] else " or one more in size")
+            + ", with x_i's sign"
+        )
+    return None
+
+
+def check_qsgd(
+    qsgd: Callable[[np.ndarray, int, np.random.Generator], tuple[np.ndarray, np.ndarray]],
+    unqsgd: Callable[[np.ndarray, np.ndarray, int], np.ndarray],
+) -> None:
+    """qsgd(x, s, rng) -> (norm, levels) and unqsgd(norm, levels, s) -> estimate: QSGD, unbiased, seeded by rng."""
+    for what, x, s in _qsgd_cases():
+        case = f"qsgd on {what} (s = {s})"
+        original = x.copy()
+        out = qsgd(x, s, np.random.default_rng(3))
+        problem = "changed x: leave the caller's gradient as it is" if not np.array_equal(x, original) else None
+        problem = problem or _levels_problem(out, x, s)
+        if problem is None and x.any():
+            again = qsgd(x, s, np.random.default_rng(3))
+            if not isinstance(again, tuple) or not np.array_equal(again[1], out[1]):
+                problem = "the same seeded rng gave other levels: draw every random number from `rng`"
+        if problem is None:
+            decoded = unqsgd(out[0].copy(), out[1].copy(), s)
+            want = out[1].astype(x.dtype) * (out[0][0] / x.dtype.type(s))
+            problem = array_problem(decoded, want, "unqsgd(norm, levels, s)")
+        if problem:
+            raise CheckFailed(f"{case}: {problem}")
+    _check_unbiased(qsgd, unqsgd)
+    for bad in (0, 128, 2.5):
+        try:
+            qsgd(np.ones(3), bad, np.random.default_rng(0))  # type: ignore[arg-type]
+        except ValueError:
+            continue
+        raise CheckFailed(f"qsgd(x, s={bad!r}, rng) returned; s must be an int from 1 to 127: raise ValueError")
+    print("passed: qsgd keeps the 2-norm and rounds each |x_i| to a neighbouring level at random; unbiased")
+
+
+def _check_unbiased(
+    qsgd: Callable[[np.ndarray, int, np.random.Generator], tuple[np.ndarray, np.ndarray]],
+    unqsgd: Callable[[np.ndarray, np.ndarray, int], np.ndarray],
+) -> None:
+    """The mean of many decoded draws must approach x: each item's error has variance <= (||x|| / 2s)^2."""
+    x = np.random.default_rng(5).standard_normal(64)
+    rng = np.random.default_rng(6)
+    for s in (1, 3):
+        mean = np.mean([unqsgd(*qsgd(x, s, rng), s) for _ in range(QSGD_DRAWS)], axis=0)
+        stderr = np.linalg.norm(x) / (2 * s * np.sqrt(QSGD_DRAWS))
+        worst = int(np.argmax(np.abs(mean - x)))
+        if abs(mean[worst] - x[worst]) > QSGD_SIGMAS * stderr:
+            raise CheckFailed(
+                f"qsgd is biased (s = {s}): over {QSGD_DRAWS} draws item {worst} averages {mean[worst]:.4f}, "
+                f"x holds {x[worst]:.4f} (at most {QSGD_SIGMAS * stderr:.4f} away if unbiased): round up with "
+                "probability equal to the fraction s |x_i| / ||x|| - floor(s |x_i| / ||x||)"
+            )

@@ -14,6 +14,7 @@ import functools
 from collections import Counter
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
@@ -24,7 +25,7 @@ from ..intra_layer.fit import COLLECTIVES
 from ..models.unet import UNet
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
-from ._core import count, each_size, passed, run_counted
+from ._core import count, each_size, is_integer, passed, run_counted
 
 TOL = 1e-10
 N, C, COUT, W = 2, 3, 5, 6
@@ -46,12 +47,15 @@ def _grad(t: torch.Tensor | None) -> torch.Tensor:
     return t.grad
 
 
-def _reference(kernel: int, cout: int, height: int, seed: int) -> tuple[torch.nn.Conv2d, torch.Tensor, torch.Tensor]:
-    """A float64 conv, an input and output weights; the conv's and the input's gradients filled in."""
+def _reference(
+    kernel: int, cout: int, height: int, seed: int, padding: int | None = None
+) -> tuple[torch.nn.Conv2d, torch.Tensor, torch.Tensor]:
+    """A float64 conv (padding kernel // 2 unless given), an input and output weights; gradients filled in."""
     torch.manual_seed(seed)
-    conv = torch.nn.Conv2d(C, cout, kernel, padding=kernel // 2).double()
+    pad = kernel // 2 if padding is None else padding
+    conv = torch.nn.Conv2d(C, cout, kernel, padding=pad).double()
     x = torch.randn(N, C, height, W, dtype=torch.float64, requires_grad=True)
-    weights = torch.randn(N, cout, height, W, dtype=torch.float64)
+    weights = torch.randn(N, cout, height + 2 * pad - kernel + 1, W + 2 * pad - kernel + 1, dtype=torch.float64)
     (conv(x) * weights).sum().backward()
     return conv, x, weights
 
@@ -123,6 +127,13 @@ def _halo_case(sub: MPI.Comm, fn: Any, kernel: int, height: int | None) -> str |
         def describe(c: Counter) -> str:
             return ", ".join(f"{n} x {b} B to rank {p}" for (p, b), n in sorted(c.items())) or "nothing"
 
+        if sent and all(2 * n == owed[key] for key, n in sent.items()) and sent.keys() == owed.keys():
+            return (
+                f"({where}) sent {describe(sent)} through the communicator passed to apply, half of "
+                f"{describe(owed)}: one direction's halos went another way. Does backward use the notebook's "
+                "`comm` (MPI.COMM_WORLD) instead of the one forward was given? Keep forward's `comm` in ctx "
+                "and send on it: on a sub-communicator a global one waits for ranks that are not there"
+            )
         return (
             f"({where}) sent {describe(sent)}; a halo of {halo} rows x {W} columns x {C} channels x {N} "
             f"images x 8 B is {nbytes} B, one to each neighbour forward and one backward: {describe(owed)}"
@@ -133,11 +144,16 @@ def _halo_case(sub: MPI.Comm, fn: Any, kernel: int, height: int | None) -> str |
 def check_halo_exchange(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.HaloExchange: apply(x, comm, halo) -> (above, below)."""
     world = MPI.COMM_WORLD
+    # The whole world first: an exchange that sends on a global communicator instead of the one
+    # passed in still completes there (its neighbours are the same), and the counts show it; on a
+    # smaller sub-communicator the same answer would wait for ranks outside it forever.
+    sizes = range(world.Get_size(), 0, -1)
     for case in HALO_CASES:
         each_size(
             world,
             functools.partial(_halo_case, fn=fn, kernel=case[0], height=case[1]),
             "HaloExchange does not make a slab's convolution equal one process's",
+            sizes,
         )
     passed(
         world,
@@ -147,18 +163,21 @@ def check_halo_exchange(fn: Any) -> None:
 
 
 # Exercise 8.2: the filter-parallel convolution ------------------------------------
-def _filter_case(sub: MPI.Comm, fn: Any) -> str | None:
-    conv, x, weights = _reference(3, COUT, 7, seed=2)
+def _filter_case(sub: MPI.Comm, fn: Any, padding: int) -> str | None:
+    conv, x, weights = _reference(3, COUT, 7, seed=2, padding=padding)
     mine = block_range(COUT, sub.Get_rank(), sub.Get_size())
 
     def run(counting: Any) -> tuple:
         weight, bias = filter_slice(conv, counting)
         x_ = x.detach().clone().requires_grad_()
-        out = fn.apply(x_, weight, bias, counting, conv.padding)
+        out = fn.apply(x_, weight, bias, counting, padding)
         (out * weights).sum().backward()
         return out, x_.grad, weight.grad, None if bias is None else bias.grad
 
-    where = f"{COUT} output channels over {sub.Get_size()} ranks, this rank's {mine.start}-{mine.stop - 1}"
+    where = (
+        f"{COUT} output channels over {sub.Get_size()} ranks, this rank's {mine.start}-{mine.stop - 1}, "
+        f"padding {padding}"
+    )
     out, grad_x, grad_w, grad_b = run_counted(sub, run, (), f"FilterParallelConv ({where})", allow=COLLECTIVES)[0]
     if grad_w is None or grad_b is None:
         return f"({where}) the gradient of this rank's weight or bias is missing: backward must return them"
@@ -175,7 +194,12 @@ def _filter_case(sub: MPI.Comm, fn: Any) -> str | None:
 def check_filter_parallel_conv(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.FilterParallelConv: apply(x, weight, bias, comm, padding)."""
     world = MPI.COMM_WORLD
-    each_size(world, lambda sub: _filter_case(sub, fn), "FilterParallelConv does not equal one process's convolution")
+    for padding in (1, 0, 2):  # the argument the signature names: 1 keeps the size, 0 shrinks it, 2 grows it
+        each_size(
+            world,
+            functools.partial(_filter_case, fn=fn, padding=padding),
+            "FilterParallelConv does not equal one process's convolution",
+        )
     passed(
         world,
         "FilterParallelConv: the whole output on every rank, the input's and this rank's weight "
@@ -197,9 +221,9 @@ def _bounds_problem(fn: Callable[..., Any], height: int, size: int, levels: int)
             return None
         return f"{case} returned {got!r}; {height // unit} blocks of {unit} rows cannot give {size} ranks one each: raise ValueError"
     got = fn(height, size, levels)
-    if not isinstance(got, (list, tuple)) or len(got) != size + 1 or not all(isinstance(b, int) for b in got):
+    if not isinstance(got, (list, tuple, np.ndarray)) or len(got) != size + 1 or not all(is_integer(b) for b in got):
         return f"{case} returned {got!r}; return a list of size + 1 = {size + 1} ints"
-    got = list(got)
+    got = [int(b) for b in got]
     if got[0] != 0 or got[-1] != height or any(a >= b for a, b in zip(got, got[1:])):
         return f"{case} returned {got}: bounds must increase strictly from 0 to {height}"
     broken = [b for b in got if b % unit]

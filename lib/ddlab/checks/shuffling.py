@@ -21,7 +21,7 @@ from mpi4py import MPI
 from ..runtime.blocks import block_bounds
 from ..runtime.counting import COLLECTIVE_TAG
 from ..shuffling.shuffler import exchange_plan
-from ._core import array_problem, each_size, passed, run_counted
+from ._core import array_problem, count, each_size, fail_together, passed, run_counted
 
 PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0) for epoch, seed in ((0, 0), (3, 11))]
 
@@ -112,8 +112,19 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
                 return f"{case}: {problem}" if problem else None
             plans = [plan for _, plan in everyone]
             problem = _plan_problem(plans, counts, rank, q) or _replay_problem(plans, counts)
-            if problem:
-                return f"{case}: {problem}"
+            # Each rank judges the plans from its own side: stop together, or the ranks that found
+            # nothing would wait in the next case for the ones that stopped.
+            fail_together(comm, problem and f"{case}: {problem}", f"exchange_plan on {count(size, 'rank')}")
+            if n == 200 and q > 0 and size > 1:
+                moved = sum(len(positions) for d, positions in enumerate(plan[0]) if d != rank)
+                fail_together(
+                    comm,
+                    None
+                    if moved
+                    else f"{case}: sends all its {len(np.concatenate(plan[0]))} samples to itself: the exchange "
+                    "moves nothing and mixes nothing; draw each sample's destination among all ranks",
+                    f"exchange_plan on {count(size, 'rank')}",
+                )
             if n == 200 and 0 < q < 1 and size > 1:
                 later = fn(list(counts), rank, q, epoch + 1, seed)
                 if all(np.array_equal(a, b) for a, b in zip(plan[0], later[0])):
@@ -147,10 +158,10 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
             x = holdings[rank]
             original = x.copy()
             case = f"{np.dtype(dtype).name} samples of shape {shape}, counts={counts}, q={q}"
+            want = np.concatenate([holdings[s][plans[s][0][rank]] for s in range(size)])  # before fn can touch x
             got, traffic = run_counted(
                 comm, fn, (x, *plans[rank]), f"exchange_samples with {case}", allow=("Alltoallv",)
             )
-            want = np.concatenate([holdings[s][plans[s][0][rank]] for s in range(size)]) if size else x[:0]
             problem = array_problem(got, want, "the rows received")
             if problem is None and np.shares_memory(got, x):
                 problem = "returned x or a view of it: return a new array"
@@ -158,8 +169,7 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
                 problem = "changed x: leave the caller's samples as they are"
             if problem is None:
                 problem = _traffic_problem(traffic[rank], [len(p) * x[0:1].nbytes for p in plans[rank][0]])
-            if problem:
-                return f"{case}: {problem}"
+            fail_together(comm, problem and f"{case}: {problem}", f"exchange_samples on {count(size, 'rank')}")
         return None
 
     each_size(world, body, "exchange_samples")

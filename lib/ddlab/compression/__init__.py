@@ -1,10 +1,11 @@
 """Communicating less (lab 11): compressed gradients and topology-aware allreduce.
 
-- `compressors`: top-k, random-k, 8-bit stochastic quantization, 1-bit signs; error feedback.
+- `compressors`: top-k, random-k, QSGD and 8-bit stochastic quantization, 1-bit signs; error feedback;
+  the bias and error of a compressor measured over draws.
 - `sparse`: the sparse allreduce through Allgatherv and its cost against the dense ring.
 - `allreducers`: `CompressedAllreduce`, any of them as lab 04's pluggable allreduce.
 - `hierarchical`: the two-level allreduce over node groups (on lab 03's ring halves), its cost
-  (priced with `ddlab.allreduce.cost`), an emulated slow link.
+  (priced with `ddlab.allreduce.cost`), an emulated slow link: one per node, shared by its ranks.
 """
 
 from .allreducers import METHODS, CompressedAllreduce
@@ -13,19 +14,23 @@ from .compressors import (
     Quantized,
     Signs,
     Sparse,
+    bias_and_error,
     densify,
     dequantize_8bit,
     keep_count,
+    qsgd,
     quantize_8bit,
     random_k,
     sign_1bit,
     top_k,
     top_k_with_feedback,
+    unqsgd,
     unsign_1bit,
 )
 from .hierarchical import (
     GIGABIT_ETHERNET,
     SHARED_MEMORY,
+    NodePorts,
     SlowLinkComm,
     emulated,
     flat_ring_seconds,

@@ -9,6 +9,9 @@ vector of the same length. The error bounds the tests hold them to, for x of n i
 - `quantize_8bit(x, rng)`: QSGD-style stochastic rounding (Alistarh et al., "QSGD:
   communication-efficient SGD via gradient quantization and encoding", NeurIPS 2017)
   to 127 levels of max|x| per sign: unbiased, |x_i - d_i| <= max|x| / 127, one byte per item.
+- `qsgd(x, s, rng)`: QSGD itself (Alistarh et al. 2017, Section 3.1): |x_i| / ||x||_2 rounded
+  stochastically to one of s levels per sign, int8 levels and the 2-norm. Unbiased, and
+  E||x - d||^2 <= min(n / s^2, sqrt(n) / s) ||x||^2 (their Lemma 3.1).
 - `sign_1bit(x)`: the signs (one bit per item, packed) times mean|x| (1-bit SGD, Seide
   et al., Interspeech 2014; signSGD, Bernstein et al., ICML 2018). ||x - d||^2 =
   ||x||^2 - ||x||_1^2 / n <= ||x||^2: a contraction, so error feedback makes SGD with it
@@ -19,7 +22,8 @@ vector of the same length. The error bounds the tests hold them to, for x of n i
 `ErrorFeedback` keeps the residual, what compression left out, and adds it to the
 next gradient: e_{t+1} = (g_t + e_t) - d_t, so sum of d_t + e_T = sum of g_t exactly.
 
-Exercise signature (lab 11):
+Exercise signatures (lab 11):
+`qsgd(x, s, rng) -> (norm, levels)` and `unqsgd(norm, levels, s) -> x's estimate`: see `qsgd`.
 `top_k_with_feedback(gradient, residual, k) -> (indices, values, residual)`: top-k of
 gradient + residual, `indices` int32, `values` the gradient's dtype, and the new residual
 (what was not sent); the gradient is left unchanged.
@@ -28,6 +32,7 @@ gradient + residual, `indices` int32, `values` the gradient's dtype, and the new
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -111,15 +116,54 @@ def quantize_8bit(x: np.ndarray, rng: np.random.Generator) -> Quantized:
     scale = np.abs(x).max(initial=0).astype(x.dtype)
     if scale == 0:
         return Quantized(np.zeros(x.size, dtype=np.int8), np.array([scale]))
-    ratio = np.abs(x) / scale * LEVELS
-    level = np.floor(ratio + rng.random(x.size))
-    level = np.minimum(level, LEVELS)
+    level = np.minimum(stochastic_round(np.abs(x) / scale * LEVELS, rng), LEVELS)
     return Quantized((np.sign(x) * level).astype(np.int8), np.array([scale]))
 
 
 def dequantize_8bit(message: Quantized) -> np.ndarray:
     """The vector the levels stand for: level * scale / LEVELS."""
     return message.levels.astype(message.scale.dtype) * (message.scale[0] / LEVELS)
+
+
+def stochastic_round(ratio: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """floor(ratio) or floor(ratio) + 1, the latter with probability ratio - floor(ratio): E = ratio."""
+    return np.floor(ratio + rng.random(ratio.size))
+
+
+def qsgd(x: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """QSGD with s levels per sign: (norm, levels), norm = [||x||_2] in x's dtype, levels int8 in -s..s.
+
+    |levels_i| is floor(s |x_i| / ||x||) or one more, with the probability that makes
+    E[unqsgd(norm, levels, s)] = x. A zero vector gives norm 0 and zero levels; x is not changed.
+    """
+    if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or not 1 <= s <= LEVELS:
+        raise ValueError(f"s (levels per sign) must be an int from 1 to {LEVELS}, to fit in int8; got {s!r}")
+    if x.ndim != 1 or x.dtype.kind != "f":
+        raise ValueError(f"x must be a 1-D float array, got {x.ndim}-D {x.dtype}")
+    norm = np.array([np.linalg.norm(x)], dtype=x.dtype)
+    if norm[0] == 0:
+        return norm, np.zeros(x.size, dtype=np.int8)
+    level = np.minimum(stochastic_round(np.abs(x) / norm[0] * s, rng), s)
+    return norm, (np.sign(x) * level).astype(np.int8)
+
+
+def unqsgd(norm: np.ndarray, levels: np.ndarray, s: int) -> np.ndarray:
+    """The vector QSGD's message stands for, in the norm's dtype: norm * levels / s."""
+    return levels.astype(norm.dtype) * (norm[0] / norm.dtype.type(s))
+
+
+def bias_and_error(
+    compress: Callable[[np.ndarray, np.random.Generator], np.ndarray], x: np.ndarray, draws: int, seed: int = 0
+) -> tuple[float, float]:
+    """Over `draws` calls of compress(x, rng) -> dense estimate: ||E[d] - x|| / ||x|| and E||d - x||^2 / ||x||^2."""
+    rng = np.random.default_rng(seed)
+    total, squared = np.zeros(x.size), 0.0
+    for _ in range(draws):
+        d = compress(x, rng).astype(np.float64)
+        total += d
+        squared += float(np.sum((d - x) ** 2))
+    norm2 = float(np.sum(x.astype(np.float64) ** 2))
+    return float(np.linalg.norm(total / draws - x)) / np.sqrt(norm2), squared / draws / norm2
 
 
 def sign_1bit(x: np.ndarray) -> Signs:

@@ -10,11 +10,12 @@ holds the contiguous blocks b with b * s // g == l. Then:
 3. allgather inside the group: every rank gets every block.
 
 Only step 2 crosses the slow link, and it carries 2(N-1)/N n/g items per rank (N
-groups) instead of the flat ring's 2(P-1)/P n. The g ranks of a node send theirs at
-once: through one network port per node that is 2(N-1)/N n per node, close to what the
-flat ring sends through it (one message of n/P per step), so there the gain is latency
-(2(N-1) slow steps instead of 2(P-1)); the bytes per port fall g-fold only with a port
-per rank, which `hierarchical_seconds` and `SlowLinkComm` assume. This is the
+groups) instead of the flat ring's 2(P-1)/P n. But the g ranks of a node send theirs at
+once, through the node's one network port: 2(N-1)/N n per node, close to what the flat
+ring sends through it (one message of n/P per step, only one rank of a node sending out
+of it), so the gain is latency (2(N-1) slow steps instead of 2(P-1)) and what the group
+steps save, not g times fewer bytes. `hierarchical_seconds` and `SlowLinkComm` both price
+one link per node, shared by its ranks. This is the
 two-level scheme behind Horovod's hierarchical allreduce and, co-designed with the
 network's topology, Nguyen & Wahib's halving-doubling allreduce ("An allreduce
 algorithm and network co-design for large-scale training of distributed deep learning",
@@ -100,30 +101,76 @@ def hierarchical_seconds(
     nbytes: float | np.ndarray, size: int, group_size: int, intra: Link, inter: Link
 ) -> float | np.ndarray:
     """Predicted time of hierarchical_allreduce with full groups of g: a ring reduce-scatter and allgather
-    of n inside each group, between them a ring allreduce of n/g across the groups."""
+    of n inside each group, between them g ring allreduces of n/g across the groups at once.
+
+    The g rings share each node's one link: every step, each sends n/(gN) bytes out of the
+    node, n/N in all, so together they cost one ring allreduce of n across the N nodes.
+    """
     g, nodes = min(group_size, size), -(-size // group_size)
     n = np.asarray(nbytes, dtype=float)
     inside = collective_terms("reduce_scatter", g, n, "ring") + collective_terms("allgather", g, n, "ring")
-    return inside.seconds(intra) + terms("ring", nodes, n / g).seconds(inter)
+    return inside.seconds(intra) + terms("ring", nodes, n).seconds(inter)
 
 
 # The emulated slow link ----------------------------------------------------------------
 
 
-class SlowLinkComm:
-    """A communicator whose messages between groups take alpha + n beta longer, as over a slow link.
+class NodePorts:
+    """Each node's one network link, shared by its ranks: when it is next free, kept in an MPI window.
 
-    Wraps an mpi4py communicator (`group_size` consecutive ranks of `world_ranks` form a
-    node). Before a message leaves for a rank of another group, the sender waits the
-    link's time for its size (time.sleep), so the ring or the hierarchical allreduce built
-    on Send/Recv/Sendrecv pays what it would pay on that network. `Split` gives wrapped
-    sub-communicators that keep the world's groups. Anything else goes to the real
-    communicator unchanged (the small shape agreement of lab 03's allreduces among it).
+    `reserve(node, seconds)` books the node's link for `seconds` after whatever its ranks
+    booked before (an exclusive lock on the slot, so concurrent senders queue) and returns
+    when the booking ends, in time.monotonic() seconds: one clock for every rank of one
+    machine, which is where an emulation runs. A collective of comm to create and to free.
     """
 
-    def __init__(self, comm: MPI.Comm, group_size: int, link: Link, world_ranks: list[int] | None = None):
+    def __init__(self, comm: MPI.Comm, group_size: int):
+        self.group_size = group_size
+        slot = 8 if comm.Get_rank() % group_size == 0 else 0
+        self.win = MPI.Win.Allocate(slot, 8, comm=MPI.Intracomm(comm))
+
+    def reserve(self, node: int, seconds: float) -> float:
+        owner, slot = node * self.group_size, np.zeros(1)
+        self.win.Lock(owner, MPI.LOCK_EXCLUSIVE)
+        self.win.Get(slot, owner)
+        self.win.Flush(owner)
+        slot[0] = max(time.monotonic(), slot[0]) + seconds
+        self.win.Put(slot, owner)
+        self.win.Unlock(owner)
+        return float(slot[0])
+
+    def free(self) -> None:
+        self.win.Free()
+
+
+class SlowLinkComm:
+    """A communicator whose messages between groups go through one slow link per group, as between nodes.
+
+    Wraps an mpi4py communicator (`group_size` consecutive ranks of `world_ranks` form a
+    node; a collective to create). Before a message leaves for a rank of another group, the
+    sender books its node's link (`NodePorts`) for n beta after the bookings of the node's
+    other ranks, and waits until that booking ends plus alpha (time.sleep): concurrent
+    messages out of one node share its bandwidth, as through one network port, and the ring
+    or the hierarchical allreduce built on Send/Recv/Sendrecv pays what it would pay on that
+    network. `Split` gives wrapped sub-communicators that keep the world's groups and links.
+    Anything else goes to the real communicator unchanged (the small shape agreement of lab
+    03's allreduces among it). `Free()` on the wrapper made by the constructor frees the links.
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        group_size: int,
+        link: Link,
+        world_ranks: list[int] | None = None,
+        ports: NodePorts | None = None,
+    ):
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {group_size}")
         self.comm, self.group_size, self.link = comm, group_size, link
         self.world_ranks = world_ranks if world_ranks is not None else list(range(comm.Get_size()))
+        self.owns_ports = ports is None
+        self.ports = NodePorts(comm, group_size) if ports is None else ports
         self.delayed_bytes = 0
 
     def Get_rank(self) -> int:
@@ -134,10 +181,12 @@ class SlowLinkComm:
 
     def _delay(self, dest: int, buf: Any) -> None:
         me, them = self.world_ranks[self.comm.Get_rank()], self.world_ranks[dest]
-        if node_of(me, self.group_size) != node_of(them, self.group_size):
+        node = node_of(me, self.group_size)
+        if node != node_of(them, self.group_size):
             nbytes = np.asarray(buf).nbytes
             self.delayed_bytes += nbytes
-            time.sleep(float(self.link.seconds(nbytes)))
+            sent = self.ports.reserve(node, nbytes * self.link.beta)
+            time.sleep(max(0.0, sent + self.link.alpha - time.monotonic()))
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
         self._delay(dest, buf)
@@ -160,10 +209,14 @@ class SlowLinkComm:
         if sub == MPI.COMM_NULL:
             return MPI.COMM_NULL
         members = sub.allgather(self.world_ranks[self.comm.Get_rank()])
-        return SlowLinkComm(sub, self.group_size, self.link, members)
+        return SlowLinkComm(sub, self.group_size, self.link, members, self.ports)
 
     def Free(self) -> None:
-        self.comm.Free()
+        """A sub-communicator's wrapper frees it; the constructor's frees the links (not the comm it was given)."""
+        if self.owns_ports:
+            self.ports.free()
+        else:
+            self.comm.Free()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.comm, name)

@@ -92,12 +92,23 @@ class Mailbox:
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         header = _STAMP if self.stamped else 0
         buf = np.empty(header + nbytes, np.uint8)
+        what = f"a {tuple(shape)} tensor from rank {source} (tag {tag})"
         self.clock.wait_begin()
+        # Probe first: a receive posted for fewer bytes than the message can neither complete nor be
+        # cancelled, so a shape too small would hang this rank instead of failing it. (A smaller message
+        # is received; the checks count its bytes.)
+        status = MPI.Status()
+        self.watch.poll(lambda: self.raw.Iprobe(source, tag, status), what, self.progress)
+        if status.Get_count(MPI.BYTE) > buf.size:
+            arrived = status.Get_count(MPI.BYTE) - header
+            raise ValueError(
+                f"rank {self.rank} expected {what} of {nbytes} bytes, but the message holds {arrived} bytes: "
+                "receive into the shape and dtype of the tensor that was sent (saved at forward), not of "
+                "another tensor such as the placeholder's gradient"
+            )
         request = self.comm.Irecv(buf, source, tag)
         self._open_recv, self._open_source = request, source
-        receive_cpu = self.watch.poll(
-            request.Test, f"a {tuple(shape)} tensor from rank {source} (tag {tag})", self.progress
-        )
+        receive_cpu = self.watch.poll(request.Test, what, self.progress)
         self._open_recv = None
         self.received[source] += 1
         self.clock.wait_end(float(buf[:header].view(np.float64)[0]) if header else None, receive_cpu)
