@@ -145,15 +145,15 @@ def is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
-def array_problem(got: Any, want: np.ndarray, what: str) -> str | None:
-    """None if `got` equals `want` (same shape, dtype and values), else what differs."""
+def array_problem(got: Any, want: np.ndarray, what: str, *, rtol: float = 1e-6, atol: float = 1e-9) -> str | None:
+    """None if `got` equals `want` (same shape, dtype and values; floats within rtol and atol), else what differs."""
     if not isinstance(got, np.ndarray):
         return f"{what} should be a NumPy array, got {type(got).__name__}"
     if got.shape != want.shape:
         return f"{what} has shape {got.shape}, expected {want.shape}"
     if got.dtype != want.dtype:
         return f"{what} has dtype {got.dtype}, expected {want.dtype}"
-    close = np.isclose(got, want, rtol=1e-6, atol=1e-9) if want.dtype.kind == "f" else got == want
+    close = np.isclose(got, want, rtol=rtol, atol=atol) if want.dtype.kind == "f" else got == want
     if not np.all(close):
         bad = np.flatnonzero(~close)
         shown = ", ".join(f"[{i}] got {got.flat[i]} expected {want.flat[i]}" for i in bad[:3])

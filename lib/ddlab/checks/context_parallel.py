@@ -30,7 +30,7 @@ from ..context_parallel import (
     take_rows,
 )
 from ..runtime.counting import Traffic
-from ._core import each_size, fail_together, passed, run_counted
+from ._core import array_problem, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
 
 #: Tolerance of every comparison with one process (float64).
@@ -41,18 +41,7 @@ DEADLINE = 10.0
 
 def _close_problem(got: Any, want: np.ndarray, what: str) -> str | None:
     """None if got is an array of want's shape and dtype within TOLERANCE (infinities where want has them)."""
-    if not isinstance(got, np.ndarray):
-        return f"{what} should be a NumPy array, got {type(got).__name__}"
-    if got.shape != want.shape:
-        return f"{what} has shape {got.shape}, expected {want.shape}"
-    if got.dtype != want.dtype:
-        return f"{what} has dtype {got.dtype}, expected {want.dtype}"
-    bad = ~np.isclose(got, want, rtol=TOLERANCE, atol=TOLERANCE)
-    if np.any(bad):
-        where = np.flatnonzero(bad)
-        shown = ", ".join(f"[{i}] got {got.flat[i]:.6g} expected {want.flat[i]:.6g}" for i in where[:3])
-        return f"{what} is wrong at {where.size} of {want.size} elements: {shown}"
-    return None
+    return array_problem(got, want, what, rtol=TOLERANCE, atol=TOLERANCE)
 
 
 def _call(fn: Callable[..., Any], *args: Any, what: str) -> tuple[Any, str | None]:
