@@ -148,7 +148,7 @@ def test_a_silent_neighbour_stalls_within_the_deadline(comm):
                 ring.wait([request], "a block that never comes")
             request.Cancel()
             request.Wait()
-        ring.free()
+        ring.free()  # takes in rank 0's failure notice: none may be left for later tests' communicators
         sub.Free()
 
 

@@ -58,7 +58,10 @@ class Ring:
             raise
 
     def free(self) -> None:
+        """Release the ring's own watch (a collective). Failure notices still in flight are taken in
+        first: one left on a freed communicator would reach the next one MPI gives the same id."""
         if self._own:
+            self.watch.settle()
             self.watch.free()
 
 
