@@ -1,9 +1,10 @@
-"""`ddlab grade` on six submissions of lab 03 made here, and how a submission is put together for grading.
+"""`ddlab grade` on four submissions of lab 03 made here, and how a submission is put together for grading.
 
-The six: the solution; the lab's stub; one that deadlocks; one that kills its engine;
-one that does one exercise, fakes a check and deletes another; one that hands in
-the library's own ring. Graded in one run of the console script, as an instructor
-would, to exactly the expected sheet, in under 10 minutes, with nothing left running.
+The four: the solution; the lab's stub handing in the library's own ring; one that
+deadlocks in one exercise and kills its engine in the next (the engines are restarted
+after each, and grading goes on); one that does one exercise, fakes a check and deletes
+another. Graded in one run of the console script, as an instructor would, to exactly the
+expected sheet, in under 10 minutes, with nothing left running.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def allreduce_ring(comm, x):
     return x + incoming
 """
 KILL = """%%px
-# Exercise 3.2: allreduce_ring
+# Exercise 3.3: allreduce_rabenseifner
 import os, signal
 
 
-def allreduce_ring(comm, x):
+def allreduce_rabenseifner(comm, x):
     os.kill(os.getpid(), signal.SIGKILL)
 """
 REFERENCE = """%%px
@@ -78,20 +79,18 @@ def faked_checks() -> nbformat.NotebookNode:
 
 SUBMISSIONS = {
     "solution": lambda: copy.deepcopy(SOLUTION),
-    "stub": lambda: copy.deepcopy(LAB),
-    "deadlock": lambda: lab_with(("allreduce_recursive_doubling",), allreduce_ring=DEADLOCK),
-    "kills_engine": lambda: lab_with(("allreduce_recursive_doubling",), allreduce_ring=KILL),
-    "faked_checks": faked_checks,
     "reference": lambda: lab_with(allreduce_ring=REFERENCE),
+    "deadlock_then_kill": lambda: lab_with(
+        ("allreduce_recursive_doubling",), allreduce_ring=DEADLOCK, allreduce_rabenseifner=KILL
+    ),
+    "faked_checks": faked_checks,
 }
 P, F, E, T = "passed", "failed", "error", "timed out"
 EXPECTED = {  # status of exercises 3.1, 3.2, 3.3
     "solution": (P, P, P),
-    "stub": (F, F, F),
-    "deadlock": (P, T, F),  # the engines are restarted after the timeout, and 3.3 still graded
-    "kills_engine": (P, E, F),
+    "reference": (F, F, F),  # the stubs, and ddlab.allreduce.allreduce_ring: it passes the check, but earns nothing
+    "deadlock_then_kill": (P, T, E),  # the engines are restarted after the timeout and after the kill
     "faked_checks": (P, F, F),  # one exercise done; the faked and deleted checks come back from the lab
-    "reference": (F, F, F),  # ddlab.allreduce.allreduce_ring passes the check, but earns nothing
 }
 EXERCISES = (
     "Exercise 3.1: allreduce_recursive_doubling",
@@ -142,7 +141,7 @@ def processes_under(folder: Path) -> list[str]:
     return found
 
 
-def test_grade_six_submissions_of_lab_03(tmp_path):
+def test_grade_four_submissions_of_lab_03(tmp_path):
     folder = tmp_path / "collected"
     folder.mkdir()
     paths = []
@@ -175,11 +174,11 @@ def test_grade_six_submissions_of_lab_03(tmp_path):
 
     feedback = {student: (tmp_path / "grades" / "feedback" / f"{student}.html").read_text() for student in EXPECTED}
     assert "3 of 3 points" in feedback["solution"] and "sums correctly" in feedback["solution"]
-    assert "Exercise 3.1 (allreduce_recursive_doubling) is not done yet" in feedback["stub"]
-    assert f"did not finish within {TIMEOUT} s" in feedback["deadlock"]
-    assert "The engines died or stopped answering" in feedback["kills_engine"]
-    assert "Exercise 3.2 (allreduce_ring) is not done yet" in feedback["faked_checks"]
+    assert "Exercise 3.1 (allreduce_recursive_doubling) is not done yet" in feedback["reference"]
     assert "ddlab.allreduce.allreduce_ring, the library&#x27;s reference" in feedback["reference"]
+    assert f"did not finish within {TIMEOUT} s" in feedback["deadlock_then_kill"]
+    assert "The engines died or stopped answering" in feedback["deadlock_then_kill"]
+    assert "Exercise 3.2 (allreduce_ring) is not done yet" in feedback["faked_checks"]
 
 
 @pytest.mark.parametrize("args, message", [(["--lab", "99"], "no lab '99'"), (["--lab", "03"], "no such notebook")])

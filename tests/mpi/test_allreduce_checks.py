@@ -185,7 +185,7 @@ def test_check_catches(check: Callable, wrong: Callable, says: str, needs: int) 
 
 def test_a_deadlock_fails_instead_of_hanging() -> None:
     with pytest.raises(CheckFailed, match="never completed|failed"):
-        check_allreduce_ring(ring_that_deadlocks)
+        check_allreduce_ring(ring_that_deadlocks, timeout=3.0)
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,8 @@ from ..runtime.counting import Traffic
 from ._core import CheckFailed, array_problem, count, each_size, fail_together, passed, run_counted
 
 DTYPES = (np.float64, np.float32, np.int64)
+#: Seconds a rank may stall inside the student's allreduce before the check calls it a deadlock.
+TIMEOUT = 20.0
 
 Rule = Callable[[list[Traffic], int, int, int], "str | None"]
 
@@ -186,14 +188,14 @@ def rabenseifner_problem(traffic: list[Traffic], size: int, n: int, itemsize: in
 # Running the cases -----------------------------------------------------------------
 
 
-def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype: type) -> None:
+def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype: type, timeout: float) -> None:
     """Run fn on comm for one length and dtype; raise CheckFailed (on every rank of comm) if wrong."""
     rank, size = comm.Get_rank(), comm.Get_size()
     inputs = _inputs(n, dtype, size)
     x = inputs[rank]
     before = x.copy()
     where = f"{name} on P={size} ranks, x of length {n} ({np.dtype(dtype).name})"
-    result, traffic = run_counted(comm, fn, (x,), where)
+    result, traffic = run_counted(comm, fn, (x,), where, timeout)
     fail_together(
         comm, value_problem(result, x, before, sum(inputs[1:], inputs[0].copy()), rank), f"{where}: wrong result"
     )
@@ -203,14 +205,14 @@ def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype
             raise CheckFailed(f"{where}: right values, wrong messages:\n  {problem}")
 
 
-def _check(fn: Callable, name: str, rule: Rule, comm: MPI.Comm | None) -> int:
-    """Run every case on sub-communicators of 1..P ranks; return P."""
+def _check(fn: Callable, name: str, rule: Rule, comm: MPI.Comm | None, timeout: float) -> int:
+    """Run every case on sub-communicators of 1..P ranks (a rank stalled `timeout` s fails); return P."""
     world = comm or MPI.COMM_WORLD
 
     def every_case(sub: MPI.Comm) -> None:
         for dtype in DTYPES:
             for n in _lengths(sub.Get_size()):
-                _one_case(sub, fn, name, rule, n, dtype)
+                _one_case(sub, fn, name, rule, n, dtype, timeout)
 
     each_size(world, every_case, name)
     return world.Get_size()
@@ -220,9 +222,9 @@ def _scope(size: int) -> str:
     return f"on 1..{size} ranks, for lengths 0 to {12 * size + 5} and float64, float32, int64"
 
 
-def check_allreduce_recursive_doubling(fn: Callable, comm: MPI.Comm | None = None) -> None:
+def check_allreduce_recursive_doubling(fn: Callable, comm: MPI.Comm | None = None, timeout: float = TIMEOUT) -> None:
     """fn(comm, x) must sum like allreduce, swapping whole vectors with partner rank XOR 2^k."""
-    size = _check(fn, "allreduce_recursive_doubling", recursive_doubling_problem, comm)
+    size = _check(fn, "allreduce_recursive_doubling", recursive_doubling_problem, comm, timeout)
     passed(
         comm or MPI.COMM_WORLD,
         f"allreduce_recursive_doubling sums correctly {_scope(size)}; each rank "
@@ -230,9 +232,9 @@ def check_allreduce_recursive_doubling(fn: Callable, comm: MPI.Comm | None = Non
     )
 
 
-def check_allreduce_ring(fn: Callable, comm: MPI.Comm | None = None) -> None:
+def check_allreduce_ring(fn: Callable, comm: MPI.Comm | None = None, timeout: float = TIMEOUT) -> None:
     """fn(comm, x) must sum like allreduce, passing 2(P-1) chunks of n/P items around the ring."""
-    size = _check(fn, "allreduce_ring", ring_problem, comm)
+    size = _check(fn, "allreduce_ring", ring_problem, comm, timeout)
     passed(
         comm or MPI.COMM_WORLD,
         f"allreduce_ring sums correctly {_scope(size)}; each rank sends 2(P-1) "
@@ -240,9 +242,9 @@ def check_allreduce_ring(fn: Callable, comm: MPI.Comm | None = None) -> None:
     )
 
 
-def check_allreduce_rabenseifner(fn: Callable, comm: MPI.Comm | None = None) -> None:
+def check_allreduce_rabenseifner(fn: Callable, comm: MPI.Comm | None = None, timeout: float = TIMEOUT) -> None:
     """fn(comm, x) must sum like allreduce by recursive halving, then recursive doubling."""
-    size = _check(fn, "allreduce_rabenseifner", rabenseifner_problem, comm)
+    size = _check(fn, "allreduce_rabenseifner", rabenseifner_problem, comm, timeout)
     passed(
         comm or MPI.COMM_WORLD,
         f"allreduce_rabenseifner sums correctly {_scope(size)}; each rank sends "

@@ -142,7 +142,7 @@ def _real_rows(got: Any, want: np.ndarray, real: np.ndarray, vectors: bool) -> A
     return rows
 
 
-def check_ring_attention(fn: Callable[..., tuple[np.ndarray, np.ndarray]]) -> None:
+def check_ring_attention(fn: Callable[..., tuple[np.ndarray, np.ndarray]], timeout: float = DEADLINE) -> None:
     """fn(comm, q, k, v, positions) -> (out, lse) of this rank's rows, over every rank's keys."""
     comm = MPI.COMM_WORLD
 
@@ -157,7 +157,7 @@ def check_ring_attention(fn: Callable[..., tuple[np.ndarray, np.ndarray]]) -> No
             positions = all_positions(length, size, zigzag)
             mine = q_mine, k_mine, v_mine = [take_rows(a, positions[rank]) for a in (q, k, v)]
             given = [a.copy() for a in mine]
-            got, traffic = run_counted(sub, fn, (*given, positions.copy()), context, timeout=DEADLINE)
+            got, traffic = run_counted(sub, fn, (*given, positions.copy()), context, timeout=timeout)
             want = ring_attention(sub, q_mine, k_mine, v_mine, positions)
             real = positions[rank] < length
             problem = None
