@@ -240,7 +240,77 @@ def hierarchical_reducing_twice(comm, x, group_size):
     return allreduce_ring(comm, inside)
 
 
-@pytest.mark.parametrize("fn", [hierarchical_allreduce])
+def _two_level(comm, x, group_size):
+    """The sub-communicators and cuts of the two-level scheme: (node, holders, blocks, cuts, local)."""
+    rank = comm.Get_rank()
+    node = comm.Split(rank // group_size, rank)
+    local, members = node.Get_rank(), node.Get_size()
+    blocks = block_bounds(x.size, group_size)
+    owned = [held_blocks(r, members, group_size) for r in range(members)]
+    cuts = [blocks[held.start] for held in owned] + [x.size]
+    holders = [comm.Split(0 if b in owned[local] else MPI.UNDEFINED, rank) for b in range(group_size)]
+    return node, holders, blocks, cuts, local
+
+
+def _across(part, holders, blocks, cuts, local):
+    """Step 2 as the reference does it: each held block allreduced across groups."""
+    for b, across in enumerate(holders):
+        if across != MPI.COMM_NULL:
+            piece = slice(blocks[b] - cuts[local], blocks[b + 1] - cuts[local])
+            part[piece] = allreduce_ring(across, part[piece])
+    return part
+
+
+def hierarchical_allreducing_in_group(comm, x, group_size):
+    """Step 1 by a whole allreduce inside the group, then its slice of that: the right sums, twice the bytes."""
+    node, holders, blocks, cuts, local = _two_level(comm, x, group_size)
+    part = allreduce_ring(node, x)[cuts[local] : cuts[local + 1]].copy()
+    return allgather_ring(node, _across(part, holders, blocks, cuts, local), cuts)
+
+
+def hierarchical_gathering_by_allreduce(comm, x, group_size):
+    """Step 3 by an allreduce of zeros but its own slice: the right sums, twice the allgather's bytes.
+
+    With one group it gathers as it should: where steps 1 and 3 cannot be told apart, the
+    check must still name step 3 once there are several.
+    """
+    node, holders, blocks, cuts, local = _two_level(comm, x, group_size)
+    part = _across(reduce_scatter_ring(node, x, cuts), holders, blocks, cuts, local)
+    if comm.Get_size() <= group_size:
+        return allgather_ring(node, part, cuts)
+    padded = np.zeros_like(x)
+    padded[cuts[local] : cuts[local + 1]] = part
+    return allreduce_ring(node, padded)
+
+
+def hierarchical_skipping_the_reduce_scatter(comm, x, group_size):
+    """No step 1: each rank's whole x crosses to the same local rank of every group, then sums in the group."""
+    rank = comm.Get_rank()
+    node = comm.Split(rank // group_size, rank)
+    column = comm.Split(node.Get_rank(), rank)
+    return allreduce_ring(node, allreduce_ring(column, x))
+
+
+def hierarchical_pairwise(comm, x, group_size):
+    """Valid: steps 1 and 3 by direct messages to each member of the group instead of rings."""
+    node, holders, blocks, cuts, local = _two_level(comm, x, group_size)
+    members = node.Get_size()
+    part = x[cuts[local] : cuts[local + 1]].copy()
+    for shift in range(1, members):
+        to, frm = (local + shift) % members, (local - shift) % members
+        incoming = np.empty(cuts[local + 1] - cuts[local], x.dtype)
+        node.Sendrecv(np.ascontiguousarray(x[cuts[to] : cuts[to + 1]]), to, recvbuf=incoming, source=frm)
+        part += incoming
+    part = _across(part, holders, blocks, cuts, local)
+    out = np.empty_like(x)
+    out[cuts[local] : cuts[local + 1]] = part
+    for shift in range(1, members):
+        to, frm = (local + shift) % members, (local - shift) % members
+        node.Sendrecv(part, to, recvbuf=out[cuts[frm] : cuts[frm + 1]], source=frm)
+    return out
+
+
+@pytest.mark.parametrize("fn", [hierarchical_allreduce, hierarchical_pairwise])
 def test_hierarchical_check_accepts(fn) -> None:
     check_hierarchical_allreduce(fn)
 
@@ -248,10 +318,13 @@ def test_hierarchical_check_accepts(fn) -> None:
 @pytest.mark.parametrize(
     "fn, says",
     [
-        (hierarchical_by_leaders, "other groups"),
+        (hierarchical_by_leaders, "steps? 1|other groups"),
         (hierarchical_reducing_twice, "wrong at"),
         (hierarchical_mixing_nodes, "other groups"),
-        (lambda comm, x, g: allreduce_ring(comm, x), "other groups"),
+        (lambda comm, x, g: allreduce_ring(comm, x), "steps? 1|other groups"),
+        (hierarchical_allreducing_in_group, "steps 1 and 3 together|step 1, the reduce-scatter"),
+        (hierarchical_gathering_by_allreduce, "(?s)on [34] ranks:.*step 3, the allgather"),
+        (hierarchical_skipping_the_reduce_scatter, "step 2"),
     ],
 )
 def test_hierarchical_check_fails(fn, says: str) -> None:

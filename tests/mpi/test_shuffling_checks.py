@@ -1,4 +1,4 @@
-"""Lab 12's checks catch wrong exchange plans and wrong Alltoallvs, and accept valid alternatives.
+"""Lab 12's checks catch wrong exchange plans, Alltoallvs and redistributions, and accept valid alternatives.
 
 Every rank runs the same tests; the checks themselves make all ranks agree.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ddlab.checks import CheckFailed, check_exchange_plan, check_exchange_samples
-from ddlab.shuffling import exchange_plan, exchange_samples
+from ddlab.checks import CheckFailed, check_exchange_plan, check_exchange_samples, check_redistribute
+from ddlab.shuffling import exchange_plan, exchange_samples, redistribute
 from mpi4py import MPI
 
 
@@ -163,3 +163,164 @@ def test_stub_error_passes_through(comm):
 
     with pytest.raises(NotImplementedError, match="12.1"):
         check_exchange_plan(stub)
+
+
+def _lookup(holds, dtype=np.int64):
+    """owner[i], position[i]: the rank holding sample i and its row there."""
+    n = sum(len(h) for h in holds)
+    owner, position = np.empty(n, np.int64), np.empty(n, dtype)
+    for r, ids in enumerate(holds):
+        owner[ids], position[ids] = r, np.arange(len(ids))
+    return owner, position
+
+
+def _alltoallv(comm, x, owner, position, needs, narrow=np.int64):
+    """The right Alltoallv; returns what arrived (grouped by source) and each arrival's source."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    out_ids = [needs[d][owner[needs[d]] == rank] for d in range(size)]
+    outgoing = np.ascontiguousarray(x[position[np.concatenate(out_ids)]])
+    out_counts = np.array([len(i) for i in out_ids]) * row
+    source = owner[needs[rank]]
+    in_counts = np.bincount(source, minlength=size) * row
+    incoming = np.empty((len(source), *x.shape[1:]), x.dtype)
+    comm.Alltoallv(
+        [outgoing, (out_counts, np.cumsum(out_counts) - out_counts)],
+        [incoming, (in_counts, np.cumsum(in_counts) - in_counts)],
+    )
+    return incoming, source
+
+
+def redistribute_grouped_by_source(comm, x, holds, needs):
+    """The right rows, left grouped by source: forgets to put them in the order of needs."""
+    owner, position = _lookup(holds)
+    return _alltoallv(comm, x, owner, position, needs)[0]
+
+
+def redistribute_int16_positions(comm, x, holds, needs):
+    """Rows indexed through int16 positions: wraps past 32,767 samples on one rank."""
+    owner, position = _lookup(holds, np.int16)
+    incoming, source = _alltoallv(comm, x, owner, position, needs)
+    placed = np.empty_like(incoming)
+    placed[np.argsort(source, kind="stable")] = incoming
+    return placed
+
+
+def redistribute_symmetric_counts(comm, x, holds, needs):
+    """Assumes it receives from each rank as many rows as it sends to it: counts disagree between ranks."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    owner, position = _lookup(holds)
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    out_ids = [needs[d][owner[needs[d]] == rank] for d in range(size)]
+    outgoing = np.ascontiguousarray(x[position[np.concatenate(out_ids)]])
+    counts = np.array([len(i) for i in out_ids]) * row
+    incoming = np.empty((len(needs[rank]), *x.shape[1:]), x.dtype)
+    comm.Alltoallv([outgoing, (counts, np.cumsum(counts) - counts)], [incoming, (counts, np.cumsum(counts) - counts)])
+    return incoming
+
+
+def redistribute_sending_everything(comm, x, holds, needs):
+    """Right rows, but every rank sends all it holds to every rank and each keeps what it needs."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    outgoing = np.ascontiguousarray(np.concatenate([x] * size))
+    out_counts = np.full(size, len(x) * row)
+    in_counts = np.array([len(h) for h in holds]) * row
+    incoming = np.empty((sum(len(h) for h in holds), *x.shape[1:]), x.dtype)
+    comm.Alltoallv(
+        [outgoing, (out_counts, np.cumsum(out_counts) - out_counts)],
+        [incoming, (in_counts, np.cumsum(in_counts) - in_counts)],
+    )
+    everything = np.empty_like(incoming)
+    everything[np.concatenate(holds)] = incoming
+    return everything[needs[rank]]
+
+
+def redistribute_object_api(comm, x, holds, needs):
+    """The lower-case alltoall of Python lists: the lab asks for one Alltoallv."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    owner, position = _lookup(holds)
+    arrived = comm.alltoall([x[position[needs[d][owner[needs[d]] == rank]]] for d in range(size)])
+    source = owner[needs[rank]]
+    placed = np.empty((len(source), *x.shape[1:]), x.dtype)
+    placed[np.argsort(source, kind="stable")] = np.concatenate(arrived)
+    return placed
+
+
+def redistribute_sorting_holds_on_rank_0(comm, x, holds, needs):
+    """Right rows, but rank 0 sorts the diagram's holds in place (to search it): only rank 0 sees it."""
+    got = redistribute(comm, x, holds, needs)
+    if comm.Get_rank() == 0:
+        for ids in holds:
+            ids.sort()
+    return got
+
+
+def redistribute_skipping_when_holding_nothing(comm, x, holds, needs):
+    """A rank that holds nothing returns without joining the Alltoallv: the others would wait forever."""
+    if len(x) == 0:
+        return np.empty((len(needs[comm.Get_rank()]), *x.shape[1:]), x.dtype)
+    return redistribute(comm, x, holds, needs)
+
+
+def redistribute_local_copy(comm, x, holds, needs):
+    """Valid: lookups by searching the sorted ids, its own rows copied locally (0 bytes to itself), a row datatype."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    every_id = np.concatenate(holds)
+    by_id = np.argsort(every_id)
+    holder = np.repeat(np.arange(size), [len(h) for h in holds])[by_id]
+    row_of = np.concatenate([np.arange(len(h)) for h in holds])[by_id]
+    slot = [np.searchsorted(every_id[by_id], needs[d]) for d in range(size)]
+    out_rows = [row_of[slot[d]][holder[slot[d]] == rank] if d != rank else row_of[:0] for d in range(size)]
+    outgoing = np.ascontiguousarray(x[np.concatenate(out_rows)])
+    sources = holder[slot[rank]]
+    in_counts = [int(np.sum(sources == s)) if s != rank else 0 for s in range(size)]
+    incoming = np.empty((sum(in_counts), *x.shape[1:]), x.dtype)
+    row = MPI.Datatype.Create_contiguous(MPI._typedict[x.dtype.char], int(np.prod(x.shape[1:], dtype=np.int64)))
+    row.Commit()
+    try:
+        out_counts = [len(rows) for rows in out_rows]
+        comm.Alltoallv(
+            [outgoing, out_counts, np.cumsum([0] + out_counts[:-1]).tolist(), row],
+            [incoming, in_counts, np.cumsum([0] + in_counts[:-1]).tolist(), row],
+        )
+    finally:
+        row.Free()
+    result = np.empty((len(sources), *x.shape[1:]), x.dtype)
+    local = sources == rank
+    result[local] = x[row_of[slot[rank]][local]]
+    result[np.flatnonzero(~local)[np.argsort(sources[~local], kind="stable")]] = incoming
+    return result
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (redistribute_grouped_by_source, "rows of needs.* is wrong"),
+        (redistribute_int16_positions, "70000 int64 samples.*(rows of needs|Error)"),
+        (redistribute_symmetric_counts, "sends rank .* bytes but rank|rows of needs.* is wrong"),
+        (redistribute_sending_everything, "the Alltoallv sends rank .* bytes, expected"),
+        (redistribute_object_api, "comm.alltoall .*may call only comm.Alltoallv"),
+        (redistribute_sorting_holds_on_rank_0, "rank 0: .*changed holds"),
+    ],
+)
+def test_wrong_redistributions_fail(comm, fn, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_redistribute(fn, timeout=3.0)
+
+
+def test_redistribution_left_waiting_fails_in_time(comm):
+    """A rank that skips the Alltoallv leaves the others waiting: the check says so after its timeout."""
+    with pytest.raises(CheckFailed, match="waited .* for the other ranks to call Alltoallv"):
+        check_redistribute(redistribute_skipping_when_holding_nothing, timeout=1.0)
+
+
+@pytest.mark.parametrize("fn", [redistribute, redistribute_local_copy])
+def test_valid_redistributions_pass(comm, fn):
+    check_redistribute(fn)
+
+
+def test_redistribute_refuses_a_bad_diagram(comm):
+    holds = [np.arange(3)] * comm.Get_size()  # every rank claims ids 0..2
+    with pytest.raises(ValueError, match="every sample id"):
+        redistribute(comm, np.zeros(3), holds, holds)

@@ -57,6 +57,7 @@ _WHERE = {
     "check_ssp_gate": "parameter_server",
     "check_exchange_plan": "shuffling",
     "check_exchange_samples": "shuffling",
+    "check_redistribute": "shuffling",
     "check_data_parallel_time": "oracle",
     "check_data_parallel_memory": "oracle",
     "check_spatial_time": "oracle",

@@ -11,9 +11,11 @@ Allgather and Allgatherv, with overlapping indices and a different count on each
 compares with MPI's sum of the dense vectors, and bounds the bytes each rank sends by
 its own pairs (4-byte indices plus values) to every other rank, plus a few for the counts.
 
-`check_hierarchical_allreduce` runs it with groups of 2 and 3 consecutive ranks, compares
-with MPI's Allreduce, and compares the bytes each rank sends to ranks of other groups
-with what the reference sends: only its slice may cross.
+`check_hierarchical_allreduce` runs it with groups of 1 (3 and 4 groups on 3 and 4 ranks),
+2 and 3 consecutive ranks, compares with MPI's Allreduce, and counts the bytes each rank
+sends in each step against what the reference sends in it: inside its group before its
+last message across groups (the reduce-scatter), to other groups (only its slice may
+cross), and inside its group after it (the allgather).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from mpi4py import MPI
 
 from ..compression import hierarchical_allreduce, node_of
 from ..runtime.counting import Traffic
-from ._core import array_problem, each_size, fail_together, passed, run_counted
+from ._core import array_problem, count, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
 
 #: (n, k, dtype, ties): k = 0 sends nothing; with ties the gradients are small integers, so the k-th
@@ -40,7 +42,7 @@ FEEDBACK_CASES = [
 FEEDBACK_STEPS = 4
 SPARSE_CASES = [(1000, (10, 0, 25, 3), np.float32), (40, (10, 40, 7, 10), np.float64)]
 COUNTS_OVERHEAD = 64  # bytes per peer allowed on top of the pairs (the counts' exchange)
-HIERARCHICAL_CASES = [(2, 1001), (2, 6), (3, 400)]
+HIERARCHICAL_CASES = [(2, 1001), (2, 6), (3, 400), (1, 300)]  # groups of 1: as many groups as ranks
 
 
 def _mpi_sum(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
@@ -185,38 +187,72 @@ def _sparse_bytes_problem(traffic: Traffic, k: int, value_bytes: int, size: int)
     return None
 
 
-def _cross_bytes(traffic: Traffic, group_size: int) -> int:
-    """Bytes this rank sent to ranks of other groups."""
+def _step_bytes(traffic: Traffic, group_size: int) -> tuple[int, int, int]:
+    """Bytes this rank sent inside its group before its last message across groups, across, and inside after it.
+
+    With one group (nothing crosses), all of a rank's messages count as the first step's.
+    """
     mine = node_of(traffic.rank, group_size)
-    return sum(e.nbytes for e in traffic.sends if node_of(e.peer, group_size) != mine)
+    crossing = [i for i, e in enumerate(traffic.events) if node_of(e.peer, group_size) != mine]
+    last = crossing[-1] if crossing else len(traffic.events)
+    steps = [0, 0, 0]
+    for i, e in enumerate(traffic.events):
+        if e.kind == "send":
+            steps[1 if node_of(e.peer, group_size) != mine else 0 if i < last else 2] += e.nbytes
+    return steps[0], steps[1], steps[2]
+
+
+#: What each step is, for the messages.
+HIERARCHICAL_STEPS = (
+    "inside its group before the exchange across groups (step 1, the reduce-scatter: each rank sends only "
+    "the blocks the others hold)",
+    "to ranks of other groups (step 2: only this rank's reduced slice should cross, between the ranks "
+    "holding the same slice; do your groups hold consecutive ranks?)",
+    "inside its group after the exchange across groups (step 3, the allgather: each rank sends only its own blocks)",
+)
+
+
+def _steps_problem(traffic: list[Traffic], reference: list[Traffic], rank: int, group_size: int) -> str | None:
+    """Each step's bytes within the reference's for the same step, on any rank of the group (+5% and the counts)."""
+    node = node_of(rank, group_size)
+    group = [r for r in range(len(reference)) if node_of(r, group_size) == node]
+    sent = _step_bytes(traffic[rank], group_size)
+    allowed = [max(_step_bytes(reference[r], group_size)[k] for r in group) for k in range(3)]
+    steps = HIERARCHICAL_STEPS
+    if node_of(len(reference) - 1, group_size) == 0:  # one group: steps 1 and 3 cannot be told apart
+        steps = (
+            "inside its group (with one group, steps 1 and 3 together: the reduce-scatter sends only the "
+            "blocks the others hold, the allgather only its own)",
+            *steps[1:],
+        )
+    for k, what in enumerate(steps):
+        if sent[k] > allowed[k] * 1.05 + COUNTS_OVERHEAD:
+            return f"sent {sent[k]} bytes {what}, where the two-level scheme sends at most {allowed[k]}"
+    return None
 
 
 def check_hierarchical_allreduce(fn: Callable[[Any, np.ndarray, int], np.ndarray]) -> None:
-    """fn(comm, x, group_size) -> the sums, with only each rank's slice crossing between groups."""
+    """fn(comm, x, group_size) -> the sums, each step sending no more than the two-level scheme's."""
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
         rank, found = sub.Get_rank(), None
         for group_size, n in HIERARCHICAL_CASES:
             x = np.random.default_rng([n, rank]).integers(-50, 50, n).astype(np.float64)
-            context = f"hierarchical_allreduce (n={n}, groups of {group_size})"
+            groups = -(-sub.Get_size() // group_size)
+            context = f"hierarchical_allreduce (n={n}, groups of {group_size}: {count(groups, 'group')})"
             got, traffic = run_counted(sub, fn, (x.copy(), group_size), context)
             _, reference = run_counted(sub, hierarchical_allreduce, (x.copy(), group_size), "the reference")
             problem = array_problem(got, _mpi_sum(sub, x), "the sum")
             if problem is None and np.shares_memory(got, x):
                 problem = "the result shares memory with x: return a new array"
-            crossing, allowed = _cross_bytes(traffic[rank], group_size), _cross_bytes(reference[rank], group_size)
-            if problem is None and crossing > allowed * 1.05 + COUNTS_OVERHEAD:
-                problem = (
-                    f"sent {crossing} bytes to ranks of other groups, where the two-level scheme sends "
-                    f"{allowed}: only this rank's reduced slice should cross, between the ranks holding "
-                    "the same slice (do your groups hold consecutive ranks?)"
-                )
+            if problem is None:
+                problem = _steps_problem(traffic, reference, rank, group_size)
             found = found or (problem and f"{context}: {problem}")
         return found
 
     each_size(comm, body, "hierarchical_allreduce")
-    passed(comm, "hierarchical allreduce: MPI's sums, and only each rank's slice crosses between groups")
+    passed(comm, "hierarchical allreduce: MPI's sums, each step sending no more than the two-level scheme")
 
 
 # Exercise 11.4: QSGD ----------------------------------------------------------------

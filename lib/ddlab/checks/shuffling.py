@@ -1,4 +1,4 @@
-"""Checks for lab 12 (shuffling): the partial exchange plan, and the Alltoallv that carries it.
+"""Checks for lab 12 (shuffling): the partial exchange plan, the Alltoallv that carries it, and a redistribution.
 
 `check_exchange_plan` runs the student's plan on every rank of sub-communicators of
 every size, for several data set sizes, exchange fractions, epochs and seeds, gathers
@@ -9,6 +9,12 @@ pairwise, the same arguments give the same plan and another epoch another one.
 `check_exchange_samples` hands the student's function a CountingComm that allows
 exactly one collective, Alltoallv, and compares the rows received with the reference
 (`ddlab.data.exchange_samples`), and the bytes sent to each rank with the rows planned.
+
+`check_redistribute` gives the student's function diagrams (which ids each rank holds,
+which it needs): unequal and empty holdings, ids not in order, a layout where nothing
+leaves its rank, and 70,000 samples (positions past any 16-bit index); it compares the
+rows with one process's answer, the bytes sent to each rank with the rows it needs from
+this one (a local copy instead of a message to itself is fine), and the inputs after.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..data.sharding import epoch_permutation
 from ..runtime.blocks import block_bounds
 from ..runtime.counting import COLLECTIVE_TAG
 from ..shuffling.shuffler import exchange_plan
@@ -176,14 +183,19 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
     passed(world, "exchange_samples: one Alltoallv carries exactly the planned rows, received grouped by source")
 
 
-def _traffic_problem(traffic: Any, want_bytes: list[int]) -> str | None:
-    """One Alltoallv, no point-to-point messages, and the planned bytes to every rank."""
+def _traffic_problem(traffic: Any, want_bytes: list[int], local_copy: int | None = None) -> str | None:
+    """One Alltoallv, no point-to-point messages, and the planned bytes to every rank.
+
+    local_copy: this rank, if it may copy its own rows instead of sending them to itself (0 bytes to it).
+    """
     if traffic.calls != ["Alltoallv"]:
         return f"called comm.Alltoallv {len(traffic.calls)} times, expected exactly once (all samples in one call)"
     p2p = [e for e in traffic.events if e.tag != COLLECTIVE_TAG]
     if p2p:
         return f"sent or received {len(p2p)} point-to-point messages besides the Alltoallv: send everything in it"
     sent = [e.nbytes for e in traffic.sends]
+    if local_copy is not None and len(sent) == len(want_bytes) and sent[local_copy] == 0:
+        want_bytes = [0 if d == local_copy else b for d, b in enumerate(want_bytes)]
     if sent != want_bytes:
         wrong = next(d for d, (a, b) in enumerate(zip(sent, want_bytes)) if a != b)
         return (
@@ -191,3 +203,84 @@ def _traffic_problem(traffic: Any, want_bytes: list[int]) -> str | None:
             f"(the rows planned for it, and nothing else; counts and displacements are in elements)"
         )
     return None
+
+
+def _diagram(n: int, size: int, kind: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(holds, needs) of one case, the same on every rank.
+
+    "blocks": staged blocks of ids in order, needing blocks of global shuffling's epoch-1 permutation;
+    "uneven": random ids in random, unequal (some empty) holdings and needs;
+    "stay": every rank needs what it holds, in reverse order (nothing needs to leave).
+    """
+    bounds = block_bounds(n, size)
+    blocks = [np.arange(bounds[r], bounds[r + 1], dtype=np.int64) for r in range(size)]
+    if kind == "blocks":
+        permutation = epoch_permutation(n, 1, 0)
+        return blocks, [permutation[bounds[r] : bounds[r + 1]] for r in range(size)]
+    if kind == "stay":
+        return blocks, [ids[::-1].copy() for ids in blocks]
+    rng = np.random.default_rng([n, size])
+    layouts = []
+    for _ in range(2):
+        cuts = np.sort(rng.integers(0, n + 1, size - 1))
+        cuts[0 : min(1, size - 1)] = 0  # rank 0 holds (then needs) nothing
+        layouts.append(np.split(rng.permutation(n).astype(np.int64), cuts))
+    return layouts[0], layouts[1][::-1]
+
+
+#: (samples, layout, dtype, shape of a sample): 70,000 rows on one rank index past int16 and uint16.
+REDISTRIBUTE_CASES = (
+    (12, "blocks", "float64", (3,)),
+    (37, "uneven", "float32", (2, 2)),
+    (20, "stay", "float64", ()),
+    (70_000, "blocks", "int64", ()),
+)
+
+
+def _rows(ids: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Sample i's row reads i (+ a fraction per feature), so any mix-up shows."""
+    base = ids.reshape((len(ids),) + (1,) * len(shape))
+    features = np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape) / 8 if shape else 0
+    return (base + features).astype(dtype)
+
+
+def check_redistribute(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
+    """fn(comm, x, holds, needs) -> the rows of needs[rank] in order, by one Alltoallv of the rows each rank needs.
+
+    timeout: seconds the check waits for a rank stuck in a call the others never make.
+    """
+    world = MPI.COMM_WORLD
+
+    def body(comm: MPI.Comm) -> str | None:
+        rank, size = comm.Get_rank(), comm.Get_size()
+        for n, kind, dtype, shape in REDISTRIBUTE_CASES:
+            holds, needs = _diagram(n, size, kind)
+            x = _rows(holds[rank], dtype, shape)
+            originals = (x.copy(), [h.copy() for h in holds], [w.copy() for w in needs])
+            want = _rows(needs[rank], dtype, shape)
+            owner = np.empty(n, dtype=np.int64)
+            for r, ids in enumerate(holds):
+                owner[ids] = r
+            want_bytes = [int(np.count_nonzero(owner[needs[d]] == rank)) * x[0:1].nbytes for d in range(size)]
+            lengths = [len(ids) for ids in holds]
+            case = f"{n} {np.dtype(dtype).name} samples of shape {shape}, held {lengths if n < 100 else 'in blocks'}"
+            got, traffic = run_counted(
+                comm, fn, (x, holds, needs), f"redistribute with {case}", timeout=timeout, allow=("Alltoallv",)
+            )
+            problem = array_problem(got, want, f"the rows of needs[{rank}], in its order")
+            if problem is not None and n > np.iinfo(np.int16).max:
+                problem += " (only with this many samples: do positions or ids pass through a narrow integer dtype?)"
+            if problem is None and np.shares_memory(got, x):
+                problem = "returned x or a view of it: return a new array"
+            if problem is None and not np.array_equal(x, originals[0]):
+                problem = "changed x: leave the caller's samples as they are"
+            for name, before, after in (("holds", originals[1], holds), ("needs", originals[2], needs)):
+                if problem is None and any(not np.array_equal(a, b) for a, b in zip(before, after)):
+                    problem = f"changed {name}: the diagram is the caller's, read it without sorting or writing into it"
+            if problem is None:
+                problem = _traffic_problem(traffic[rank], want_bytes, local_copy=rank)
+            fail_together(comm, problem and f"{case}: {problem}", f"redistribute on {count(size, 'rank')}")
+        return None
+
+    each_size(world, body, "redistribute")
+    passed(world, "redistribute: one Alltoallv brings every rank the samples it needs, in its order")

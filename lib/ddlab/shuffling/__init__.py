@@ -3,5 +3,5 @@
 
 from .iocost import affordable_ranks, epoch_read_time
 from .runs import train_for_seconds, train_shuffled
-from .shuffler import STRATEGIES, IOCounters, Shuffler, exchange_plan, exchange_samples, exchanged_count
+from .shuffler import STRATEGIES, IOCounters, Shuffler, exchange_plan, exchange_samples, exchanged_count, redistribute
 from .storage import FILES, SampleFiles, remove_store, stage, write_files, write_shared

@@ -1,4 +1,4 @@
-"""Figures of lab 12: the exchange plan, bytes per strategy, the I/O model, equal wall-clock runs."""
+"""Figures of lab 12: the exchange plan, the diagram of a redistribution, bytes per strategy, the I/O model, equal wall-clock runs."""
 
 from __future__ import annotations
 
@@ -31,6 +31,30 @@ def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
     ax.set_ylabel("from rank")
     ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    return fig
+
+
+def diagram(holds: Sequence[np.ndarray], needs: Sequence[np.ndarray], title: str = "") -> plt.Figure:
+    """Which sample ids each rank holds (left) and needs, in order (right); a cell's colour is the rank holding it."""
+    size = len(holds)
+    owner = {int(i): r for r, ids in enumerate(holds) for i in ids}
+    colours = plt.get_cmap("tab10")
+    width = max(max((len(ids) for ids in layout), default=1) for layout in (holds, needs))
+    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 0.9 * width, 0.9 + 0.5 * size), sharey=True)
+    for ax, layout, label in zip(axes, (holds, needs), ("holds (row order of x)", "needs (in this order)")):
+        for r, ids in enumerate(layout):
+            for j, i in enumerate(ids):
+                ax.add_patch(plt.Rectangle((j, r), 0.92, 0.86, color=colours(owner[int(i)] % 10), alpha=0.55))
+                ax.text(j + 0.46, r + 0.43, str(int(i)), ha="center", va="center", fontsize=9)
+        ax.set_xlim(0, width)
+        ax.set_ylim(size, 0)
+        ax.set_yticks([r + 0.43 for r in range(size)], [f"rank {r}" for r in range(size)])
+        ax.set_xticks([])
+        ax.set_title(label, fontsize=10)
+        for side in ("top", "right", "bottom", "left"):
+            ax.spines[side].set_visible(False)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 

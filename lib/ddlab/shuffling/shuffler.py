@@ -32,6 +32,11 @@ Exercise signatures (lab 12):
   row (any shape after the first axis, any dtype); one `comm.Alltoallv` carries exactly
   rows x[send[d]] to each rank d; returns a new array of the rows received, grouped by
   source rank in rank order, each group in the order its sender listed it. x unchanged.
+- `redistribute(comm, x, holds, needs) -> np.ndarray`: the whole exchange from a diagram
+  of which sample ids each rank holds (holds[r], row order of its x) and which it needs
+  (needs[r], in order); returns the rows of needs[rank] in that order, new, x unchanged,
+  all carried by one Alltoallv (global shuffling's permutation served from the ranks'
+  holdings instead of the shared copy, as a cache such as NoPFS does).
 """
 
 from __future__ import annotations
@@ -91,6 +96,49 @@ def exchange_samples(comm: MPI.Comm, x: np.ndarray, send: list[np.ndarray], recv
         [outgoing, (send_counts, _displacements(send_counts))], [incoming, (recv_elems, _displacements(recv_elems))]
     )
     return incoming
+
+
+def redistribute(comm: MPI.Comm, x: np.ndarray, holds: list[np.ndarray], needs: list[np.ndarray]) -> np.ndarray:
+    """The rows of the samples this rank needs, in the order it needs them, fetched from their holders.
+
+    The diagram, known to every rank: holds[r] lists the sample ids rank r holds (row i
+    of its x is sample holds[r][i]); needs[r] the ids rank r must hold after, in order.
+    Ids are 0..n-1, each held by one rank and needed by one. One Alltoallv carries to
+    each rank d the rows of needs[d] this rank holds, in d's order; what arrives, grouped
+    by source, is put back in the order of needs[rank].
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    _check_diagram(x, holds, needs, rank, size)
+    n = sum(len(ids) for ids in holds)
+    owner, position = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    for r, ids in enumerate(holds):
+        owner[ids], position[ids] = r, np.arange(len(ids))
+    outgoing_ids = [np.asarray(needs[d])[owner[needs[d]] == rank] for d in range(size)]
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    outgoing = np.ascontiguousarray(x[position[np.concatenate(outgoing_ids).astype(np.int64)]])
+    send_counts = np.array([len(ids) for ids in outgoing_ids], dtype=np.int64) * row
+    source = owner[needs[rank]]
+    recv_counts = np.bincount(source, minlength=size).astype(np.int64) * row
+    incoming = np.empty((len(source), *x.shape[1:]), dtype=x.dtype)
+    comm.Alltoallv(
+        [outgoing, (send_counts, _displacements(send_counts))], [incoming, (recv_counts, _displacements(recv_counts))]
+    )
+    placed = np.empty_like(incoming)
+    placed[np.argsort(source, kind="stable")] = incoming
+    return placed
+
+
+def _check_diagram(x: np.ndarray, holds: list[np.ndarray], needs: list[np.ndarray], rank: int, size: int) -> None:
+    """Raise ValueError, saying what to fix, unless holds and needs describe one layout each of ids 0..n-1."""
+    if len(holds) != size or len(needs) != size:
+        raise ValueError(f"holds and needs need one array of ids per rank ({size}), got {len(holds)} and {len(needs)}")
+    if len(x) != len(holds[rank]):
+        raise ValueError(f"x has {len(x)} rows but holds[{rank}] lists {len(holds[rank])} ids: one row per id held")
+    n = sum(len(ids) for ids in holds)
+    for name, layout in (("holds", holds), ("needs", needs)):
+        ids = np.concatenate([np.asarray(i, dtype=np.int64).ravel() for i in layout])
+        if not np.array_equal(np.sort(ids), np.arange(n)):
+            raise ValueError(f"{name} must list every sample id 0..{n - 1} exactly once over all ranks")
 
 
 def _displacements(counts: np.ndarray) -> np.ndarray:
