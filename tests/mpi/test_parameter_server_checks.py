@@ -127,9 +127,19 @@ def worker_forgets_last_flag(comm, n, gradient, steps):
         push(comm, step, incoming[0], grad, True)
 
 
+def worker_ignores_stop(comm, n, gradient, steps):
+    """Reads the parameters but not `go`: computes and pushes after the server said stop."""
+    incoming = np.empty(PARAMETERS_HEADER + n)
+    for step in range(steps):
+        comm.Recv(incoming, 0, PARAMETERS)
+        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
+        push(comm, step, incoming[0], grad, step < steps - 1)
+
+
 @pytest.mark.parametrize(
     "worker, message",
     [
+        (worker_ignores_stop, "go = 0|waited"),
         (worker_never_pushes, "waited"),
         (worker_pushes_twice, "expected 1"),
         (worker_pulls_once, "never received"),
@@ -298,3 +308,12 @@ def test_servers_that_leave_a_rank_waiting_fail_within_the_timeout(comm, server)
 @pytest.mark.parametrize("server", [server_nonblocking, server_library])
 def test_valid_ssp_servers_pass(comm, server):
     check_ssp_server(server)
+
+
+def server_stub(comm, params, steps, bound, lr):
+    raise NotImplementedError("Exercise 10.3 (ssp_server) is not done yet")
+
+
+def test_a_server_stub_fails_as_not_done(comm):
+    with pytest.raises(NotImplementedError, match="ssp_server"):
+        check_ssp_server(server_stub, timeout=2.0)

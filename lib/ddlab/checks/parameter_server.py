@@ -1,4 +1,5 @@
-"""Checks for lab 10 (parameter servers): the stale-synchronous gate, the asynchronous worker, a gossip step.
+"""Checks for lab 10 (parameter servers): the stale-synchronous gate, the asynchronous worker, the
+stale-synchronous server's loop, a gossip step.
 
 `check_ssp_gate` first compares the student's gate with the rule on clock tables
 (on every rank, so a stub fails everywhere), then plugs it into a real server on
@@ -11,7 +12,17 @@ library's asynchronous server on rank 0, all through a CountingComm (timeouts, n
 hang), on 2 ranks up to all. It proves exactly-once updates (each worker's step t
 applied once), that each gradient was computed at the parameters the server sent
 for that step and pushed as computed, with the version it was computed at, and a
-clean end: every worker returns, no message is left unreceived.
+clean end: every worker returns, no message is left unreceived. On 3 ranks or more the
+server tells the last worker to stop (go = 0) two steps early, while the others still
+run: a worker that pushes after that, or waits for more, fails.
+
+`check_ssp_server` runs the student's stale-synchronous server on rank 0 against the
+check's workers, which push in the order a seeded schedule of compute delays gives
+(one transient straggler; each push matched before the next is sent), so `ssp_model`
+fixes every release: the check compares when each worker was released, the version
+and parameters it got, the parameter messages and their bytes, and the final
+parameters, with s = 0, 1 and inf. A loop that never ends or leaves a worker waiting
+fails within the timeout.
 
 `check_gossip_step` runs the student's step through a CountingComm and compares
 with the average of each rank's parameters and its left neighbour's, the input
@@ -90,17 +101,32 @@ STUB = "stub: "
 
 
 class _RecordingServer(Server):
-    """The asynchronous server, remembering what it sent each worker and what it applied."""
+    """The asynchronous server, remembering what it sent each worker and what it applied.
 
-    def __init__(self, comm: CountingComm, params: np.ndarray, workers: list[int]):
+    It tells the workers in `halt` to stop (go = 0) instead of sending the parameters of
+    step halt[worker], and takes nothing more from them."""
+
+    def __init__(self, comm: CountingComm, params: np.ndarray, workers: list[int], halt: dict[int, int]):
         super().__init__(comm, params, workers, STEPS, 0.05, Consistency.parse("async"), comm.watch)
+        self.halt = halt
         self.sent: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)  # worker -> (version, params)
         self.got: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (worker, step) -> (version, gradient)
 
     def send_parameters(self, worker: int, go: bool) -> None:
+        if go and self.clock[worker] == self.halt.get(worker):
+            go = False
+            self.running.discard(worker)
         if go:
             self.sent[worker].append((self.version, self.params.copy()))
         super().send_parameters(worker, go)
+
+    def receive(self) -> tuple[int, int, int, bool, np.ndarray]:
+        worker, step, version, more, grad = super().receive()
+        if worker in self.halt and step >= self.halt[worker]:
+            raise RuntimeError(
+                f"rank {worker} pushed step {step} after the server sent it go = 0: a worker told to stop must stop"
+            )
+        return worker, step, version, more, grad
 
     def apply(self, worker: int, step: int, version: int, grad: np.ndarray) -> None:
         self.got[worker, step] = (version, grad.copy())
@@ -118,17 +144,19 @@ def _leftover(sub: MPI.Comm, seconds: float = 0.05) -> list[tuple[int, int]]:
 
 
 def _worker_problem(
-    server: _RecordingServer | None, calls: list[tuple[int, np.ndarray, np.ndarray]], sub: MPI.Comm, steps: int
+    server: _RecordingServer | None, calls: list[tuple[int, np.ndarray, np.ndarray]], sub: MPI.Comm, planned: int
 ) -> str | None:
     """Compare what this worker's gradient was called with (and returned) with what the server sent and applied."""
     rank = sub.Get_rank()
-    sent, got, applied = sub.bcast((server.sent, server.got, server.log.applied) if server else None)
+    sent, got, applied, halt = sub.bcast((server.sent, server.got, server.log.applied, server.halt) if server else None)
     if rank == 0:
         return None
+    steps = halt.get(rank, planned)
     if [step for step, _, _ in calls] != list(range(steps)):
+        stop = f" (the server sent go = 0 for step {steps}: stop when told to)" if steps < planned else ""
         return (
             f"called gradient for steps {[step for step, _, _ in calls]}, expected {list(range(steps))} "
-            "(once per step, in order)"
+            f"(once per step, in order){stop}"
         )
     wrong = [t for (t, params, _), (_, want) in zip(calls, sent[rank]) if not np.array_equal(params, want)]
     if len(sent[rank]) != steps or wrong:
@@ -157,7 +185,9 @@ def check_async_worker(async_worker: Worker) -> None:
         """Rank 0 serves, the others run the student's loop; a stub stops the server at once."""
         rank, size = counting.Get_rank(), counting.Get_size()
         if rank == 0:
-            server = _RecordingServer(counting, problem.start(), list(range(1, size)))
+            server = _RecordingServer(
+                counting, problem.start(), list(range(1, size)), {size - 1: STEPS - 2} if size > 2 else {}
+            )
             try:
                 server.serve()
             except PeerFailed as err:
@@ -266,6 +296,7 @@ def _sequenced_worker(
         if i > 0 and order[i - 1][0] + 1 != rank:
             _await_token(side, order[i - 1][0] + 1, comm.watch)
         request.Wait()
+        comm.watch.check(f"the parameters of step {step} from rank 0")  # a cancelled wait raises here
         version, go = incoming[:PARAMETERS_HEADER]
         if go != 1:
             raise RuntimeError(
@@ -278,6 +309,7 @@ def _sequenced_worker(
             incoming = np.full(PARAMETERS_HEADER + n, np.nan)
             request = comm.Irecv(incoming, 0, PARAMETERS)
         comm.Issend(np.concatenate([[rank, step, version, float(more)], grad]), 0, GRADIENT).Wait()
+        comm.watch.check(f"rank 0 to receive the gradient of step {step}")
         if i + 1 < len(order) and order[i + 1][0] + 1 != rank:
             token = np.array([i], dtype=np.int64)
             tokens.append((side.Isend(token, order[i + 1][0] + 1, TOKEN), token))
@@ -399,7 +431,7 @@ def check_ssp_server(ssp_server: Serve, timeout: float = 5.0) -> None:
 
 
 def check_gossip_step(gossip_step: Callable[[MPI.Comm, np.ndarray], np.ndarray]) -> None:
-    """Exercise 10.3: gossip_step(comm, params) -> mean of params and the left neighbour's, one message sent."""
+    """Exercise 10.4: gossip_step(comm, params) -> mean of params and the left neighbour's, one message sent."""
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
