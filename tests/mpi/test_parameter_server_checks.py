@@ -301,7 +301,7 @@ def test_wrong_ssp_servers_fail(comm, server, message):
 def test_servers_that_leave_a_rank_waiting_fail_within_the_timeout(comm, server):
     began = time.monotonic()
     with pytest.raises(CheckFailed, match="waited"):
-        check_ssp_server(server, timeout=1.0)
+        check_ssp_server(server, timeout=0.5)
     assert time.monotonic() - began < 10
 
 
