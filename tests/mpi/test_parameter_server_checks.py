@@ -1,11 +1,16 @@
-"""Lab 10's checks catch wrong gates, asynchronous workers and gossip steps, and accept valid alternatives."""
+"""Lab 10's checks catch wrong gates, asynchronous workers, stale-synchronous servers and gossip steps, and accept valid
+alternatives."""
+
+import time
 
 import numpy as np
 import pytest
-from ddlab.checks import CheckFailed, check_async_worker, check_gossip_step, check_ssp_gate
-from ddlab.parameter_server import gossip_step, may_start
-from ddlab.parameter_server.messages import GRADIENT, PARAMETERS, PARAMETERS_HEADER
+from ddlab.checks import CheckFailed, check_async_worker, check_gossip_step, check_ssp_gate, check_ssp_server
+from ddlab.parameter_server import Consistency, gossip_step, may_start
+from ddlab.parameter_server.messages import GRADIENT, GRADIENT_HEADER, PARAMETERS, PARAMETERS_HEADER
+from ddlab.parameter_server.server import Server
 from ddlab.parameter_server.worker import work
+from mpi4py import MPI
 
 
 def gate_off_by_one(clocks, step, bound):
@@ -122,9 +127,19 @@ def worker_forgets_last_flag(comm, n, gradient, steps):
         push(comm, step, incoming[0], grad, True)
 
 
+def worker_ignores_stop(comm, n, gradient, steps):
+    """Reads the parameters but not `go`: computes and pushes after the server said stop."""
+    incoming = np.empty(PARAMETERS_HEADER + n)
+    for step in range(steps):
+        comm.Recv(incoming, 0, PARAMETERS)
+        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
+        push(comm, step, incoming[0], grad, step < steps - 1)
+
+
 @pytest.mark.parametrize(
     "worker, message",
     [
+        (worker_ignores_stop, "go = 0|waited"),
         (worker_never_pushes, "waited"),
         (worker_pushes_twice, "expected 1"),
         (worker_pulls_once, "never received"),
@@ -140,3 +155,165 @@ def test_wrong_async_workers_fail(comm, worker, message):
 @pytest.mark.parametrize("worker", [async_worker, async_worker_nonblocking])
 def test_valid_async_workers_pass(comm, worker):
     check_async_worker(worker)
+
+
+def ssp_server(comm, params, steps, bound, lr, gate=may_start, step_size=None, version_of=None, stop=True):
+    """The server's loop; the keyword arguments plant one mistake each in the wrong answers below."""
+    params, workers = params.copy(), list(range(1, comm.Get_size()))
+    clock = dict.fromkeys(workers, 0)
+    running, waiting, version = set(workers), set(workers), 0
+    incoming = np.empty(GRADIENT_HEADER + len(params))
+    while True:
+        clocks = np.array([clock[w] for w in running], dtype=np.int64)
+        for w in sorted(waiting):
+            if gate(clocks, clock[w], bound):
+                waiting.discard(w)
+                sent = version if version_of is None else version_of(clock)
+                comm.Send(np.concatenate([[sent, 1.0], params]), w, PARAMETERS)
+        if not running and stop:
+            return params
+        comm.Recv(incoming, MPI.ANY_SOURCE, GRADIENT)
+        worker, _, _, more = incoming[:GRADIENT_HEADER].astype(int)
+        params -= (step_size or lr / len(workers)) * incoming[GRADIENT_HEADER:]
+        version += 1
+        clock[worker] += 1
+        if more:
+            waiting.add(worker)
+        else:
+            running.discard(worker)
+
+
+def server_nonblocking(comm, params, steps, bound, lr):
+    """Valid: Probe then Recv from the status's source, Isend kept until Waitall, NumPy ints, 0/1 flags,
+    and an end counted in updates (every worker runs `steps` steps) instead of read from `more`."""
+    params, workers = np.array(params, dtype=np.float64), np.arange(1, comm.Get_size())
+    clock, waiting, sends, version = {int(w): np.int64(0) for w in workers}, list(workers), [], np.int64(0)
+    status = MPI.Status()
+    while True:
+        clocks = np.array([clock[int(w)] for w in workers if clock[int(w)] < steps], dtype=np.int64)
+        for w in list(waiting):
+            if may_start(clocks, clock[int(w)], bound):
+                waiting.remove(w)
+                buf = np.concatenate([np.array([version, 1]), params])
+                sends.append((comm.Isend(buf, w, PARAMETERS), buf))
+        if version == len(workers) * steps:
+            MPI.Request.Waitall([r for r, _ in sends])
+            return params
+        comm.Probe(MPI.ANY_SOURCE, GRADIENT, status)
+        buf = np.empty(GRADIENT_HEADER + len(params), dtype=np.float64)
+        comm.Recv(buf, status.Get_source(), GRADIENT)
+        worker = np.int64(buf[0])
+        params = params - lr * buf[GRADIENT_HEADER:] / len(workers)
+        version += 1
+        clock[int(worker)] += 1
+        if buf[3] == 1:
+            waiting.append(worker)
+
+
+def server_library(comm, params, steps, bound, lr):
+    """Valid: the library's server (Irecv from any worker, polled; Isend of the parameters)."""
+    server = Server(comm, params, list(range(1, comm.Get_size())), steps, lr, Consistency(bound), comm.watch)
+    server.serve()
+    return server.params
+
+
+def server_ignores_bound(comm, params, steps, bound, lr):
+    return ssp_server(comm, params, steps, bound, lr, gate=lambda clocks, step, s: True)
+
+
+def server_gate_off_by_one(comm, params, steps, bound, lr):
+    return ssp_server(comm, params, steps, bound, lr, gate=lambda clocks, step, s: may_start(clocks, step, s + 1))
+
+
+def server_releases_only_the_pusher(comm, params, steps, bound, lr):
+    """Checks the gate for the worker that just pushed, then forgets it: the others are left waiting."""
+    workers = list(range(1, comm.Get_size()))
+    params, clock, version = params.copy(), dict.fromkeys(workers, 0), 0
+    for w in workers:
+        comm.Send(np.concatenate([[version, 1.0], params]), w, PARAMETERS)
+    incoming = np.empty(GRADIENT_HEADER + len(params))
+    for _ in range(len(workers) * steps):
+        comm.Recv(incoming, MPI.ANY_SOURCE, GRADIENT)
+        worker, _, _, more = incoming[:GRADIENT_HEADER].astype(int)
+        params -= lr / len(workers) * incoming[GRADIENT_HEADER:]
+        version, clock[worker] = version + 1, clock[worker] + 1
+        running = np.array([c for c in clock.values() if c < steps], dtype=np.int64)
+        if more and may_start(running, clock[worker], bound):
+            comm.Send(np.concatenate([[version, 1.0], params]), worker, PARAMETERS)
+    return params
+
+
+def server_never_ends(comm, params, steps, bound, lr):
+    """Ignores `more`: waits for a gradient after the last one."""
+    return ssp_server(comm, params, steps, bound, lr, stop=False)
+
+
+def server_float32_buffer(comm, params, steps, bound, lr):
+    """Receives the gradients into a float32 buffer."""
+    workers = list(range(1, comm.Get_size()))
+    for w in workers:
+        comm.Send(np.concatenate([[0, 1.0], params]), w, PARAMETERS)
+    incoming = np.empty(GRADIENT_HEADER + len(params), dtype=np.float32)
+    comm.Recv(incoming, MPI.ANY_SOURCE, GRADIENT)
+    return params
+
+
+def server_rate_not_divided(comm, params, steps, bound, lr):
+    return ssp_server(comm, params, steps, bound, lr, step_size=lr)
+
+
+def server_sends_steps_as_version(comm, params, steps, bound, lr):
+    return ssp_server(comm, params, steps, bound, lr, version_of=lambda clock: min(clock.values()))
+
+
+def server_updates_its_input(comm, params, steps, bound, lr):
+    result = ssp_server(comm, params, steps, bound, lr)
+    params[:] = result
+    return params
+
+
+def server_object_api(comm, params, steps, bound, lr):
+    """Receives with the object API: the workers' arrays are not pickles."""
+    for w in range(1, comm.Get_size()):
+        comm.Send(np.concatenate([[0, 1.0], params]), w, PARAMETERS)
+    comm.recv(source=MPI.ANY_SOURCE, tag=GRADIENT)
+    return params
+
+
+@pytest.mark.parametrize(
+    "server, message",
+    [
+        (server_ignores_bound, "ahead with s = 0"),
+        (server_gate_off_by_one, "ahead with s = "),
+        (server_rate_not_divided, "parameters other than"),
+        (server_sends_steps_as_version, "version|updates"),
+        (server_updates_its_input, "changed the params"),
+        (server_float32_buffer, "Error|error"),
+        (server_object_api, "Error|error"),
+    ],
+)
+def test_wrong_ssp_servers_fail(comm, server, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_ssp_server(server, timeout=2.0)
+
+
+@pytest.mark.parametrize("server", [server_releases_only_the_pusher, server_never_ends])
+def test_servers_that_leave_a_rank_waiting_fail_within_the_timeout(comm, server):
+    began = time.monotonic()
+    with pytest.raises(CheckFailed, match="waited"):
+        check_ssp_server(server, timeout=0.5)
+    assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("server", [server_nonblocking, server_library])
+def test_valid_ssp_servers_pass(comm, server):
+    check_ssp_server(server)
+
+
+def server_stub(comm, params, steps, bound, lr):
+    raise NotImplementedError("Exercise 10.3 (ssp_server) is not done yet")
+
+
+def test_a_server_stub_fails_as_not_done(comm):
+    with pytest.raises(NotImplementedError, match="ssp_server"):
+        check_ssp_server(server_stub, timeout=2.0)

@@ -55,6 +55,7 @@ _WHERE = {
     "check_async_worker": "parameter_server",
     "check_gossip_step": "parameter_server",
     "check_ssp_gate": "parameter_server",
+    "check_ssp_server": "parameter_server",
     "check_exchange_plan": "shuffling",
     "check_exchange_samples": "shuffling",
     "check_redistribute": "shuffling",

@@ -1,4 +1,5 @@
-"""Checks for lab 10 (parameter servers): the stale-synchronous gate, the asynchronous worker, a gossip step.
+"""Checks for lab 10 (parameter servers): the stale-synchronous gate, the asynchronous worker, the
+stale-synchronous server's loop, a gossip step.
 
 `check_ssp_gate` first compares the student's gate with the rule on clock tables
 (on every rank, so a stub fails everywhere), then plugs it into a real server on
@@ -11,7 +12,17 @@ library's asynchronous server on rank 0, all through a CountingComm (timeouts, n
 hang), on 2 ranks up to all. It proves exactly-once updates (each worker's step t
 applied once), that each gradient was computed at the parameters the server sent
 for that step and pushed as computed, with the version it was computed at, and a
-clean end: every worker returns, no message is left unreceived.
+clean end: every worker returns, no message is left unreceived. On 3 ranks or more the
+server tells the last worker to stop (go = 0) two steps early, while the others still
+run: a worker that pushes after that, or waits for more, fails.
+
+`check_ssp_server` runs the student's stale-synchronous server on rank 0 against the
+check's workers, which push in the order a seeded schedule of compute delays gives
+(one transient straggler; each push matched before the next is sent), so `ssp_model`
+fixes every release: the check compares when each worker was released, the version
+and parameters it got, the parameter messages and their bytes, and the final
+parameters, with s = 0, 1 and inf. A loop that never ends or leaves a worker waiting
+fails within the timeout.
 
 `check_gossip_step` runs the student's step through a CountingComm and compares
 with the average of each rank's parameters and its left neighbour's, the input
@@ -30,10 +41,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ..parameter_server import Consistency, LeastSquares, may_start, train
+from ..parameter_server.messages import GRADIENT, PARAMETERS, PARAMETERS_HEADER
 from ..parameter_server.server import Server
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm
-from ..runtime.waiting import PeerFailed
+from ..runtime.waiting import PeerFailed, Stalled, Watch
 from ._core import array_problem, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
 
@@ -89,26 +101,41 @@ STUB = "stub: "
 
 
 class _RecordingServer(Server):
-    """The asynchronous server, remembering what it sent each worker and what it applied."""
+    """The asynchronous server, remembering what it sent each worker and what it applied.
 
-    def __init__(self, comm: CountingComm, params: np.ndarray, workers: list[int]):
+    It tells the workers in `halt` to stop (go = 0) instead of sending the parameters of
+    step halt[worker], and takes nothing more from them."""
+
+    def __init__(self, comm: CountingComm, params: np.ndarray, workers: list[int], halt: dict[int, int]):
         super().__init__(comm, params, workers, STEPS, 0.05, Consistency.parse("async"), comm.watch)
+        self.halt = halt
         self.sent: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)  # worker -> (version, params)
         self.got: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (worker, step) -> (version, gradient)
 
     def send_parameters(self, worker: int, go: bool) -> None:
+        if go and self.clock[worker] == self.halt.get(worker):
+            go = False
+            self.running.discard(worker)
         if go:
             self.sent[worker].append((self.version, self.params.copy()))
         super().send_parameters(worker, go)
+
+    def receive(self) -> tuple[int, int, int, bool, np.ndarray]:
+        worker, step, version, more, grad = super().receive()
+        if worker in self.halt and step >= self.halt[worker]:
+            raise RuntimeError(
+                f"rank {worker} pushed step {step} after the server sent it go = 0: a worker told to stop must stop"
+            )
+        return worker, step, version, more, grad
 
     def apply(self, worker: int, step: int, version: int, grad: np.ndarray) -> None:
         self.got[worker, step] = (version, grad.copy())
         super().apply(worker, step, version, grad)
 
 
-def _leftover(sub: MPI.Comm) -> list[tuple[int, int]]:
-    """(source, tag) of every message still unreceived on sub, received now so none lingers."""
-    found, status, until = [], MPI.Status(), time.monotonic() + 0.05
+def _leftover(sub: MPI.Comm, seconds: float = 0.05) -> list[tuple[int, int]]:
+    """(source, tag) of every message still unreceived on sub (looking for `seconds`), received now so none lingers."""
+    found, status, until = [], MPI.Status(), time.monotonic() + seconds
     while time.monotonic() < until:
         if sub.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
             found.append((status.Get_source(), status.Get_tag()))
@@ -117,17 +144,19 @@ def _leftover(sub: MPI.Comm) -> list[tuple[int, int]]:
 
 
 def _worker_problem(
-    server: _RecordingServer | None, calls: list[tuple[int, np.ndarray, np.ndarray]], sub: MPI.Comm, steps: int
+    server: _RecordingServer | None, calls: list[tuple[int, np.ndarray, np.ndarray]], sub: MPI.Comm, planned: int
 ) -> str | None:
     """Compare what this worker's gradient was called with (and returned) with what the server sent and applied."""
     rank = sub.Get_rank()
-    sent, got, applied = sub.bcast((server.sent, server.got, server.log.applied) if server else None)
+    sent, got, applied, halt = sub.bcast((server.sent, server.got, server.log.applied, server.halt) if server else None)
     if rank == 0:
         return None
+    steps = halt.get(rank, planned)
     if [step for step, _, _ in calls] != list(range(steps)):
+        stop = f" (the server sent go = 0 for step {steps}: stop when told to)" if steps < planned else ""
         return (
             f"called gradient for steps {[step for step, _, _ in calls]}, expected {list(range(steps))} "
-            "(once per step, in order)"
+            f"(once per step, in order){stop}"
         )
     wrong = [t for (t, params, _), (_, want) in zip(calls, sent[rank]) if not np.array_equal(params, want)]
     if len(sent[rank]) != steps or wrong:
@@ -156,7 +185,9 @@ def check_async_worker(async_worker: Worker) -> None:
         """Rank 0 serves, the others run the student's loop; a stub stops the server at once."""
         rank, size = counting.Get_rank(), counting.Get_size()
         if rank == 0:
-            server = _RecordingServer(counting, problem.start(), list(range(1, size)))
+            server = _RecordingServer(
+                counting, problem.start(), list(range(1, size)), {size - 1: STEPS - 2} if size > 2 else {}
+            )
             try:
                 server.serve()
             except PeerFailed as err:
@@ -196,8 +227,214 @@ def check_async_worker(async_worker: Worker) -> None:
     passed(comm, "every step pulled, computed at the parameters pulled, pushed once; the loop ends cleanly")
 
 
+Serve = Callable[[Comm, np.ndarray, int, float, float], np.ndarray]
+SSP_BOUNDS = (0, 1, math.inf)
+SSP_STEPS, SSP_LR, TOKEN = 5, 0.05, 7
+Model = tuple[list[tuple[int, int]], dict[tuple[int, int], int], list[np.ndarray]]
+
+
+def ssp_model(problem: LeastSquares, workers: int, steps: int, bound: float, lr: float, seed: int) -> Model:
+    """What a stale-synchronous server prescribes when worker k's step t computes for a seeded delay.
+
+    Replays the run on a clock: one worker's step is six times slower (a transient
+    straggler). Returns the order the gradients arrive in, as (worker, step); for each
+    (worker, step) the number of updates applied when the gate released it; and the
+    parameters after each update (each gradient applied on arrival, rate lr / workers).
+    """
+    rng = np.random.default_rng(seed)
+    delay = rng.uniform(1.0, 2.0, (workers, steps))
+    delay[rng.integers(workers), rng.integers(steps)] *= 6
+    clock = np.zeros(workers, dtype=np.int64)
+    waiting, finish, now = set(range(workers)), {}, 0.0
+    order: list[tuple[int, int]] = []
+    released: dict[tuple[int, int], int] = {}
+    history = [problem.start()]
+    while True:
+        for k in sorted(waiting):
+            if may_start(clock[clock < steps], int(clock[k]), bound):
+                waiting.discard(k)
+                released[k, int(clock[k])] = len(order)
+                finish[k] = now + delay[k, clock[k]]
+        if not finish:
+            return order, released, history
+        k = min(finish, key=finish.__getitem__)
+        now, step = finish.pop(k), int(clock[k])
+        order.append((k, step))
+        history.append(history[-1] - lr / workers * problem.gradient(history[released[k, step]], k, step))
+        clock[k] += 1
+        if clock[k] < steps:
+            waiting.add(k)
+
+
+def _await_token(side: MPI.Comm, source: int, watch: Watch) -> None:
+    """Wait (under the watch) for the previous pusher's go-ahead on the check's own communicator."""
+    request = side.Irecv(np.empty(1, dtype=np.int64), source, TOKEN)
+    try:
+        watch.poll(request.Test, f"rank {source} to push its gradient (it waits for the server's parameters)")
+    except (Stalled, PeerFailed):
+        request.Cancel()
+        request.Wait()
+        raise
+
+
+def _sequenced_worker(
+    comm: CountingComm, side: MPI.Comm, order: list[tuple[int, int]], problem: LeastSquares, steps: int
+) -> list[tuple[int, float, np.ndarray]]:
+    """The check's worker: pushes in the model's order, each push received before the next is sent.
+
+    The gradient goes by synchronous send, so it is complete once the server has matched it;
+    only then is the next pusher told to go. Returns (step, version, parameters) as received.
+    """
+    rank, n = comm.Get_rank(), problem.n
+    got: list[tuple[int, float, np.ndarray]] = []
+    incoming = np.full(PARAMETERS_HEADER + n, np.nan)
+    request = comm.Irecv(incoming, 0, PARAMETERS)
+    tokens = []
+    for i, (k, step) in enumerate(order):
+        if k + 1 != rank:
+            continue
+        if i > 0 and order[i - 1][0] + 1 != rank:
+            _await_token(side, order[i - 1][0] + 1, comm.watch)
+        request.Wait()
+        comm.watch.check(f"the parameters of step {step} from rank 0")  # a cancelled wait raises here
+        version, go = incoming[:PARAMETERS_HEADER]
+        if go != 1:
+            raise RuntimeError(
+                f"the server sent rank {rank} go = {go} for its step {step}: send go = 1 to a worker it releases"
+            )
+        got.append((step, float(version), incoming[PARAMETERS_HEADER:].copy()))
+        grad = problem.gradient(got[-1][2], k, step)
+        more = step < steps - 1
+        if more:
+            incoming = np.full(PARAMETERS_HEADER + n, np.nan)
+            request = comm.Irecv(incoming, 0, PARAMETERS)
+        comm.Issend(np.concatenate([[rank, step, version, float(more)], grad]), 0, GRADIENT).Wait()
+        comm.watch.check(f"rank 0 to receive the gradient of step {step}")
+        if i + 1 < len(order) and order[i + 1][0] + 1 != rank:
+            token = np.array([i], dtype=np.int64)
+            tokens.append((side.Isend(token, order[i + 1][0] + 1, TOKEN), token))
+    comm.watch.poll(lambda: all(r.Test() for r, _ in tokens), "the next pushers to take their go-ahead")
+    return got
+
+
+def _release_problem(
+    rank: int, step: int, version: float, want: int, order: list[tuple[int, int]], steps: int, bound: float
+) -> str:
+    """Why the server's release of (rank, step) at `version` updates is wrong (version != want)."""
+    if version != int(version) or not 0 <= version <= len(order):
+        return f"sent rank {rank} version {version} for its step {step}: the version counts the updates applied"
+    clocks = Counter(k for k, _ in order[: int(version)])
+    running = [clocks[k] for k in range(max(k for k, _ in order) + 1) if clocks[k] < steps]
+    if version < want:
+        return (
+            f"released rank {rank} for step {step} after {int(version)} updates, when the slowest running worker "
+            f"had finished {min(running)} steps: {step - min(running)} ahead with s = {bound}"
+        )
+    return (
+        f"released rank {rank} for step {step} only after {int(version)} updates; the gate let it start after "
+        f"{want}: after each gradient, release every waiting worker the gate lets go"
+    )
+
+
+def _ssp_problem(
+    model: Model, given: np.ndarray, result: object, got: list, sends: list[tuple[int, int, int]], bound: float
+) -> str | None:
+    """Rank 0's verdict on one run: releases, parameters sent, messages, the final parameters."""
+    order, released, history = model
+    start, n = history[0], len(history[0])
+    if not np.array_equal(given, start):
+        return "changed the params it was given: copy them and update the copy"
+    records = sorted(
+        (version, rank, step, params) for rank, mine in enumerate(got[1:], 1) for step, version, params in mine
+    )
+    for version, rank, step, _ in records:  # the earliest wrong release first: later parameters follow from it
+        if version != released[rank - 1, step]:
+            return _release_problem(rank, step, version, released[rank - 1, step], order, SSP_STEPS, bound)
+    for version, rank, step, params in records:
+        if not np.allclose(params, history[int(version)], rtol=1e-10, atol=1e-12):
+            return (
+                f"sent rank {rank} for step {step} parameters other than those after its {int(version)} updates: "
+                f"apply each gradient on arrival as params -= lr / workers * gradient"
+            )
+    want_sends = sorted((k + 1, PARAMETERS, 8 * (PARAMETERS_HEADER + n)) for k, _ in released)
+    if sorted(sends) != want_sends:
+        return (
+            f"sent (rank, tag, bytes) {sorted(sends)}, expected one [version, go] + parameters message per step "
+            f"and worker: {want_sends}"
+        )
+    return array_problem(result, history[-1], "the parameters it returned", rtol=1e-10, atol=1e-12)
+
+
+def check_ssp_server(ssp_server: Serve, timeout: float = 5.0) -> None:
+    """Exercise 10.3: ssp_server(comm, params, steps, bound, lr) on rank 0 against workers on the other ranks.
+
+    The check's workers push in the order a seeded schedule of compute delays gives
+    (one transient straggler), one push matched before the next is sent, so the model
+    prescribes every release (`ssp_model`). For s = 0, 1 and inf, with two workers and with all
+    ranks (one worker on two ranks), it
+    compares: when each worker was released (never beyond the bound, never later than
+    the gate allows), the version and parameters it got, one parameter message of
+    2 + n float64 per step and worker, the final parameters, and the input unchanged.
+    A server that never ends or leaves a worker waiting fails within `timeout` seconds.
+    """
+    comm = MPI.COMM_WORLD
+    problem = LeastSquares(n=5, samples=64, batch=4)
+
+    def one_run(sub: MPI.Comm, bound: float) -> str | None:
+        workers = sub.Get_size() - 1
+        model = ssp_model(problem, workers, SSP_STEPS, bound, SSP_LR, seed=10 * workers + int(min(bound, 9)))
+        side = sub.Dup()
+
+        def roles(counting: CountingComm) -> object:
+            if counting.Get_rank() == 0:
+                given = problem.start()
+                try:
+                    return given, ssp_server(counting, given, SSP_STEPS, bound, SSP_LR)
+                except NotImplementedError as err:
+                    counting.fail_all(f"{STUB}{err}")
+                    raise
+            try:
+                return _sequenced_worker(counting, side, model[0], problem, SSP_STEPS)
+            except PeerFailed as err:
+                if STUB in str(err):
+                    raise NotImplementedError(str(err).split(STUB, 1)[1].rstrip(")")) from None
+                raise
+
+        try:
+            result, traffic = run_counted(sub, roles, (), f"ssp_server with s = {bound}", timeout=timeout)
+        except BaseException:  # a failed run may leave a go-ahead unreceived: take it, lest a later Dup meet it
+            _leftover(side, 0.01)
+            raise
+        finally:
+            side.Free()
+        leftover = _leftover(sub, 0.01)
+        got = sub.gather(result, root=0)
+        problem_found = None
+        if got is not None:  # rank 0
+            given, returned = result
+            sends = [(e.peer, e.tag, e.nbytes) for e in traffic[0].sends]
+            problem_found = _ssp_problem(model, given, returned, got, sends, bound)
+        if leftover:
+            problem_found = (
+                f"messages (source, tag) {leftover} reached rank {sub.Get_rank()} and were never received: "
+                "send parameters only to a worker that will pull them (not after its last gradient)"
+            )
+        found = sub.allgather(problem_found)
+        return next((f"with s = {bound}: {p}" for p in found if p), None)
+
+    def body(sub: MPI.Comm) -> str | None:
+        for bound in SSP_BOUNDS:
+            found = one_run(sub, bound)
+            if found:
+                return found if sub.Get_rank() == 0 else None
+        return None
+
+    each_size(comm, body, "check_ssp_server", sizes=sorted({min(3, comm.Get_size()), comm.Get_size()}))
+    passed(comm, "the server releases each worker exactly when the bound allows and applies every gradient once")
+
+
 def check_gossip_step(gossip_step: Callable[[MPI.Comm, np.ndarray], np.ndarray]) -> None:
-    """Exercise 10.3: gossip_step(comm, params) -> mean of params and the left neighbour's, one message sent."""
+    """Exercise 10.4: gossip_step(comm, params) -> mean of params and the left neighbour's, one message sent."""
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
@@ -226,4 +463,4 @@ def check_gossip_step(gossip_step: Callable[[MPI.Comm, np.ndarray], np.ndarray])
     passed(comm, "one gossip step averages with the left neighbour, one message per rank")
 
 
-__all__ = ["CheckFailed", "check_async_worker", "check_gossip_step", "check_ssp_gate"]
+__all__ = ["CheckFailed", "check_async_worker", "check_gossip_step", "check_ssp_gate", "check_ssp_server"]

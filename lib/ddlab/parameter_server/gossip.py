@@ -1,6 +1,6 @@
 """Decentralized training without a server: average with a ring neighbour instead of with everyone.
 
-`gossip_step` is exercise 10.3: one synchronous averaging step with the left
+`gossip_step` is exercise 10.4: one synchronous averaging step with the left
 neighbour, the mixing matrix W[i, i] = W[i, i-1] = 1/2 (doubly stochastic: it keeps the
 replicas' mean), as in D-PSGD (Lian et al., NeurIPS 2017). `AsyncGossip` is the
 asynchronous version training uses, in the setting of AD-PSGD (Lian et al.,
@@ -23,7 +23,7 @@ GOSSIP = 103
 
 
 def gossip_step(comm: Comm, params: np.ndarray) -> np.ndarray:
-    """Exercise 10.3: send params to rank + 1, receive the left neighbour's, return the average of the two.
+    """Exercise 10.4: send params to rank + 1, receive the left neighbour's, return the average of the two.
 
     A new float64 array; params is left unchanged. On one rank, a copy of params.
     """

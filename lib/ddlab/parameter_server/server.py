@@ -7,7 +7,8 @@ everything the tests and figures need: which (worker, step) it applied, each
 update's staleness, the gap between a released step and the slowest clock, and
 snapshots of its slice over time. A worker that stops early is reported; in
 synchronous mode the step it misses can never complete, so the server stops the
-others and reports the gradients it could not apply.
+others and reports the gradients it could not apply. Lab 10's exercise 10.3 has the
+student write this loop for one stale-synchronous server.
 """
 
 from __future__ import annotations
