@@ -3,18 +3,21 @@
 `ddlab.oracle.transformer` prices a GPT step from its sizes and a platform. Here the GPT is
 lab 16's (`GPTConfig`, untied output layer, no dropout, float32 or float64 AdamW) on the
 mesh of `ddlab.mesh.train_on_mesh`, and the platform is this machine's, measured as lab 09
-measures it, with one input more: the compute rate of the ranks.
+measures it, with two inputs more for this GPT: its compute rate and its cost per layer step.
 
-Time (`mesh_time`): `step_time` of the layout (Narayanan et al., SC 2021: the iteration's
+Time (`mesh_time`): the parts of `step_time` (Narayanan et al., SC 2021: the iteration's
 FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) without recomputation, over the N ranks;
-lab 07's bubble; each dimension's collectives priced by the measured curves), plus the
-platform's `sync` for every blocking exchange the step makes, counted from the layout
-(lab 09: on cores shared by more ranks than cores, a partner that is not running must be
-scheduled before it answers). The compute rate is calibrated once per model, not per
-layout (`calibrate`): rank 0 trains the same GPT on the whole batch alone, flops = the
-iteration's FLOPs / its seconds; then every rank trains it at once, and the slowdown with
-all P ranks computing, c(P) = together / alone, sets the platform's contention (c(n)
-linear from 1 to c(P), as `ddlab.oracle.validate` does for lab 09's strategies).
+lab 07's bubble, (p - 1)/m of the compute; each dimension's collectives priced by lab 09's
+measured curves), with two inputs measured on this machine for this GPT, the same for
+every layout (`calibrate`, from one process training it alone, at the whole batch B and
+at B/P): the FLOP rate, and the seconds the implementation spends per layer and
+micro-batch whatever their size (Python, kernel launches, the optimizer's loop: at lab 16's
+sizes as much as the arithmetic). A tensor-parallel rank runs every layer of its stage for
+1/t of the FLOPs, so it pays that cost whole. The ranks share the cores: the compute is
+slowed by the contention measured with every rank training at once, at the number of
+ranks computing at once on average (all but the bubble's, as lab 09's pipeline), and every
+blocking exchange the step makes (`exchanges`) pays the platform's `sync` in that share
+(lab 09: a partner that is not running must be scheduled before it answers).
 
 Memory (`rank_memory_local`): per world rank, what `ddlab.runtime.memory.Ledger` counts
 in a run, in the same four parts:
@@ -297,9 +300,12 @@ def calibrate(
         together.append(comm.allreduce(one_process_seconds(make_model, small, steps), op=MPI.MAX))
     whole, part = comm.bcast((statistics.median(alone), statistics.median(alone_small)), root=0)
     gpt = GPT.from_config(config, seq=seq)
-    work = iteration_flops(gpt, batch, "none") - iteration_flops(gpt, batch // p, "none")
-    flops = work / max(whole - part, 1e-9) if whole > part else iteration_flops(gpt, batch, "none") / whole
-    fixed = max(0.0, part - iteration_flops(gpt, batch // p, "none") / flops)
+    big, little = iteration_flops(gpt, batch, "none"), iteration_flops(gpt, batch // p, "none")
+    if big > little and whole > part:
+        flops = (big - little) / (whole - part)
+        fixed = max(0.0, part - little / flops)
+    else:  # one rank (or a load spike): the rate alone, no cost per layer
+        flops, fixed = big / whole, 0.0
     worst = max(1.0, statistics.median(together) / part)
     contention = tuple(1.0 + (worst - 1.0) * (n - 1) / max(p - 1, 1) for n in range(1, p + 1))
     overheads = {**platform.overheads, "gpt layer": fixed / config.n_layer}
