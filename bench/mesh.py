@@ -11,7 +11,7 @@ micro-batches.
 The oracle (`ddlab.oracle.transformer_local`): before the rounds, this machine is measured
 as lab 09 measures it (`measure_platform`: collectives' curves, ping-pong, sync); at the start
 of every round the compute rate is calibrated from one process training the same GPT alone
-and the contention from every rank training it at once (one input per round, the same for
+the contention from every rank training it at once and sync measured again (inputs of the round, the same for
 every layout: no factor per layout), and each layout's step is predicted. Printed: per
 variant, the median over rounds of its step time over data parallelism's in the same round,
 its largest and smallest rank's peak over data parallelism's; then per layout the measured
@@ -102,7 +102,7 @@ def child(args: argparse.Namespace) -> None:
     print(
         f"\nThe oracle (per round: {per_layer} ms per layer step + {', '.join(f'{p.flops / 1e9:.2f}' for p in platforms)} GFLOP/s alone, "
         f"slowdown with {size} ranks computing {', '.join(f'{p.contention[-1]:.2f}' for p in platforms)}; "
-        f"sync {measured.sync * 1e3:.2f} ms per blocking exchange)"
+        f"sync {', '.join(f'{p.sync * 1e3:.2f}' for p in platforms)} ms per blocking exchange)"
     )
     print(
         f"{'layout':8} {'meas ms':>8} {'pred ms':>8} {'(compute/bubble/tensor/pipe/data/sync)':>40} {'time acc':>8} "

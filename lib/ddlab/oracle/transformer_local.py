@@ -59,7 +59,7 @@ from ..mesh import train_on_mesh
 from ..mesh.layout import coordinates
 from ..model_parallel import polite_barrier
 from ..runtime.blocks import block_range
-from .measure import SIZES, measure_platform
+from .measure import SIZES, measure_platform, measure_sync
 from .platform import Platform
 from .strategies import sync_share
 from .transformer import GPT, PRECISIONS, Layout, iteration_flops, step_time
@@ -285,7 +285,8 @@ def calibrate(
     seconds the implementation spends per step whatever the batch (Python, kernel launches,
     the optimizer's loop), o per layer and micro-batch (`overheads["gpt layer"]`). c(P),
     the slowdown with all P ranks computing, is together / alone at B/P (the slowest rank's),
-    c(n) linear from 1 to c(P). Medians over the rounds; every rank gets the same Platform."""
+    c(n) linear from 1 to c(P). Medians over the rounds; `sync` is measured again (it moves with
+    the load more than the rest). Every rank gets the same Platform."""
     p = comm.Get_size()
     if batch % p:
         raise ValueError(f"the batch of {batch} does not split over {p} ranks: use a multiple of {p}")
@@ -309,7 +310,8 @@ def calibrate(
     worst = max(1.0, statistics.median(together) / part)
     contention = tuple(1.0 + (worst - 1.0) * (n - 1) / max(p - 1, 1) for n in range(1, p + 1))
     overheads = {**platform.overheads, "gpt layer": fixed / config.n_layer}
-    return replace(platform, flops=flops, contention=contention, overheads=overheads)
+    sync = comm.bcast(measure_sync(comm), root=0) if p > 1 else 0.0
+    return replace(platform, flops=flops, contention=contention, overheads=overheads, sync=sync)
 
 
 def local_platform(
