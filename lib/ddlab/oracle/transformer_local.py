@@ -62,6 +62,7 @@ from mpi4py import MPI
 from ..mesh import train_on_mesh
 from ..mesh.layout import coordinates
 from ..model_parallel import polite_barrier
+from ..models.gpt import BatchAt
 from ..runtime.blocks import block_range
 from .measure import SIZES, measure_platform, measure_sync
 from .platform import Platform
@@ -71,7 +72,6 @@ from .validate import accuracy
 
 #: A fresh GPT (the same weights every call), as `ddlab.models.gpt.make_gpt` makes it.
 MakeModel = Callable[[], Any]
-BatchAt = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 _PRECISION = {4: "fp32", 8: "fp64"}
 
 
