@@ -1,14 +1,24 @@
-"""Every 4-rank layout of lab 14's GPT on the mesh (ddlab.mesh) against pure data parallelism: time and memory.
+"""Every 4-rank layout of lab 14's GPT on the mesh (ddlab.mesh) against pure data parallelism, and the oracle's prediction.
 
 One MPI job (4 ranks by default). Layouts data x tensor x pipeline: every one of the ranks
 (4 ranks: 4x1x1, 2x2x1, 2x1x2, 1x4x1, 1x2x2, 1x1x4) and ZeRO-1/2/3 on the data dimension of
 pure data parallelism. Each round every variant trains a fresh GPT (same weights) for
 --steps steps plus one warm-up, taking turns, the order rotated each round; a variant's step
 time is the slowest rank's median step, its memory each rank's peak in the memory ledger
-(parameters, gradients, AdamW state, activations). Printed: per variant, the median over
-rounds of its step time over data parallelism's in the same round, and its largest and
-smallest rank's peak over data parallelism's (peaks do not vary between rounds). Pipelines
-run 1F1B with --micro micro-batches.
+(parameters, gradients, AdamW state, activations). Pipelines run 1F1B with --micro
+micro-batches.
+
+The oracle (`ddlab.oracle.transformer_local`): before the rounds, this machine is measured
+as lab 09 measures it (`measure_platform`: collectives' curves, ping-pong, sync); at the start
+of every round the compute rate is calibrated from one process training the same GPT alone
+the contention from every rank training it at once and sync measured again (inputs of the round, the same for
+every layout: no factor per layout), and each layout's step is predicted. Printed: per
+variant, the median over rounds of its step time over data parallelism's in the same round,
+its largest and smallest rank's peak over data parallelism's; then per layout the measured
+and predicted step time (medians over rounds) and their accuracy 1 - |pred - meas| / meas,
+the measured and predicted peak of the worst-predicted rank and the memory accuracy (the
+worst rank's), and the means. Targets (issue 30): mean time accuracy >= 0.85, memory
+accuracy >= 0.95 on every layout. ZeRO's own buffers are not predicted.
 
     .venv/bin/python bench/mesh.py [--ranks 4] [--width 64] [--layers 4] [--block 32] [--batch 16] [--micro 2] [--rounds 5] [--steps 3]
 
@@ -18,8 +28,10 @@ It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import time
 
 TIMEOUT = 3600
 
@@ -29,8 +41,11 @@ def child(args: argparse.Namespace) -> None:
     from ddlab.data.text import BatchSampler, make_corpus
     from ddlab.mesh import layouts, train_on_mesh
     from ddlab.models.gpt import GPTConfig, make_gpt
+    from ddlab.oracle.measure import measure_platform
+    from ddlab.oracle.transformer_local import calibrate, case_of, predict_mesh
     from mpi4py import MPI
 
+    started = time.perf_counter()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
     size = comm.Get_size()
@@ -38,13 +53,21 @@ def child(args: argparse.Namespace) -> None:
     sampler = BatchSampler(make_corpus().train, batch=args.batch, block=args.block)
     variants = [(sizes, 0) for sizes in layouts(size)] + [(layouts(size)[0], zero) for zero in (1, 2, 3)]
     times: dict[int, list[float]] = {i: [] for i in range(len(variants))}
+    predicted: dict[int, list] = {i: [] for i in range(len(variants))}
     peaks: dict[int, list[int]] = {}
     labels: dict[int, str] = {}
+    measured = measure_platform(comm)
+    platforms = []
     for round_ in range(args.rounds):
+        platform = calibrate(
+            comm, measured, config, lambda: make_gpt(config), sampler.batch_at, args.batch, args.block, args.steps
+        )
+        platforms.append(platform)
         order = list(range(len(variants)))
         shift = round_ % len(order)
         for i in order[shift:] + order[:shift]:
             sizes, zero = variants[i]
+            micro = args.micro if sizes["pipeline"] > 1 else 1
             run = train_on_mesh(
                 comm,
                 make_gpt(config),
@@ -53,17 +76,20 @@ def child(args: argparse.Namespace) -> None:
                 sizes["data"],
                 sizes["tensor"],
                 sizes["pipeline"],
-                micro_batches=args.micro if sizes["pipeline"] > 1 else 1,
+                micro_batches=micro,
                 zero=zero,
             )
             times[i].append(run.seconds)
             peaks[i], labels[i] = run.peak_bytes, run.label
+            if not zero:
+                predicted[i].append(predict_mesh(config, case_of(sizes, args.batch, args.block, micro), platform))
     if comm.Get_rank() != 0:
         return
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"GPT {config.n_layer} blocks of width {config.n_embd}, sequence {args.block}, batch {args.batch}, "
-        f"{size} ranks, {args.rounds} rounds of {args.steps} steps; data parallel (4x1x1 on 4 ranks): "
-        f"{statistics.median(times[0]) * 1e3:.1f} ms per step, peak {max(peaks[0]) / 2**20:.2f} MiB per rank"
+        f"{size} ranks, {args.rounds} rounds of {args.steps} steps; load average {load}; data parallel "
+        f"({labels[0]}): {statistics.median(times[0]) * 1e3:.1f} ms per step, peak {max(peaks[0]) / 2**20:.2f} MiB per rank"
     )
     print(f"{'layout':14} {'time / DP':>10} {'fastest round':>14} {'peak max / DP':>14} {'peak min / DP':>14}")
     for i in range(len(variants)):
@@ -72,6 +98,38 @@ def child(args: argparse.Namespace) -> None:
             f"{labels[i]:14} {statistics.median(ratios):10.2f} {min(ratios):14.2f} "
             f"{max(peaks[i]) / max(peaks[0]):14.2f} {min(peaks[i]) / max(peaks[0]):14.2f}"
         )
+    per_layer = ", ".join(f"{p.overheads['gpt layer'] * 1e3:.2f}" for p in platforms)
+    print(
+        f"\nThe oracle (per round: {per_layer} ms per layer step + {', '.join(f'{p.flops / 1e9:.2f}' for p in platforms)} GFLOP/s alone, "
+        f"slowdown with {size} ranks computing {', '.join(f'{p.contention[-1]:.2f}' for p in platforms)}; "
+        f"sync {', '.join(f'{p.sync * 1e3:.2f}' for p in platforms)} ms per blocking exchange)"
+    )
+    print(
+        f"{'layout':8} {'meas ms':>8} {'pred ms':>8} {'(compute/bubble/tensor/pipe/data/sync)':>40} {'time acc':>8} "
+        f"{'each round':>24} | {'meas KiB':>9} {'pred KiB':>9} {'mem acc':>7}"
+    )
+    time_acc, memory_acc = [], []
+    for i, runs in predicted.items():
+        if not runs:
+            continue
+        meas, pred = statistics.median(times[i]), statistics.median(p.time for p in runs)
+        middle = sorted(runs, key=lambda p: p.time)[len(runs) // 2]
+        time_acc.append(1 - abs(pred - meas) / meas)
+        memory_acc.append(middle.memory_accuracy(peaks[i]))
+        worst = min(range(size), key=lambda r: 1 - abs(middle.peaks()[r] - peaks[i][r]) / peaks[i][r])
+        parts = "/".join(
+            f"{middle.seconds[k] * 1e3:.1f}" for k in ("compute", "bubble", "tensor", "pipeline", "data", "sync")
+        )
+        each = " ".join(f"{p.time_accuracy(t):.2f}" for p, t in zip(runs, times[i]))
+        print(
+            f"{labels[i]:8} {meas * 1e3:8.1f} {pred * 1e3:8.1f} {parts:>40} {time_acc[-1]:8.3f} {each:>24} | "
+            f"{peaks[i][worst] / 2**10:9.1f} {middle.peaks()[worst] / 2**10:9.1f} {memory_acc[-1]:7.4f}"
+        )
+    print(
+        f"mean time accuracy {statistics.mean(time_acc):.3f} (target 0.85), lowest {min(time_acc):.3f}; "
+        f"memory accuracy lowest {min(memory_acc):.4f} (target 0.95 on every layout); "
+        f"this run took {time.perf_counter() - started:.0f} s"
+    )
 
 
 def main() -> int:
