@@ -54,13 +54,18 @@ def processes(profile_dir: str, cluster_id: str) -> list[psutil.Process]:
 
 
 def kill(profile_dir: str, cluster_id: str, timeout: float = KILL_TIMEOUT) -> list[psutil.Process]:
-    """SIGKILL every process of the cluster on this machine; return those still there after `timeout` s."""
+    """SIGKILL every process of the cluster on this machine; return those still running after `timeout` s.
+
+    A zombie (killed, but not yet waited for by its parent, or by an init that is slow to) counts as gone.
+    """
     victims = processes(profile_dir, cluster_id)
     for proc in victims:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGKILL)
-    _, alive = psutil.wait_procs(victims, timeout=timeout)
-    return alive
+    deadline = time.monotonic() + timeout
+    while (left := [proc for proc in victims if alive(proc)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
 
 
 def stop_recorded(cluster_file: Path) -> None:
