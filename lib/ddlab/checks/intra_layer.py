@@ -318,7 +318,7 @@ def _pool_messages(rank: int, size: int, kernel: int, stride: int, row_bytes: in
     return owed
 
 
-def _pool_traffic_problem(sent: Counter, owed: Counter, p: int, q: int, row_bytes: int) -> str:
+def _pool_traffic_problem(sent: Counter, owed: Counter, p: int, q: int, stride: int, row_bytes: int) -> str:
     text = (
         f"sent {_describe(sent)}; owed {_describe(owed)}: forward the slab's last {p} rows to rank+1 and "
         f"its first {q} rows to rank-1, backward their gradients home ({p} to rank-1, {q} to rank+1), "
@@ -326,13 +326,17 @@ def _pool_traffic_problem(sent: Counter, owed: Counter, p: int, q: int, row_byte
     )
     if any(b == 0 for _, b in sent):
         return text + ": a side that needs no rows gets no message"
-    if sorted(peer for peer, _ in sent.elements()) == sorted(peer for peer, _ in owed.elements()):
-        if sum(b * n for (_, b), n in sent.items()) > sum(b * n for (_, b), n in owed.items()):
-            return text + (
-                ". Right messages, more bytes: does every halo send kernel // 2 rows both ways (the windows "
-                "of a stride > 1 read fewer below), or is it the object API (lower-case sendrecv pickles the "
-                "tensor: use Sendrecv/Isend/Irecv on NumPy arrays, as the lab asks)?"
-            )
+    more = sum(b * n for (_, b), n in sent.items()) > sum(b * n for (_, b), n in owed.items())
+    if more and sorted(peer for peer, _ in sent.elements()) == sorted(peer for peer, _ in owed.elements()):
+        return text + (
+            ". Right messages, more bytes: is it the object API? Lower-case sendrecv/send pickle the tensor; "
+            "the lab asks for the buffer API (Sendrecv, Isend/Irecv on NumPy arrays), whose messages carry the rows only"
+        )
+    if more:
+        return text + (
+            f". That is more bytes than the windows read: does every halo send kernel // 2 rows both ways, "
+            f"as a convolution's does? With stride {stride}, a slab's windows read {q} rows below it"
+        )
     return text
 
 
@@ -382,7 +386,7 @@ def _pool_case(sub: MPI.Comm, fn: Any, kernel: int, stride: int, dtype: torch.dt
     sent = Counter((e.peer, e.nbytes) for e in traffic[rank].sends if e.peer != MPI.PROC_NULL)
     if sent != owed:
         p, q = kernel // 2, max(0, kernel // 2 + 1 - stride)
-        return f"({where}) {_pool_traffic_problem(sent, owed, p, q, row_bytes)}"
+        return f"({where}) {_pool_traffic_problem(sent, owed, p, q, stride, row_bytes)}"
     return None
 
 
