@@ -96,6 +96,8 @@ class _Shaped:
                 raise ValueError(
                     f"`{name}` has shape {shape}; a halo of {halo} rows of a slab {tuple(x.shape)} has shape {want}"
                 )
+            if t.dtype != x.dtype:
+                raise TypeError(f"`{name}` has dtype {t.dtype}, the slab's is {x.dtype}: {DTYPE_HINT}")
         return got
 
 
