@@ -378,7 +378,7 @@ def _pool_case(sub: MPI.Comm, fn: Any, kernel: int, stride: int, dtype: torch.dt
     problem = (
         _diff(y, want, "the output (your rows of one process's max pooling)")
         or (None if grad is not None else "the slab's gradient is missing: backward must return it")
-        or _diff(grad, image.grad[:, :, rows], "the slab's gradient (did the halos' gradients go home, added?)")
+        or _diff(grad, _grad(image)[:, :, rows], "the slab's gradient (did the halos' gradients go home, added?)")
         or (None if torch.equal(slab.detach(), before) else "the slab x changed: apply must leave its input as it was")
     )
     if problem:
