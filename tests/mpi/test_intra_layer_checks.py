@@ -163,6 +163,21 @@ class HaloBufferIn(HaloExchange):
         return above, below
 
 
+class HaloFloat32Buffer(HaloExchange):
+    """Receives into torch.zeros's default dtype, float32, for a float64 slab too: the message overflows it."""
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
+        rank, size = comm.Get_rank(), comm.Get_size()
+        above, below = (torch.zeros(x.shape[0], x.shape[1], halo, x.shape[3]) for _ in range(2))
+        up = rank - 1 if rank > 0 else MPI.PROC_NULL
+        down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+        comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), up, 1, below.numpy(), down, 1)
+        comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), down, 2, above.numpy(), up, 2)
+        return above, below
+
+
 class HaloStub(HaloExchange):
     @staticmethod
     def forward(ctx, x, comm, halo):
@@ -275,6 +290,7 @@ def test_reference_and_valid_alternatives_pass():
         (HaloOverwrites, "slab's gradient"),
         (HaloGlobalBackward, "half of .*notebook's `comm`"),
         (HaloBufferIn, "(?s)float32.*dtype torch.float64, the slab's is torch.float32: was a receive buffer"),
+        (HaloFloat32Buffer, "(?s)float64.*MPI.*receive buffer was smaller than its message"),
     ],
 )
 def test_wrong_halo_fails(wrong, says):
@@ -397,6 +413,24 @@ class PoolInFloat64(PoolByAutograd):
         return _pool_forward(ctx, x, comm, kernel, stride, buffer=torch.float64)
 
 
+class PoolFloat32Sendrecv(PoolByAutograd):
+    """Sendrecv into float32 buffers (torch.full's default dtype), for a float64 slab too: the message overflows them."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        rank, size, h = comm.Get_rank(), comm.Get_size(), x.shape[2]
+        p, q = pool_halos(kernel, stride)
+        up = rank - 1 if rank > 0 else MPI.PROC_NULL
+        down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+        above = torch.full((x.shape[0], x.shape[1], p, x.shape[3]), -torch.inf)
+        below = torch.full((x.shape[0], x.shape[1], q, x.shape[3]), -torch.inf)
+        comm.Sendrecv(x[:, :, h - p :].contiguous().numpy(), down, 3, above.numpy(), up, 3)
+        if q:
+            comm.Sendrecv(x[:, :, :q].contiguous().numpy(), up, 4, below.numpy(), down, 4)
+        below = _fill(x, _bottom(h, kernel, stride)) if rank == size - 1 else below
+        return _pooled(ctx, torch.cat([above, x.detach(), below], dim=2), comm, kernel, stride, h)
+
+
 class PoolAlone(PoolByAutograd):
     """Pools each slab on its own with -inf padding: no halo, wrong where a window crosses the slab's edge."""
 
@@ -515,6 +549,7 @@ def test_pool_reference_and_valid_alternative_pass():
         (PoolSymmetricHalo, "more bytes than the windows read"),
         (PoolObjectAPI, "object API"),
         (PoolInFloat64, "(?s)float32.*dtype torch.float64, expected torch.float32: was a receive buffer"),
+        (PoolFloat32Sendrecv, "(?s)float64.*MPI.*receive buffer was smaller than its message"),
         (PoolKeepsHaloGradient, "slab's gradient"),
         (PoolOverwrites, "slab's gradient"),
         (PoolReusesSlab, "the slab x changed"),
