@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from ddlab.checks import CheckFailed, check_filter_parallel_conv, check_halo_exchange, check_slab_bounds
-from ddlab.intra_layer import FilterParallelConv, HaloExchange, slab_bounds
+from ddlab.checks import (
+    CheckFailed,
+    check_filter_parallel_conv,
+    check_halo_exchange,
+    check_slab_bounds,
+    check_spatial_max_pool,
+)
+from ddlab.intra_layer import FilterParallelConv, HaloExchange, SpatialMaxPool, pool_halos, slab_bounds
 from ddlab.intra_layer.halo import exchange_rows
 from ddlab.runtime.blocks import block_bounds
 from mpi4py import MPI
@@ -142,6 +148,36 @@ class HaloSendrecv(torch.autograd.Function):
         return grad, None, None
 
 
+class HaloBufferIn(HaloExchange):
+    """Receives into float64 buffers whatever the slab's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
+        rank, size = comm.Get_rank(), comm.Get_size()
+        above, below = (torch.zeros(x.shape[0], x.shape[1], halo, x.shape[3], dtype=torch.float64) for _ in range(2))
+        up = rank - 1 if rank > 0 else MPI.PROC_NULL
+        down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+        comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), up, 1, below.numpy(), down, 1)
+        comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), down, 2, above.numpy(), up, 2)
+        return above, below
+
+
+class HaloFloat32Buffer(HaloExchange):
+    """Receives into torch.zeros's default dtype, float32, for a float64 slab too: the message overflows it."""
+
+    @staticmethod
+    def forward(ctx, x, comm, halo):
+        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
+        rank, size = comm.Get_rank(), comm.Get_size()
+        above, below = (torch.zeros(x.shape[0], x.shape[1], halo, x.shape[3]) for _ in range(2))
+        up = rank - 1 if rank > 0 else MPI.PROC_NULL
+        down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+        comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), up, 1, below.numpy(), down, 1)
+        comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), down, 2, above.numpy(), up, 2)
+        return above, below
+
+
 class HaloStub(HaloExchange):
     @staticmethod
     def forward(ctx, x, comm, halo):
@@ -253,6 +289,8 @@ def test_reference_and_valid_alternatives_pass():
         (HaloWrapsAround, "output|sent"),
         (HaloOverwrites, "slab's gradient"),
         (HaloGlobalBackward, "half of .*notebook's `comm`"),
+        (HaloBufferIn, "(?s)float32.*dtype torch.float64, the slab's is torch.float32: was a receive buffer"),
+        (HaloFloat32Buffer, "(?s)float64.*MPI.*receive buffer was smaller than its message"),
     ],
 )
 def test_wrong_halo_fails(wrong, says):
@@ -284,3 +322,251 @@ def test_stub_raises_not_implemented_on_every_rank():
     with pytest.raises(NotImplementedError, match="Exercise 8.1"):
         check_halo_exchange(HaloStub)
     check_halo_exchange(HaloExchange)  # and the ranks are still in step afterwards
+
+
+# Exercise 8.4: the spatial max pooling ---------------------------------------------------------
+
+
+def _fill(x, rows, value=-torch.inf, dtype=None):
+    return torch.full((x.shape[0], x.shape[1], max(rows, 0), x.shape[3]), value, dtype=dtype or x.dtype)
+
+
+def _bottom(h, kernel, stride):
+    """Padding rows under the last slab: as far as its last window reaches."""
+    return ((h + stride - 1) // stride - 1) * stride + kernel // 2 + 1 - h
+
+
+def _pool_forward(ctx, x, comm, kernel, stride, edge=-torch.inf, buffer=None):
+    """Isend/Irecv and one Waitall; halos received into `buffer`-typed tensors (x's dtype unless given)."""
+    rank, size, h = comm.Get_rank(), comm.Get_size(), x.shape[2]
+    p, q = kernel // 2, max(0, kernel // 2 + 1 - stride)
+    above, below = _fill(x, p, edge, buffer), _fill(x, q, edge, buffer)
+    requests, keep = [], []
+    if rank > 0:
+        requests.append(comm.Irecv(above.numpy(), source=rank - 1, tag=3))
+        if q:
+            keep.append(x[:, :, :q].contiguous().numpy())
+            requests.append(comm.Isend(keep[-1], dest=rank - 1, tag=4))
+    if rank < size - 1:
+        keep.append(x[:, :, h - p :].contiguous().numpy())
+        requests.append(comm.Isend(keep[-1], dest=rank + 1, tag=3))
+        if q:
+            requests.append(comm.Irecv(below.numpy(), source=rank + 1, tag=4))
+    MPI.Request.Waitall(requests)
+    if rank == size - 1:
+        below = _fill(x, _bottom(h, kernel, stride), edge)
+    return _pooled(ctx, torch.cat([above, x.detach(), below], dim=2), comm, kernel, stride, h)
+
+
+def _pooled(ctx, padded, comm, kernel, stride, h):
+    ctx.save_for_backward(padded)
+    ctx.comm, ctx.kernel, ctx.stride, ctx.h = comm, kernel, stride, h
+    return F.max_pool2d(padded, kernel, stride, padding=(0, kernel // 2))
+
+
+class PoolByAutograd(torch.autograd.Function):
+    """A valid alternative: Isend/Irecv and one Waitall, explicit edges, backward by autograd on the padded slab."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        return _pool_forward(ctx, x, comm, kernel, stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (padded,) = ctx.saved_tensors
+        comm, h = ctx.comm, ctx.h
+        rank, size = comm.Get_rank(), comm.Get_size()
+        p, q = pool_halos(ctx.kernel, ctx.stride)
+        with torch.enable_grad():
+            leaf = padded.detach().requires_grad_()
+            (g,) = torch.autograd.grad(F.max_pool2d(leaf, ctx.kernel, ctx.stride, padding=(0, p)), leaf, grad)
+        grad_x = g[:, :, p : p + h].clone()
+        from_above, from_below = torch.zeros_like(grad_x[:, :, :q]), torch.zeros_like(grad_x[:, :, h - p :])
+        requests, keep = [], [g[:, :, :p].contiguous().numpy(), g[:, :, p + h : p + h + q].contiguous().numpy()]
+        if rank > 0:
+            requests.append(comm.Isend(keep[0], dest=rank - 1, tag=5))
+            if q:
+                requests.append(comm.Irecv(from_above.numpy(), source=rank - 1, tag=6))
+        if rank < size - 1:
+            requests.append(comm.Irecv(from_below.numpy(), source=rank + 1, tag=5))
+            if q:
+                requests.append(comm.Isend(keep[1], dest=rank + 1, tag=6))
+        MPI.Request.Waitall(requests)
+        grad_x[:, :, :q] += from_above
+        grad_x[:, :, h - p :] += from_below
+        return grad_x, None, None, None
+
+
+class PoolZeroEdges(PoolByAutograd):
+    """Pads the image's top and bottom with zeros, as a convolution's halo does: wrong for a max."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        return _pool_forward(ctx, x, comm, kernel, stride, edge=0.0)
+
+
+class PoolInFloat64(PoolByAutograd):
+    """Receives the halos into float64 buffers whatever the slab's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        return _pool_forward(ctx, x, comm, kernel, stride, buffer=torch.float64)
+
+
+class PoolFloat32Sendrecv(PoolByAutograd):
+    """Sendrecv into float32 buffers (torch.full's default dtype), for a float64 slab too: the message overflows them."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        rank, size, h = comm.Get_rank(), comm.Get_size(), x.shape[2]
+        p, q = pool_halos(kernel, stride)
+        up = rank - 1 if rank > 0 else MPI.PROC_NULL
+        down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+        above = torch.full((x.shape[0], x.shape[1], p, x.shape[3]), -torch.inf)
+        below = torch.full((x.shape[0], x.shape[1], q, x.shape[3]), -torch.inf)
+        comm.Sendrecv(x[:, :, h - p :].contiguous().numpy(), down, 3, above.numpy(), up, 3)
+        if q:
+            comm.Sendrecv(x[:, :, :q].contiguous().numpy(), up, 4, below.numpy(), down, 4)
+        below = _fill(x, _bottom(h, kernel, stride)) if rank == size - 1 else below
+        return _pooled(ctx, torch.cat([above, x.detach(), below], dim=2), comm, kernel, stride, h)
+
+
+class PoolAlone(PoolByAutograd):
+    """Pools each slab on its own with -inf padding: no halo, wrong where a window crosses the slab's edge."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        h, p = x.shape[2], kernel // 2
+        below = _fill(x, _bottom(h, kernel, stride))
+        return _pooled(ctx, torch.cat([_fill(x, p), x.detach(), below], dim=2), comm, kernel, stride, h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (padded,) = ctx.saved_tensors
+        p = ctx.kernel // 2
+        with torch.enable_grad():
+            leaf = padded.detach().requires_grad_()
+            (g,) = torch.autograd.grad(F.max_pool2d(leaf, ctx.kernel, ctx.stride, padding=(0, p)), leaf, grad)
+        return g[:, :, p : p + ctx.h].clone(), None, None, None
+
+
+class PoolSymmetricHalo(PoolByAutograd):
+    """Right values, but every halo is kernel // 2 rows both ways (as for a convolution), the extra rows unused."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        rank, size, h = comm.Get_rank(), comm.Get_size(), x.shape[2]
+        p, q = pool_halos(kernel, stride)
+        above, below = exchange_rows(comm, x[:, :, :p], x[:, :, h - p :], (97, 98))
+        above = _fill(x, p) if above is None else above
+        below = _fill(x, _bottom(h, kernel, stride)) if rank == size - 1 else below[:, :, :q]
+        return _pooled(ctx, torch.cat([above, x.detach(), below], dim=2), comm, kernel, stride, h)
+
+
+class PoolObjectAPI(PoolByAutograd):
+    """Right values and messages, forward sent with the object API (pickled): more bytes than the lab states."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        rank, size, h = comm.Get_rank(), comm.Get_size(), x.shape[2]
+        p, q = pool_halos(kernel, stride)
+        up = rank - 1 if rank > 0 else MPI.PROC_NULL
+        down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+        above = comm.sendrecv(x[:, :, h - p :].clone(), dest=down, sendtag=3, source=up, recvtag=3)
+        below = comm.sendrecv(x[:, :, :q].clone(), dest=up, sendtag=4, source=down, recvtag=4) if q else _fill(x, 0)
+        above = _fill(x, p) if above is None else above
+        below = _fill(x, _bottom(h, kernel, stride)) if rank == size - 1 else below
+        return _pooled(ctx, torch.cat([above, x.detach(), below], dim=2), comm, kernel, stride, h)
+
+
+class PoolKeepsHaloGradient(SpatialMaxPool):
+    """Backward returns the slab's own rows' gradient and sends nothing home."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        (p, _), h, (n, c, rows, w) = ctx.halos, ctx.rows, ctx.padded
+        spread = grad.new_zeros(n, c, rows * w).scatter_add_(2, ctx.where.flatten(2), grad.flatten(2))
+        return spread.view(n, c, rows, w)[:, :, p : p + h].clone(), None, None, None
+
+
+class PoolOverwrites(SpatialMaxPool):
+    """Backward writes the neighbours' gradients over the boundary rows' instead of adding them."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        (p, q), h, (n, c, rows, w) = ctx.halos, ctx.rows, ctx.padded
+        spread = grad.new_zeros(n, c, rows * w).scatter_add_(2, ctx.where.flatten(2), grad.flatten(2))
+        spread = spread.view(n, c, rows, w)
+        sent = (spread[:, :, :p], spread[:, :, p + h : p + h + q])
+        from_above, from_below = exchange_rows(ctx.comm, *sent, (87, 88), (q, p))
+        grad_x = spread[:, :, p : p + h].clone()
+        if from_above is not None:
+            grad_x[:, :, :q] = from_above
+        if from_below is not None:
+            grad_x[:, :, h - p :] = from_below
+        return grad_x, None, None, None
+
+
+class PoolReusesSlab(SpatialMaxPool):
+    """Right output and gradient, but uses the caller's slab as scratch space: its first row overwritten."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        y = SpatialMaxPool.forward(ctx, x, comm, kernel, stride)
+        if comm.Get_rank() > 0:
+            x.detach()[:, :, :1] = -1e30  # "scratch space": the caller's tensor
+        return y
+
+
+class PoolWaitsBelow(SpatialMaxPool):
+    """Also waits for kernel // 2 rows from below, which no neighbour sends when the stride is 2: never completes."""
+
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        y = SpatialMaxPool.forward(ctx, x, comm, kernel, stride)
+        rank, p = comm.Get_rank(), kernel // 2
+        if rank < comm.Get_size() - 1:
+            comm.Recv(torch.empty(x.shape[0], x.shape[1], p, x.shape[3], dtype=x.dtype).numpy(), rank + 1, 99)
+        return y
+
+
+class PoolStub(SpatialMaxPool):
+    @staticmethod
+    def forward(ctx, x, comm, kernel, stride):
+        raise NotImplementedError("Exercise 8.4 (SpatialMaxPool) is not done yet: write it where this line is.")
+
+
+def test_pool_reference_and_valid_alternative_pass():
+    check_spatial_max_pool(SpatialMaxPool)
+    check_spatial_max_pool(PoolByAutograd)
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (PoolZeroEdges, "output"),
+        (PoolAlone, "output"),
+        (PoolSymmetricHalo, "more bytes than the windows read"),
+        (PoolObjectAPI, "object API"),
+        (PoolInFloat64, "(?s)float32.*dtype torch.float64, expected torch.float32: was a receive buffer"),
+        (PoolFloat32Sendrecv, "(?s)float64.*MPI.*receive buffer was smaller than its message"),
+        (PoolKeepsHaloGradient, "slab's gradient"),
+        (PoolOverwrites, "slab's gradient"),
+        (PoolReusesSlab, "the slab x changed"),
+    ],
+)
+def test_wrong_pool_fails(wrong, says):
+    with pytest.raises(CheckFailed, match=says):
+        check_spatial_max_pool(wrong)
+
+
+def test_pool_that_never_completes_fails_within_its_timeout():
+    start = MPI.Wtime()
+    with pytest.raises(CheckFailed, match="(?s)SpatialMaxPool.*(waited|Stalled)"):
+        check_spatial_max_pool(PoolWaitsBelow, timeout=2.0)
+    assert MPI.Wtime() - start < 15.0
+
+
+def test_pool_stub_raises_not_implemented_on_every_rank():
+    with pytest.raises(NotImplementedError, match="Exercise 8.4"):
+        check_spatial_max_pool(PoolStub)

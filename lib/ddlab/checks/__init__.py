@@ -48,6 +48,7 @@ _WHERE = {
     "check_filter_parallel_conv": "intra_layer",
     "check_halo_exchange": "intra_layer",
     "check_slab_bounds": "intra_layer",
+    "check_spatial_max_pool": "intra_layer",
     "check_hierarchical_allreduce": "compression",
     "check_qsgd": "compression",
     "check_sparse_allreduce": "compression",

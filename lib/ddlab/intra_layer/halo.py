@@ -45,25 +45,33 @@ def wait_all(comm: Comm, requests: list[MPI.Request], what: str, timeout: float 
 
 
 def exchange_rows(
-    comm: Comm, to_above: torch.Tensor, to_below: torch.Tensor, tags: tuple[int, int]
+    comm: Comm,
+    to_above: torch.Tensor,
+    to_below: torch.Tensor,
+    tags: tuple[int, int],
+    rows: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Send to_above to rank-1 and to_below to rank+1 (where they exist); return what they sent back.
 
-    Both tensors have the same shape; returns (from_above, from_below), None at an edge.
-    `tags` = (tag of messages going up, tag of messages going down).
+    Returns (from_above, from_below), None at an edge. `rows` = (rows coming from above, from
+    below), by default to_above's row count for both; a side of 0 rows sends and receives no
+    message (the halos of a strided window differ: `SpatialMaxPool`). The tensors are
+    (N, C, rows, W). `tags` = (tag of messages going up, tag of messages going down).
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     up, down = tags
+    n, c, _, w = to_above.shape
+    expected = (to_above.shape[2], to_above.shape[2]) if rows is None else rows
     received: list[torch.Tensor | None] = [None, None]
     requests, outgoing = [], []
     for i, (peer, tag) in enumerate(((rank - 1, down), (rank + 1, up))):
-        if 0 <= peer < size:
-            buffer = torch.empty(to_above.shape, dtype=to_above.dtype)
+        if 0 <= peer < size and expected[i]:
+            buffer = torch.empty(n, c, expected[i], w, dtype=to_above.dtype)
             received[i] = buffer
             requests.append(comm.Irecv(buffer.numpy(), source=peer, tag=tag))
-    for peer, rows, tag in ((rank - 1, to_above, up), (rank + 1, to_below, down)):
-        if 0 <= peer < size:
-            outgoing.append(rows.detach().contiguous().numpy())  # alive until the send completes
+    for peer, sent, tag in ((rank - 1, to_above, up), (rank + 1, to_below, down)):
+        if 0 <= peer < size and sent.shape[2]:
+            outgoing.append(sent.detach().contiguous().numpy())  # alive until the send completes
             requests.append(comm.Isend(outgoing[-1], dest=peer, tag=tag))
     wait_all(comm, requests, f"the halo exchange of rank {rank} with its neighbours")
     return received[0], received[1]
