@@ -229,3 +229,11 @@ def test_filter_parallel_unet_equals_one_process():
         return max(errors)
 
     _each_sub(body)
+
+
+def test_the_oracle_times_lab_08s_halo_exchange(comm):
+    """Lab 09 prices the spatial strategy's halos with exchange_rows itself: it must run, on every size."""
+    from ddlab.oracle.implementation import halo_curve
+
+    sizes, seconds = halo_curve(comm, [64, 4096], gap=0.0)
+    assert sizes == [64.0, 4096.0] and len(seconds) == 2 and all(0 <= s < 1 for s in seconds), seconds

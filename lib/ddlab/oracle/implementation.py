@@ -95,7 +95,7 @@ def halo_curve(comm: MPI.Comm, sizes: Sequence[float], gap: float) -> tuple[list
     from ..intra_layer import exchange_rows
 
     def make(nbytes: int) -> Step:
-        rows = torch.zeros(max(1, nbytes // 4))
+        rows = torch.zeros(1, 1, 1, max(1, nbytes // 4))  # one row of (N, C, rows, W), nbytes long
         return lambda: exchange_rows(comm, rows, rows, (91, 92))
 
     return exchange_curve(comm, make, [int(n) for n in sizes], gap)
