@@ -148,34 +148,28 @@ class HaloSendrecv(torch.autograd.Function):
         return grad, None, None
 
 
-class HaloBufferIn(HaloExchange):
-    """Receives into float64 buffers whatever the slab's dtype."""
+def halo_receiving_into(dtype: torch.dtype) -> type[HaloExchange]:
+    """A halo exchange that receives into `dtype` buffers whatever the slab's dtype."""
 
-    @staticmethod
-    def forward(ctx, x, comm, halo):
-        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
-        rank, size = comm.Get_rank(), comm.Get_size()
-        above, below = (torch.zeros(x.shape[0], x.shape[1], halo, x.shape[3], dtype=torch.float64) for _ in range(2))
-        up = rank - 1 if rank > 0 else MPI.PROC_NULL
-        down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
-        comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), up, 1, below.numpy(), down, 1)
-        comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), down, 2, above.numpy(), up, 2)
-        return above, below
+    class HaloBuffer(HaloExchange):
+        @staticmethod
+        def forward(ctx, x, comm, halo):
+            ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
+            rank, size = comm.Get_rank(), comm.Get_size()
+            above, below = (torch.zeros(x.shape[0], x.shape[1], halo, x.shape[3], dtype=dtype) for _ in range(2))
+            up = rank - 1 if rank > 0 else MPI.PROC_NULL
+            down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+            comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), up, 1, below.numpy(), down, 1)
+            comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), down, 2, above.numpy(), up, 2)
+            return above, below
+
+    return HaloBuffer
 
 
-class HaloFloat32Buffer(HaloExchange):
-    """Receives into torch.zeros's default dtype, float32, for a float64 slab too: the message overflows it."""
-
-    @staticmethod
-    def forward(ctx, x, comm, halo):
-        ctx.comm, ctx.halo, ctx.rows = comm, halo, x.shape[2]
-        rank, size = comm.Get_rank(), comm.Get_size()
-        above, below = (torch.zeros(x.shape[0], x.shape[1], halo, x.shape[3]) for _ in range(2))
-        up = rank - 1 if rank > 0 else MPI.PROC_NULL
-        down = rank + 1 if rank < size - 1 else MPI.PROC_NULL
-        comm.Sendrecv(x[:, :, :halo].contiguous().numpy(), up, 1, below.numpy(), down, 1)
-        comm.Sendrecv(x[:, :, -halo:].contiguous().numpy(), down, 2, above.numpy(), up, 2)
-        return above, below
+#: float64 buffers for a float32 slab: the halo comes back in the wrong dtype.
+HaloBufferIn = halo_receiving_into(torch.float64)
+#: float32 buffers (torch.zeros's default) for a float64 slab: the message overflows them.
+HaloFloat32Buffer = halo_receiving_into(torch.float32)
 
 
 class HaloStub(HaloExchange):
