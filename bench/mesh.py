@@ -20,7 +20,11 @@ the measured and predicted peak of the worst-predicted rank and the memory accur
 worst rank's), and the means. Targets (issue 30): mean time accuracy >= 0.85, memory
 accuracy >= 0.95 on every layout. ZeRO's own buffers are not predicted.
 
-    .venv/bin/python bench/mesh.py [--ranks 4] [--width 64] [--layers 4] [--block 32] [--batch 16] [--micro 2] [--rounds 5] [--steps 3]
+    .venv/bin/python bench/mesh.py [--ranks 4] [--width 128] [--layers 4] [--block 32] [--batch 32] [--micro 2] [--rounds 3] [--steps 5]
+
+The defaults make the calibration's steps (one rank on a quarter of the batch) several of the
+scheduler's time slices long; at width 64 and batch 16 they last about 15 ms and the measured
+contention moves from round to round (docs/benchmarks.md).
 
 It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
@@ -137,13 +141,13 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[4])
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     return bench_main(parser, child, TIMEOUT)
 
 
