@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,19 @@ def test_importing_the_checks_starts_neither_mpi_nor_torch():
     code = "import sys, ddlab.checks; ddlab.checks.check_block_range; print(sorted(m for m in ('mpi4py.MPI', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_failed_check_shows_its_message_without_the_checks_frames(capsys):
+    """IPython (and each engine under %%px) shows a CheckFailed as its message alone: no wall of frames."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell(
+        "from ddlab.checks import CheckFailed\ndef check():\n    raise CheckFailed('rank 1: the halo is wrong')\ncheck()"
+    )
+    shown = capsys.readouterr().out
+    assert "CheckFailed: rank 1: the halo is wrong" in shown
+    assert "Traceback" not in shown and "check()" not in shown
+    shell.run_cell("def student():\n    raise ValueError('a bug in the answer')\nstudent()")
+    other = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    assert "Traceback" in other and "student()" in other  # other errors keep their frames

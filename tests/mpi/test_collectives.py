@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from ddlab import collectives
 from ddlab.checks import CheckFailed, check_bcast_linear, check_bcast_tree, check_reduce_linear, check_reduce_tree
-from ddlab.runtime.counting import CountingComm, gather_traffic, rounds
+from ddlab.runtime.counting import CountingComm, ForbiddenCollective, gather_traffic, rounds
 from mpi4py import MPI
 
 STALL = 3.0  # seconds a check waits for a message that never comes, in tests that provoke one
@@ -370,6 +370,17 @@ def test_mpi_collectives_refused(comm):
         assert "ForbiddenCollective: comm.Bcast" in message and "on 1 rank," in message
     for check in (check_reduce_linear, check_reduce_tree):
         assert "ForbiddenCollective: comm.Reduce" in _fails(check, reduce_with_mpi)
+
+
+def test_object_form_of_an_allowed_collective_is_named(comm):
+    counting = CountingComm(comm, allow=("Allgather",))
+    try:
+        with pytest.raises(ForbiddenCollective, match="pickled object form of Allgather: this exercise may call only"):
+            counting.allgather(1)
+        with pytest.raises(ForbiddenCollective, match="comm.Bcast is the MPI library's own collective"):
+            counting.Bcast(np.zeros(1))
+    finally:
+        counting.free()
 
 
 # Memory layout -------------------------------------------------------------------------------

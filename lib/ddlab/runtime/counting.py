@@ -336,7 +336,12 @@ class CountingComm:
                 if self.allow
                 else "builds it from point-to-point messages (Send/Recv, Isend/Irecv, Sendrecv) only"
             )
-            raise ForbiddenCollective(f"comm.{name} is the MPI library's own collective: this exercise {uses}.")
+            what = (
+                f"mpi4py's pickled object form of {name[0].upper() + name[1:]}"
+                if name[0].islower() and name[0].upper() + name[1:] in self.allow
+                else "the MPI library's own collective"
+            )
+            raise ForbiddenCollective(f"comm.{name} is {what}: this exercise {uses}.")
         if name in UNCOUNTED:
             raise UncountedCall(
                 f"comm.{name} is not counted by the check's communicator: use comm.{UNCOUNTED[name]} "
