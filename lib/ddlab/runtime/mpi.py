@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -44,7 +45,9 @@ def implementation(mpiexec: str | None = None) -> str:
     """'openmpi' or 'mpich', read from `mpiexec --version` without initialising MPI here."""
     exe = mpiexec or mpiexec_path()
     try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, env=launch_env())
+        out = subprocess.run(
+            [exe, "--version"], capture_output=True, text=True, timeout=30, env={**os.environ, **root_env()}
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         raise MPISetupError(f"`{exe} --version` failed: {err}. Reinstall with `make setup`.") from None
     text = (out.stdout + out.stderr).lower()
@@ -63,13 +66,17 @@ def root_env() -> dict[str, str]:
 
 
 def rank_env(n: int) -> dict[str, str]:
-    """Variables for n ranks on this machine: root permission, and threads per rank.
+    """Variables for n ranks on this machine: root permission, threads per rank, and Open MPI quiet.
 
     Math libraries (OpenMP, torch) default to one thread per core in every rank, so
     4 ranks on 2 cores would run 8 threads fighting for 2 cores; give each rank its share.
     """
     threads = str(max(1, (os.cpu_count() or 1) // n))
     env = {name: os.environ.get(name, threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if implementation() == "openmpi":
+        # Open MPI's UCX one-sided component prints an error on every rank that opens an MPI.Win
+        # on a machine without UCX devices (lab 11's slow link), then falls back; skip it.
+        env["OMPI_MCA_osc"] = os.environ.get("OMPI_MCA_osc", "^ucx")
     return {**env, **root_env()}
 
 
@@ -129,6 +136,9 @@ def run_ranks(n: int, command: list[str], timeout: float | None = None, **kwargs
         kill_session(proc)
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(proc.args, timeout or 0.0, output=out, stderr=err) from None
+    except BaseException:  # Ctrl-C, or SIGTERM made SystemExit by `main`: take mpiexec and its ranks down too
+        kill_session(proc)
+        raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -176,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("give a command to run, e.g. python -m ddlab.runtime.mpi -n 4 python script.py")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed launcher leaves no ranks behind
     try:
         return run_ranks(args.n, args.command, args.timeout, stdout=None, stderr=None).returncode
     except subprocess.TimeoutExpired:
