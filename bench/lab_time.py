@@ -3,7 +3,8 @@
 For every notebook in solutions/ it measures what a student has to do:
 - read: the words of its explanations (markdown outside hints) and of its hints;
 - write: its exercises and the lines of their solutions (code lines between the
-  solution markers, blank lines and comments not counted);
+  solution markers, blank lines and comments not counted; an exercise's blocks, in one
+  cell or several, count as one exercise);
 - wait: with --run, the seconds its cells take when run top to bottom (Run All, on a
   fresh cluster of this machine's engines, in a private IPython directory).
 It prints these, the estimate they give at the rates below, and the time the lab's first
@@ -39,6 +40,7 @@ RUNS = 2
 FIXED_MINUTES = 10.0
 HINT_RE = re.compile(r"<details>.*?</details>", re.DOTALL)
 SOLUTION_RE = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.DOTALL)
+EXERCISE_RE = re.compile(r"#\s*Exercise\s+(\d+\.\d+)")
 STATED_RE = re.compile(r"\*\*Time:\*\*\s*about (\d+) minutes")
 
 
@@ -64,16 +66,26 @@ def measure(path: Path) -> Lab:
     """Words, hint words and solution lines of one solution notebook, and its stated time."""
     nb = nbformat.read(path, as_version=4)
     words = hint_words = 0
-    lines = []
+    lines: dict[str, int] = {}  # solution lines per exercise (an exercise may span cells and blocks)
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             hints = sum(len(h.split()) for h in HINT_RE.findall(cell.source))
             hint_words += hints
             words += len(cell.source.split()) - hints
-        for block in SOLUTION_RE.findall(cell.source) if cell.cell_type == "code" else ():
-            lines.append(sum(1 for line in block.splitlines() if line.strip() and not line.strip().startswith("#")))
+        if cell.cell_type != "code" or not SOLUTION_RE.search(cell.source):
+            continue
+        exercise = EXERCISE_RE.search(cell.source)
+        if exercise is None:
+            raise ValueError(f"{path.name}: a cell with a solution does not name its exercise ('# Exercise N.M')")
+        solved = sum(
+            1
+            for block in SOLUTION_RE.findall(cell.source)
+            for line in block.splitlines()
+            if line.strip() and not line.strip().startswith("#")
+        )
+        lines[exercise.group(1)] = lines.get(exercise.group(1), 0) + solved
     stated = STATED_RE.search(nb.cells[0].source) if nb.cells else None
-    return Lab(path.stem, words, hint_words, lines, int(stated.group(1)) if stated else None)
+    return Lab(path.stem, words, hint_words, list(lines.values()), int(stated.group(1)) if stated else None)
 
 
 def run_seconds(path: Path, timeout: int = 600) -> float:
