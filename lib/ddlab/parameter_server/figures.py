@@ -74,3 +74,28 @@ def staleness_and_divergence(
     left.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def straggler_kinds(
+    bounds: Sequence[float], times: dict[str, Sequence[float]], losses: dict[str, Sequence[float]], best: float
+) -> plt.Figure:
+    """Per staleness bound s (inf: asynchronous): time to a fixed number of updates (left), loss after them (right).
+
+    One line per kind of straggler (steady, transient); `best` is the lowest loss the problem allows."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    where = np.arange(len(bounds))
+    for i, kind in enumerate(times):
+        left.plot(where, times[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
+        right.plot(where, losses[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
+    right.axhline(best, color="gray", ls=":", label="lowest possible")
+    names = ["async" if np.isinf(s) else f"s = {s:g}" for s in bounds]
+    for ax in (left, right):
+        ax.set_xticks(where, names)
+        ax.set_xlabel("staleness bound (s = 0: BSP)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_ylim(bottom=0)
+    left.set_ylabel("time to the updates (1 = a normal step)")
+    right.set_ylabel("loss after the updates")
+    fig.tight_layout()
+    return fig
