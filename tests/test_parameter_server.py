@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from ddlab.parameter_server import Consistency, LeastSquares, gossip_step, may_start, slowdowns, train
 from ddlab.parameter_server.messages import shard_bounds
-from ddlab.parameter_server.replay import replay
+from ddlab.parameter_server.replay import compare_bounds, replay
 from ddlab.parameter_server.straggler import steady, transient
 from mpi4py import MPI
 
@@ -92,3 +92,21 @@ def test_a_schedule_must_fit_the_workers_and_steps():
     assert record.at_step(4)[0] < math.inf and never[0] == math.inf and math.isnan(never[1])
     with pytest.raises(ValueError, match="schedule must hold factors >= 1 for 1 workers x 4 steps"):
         train(MPI.COMM_SELF, "allreduce", problem, 4, schedule=np.ones((2, 4)))
+
+
+def test_compare_bounds_averages_replays_over_seeds():
+    kinds = {
+        "steady": lambda seed: steady(3, 6, 3.0, seed=seed),
+        "transient": lambda seed: transient(3, 6, 3.0, seed=seed),
+    }
+    comparison = compare_bounds(
+        kinds, lambda seed: LeastSquares(n=4, samples=64, batch=8, seed=seed), [0, math.inf], 0.1, 9, [0, 1]
+    )
+    assert comparison.time["steady"][0] == comparison.time["transient"][0] == 9.0  # BSP: 3 steps of the slowest
+    assert comparison.time["steady"][1] < 9.0 and comparison.staleness["steady"][1] > comparison.staleness["steady"][0]
+    problems = [LeastSquares(n=4, samples=64, batch=8, seed=seed) for seed in (0, 1)]
+    losses = [
+        p.loss(replay(p, transient(3, 6, 3.0, seed=seed), 0, 0.1, 9).history[-1]) for seed, p in zip((0, 1), problems)
+    ]
+    assert comparison.loss["transient"][0] == pytest.approx(np.mean(losses))
+    assert "async" in comparison.table() and comparison.best < min(losses)

@@ -8,6 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from ..plots.helpers import finish_panels
+from .replay import Comparison
 from .run import Record
 
 
@@ -76,19 +77,17 @@ def staleness_and_divergence(
     return fig
 
 
-def straggler_kinds(
-    bounds: Sequence[float], times: dict[str, Sequence[float]], losses: dict[str, Sequence[float]], best: float
-) -> plt.Figure:
+def straggler_kinds(comparison: Comparison) -> plt.Figure:
     """Per staleness bound s (inf: asynchronous): time to a fixed number of updates (left), loss after them (right).
 
-    One line per kind of straggler (steady, transient); `best` is the lowest loss the problem allows."""
+    One line per kind of straggler (steady, transient), each point a mean over seeds."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
-    where = np.arange(len(bounds))
-    for i, kind in enumerate(times):
-        left.plot(where, times[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
-        right.plot(where, losses[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
-    right.axhline(best, color="gray", ls=":", label="lowest possible")
-    names = ["async" if np.isinf(s) else f"s = {s:g}" for s in bounds]
+    where = np.arange(len(comparison.bounds))
+    for i, kind in enumerate(comparison.time):
+        left.plot(where, comparison.time[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
+        right.plot(where, comparison.loss[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
+    right.axhline(comparison.best, color="gray", ls=":", label="lowest possible")
+    names = ["async" if np.isinf(s) else f"s = {s:g}" for s in comparison.bounds]
     for ax in (left, right):
         ax.set_xticks(where, names)
         ax.set_xlabel("staleness bound (s = 0: BSP)")

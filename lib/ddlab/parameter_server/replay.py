@@ -5,12 +5,14 @@ gradient on arrival (rate lr / workers), and a waiting worker starts its next st
 soon as the gate allows (`may_start` with bound s: 0 is BSP, inf asynchronous); messages
 take no time. No real clock and no MPI, so the same schedule gives the same run and the
 bounds compare exactly. Exercise 10.3's check replays its schedule to know what the
-student's server must do; lab 10 replays steady and transient stragglers side by side.
+student's server must do; lab 10 replays steady and transient stragglers side by side
+(`compare_bounds`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,3 +66,52 @@ def replay(problem: LeastSquares, delay: np.ndarray, bound: float, lr: float, up
         if clock[k] < steps:
             waiting.add(k)
     return run
+
+
+@dataclass
+class Comparison:
+    """Staleness bounds compared under kinds of straggler, each figure a mean over seeds."""
+
+    bounds: list[float]
+    time: dict[str, np.ndarray]  # kind -> per bound, time to the updates
+    loss: dict[str, np.ndarray]  # kind -> per bound, loss after them
+    staleness: dict[str, np.ndarray]  # kind -> per bound, mean staleness of the updates
+    best: float  # the lowest loss the problems allow
+
+    def table(self) -> str:
+        """One block per kind: time, loss and mean staleness against the bound."""
+        names = ["async" if math.isinf(s) else f"s = {s:g}" for s in self.bounds]
+        lines = [" " * 21 + "".join(f"{name:>8}" for name in names)]
+        for kind in self.time:
+            lines.append(f"{kind:>10}: time     " + "".join(f"{v:8.1f}" for v in self.time[kind]))
+            lines.append(f"{'':>10}  loss     " + "".join(f"{v:8.4f}" for v in self.loss[kind]))
+            lines.append(f"{'':>10}  staleness" + "".join(f"{v:8.2f}" for v in self.staleness[kind]))
+        lines.append(f"lowest possible loss {self.best:.4f}")
+        return "\n".join(lines)
+
+
+def compare_bounds(
+    kinds: dict[str, Callable[[int], np.ndarray]],
+    problem: Callable[[int], LeastSquares],
+    bounds: Sequence[float],
+    lr: float,
+    updates: int,
+    seeds: Sequence[int],
+) -> Comparison:
+    """Replay each kind's delays (kinds[kind](seed)) on problem(seed) for every bound, up to `updates`; mean over seeds."""
+    problems = [problem(seed) for seed in seeds]
+    figures: dict[str, list[list[tuple[float, float, float]]]] = {}
+    for kind, delays in kinds.items():
+        figures[kind] = []
+        for seed, p in zip(seeds, problems):
+            runs = [replay(p, delays(seed), s, lr, updates) for s in bounds]
+            figures[kind].append([(r.times[-1], p.loss(r.history[-1]), float(np.mean(r.staleness))) for r in runs])
+    means = {kind: np.mean(values, axis=0) for kind, values in figures.items()}  # bound, (time, loss, staleness)
+    best = float(np.mean([p.loss(np.linalg.lstsq(p.X, p.y, rcond=None)[0]) for p in problems]))
+    return Comparison(
+        list(bounds),
+        {kind: m[:, 0] for kind, m in means.items()},
+        {kind: m[:, 1] for kind, m in means.items()},
+        {kind: m[:, 2] for kind, m in means.items()},
+        best,
+    )
