@@ -11,7 +11,7 @@ One MPI job of 4 ranks prints, side by side:
 - the hierarchical allreduce (groups of 2) over the flat ring, 1 KiB to 64 MiB, under the
   emulated Gigabit Ethernet link between groups, measured and predicted.
 
-    .venv/bin/python bench/compression.py [--steps 200]
+    .venv/bin/python bench/compression.py [--steps 200] [--part sparse|methods|hierarchical]
 
 It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
@@ -26,31 +26,14 @@ DENSITIES = (0.01, 0.03, 0.1, 0.2, 0.3, 0.5)
 N = 2**20
 
 
-def child(steps: int) -> None:
+def sparse(comm, steps: int) -> None:
     import numpy as np
-    import torch
     from ddlab.allreduce import allreduce_ring
     from ddlab.allreduce.cost import fit_link, time_allreduce
-    from ddlab.compression import (
-        GIGABIT_ETHERNET,
-        SHARED_MEMORY,
-        CompressedAllreduce,
-        SlowLinkComm,
-        crossover_density,
-        emulated,
-        flat_ring_seconds,
-        hierarchical_allreduce,
-        hierarchical_seconds,
-        sparse_allreduce,
-        top_k,
-    )
-    from ddlab.compression.experiment import train_compressed
+    from ddlab.compression import CompressedAllreduce, crossover_density, sparse_allreduce, top_k
     from ddlab.runtime.counting import CountingComm, gather_traffic
-    from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    torch.set_num_threads(1)
     x = np.random.default_rng(rank).standard_normal(N).astype(np.float32)
 
     def counted(fn, *args):
@@ -65,25 +48,12 @@ def child(steps: int) -> None:
     for d in (0.01, 0.1):
         message = top_k(x, round(d * N))
         sparse_bytes[d] = counted(sparse_allreduce, message.indices, message.values, N)
-    methods = {"dense ring": allreduce_ring}
-    methods.update({f"{d:.0%}": CompressedAllreduce("topk", d, feedback=False) for d in DENSITIES})
-    seconds = {name: np.median(s) for name, s in time_allreduce(comm, methods, [4 * N], repeats=5).items()}
+    timed = {"dense ring": allreduce_ring}
+    timed.update({f"{d:.0%}": CompressedAllreduce("topk", d, feedback=False) for d in DENSITIES})
+    seconds = {name: np.median(s) for name, s in time_allreduce(comm, timed, [4 * N], repeats=5).items()}
     machine = fit_link(comm)
-
-    settings = (
-        [("dense", 1.0, True)]
-        + [(m, d, f) for d in (0.01, 0.1) for m in ("topk", "randomk") for f in (True, False)]
-        + [("qsgd8", 1.0, True), ("sign", 1.0, True)]
-    )
-    runs = [train_compressed(comm, CompressedAllreduce(m, d, f), steps) for m, d, f in settings]
-
-    slow = SlowLinkComm(comm, 2, GIGABIT_ETHERNET)
-    sizes = [2**k for k in range(10, 27, 2)]
-    algorithms = {"flat": allreduce_ring, "hierarchical": lambda c, v: hierarchical_allreduce(c, v, 2)}
-    link = {name: np.median(s, axis=1) for name, s in time_allreduce(slow, algorithms, sizes, repeats=3).items()}
     if rank != 0:
         return
-
     print(f"{size} ranks; sparse allreduce of {N} float32 (bytes per rank, the most any rank sent)")
     for d, sent in sparse_bytes.items():
         print(f"  density {d:.0%}: {sent} bytes vs the dense ring's {ring_bytes}: {sent / ring_bytes:.3f}x")
@@ -99,6 +69,19 @@ def child(steps: int) -> None:
         f"measured {measured} (the first density measured slower than the ring)"
     )
 
+
+def methods(comm, steps: int) -> None:
+    from ddlab.compression import CompressedAllreduce
+    from ddlab.compression.experiment import train_compressed
+
+    settings = (
+        [("dense", 1.0, True)]
+        + [(m, d, f) for d in (0.01, 0.1) for m in ("topk", "randomk") for f in (True, False)]
+        + [("qsgd8", 1.0, True), ("sign", 1.0, True)]
+    )
+    runs = [train_compressed(comm, CompressedAllreduce(m, d, f), steps) for m, d, f in settings]
+    if comm.Get_rank() != 0:
+        return
     dense = runs[0]
     print(
         f"\nlab 04's MLP, {steps} steps, SGD momentum 0.9; dense: test MSE {dense.loss:.4f}, "
@@ -112,6 +95,28 @@ def child(steps: int) -> None:
             f"{r.loss:9.4f} {r.loss / dense.loss - 1:+7.1%}"
         )
 
+
+def hierarchical(comm, steps: int) -> None:
+    import numpy as np
+    from ddlab.allreduce import allreduce_ring
+    from ddlab.allreduce.cost import time_allreduce
+    from ddlab.compression import (
+        GIGABIT_ETHERNET,
+        SHARED_MEMORY,
+        SlowLinkComm,
+        emulated,
+        flat_ring_seconds,
+        hierarchical_allreduce,
+        hierarchical_seconds,
+    )
+
+    size = comm.Get_size()
+    slow = SlowLinkComm(comm, 2, GIGABIT_ETHERNET)
+    sizes = [2**k for k in range(10, 27, 2)]
+    algorithms = {"flat": allreduce_ring, "hierarchical": lambda c, v: hierarchical_allreduce(c, v, 2)}
+    link = {name: np.median(s, axis=1) for name, s in time_allreduce(slow, algorithms, sizes, repeats=3).items()}
+    if comm.Get_rank() != 0:
+        return
     inter = emulated(GIGABIT_ETHERNET)
     flat_model = flat_ring_seconds(np.array(sizes), size, 2, SHARED_MEMORY, inter)
     hier_model = hierarchical_seconds(np.array(sizes), size, 2, SHARED_MEMORY, inter)
@@ -127,12 +132,25 @@ def child(steps: int) -> None:
         )
 
 
+PARTS = {"sparse": sparse, "methods": methods, "hierarchical": hierarchical}
+
+
+def child(steps: int, parts: list[str]) -> None:
+    import torch
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    for part in parts:
+        PARTS[part](MPI.COMM_WORLD, steps)
+
+
 def main() -> int:
     from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
-    return bench_main(parser, lambda a: child(a.steps), TIMEOUT)
+    parser.add_argument("--part", choices=list(PARTS), action="append", help="run only this part (repeatable)")
+    return bench_main(parser, lambda a: child(a.steps, a.part or list(PARTS)), TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,18 @@ def plan_ignoring_epoch(counts, rank, q, epoch, seed=0):
     return exchange_plan(counts, rank, q, 0, seed)
 
 
+def plan_picked_in_int16(counts, rank, q, epoch, seed=0):
+    """Picks its positions as int16, then returns int64: past 32,767 samples a rank they wrap negative."""
+    send, recv_counts = exchange_plan(counts, rank, q, epoch, seed)
+    return [positions.astype(np.int16).astype(np.int64) for positions in send], recv_counts
+
+
+def plan_in_uint16(counts, rank, q, epoch, seed=0):
+    """The right positions, returned as uint16 arrays: the lab asks for int64."""
+    send, recv_counts = exchange_plan(counts, rank, q, epoch, seed)
+    return [positions.astype(np.uint16) for positions in send], recv_counts
+
+
 def plan_alternative(counts, rank, q, epoch, seed=0):
     """Valid: floor(q m) per rank, picked and dealt from other seeds than the reference's."""
     size = len(counts)
@@ -127,6 +139,8 @@ def exchange_reverses_x_on_rank_0(comm, x, send, recv_counts):
         (plan_ignoring_epoch, "same as epoch"),
         (plan_keeping_everything, "to itself: the exchange moves nothing"),
         (plan_miscounted_on_rank_0, "rank 0: .*expects .* samples from rank|rank 0: .*would hold"),
+        (plan_picked_in_int16, "counts=\\[70000.*outside .*do not fit 16 bits; keep them int64"),
+        (plan_in_uint16, "holds uint16 positions: return int64 arrays"),
     ],
 )
 def test_wrong_plans_fail(comm, plan, message):

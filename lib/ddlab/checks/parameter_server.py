@@ -42,6 +42,7 @@ from mpi4py import MPI
 
 from ..parameter_server import Consistency, LeastSquares, may_start, train
 from ..parameter_server.messages import GRADIENT, PARAMETERS, PARAMETERS_HEADER
+from ..parameter_server.replay import replay
 from ..parameter_server.server import Server
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm
@@ -236,7 +237,7 @@ Model = tuple[list[tuple[int, int]], dict[tuple[int, int], int], list[np.ndarray
 def ssp_model(problem: LeastSquares, workers: int, steps: int, bound: float, lr: float, seed: int) -> Model:
     """What a stale-synchronous server prescribes when worker k's step t computes for a seeded delay.
 
-    Replays the run on a clock: one worker's step is six times slower (a transient
+    Replays the run on a clock (`replay`): one worker's step is six times slower (a transient
     straggler). Returns the order the gradients arrive in, as (worker, step); for each
     (worker, step) the number of updates applied when the gate released it; and the
     parameters after each update (each gradient applied on arrival, rate lr / workers).
@@ -244,26 +245,8 @@ def ssp_model(problem: LeastSquares, workers: int, steps: int, bound: float, lr:
     rng = np.random.default_rng(seed)
     delay = rng.uniform(1.0, 2.0, (workers, steps))
     delay[rng.integers(workers), rng.integers(steps)] *= 6
-    clock = np.zeros(workers, dtype=np.int64)
-    waiting, finish, now = set(range(workers)), {}, 0.0
-    order: list[tuple[int, int]] = []
-    released: dict[tuple[int, int], int] = {}
-    history = [problem.start()]
-    while True:
-        for k in sorted(waiting):
-            if may_start(clock[clock < steps], int(clock[k]), bound):
-                waiting.discard(k)
-                released[k, int(clock[k])] = len(order)
-                finish[k] = now + delay[k, clock[k]]
-        if not finish:
-            return order, released, history
-        k = min(finish, key=finish.__getitem__)
-        now, step = finish.pop(k), int(clock[k])
-        order.append((k, step))
-        history.append(history[-1] - lr / workers * problem.gradient(history[released[k, step]], k, step))
-        clock[k] += 1
-        if clock[k] < steps:
-            waiting.add(k)
+    run = replay(problem, delay, bound, lr)
+    return run.order, run.released, run.history
 
 
 def _await_token(side: MPI.Comm, source: int, watch: Watch) -> None:

@@ -2,9 +2,11 @@
 
 `check_exchange_plan` runs the student's plan on every rank of sub-communicators of
 every size, for several data set sizes, exchange fractions, epochs and seeds, gathers
-the plans and replays the exchange: no sample lost or duplicated, every rank keeps its
-count, round(Q m) samples leave each rank (floor or ceil accepted), the plans agree
-pairwise, the same arguments give the same plan and another epoch another one.
+the plans and replays the exchange: int64 positions as the lab asks, no sample lost or
+duplicated, every rank keeps its count, round(Q m) samples leave each rank (floor or
+ceil accepted), the plans agree pairwise, the same arguments give the same plan and
+another epoch another one. The last case gives each rank 70,000 samples, so positions
+computed in 16 bits on the way (past 32,767 or 65,535) wrap and fail.
 
 `check_exchange_samples` hands the student's function a CountingComm that allows
 exactly one collective, Alltoallv, and compares the rows received with the reference
@@ -31,10 +33,17 @@ from ..shuffling.shuffler import exchange_plan
 from ._core import array_problem, count, each_size, fail_together, passed, run_counted
 
 PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0) for epoch, seed in ((0, 0), (3, 11))]
+WIDE = 70_000  # samples a rank in the last plan case: positions past 16 bits (signed or not)
+NARROW_HINT = f" (each rank holds {WIDE} samples: positions past 32,767 do not fit 16 bits; keep them int64 throughout)"
 
 
 def _counts(n: int, size: int) -> list[int]:
     return np.diff(block_bounds(n, size)).tolist()
+
+
+def _plan_cases(size: int) -> list[tuple[list[int], float, int, int]]:
+    """(counts, q, epoch, seed): data sets of 1, 37 and 200 samples, then WIDE samples on every rank."""
+    return [(_counts(n, size), q, epoch, seed) for n, q, epoch, seed in PLAN_CASES] + [([WIDE] * size, 0.1, 1, 4)]
 
 
 def _plan_shape_problem(plan: Any, size: int, m: int) -> str | None:
@@ -48,8 +57,13 @@ def _plan_shape_problem(plan: Any, size: int, m: int) -> str | None:
             f"{len(send) if hasattr(send, '__len__') else '?'}"
         )
     for d, positions in enumerate(send):
-        if not isinstance(positions, np.ndarray) or positions.ndim != 1 or positions.dtype.kind not in "iu":
-            return f"send[{d}] should be a 1-D NumPy array of integer positions"
+        if not isinstance(positions, np.ndarray) or positions.ndim != 1:
+            return f"send[{d}] should be a 1-D NumPy array of int64 positions"
+        if positions.dtype != np.int64:
+            return (
+                f"send[{d}] holds {positions.dtype} positions: return int64 arrays, as the lab asks "
+                f"(int16 cannot index past sample 32,767 of a rank)"
+            )
         if positions.size and (positions.min() < 0 or positions.max() >= m):
             return f"send[{d}] holds positions outside 0..{m - 1} (this rank holds {m} samples)"
     if (
@@ -91,8 +105,8 @@ def _replay_problem(plans: list[Any], counts: list[int]) -> str | None:
         ids = np.arange(bounds[r], bounds[r + 1])
         held.append(np.delete(ids, np.concatenate(send)))
         held.extend(ids[positions] for d, positions in enumerate(send))
-    everything = np.sort(np.concatenate(held))
-    if not np.array_equal(everything, np.arange(sum(counts))):
+    everything = np.concatenate(held)
+    if len(everything) != sum(counts) or np.any(np.bincount(everything, minlength=sum(counts)) != 1):
         return "replaying all plans loses or duplicates samples"
     return None
 
@@ -103,8 +117,8 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
 
     def body(comm: MPI.Comm) -> str | None:
         rank, size = comm.Get_rank(), comm.Get_size()
-        for n, q, epoch, seed in PLAN_CASES:
-            counts = _counts(n, size)
+        for counts, q, epoch, seed in _plan_cases(size):
+            n, wide = sum(counts), counts[0] == WIDE
             case = f"counts={counts}, q={q}, epoch={epoch}, seed={seed}"
             plan = fn(list(counts), rank, q, epoch, seed)
             problem = _plan_shape_problem(plan, size, counts[rank])
@@ -116,9 +130,11 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
                     problem = "two calls with the same arguments gave different plans: seed the choice from them"
             everyone = comm.allgather((problem, plan if problem is None else None))
             if any(p for p, _ in everyone):
-                return f"{case}: {problem}" if problem else None
+                return f"{case}: {problem}{NARROW_HINT if wide else ''}" if problem else None
             plans = [plan for _, plan in everyone]
             problem = _plan_problem(plans, counts, rank, q) or _replay_problem(plans, counts)
+            if problem and wide:
+                problem += NARROW_HINT
             # Each rank judges the plans from its own side: stop together, or the ranks that found
             # nothing would wait in the next case for the ones that stopped.
             fail_together(comm, problem and f"{case}: {problem}", f"exchange_plan on {count(size, 'rank')}")

@@ -8,6 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from ..plots.helpers import finish_panels
+from .replay import Comparison
 from .run import Record
 
 
@@ -72,5 +73,28 @@ def staleness_and_divergence(
     finish_panels(fig, (right,), "step", title)
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def straggler_kinds(comparison: Comparison) -> plt.Figure:
+    """Per staleness bound s (inf: asynchronous): time to a fixed number of updates (left), loss after them (right).
+
+    One line per kind of straggler (steady, transient), each point a mean over seeds."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    where = np.arange(len(comparison.bounds))
+    for i, kind in enumerate(comparison.time):
+        left.plot(where, comparison.time[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
+        right.plot(where, comparison.loss[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
+    right.axhline(comparison.best, color="gray", ls=":", label="lowest possible")
+    names = ["async" if np.isinf(s) else f"s = {s:g}" for s in comparison.bounds]
+    for ax in (left, right):
+        ax.set_xticks(where, names)
+        ax.set_xlabel("staleness bound (s = 0: BSP)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_ylim(bottom=0)
+    left.set_ylabel("time to the updates (1 = a normal step)")
+    right.set_ylabel("loss after the updates")
     fig.tight_layout()
     return fig

@@ -5,7 +5,8 @@ the others workers), "allreduce" (every rank a worker, gradients averaged by
 MPI's allreduce each step) and "gossip" (every rank a worker, asynchronous
 averaging with the left ring neighbour); `allreduce` plugs in any allreduce with
 lab 03's signature (MPI's by default). Worker k computes for `compute` seconds
-times its slowdown per step (one seeded straggler at `straggler` times).
+times its slowdown per step: one seeded steady straggler at `straggler` times, or
+`schedule[k, t]` for worker k's step t (`straggler.transient`, for one).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .gossip import AsyncGossip
 from .messages import shard_bounds
 from .problem import LeastSquares
 from .server import Gate, Server, ServerLog
-from .straggler import slowdowns
+from .straggler import steady
 from .worker import WorkerLog, work
 
 
@@ -54,6 +55,10 @@ class Record:
         """Seconds until the loss first fell to `loss` (inf if it never did)."""
         return next((t for t, _, value in self.curve if value <= loss), float("inf"))
 
+    def at_step(self, step: float) -> tuple[float, float]:
+        """(seconds, loss) when `step` steps were first done (async and ssp: step x workers updates); (inf, nan) if never."""
+        return next(((t, loss) for t, done, loss in self.curve if done >= step), (float("inf"), float("nan")))
+
 
 def train(
     comm: Comm,
@@ -70,15 +75,25 @@ def train(
     timeout: float = 30.0,
     gate: Gate = may_start,
     allreduce: Allreduce | None = None,
+    schedule: np.ndarray | None = None,
 ) -> Record:
-    """Run `steps` steps of `mode` (a collective); the worker on rank r runs only early[r] steps if given (0: it dies silently)."""
+    """Run `steps` steps of `mode` (a collective); the worker on rank r runs only early[r] steps if given (0: it dies silently).
+
+    schedule: slowdown factors per (worker, step), instead of `straggler`'s one steady straggler."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     size = comm.Get_size()
     workers = size if mode in ("allreduce", "gossip") else size - servers
     if workers < 1:
         raise ValueError(f"{mode!r} with {servers} server(s) needs more than {servers} ranks, got {size}")
-    slow = slowdowns(workers, straggler, seed)
+    if schedule is None:
+        slow = steady(workers, steps, straggler, seed)
+    elif np.shape(schedule) != (workers, steps) or np.min(schedule) < 1:
+        raise ValueError(
+            f"schedule must hold factors >= 1 for {workers} workers x {steps} steps, got shape {np.shape(schedule)}"
+        )
+    else:
+        slow = np.asarray(schedule, dtype=float)
     private = None
     if isinstance(comm, CountingComm):  # a check counts the messages: run on its communicator, under its watch
         watch = comm.watch
@@ -88,9 +103,7 @@ def train(
     underlying(comm).Barrier()
     try:
         if mode in ("allreduce", "gossip"):
-            return _decentralized(
-                comm, mode, problem, steps, lr, float((compute * slow)[comm.Get_rank()]), watch, allreduce
-            )
+            return _decentralized(comm, mode, problem, steps, lr, compute * slow[comm.Get_rank()], watch, allreduce)
         return _parameter_server(comm, mode, problem, steps, lr, servers, compute * slow, early or {}, watch, gate)
     finally:
         if private is not None:
@@ -129,7 +142,7 @@ def _parameter_server(
             lambda w, t: problem.gradient(w, k, t),
             early.get(rank, steps),
             watch,
-            float(compute[k]),
+            compute[k],
         )
     seconds = time.perf_counter() - began
     raw = underlying(comm)
@@ -151,11 +164,11 @@ def _decentralized(
     problem: LeastSquares,
     steps: int,
     lr: float,
-    compute: float,
+    compute: np.ndarray,
     watch: Watch,
     allreduce: Allreduce | None,
 ) -> Record:
-    """Every rank a worker: average gradients by allreduce, or parameters by asynchronous gossip."""
+    """Every rank a worker (computing compute[t] seconds at step t): allreduce gradients, or gossip parameters."""
     rank, size, raw = comm.Get_rank(), comm.Get_size(), underlying(comm)
     gossip = AsyncGossip(comm, problem.n, watch) if mode == "gossip" else None
     params = problem.start()
@@ -163,7 +176,7 @@ def _decentralized(
     began = time.perf_counter()
     for step in range(steps):
         grad = problem.gradient(params, rank, step)
-        time.sleep(max(0.0, compute - (time.perf_counter() - began - history[-1][0])))
+        time.sleep(max(0.0, compute[step] - (time.perf_counter() - began - history[-1][0])))
         if gossip is None:
             total = allreduce(comm, grad) if allreduce else allreduce_mpi(raw, grad)
             params = params - lr * total / size
@@ -192,6 +205,7 @@ def train_on_workers(
     compute: float = 0.0,
     straggler: float = 1.0,
     seed: int = 0,
+    schedule: np.ndarray | None = None,
 ) -> Record:
     """`train` with the same workers in every mode (a collective): ranks servers.. are the workers.
 
@@ -202,7 +216,18 @@ def train_on_workers(
     """
 
     def run(on: Comm, shards: int) -> Record:
-        return train(on, mode, problem, steps, lr, servers=shards, compute=compute, straggler=straggler, seed=seed)
+        return train(
+            on,
+            mode,
+            problem,
+            steps,
+            lr,
+            servers=shards,
+            compute=compute,
+            straggler=straggler,
+            seed=seed,
+            schedule=schedule,
+        )
 
     if mode not in ("allreduce", "gossip"):
         return run(comm, servers)

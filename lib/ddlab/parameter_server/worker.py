@@ -60,9 +60,9 @@ def work(
     gradient: Gradient,
     steps: int,
     watch: Watch,
-    compute: float = 0.0,
+    compute: np.ndarray | None = None,
 ) -> WorkerLog:
-    """Run `steps` steps (pull, compute for `compute` seconds at least, push); stop if a server says so."""
+    """Run `steps` steps (pull, compute for compute[step] seconds at least, push); stop if a server says so."""
     log = WorkerLog()
     sends: list[tuple[MPI.Request, np.ndarray]] = []
     for step in range(steps):
@@ -72,7 +72,7 @@ def work(
             break
         began = time.perf_counter()
         grad = gradient(params, step)
-        time.sleep(max(0.0, compute - (time.perf_counter() - began)))
+        time.sleep(max(0.0, (0.0 if compute is None else compute[step]) - (time.perf_counter() - began)))
         sends += push(comm, bounds, worker, step, versions, grad, more=step < steps - 1)
         log.pushed.append(step)
         sends = [(r, b) for r, b in sends if not r.Test()]
