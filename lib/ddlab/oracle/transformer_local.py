@@ -47,9 +47,10 @@ in a run, in the same four parts:
   LayerNorm input and statistics, the output layer's input, its logits' softmax (s V / t
   per sequence) and the targets (int64, twice).
 
-Checked against the ledger on every 4-rank layout (float32 and float64): equal to the byte on one
-process and on the ranks of the first tensor coordinate; the other tensor ranks measure a few
-hundred bytes less (under 0.3% at lab 16's sizes).
+Checked against the ledger on every 4-rank layout (float32 and float64; with context too, by
+bench/mesh.py): equal to the byte on one process and on the ranks of the first tensor coordinate;
+the other tensor ranks measure a few hundred bytes less (under 0.3% at lab 16's sizes). A block's
+saved tensors with local and with ring attention are tested to the byte on one process.
 
 ZeRO (lab 13's `Sharded`) charges its own buffers (master shards, gathered units); it is
 not predicted here.
