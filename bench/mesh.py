@@ -1,8 +1,10 @@
 """Every 4-rank layout of lab 14's GPT on the mesh (ddlab.mesh) against pure data parallelism, and the oracle's prediction.
 
 One MPI job (4 ranks by default). Layouts data x tensor x pipeline: every one of the ranks
-(4 ranks: 4x1x1, 2x2x1, 2x1x2, 1x4x1, 1x2x2, 1x1x4) and ZeRO-1/2/3 on the data dimension of
-pure data parallelism. Each round every variant trains a fresh GPT (same weights) for
+(4 ranks: 4x1x1, 2x2x1, 2x1x2, 1x4x1, 1x2x2, 1x1x4), every product of the ranks that includes
+context parallelism (lab 15's ring attention; 4 ranks: 1x1x1x4, 2x1x1x2, 1x2x1x2, 1x1x2x2,
+data x tensor x pipeline x context), and ZeRO-1/2/3 on the data dimension of pure data
+parallelism. Each round every variant trains a fresh GPT (same weights) for
 --steps steps plus one warm-up, taking turns, the order rotated each round; a variant's step
 time is the slowest rank's median step, its memory each rank's peak in the memory ledger
 (parameters, gradients, AdamW state, activations). Pipelines run 1F1B with --micro
@@ -43,7 +45,7 @@ TIMEOUT = 3600
 def child(args: argparse.Namespace) -> None:
     import torch
     from ddlab.data.text import BatchSampler, make_corpus
-    from ddlab.mesh import layouts, train_on_mesh
+    from ddlab.mesh import DIMS, layouts, train_on_mesh
     from ddlab.models.gpt import GPTConfig, make_gpt
     from ddlab.oracle.measure import measure_platform
     from ddlab.oracle.transformer_local import calibrate, case_of, predict_mesh
@@ -55,7 +57,8 @@ def child(args: argparse.Namespace) -> None:
     size = comm.Get_size()
     config = GPTConfig(block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.width, tied=False)
     sampler = BatchSampler(make_corpus().train, batch=args.batch, block=args.block)
-    variants = [(sizes, 0) for sizes in layouts(size)] + [(layouts(size)[0], zero) for zero in (1, 2, 3)]
+    with_context = [sizes for sizes in layouts(size, DIMS) if sizes["context"] > 1]
+    variants = [(sizes, 0) for sizes in layouts(size) + with_context] + [(layouts(size)[0], zero) for zero in (1, 2, 3)]
     times: dict[int, list[float]] = {i: [] for i in range(len(variants))}
     predicted: dict[int, list] = {i: [] for i in range(len(variants))}
     peaks: dict[int, list[int]] = {}
@@ -82,6 +85,7 @@ def child(args: argparse.Namespace) -> None:
                 sizes["pipeline"],
                 micro_batches=micro,
                 zero=zero,
+                context=sizes["context"],
             )
             times[i].append(run.seconds)
             peaks[i], labels[i] = run.peak_bytes, run.label
@@ -109,7 +113,7 @@ def child(args: argparse.Namespace) -> None:
         f"sync {', '.join(f'{p.sync * 1e3:.2f}' for p in platforms)} ms per blocking exchange)"
     )
     print(
-        f"{'layout':8} {'meas ms':>8} {'pred ms':>8} {'(compute/bubble/tensor/pipe/data/sync)':>40} {'time acc':>8} "
+        f"{'layout':8} {'meas ms':>8} {'pred ms':>8} {'(compute/bubble/tensor/context/pipe/data/sync)':>48} {'time acc':>8} "
         f"{'each round':>24} | {'meas KiB':>9} {'pred KiB':>9} {'mem acc':>7}"
     )
     time_acc, memory_acc = [], []
@@ -122,11 +126,12 @@ def child(args: argparse.Namespace) -> None:
         memory_acc.append(middle.memory_accuracy(peaks[i]))
         worst = min(range(size), key=lambda r: 1 - abs(middle.peaks()[r] - peaks[i][r]) / peaks[i][r])
         parts = "/".join(
-            f"{middle.seconds[k] * 1e3:.1f}" for k in ("compute", "bubble", "tensor", "pipeline", "data", "sync")
+            f"{middle.seconds[k] * 1e3:.1f}"
+            for k in ("compute", "bubble", "tensor", "context", "pipeline", "data", "sync")
         )
         each = " ".join(f"{p.time_accuracy(t):.2f}" for p, t in zip(runs, times[i]))
         print(
-            f"{labels[i]:8} {meas * 1e3:8.1f} {pred * 1e3:8.1f} {parts:>40} {time_acc[-1]:8.3f} {each:>24} | "
+            f"{labels[i]:8} {meas * 1e3:8.1f} {pred * 1e3:8.1f} {parts:>48} {time_acc[-1]:8.3f} {each:>24} | "
             f"{peaks[i][worst] / 2**10:9.1f} {middle.peaks()[worst] / 2**10:9.1f} {memory_acc[-1]:7.4f}"
         )
     print(

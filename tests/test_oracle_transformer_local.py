@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
 import torch
 from ddlab.allreduce.cost import Link
-from ddlab.mesh import layouts, train_on_mesh
-from ddlab.models.gpt import GPTConfig, make_gpt
+from ddlab.context_parallel import ring_attention_heads
+from ddlab.mesh import DIMS, layouts, train_on_mesh
+from ddlab.models.gpt import Block, GPTConfig, make_gpt
 from ddlab.oracle.platform import Curves, Platform
 from ddlab.oracle.transformer import step_time
 from ddlab.oracle.transformer_local import (
@@ -17,10 +19,15 @@ from ddlab.oracle.transformer_local import (
     calibrate,
     case_of,
     exchanges,
+    layer_elements,
     mesh_time,
     predict_mesh,
     rank_memory_local,
+    ring_exchanges,
+    ring_time,
 )
+from ddlab.runtime.memory import Ledger
+from ddlab.tensor_parallel import ParallelBlock
 from mpi4py import MPI
 
 CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=4, n_embd=16, tied=False)
@@ -128,7 +135,49 @@ def test_bad_input_says_what_to_do():
         MeshCase(2, 1, 1, 6, 8, micro_batches=2)
     with pytest.raises(ValueError, match="tied=False"):
         predict_mesh(replace(CONFIG, tied=True), MeshCase(1, 1, 1, BATCH, 8), _platform())
-    with pytest.raises(ValueError, match="context = 1"):
-        case_of({"data": 1, "tensor": 1, "pipeline": 1, "context": 4}, BATCH, 8)
+    with pytest.raises(ValueError, match="2 x 3 zig-zag chunks: use a multiple of 6"):
+        case_of({"data": 1, "tensor": 1, "pipeline": 1, "context": 3}, BATCH, 8)
     with pytest.raises(ValueError, match="float32"):
         MeshCase(1, 1, 1, BATCH, 8, element_bytes=2)
+
+
+@pytest.mark.parametrize("context", [1, 2, 4])
+def test_a_block_keeps_what_the_oracle_counts_with_local_or_ring_attention(context):
+    """A block's saved tensors, as the ledger counts them, to the byte: local attention keeps its s x s softmax,
+    ring attention (here a ring of one rank holding a context rank's s/c rows) its output and log-sum-exp."""
+    config = replace(CONFIG, block_size=16)
+    case = MeshCase(1, 1, 1, 2, config.block_size, element_bytes=8, context=context)
+    torch.manual_seed(0)
+    block = Block(config, 0).double()
+    attend = None if context == 1 else functools.partial(ring_attention_heads, MPI.COMM_SELF)
+    split = ParallelBlock(block, MPI.COMM_SELF, attend=attend)
+    ledger = Ledger()
+    ledger.ignore(split)
+    x = torch.randn(2, config.block_size // context, config.n_embd, dtype=torch.float64, requires_grad=True)
+    with ledger.activations():
+        y = split(x)
+    assert ledger.used["activations"] == 8 * layer_elements(config, case)
+    y.sum().backward()  # every saved tensor released
+    assert ledger.used["activations"] == 0
+
+
+def test_context_ranks_split_the_work_and_send_the_ring_blocks():
+    platform = _platform()
+    config = replace(CONFIG, block_size=16)
+    plain = case_of({"data": 1, "tensor": 1, "pipeline": 1, "context": 1}, BATCH, 16)
+    ring = case_of({"data": 1, "tensor": 1, "pipeline": 1, "context": 4}, BATCH, 16)
+    assert ring.label == "1x1x1x4" and ring.ranks == 4 and ring.layout().context == 4
+    mine, alone = mesh_time(config, ring, platform), mesh_time(config, plain, platform)
+    assert alone["context"] == 0 and mine["tensor"] == mine["pipeline"] == 0
+    # per layer: 3 forward and 3 + 4 backward blocks of 2 b (s/4) h float32 elements, priced as ping-pong
+    block = 2 * BATCH * 4 * config.n_embd * 4
+    assert mine["context"] == pytest.approx(config.n_layer * 10 * platform.comm("p2p", block, 2))
+    assert mine["data"] > 0  # the 4 context ranks' gradients are averaged
+    assert ring_exchanges(config, plain) == 0 and ring_exchanges(config, ring) == config.n_layer * (3 + 4 + 4)
+    assert exchanges(config, ring) == ring_exchanges(config, ring) + 1
+    assert ring_time(config, plain, platform) == 0
+    # the rank's s/c rows: no s x s matrix, so 4 context ranks each keep less than a quarter of one's activations
+    acts = [rank_memory_local(config, ring, r)["activations"] for r in range(4)]
+    assert len(set(acts)) == 1 and acts[0] < rank_memory_local(config, plain, 0)["activations"] / 4
+    assert len(predict_mesh(config, ring, platform).memory) == 4
+    assert all(case_of(s, BATCH, 16).ranks == 4 for s in layouts(4, DIMS))

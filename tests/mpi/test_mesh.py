@@ -3,6 +3,8 @@ layout of the world's ranks (data x tensor x pipeline, and ZeRO on the data dime
 steps of one process: float64 losses to 1e-8 over 10 steps.
 
 On 4 ranks the layouts are 4x1x1, 2x2x1, 2x1x2, 1x4x1, 1x2x2, 1x1x4; on 3 ranks 3x1x1, 1x3x1, 1x1x3.
+With context parallelism (ring attention, lab 15), on 4 ranks 1x1x1x4, 2x1x1x2 (and with ZeRO-2),
+1x2x1x2, 1x1x2x2; on 3 ranks 1x1x1x3.
 """
 
 from __future__ import annotations
@@ -79,12 +81,25 @@ def test_sizes_that_do_not_multiply_to_the_world_are_refused(comm: MPI.Comm) -> 
         Mesh.build(comm, data=comm.Get_size(), tensor=0)
 
 
-def test_context_is_a_dimension_of_the_mesh_but_not_yet_of_training(comm: MPI.Comm) -> None:
+def test_the_replicas_are_the_data_x_context_plane(comm: MPI.Comm) -> None:
+    size = comm.Get_size()
+    for sizes in every_mesh(size):
+        mesh = Mesh.build(comm, **sizes)
+        everyone = comm.allgather(mesh.coords)
+        same = [r for r, c in enumerate(everyone) if all(c[o] == mesh.coords[o] for o in ("pipeline", "tensor"))]
+        assert sorted(mesh.replicas.allgather(comm.Get_rank())) == same, sizes
+        assert mesh.replicas.Get_rank() == mesh.coords["data"] * sizes["context"] + mesh.coords["context"]
+        assert (mesh.replicas is mesh.data) == (sizes["context"] == 1)
+        mesh.free()
+
+
+def test_a_sequence_that_does_not_split_into_2c_chunks_is_refused(comm: MPI.Comm) -> None:
     mesh = Mesh.build(comm, context=comm.Get_size())
-    assert mesh.context.Get_size() == comm.Get_size() and mesh.data.Get_size() == 1
     assert mesh.label.endswith(f"x{comm.Get_size()}")
-    with pytest.raises(ValueError, match="context > 1"):
-        GPTStage(make_gpt(CONFIG, dtype=torch.float64), mesh)
+    trainer = MeshTrainer(make_gpt(CONFIG, dtype=torch.float64), mesh)
+    idx = targets = torch.zeros((4, 7), dtype=torch.int64)  # a sequence of 7
+    with pytest.raises(ValueError, match=f"multiple of {2 * comm.Get_size()}"):
+        trainer.step(idx, targets)
     mesh.free()
 
 
@@ -146,3 +161,52 @@ def test_zero_on_the_data_dimension_takes_the_steps_of_one_process(
     )
     error = max(abs(a - b) for a, b in zip(run.losses, one_process))
     assert error < 1e-8, f"{run.label}: losses differ from one process's by {error:.3g}"
+
+
+# data x tensor x pipeline x context, micro-batches, ZeRO, steps: every composition with context on 4 ranks (c = 4,
+# 2 data x 2 context, 2 tensor x 2 context, 2 pipeline x 2 context, and ZeRO-2 over 2 data x 2 context for 3
+# steps); on 3 ranks c = 3, whose 6 zig-zag chunks need a sequence of 6 (lab 16's of 8 would be refused). A GPT
+# of 2 blocks: each block's ring attention is a Dup, an allgather and 2c - 1 waits per micro-batch and step.
+CONTEXT_LAYOUTS = {
+    4: [(1, 1, 1, 4, 1, 0, STEPS), (2, 1, 1, 2, 1, 0, STEPS), (1, 2, 1, 2, 1, 0, STEPS), (1, 1, 2, 2, 2, 0, STEPS)]
+    + [(2, 1, 1, 2, 1, 2, 3)],
+    3: [(1, 1, 1, 3, 1, 0, STEPS)],
+}
+
+
+@pytest.fixture(scope="module")
+def context_gpts() -> dict[int, tuple[GPTConfig, BatchSampler, list[float]]]:
+    """Per block size (8, and 6 for 3 context ranks): the 2-block GPT, its batches and one process's losses."""
+    found = {}
+    for block in {8, 6} if WORLD.Get_size() == 3 else {8}:
+        config = GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=4, n_embd=16, tied=False)
+        sampler = BatchSampler(make_corpus().train, batch=BATCH, block=block)
+        found[block] = config, sampler, train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, STEPS)
+    return found
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_context_layouts_take_the_steps_of_one_process(
+    comm: MPI.Comm, context_gpts: dict[int, tuple[GPTConfig, BatchSampler, list[float]]], index: int
+) -> None:
+    found = CONTEXT_LAYOUTS.get(comm.Get_size(), [])
+    if index >= len(found):
+        pytest.skip(f"{comm.Get_size()} ranks: {len(found)} context layouts tested")
+    data, tensor, pipeline, context, micro, zero, steps = found[index]
+    config, sampler, want = context_gpts[8 if 8 % (2 * context) == 0 else 6]
+    run = train_on_mesh(
+        comm,
+        make_gpt(config, dtype=torch.float64),
+        sampler.batch_at,
+        steps,
+        data,
+        tensor,
+        pipeline,
+        micro_batches=micro,
+        zero=zero,
+        context=context,
+    )
+    error = max(abs(a - b) for a, b in zip(run.losses, want))
+    assert len(run.losses) == steps and want[-1] < want[0] - 0.1  # it learns
+    assert error < 1e-8, f"{run.label}: losses differ from one process's by {error:.3g}"
+    assert run.label.startswith(f"{data}x{tensor}x{pipeline}x{context}") and min(run.peak_bytes) > 0

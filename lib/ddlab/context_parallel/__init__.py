@@ -4,8 +4,8 @@
   merge of two, the finish, and the backward of one block from the log-sum-exp.
 - layout.py: which positions each rank holds: contiguous or zig-zag (balanced under the causal
   mask), padded to a multiple of 2P; the work each rank does with either.
-- ring.py: ring attention forward and backward with Isend/Irecv overlapped with compute, and as
-  an autograd function.
+- ring.py: ring attention forward and backward with Isend/Irecv overlapped with compute, as
+  an autograd function, and on a rank's heads of zig-zag rows (`ring_attention_heads`, lab 16's mesh).
 - figures.py: the blocks moving round the ring, and the two layouts under the causal mask.
 """
 
@@ -30,7 +30,14 @@ from .layout import (
     visible,
     zigzag_positions,
 )
-from .ring import Ring, RingAttention, ring_attention, ring_attention_backward, ring_attention_torch
+from .ring import (
+    Ring,
+    RingAttention,
+    ring_attention,
+    ring_attention_backward,
+    ring_attention_heads,
+    ring_attention_torch,
+)
 
 __all__ = [
     "Partial",
@@ -51,6 +58,7 @@ __all__ = [
     "reference_attention",
     "ring_attention",
     "ring_attention_backward",
+    "ring_attention_heads",
     "ring_attention_torch",
     "take_rows",
     "visible",

@@ -27,6 +27,7 @@ from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm, underlying
 from ..runtime.waiting import Stalled, Watch
 from .blockwise import Partial, attend_block, attend_block_backward, empty_partial, finish, merge_partials
+from .layout import all_positions
 
 #: Tags of the ring's messages: key/value blocks, and their gradients.
 TAG_KV, TAG_GRAD = 150, 151
@@ -176,3 +177,21 @@ def ring_attention_torch(
 ) -> torch.Tensor:
     """Ring attention on tensors (..., n, d) that autograd differentiates: this rank's output rows."""
     return RingAttention.apply(q, k, v, comm, positions)
+
+
+def ring_attention_heads(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Ring attention of `heads` heads on this rank's zig-zag rows: q, k, v (B, n, heads x d) -> (B, n, heads x d).
+
+    The n rows are this rank's `zigzag_positions(n P, P, rank)` of sequences n P long (n P a multiple
+    of 2P, no padding): the layout lab 16's mesh gives its context ranks. Differentiable (autograd)."""
+    batch, rows, width = q.shape
+    size = comm.Get_size()
+    if (rows * size) % (2 * size):
+        raise ValueError(f"{rows} rows per rank are not 2 zig-zag chunks of a sequence of {rows * size}: use an even n")
+    d = width // heads
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(batch, rows, heads, d).transpose(1, 2).contiguous()  # (B, heads, n, d)
+
+    out = ring_attention_torch(comm, split(q), split(k), split(v), all_positions(rows * size, size))
+    return out.transpose(1, 2).reshape(batch, rows, width)

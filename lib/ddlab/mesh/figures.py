@@ -27,7 +27,7 @@ def plot_layouts(runs: list[MeshRun]) -> plt.Figure:
     memory_ax.legend(fontsize=8)
     for ax in (time_ax, memory_ax):
         ax.set_xticks(list(where), labels, rotation=45, ha="right", fontsize=8)
-        ax.set_xlabel("data x tensor x pipeline")
+        ax.set_xlabel("data x tensor x pipeline (x context)")
     time_ax.set_title("step time")
     memory_ax.set_title(f"memory (data parallel: {mib(max(runs[0].peak_bytes))})" if runs else "memory")
     fig.tight_layout()

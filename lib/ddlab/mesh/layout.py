@@ -15,6 +15,10 @@ A dimension's communicator holds the ranks whose coordinates differ only in that
 ranked by that coordinate: the ranks a tensor-parallel layer, a pipeline message, a
 gradient average or a ring attention talk to.
 
+With context parallelism the ranks holding the same weights are those of one data x context
+plane: `Mesh.replicas`, made by one more Split, averages the gradients (each context rank's
+come from its positions of the sequences only).
+
 Exercise 16.1 signature: `split_mesh(comm, sizes) -> (coords, comms)`: `sizes` a dict giving
 every name of `DIMS` a positive int whose product is comm's size (else ValueError saying so);
 returns `coords`, this rank's coordinate per name (dict of int, from the rank order above),
@@ -81,12 +85,14 @@ class Mesh:
     """This rank's place in a mesh: the sizes, its coordinates and each dimension's communicator.
 
     `Mesh.build(comm, data=2, tensor=2)` (sizes not given are 1); `mesh.tensor` is the tensor
-    communicator, and likewise `data`, `pipeline`, `context`; `free()` frees them (a collective).
+    communicator, and likewise `data`, `pipeline`, `context`, and `replicas` (data x context);
+    `free()` frees them (a collective).
     """
 
     sizes: Sizes
     coords: dict[str, int]
     comms: dict[str, MPI.Comm]
+    replica_comm: MPI.Comm | None = None  # the data x context plane, made when context > 1
 
     @classmethod
     def build(
@@ -104,7 +110,12 @@ class Mesh:
         sizes = {"pipeline": pipeline, "data": data, "context": context, "tensor": tensor}
         validate_sizes(sizes, comm.Get_size())
         coords, comms = split(comm, sizes)
-        return cls(sizes, coords, comms)
+        plane = None
+        if context > 1:  # the ranks that differ only in data and context: same pipeline stage, same tensor rank
+            plane = comm.Split(
+                coords["pipeline"] * tensor + coords["tensor"], coords["data"] * context + coords["context"]
+            )
+        return cls(sizes, coords, comms, plane)
 
     @property
     def data(self) -> MPI.Comm:
@@ -123,6 +134,11 @@ class Mesh:
         return self.comms["context"]
 
     @property
+    def replicas(self) -> MPI.Comm:
+        """The ranks holding the same weights: data x context (ranked data-major), the data communicator if context is 1."""
+        return self.data if self.replica_comm is None else self.replica_comm
+
+    @property
     def label(self) -> str:
         """'2x1x2' : data x tensor x pipeline (and x context when it is used)."""
         dims = ["data", "tensor", "pipeline"] + (["context"] if self.sizes["context"] > 1 else [])
@@ -131,6 +147,8 @@ class Mesh:
     def free(self) -> None:
         for sub in self.comms.values():
             sub.Free()
+        if self.replica_comm is not None:
+            self.replica_comm.Free()
 
 
 def layouts(world: int, dims: tuple[str, ...] = ("data", "tensor", "pipeline")) -> list[Sizes]:

@@ -11,13 +11,21 @@ Nothing here is a new mechanism; each dimension is an earlier lab's, on that dim
 - data (lab 04) over `mesh.data`: each data rank takes its block of the batch and the
   gradients are averaged (`average_gradients`) before the step; or with `zero` = 1, 2, 3
   the stage is lab 13's `Sharded` over `mesh.data`, one unit per embedding, block and head;
-- context: the mesh names it and `Mesh.build(context=...)` makes its communicator, but
-  this trainer takes context = 1 only (ring attention, lab 15, is not composed here yet).
+- context (lab 15) over `mesh.context`: each context rank holds its zig-zag positions
+  (`ddlab.context_parallel.layout.zigzag_positions`: chunks r and 2c-1-r of 2c) of every
+  sequence, their position embeddings, and every block's attention of its heads is
+  `ring_attention_heads` (lab 15's `RingAttention`) over `mesh.context` instead of the local
+  one; activations between pipeline stages are (b, s/c, h). The sequence must split into 2c
+  chunks (no padding). Every parameter then sees only its rank's tokens: each rank's loss is
+  the mean over its s/c positions, and the gradients (and the loss) are averaged over
+  `mesh.replicas`, the data x context ranks, with lab 04's `average_gradients` (all of a
+  context plane's ranks hold the same number of tokens, so that average is the whole
+  batch's mean); ZeRO shards over the same data x context ranks.
 
 A step of batch B with M micro-batches: each data rank takes B / D samples, cut in M
 micro-batches; each micro-batch's loss is its mean cross-entropy over M, so the
 micro-batches' gradients add up to the data rank's mean, and averaging over the data
-ranks gives the whole batch's mean: the step one process takes (without dropout).
+(x context) ranks gives the whole batch's mean: the step one process takes (without dropout).
 
 The output layer is split from the embedding (`GPTConfig(tied=False)`): a tied GPT
 across pipeline stages would need the two copies' gradients summed between the first
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -37,6 +46,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..context_parallel import ring_attention_heads, zigzag_positions
 from ..data_parallel import average_gradients
 from ..models.gpt import GPT, BatchAt, Block
 from ..pipeline import Schedule, one_f_one_b, run_schedule
@@ -45,21 +55,37 @@ from ..runtime.comm import Comm
 from ..runtime.memory import Ledger
 from ..sharded import Sharded
 from ..tensor_parallel import Copy, ParallelBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from ..tensor_parallel.block import Attend
 from .layout import Mesh
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class Embeddings(nn.Module):
-    """The first stage's input: token embedding split by vocabulary over `tensor`, position embedding whole."""
+def context_rows(length: int, context: Comm) -> torch.Tensor:
+    """The positions of a sequence `length` long that this context rank holds: zig-zag chunks r and 2c-1-r of 2c."""
+    c = context.Get_size()
+    if c == 1:
+        return torch.arange(length)
+    if length % (2 * c):
+        raise ValueError(
+            f"a sequence of {length} tokens does not split into 2 x {c} zig-zag chunks of the {c} context ranks: "
+            f"use a sequence (block size) that is a multiple of {2 * c}"
+        )
+    return torch.from_numpy(zigzag_positions(length, c, context.Get_rank()))
 
-    def __init__(self, model: GPT, tensor: Comm):
+
+class Embeddings(nn.Module):
+    """The first stage's input: token embedding split by vocabulary over `tensor`, position embedding whole;
+    with context ranks, the ids are this rank's zig-zag rows and take their positions' embeddings."""
+
+    def __init__(self, model: GPT, tensor: Comm, context: Comm):
         super().__init__()
         self.wte = VocabParallelEmbedding(model.wte, tensor)
         self.wpe = copy.deepcopy(model.wpe)
+        self.context = context
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return self.wte(idx) + self.wpe(context_rows(idx.shape[1] * self.context.Get_size(), self.context))
 
 
 class Head(nn.Module):
@@ -92,8 +118,6 @@ class GPTStage(nn.Module):
         stages, index = mesh.sizes["pipeline"], mesh.coords["pipeline"]
         if config.dropout > 0:
             raise ValueError("the mesh trains without dropout (GPTConfig(dropout=0.0)): set dropout to 0")
-        if mesh.sizes["context"] > 1:
-            raise ValueError("training with context > 1 (ring attention, lab 15) is not composed yet: use context=1")
         if config.n_layer < stages:
             raise ValueError(
                 f"{config.n_layer} blocks cannot fill {stages} pipeline stages: use at most n_layer stages"
@@ -101,15 +125,19 @@ class GPTStage(nn.Module):
         self.first, self.last = index == 0, index == stages - 1
         self.tensor = mesh.tensor
         self.layers = block_range(config.n_layer, index, stages)
-        self.embed = Embeddings(model, mesh.tensor) if self.first else None
+        self.embed = Embeddings(model, mesh.tensor, mesh.context) if self.first else None
+        attend: Attend | None = None
+        if mesh.sizes["context"] > 1:  # this rank's heads attend over every context rank's keys (lab 15)
+            attend = functools.partial(ring_attention_heads, mesh.context)
         self.blocks = nn.ModuleList(
-            ParallelBlock(_block(model, i), mesh.tensor) for i in range(self.layers.start, self.layers.stop)
+            ParallelBlock(_block(model, i), mesh.tensor, attend=attend)
+            for i in range(self.layers.start, self.layers.stop)
         )
         self.head = Head(model, mesh.tensor) if self.last else None
         self.width = config.n_embd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or the residual stream (B, T, n_embd) -> the residual stream, or logits (last)."""
+        """Token ids (first stage) or the residual stream (B, T / c, n_embd) -> the residual stream, or logits (last)."""
         if self.embed is not None:
             x = self.embed(x)
         for block in self.blocks:
@@ -144,7 +172,8 @@ def _block(model: GPT, index: int) -> Block:
 class MeshTrainer:
     """This rank's stage of a GPT on a mesh, its optimizer (AdamW, as `train_gpt`), and optionally ZeRO on data.
 
-    zero: 0 for lab 04's gradient averaging over `mesh.data`, or a ZeRO stage 1-3 (lab 13's `Sharded`).
+    zero: 0 for lab 04's gradient averaging over `mesh.replicas` (data x context), or a ZeRO stage 1-3
+    (lab 13's `Sharded` over the same ranks).
     ledger: charged with this rank's parameters, gradients, optimizer state and activations.
     """
 
@@ -163,7 +192,9 @@ class MeshTrainer:
             raise ValueError(f"zero is 0 (plain data parallelism) or a ZeRO stage 1, 2, 3, got {self.zero!r}")
         self.stage = GPTStage(self.model, self.mesh)
         if self.zero:
-            sharded = Sharded(self.stage, self.mesh.data, stage=self.zero, units=self.stage.units(), ledger=self.ledger)
+            sharded = Sharded(
+                self.stage, self.mesh.replicas, stage=self.zero, units=self.stage.units(), ledger=self.ledger
+            )
             self.module = sharded
             self.optimizer = sharded.attach(torch.optim.AdamW(sharded.shards(), lr=self.lr, weight_decay=0.0))
         else:
@@ -173,7 +204,9 @@ class MeshTrainer:
                 self.ledger.watch(self.stage, self.optimizer)
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor, micro_batches: int = 1) -> float:
-        """One step on the global batch (idx, targets), whole on every rank; returns its mean loss on every rank."""
+        """One step on the global batch (idx, targets), whole on every rank; returns its mean loss on every rank.
+
+        The sequence length must split into 2c zig-zag chunks (c context ranks): ValueError otherwise."""
         data, pipeline = self.mesh.data, self.mesh.pipeline
         ways = data.Get_size() * micro_batches
         if micro_batches < 1 or idx.shape[0] % ways:
@@ -182,18 +215,22 @@ class MeshTrainer:
                 f"micro-batches: use a batch that is a multiple of {ways}"
             )
         mine = block_range(idx.shape[0], data.Get_rank(), data.Get_size())
-        inputs = list(idx[mine.start : mine.stop].chunk(micro_batches))
-        outputs = list(targets[mine.start : mine.stop].chunk(micro_batches))
+        idx, targets = idx[mine.start : mine.stop], targets[mine.start : mine.stop]
+        if self.mesh.sizes["context"] > 1:  # this context rank's positions of every sequence
+            rows = context_rows(idx.shape[1], self.mesh.context)
+            idx, targets = idx[:, rows], targets[:, rows]
+        inputs, outputs = list(idx.chunk(micro_batches)), list(targets.chunk(micro_batches))
         width = (inputs[0].shape[0], inputs[0].shape[1], self.stage.width)
         ops = self.schedule(pipeline.Get_size(), micro_batches, pipeline.Get_rank())
         loss = self.stage.loss(micro_batches) if self.stage.last else _no_loss
         self.optimizer.zero_grad()
         with self.ledger.activations() if self.ledger is not None else contextlib.nullcontext():
             losses = run_schedule(pipeline, self.module, ops, inputs, outputs, loss, (width, self.model_dtype))
-        if not self.zero and data.Get_size() > 1:
-            average_gradients(self.stage, data)
+        replicas = self.mesh.replicas
+        if not self.zero and replicas.Get_size() > 1:
+            average_gradients(self.stage, replicas)
         self.optimizer.step()
-        value = data.allreduce(sum(losses)) / data.Get_size() if self.stage.last else 0.0
+        value = replicas.allreduce(sum(losses)) / replicas.Get_size() if self.stage.last else 0.0
         return float(pipeline.bcast(value, root=pipeline.Get_size() - 1))
 
     @property
@@ -237,11 +274,13 @@ def train_on_mesh(
     micro_batches: int = 1,
     zero: int = 0,
     lr: float = 3e-3,
+    context: int = 1,
 ) -> MeshRun:
-    """Train a copy of `model` for `steps` steps on the mesh data x tensor x pipeline of comm's ranks. A collective.
+    """Train a copy of `model` for `steps` steps on the mesh data x tensor x pipeline x context of comm's ranks.
 
-    Every rank passes the same one-process model (its weights are split here) and gets the same MeshRun."""
-    mesh = Mesh.build(comm, data=data, tensor=tensor, pipeline=pipeline)
+    A collective. Every rank passes the same one-process model (its weights are split here) and gets the
+    same MeshRun."""
+    mesh = Mesh.build(comm, data=data, tensor=tensor, pipeline=pipeline, context=context)
     ledger = Ledger(stage=f"rank {comm.Get_rank()} ({mesh.label})")
     trainer = MeshTrainer(model, mesh, lr=lr, zero=zero, ledger=ledger)
     losses, times = [], []

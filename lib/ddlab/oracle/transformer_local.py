@@ -8,12 +8,16 @@ measures it, with two inputs more for this GPT: its compute rate and its cost pe
 Time (`mesh_time`): the parts of `step_time` (Narayanan et al., SC 2021: the iteration's
 FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) without recomputation, over the N ranks;
 lab 07's bubble, (p - 1)/m of the compute; each dimension's collectives priced by lab 09's
-measured curves), with two inputs measured on this machine for this GPT, the same for
+measured curves; with c context ranks, ring attention's messages instead of `step_time`'s
+collectives for them, `ring_time`: per layer and micro-batch c - 1 key/value blocks forward,
+c - 1 backward and c of their gradients, each priced by the measured ping-pong curve; the
+zig-zag layout gives every context rank 1/c of the causal work, so the FLOPs are split over
+all N = d t p c ranks like the others), with two inputs measured on this machine for this GPT, the same for
 every layout (`calibrate`, from one process training it alone, at the whole batch B and
 at B/P): the FLOP rate, and the seconds the implementation spends per layer and
 micro-batch whatever their size (Python, kernel launches, the optimizer's loop: at lab 16's
-sizes as much as the arithmetic). A tensor-parallel rank runs every layer of its stage for
-1/t of the FLOPs, so it pays that cost whole. The ranks share the cores: the compute is
+sizes as much as the arithmetic). A tensor-parallel (or context-parallel) rank runs every layer of its
+stage for 1/t (1/c) of the FLOPs, so it pays that cost whole. The ranks share the cores: the compute is
 slowed by the contention measured with every rank training at once, at the number of
 ranks computing at once on average (all but the bubble's, as lab 09's pipeline), and every
 blocking exchange the step makes (`exchanges`) pays the platform's `sync` in that share
@@ -34,16 +38,19 @@ in a run, in the same four parts:
   (1F1B: min(p - stage, m) on stage `stage`, lab 07), per layer and token, in elements:
   4h whole (the LayerNorms' and the column-parallel layers' inputs) + 12h/t (q, k, v, the
   projection's input, the GELU's and the second MLP layer's inputs) + a s/t (the softmax's
-  output): Korthikanti et al.'s terms (MLSys 2023, section 4) without dropout, so without
-  its masks and its second copy of the probabilities; and what they do not count: the
+  output; with context parallelism ring attention keeps instead its output and log-sum-exp,
+  (h + a)/t, and s is the rank's s/c rows: `attention_elements`): Korthikanti et al.'s
+  terms (MLSys 2023, section 4) without dropout, so without its masks and its second copy
+  of the probabilities; and what they do not count: the
   LayerNorms' mean and reciprocal deviation (2 per token each), the first stage's token
   ids (int64), their vocabulary mask (bool) and positions (int64), the last stage's final
   LayerNorm input and statistics, the output layer's input, its logits' softmax (s V / t
   per sequence) and the targets (int64, twice).
 
-Checked against the ledger on every 4-rank layout (float32 and float64): equal to the byte on one
-process and on the ranks of the first tensor coordinate; the other tensor ranks measure a few
-hundred bytes less (under 0.3% at lab 16's sizes).
+Checked against the ledger on every 4-rank layout (float32 and float64; with context too, by
+bench/mesh.py): equal to the byte on one process and on the ranks of the first tensor coordinate;
+the other tensor ranks measure a few hundred bytes less (under 0.3% at lab 16's sizes). A block's
+saved tensors with local and with ring attention are tested to the byte on one process.
 
 ZeRO (lab 13's `Sharded`) charges its own buffers (master shards, gathered units); it is
 not predicted here.
@@ -77,7 +84,8 @@ _PRECISION = {4: "fp32", 8: "fp64"}
 
 @dataclass(frozen=True)
 class MeshCase:
-    """One `train_on_mesh` run: data x tensor x pipeline ranks, micro-batches, global batch, sequence, element bytes."""
+    """One `train_on_mesh` run: data x tensor x pipeline (x context) ranks, micro-batches, global batch, sequence,
+    element bytes."""
 
     data: int
     tensor: int
@@ -86,12 +94,18 @@ class MeshCase:
     seq: int
     micro_batches: int = 1
     element_bytes: int = 4
+    context: int = 1
 
     def __post_init__(self) -> None:
         if self.element_bytes not in _PRECISION:
             raise ValueError(f"element_bytes is 4 (float32) or 8 (float64), got {self.element_bytes}")
-        if min(self.data, self.tensor, self.pipeline, self.micro_batches, self.batch, self.seq) < 1:
+        if min(self.data, self.tensor, self.pipeline, self.context, self.micro_batches, self.batch, self.seq) < 1:
             raise ValueError(f"every size must be at least 1: {self}")
+        if self.context > 1 and self.seq % (2 * self.context):
+            raise ValueError(
+                f"a sequence of {self.seq} does not split into 2 x {self.context} zig-zag chunks: "
+                f"use a multiple of {2 * self.context}"
+            )
         if self.batch % (self.data * self.micro_batches):
             raise ValueError(
                 f"a batch of {self.batch} does not split into {self.data} data ranks x {self.micro_batches} "
@@ -100,11 +114,16 @@ class MeshCase:
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {"pipeline": self.pipeline, "data": self.data, "context": 1, "tensor": self.tensor}
+        return {"pipeline": self.pipeline, "data": self.data, "context": self.context, "tensor": self.tensor}
+
+    @property
+    def ranks(self) -> int:
+        return self.data * self.tensor * self.pipeline * self.context
 
     @property
     def label(self) -> str:
-        return f"{self.data}x{self.tensor}x{self.pipeline}"
+        """As `Mesh.label`: data x tensor x pipeline, and x context when it is used."""
+        return f"{self.data}x{self.tensor}x{self.pipeline}" + (f"x{self.context}" if self.context > 1 else "")
 
     def layout(self) -> Layout:
         """The oracle's Layout: micro-batches of B / (d m) sequences, no recomputation, the run's precision."""
@@ -112,6 +131,7 @@ class MeshCase:
             data=self.data,
             tensor=self.tensor,
             pipeline=self.pipeline,
+            context=self.context,
             micro_batch=self.batch // (self.data * self.micro_batches),
             batch=self.batch,
             precision=_PRECISION[self.element_bytes],
@@ -119,10 +139,17 @@ class MeshCase:
 
 
 def case_of(sizes: dict[str, int], batch: int, seq: int, micro_batches: int = 1, element_bytes: int = 4) -> MeshCase:
-    """The MeshCase of a layout given as `ddlab.mesh.layouts` gives it (context must be 1)."""
-    if sizes.get("context", 1) != 1:
-        raise ValueError("the mesh trainer takes context = 1 only")
-    return MeshCase(sizes["data"], sizes["tensor"], sizes["pipeline"], batch, seq, micro_batches, element_bytes)
+    """The MeshCase of a layout given as `ddlab.mesh.layouts` gives it."""
+    return MeshCase(
+        sizes["data"],
+        sizes["tensor"],
+        sizes["pipeline"],
+        batch,
+        seq,
+        micro_batches,
+        element_bytes,
+        sizes.get("context", 1),
+    )
 
 
 def rank_parameters(config: Any, case: MeshCase, stage: int, tensor_rank: int) -> tuple[int, int]:
@@ -147,11 +174,11 @@ def rank_parameters(config: Any, case: MeshCase, stage: int, tensor_rank: int) -
 
 def activation_elements(config: Any, case: MeshCase, stage: int, tensor_rank: int) -> dict[str, float]:
     """Per micro-batch, what autograd saves on that rank: float elements, and the integer ids' and masks' bytes."""
-    s, b, h, a, t = case.seq, case.batch // (case.data * case.micro_batches), config.n_embd, config.n_head, case.tensor
+    b, h, t = case.batch // (case.data * case.micro_batches), config.n_embd, case.tensor
+    s = case.seq // case.context  # the rank's rows of each sequence
     tokens = s * b
     layers = len(block_range(config.n_layer, stage, case.pipeline))
-    per_layer = tokens * (4 * h + 12 * h / t + a * s / t + 4)  # Korthikanti's terms without dropout + LN stats
-    floats, other = layers * per_layer, 0.0
+    floats, other = layers * layer_elements(config, case), 0.0
     if stage == 0:
         other += 8 * tokens + tokens + 8 * s  # token ids (int64), vocabulary mask (bool), positions (int64)
     if stage == case.pipeline - 1:
@@ -159,6 +186,25 @@ def activation_elements(config: Any, case: MeshCase, stage: int, tensor_rank: in
         floats += tokens * (2 * h + 2 + vocab)  # ln_f input + stats, the output layer's input, the softmax
         other += 2 * 8 * tokens  # the targets, twice (int64)
     return {"floats": floats, "other bytes": other}
+
+
+def layer_elements(config: Any, case: MeshCase) -> float:
+    """Float elements a block keeps per micro-batch on a rank: Korthikanti et al.'s terms without dropout
+    (4h whole, 12h/t split, the attention's), and the LayerNorms' statistics (4 per token)."""
+    b, h, t = case.batch // (case.data * case.micro_batches), config.n_embd, case.tensor
+    tokens = b * case.seq // case.context
+    return tokens * (4 * h + 12 * h / t + 4) + attention_elements(config, case)
+
+
+def attention_elements(config: Any, case: MeshCase) -> float:
+    """Elements a layer's attention keeps per micro-batch beyond q, k, v and the projection's input.
+
+    Local attention (context 1) keeps its softmax, a s / t per token; ring attention (lab 15's
+    `RingAttention`) keeps instead its output, h / t per token (the projection's input is a copy
+    of it), and its log-sum-exp, a / t per token, of the rank's s / c tokens: no s x s matrix."""
+    b, h, a, t = case.batch // (case.data * case.micro_batches), config.n_embd, config.n_head, case.tensor
+    s = case.seq // case.context
+    return b * s * (a * s / t if case.context == 1 else h / t + a / t)
 
 
 def rank_memory_local(config: Any, case: MeshCase, rank: int) -> dict[str, float]:
@@ -183,20 +229,49 @@ def exchanges(config: Any, case: MeshCase) -> int:
 
     Per micro-batch and layer of a stage 4 tensor allreduces, and per micro-batch 4 more
     around the embedding, the output layer and the loss (`ddlab.tensor_parallel.formulas`);
-    2 pipeline messages per micro-batch; one gradient allreduce per step."""
+    2 pipeline messages per micro-batch; one gradient allreduce per step (over data x context);
+    ring attention's (`ring_exchanges`)."""
     m, layers = case.micro_batches, config.n_layer // case.pipeline
     tensor = m * (4 * layers + 4) if case.tensor > 1 else 0
-    return tensor + (2 * m if case.pipeline > 1 else 0) + (1 if case.data > 1 else 0)
+    replicas = case.data * case.context  # the gradient allreduce over data x context
+    return tensor + (2 * m if case.pipeline > 1 else 0) + (1 if replicas > 1 else 0) + ring_exchanges(config, case)
+
+
+def ring_exchanges(config: Any, case: MeshCase) -> int:
+    """Ring attention's blocking exchanges per step: per micro-batch and layer of a stage, c - 1 waits forward
+    and c backward (`ddlab.context_parallel.ring`), and in each of the two calls the ring's own watch:
+    a Dup of the context communicator and an allgather when it is freed (`ddlab.runtime.waiting.Watch`)."""
+    if case.context == 1:
+        return 0
+    per_call = (case.context - 1) + case.context + 2 * 2
+    return case.micro_batches * (config.n_layer // case.pipeline) * per_call
+
+
+def ring_time(config: Any, case: MeshCase, platform: Platform) -> float:
+    """Seconds of ring attention's messages in a step, priced by the platform's point-to-point curve.
+
+    Per micro-batch and layer of a stage, every context rank sends its neighbour c - 1 blocks of keys
+    and values forward, c - 1 again backward and c blocks of their gradients (`ddlab.context_parallel.ring`),
+    each block 2 b (s/c) h / t elements (keys and values of its rows and heads, one message). On this
+    machine every pair of ranks is on one node: the measured ping-pong curve prices them."""
+    c = case.context
+    if c == 1:
+        return 0.0
+    b = case.batch // (case.data * case.micro_batches)
+    block = 2 * b * (case.seq // c) * config.n_embd / case.tensor * case.element_bytes
+    messages = (c - 1) + (c - 1) + c
+    return case.micro_batches * (config.n_layer // case.pipeline) * messages * platform.comm("p2p", block, 2)
 
 
 def busy_ranks(case: MeshCase, platform: Platform) -> float:
-    """Ranks computing at once on average: all but the bubble's, d t p m / (m + p - 1) (lab 09's pipeline)."""
+    """Ranks computing at once on average: all but the bubble's, d t c p m / (m + p - 1) (lab 09's pipeline)."""
     p, m = case.pipeline, case.micro_batches
-    return min(case.data * case.tensor * p * m / (m + p - 1), platform.devices_per_node)
+    return min(case.data * case.tensor * case.context * p * m / (m + p - 1), platform.devices_per_node)
 
 
 def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, float]:
-    """Seconds of one step by part: compute, bubble, `step_time`'s tensor, context, pipeline and data, and sync.
+    """Seconds of one step by part: compute, bubble, `step_time`'s tensor, pipeline and data, ring attention's
+    messages (context, `ring_time`), and sync.
 
     compute: the iteration's FLOPs over the N ranks at `platform.flops`, plus the
     implementation's seconds per layer and micro-batch (`overheads["gpt layer"]`, 0 if not
@@ -213,6 +288,7 @@ def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, floa
     compute = (flops / platform.flops + fixed) * platform.slowdown(busy)
     return {
         **parts,
+        "context": ring_time(config, case, platform),
         "compute": compute,
         "bubble": (case.pipeline - 1) / case.micro_batches * compute,
         "sync": exchanges(config, case) * platform.sync * sync_share(busy, platform),
@@ -251,8 +327,7 @@ def predict_mesh(config: Any, case: MeshCase, platform: Platform) -> MeshPredict
         raise ValueError("the mesh trains without dropout: predict a GPTConfig with dropout=0.0")
     if config.tied:
         raise ValueError("the mesh splits the output layer from the embedding: predict a GPTConfig with tied=False")
-    ranks = case.data * case.tensor * case.pipeline
-    memory = [rank_memory_local(config, case, rank) for rank in range(ranks)]
+    memory = [rank_memory_local(config, case, rank) for rank in range(case.ranks)]
     return MeshPrediction(case, mesh_time(config, case, platform), memory)
 
 

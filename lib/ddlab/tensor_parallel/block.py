@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,10 @@ from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from .conjugates import Copy, Gather, ReduceScatter
 from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
+
+#: Another attention for a rank's heads: q, k, v (B, T, heads x d) and the number of heads -> (B, T, heads x d)
+#: (lab 16 passes lab 15's ring attention over the context ranks; None: `causal_attention` on this rank).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -88,12 +93,16 @@ def qkv_rows(n_embd: int, n_head: int, heads: range) -> torch.Tensor:
 
 
 class ParallelAttention(nn.Module):
-    """This rank's heads of a CausalSelfAttention."""
+    """This rank's heads of a CausalSelfAttention; `attend`, if given, computes their attention (no dropout)."""
 
-    def __init__(self, attn: CausalSelfAttention, comm: Comm, sequence_parallel: bool = False):
+    def __init__(
+        self, attn: CausalSelfAttention, comm: Comm, sequence_parallel: bool = False, attend: Attend | None = None
+    ):
         super().__init__()
         config = attn.config
-        self.config, self.heads = config, head_range(config.n_head, comm)
+        if attend is not None and config.dropout > 0:
+            raise ValueError("another attention (attend) runs without dropout: build the GPT with dropout=0.0")
+        self.config, self.heads, self.attend = config, head_range(config.n_head, comm), attend
         d = config.n_embd // config.n_head
         self.qkv = ColumnParallelLinear(
             attn.qkv, qkv_rows(config.n_embd, config.n_head, self.heads), comm, sequence_parallel
@@ -120,6 +129,8 @@ class ParallelAttention(nn.Module):
         """This rank's q, k, v (B, T, 3 x its heads' width) -> its heads' attention output (B, T, their width)."""
         width = len(self.heads) * (self.config.n_embd // self.config.n_head)
         q, k, v = qkv.split(width, dim=2)
+        if self.attend is not None:
+            return self.attend(q, k, v, len(self.heads))
         return causal_attention(
             q,
             k,
@@ -154,13 +165,13 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """A Block split over comm's ranks (tensor parallel, and sequence parallel if asked)."""
+    """A Block split over comm's ranks (tensor parallel, and sequence parallel if asked); attend: see ParallelAttention."""
 
-    def __init__(self, block: Block, comm: Comm, sequence_parallel: bool = False):
+    def __init__(self, block: Block, comm: Comm, sequence_parallel: bool = False, attend: Attend | None = None):
         super().__init__()
         self.config, self.site, self.comm, self.sequence_parallel = block.config, block.site, comm, sequence_parallel
         self.ln_1, self.ln_2 = copy.deepcopy(block.ln_1), copy.deepcopy(block.ln_2)
-        self.attn = ParallelAttention(block.attn, comm, sequence_parallel)
+        self.attn = ParallelAttention(block.attn, comm, sequence_parallel, attend)
         self.mlp = ParallelMLP(block.mlp, comm, sequence_parallel)
 
     def forward(
