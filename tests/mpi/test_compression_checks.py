@@ -180,6 +180,25 @@ def sparse_through_allreduce(comm, indices, values, n):
     return out
 
 
+def sparse_float32_values(comm, indices, values, n):
+    """Values gathered into a float32 buffer (MPI.FLOAT), the sum back in the values' dtype: float64 rounded."""
+    counts = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([indices.size], np.int64), counts)
+    displacements = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    every_index = np.empty(int(counts.sum()), np.int32)
+    every_value = np.empty(int(counts.sum()), np.float32)
+    comm.Allgatherv(indices, [every_index, counts, displacements, MPI.INT32_T])
+    comm.Allgatherv(values.astype(np.float32), [every_value, counts, displacements, MPI.FLOAT])
+    total = np.zeros(n, values.dtype)
+    np.add.at(total, every_index, every_value)
+    return total
+
+
+def sparse_on_the_world(comm, indices, values, n):
+    """The notebook's global communicator instead of comm: on fewer ranks it would wait forever."""
+    return sparse_allreduce(MPI.COMM_WORLD, indices, values, n)
+
+
 @pytest.mark.parametrize("fn", [sparse_allreduce, sparse_packed_bytes])
 def test_sparse_check_accepts(fn) -> None:
     check_sparse_allreduce(fn)
@@ -193,6 +212,8 @@ def test_sparse_check_accepts(fn) -> None:
         (sparse_as_dense, "bytes"),
         (sparse_int64_indices, "int32"),
         (sparse_through_allreduce, "Allreduce"),
+        (sparse_float32_values, "wrong at|narrower dtype"),
+        (sparse_on_the_world, "(?s)on [34] ranks:.*sent nothing through `comm`.*MPI.COMM_WORLD"),
     ],
 )
 def test_sparse_check_fails(fn, says: str) -> None:
@@ -310,6 +331,23 @@ def hierarchical_pairwise(comm, x, group_size):
     return out
 
 
+def hierarchical_on_the_world(comm, x, group_size):
+    """The notebook's global communicator instead of comm: on fewer ranks its Split would wait forever."""
+    return hierarchical_allreduce(MPI.COMM_WORLD, x, group_size)
+
+
+def hierarchical_world_rank(comm, x, group_size):
+    """Groups by the world's rank (the notebook's `rank`), not comm's: right only where the two agree."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    node = comm.Split(rank // group_size, comm.Get_rank())
+    local, members = node.Get_rank(), node.Get_size()
+    blocks = block_bounds(x.size, group_size)
+    owned = [held_blocks(r, members, group_size) for r in range(members)]
+    cuts = [blocks[held.start] for held in owned] + [x.size]
+    holders = [comm.Split(0 if b in owned[local] else MPI.UNDEFINED, rank) for b in range(group_size)]
+    return allgather_ring(node, _across(reduce_scatter_ring(node, x, cuts), holders, blocks, cuts, local), cuts)
+
+
 @pytest.mark.parametrize("fn", [hierarchical_allreduce, hierarchical_pairwise])
 def test_hierarchical_check_accepts(fn) -> None:
     check_hierarchical_allreduce(fn)
@@ -325,6 +363,8 @@ def test_hierarchical_check_accepts(fn) -> None:
         (hierarchical_allreducing_in_group, "steps 1 and 3 together|step 1, the reduce-scatter"),
         (hierarchical_gathering_by_allreduce, "(?s)on [34] ranks:.*step 3, the allgather"),
         (hierarchical_skipping_the_reduce_scatter, "step 2"),
+        (hierarchical_on_the_world, "(?s)on [34] ranks:.*sent nothing through `comm`.*MPI.COMM_WORLD"),
+        (hierarchical_world_rank, "(?s)numbered differently.*notebook's `rank`"),
     ],
 )
 def test_hierarchical_check_fails(fn, says: str) -> None:

@@ -31,7 +31,11 @@ def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str =
 
 
 def each_size(
-    comm: MPI.Comm, body: Callable[[MPI.Comm], str | None], context: str, sizes: Sequence[int] | None = None
+    comm: MPI.Comm,
+    body: Callable[[MPI.Comm], str | None],
+    context: str,
+    sizes: Sequence[int] | None = None,
+    reordered: bool = False,
 ) -> None:
     """Run body(sub) on the first P ranks of comm for each P in sizes (default 1..size); one verdict for all.
 
@@ -41,9 +45,18 @@ def each_size(
     After each size, every rank of comm raises the same error: the stub's first,
     then a CheckFailed, then the ranks' problems listed under `context`. Ranks
     outside a sub-communicator wait for its verdict, so none is left behind.
+
+    Sizes in the order given. Put comm's own size first (as lab 08's and 11's checks do) where
+    an answer may call the notebook's MPI.COMM_WORLD instead of the communicator it was given:
+    it completes on the whole world, where the body can see that nothing went through its
+    communicator, before a smaller one would wait forever for ranks outside it.
+    `reordered` runs body once more on all of comm's ranks numbered differently (rank q of
+    it is comm's rank q - 1): an answer using the notebook's world `rank` instead of its
+    communicator's goes wrong there, as it cannot on the prefixes.
     """
-    with _sub_communicators(comm, list(sizes) if sizes is not None else None) as subs:
-        for size, sub in subs:
+    order = list(sizes) if sizes is not None else list(range(1, comm.Get_size() + 1))
+    with _sub_communicators(comm, order, reordered) as subs:
+        for size, sub, where in subs:
             stub = failed = problem = None
             if sub is not None:
                 try:
@@ -59,7 +72,7 @@ def each_size(
             failures = [f for _, f, _ in outcomes if f]
             if failures:
                 raise CheckFailed(failures[0])
-            _raise_found([p for _, _, p in outcomes], f"{context} on {count(size, 'rank')}")
+            _raise_found([p for _, _, p in outcomes], f"{context} on {count(size, 'rank')}{where}")
 
 
 def _raise_found(problems: list[str | None], context: str, hint: str = "") -> None:
@@ -79,15 +92,27 @@ def passed(comm: MPI.Comm, message: str) -> None:
         print(f"passed: {message}")
 
 
+#: Appended to the context of the reordered run (see each_size).
+REORDERED = (
+    " numbered differently from the world (rank q here is world rank q - 1): does your code use the "
+    "notebook's `rank` instead of `comm.Get_rank()` of the communicator it was given?"
+)
+
+
 @contextlib.contextmanager
-def _sub_communicators(comm: MPI.Comm, sizes: list[int] | None = None) -> Iterator[list[tuple[int, MPI.Comm | None]]]:
-    """Communicators of the first P ranks for each P (None on ranks outside), freed after."""
-    sizes = sizes or list(range(1, comm.Get_size() + 1))
-    subs = [(size, first_ranks(comm, size)) for size in sizes]
+def _sub_communicators(
+    comm: MPI.Comm, sizes: list[int], reordered: bool = False
+) -> Iterator[list[tuple[int, MPI.Comm | None, str]]]:
+    """(P, the communicator of the first P ranks or None on ranks outside, "") for each P, then the
+    reordered one's (size, comm rotated by one, REORDERED) if asked; all freed after."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    subs = [(p, first_ranks(comm, p), "") for p in sizes]
+    if reordered and size > 1:
+        subs.append((size, comm.Split(0, (rank + 1) % size), REORDERED))
     try:
         yield subs
     finally:
-        for _, sub in subs:
+        for _, sub, _ in subs:
             if sub is not None:
                 sub.Free()
 

@@ -8,14 +8,20 @@ of all true gradients, after every step.
 
 `check_sparse_allreduce` runs the student's function through a CountingComm that allows
 Allgather and Allgatherv, with overlapping indices and a different count on each rank,
-compares with MPI's sum of the dense vectors, and bounds the bytes each rank sends by
-its own pairs (4-byte indices plus values) to every other rank, plus a few for the counts.
+compares with MPI's sum of the dense vectors (float64 values that float32 cannot hold),
+and holds the bytes each rank sends to its own pairs (4-byte indices plus values) to
+every other rank, plus a few for the counts: no more, and no fewer.
+
+Both collective checks run on the whole world first: an answer calling the notebook's
+MPI.COMM_WORLD instead of `comm` completes there and sends nothing through `comm`,
+which fails it before a smaller communicator would wait forever for the absent ranks.
 
 `check_hierarchical_allreduce` runs it with groups of 1 (3 and 4 groups on 3 and 4 ranks),
 2 and 3 consecutive ranks, compares with MPI's Allreduce, and counts the bytes each rank
 sends in each step against what the reference sends in it: inside its group before its
 last message across groups (the reduce-scatter), to other groups (only its slice may
-cross), and inside its group after it (the allgather).
+cross), and inside its group after it (the allgather); then once more on the ranks
+numbered differently from the world, where an answer using the world's rank goes wrong.
 """
 
 from __future__ import annotations
@@ -142,9 +148,25 @@ def check_top_k_with_feedback(
 
 
 def _sparse_input(n: int, k: int, dtype: type, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """k distinct int32 indices and their values: small integers in float32 (exact sums in any order),
+    random normals in float64, which float32 cannot hold (a float32 buffer on the way shows)."""
     rng = np.random.default_rng([n, k, rank])
     indices = rng.choice(n, size=k, replace=False).astype(np.int32)
+    if np.dtype(dtype) == np.float64:
+        return indices, rng.standard_normal(k)
     return indices, rng.integers(-9, 10, size=k).astype(dtype)
+
+
+def _world_first(comm: MPI.Comm) -> range:
+    """comm's sizes from its own down (see each_size: an answer on MPI.COMM_WORLD fails, not hangs)."""
+    return range(comm.Get_size(), 0, -1)
+
+
+#: What to suspect when nothing went through `comm`.
+OTHER_COMMUNICATOR = (
+    "are the messages sent on another communicator, such as the notebook's `comm` (MPI.COMM_WORLD), instead "
+    "of the `comm` passed in? On fewer ranks than the world's, that would wait forever for ranks that never join"
+)
 
 
 def check_sparse_allreduce(fn: Callable[[Any, np.ndarray, np.ndarray, int], np.ndarray]) -> None:
@@ -163,7 +185,7 @@ def check_sparse_allreduce(fn: Callable[[Any, np.ndarray, np.ndarray, int], np.n
             got, traffic = run_counted(
                 sub, fn, (indices.copy(), values.copy(), n), context, allow=("Allgather", "Allgatherv")
             )
-            problem = array_problem(got, _mpi_sum(sub, dense), "the sum")
+            problem = array_problem(got, _mpi_sum(sub, dense), "the sum", rtol=1e-12, atol=1e-12)
             if problem is None and np.shares_memory(got, values):
                 problem = "the result shares memory with the values passed in: return a new array"
             if problem is None:
@@ -171,13 +193,21 @@ def check_sparse_allreduce(fn: Callable[[Any, np.ndarray, np.ndarray, int], np.n
             found = found or (problem and f"{context}: {problem}")
         return found
 
-    each_size(comm, body, "sparse_allreduce")
+    each_size(comm, body, "sparse_allreduce", _world_first(comm))
     passed(comm, "sparse allreduce: the dense sum, each rank sending only its own (index, value) pairs")
 
 
 def _sparse_bytes_problem(traffic: Traffic, k: int, value_bytes: int, size: int) -> str | None:
     pairs = k * (4 + value_bytes)
     limit = (size - 1) * (pairs + COUNTS_OVERHEAD)
+    if traffic.bytes_sent < (size - 1) * pairs:
+        if traffic.bytes_sent == 0:
+            return f"sent nothing through `comm`, where its {k} pairs must reach {size - 1} other ranks: {OTHER_COMMUNICATOR}"
+        return (
+            f"sent {traffic.bytes_sent} bytes, fewer than its {k} pairs take (int32 index + {value_bytes}-byte value, "
+            f"{pairs} bytes) to each of the {size - 1} other ranks: are the values sent or received in a narrower "
+            "dtype than theirs?"
+        )
     if traffic.bytes_sent > limit:
         return (
             f"sent {traffic.bytes_sent} bytes, but its {k} pairs take {pairs} bytes (int32 index + value) to "
@@ -231,6 +261,20 @@ def _steps_problem(traffic: list[Traffic], reference: list[Traffic], rank: int, 
     return None
 
 
+def _crossing_problem(traffic: list[Traffic], rank: int, group_size: int) -> str | None:
+    """None unless the sums came right with nothing through comm: from this rank, or across groups at all."""
+    if len(traffic) == 1:
+        return None
+    if traffic[rank].bytes_sent == 0:
+        return f"sent nothing through `comm`, yet its x is in every rank's sums: {OTHER_COMMUNICATOR}"
+    if node_of(len(traffic) - 1, group_size) > 0 and not any(_step_bytes(t, group_size)[1] for t in traffic):
+        return (
+            "no rank sent anything to another group through `comm` or a communicator split from it, yet each "
+            f"group's sums hold the others' x: {OTHER_COMMUNICATOR}"
+        )
+    return None
+
+
 def check_hierarchical_allreduce(fn: Callable[[Any, np.ndarray, int], np.ndarray]) -> None:
     """fn(comm, x, group_size) -> the sums, each step sending no more than the two-level scheme's."""
     comm = MPI.COMM_WORLD
@@ -246,12 +290,13 @@ def check_hierarchical_allreduce(fn: Callable[[Any, np.ndarray, int], np.ndarray
             problem = array_problem(got, _mpi_sum(sub, x), "the sum")
             if problem is None and np.shares_memory(got, x):
                 problem = "the result shares memory with x: return a new array"
+            problem = problem or _crossing_problem(traffic, rank, group_size)
             if problem is None:
                 problem = _steps_problem(traffic, reference, rank, group_size)
             found = found or (problem and f"{context}: {problem}")
         return found
 
-    each_size(comm, body, "hierarchical_allreduce")
+    each_size(comm, body, "hierarchical_allreduce", _world_first(comm), reordered=True)
     passed(comm, "hierarchical allreduce: MPI's sums, each step sending no more than the two-level scheme")
 
 

@@ -24,7 +24,8 @@ CCGrid 2021).
 Exercise signature (lab 11):
 `hierarchical_allreduce(comm, x, group_size)`: `x` a 1-D array, same length and dtype on
 every rank; returns a new array of the elementwise sums; the three steps above over
-sub-communicators made with `comm.Split`, using any collectives or messages on them.
+sub-communicators made with `comm.Split`, moving data with the ring functions or
+point-to-point messages on them (the check counts each step's bytes, so it refuses MPI's collectives).
 """
 
 from __future__ import annotations
