@@ -180,6 +180,7 @@ def valid_hybrid(compute, halos, nbytes, d, s, intra, inter, per_node):  # valid
         (check_hybrid_time, lambda *a: hybrid(*a, crosses=False), "communication"),
         (check_hybrid_time, lambda c, *a: {**hybrid(c, *a), "compute": c / a[2]}, "compute"),
         (check_hybrid_time, lambda *a: hybrid(*a, refuse=False), "asks for a ValueError"),
+        (check_hybrid_time, lambda *a: hybrid(*a[:7], 1), "asks for an answer"),
         (check_hybrid_time, lambda *a: hybrid(*a, in_turn=3), "communication"),
         (check_data_parallel_memory, lambda *a: {**floor_memory(*a), "activations": a[1] // a[2] - 2}, "activations"),
         (check_data_parallel_time, lambda *a: (1.0, 2.0), "dict"),

@@ -133,7 +133,7 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def _ratio(got: float, want: float) -> str:
-    """'ratio 1.0007 (+0.07%)': enough digits that a ratio near 1 does not print as 1."""
+    """'ratio 1.0007, +0.07%': enough digits that a ratio near 1 does not print as 1."""
     if not want:
         return "expected 0"
     ratio = got / want
@@ -163,10 +163,10 @@ def _problem(name: str, fn: Callable, case: tuple) -> str | None:
     try:
         with _deadline(DEADLINE, f"{name}{case}"):
             got = fn(*given)
-    except ValueError:
+    except ValueError as err:
         if refused:
             return None
-        raise
+        return f"{name}{case} raised ValueError({err}), but the text asks for an answer to this case"
     if refused:
         return f"{name}{case} returned {got!r}, but the text asks for a ValueError here: {refused}"
     if not _same(given, case):
@@ -201,7 +201,7 @@ def _located(name: str, cases: list[tuple], wrong: list[bool]) -> str:
         right = [test(case) for case, bad in zip(cases, wrong) if not bad]
         for value, label in ((True, true), (False, false)):
             if kinds and all(k == value for k in kinds) and any(r == value for r in right) is False:
-                where.append(f"every case with {label} differs, none other")
+                where.append(f"every case with {label} differs and no other does")
             elif kinds and all(k == value for k in kinds):
                 where.append(f"only cases with {label} differ")
     if not any(wrong):
