@@ -209,3 +209,31 @@ def test_a_received_skip_waits_until_its_layer():
     pred = pipeline(model, 2, 2, 1, FLAT, bounds=[0, 2, 4], edges=edges)
     # stage 1 holds layers 2-3: before layer 3 it keeps layer 2's 100 bytes and the waiting skip
     assert pred.memory[1]["activations"] == 2 * (100 + 500)
+
+
+def test_plan_maps_colour_a_strategy_the_same_in_every_map():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from ddlab.oracle.figures import plot_plan_map
+
+    def colour(best, key):
+        fig = plot_plan_map(best, [4, 16], [224], "t")
+        image = fig.axes[0].images[0].get_array()
+        labels = [t.get_text() for t in fig.axes[0].texts]
+        plt.close(fig)
+        return tuple(image[0][[4, 16].index(key[0])]), labels
+
+    one, labels = colour({(4, 224): "data x pipeline", (16, 224): "data"}, (4, 224))
+    two, _ = colour({(4, 224): "data", (16, 224): "data x pipeline"}, (16, 224))
+    assert one == two and "data x\npipeline" in labels
+    with pytest.raises(ValueError, match="no colour"):
+        plot_plan_map({(4, 224): "data x tensor"}, [4], [224], "t")
+
+
+def test_an_accuracy_below_zero_shows_as_zero_with_the_ratio():
+    from ddlab.oracle.figures import _accuracy_label
+
+    assert _accuracy_label(0.93, 1.07, 1.0) == "93%"
+    assert _accuracy_label(-1.1, 2.1, 1.0) == "0%\n(pred 2.1x)"

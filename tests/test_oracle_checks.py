@@ -113,13 +113,30 @@ def spins(compute, halos, nbytes, p, alpha, beta):  # a loop that never ends on 
     return formulas.spatial_time(compute, halos, nbytes, p, alpha, beta)
 
 
-def hybrid(compute, halos, nbytes, d, s, intra, inter, per_node, share=True, split=True, crosses=True, first=1):
-    """The hybrid written out, with switches for the plausible mistakes."""
+def hybrid(
+    compute,
+    halos,
+    nbytes,
+    d,
+    s,
+    intra,
+    inter,
+    per_node,
+    share=True,
+    split=True,
+    crosses=True,
+    first=1,
+    in_turn=1,
+    refuse=True,
+):
+    """The hybrid written out, with switches for the plausible mistakes (and refuse=False: no ValueError)."""
+    if s > per_node and refuse:
+        raise ValueError("the slabs do not fit in a node")
     (a, b), (a2, b2) = intra, inter
     halo = 0.0
     if s > 1:
         for i, h in enumerate(halos):
-            halo += (first if i == 0 else 2) * (a + (h / d if split else h) * b)
+            halo += (first if i == 0 else 2) * (in_turn if s > 2 else 1) * (a + (h / d if split else h) * b)
     if d * s > per_node or not crosses:
         a2, b2 = a2, b2 * (s if share else 1)
     else:
@@ -128,7 +145,17 @@ def hybrid(compute, halos, nbytes, d, s, intra, inter, per_node, share=True, spl
     return {"compute": compute / (d * s), "communication": comm}
 
 
+def floor_memory(params, acts, p, copies):  # valid: whole bytes per rank
+    return {**formulas.data_parallel_memory(params, acts, p, copies), "activations": acts // p}
+
+
+def ceil_spatial_memory(params, acts, halos, p, rank, copies):  # valid: whole bytes, rounded up
+    return {**formulas.spatial_memory(params, acts, halos, p, rank, copies), "activations": -(-acts // p)}
+
+
 def valid_hybrid(compute, halos, nbytes, d, s, intra, inter, per_node):  # valid: via the 9.3 formula
+    if s > per_node:
+        raise ValueError(f"{s} slabs, {per_node} devices a node")
     inside = formulas.spatial_time(compute / d, [h / d for h in halos], nbytes, s, *intra)
     leaves = d * s > per_node
     alpha, beta = (inter[0], inter[1] * s) if leaves else (intra[0], intra[1])
@@ -152,6 +179,10 @@ def valid_hybrid(compute, halos, nbytes, d, s, intra, inter, per_node):  # valid
         (check_hybrid_time, lambda *a: hybrid(*a, first=2), "communication"),
         (check_hybrid_time, lambda *a: hybrid(*a, crosses=False), "communication"),
         (check_hybrid_time, lambda c, *a: {**hybrid(c, *a), "compute": c / a[2]}, "compute"),
+        (check_hybrid_time, lambda *a: hybrid(*a, refuse=False), "asks for a ValueError"),
+        (check_hybrid_time, lambda *a: hybrid(*a[:7], 1), "asks for an answer"),
+        (check_hybrid_time, lambda *a: hybrid(*a, in_turn=3), "communication"),
+        (check_data_parallel_memory, lambda *a: {**floor_memory(*a), "activations": a[1] // a[2] - 2}, "activations"),
         (check_data_parallel_time, lambda *a: (1.0, 2.0), "dict"),
         (check_spatial_memory, lambda *a: {"parameters": 1}, "keys"),
     ],
@@ -173,6 +204,9 @@ def test_wrong_formulas_fail(check, wrong, words):
         (check_hybrid_time, formulas.hybrid_time),
         (check_hybrid_time, hybrid),
         (check_hybrid_time, valid_hybrid),
+        (check_hybrid_time, lambda *a: hybrid(*a, in_turn=2)),
+        (check_data_parallel_memory, floor_memory),
+        (check_spatial_memory, ceil_spatial_memory),
         (check_spatial_memory, valid_memory),
         (check_spatial_memory, numpy_memory),
     ],
@@ -211,3 +245,16 @@ def test_cases_exercise_numpy_inputs_and_every_argument():
 def test_hybrid_refuses_slabs_wider_than_a_node():
     with pytest.raises(ValueError, match="s <= per_node"):
         formulas.hybrid_time(1.0, [1.0], 1.0, 2, 8, (1e-6, 1e-9), (1e-5, 1e-9), 4)
+
+
+def test_a_hybrid_failure_locates_the_cases_without_the_recipe():
+    with pytest.raises(CheckFailed) as failure:
+        check_hybrid_time(lambda *a: hybrid(*a, share=False))
+    message = str(failure.value)
+    assert "only cases with d s > per_node (the groups' rings leave the node) differ" in message
+    assert "beta times s" not in message and "1/d" not in message and "rank 0" not in message
+
+
+def test_a_near_miss_prints_its_ratio_to_more_than_one_digit():
+    with pytest.raises(CheckFailed, match=r"ratio 1\.00\d+, \+0\.\d+%"):
+        check_spatial_time(lambda *a: {**formulas.spatial_time(*a), "compute": a[0] / a[3] * 1.001})

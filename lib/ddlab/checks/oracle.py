@@ -3,10 +3,13 @@
 The student's formula is compared with the reference (`ddlab.oracle.formulas`) on
 generated cases: 1 to 9 ranks (one rank, two, odd and even counts), small and large
 messages, fast and slow links, 1 to 4 convolutions, hybrids inside one node and across
-nodes. Some cases pass float32 NumPy arrays or tuples of halo bytes where others pass
-lists: a formula must take all three, and may return NumPy numbers (integers too). The
-functions are pure: every rank runs all cases, `each_size` gathers one verdict. A formula
-must leave its inputs unchanged and answer within `DEADLINE` seconds a case.
+nodes, and slab counts wider than a node, where 9.5 must raise ValueError. Some cases pass
+float32 NumPy arrays or tuples of halo bytes where others pass lists: a formula must take
+all three, and may return NumPy numbers (integers too); memory may be rounded to whole bytes.
+The functions are pure: every rank runs all cases, `each_size` gathers one verdict. A formula
+must leave its inputs unchanged and answer within `DEADLINE` seconds a case. A failure names
+the first case that differs and, for 9.3 and 9.5, the kinds of case where the answer differs
+and those where it agrees (not the formula).
 """
 
 from __future__ import annotations
@@ -34,12 +37,28 @@ HINTS = {
     "spatial_time": "per convolution one exchange forward (both neighbours at once), one backward except for the "
     "first convolution, whose input is the data; then the gradients' allreduce.",
     "spatial_memory": "a slab keeps halo rows only from the neighbours it has: edge slabs have one, inner slabs two.",
-    "hybrid_time": "a group computes 1/d of the batch on s slabs: its halos are 1/d of the bytes; the gradients "
-    "are summed inside the group, then over the d groups, whose rings share a node's link when they leave it.",
+    "hybrid_time": "compare one group's step with your 9.3 on the group's share of the work, then the rings "
+    "over the groups in the kinds of case named above.",
 }
 
 #: Other answers the lab's text allows: the reference with these keyword arguments.
-ALTERNATIVES: dict[str, list[dict[str, Any]]] = {"spatial_time": [{"at_once": False}]}
+ALTERNATIVES: dict[str, list[dict[str, Any]]] = {
+    "spatial_time": [{"at_once": False}],
+    "hybrid_time": [{"at_once": False}],
+}
+
+#: Kinds of case a failure is located by: (what holds when the test is true, when it is false, the test).
+KINDS: dict[str, list[tuple[str, str, Callable[[tuple], bool]]]] = {
+    "spatial_time": [
+        ("P = 1", "P > 1", lambda c: c[3] == 1),
+        ("P = 2 (every slab at an edge)", "P > 2 (inner slabs too)", lambda c: c[3] == 2),
+    ],
+    "hybrid_time": [
+        ("s = 1 (no halos)", "s > 1 (halos)", lambda c: c[4] == 1),
+        ("d = 1 (one group)", "d > 1", lambda c: c[3] == 1),
+        ("d s > per_node (the groups' rings leave the node)", "d s <= per_node", lambda c: c[3] * c[4] > c[7]),
+    ],
+}
 
 
 def _numpy_flavour(case: tuple, trial: int) -> tuple:
@@ -68,7 +87,7 @@ def _cases(name: str) -> list[tuple]:
             case = (compute, halos, nbytes, p, alpha, beta)
         elif name == "hybrid_time":
             per_node = [2, 4, 8][trial % 3]
-            s = rng.choice([s for s in (1, 2, 3, 4) if s <= per_node])
+            s = rng.choice([s for s in (1, 2, 3, 4) if s <= per_node]) if trial % 13 != 12 else 2 * per_node
             d = [1, 2, 3, 4, 8][trial % 5]
             inter = (alpha * rng.uniform(1, 10), beta * rng.uniform(1, 10))
             case = (compute, halos, nbytes, d, s, (alpha, beta), inter, per_node)
@@ -113,25 +132,43 @@ def _same(a: tuple, b: tuple) -> bool:
     return True
 
 
+def _ratio(got: float, want: float) -> str:
+    """'ratio 1.0007, +0.07%': enough digits that a ratio near 1 does not print as 1."""
+    if not want:
+        return "expected 0"
+    ratio = got / want
+    return f"ratio {ratio:.5g}, {100 * (ratio - 1):+.2g}%" if abs(ratio - 1) < 0.1 else f"ratio {ratio:.3g}"
+
+
 def _mismatch(name: str, got: dict, want: dict, case: tuple) -> str | None:
+    whole_bytes = 1.0 if name.endswith("_memory") else 1e-15  # memory may be rounded to whole bytes
     for key, value in want.items():
         number = got[key]
         if not is_number(number):
             return f"{name}{case}[{key!r}] is {number!r}, not a number"
-        if not math.isclose(float(number), value, rel_tol=1e-6, abs_tol=1e-15):
-            return (
-                f"{name}{case}[{key!r}] = {float(number):.6g}, expected {value:.6g} "
-                f"(ratio {float(number) / value if value else float('inf'):.3g}). Hint: {HINTS[name]}"
-            )
+        if not math.isclose(float(number), value, rel_tol=1e-6, abs_tol=whole_bytes):
+            return f"{name}{case}[{key!r}] = {float(number):.6g}, expected {value:.6g} ({_ratio(float(number), value)})"
     return None
 
 
 def _problem(name: str, fn: Callable, case: tuple) -> str | None:
     reference = getattr(formulas, name)
-    want = reference(*case)
+    try:
+        want = reference(*case)
+    except ValueError as err:  # a case the text tells the student to refuse
+        want, refused = {}, str(err)
+    else:
+        refused = ""
     given = tuple(list(v) if isinstance(v, list) else v for v in _copy(case))  # the student's own copy
-    with _deadline(DEADLINE, f"{name}{case}"):
-        got = fn(*given)
+    try:
+        with _deadline(DEADLINE, f"{name}{case}"):
+            got = fn(*given)
+    except ValueError as err:
+        if refused:
+            return None
+        return f"{name}{case} raised ValueError({err}), but the text asks for an answer to this case"
+    if refused:
+        return f"{name}{case} returned {got!r}, but the text asks for a ValueError here: {refused}"
     if not _same(given, case):
         return f"{name}{case} changed its inputs (now {given}): leave them as they are, compute on copies"
     if not isinstance(got, dict):
@@ -145,18 +182,61 @@ def _problem(name: str, fn: Callable, case: tuple) -> str | None:
     return problem
 
 
+def _refused(name: str, case: tuple) -> bool:
+    """Whether the text tells the student to raise ValueError on this case."""
+    try:
+        getattr(formulas, name)(*case)
+    except ValueError:
+        return True
+    return False
+
+
+def _located(name: str, cases: list[tuple], wrong: list[bool]) -> str:
+    """Which kinds of case the answer gets wrong and which it gets right, from every case's verdict."""
+    where = []
+    asks = [not _refused(name, case) for case in cases]  # the ValueError cases are a kind of their own
+    cases, wrong = [c for c, a in zip(cases, asks) if a], [w for w, a in zip(wrong, asks) if a]
+    for true, false, test in KINDS.get(name, []):
+        kinds = [test(case) for case, bad in zip(cases, wrong) if bad]
+        right = [test(case) for case, bad in zip(cases, wrong) if not bad]
+        for value, label in ((True, true), (False, false)):
+            if kinds and all(k == value for k in kinds) and any(r == value for r in right) is False:
+                where.append(f"every case with {label} differs and no other does")
+            elif kinds and all(k == value for k in kinds):
+                where.append(f"only cases with {label} differ")
+    if not any(wrong):
+        return f"It agrees with the reference on the other {len(cases)} cases."
+    counted = f"Of the {len(cases)} cases it should answer, {sum(wrong)} differ"
+    return f"{counted}: {'; '.join(where)}." if where else f"{counted}."
+
+
 def _check(name: str, fn: Callable, comm: MPI.Comm | None) -> None:
     comm = comm or MPI.COMM_WORLD
+    cases = _cases(name)
 
-    def body(sub: MPI.Comm) -> str | None:
-        for case in _cases(name):
-            problem = _problem(name, fn, case)
-            if problem:
-                return problem
-        return None
+    def body(sub: MPI.Comm) -> None:
+        first, wrong = None, []
+        for case in cases:
+            if first is None:
+                problem = _problem(name, fn, case)
+                first = problem
+            else:  # after the first difference, only to say where the others are
+                try:
+                    problem = _problem(name, fn, case)
+                except CheckFailed:  # out of time: say no more than the cases seen so far
+                    wrong.append(True)
+                    break
+                except Exception as err:  # noqa: BLE001 - any error counts as a difference here
+                    problem = str(err) or type(err).__name__
+            wrong.append(problem is not None)
+        if first is not None:
+            hint = f" Hint: {HINTS[name]}" if "expected" in first else ""
+            raise CheckFailed(
+                f"{name} differs from the reference: {first}\n{_located(name, cases[: len(wrong)], wrong)}{hint}"
+            )
 
     each_size(comm, body, f"{name} differs from the reference", sizes=[comm.Get_size()])
-    passed(comm, f"{name} agrees with the reference on {len(_cases(name))} generated cases (1 to 9 ranks)")
+    passed(comm, f"{name} agrees with the reference on {len(cases)} generated cases (P from 1 to 9)")
 
 
 def check_data_parallel_time(fn: Callable, comm: MPI.Comm | None = None) -> None:

@@ -27,6 +27,21 @@ COLOURS = {
     "buffers": "#937860",
 }
 
+#: One colour per strategy the planner names, the same in every map (tab10's colours).
+STRATEGY_COLOURS = {
+    name: plt.get_cmap("tab10")(i)
+    for i, name in enumerate(
+        ("data", "spatial", "filter", "channel", "pipeline", "data x spatial", "data x filter", "data x pipeline")
+    )
+}
+
+
+def _accuracy_label(accuracy: float, predicted: float, measured: float) -> str:
+    """The accuracy, floored at 0%; below 0 (a prediction over twice the measurement) with the ratio too."""
+    if accuracy >= 0 or not measured:
+        return f"{accuracy:.0%}"
+    return f"0%\n(pred {predicted / measured:.1f}x)"
+
 
 def plot_validation(results: Sequence) -> plt.Figure:
     """Per strategy: predicted time (stacked parts) beside measured, and the worst rank's memory likewise.
@@ -37,6 +52,7 @@ def plot_validation(results: Sequence) -> plt.Figure:
     x = np.arange(len(results))
     w = 0.38
     for ax, kind in ((left, "time"), (right, "memory")):
+        top = 0.0
         for i, v in enumerate(results):
             if kind == "time":
                 parts = {k: getattr(v.prediction, k) * 1e3 for k in TIME_PARTS}
@@ -50,11 +66,12 @@ def plot_validation(results: Sequence) -> plt.Figure:
                 ax.bar(x[i] - w / 2, value, w, bottom=bottom, color=COLOURS[name], label=name if i == 0 else None)
                 bottom += value
             ax.bar(x[i] + w / 2, measured, w, color="#333333", label="measured" if i == 0 else None)
-            ax.text(x[i], max(bottom, measured) * 1.03, f"{acc:.0%}", ha="center", fontsize=9)
+            ax.text(x[i], max(bottom, measured) * 1.03, _accuracy_label(acc, bottom, measured), ha="center", fontsize=8)
+            top = max(top, bottom, measured)
+        ax.set_ylim(0, top * 1.25)  # room for the labels above the tallest pair
         ax.set_xticks(x, [v.name.replace("(", "\n(") for v in results], fontsize=8)
         ax.set_ylabel("ms per iteration" if kind == "time" else "MiB, busiest-predicted rank")
         ax.set_title("time: predicted (left) vs measured" if kind == "time" else "peak memory per rank")
-        ax.margins(y=0.15)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig
@@ -64,15 +81,17 @@ def plot_plan_map(
     best: dict[tuple[int, int], str], devices: Sequence[int], sides: Sequence[int], title: str
 ) -> plt.Figure:
     """A grid of devices x image sides, each cell named by the planner's fastest feasible strategy."""
-    names = sorted({name for name in best.values()})
-    index = {name: i for i, name in enumerate(names)}
-    grid = np.array([[index.get(best.get((p, s), ""), np.nan) for p in devices] for s in sides], dtype=float)
+    unknown = sorted(set(best.values()) - set(STRATEGY_COLOURS))
+    if unknown:
+        raise ValueError(f"no colour for {unknown}: the map knows the planner's strategies {list(STRATEGY_COLOURS)}")
+    blank = (1.0, 1.0, 1.0, 1.0)  # no feasible strategy
+    grid = np.array([[STRATEGY_COLOURS.get(best.get((p, s), ""), blank) for p in devices] for s in sides])
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(sides) + 1.6))
-    ax.imshow(grid, cmap="tab10", vmin=0, vmax=9, aspect="auto")
+    ax.imshow(grid, aspect="auto")
     for r, s in enumerate(sides):
         for c, p in enumerate(devices):
             label = best.get((p, s), "none fits")
-            ax.text(c, r, label.replace(" x ", "x\n"), ha="center", va="center", fontsize=7)
+            ax.text(c, r, label.replace(" x ", " x\n"), ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(devices)), [str(d) for d in devices])
     ax.set_yticks(range(len(sides)), [str(s) for s in sides])
     ax.set_xlabel("devices")

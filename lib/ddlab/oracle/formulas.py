@@ -32,7 +32,8 @@ a node of `per_node` devices and between nodes. The slabs of a group sit in one 
 per_node, else ValueError): halo exchanges as in 9.3 on the group's 1/d of the halo bytes,
 over the intra link; the group's ring allreduce of the gradients (intra); then a ring over
 the d groups: inside a node while d s <= per_node, else over the inter link, whose bandwidth
-the s rings of a node share (beta times s).
+the s rings of a node share (beta times s). Accepted too, as 9.3 accepts it: the halos of the
+busiest slab one after the other (`at_once=False`).
 
 Exercise 9.4 signature: `spatial_memory(parameter_bytes, activation_bytes, halo_bytes, p,
 rank, optimizer_copies) -> dict` with keys "parameters", "gradients", "optimizer",
@@ -102,10 +103,11 @@ def hybrid_time(
     intra: tuple[float, float],
     inter: tuple[float, float],
     per_node: int,
+    at_once: bool = True,
 ) -> dict[str, float]:
     if s > per_node:
         raise ValueError(f"{s} slabs do not fit in a node of {per_node} devices: choose s <= per_node")
-    halos = halo_seconds([n / d for n in halo_bytes], s, *intra)
+    halos = halo_seconds([n / d for n in halo_bytes], s, *intra, at_once=at_once)
     inside = ring_allreduce_seconds(gradient_bytes, s, *intra)
     alpha, beta = (inter[0], inter[1] * s) if d * s > per_node else intra
     across = ring_allreduce_seconds(gradient_bytes, d, alpha, beta)
