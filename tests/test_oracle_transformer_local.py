@@ -180,9 +180,12 @@ def test_zero_time_is_its_collectives_unit_by_unit():
     times = {z: mesh_time(CONFIG, replace(case, zero=z), platform) for z in (0, 1, 2, 3)}
     gather = [platform.comm("allgather", n, 4) for n in padded]
     scatter = [platform.comm("reduce_scatter", n, 4) for n in padded]
-    assert times[1]["data"] == times[2]["data"] == pytest.approx(sum(gather) + sum(scatter))
+    # stages 1-2: the allgathers after the update finish behind train_on_mesh's barrier, off the timed step
+    assert times[1]["data"] == times[2]["data"] == pytest.approx(sum(scatter))
     assert times[3]["data"] == pytest.approx(2 * sum(gather) + sum(scatter))
     assert all(times[z]["compute"] == times[0]["compute"] for z in (1, 2, 3))
-    assert exchanges(CONFIG, replace(case, zero=1)) == 2 * len(units)
+    assert exchanges(CONFIG, replace(case, zero=1)) == len(units)
     assert exchanges(CONFIG, replace(case, zero=3)) == 3 * len(units) == 3 * (CONFIG.n_layer + 2)
-    assert times[3]["sync"] == pytest.approx(3 / 2 * times[1]["sync"])
+    assert times[3]["sync"] == pytest.approx(3 * times[1]["sync"])
+    two = replace(case, batch=2 * BATCH, micro_batches=2, zero=3)  # every micro-batch gathers and reduces again
+    assert mesh_time(CONFIG, two, platform)["data"] == pytest.approx(2 * times[3]["data"])

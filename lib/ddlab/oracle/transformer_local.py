@@ -51,8 +51,10 @@ optimizer state over the data ranks in every stage, the gradients from stage 2, 
 in stage 3), but the engine also moves bytes in and out during the step (gathered units, flat
 gradient buffers in flight), so `zero_memory` walks a step as the engine does and returns the
 ledger's parts at its peak. Time: the data part is the engine's own collectives, unit by unit
-(`zero_collectives`: reduce-scatters of the gradients, allgathers of the parameters), each priced
-by the platform's measured curves, and each is a blocking exchange (`exchanges`).
+(`zero_collectives`: reduce-scatters of the gradients, and in stage 3 allgathers of the
+parameters; stages 1-2 allgather after the step, behind `train_on_mesh`'s barrier), each priced
+by the platform's measured curves, and each is a blocking exchange (`exchanges`). The engine's
+own work (flat copies, hooks, the optimizer on shards) is not an input yet (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -352,39 +354,42 @@ def exchanges(config: Any, case: MeshCase) -> int:
     Per micro-batch and layer of a stage 4 tensor allreduces, and per micro-batch 4 more
     around the embedding, the output layer and the loss (`ddlab.tensor_parallel.formulas`);
     2 pipeline messages per micro-batch; one gradient allreduce per step, or with ZeRO
-    each of its collectives (`zero_collectives`), each waited for."""
+    each of its collectives on the timed step (`zero_collectives`), each waited for."""
     m, layers = case.micro_batches, config.n_layer // case.pipeline
     tensor = m * (4 * layers + 4) if case.tensor > 1 else 0
     if case.zero:
-        data = sum(count for _, _, count in zero_collectives(config, case)) if case.data > 1 else 0
+        data = sum(count for *_, count, timed in zero_collectives(config, case) if timed) if case.data > 1 else 0
     else:
         data = 1 if case.data > 1 else 0
     return tensor + (2 * m if case.pipeline > 1 else 0) + data
 
 
-def zero_collectives(config: Any, case: MeshCase) -> list[tuple[str, int, int]]:
-    """(operation, bytes of its whole buffer, calls per step) of lab 13's engine on the first stage's ranks.
+def zero_collectives(config: Any, case: MeshCase) -> list[tuple[str, int, int, bool]]:
+    """(operation, bytes of its whole buffer, calls per step, on the timed step?) of lab 13's engine.
 
-    Every unit (`zero_units`) is one padded flat buffer, and each moves on its own: in every
-    micro-batch's backward its gradient is reduce-scattered (stage 1 at the end of backward,
-    2 and 3 as soon as the unit's gradient is complete); stages 1 and 2 allgather it once
-    after the optimizer's step; stage 3 allgathers it before its forward and again before
-    its backward, in every micro-batch (lab 13: Rajbhandari et al., SC 2020, section 7:
-    1.5 times data parallelism's volume)."""
+    Every unit (`zero_units`, the first stage's) is one padded flat buffer, and each moves on
+    its own: in every micro-batch's backward its gradient is reduce-scattered (stage 1 at the
+    end of backward, 2 and 3 as soon as the unit's gradient is complete); stage 3 allgathers
+    it before its forward and again before its backward, in every micro-batch (Rajbhandari
+    et al., SC 2020, section 7: 1.5 times data parallelism's volume); stages 1 and 2 allgather
+    it once after the optimizer's step, non-blocking, and the next step's forward waits for
+    it: `train_on_mesh` times its steps between barriers, which let those allgathers finish,
+    so they are not on the step it measures (False)."""
     m, e = case.micro_batches, case.element_bytes
     calls = []
     for unit in zero_units(config, case, 0, 0):
         nbytes = max(1, -(-unit.elements // case.data)) * case.data * e
-        calls.append(("reduce_scatter", nbytes, m))
-        calls.append(("allgather", nbytes, 2 * m if case.zero == 3 else 1))
+        calls.append(("reduce_scatter", nbytes, m, True))
+        calls.append(("allgather", nbytes, 2 * m, True) if case.zero == 3 else ("allgather", nbytes, 1, False))
     return calls
 
 
 def zero_seconds(config: Any, case: MeshCase, platform: Platform) -> float:
-    """Seconds of `zero_collectives` over the data ranks (tensor ranks apart), each priced by the platform."""
+    """Seconds of the timed step's `zero_collectives` over the data ranks (tensor ranks apart), priced by the platform."""
     return sum(
         count * platform.comm(op, nbytes, case.data, case.tensor)
-        for op, nbytes, count in zero_collectives(config, case)
+        for op, nbytes, count, timed in zero_collectives(config, case)
+        if timed
     )
 
 
