@@ -50,7 +50,8 @@ block and head): the state is split as Rajbhandari et al. (SC 2020, section 5) s
 optimizer state over the data ranks in every stage, the gradients from stage 2, the parameters
 in stage 3), but the engine also moves bytes in and out during the step (gathered units, flat
 gradient buffers in flight), so `zero_memory` walks a step as the engine does and returns the
-ledger's parts at its peak. Time: the data part is the engine's own collectives, unit by unit
+ledger's parts at its peak: equal to the ledger's to the byte on every rank of 4 and 3 data
+ranks with padded shards, float32 and float64 (tests/mpi/test_oracle_zero.py). Time: the data part is the engine's own collectives, unit by unit
 (`zero_collectives`: reduce-scatters of the gradients, and in stage 3 allgathers of the
 parameters; stages 1-2 allgather after the step, behind `train_on_mesh`'s barrier), each priced
 by the platform's measured curves, and each is a blocking exchange (`exchanges`). The engine's
@@ -407,7 +408,7 @@ def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, floa
     calibrated) for each of a stage's layers and micro-batches, slowed by the contention of
     the ranks computing at once (`busy_ranks`); bubble: (p - 1) / m of it (lab 07); sync:
     each blocking exchange (`exchanges`) pays the share of `platform.sync` those ranks cause
-    (`ddlab.oracle.strategies.sync_share`)."""
+    (`ddlab.oracle.strategies.sync_share`); data, with ZeRO: its collectives (`zero_seconds`)."""
     layout = case.layout()
     parts = step_time(GPT.from_config(config, seq=case.seq), layout, platform)
     busy = busy_ranks(case, platform)
