@@ -80,3 +80,20 @@ def test_reset_peak_starts_from_current_use():
     ledger.release("activations", 60)
     ledger.reset_peak()
     assert ledger.peak_total == 40 and ledger.report()["peak"] == 40
+
+
+def test_an_unignored_storage_is_counted_again():
+    """ZeRO-3 frees a unit's storage; a tensor the allocator later puts at its address is an activation."""
+    layer = torch.nn.Linear(4, 4)
+    weight = layer.weight.detach()  # the parameter's storage, not a Parameter
+    x = torch.randn(3, 4, requires_grad=True)
+    ledger = Ledger()
+    ledger.ignore(layer)
+    with ledger.activations():
+        ignored = (x * weight[0]).sum()  # saves the row of weight for x's gradient
+    assert ledger.used["activations"] == 0
+    ledger.unignore(layer)
+    with ledger.activations():
+        counted = (x * weight[0]).sum()
+    assert ledger.used["activations"] == tensor_bytes(weight) > 0
+    del ignored, counted

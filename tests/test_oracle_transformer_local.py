@@ -16,6 +16,7 @@ from ddlab.oracle.transformer import step_time
 from ddlab.oracle.transformer_local import (
     GPT,
     MeshCase,
+    activation_elements,
     calibrate,
     case_of,
     exchanges,
@@ -23,8 +24,10 @@ from ddlab.oracle.transformer_local import (
     mesh_time,
     predict_mesh,
     rank_memory_local,
+    rank_parameters,
     ring_exchanges,
     ring_time,
+    zero_units,
 )
 from ddlab.runtime.memory import Ledger
 from ddlab.tensor_parallel import ParallelBlock
@@ -139,6 +142,8 @@ def test_bad_input_says_what_to_do():
         case_of({"data": 1, "tensor": 1, "pipeline": 1, "context": 3}, BATCH, 8)
     with pytest.raises(ValueError, match="float32"):
         MeshCase(1, 1, 1, BATCH, 8, element_bytes=2)
+    with pytest.raises(ValueError, match="ZeRO stage 1, 2, 3"):
+        MeshCase(4, 1, 1, BATCH, 8, zero=4)
 
 
 @pytest.mark.parametrize("context", [1, 2, 4])
@@ -181,3 +186,60 @@ def test_context_ranks_split_the_work_and_send_the_ring_blocks():
     assert len(set(acts)) == 1 and acts[0] < rank_memory_local(config, plain, 0)["activations"] / 4
     assert len(predict_mesh(config, ring, platform).memory) == 4
     assert all(case_of(s, BATCH, 16).ranks == 4 for s in layouts(4, DIMS))
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_memory_is_the_ledgers_count_on_one_process(zero):
+    """float64 here; tests/mpi/test_oracle_zero.py checks both precisions on 4 and 3 data ranks (padded shards)."""
+    run = train_on_mesh(MPI.COMM_SELF, make_gpt(CONFIG, dtype=torch.float64), _batch_at, 2, zero=zero)
+    case = MeshCase(1, 1, 1, BATCH, CONFIG.block_size, element_bytes=8, zero=zero)
+    assert predict_mesh(CONFIG, case, _platform()).peaks() == run.peak_bytes
+
+
+def test_zero_units_are_the_stages_parameters_and_saved_tensors():
+    for case in (MeshCase(4, 1, 1, BATCH, 8, zero=3), MeshCase(1, 2, 2, BATCH, 8, micro_batches=2, zero=1)):
+        for stage in range(case.pipeline):
+            for tensor_rank in range(case.tensor):
+                units = zero_units(CONFIG, case, stage, tensor_rank)
+                saved = activation_elements(CONFIG, case, stage, tensor_rank)
+                assert sum(u.saved + u.loss for u in units) == pytest.approx(
+                    saved["floats"] * case.element_bytes + saved["other bytes"]
+                )
+                assert (sum(u.elements for u in units), sum(u.tensors for u in units)) == rank_parameters(
+                    CONFIG, case, stage, tensor_rank
+                )
+
+
+def test_zero_splits_the_model_state_over_the_data_ranks():
+    # Rajbhandari et al. (SC 2020): optimizer state split from stage 1, gradients from 2, parameters in 3
+    plain = rank_memory_local(CONFIG, MeshCase(4, 1, 1, BATCH, 8), 0)
+    zero = {z: rank_memory_local(CONFIG, MeshCase(4, 1, 1, BATCH, 8, zero=z), 0) for z in (1, 2, 3)}
+    assert zero[1]["optimizer"] == zero[2]["optimizer"] == zero[3]["optimizer"] < plain["optimizer"]
+    assert zero[3]["parameters"] < zero[2]["parameters"] == zero[1]["parameters"] == plain["parameters"]
+    assert zero[2]["gradients"] < plain["gradients"] < zero[1]["gradients"]  # ZeRO-1: every gradient and its shard
+    shards = sum(-(-u.elements // 4) for u in zero_units(CONFIG, MeshCase(4, 1, 1, BATCH, 8, zero=1), 0, 0))
+    assert zero[1]["optimizer"] == 4 * 3 * shards + 4 * (CONFIG.n_layer + 2)  # master, two moments, a step count
+
+
+def test_zero_time_is_its_collectives_unit_by_unit():
+    platform = _platform()
+    case = case_of(layouts(4)[0], BATCH, CONFIG.block_size)
+    units = zero_units(CONFIG, replace(case, zero=1), 0, 0)
+    padded = [4 * -(-u.elements // 4) * 4 for u in units]
+    times = {z: mesh_time(CONFIG, replace(case, zero=z), platform) for z in (0, 1, 2, 3)}
+    gather = [platform.comm("allgather", n, 4) for n in padded]
+    scatter = [platform.comm("reduce_scatter", n, 4) for n in padded]
+    # stages 1-2: the allgathers after the update finish behind train_on_mesh's barrier, off the timed step
+    assert times[1]["data"] == times[2]["data"] == pytest.approx(sum(scatter))
+    assert times[3]["data"] == pytest.approx(2 * sum(gather) + sum(scatter))
+    assert all(times[z]["compute"] == times[0]["compute"] for z in (1, 2, 3))
+    assert exchanges(CONFIG, replace(case, zero=1)) == len(units)
+    assert exchanges(CONFIG, replace(case, zero=3)) == 3 * len(units) == 3 * (CONFIG.n_layer + 2)
+    assert times[3]["sync"] == pytest.approx(3 * times[1]["sync"])
+    two = replace(case, batch=2 * BATCH, micro_batches=2, zero=3)  # every micro-batch gathers and reduces again
+    assert mesh_time(CONFIG, two, platform)["data"] == pytest.approx(2 * times[3]["data"])
+
+
+def test_zero_is_predicted_with_context_1_only():
+    with pytest.raises(ValueError, match="ZeRO is predicted with context = 1 only"):
+        MeshCase(2, 1, 1, BATCH, 8, context=2, zero=1)

@@ -52,14 +52,24 @@ bench/mesh.py): equal to the byte on one process and on the ranks of the first t
 the other tensor ranks measure a few hundred bytes less (under 0.3% at lab 16's sizes). A block's
 saved tensors with local and with ring attention are tested to the byte on one process.
 
-ZeRO (lab 13's `Sharded`) charges its own buffers (master shards, gathered units); it is
-not predicted here.
+ZeRO on the data dimension (`MeshCase.zero` 1-3, lab 13's `Sharded`, one unit per embedding,
+block and head): the state is split as Rajbhandari et al. (SC 2020, section 5) split it (the
+optimizer state over the data ranks in every stage, the gradients from stage 2, the parameters
+in stage 3), but the engine also moves bytes in and out during the step (gathered units, flat
+gradient buffers in flight), so `zero_memory` walks a step as the engine does and returns the
+ledger's parts at its peak: equal to the ledger's to the byte on every rank of 4 and 3 data
+ranks with padded shards, float32 and float64 (tests/mpi/test_oracle_zero.py). Time: the data part is the engine's own collectives, unit by unit
+(`zero_collectives`: reduce-scatters of the gradients, and in stage 3 allgathers of the
+parameters; stages 1-2 allgather after the step, behind `train_on_mesh`'s barrier), each priced
+by the platform's measured curves, and each is a blocking exchange (`exchanges`). The engine's
+own work (flat copies, hooks, the optimizer on shards) is not an input yet (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -70,7 +80,9 @@ from ..mesh import train_on_mesh
 from ..mesh.layout import coordinates
 from ..model_parallel import polite_barrier
 from ..models.gpt import BatchAt
+from ..pipeline import one_f_one_b
 from ..runtime.blocks import block_range
+from ..sharded.zero import REDUCES_IN_FLIGHT
 from .measure import SIZES, measure_platform, measure_sync
 from .platform import Platform
 from .strategies import sync_share
@@ -95,10 +107,15 @@ class MeshCase:
     micro_batches: int = 1
     element_bytes: int = 4
     context: int = 1
+    zero: int = 0  # 0: lab 04's gradient averaging over the data ranks; 1-3: lab 13's Sharded over them
 
     def __post_init__(self) -> None:
         if self.element_bytes not in _PRECISION:
             raise ValueError(f"element_bytes is 4 (float32) or 8 (float64), got {self.element_bytes}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero is 0 (plain data parallelism) or a ZeRO stage 1, 2, 3, got {self.zero!r}")
+        if self.zero and self.context > 1:
+            raise ValueError("ZeRO is predicted with context = 1 only (its shards would span data x context)")
         if min(self.data, self.tensor, self.pipeline, self.context, self.micro_batches, self.batch, self.seq) < 1:
             raise ValueError(f"every size must be at least 1: {self}")
         if self.context > 1 and self.seq % (2 * self.context):
@@ -122,8 +139,9 @@ class MeshCase:
 
     @property
     def label(self) -> str:
-        """As `Mesh.label`: data x tensor x pipeline, and x context when it is used."""
-        return f"{self.data}x{self.tensor}x{self.pipeline}" + (f"x{self.context}" if self.context > 1 else "")
+        """As `MeshRun.label`: data x tensor x pipeline, x context when it is used, and the ZeRO stage if any."""
+        base = f"{self.data}x{self.tensor}x{self.pipeline}" + (f"x{self.context}" if self.context > 1 else "")
+        return base + (f" ZeRO-{self.zero}" if self.zero else "")
 
     def layout(self) -> Layout:
         """The oracle's Layout: micro-batches of B / (d m) sequences, no recomputation, the run's precision."""
@@ -135,11 +153,14 @@ class MeshCase:
             micro_batch=self.batch // (self.data * self.micro_batches),
             batch=self.batch,
             precision=_PRECISION[self.element_bytes],
+            zero=self.zero,
         )
 
 
-def case_of(sizes: dict[str, int], batch: int, seq: int, micro_batches: int = 1, element_bytes: int = 4) -> MeshCase:
-    """The MeshCase of a layout given as `ddlab.mesh.layouts` gives it."""
+def case_of(
+    sizes: dict[str, int], batch: int, seq: int, micro_batches: int = 1, element_bytes: int = 4, zero: int = 0
+) -> MeshCase:
+    """The MeshCase of a layout given as `ddlab.mesh.layouts` gives it, with ZeRO stage `zero` on its data ranks."""
     return MeshCase(
         sizes["data"],
         sizes["tensor"],
@@ -148,7 +169,8 @@ def case_of(sizes: dict[str, int], batch: int, seq: int, micro_batches: int = 1,
         seq,
         micro_batches,
         element_bytes,
-        sizes.get("context", 1),
+        context=sizes.get("context", 1),
+        zero=zero,
     )
 
 
@@ -207,8 +229,160 @@ def attention_elements(config: Any, case: MeshCase) -> float:
     return b * s * (a * s / t if case.context == 1 else h / t + a / t)
 
 
+@dataclass(frozen=True)
+class ZeroUnit:
+    """One of lab 13's units on a rank (`GPTStage.units`), per micro-batch: what it saves, what its backward does.
+
+    backward: in the order autograd runs it, ("free", bytes) when a node drops what it saved,
+    ("grad", elements) when a parameter's gradient is accumulated (autograd accumulates a
+    parameter's gradient right after the node that computes it, once that node has dropped
+    its saved tensors). saved: the bytes of its "free"s; loss: the bytes the loss saves after it."""
+
+    elements: int
+    tensors: int
+    backward: tuple[tuple[str, float], ...]
+    loss: float = 0.0
+
+    @property
+    def saved(self) -> float:
+        return sum(amount for kind, amount in self.backward if kind == "free")
+
+
+def zero_units(config: Any, case: MeshCase, stage: int, tensor_rank: int) -> list[ZeroUnit]:
+    """The units `Sharded` makes of that rank's stage: the embeddings, each block, the head, in forward order.
+
+    The saved bytes are `activation_elements`' terms, cut where autograd drops them."""
+    s, b, h, e = case.seq, case.batch // (case.data * case.micro_batches), config.n_embd, case.element_bytes
+    bias, t, tokens = int(config.bias), case.tensor, s * b
+    heads = len(block_range(config.n_head, tensor_rank, t))
+    width, features = heads * (h // config.n_head), len(block_range(4 * h, tensor_rank, t))
+    vocab = len(block_range(config.vocab_size, tensor_rank, t))
+
+    def free(per_token: float) -> tuple[str, float]:
+        return ("free", per_token * tokens * e)
+
+    norm = ("grad", h + bias * h)
+    block = (
+        ("grad", bias * h),  # the MLP's row-parallel bias, added after its matrix product
+        free(features),  # the GELU's output, the second MLP layer's input
+        ("grad", features * h),
+        free(features),  # the first MLP layer's output, the GELU's input
+        free(h),  # ln_2's output, the first MLP layer's input
+        ("grad", features * h + bias * features),
+        free(h + 2),  # ln_2's input, mean and reciprocal deviation
+        norm,
+        ("grad", bias * h),  # the attention projection's bias
+        free(width),  # the heads' output, the projection's input
+        ("grad", width * h),
+        free(heads * s),  # the softmax's output
+        free(3 * width),  # q, k, v
+        free(h),  # ln_1's output, the qkv layer's input
+        ("grad", 3 * width * h + bias * 3 * width),
+        free(h + 2),  # ln_1's input and statistics
+        norm,
+    )
+    tensors = 2 * (1 + bias) + 4 + 4 * bias  # two LayerNorms, four weights, their biases
+    layers = block_range(config.n_layer, stage, case.pipeline)
+    units = [ZeroUnit(int(sum(n for k, n in block if k == "grad")), tensors, block) for _ in layers]
+    if stage == 0:
+        embed = (
+            ("free", 8 * s),  # the positions (int64)
+            ("grad", config.block_size * h),
+            ("free", tokens),  # the vocabulary mask (bool)
+            ("free", 8 * tokens),  # the token ids (int64)
+            ("grad", vocab * h),
+        )
+        units.insert(0, ZeroUnit(config.block_size * h + vocab * h, 2, embed))
+    if stage == case.pipeline - 1:
+        head = (free(h), ("grad", vocab * h), free(h + 2), norm)  # the output layer's input; ln_f's
+        loss = (vocab * e + 2 * 8) * tokens  # the softmax; the targets, twice (int64)
+        units.append(ZeroUnit(vocab * h + h + bias * h, 2 + bias, head, loss))
+    return units
+
+
+def zero_memory(config: Any, case: MeshCase, rank: int) -> dict[str, float]:
+    """The ledger's parts at the peak of a step of lab 13's `Sharded` (stage `case.zero`) on that rank.
+
+    ZeRO moves bytes in and out during the step, so the peak is found by walking it as the
+    engine does, for a step after the first (the optimizer's state and the gradient shards
+    exist), unit by unit in 1F1B's order (lab 07), charging and releasing what `Sharded`
+    charges the ledger (lab 06):
+
+    - every unit is a flat buffer of its N parameters padded to P ceil(N/P) elements, P the
+      data ranks (`FlatSpace`); this rank's shard, ceil(N/P) elements, is its master copy
+      (optimizer), AdamW's two moments and step count are on the shards only, and so is
+      the averaged gradient (gradients), charged once per unit;
+    - stages 1 and 2 keep every unit's full buffer (parameters); stage 3 charges it from
+      just before the unit's forward to just after (and again from when backward reaches it
+      until its gradient is sent);
+    - stage 1 keeps every parameter's gradient; stages 2 and 3 charge a unit's gradients as
+      autograd makes them and release them when the last one is there;
+    - each unit's gradient is sent from a new padded flat buffer (gradients), at the end of
+      backward (stage 1) or when the unit's last gradient is made (2, 3), and released when
+      its reduce-scatter completes: at most REDUCES_IN_FLIGHT in flight after a new one
+      starts (so REDUCES_IN_FLIGHT + 1 for a moment);
+    - the activations as `activation_elements` counts them, saved unit by unit and dropped
+      in the order of each unit's backward (`zero_units`).
+    """
+    coords = coordinates(rank, case.sizes)
+    stage, e = coords["pipeline"], case.element_bytes
+    units = zero_units(config, case, stage, coords["tensor"])
+    shards = [max(1, -(-unit.elements // case.data)) for unit in units]  # FlatSpace.shard_numel
+    full = [n * case.data * e for n in shards]
+    used = {
+        "parameters": float(sum(full)) if case.zero < 3 else 0.0,
+        "gradients": float(sum(shards) * e + (sum(u.elements for u in units) * e if case.zero == 1 else 0)),
+        "optimizer": float(3 * sum(shards) * e + 4 * len(units)),  # master shards, AdamW's moments and steps
+        "activations": 0.0,
+    }
+    peak = dict(used)
+    reducing: deque[float] = deque()
+
+    def add(part: str, nbytes: float) -> None:
+        used[part] += nbytes
+        if sum(used.values()) > sum(peak.values()):
+            peak.update(used)
+
+    def reduce(index: int) -> None:
+        add("gradients", full[index])
+        reducing.append(full[index])
+        while len(reducing) > REDUCES_IN_FLIGHT:
+            add("gradients", -reducing.popleft())
+
+    gathered = 1 if case.zero == 3 else 0
+    for kind, _ in one_f_one_b(case.pipeline, case.micro_batches, stage):
+        if kind == "F":
+            for index, unit in enumerate(units):
+                add("parameters", gathered * full[index])
+                add("activations", unit.saved)
+                add("parameters", -gathered * full[index])
+                add("activations", unit.loss)
+            continue
+        for index in reversed(range(len(units))):
+            unit = units[index]
+            add("activations", -unit.loss)
+            add("parameters", gathered * full[index])
+            for what, amount in unit.backward:
+                if what == "free":
+                    add("activations", -amount)
+                elif case.zero > 1:
+                    add("gradients", amount * e)
+            if case.zero > 1:
+                add("gradients", -unit.elements * e)
+                reduce(index)
+            add("parameters", -gathered * full[index])
+        if case.zero == 1:  # the whole gradient, unit by unit, at the end of backward
+            for index in reversed(range(len(units))):
+                reduce(index)
+        while reducing:
+            add("gradients", -reducing.popleft())
+    return peak
+
+
 def rank_memory_local(config: Any, case: MeshCase, rank: int) -> dict[str, float]:
     """Bytes world rank `rank` holds at its peak, by the ledger's parts (see the module docstring)."""
+    if case.zero:
+        return zero_memory(config, case, rank)
     coords = coordinates(rank, case.sizes)
     stage, tensor_rank = coords["pipeline"], coords["tensor"]
     e = case.element_bytes
@@ -229,12 +403,16 @@ def exchanges(config: Any, case: MeshCase) -> int:
 
     Per micro-batch and layer of a stage 4 tensor allreduces, and per micro-batch 4 more
     around the embedding, the output layer and the loss (`ddlab.tensor_parallel.formulas`);
-    2 pipeline messages per micro-batch; one gradient allreduce per step (over data x context);
-    ring attention's (`ring_exchanges`)."""
+    2 pipeline messages per micro-batch; one gradient allreduce per step (over data x context), or
+    with ZeRO each of its collectives on the timed step (`zero_collectives`), each waited for; ring
+    attention's (`ring_exchanges`)."""
     m, layers = case.micro_batches, config.n_layer // case.pipeline
     tensor = m * (4 * layers + 4) if case.tensor > 1 else 0
-    replicas = case.data * case.context  # the gradient allreduce over data x context
-    return tensor + (2 * m if case.pipeline > 1 else 0) + (1 if replicas > 1 else 0) + ring_exchanges(config, case)
+    if case.zero:
+        data = sum(count for *_, count, timed in zero_collectives(config, case) if timed) if case.data > 1 else 0
+    else:
+        data = 1 if case.data * case.context > 1 else 0  # the gradient allreduce over data x context
+    return tensor + (2 * m if case.pipeline > 1 else 0) + data + ring_exchanges(config, case)
 
 
 def ring_exchanges(config: Any, case: MeshCase) -> int:
@@ -263,6 +441,35 @@ def ring_time(config: Any, case: MeshCase, platform: Platform) -> float:
     return case.micro_batches * (config.n_layer // case.pipeline) * messages * platform.comm("p2p", block, 2)
 
 
+def zero_collectives(config: Any, case: MeshCase) -> list[tuple[str, int, int, bool]]:
+    """(operation, bytes of its whole buffer, calls per step, on the timed step?) of lab 13's engine.
+
+    Every unit (`zero_units`, the first stage's) is one padded flat buffer, and each moves on
+    its own: in every micro-batch's backward its gradient is reduce-scattered (stage 1 at the
+    end of backward, 2 and 3 as soon as the unit's gradient is complete); stage 3 allgathers
+    it before its forward and again before its backward, in every micro-batch (Rajbhandari
+    et al., SC 2020, section 7: 1.5 times data parallelism's volume); stages 1 and 2 allgather
+    it once after the optimizer's step, non-blocking, and the next step's forward waits for
+    it: `train_on_mesh` times its steps between barriers, which let those allgathers finish,
+    so they are not on the step it measures (False)."""
+    m, e = case.micro_batches, case.element_bytes
+    calls = []
+    for unit in zero_units(config, case, 0, 0):
+        nbytes = max(1, -(-unit.elements // case.data)) * case.data * e
+        calls.append(("reduce_scatter", nbytes, m, True))
+        calls.append(("allgather", nbytes, 2 * m, True) if case.zero == 3 else ("allgather", nbytes, 1, False))
+    return calls
+
+
+def zero_seconds(config: Any, case: MeshCase, platform: Platform) -> float:
+    """Seconds of the timed step's `zero_collectives` over the data ranks (tensor ranks apart), priced by the platform."""
+    return sum(
+        count * platform.comm(op, nbytes, case.data, case.tensor)
+        for op, nbytes, count, timed in zero_collectives(config, case)
+        if timed
+    )
+
+
 def busy_ranks(case: MeshCase, platform: Platform) -> float:
     """Ranks computing at once on average: all but the bubble's, d t c p m / (m + p - 1) (lab 09's pipeline)."""
     p, m = case.pipeline, case.micro_batches
@@ -278,7 +485,7 @@ def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, floa
     calibrated) for each of a stage's layers and micro-batches, slowed by the contention of
     the ranks computing at once (`busy_ranks`); bubble: (p - 1) / m of it (lab 07); sync:
     each blocking exchange (`exchanges`) pays the share of `platform.sync` those ranks cause
-    (`ddlab.oracle.strategies.sync_share`)."""
+    (`ddlab.oracle.strategies.sync_share`); data, with ZeRO: its collectives (`zero_seconds`)."""
     layout = case.layout()
     parts = step_time(GPT.from_config(config, seq=case.seq), layout, platform)
     busy = busy_ranks(case, platform)
@@ -286,6 +493,8 @@ def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, floa
     layers = len(block_range(config.n_layer, 0, case.pipeline))
     fixed = platform.overheads.get("gpt layer", 0.0) * layers * case.micro_batches
     compute = (flops / platform.flops + fixed) * platform.slowdown(busy)
+    if case.zero:
+        parts["data"] = zero_seconds(config, case, platform)
     return {
         **parts,
         "context": ring_time(config, case, platform),

@@ -142,6 +142,11 @@ class Ledger:
         """Never count module's parameters (or views of them) as activations, without charging them."""
         self._parameter_storages.update(p.untyped_storage().data_ptr() for p in module.parameters())
 
+    def unignore(self, module: torch.nn.Module) -> None:
+        """Undo `ignore` before module's parameter storages are freed: tensors later allocated at their
+        addresses are activations again (else the allocator's reuse of an address would hide them)."""
+        self._parameter_storages.difference_update(p.untyped_storage().data_ptr() for p in module.parameters())
+
     def _on_grad(self, param: torch.Tensor) -> None:
         if id(param) not in self._grads_charged:
             self._grads_charged.add(id(param))

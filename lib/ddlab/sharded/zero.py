@@ -306,6 +306,8 @@ class Sharded(nn.Module):
     def _free(self, unit: Unit, charged: bool = True) -> None:
         if not unit.gathered:
             return
+        if self.ledger is not None:
+            self.ledger.unignore(unit.module)  # the storage's address may be reused by an activation
         unit.full.untyped_storage().resize_(0)
         unit.gathered = False
         if charged and self.ledger is not None:
