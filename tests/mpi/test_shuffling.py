@@ -135,7 +135,9 @@ def test_synced_batch_norm_is_batch_norm_of_all_ranks_batches(comm):
     assert torch.allclose(mine.grad, everything.grad[block.start : block.stop], atol=1e-12)
     weight_grad = np.array(comm.allreduce(synced.weight.grad.numpy()))
     assert np.allclose(weight_grad, whole.weight.grad.numpy(), atol=1e-12)
-    assert torch.allclose(synced.running_var, whole.running_var) and torch.allclose(synced.running_mean, whole.running_mean)
+    assert torch.allclose(synced.running_var, whole.running_var) and torch.allclose(
+        synced.running_mean, whole.running_mean
+    )
     synced.eval(), whole.eval()
     assert torch.allclose(synced(x), whole(x))
 

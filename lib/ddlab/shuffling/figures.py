@@ -23,7 +23,7 @@ def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
             ha="center",
             va="center",
             fontsize=9,
-            color="white" if value > sends.max() / 2 else "black",
+            color="white" if image.norm(value) > 0.5 else "black",  # dark text on the light half of the scale
         )
     ax.set_xticks(range(len(sends)))
     ax.set_yticks(range(len(sends)))

@@ -31,7 +31,6 @@ from ..tensor_parallel.conjugates import Copy, Reduce
 from .shuffler import Shuffler
 from .storage import stage
 
-
 BATCH_NORMS = ("rank", "synced", "none")
 
 
