@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -56,10 +56,11 @@ class SyncedBatchNorm1d(torch.nn.BatchNorm1d):
         n = total[0, 0].detach()
         mean = total[1] / n
         var = total[2] / n - mean * mean
-        with torch.no_grad():
-            self.num_batches_tracked += 1
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var * n / (n - 1), self.momentum)
+        with torch.no_grad():  # running statistics as BatchNorm1d keeps them (unbiased variance)
+            momentum = cast(float, self.momentum)
+            cast(torch.Tensor, self.num_batches_tracked).add_(1)
+            cast(torch.Tensor, self.running_mean).lerp_(mean, momentum)
+            cast(torch.Tensor, self.running_var).lerp_(var * n / (n - 1), momentum)
         return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
 
 
