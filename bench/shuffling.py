@@ -3,14 +3,16 @@
 One MPI job of 4 ranks writes the 4096-sample stress-strain set, sorted by yield strength,
 as the "shared file system" copy, and trains the lab-04 MLP (with per-rank BatchNorm) for
 8 epochs under global, local and partial-local shuffling (Q = 0.1, 0.3, 1), for several
-seeds. It prints, per strategy:
+seeds; then, as controls, global and local shuffling again with BatchNorm's statistics
+synchronised over ranks ("synced") and with no BatchNorm ("none"). It prints, per strategy:
 
 - bytes read from the shared copy per epoch (staging included, spread over the run) over
   global's, bytes sent to other ranks over global's shared bytes;
 - the final validation MSE (mean over seeds, and the seeds' range), and its gap to global's.
 
 Then whether partial-local with Q = 0.3 ends within 5% of global's loss while reading
-<= 0.35x its shared bytes, and whether local-only is worse than every seed of global.
+<= 0.35x its shared bytes, whether local-only is worse than every seed of global, and local's
+final MSE over global's under each BatchNorm: per-rank statistics, synchronised, none.
 
     .venv/bin/python bench/shuffling.py [--seeds 3] [--epochs 8]
 
@@ -30,6 +32,7 @@ STRATEGIES = {
     "Q=0.3": ("partial", 0.3),
     "Q=1": ("partial", 1.0),
 }
+CONTROLS = {f"{name} {norm}": (name, norm) for norm in ("synced", "none") for name in ("global", "local")}
 
 
 def child(seeds: int, epochs: int) -> None:
@@ -43,11 +46,18 @@ def child(seeds: int, epochs: int) -> None:
     torch.set_num_threads(1)
     root = write_shared(comm, StressStrainCurves(4096, seed=0))
     runs = {name: [] for name in STRATEGIES}
+    controls = {name: [] for name in CONTROLS}
     try:
         for seed in range(seeds):
             for name, (strategy, q) in STRATEGIES.items():
                 runs[name].append(
                     train_shuffled(comm, root, strategy, q, epochs=epochs, batch_size=32, lr=0.02, seed=seed)
+                )
+            for name, (strategy, norm) in CONTROLS.items():
+                controls[name].append(
+                    train_shuffled(
+                        comm, root, strategy, epochs=epochs, batch_size=32, lr=0.02, seed=seed, batch_norm=norm
+                    )
                 )
     finally:
         remove_store(comm, root)
@@ -83,6 +93,18 @@ def child(seeds: int, epochs: int) -> None:
         f"local-only worse than global on every seed (best local {final['local'].min():.4f} vs worst global "
         f"{final['global'].max():.4f}, mean {final['local'].mean() / base:.1f}x): {'met' if worse else 'missed'}"
     )
+    print("\ncontrols: final MSE mean (seeds range), local over global")
+    print(
+        f"  per-rank BatchNorm: global {final['global'].mean():.4f}, local {final['local'].mean():.4f}, "
+        f"{final['local'].mean() / base:.2f}x"
+    )
+    for norm in ("synced", "none"):
+        g, loc = (np.array([r["val_loss"][-1] for r in controls[f"{name} {norm}"]]) for name in ("global", "local"))
+        print(
+            f"  {norm + ' BatchNorm' if norm == 'synced' else 'no BatchNorm':>18}: global {g.mean():.4f} "
+            f"({g.min():.4f}-{g.max():.4f}), local {loc.mean():.4f} ({loc.min():.4f}-{loc.max():.4f}), "
+            f"{loc.mean() / g.mean():.2f}x"
+        )
 
 
 def main() -> int:

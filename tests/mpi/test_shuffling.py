@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from ddlab.data import StressStrainCurves
 from ddlab.data.sharding import epoch_permutation
 from ddlab.runtime.blocks import block_range
-from ddlab.shuffling import Shuffler, exchange_plan, exchange_samples, remove_store, stage, write_shared
+from ddlab.shuffling import (
+    Shuffler,
+    SyncedBatchNorm1d,
+    exchange_plan,
+    exchange_samples,
+    remove_store,
+    stage,
+    train_shuffled,
+    write_shared,
+)
 from mpi4py import MPI
 
 N = 103  # not a multiple of 3 or 4: partitions of different sizes
@@ -101,3 +111,37 @@ def test_bad_arguments_say_what_to_do(comm, root, bad):
     shared, local = stage(comm, root)
     with pytest.raises(ValueError, match="q must lie|strategy must be"):
         Shuffler(comm, shared, local, bad.get("strategy", "partial"), bad.get("q", 0.1))
+
+
+def test_synced_batch_norm_is_batch_norm_of_all_ranks_batches(comm):
+    """Each rank normalises its block of one batch (blocks of unequal size): outputs, input gradients,
+    summed weight gradients and running statistics are those of one BatchNorm1d on the whole batch."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(11, 3, generator=generator, dtype=torch.float64) * 3 + 1
+    target = torch.randn(11, 3, generator=generator, dtype=torch.float64)
+    block = block_range(len(x), comm.rank, comm.size)
+    whole, synced = torch.nn.BatchNorm1d(3).double(), SyncedBatchNorm1d(3, comm).double()
+    for layer in (whole, synced):
+        with torch.no_grad():
+            layer.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+            layer.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+    mine = x[block.start : block.stop].clone().requires_grad_()
+    out = synced(mine)
+    (out * target[block.start : block.stop]).sum().backward()
+    everything = x.clone().requires_grad_()
+    want = whole(everything)
+    (want * target).sum().backward()
+    assert torch.allclose(out, want[block.start : block.stop], atol=1e-12)
+    assert torch.allclose(mine.grad, everything.grad[block.start : block.stop], atol=1e-12)
+    weight_grad = np.array(comm.allreduce(synced.weight.grad.numpy()))
+    assert np.allclose(weight_grad, whole.weight.grad.numpy(), atol=1e-12)
+    assert torch.allclose(synced.running_var, whole.running_var) and torch.allclose(
+        synced.running_mean, whole.running_mean
+    )
+    synced.eval(), whole.eval()
+    assert torch.allclose(synced(x), whole(x))
+
+
+def test_train_shuffled_rejects_an_unknown_batch_norm(comm, root):
+    with pytest.raises(ValueError, match="batch_norm must be one of"):
+        train_shuffled(comm, root, "global", batch_norm="sync")

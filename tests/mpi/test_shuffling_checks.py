@@ -123,6 +123,18 @@ def exchange_with_row_type(comm, x, send, recv_counts):
     return incoming
 
 
+def exchange_counts_in_rows(comm, x, send, recv_counts):
+    """Counts and displacements in rows, the buffers in elements: each rank gets the first 1/f of its rows' numbers."""
+    outgoing = np.ascontiguousarray(x[np.concatenate(send)])
+    incoming = np.zeros((sum(recv_counts), *x.shape[1:]), x.dtype)
+    out_counts, in_counts = np.array([len(s) for s in send]), np.array(recv_counts)
+    comm.Alltoallv(
+        [outgoing, (out_counts, np.cumsum(out_counts) - out_counts)],
+        [incoming, (in_counts, np.cumsum(in_counts) - in_counts)],
+    )
+    return incoming
+
+
 def exchange_reverses_x_on_rank_0(comm, x, send, recv_counts):
     """Right rows, but rank 0 reverses the caller's array in place afterwards: only rank 0 sees it."""
     got = exchange_samples(comm, x, send, recv_counts)
@@ -153,6 +165,7 @@ def test_wrong_plans_fail(comm, plan, message):
     [
         (exchange_displacements_in_rows, "outside the|rows received"),
         (exchange_point_to_point, "called comm.Alltoallv 0 times"),
+        (exchange_counts_in_rows, "rows received is wrong .*in elements, not rows\\?"),
         (exchange_reverses_x_on_rank_0, "rank 0: .*changed x"),
     ],
 )
@@ -310,9 +323,9 @@ def redistribute_local_copy(comm, x, holds, needs):
 @pytest.mark.parametrize(
     "fn, message",
     [
-        (redistribute_grouped_by_source, "rows of needs.* is wrong"),
+        (redistribute_grouped_by_source, "rows of needs.* in its order\\) is wrong"),
         (redistribute_int16_positions, "70000 int64 samples.*(rows of needs|Error)"),
-        (redistribute_symmetric_counts, "sends rank .* bytes but rank|rows of needs.* is wrong"),
+        (redistribute_symmetric_counts, "sends rank .* bytes but rank|rows of needs.* in its order\\) is wrong"),
         (redistribute_sending_everything, "the Alltoallv sends rank .* bytes, expected"),
         (redistribute_object_api, "comm.alltoall .*may call only comm.Alltoallv"),
         (redistribute_sorting_holds_on_rank_0, "rank 0: .*changed holds"),

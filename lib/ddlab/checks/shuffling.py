@@ -186,6 +186,8 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
                 comm, fn, (x, *plans[rank]), f"exchange_samples with {case}", allow=("Alltoallv",)
             )
             problem = array_problem(got, want, "the rows received")
+            if problem is not None:
+                problem += _rows_for_elements(traffic[rank], [len(p) * x[0:1].nbytes for p in plans[rank][0]], x)
             if problem is None and np.shares_memory(got, x):
                 problem = "returned x or a view of it: return a new array"
             if problem is None and not np.array_equal(x, original):
@@ -197,6 +199,15 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
 
     each_size(world, body, "exchange_samples")
     passed(world, "exchange_samples: one Alltoallv carries exactly the planned rows, received grouped by source")
+
+
+def _rows_for_elements(traffic: Any, want_bytes: list[int], x: np.ndarray) -> str:
+    """A pointer when the Alltoallv sent every rank 1/f of its planned bytes (f elements per row), else ""."""
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    sent = [e.nbytes for e in traffic.sends]
+    if row > 1 and any(want_bytes) and sent == [b // row for b in want_bytes]:
+        return f" (the Alltoallv sent 1/{row} of the planned bytes: counts and displacements in elements, not rows?)"
+    return ""
 
 
 def _traffic_problem(traffic: Any, want_bytes: list[int], local_copy: int | None = None) -> str | None:
@@ -283,7 +294,7 @@ def check_redistribute(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> 
             got, traffic = run_counted(
                 comm, fn, (x, holds, needs), f"redistribute with {case}", timeout=timeout, allow=("Alltoallv",)
             )
-            problem = array_problem(got, want, f"the rows of needs[{rank}], in its order")
+            problem = array_problem(got, want, f"the returned array (the rows of needs[{rank}] in its order)")
             if problem is not None and n > np.iinfo(np.int16).max:
                 problem += " (only with this many samples: do positions or ids pass through a narrow integer dtype?)"
             if problem is None and np.shares_memory(got, x):

@@ -15,6 +15,7 @@ def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
     sends = np.asarray(sends)
     fig, ax = plt.subplots(figsize=(3.6, 3.2))
     image = ax.imshow(sends, cmap="Blues")
+    middle = (sends.min() + sends.max()) / 2  # of the colour scale, which runs from the least to the most
     for (r, d), value in np.ndenumerate(sends):
         ax.text(
             d,
@@ -23,7 +24,7 @@ def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
             ha="center",
             va="center",
             fontsize=9,
-            color="white" if value > sends.max() / 2 else "black",
+            color="white" if value > middle else "black",
         )
     ax.set_xticks(range(len(sends)))
     ax.set_yticks(range(len(sends)))

@@ -1,8 +1,11 @@
 """Lab 12's experiments, run on every engine: training under each shuffling strategy, and at equal wall-clock.
 
 - `train_shuffled`: data-parallel training of the lab-04 MLP, with BatchNorm (statistics
-  per rank, as in PyTorch DDP without SyncBatchNorm), on the file-backed non-IID data
-  set, under one strategy; validation loss and the bytes each source gave per epoch.
+  per rank, as in PyTorch DDP without SyncBatchNorm; or, as controls, statistics summed
+  over ranks, or no BatchNorm), on the file-backed non-IID data set, under one strategy;
+  validation loss and the bytes each source gave per epoch.
+- `SyncedBatchNorm1d`: BatchNorm whose batch statistics are those of the ranks' batches
+  together (what torch's SyncBatchNorm computes, here over an MPI communicator).
 - `train_for_seconds`: the same network trained for a fixed wall-clock budget at a
   given global batch size and learning rate; how many epochs that bought, and the loss.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -23,8 +26,52 @@ from ..data.sharding import epoch_permutation
 from ..data_parallel import average_gradients, broadcast_parameters, evaluate, squared_error
 from ..models.mlp import make_mlp
 from ..runtime.blocks import block_range
+from ..runtime.comm import Comm
+from ..tensor_parallel.conjugates import Copy, Reduce
 from .shuffler import Shuffler
 from .storage import stage
+
+BATCH_NORMS = ("rank", "synced", "none")
+
+
+class SyncedBatchNorm1d(torch.nn.BatchNorm1d):
+    """BatchNorm1d normalising with the mean and variance of every rank's batch together.
+
+    In training, each rank sums its batch's x and x^2 per feature and the sums are added over
+    `comm` (forward an allreduce; backward an allreduce too, since every rank's loss depends on
+    every rank's batch: `Reduce` after `Copy`, lab 14's conjugate pair). Batches may differ in
+    size between ranks. In evaluation it uses the running statistics, as BatchNorm1d does.
+    """
+
+    def __init__(self, features: int, comm: Comm):
+        super().__init__(features)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        count = torch.full((1, x.shape[1]), float(x.shape[0]), dtype=x.dtype)
+        local = torch.cat([count, x.sum(0, keepdim=True), (x * x).sum(0, keepdim=True)])
+        total = Reduce.apply(Copy.apply(local, self.comm), self.comm)
+        n = total[0, 0].detach()
+        mean = total[1] / n
+        var = total[2] / n - mean * mean
+        with torch.no_grad():  # running statistics as BatchNorm1d keeps them (unbiased variance)
+            momentum = cast(float, self.momentum)
+            cast(torch.Tensor, self.num_batches_tracked).add_(1)
+            cast(torch.Tensor, self.running_mean).lerp_(mean, momentum)
+            cast(torch.Tensor, self.running_var).lerp_(var * n / (n - 1), momentum)
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+def synchronise_batch_norm(model: torch.nn.Sequential, comm: Comm) -> torch.nn.Sequential:
+    """Replace every BatchNorm1d of `model` by a SyncedBatchNorm1d with the same parameters (in place)."""
+    for name, layer in model.named_children():
+        if isinstance(layer, torch.nn.BatchNorm1d):
+            synced = SyncedBatchNorm1d(layer.num_features, comm).to(layer.weight.dtype)
+            synced.load_state_dict(layer.state_dict())
+            setattr(model, name, synced)
+    return model
 
 
 def average_buffers(model: torch.nn.Module, comm: MPI.Comm) -> None:
@@ -47,8 +94,12 @@ def train_shuffled(
     lr: float = 0.02,
     validation: int = 1024,
     seed: int = 0,
+    batch_norm: str = "rank",
 ) -> dict[str, Any]:
     """Train on the store at `root` with one strategy; per epoch: validation MSE and bytes summed over ranks.
+
+    batch_norm: "rank" (statistics of each rank's batch), "synced" (of all ranks' batches
+    together, `SyncedBatchNorm1d`) or "none" (no BatchNorm layers).
 
     batch_size is per rank; every rank takes floor(smallest partition / batch_size)
     steps per epoch, so that all take the same number. The learning rate decays
@@ -56,10 +107,14 @@ def train_shuffled(
     unlucky step of a noisy curve. Validation samples come from
     another seed of the same generator (IID, in memory).
     """
+    if batch_norm not in BATCH_NORMS:
+        raise ValueError(f"batch_norm must be one of {BATCH_NORMS}, not {batch_norm!r}")
     torch.manual_seed(seed)
     shared, local = stage(comm, Path(root))
     shuffler = Shuffler(comm, shared, local, strategy, q, seed)
-    model = make_mlp(seed, batch_norm=True)
+    model = make_mlp(seed, batch_norm=batch_norm != "none")
+    if batch_norm == "synced":
+        synchronise_batch_norm(model, comm)
     broadcast_parameters(model, comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     held_out = StressStrainCurves(validation, seed=seed + 1000)
