@@ -27,6 +27,18 @@ def gate_alternative(clocks, step, bound):
     return bool(np.all(clocks >= step - bound))
 
 
+def gate_sorts_in_place(clocks, step, bound):
+    """Right answers, but sorts the server's clock table in place."""
+    clocks.sort()
+    return len(clocks) == 0 or step - int(clocks[0]) <= bound
+
+
+def gate_sorts_a_copy(clocks, step, bound):
+    """Valid: sorts a copy of the table."""
+    ordered = np.sort(clocks)
+    return len(ordered) == 0 or step - int(ordered[0]) <= bound
+
+
 def gossip_overwrites(comm, params):
     """Takes the neighbour's parameters instead of averaging with them."""
     return 2 * gossip_step(comm, params) - params
@@ -42,13 +54,17 @@ def gossip_alternative(comm, params):
     return 0.5 * params + 0.5 * theirs
 
 
-@pytest.mark.parametrize("gate", [gate_off_by_one, gate_never_blocks])
-def test_wrong_gates_fail(comm, gate):
-    with pytest.raises(CheckFailed, match="clock tables"):
+@pytest.mark.parametrize(
+    "gate, message",
+    [(gate_off_by_one, "the gate let it start"), (gate_never_blocks, "let it start"), (gate_sorts_in_place, "changed")],
+)
+def test_wrong_gates_fail(comm, gate, message):
+    with pytest.raises(CheckFailed, match=f"clock tables: [^\n]*{message}") as failed:
         check_ssp_gate(gate)
+    assert "\n" not in str(failed.value)  # said once, not once per rank
 
 
-@pytest.mark.parametrize("gate", [may_start, gate_alternative])
+@pytest.mark.parametrize("gate", [may_start, gate_alternative, gate_sorts_a_copy])
 def test_valid_gates_pass(comm, gate):
     check_ssp_gate(gate)
 
@@ -58,7 +74,26 @@ def test_gossip_that_overwrites_fails(comm):
         check_gossip_step(gossip_overwrites)
 
 
-@pytest.mark.parametrize("step", [gossip_step, gossip_alternative])
+def gossip_object_api(comm, params):
+    """The right average, but the parameters go as a pickle."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    return (params + comm.sendrecv(params, (rank + 1) % size, source=(rank - 1) % size)) / 2
+
+
+def gossip_replace(comm, params):
+    """Valid: Sendrecv_replace on a copy."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    theirs = params.copy()
+    comm.Sendrecv_replace(theirs, (rank + 1) % size, source=(rank - 1) % size)
+    return (params + theirs) / 2
+
+
+def test_gossip_with_the_object_api_fails(comm):
+    with pytest.raises(CheckFailed, match="buffer API"):
+        check_gossip_step(gossip_object_api)
+
+
+@pytest.mark.parametrize("step", [gossip_step, gossip_alternative, gossip_replace])
 def test_valid_gossip_steps_pass(comm, step):
     check_gossip_step(step)
 
@@ -127,6 +162,36 @@ def worker_forgets_last_flag(comm, n, gradient, steps):
         push(comm, step, incoming[0], grad, True)
 
 
+def worker_object_api(comm, n, gradient, steps):
+    """Receives the parameters with the object API: the server's arrays are not pickles."""
+    for step in range(steps):
+        incoming = comm.recv(source=0, tag=PARAMETERS)
+        grad = gradient(incoming[PARAMETERS_HEADER:], step)
+        push(comm, step, incoming[0], grad, step < steps - 1)
+
+
+def worker_float32(comm, n, gradient, steps):
+    """Pushes its header and gradient as float32."""
+    incoming = np.empty(PARAMETERS_HEADER + n)
+    for step in range(steps):
+        comm.Recv(incoming, 0, PARAMETERS)
+        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
+        header = [comm.Get_rank(), step, incoming[0], float(step < steps - 1)]
+        comm.Send(np.concatenate([header, grad]).astype(np.float32), 0, GRADIENT)
+
+
+def async_worker_filled(comm, n, gradient, steps):
+    """Valid: one outgoing buffer filled in place (NumPy ints in the header), synchronous sends, `go` read as 0/1."""
+    incoming, outgoing = np.empty(PARAMETERS_HEADER + n), np.empty(GRADIENT_HEADER + n)
+    for step in np.arange(steps):
+        comm.Recv(incoming, 0, PARAMETERS)
+        if incoming[1] != 1:
+            break
+        outgoing[:GRADIENT_HEADER] = comm.Get_rank(), step, incoming[0], step + 1 < steps
+        outgoing[GRADIENT_HEADER:] = gradient(incoming[PARAMETERS_HEADER:].copy(), int(step))
+        comm.Ssend(outgoing, 0, GRADIENT)
+
+
 def worker_ignores_stop(comm, n, gradient, steps):
     """Reads the parameters but not `go`: computes and pushes after the server said stop."""
     incoming = np.empty(PARAMETERS_HEADER + n)
@@ -144,7 +209,9 @@ def worker_ignores_stop(comm, n, gradient, steps):
         (worker_pushes_twice, "expected 1"),
         (worker_pulls_once, "never received"),
         (worker_keeps_stale_params, "parameters other than"),
-        (worker_forgets_last_flag, "waited"),
+        (worker_forgets_last_flag, "(?s)waited .* GRADIENT.*likely cause: did every step push"),
+        (worker_object_api, "the object API's recv cannot read"),
+        (worker_float32, "is the gradient message float64"),
     ],
 )
 def test_wrong_async_workers_fail(comm, worker, message):
@@ -152,7 +219,7 @@ def test_wrong_async_workers_fail(comm, worker, message):
         check_async_worker(worker)
 
 
-@pytest.mark.parametrize("worker", [async_worker, async_worker_nonblocking])
+@pytest.mark.parametrize("worker", [async_worker, async_worker_nonblocking, async_worker_filled])
 def test_valid_async_workers_pass(comm, worker):
     check_async_worker(worker)
 
@@ -300,7 +367,7 @@ def test_wrong_ssp_servers_fail(comm, server, message):
 @pytest.mark.parametrize("server", [server_releases_only_the_pusher, server_never_ends])
 def test_servers_that_leave_a_rank_waiting_fail_within_the_timeout(comm, server):
     began = time.monotonic()
-    with pytest.raises(CheckFailed, match="waited"):
+    with pytest.raises(CheckFailed, match="(?s)waited.*likely cause: a worker waiting for its PARAMETERS"):
         check_ssp_server(server, timeout=0.5)
     assert time.monotonic() - began < 10
 

@@ -33,6 +33,7 @@ left unchanged, and exactly one message of the parameters' bytes to the right
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from collections import Counter, defaultdict
 from typing import Callable
@@ -41,13 +42,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ..parameter_server import Consistency, LeastSquares, may_start, train
-from ..parameter_server.messages import GRADIENT, PARAMETERS, PARAMETERS_HEADER
+from ..parameter_server.messages import GRADIENT, GRADIENT_HEADER, PARAMETERS, PARAMETERS_HEADER
 from ..parameter_server.replay import replay
 from ..parameter_server.server import Server
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm
 from ..runtime.waiting import PeerFailed, Stalled, Watch
-from ._core import array_problem, each_size, fail_together, passed, run_counted
+from ._core import array_problem, each_size, passed, run_counted
 from .errors import CheckFailed
 
 BOUNDS = (0, 1, 2, 3, math.inf)
@@ -61,14 +62,20 @@ def _table_problem(gate: Callable[[np.ndarray, int, float], bool]) -> str | None
         clocks = rng.integers(0, 6, rng.integers(1, 5))
         for bound in BOUNDS:
             for step in range(int(clocks.min()), int(clocks.max()) + 5):
-                got, want = gate(clocks.copy(), step, bound), may_start(clocks, step, bound)
+                given = clocks.copy()
+                got, want = gate(given, step, bound), may_start(clocks, step, bound)
+                if not np.array_equal(given, clocks):
+                    return (
+                        f"the gate changed the clocks it was given, {clocks.tolist()} -> {given.tolist()} "
+                        "(sorted or written in place?): the server's clock table is not the gate's to change"
+                    )
                 if not isinstance(got, (bool, np.bool_)):
                     return f"the gate should return a bool, got {type(got).__name__}"
                 if bool(got) != want:
                     verdict = "let it start" if got else "made it wait"
                     return (
-                        f"clocks {clocks.tolist()} (steps finished), bound s = {bound}: a worker asking to "
-                        f"start step {step} was {verdict}; how far ahead of the slowest would it be?"
+                        f"clocks {clocks.tolist()} (steps finished), bound s = {bound}: a worker asked to "
+                        f"start step {step} and the gate {verdict}; how far ahead of the slowest would it be?"
                     )
     return None
 
@@ -76,7 +83,9 @@ def _table_problem(gate: Callable[[np.ndarray, int, float], bool]) -> str | None
 def check_ssp_gate(gate: Callable[[np.ndarray, int, float], bool]) -> None:
     """Exercise 10.1: gate(clocks, step, bound) -> may a worker start step? On tables, then on a real server."""
     comm = MPI.COMM_WORLD
-    fail_together(comm, _table_problem(gate), "check_ssp_gate on clock tables")
+    found = [p for p in comm.allgather(_table_problem(gate)) if p]  # the same tables on every rank: say it once
+    if found:
+        raise CheckFailed(f"check_ssp_gate on clock tables: {found[0]}")
     problem = LeastSquares(n=6, samples=64, batch=4)
 
     def body(sub: MPI.Comm) -> str | None:
@@ -99,6 +108,18 @@ def check_ssp_gate(gate: Callable[[np.ndarray, int, float], bool]) -> None:
 
 Worker = Callable[[Comm, int, Callable[[np.ndarray, int], np.ndarray], int], None]
 STUB = "stub: "
+GRADIENT_FORMAT = (
+    f"is the gradient message float64, {GRADIENT_HEADER} header values [your rank, step, version, more] "
+    "then the n gradient entries?"
+)
+
+
+def _explained(err: CheckFailed, cause: str) -> CheckFailed:
+    """err with the protocol's tags named and, if a rank waited in vain, the likely cause appended."""
+    text = str(err)
+    for tag, name in ((GRADIENT, "GRADIENT"), (PARAMETERS, "PARAMETERS")):
+        text = text.replace(f"(tag {tag})", f"(tag {name})")
+    return CheckFailed(f"{text}\nlikely cause: {cause}" if "Stalled" in text else text)
 
 
 class _RecordingServer(Server):
@@ -122,7 +143,15 @@ class _RecordingServer(Server):
         super().send_parameters(worker, go)
 
     def receive(self) -> tuple[int, int, int, bool, np.ndarray]:
-        worker, step, version, more, grad = super().receive()
+        try:
+            worker, step, version, more, grad = super().receive()
+        except (ValueError, OverflowError) as err:  # a NaN or infinite header value
+            raise RuntimeError(f"rank 0 could not read a gradient's header ({err}): {GRADIENT_FORMAT}") from None
+        if worker not in self.clock or not 0 <= version <= self.version:
+            raise RuntimeError(
+                f"rank 0 read a gradient from worker {worker} computed at version {version} (workers are "
+                f"{self.workers}, {self.version} updates applied so far): {GRADIENT_FORMAT}"
+            )
         if worker in self.halt and step >= self.halt[worker]:
             raise RuntimeError(
                 f"rank {worker} pushed step {step} after the server sent it go = 0: a worker told to stop must stop"
@@ -209,11 +238,24 @@ def check_async_worker(async_worker: Worker) -> None:
         except NotImplementedError as err:
             counting.fail_all(f"{STUB}{err}")
             raise
+        except pickle.UnpicklingError as err:
+            raise RuntimeError(
+                f"rank {rank} could not unpickle the server's parameters ({err}): the server sends float64 "
+                "arrays with the buffer API (Send), which the object API's recv cannot read; receive them "
+                "into a float64 array with Recv or Irecv"
+            ) from None
         return None
 
     def body(sub: MPI.Comm) -> str | None:
         calls.clear()
-        server, _ = run_counted(sub, roles, (), "async_worker", timeout=5.0)
+        try:
+            server, _ = run_counted(sub, roles, (), "async_worker", timeout=5.0)
+        except CheckFailed as err:
+            raise _explained(
+                err,
+                "did every step push its gradient, and did your last gradient say more = 0? After a "
+                "gradient with more = 1 the server waits for another one.",
+            ) from None
         leftover = _leftover(sub)
         problem = _worker_problem(server, calls, sub, STEPS)  # a collective: every rank calls it
         if leftover:
@@ -385,7 +427,15 @@ def check_ssp_server(ssp_server: Serve, timeout: float = 5.0) -> None:
 
         try:
             result, traffic = run_counted(sub, roles, (), f"ssp_server with s = {bound}", timeout=timeout)
-        except BaseException:  # a failed run may leave a go-ahead unreceived: take it, lest a later Dup meet it
+        except CheckFailed as err:  # a failed run may leave a go-ahead unreceived: take it, lest a later Dup meet it
+            _leftover(side, 0.01)
+            raise _explained(
+                err,
+                "a worker waiting for its PARAMETERS: after each gradient, re-check every waiting worker "
+                "against the gate, not only the one that pushed; rank 0 waiting for a GRADIENT: stop once every "
+                "worker has sent its last one (more = 0).",
+            ) from None
+        except BaseException:
             _leftover(side, 0.01)
             raise
         finally:
@@ -424,7 +474,7 @@ def check_gossip_step(gossip_step: Callable[[MPI.Comm, np.ndarray], np.ndarray])
         rank, size = sub.Get_rank(), sub.Get_size()
         params = np.random.default_rng([3, rank]).standard_normal(7)
         given = params.copy()
-        result, traffic = run_counted(sub, gossip_step, (params,), "gossip_step")
+        result, traffic = run_counted(sub, gossip_step, (params,), "gossip_step", timeout=5.0)
         left = sub.allgather(given)[(rank - 1) % size]
         problem = array_problem(result, (given + left) / 2, "the result")
         if problem:
@@ -437,8 +487,9 @@ def check_gossip_step(gossip_step: Callable[[MPI.Comm, np.ndarray], np.ndarray])
         want = [((rank + 1) % size, params.nbytes)]
         if [(e.peer, e.nbytes) for e in sends] not in ([want, []] if size == 1 else [want]):
             return (
-                f"sent {[(e.peer, e.nbytes) for e in sends]} (rank, bytes), expected {want}: "
-                "one message with the parameters to the right neighbour"
+                f"sent {[(e.peer, e.nbytes) for e in sends]} (rank, bytes), expected {want}: one message with the "
+                "parameters to the right neighbour, sent with the buffer API (Sendrecv, or Send/Isend and Recv); "
+                "the object API (sendrecv, send) sends a pickle, counted with its own bytes"
             )
         return None
 
