@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from ddlab import collectives
 from ddlab.checks import CheckFailed, check_bcast_linear, check_bcast_tree, check_reduce_linear, check_reduce_tree
+from ddlab.checks._core import run_counted
 from ddlab.runtime.counting import CountingComm, ForbiddenCollective, gather_traffic, rounds
 from mpi4py import MPI
 
@@ -381,6 +382,22 @@ def test_object_form_of_an_allowed_collective_is_named(comm):
             counting.Bcast(np.zeros(1))
     finally:
         counting.free()
+
+
+def irecv_into_a_small_buffer(comm):
+    """Rank 0 posts Irecv's of 2 float64 and waits with Waitall; the others send a pickle, far larger."""
+    if comm.Get_rank() == 0:
+        requests = [comm.Irecv(np.zeros(2), source=peer, tag=7) for peer in range(1, comm.Get_size())]
+        MPI.Request.Waitall(requests)
+    else:
+        comm.send(list(range(100)), dest=0, tag=7)
+
+
+def test_a_request_mpi_completes_with_an_error_fails_the_check_and_the_next_one_runs(comm):
+    """MPI_ERR_TRUNCATE on a request the student waits for: the wait returns, the check names the cause."""
+    with pytest.raises(CheckFailed, match="larger than the receive buffer.*lowercase send pickles"):
+        run_counted(comm, irecv_into_a_small_buffer, (), "a truncated Irecv", timeout=3.0)
+    assert run_counted(comm, collectives.bcast_linear, (np.arange(3.0),), "the next check")[0].tolist() == [0, 1, 2]
 
 
 # Memory layout -------------------------------------------------------------------------------

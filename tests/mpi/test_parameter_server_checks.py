@@ -180,6 +180,17 @@ def worker_float32(comm, n, gradient, steps):
         comm.Send(np.concatenate([header, grad]).astype(np.float32), 0, GRADIENT)
 
 
+def worker_pushes_a_pickle(comm, n, gradient, steps):
+    """Pushes its header and gradient with the object API: a pickle, larger than the server's buffer."""
+    incoming = np.empty(PARAMETERS_HEADER + n)
+    for step in range(steps):
+        comm.Recv(incoming, 0, PARAMETERS)
+        if incoming[1] == 0:
+            return
+        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
+        comm.send([comm.Get_rank(), step, incoming[0], float(step < steps - 1), *grad], 0, GRADIENT)
+
+
 def async_worker_filled(comm, n, gradient, steps):
     """Valid: one outgoing buffer filled in place (NumPy ints in the header), synchronous sends, `go` read as 0/1."""
     incoming, outgoing = np.empty(PARAMETERS_HEADER + n), np.empty(GRADIENT_HEADER + n)
@@ -212,6 +223,7 @@ def worker_ignores_stop(comm, n, gradient, steps):
         (worker_forgets_last_flag, "(?s)waited .* GRADIENT.*likely cause: did every step push"),
         (worker_object_api, "the object API's recv cannot read"),
         (worker_float32, "is the gradient message float64"),
+        (worker_pushes_a_pickle, "larger than the receive buffer.*lowercase send pickles"),
     ],
 )
 def test_wrong_async_workers_fail(comm, worker, message):

@@ -36,6 +36,10 @@ class PeerFailed(RuntimeError):
     """Another rank failed, so the message this rank waits for will never come."""
 
 
+class MessageFailed(RuntimeError):
+    """MPI could not complete a watched request (most often a message larger than its receive buffer)."""
+
+
 def pauses() -> Any:
     """The one back-off: SPINS tries at once, then sleeps doubling from 10 us to LONGEST_PAUSE."""
     for _ in range(SPINS):
@@ -209,10 +213,15 @@ class Watch:
 
     def _settled(self, entry: _Entry) -> bool:
         """Complete entry if its real request is done, or give it up past its deadline or a failure."""
-        if entry.pickled:
-            done, entry.result = entry.real.test(entry.status)
-        else:
-            done = entry.real.Test(entry.status)
+        try:
+            if entry.pickled:
+                done, entry.result = entry.real.test(entry.status)
+            else:
+                done = entry.real.Test(entry.status)
+        except MPI.Exception as err:  # MPI completed it with an error: the holder's wait returns, the check reports it
+            if self.failure is None:
+                self.failure = (MessageFailed, _message_failed(self.rank, entry.what, err))
+            done = True
         if not done:
             self._take_notice(entry.what)
             if self.failure is None and time.monotonic() > entry.deadline:
@@ -227,6 +236,17 @@ class Watch:
         assert entry.done is not None
         entry.done.Complete()
         return True
+
+
+def _message_failed(rank: int, what: str, err: MPI.Exception) -> str:
+    text = f"rank {rank}: MPI could not complete {what}: {err.Get_error_string()}"
+    if err.Get_error_class() == MPI.ERR_TRUNCATE:
+        text += (
+            " (the message was larger than the receive buffer: does the sender send the same dtype and"
+            " shape, with the buffer API? A lowercase send pickles its object and cannot be received into"
+            " an array)"
+        )
+    return text
 
 
 def _query(status: MPI.Status, entry: _Entry) -> None:
