@@ -153,13 +153,34 @@ def worker_keeps_stale_params(comm, n, gradient, steps):
         push(comm, step, incoming[0], grad, step < steps - 1)
 
 
-def worker_forgets_last_flag(comm, n, gradient, steps):
-    """Never marks its last gradient, so the server waits for a step that never comes."""
-    incoming = np.empty(PARAMETERS_HEADER + n)
-    for step in range(steps):
-        comm.Recv(incoming, 0, PARAMETERS)
-        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        push(comm, step, incoming[0], grad, True)
+def pushing_with(send):
+    """A worker that pulls, computes and hands its gradient to send(comm, step, version, grad, more); never reads `go`."""
+
+    def worker(comm, n, gradient, steps):
+        incoming = np.empty(PARAMETERS_HEADER + n)
+        for step in range(steps):
+            comm.Recv(incoming, 0, PARAMETERS)
+            grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
+            send(comm, step, incoming[0], grad, step < steps - 1)
+
+    return worker
+
+
+def push_float32(comm, step, version, grad, more):
+    comm.Send(np.concatenate([[comm.Get_rank(), step, version, float(more)], grad]).astype(np.float32), 0, GRADIENT)
+
+
+def push_a_pickle(comm, step, version, grad, more):
+    """The object API: a pickle, larger than the server's buffer."""
+    comm.send([comm.Get_rank(), step, version, float(more), *grad], 0, GRADIENT)
+
+
+#: Reads the parameters but not `go`: computes and pushes after the server said stop.
+worker_ignores_stop = pushing_with(push)
+#: Never marks its last gradient, so the server waits for a step that never comes.
+worker_forgets_last_flag = pushing_with(lambda comm, step, version, grad, more: push(comm, step, version, grad, True))
+worker_float32 = pushing_with(push_float32)
+worker_pushes_a_pickle = pushing_with(push_a_pickle)
 
 
 def worker_object_api(comm, n, gradient, steps):
@@ -168,27 +189,6 @@ def worker_object_api(comm, n, gradient, steps):
         incoming = comm.recv(source=0, tag=PARAMETERS)
         grad = gradient(incoming[PARAMETERS_HEADER:], step)
         push(comm, step, incoming[0], grad, step < steps - 1)
-
-
-def worker_float32(comm, n, gradient, steps):
-    """Pushes its header and gradient as float32."""
-    incoming = np.empty(PARAMETERS_HEADER + n)
-    for step in range(steps):
-        comm.Recv(incoming, 0, PARAMETERS)
-        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        header = [comm.Get_rank(), step, incoming[0], float(step < steps - 1)]
-        comm.Send(np.concatenate([header, grad]).astype(np.float32), 0, GRADIENT)
-
-
-def worker_pushes_a_pickle(comm, n, gradient, steps):
-    """Pushes its header and gradient with the object API: a pickle, larger than the server's buffer."""
-    incoming = np.empty(PARAMETERS_HEADER + n)
-    for step in range(steps):
-        comm.Recv(incoming, 0, PARAMETERS)
-        if incoming[1] == 0:
-            return
-        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        comm.send([comm.Get_rank(), step, incoming[0], float(step < steps - 1), *grad], 0, GRADIENT)
 
 
 def async_worker_filled(comm, n, gradient, steps):
@@ -201,15 +201,6 @@ def async_worker_filled(comm, n, gradient, steps):
         outgoing[:GRADIENT_HEADER] = comm.Get_rank(), step, incoming[0], step + 1 < steps
         outgoing[GRADIENT_HEADER:] = gradient(incoming[PARAMETERS_HEADER:].copy(), int(step))
         comm.Ssend(outgoing, 0, GRADIENT)
-
-
-def worker_ignores_stop(comm, n, gradient, steps):
-    """Reads the parameters but not `go`: computes and pushes after the server said stop."""
-    incoming = np.empty(PARAMETERS_HEADER + n)
-    for step in range(steps):
-        comm.Recv(incoming, 0, PARAMETERS)
-        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        push(comm, step, incoming[0], grad, step < steps - 1)
 
 
 @pytest.mark.parametrize(
