@@ -118,22 +118,6 @@ def async_worker_nonblocking(comm, n, gradient, steps):
     work(comm, [(0, n)], n, comm.Get_rank(), gradient, steps, comm.watch)
 
 
-def worker_never_pushes(comm, n, gradient, steps):
-    incoming = np.empty(PARAMETERS_HEADER + n)
-    for step in range(steps):
-        comm.Recv(incoming, 0, PARAMETERS)
-        gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-
-
-def worker_pushes_twice(comm, n, gradient, steps):
-    incoming = np.empty(PARAMETERS_HEADER + n)
-    for step in range(steps):
-        comm.Recv(incoming, 0, PARAMETERS)
-        grad = gradient(incoming[PARAMETERS_HEADER:].copy(), step)
-        push(comm, step, incoming[0], grad, step < steps - 1)
-        push(comm, step, incoming[0], grad, step < steps - 1)
-
-
 def worker_pulls_once(comm, n, gradient, steps):
     """Computes every step at the first parameters, never receives the others."""
     incoming = np.empty(PARAMETERS_HEADER + n)
@@ -180,6 +164,8 @@ worker_ignores_stop = pushing_with(push)
 #: Never marks its last gradient, so the server waits for a step that never comes.
 worker_forgets_last_flag = pushing_with(lambda comm, step, version, grad, more: push(comm, step, version, grad, True))
 worker_float32 = pushing_with(push_float32)
+worker_never_pushes = pushing_with(lambda comm, step, version, grad, more: None)
+worker_pushes_twice = pushing_with(lambda *message: (push(*message), push(*message)))
 worker_pushes_a_pickle = pushing_with(push_a_pickle)
 
 
