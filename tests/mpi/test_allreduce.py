@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from ddlab.allreduce import ALGORITHMS, allreduce_mpi, cost
+from ddlab.allreduce import ALGORITHMS, allreduce_mpi, cost, latency
 from ddlab.checks import check_allreduce_rabenseifner, check_allreduce_recursive_doubling, check_allreduce_ring
 from ddlab.checks._core import run_counted
 from ddlab.runtime.counting import rounds
@@ -166,3 +166,50 @@ def test_checks_pass_the_references(check: Callable, reference: Callable, capsys
     check(reference)
     out = capsys.readouterr().out
     assert ("passed:" in out) == (WORLD.rank == 0)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+@pytest.mark.parametrize("n", [3, 70_000])
+def test_a_longer_vector_on_one_rank_raises_without_overflowing(name: str, n: int) -> None:
+    """A rank whose vector is longer than its partners' (past MPI's eager limit at 70 000 float64): the
+    same error everywhere, never a receive that overflows (recursive doubling carries the agreement in
+    its messages, so its receives meet the longer vector itself)."""
+    for culprit in range(WORLD.size):
+
+        def body(comm: MPI.Comm, culprit: int = culprit) -> str | None:
+            x = np.ones(n + (comm.rank == culprit))
+            try:
+                ALGORITHMS[name](comm, x)
+            except ValueError as err:
+                messages = comm.allgather(str(err))
+                return (
+                    None if len(set(messages)) == 1 and f"rank {culprit} has {n + 1}" in messages[0] else f"{messages}"
+                )
+            comm.allgather(None)
+            return "no error"
+
+        assert on_first(WORLD.size, body) == []
+
+
+def test_recursive_doubling_keeps_its_buffers_but_returns_new_arrays() -> None:
+    """Its message buffers stay with the communicator between calls: each result is still the
+    caller's own (a later call of any size or dtype leaves it alone), and x is never touched."""
+    x = np.arange(100, dtype=np.int64) + WORLD.rank
+    first = ALGORITHMS["recursive_doubling"](WORLD, x)
+    want = np.arange(100, dtype=np.int64) * WORLD.size + sum(range(WORLD.size))
+    second = ALGORITHMS["recursive_doubling"](WORLD, x * 2)
+    third = ALGORITHMS["recursive_doubling"](WORLD, np.ones(7, dtype=np.float32))
+    assert np.array_equal(first, want) and np.array_equal(second, 2 * want)
+    assert np.array_equal(third, np.full(7, WORLD.size, dtype=np.float32)) and third.dtype == np.float32
+    assert not np.shares_memory(first, second) and np.array_equal(x, np.arange(100) + WORLD.rank)
+
+
+def test_the_breakdown_times_recursive_doublings_own_messages() -> None:
+    """bench/allreduce.py's and lab 03's bare message loop follows the reference's pattern, peer for peer."""
+    _, traffic = run_counted(WORLD, ALGORITHMS["recursive_doubling"], (np.ones(10),), "recursive_doubling")
+    mine = traffic[WORLD.rank]
+    pattern = [(e.kind, e.peer) for e in mine.events]
+    expected = []
+    for kind, peer in latency.doubling_steps(WORLD.rank, WORLD.size):
+        expected += [("send", peer), ("recv", peer)] if kind == "swap" else [(kind, peer)]
+    assert pattern == expected

@@ -19,20 +19,25 @@ collective communication operations in MPICH", 2005). Their costs are in
 
 Before any message, the ranks compare lengths and dtypes in one small allgather, so
 a mismatch raises the same ValueError everywhere instead of hanging or summing
-garbage. It costs one latency; MPI_Allreduce trusts its caller instead.
+garbage. It costs one latency, as much as a small allreduce; MPI_Allreduce trusts its
+caller instead. Recursive doubling, the small-message algorithm, carries the agreement
+in its own messages instead (a 32-byte header ahead of the data), so it pays no
+latency for it; on a CountingComm (a check's) it sends the textbook messages and
+agrees on the side, uncounted.
 """
 
 from __future__ import annotations
 
+import functools
 from array import array
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 from mpi4py import MPI
 
 from ..runtime.blocks import block_bounds
 from ..runtime.comm import Comm
-from ..runtime.counting import underlying
+from ..runtime.counting import CountingComm, underlying
 
 #: An allreduce as every lab plugs one in: (comm, x) -> a new array of the sums over ranks, x left alone.
 #: The communicator is any `Comm`: an mpi4py one, or a CountingComm that counts what the allreduce sends.
@@ -89,18 +94,27 @@ def _input_problem(rows: list[tuple[int, ...]]) -> str:
     return f"every rank must pass the same length and dtype, but {have}"
 
 
-def agree_on_input(comm: Comm, x: Any) -> None:
-    """Raise the same ValueError on every rank unless all pass 1-D arrays of one length and dtype.
-
-    One Allgather of three numbers per rank, kept lean: it runs before every allreduce.
-    """
+def _disagreement(comm: Comm, x: Any) -> str | None:
+    """What is wrong with the ranks' inputs (the same text on every rank), or None: one Allgather of
+    three numbers per rank on the real communicator (uncounted)."""
     real = underlying(comm)
     mine, size = _describe(x), real.Get_size()
     table = array("q", bytes(mine.itemsize * len(mine) * size))
     real.Allgather(mine, table)
-    if mine[0] != _OK or table.tobytes() != mine.tobytes() * size:
-        rows = [tuple(table[3 * r : 3 * r + 3]) for r in range(size)]
-        raise ValueError(f"allreduce: {_input_problem(rows)}")
+    if mine[0] == _OK and table.tobytes() == mine.tobytes() * size:
+        return None
+    return _input_problem([tuple(table[3 * r : 3 * r + 3]) for r in range(size)])
+
+
+def agree_on_input(comm: Comm, x: Any) -> None:
+    """Raise the same ValueError on every rank unless all pass 1-D arrays of one length and dtype.
+
+    One Allgather of three numbers per rank, kept lean: it runs before every allreduce
+    but recursive doubling (which carries the agreement in its messages).
+    """
+    problem = _disagreement(comm, x)
+    if problem is not None:
+        raise ValueError(f"allreduce: {problem}")
 
 
 def _start(comm: Comm, x: np.ndarray) -> np.ndarray:
@@ -174,20 +188,156 @@ def allreduce_tree(comm: Comm, x: np.ndarray) -> np.ndarray:
     return bcast_tree(comm, x if total is None else total, root=0)
 
 
+# Recursive doubling: the agreement rides in its messages --------------------------
+
+#: Bytes of the header ahead of the data in recursive doubling's messages on a real communicator:
+#: four int64 (status, length or ndim, dtype code, and 1 while every rank heard from so far agrees).
+#: 32 bytes keep the data behind it aligned for every dtype.
+HEADER = 32
+
+
+#: Recursive doubling's buffers for messages up to this many bytes stay with an mpi4py communicator
+#: between calls (an MPI attribute, freed with it), for the last length and dtype it was called with:
+#: MPI moves a small message from a buffer it has seen before faster, and a small call's Python
+#: work is most of its cost (bench/allreduce.py --part breakdown). Larger ones get new buffers.
+KEPT = 64 * 2**10
+
+
+@functools.cache
+def _kept_key() -> int:
+    return MPI.Comm.Create_keyval()
+
+
+class _Framed:
+    """Recursive doubling's two buffers on a real communicator: each message is a header, then the data.
+
+    Every rank compares the header it receives with its own, and passes on whether all the ranks
+    it has heard from (directly or through its partners) agree; after the last exchange every rank
+    holds the same verdict, with no message of its own for the agreement. A message of another size
+    than this rank's is a disagreement too.
+    """
+
+    def __init__(self, nbytes: int, dtype: np.dtype) -> None:
+        self.frame = np.empty(HEADER + nbytes, dtype=np.uint8)  # what this rank sends
+        self.incoming = np.empty_like(self.frame)  # what it receives
+        self.header = self.frame[:HEADER].data.cast("q")
+        self.their_header = self.incoming[:HEADER].data.cast("q")
+        self.work = self.frame[HEADER:].view(dtype)
+        self.theirs = self.incoming[HEADER:].view(dtype)
+        self.status = MPI.Status()
+
+    @staticmethod
+    def of(comm: Comm, x: Any) -> _Framed:
+        """The buffers for x, this rank's header and a copy of x in place: kept on comm when small."""
+        mine = _describe(x)
+        data = x if mine[0] == _OK else np.empty(0, dtype=np.uint8)
+        keeper = comm if isinstance(comm, MPI.Comm) and HEADER + data.nbytes <= KEPT else None
+        framed = cast("_Framed | None", keeper.Get_attr(_kept_key())) if keeper is not None else None
+        if framed is None or framed.work.size != data.size or framed.work.dtype != data.dtype:
+            framed = _Framed(data.nbytes, data.dtype)
+            if keeper is not None:  # one call at a time per communicator uses them, as MPI's matching needs anyway
+                keeper.Set_attr(_kept_key(), framed)
+        framed.header[0], framed.header[1], framed.header[2], framed.header[3] = mine[0], mine[1], mine[2], 1
+        framed.work[...] = data
+        return framed
+
+    def _receive(self, comm: Comm, peer: int, into: np.ndarray) -> bool:
+        """Receive peer's message into `into`; False if its size differs (the ranks disagree; it is dropped).
+
+        Probing first means a longer vector never overflows the buffer (MPI_ERR_TRUNCATE, which
+        Open MPI does not survive); the probe waits no longer than the receive would.
+        """
+        comm.Probe(source=peer, tag=TAG, status=self.status)
+        nbytes = self.status.Get_count(MPI.BYTE)
+        comm.Recv(into if nbytes == into.nbytes else np.empty(nbytes, dtype=np.uint8), source=peer, tag=TAG)
+        return nbytes == into.nbytes
+
+    def _merge(self, arrived: bool) -> bool:
+        """Fold the received header's verdict into this rank's; True if the data may be added."""
+        agree = arrived and self.header[3] == 1 and self.header.tolist() == self.their_header.tolist()
+        self.header[3] = int(agree)
+        return agree
+
+    def swap(self, comm: Comm, peer: int) -> None:
+        """Exchange with peer, then add its vector to this rank's (if all agree so far)."""
+        request = comm.Isend(self.frame, dest=peer, tag=TAG)
+        arrived = self._receive(comm, peer, self.incoming)
+        request.Wait()
+        if self._merge(arrived):
+            np.add(self.work, self.theirs, out=self.work)
+
+    def give(self, comm: Comm, peer: int) -> None:
+        comm.Send(self.frame, dest=peer, tag=TAG)
+
+    def take_sum(self, comm: Comm, peer: int) -> None:
+        """Receive peer's vector (fold in) and add it to this rank's."""
+        if self._merge(self._receive(comm, peer, self.incoming)):
+            np.add(self.work, self.theirs, out=self.work)
+
+    def take_result(self, comm: Comm, peer: int) -> None:
+        """Receive the result (fold out) in place of this rank's vector, and the verdict with it."""
+        if not self._receive(comm, peer, self.frame):
+            self.header[3] = 0
+
+    def result(self, comm: Comm, x: Any) -> np.ndarray:
+        """The sum, once every rank knows all agreed; else the same ValueError on every rank."""
+        if self.header[3] == 1 and self.header[0] == _OK:
+            return self.work.copy()  # the buffers may stay with the communicator: the caller gets its own array
+        problem = _disagreement(comm, x)  # every rank is here with the same verdict: gather the inputs
+        raise ValueError(f"allreduce: {problem or 'the ranks passed different inputs'}")
+
+
+class _Counted:
+    """Recursive doubling's buffers on a CountingComm (a check's): the textbook messages, the data alone,
+    after agreeing on the side with agree_on_input (uncounted), so the count is the algorithm's."""
+
+    def __init__(self, comm: Comm, x: np.ndarray) -> None:
+        self.work = _start(comm, x)
+        self.scratch = np.empty_like(self.work)
+
+    def swap(self, comm: Comm, peer: int) -> None:
+        comm.Sendrecv(self.work, dest=peer, sendtag=TAG, recvbuf=self.scratch, source=peer, recvtag=TAG)
+        np.add(self.work, self.scratch, out=self.work)
+
+    def give(self, comm: Comm, peer: int) -> None:
+        comm.Send(self.work, dest=peer, tag=TAG)
+
+    def take_sum(self, comm: Comm, peer: int) -> None:
+        comm.Recv(self.scratch, source=peer, tag=TAG)
+        np.add(self.work, self.scratch, out=self.work)
+
+    def take_result(self, comm: Comm, peer: int) -> None:
+        comm.Recv(self.work, source=peer, tag=TAG)
+
+    def result(self, comm: Comm, x: Any) -> np.ndarray:
+        return self.work
+
+
 def allreduce_recursive_doubling(comm: Comm, x: np.ndarray) -> np.ndarray:
-    """In step k, swap whole vectors with the rank 2^k away and add: log2 P steps."""
-    work = _start(comm, x)
-    scratch = np.empty_like(work)
-    group_rank = fold_in(comm, work, scratch)
-    if group_rank is not None:
-        distance, size = 1, comm.Get_size()
-        while distance < largest_power_of_two(size):
-            partner = member_rank(group_rank ^ distance, size)
-            comm.Sendrecv(work, dest=partner, sendtag=TAG, recvbuf=scratch, source=partner, recvtag=TAG)
-            np.add(work, scratch, out=work)
-            distance *= 2
-    fold_out(comm, work, group_rank)
-    return work
+    """In step k, swap whole vectors with the rank 2^k away and add: log2 P steps.
+
+    Other rank counts fold in first and out at the end (as fold_in and fold_out). On a real
+    communicator the agreement on length and dtype rides in the messages (`_Framed`): no
+    collective of its own, which at small sizes would cost as much as the allreduce.
+    """
+    buffers = _Counted(comm, x) if isinstance(comm, CountingComm) else _Framed.of(comm, x)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pof2 = largest_power_of_two(size)
+    extra = size - pof2
+    if rank < 2 * extra and rank % 2 == 0:  # sits out: its vector in, the result back
+        buffers.give(comm, rank + 1)
+        buffers.take_result(comm, rank + 1)
+        return buffers.result(comm, x)
+    if rank < 2 * extra:
+        buffers.take_sum(comm, rank - 1)
+    group_rank = rank // 2 if rank < 2 * extra else rank - extra
+    distance = 1
+    while distance < pof2:
+        buffers.swap(comm, member_rank(group_rank ^ distance, size))
+        distance *= 2
+    if rank < 2 * extra:
+        buffers.give(comm, rank - 1)
+    return buffers.result(comm, x)
 
 
 def allreduce_ring(comm: Comm, x: np.ndarray) -> np.ndarray:
