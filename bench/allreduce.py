@@ -1,15 +1,31 @@
 """Hand-written allreduce against MPI_Allreduce, measured side by side on 2 and 4 ranks.
 
-For each rank count, one MPI job times every algorithm of ddlab.allreduce and the MPI
-library's Allreduce at 1 KiB, 64 KiB, 1 MiB, 16 MiB and 64 MiB of float32, taking
-turns within every repeat, and prints each one's time divided by MPI_Allreduce's
-(median and best of the repeats). The baseline returns a new array, as the
-hand-written ones do; the table also shows MPI_Allreduce into a preallocated buffer,
-and every rank copying its vector into a new array (`x.copy()`), a floor for anything
-that returns a new array. Then the ring's bus bandwidth over this machine's memcpy
-bandwidth (one process copying 64 MiB, nothing else running in the job).
+Three parts, all by default (`--part`):
 
-    .venv/bin/python bench/allreduce.py [--ranks 2 4] [--repeats-scale 1.0]
+- `sizes`: one MPI job times every algorithm of ddlab.allreduce and the MPI library's
+  Allreduce at 1 KiB, 64 KiB, 1 MiB, 16 MiB and 64 MiB of float32, taking turns within
+  every repeat, and prints each one's time divided by MPI_Allreduce's (median and best of
+  the repeats). The baseline returns a new array, as the hand-written ones do; the table
+  also shows MPI_Allreduce into a preallocated buffer, and every rank copying its vector
+  into a new array (`x.copy()`), a floor for anything that returns a new array. Then the
+  ring's bus bandwidth over this machine's memcpy bandwidth (one process copying 64 MiB,
+  nothing else running in the job).
+- `breakdown`: where a small call's time goes, at 800 B (100 int64) and 1 KiB (256 float32):
+  the messages alone (a bare mpi4py Sendrecv loop of recursive doubling's pattern, the
+  floor), the adds, the allocations, the agreement on length and dtype as a collective of
+  its own, the deadline watch (the same messages waited for through a Watch, as a check's
+  communicator waits), the counting communicator (the reference run on a CountingComm, as
+  a check runs it), and the reference recursive doubling, whose agreement rides in its
+  messages. Every part takes turns with MPI_Allreduce in every repeat.
+- `peer`: the measurement of UCSD CSE 234's programming assignment 2 (its myAllreduce
+  benchmark), as that course describes it: 100 runs; in each, every rank draws 100 random
+  int64, and each allreduce is timed between a barrier before the call and one after it
+  (the closing barrier inside the timing), MPI's into a buffer made before the run. The
+  score is the average time over the runs, divided by MPI_Allreduce's average, printed
+  beside the course's two tiers (1.5x and 1.05x). The course's protocol is 4 ranks; rank 0
+  reports its own clock, as there.
+
+    .venv/bin/python bench/allreduce.py [--ranks 2 4] [--repeats-scale 1.0] [--part sizes breakdown peer]
 
 It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
@@ -19,9 +35,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 SIZES = [2**10, 2**16, 2**20, 2**24, 2**26]
 TIMEOUT = 1800
+#: The peer course's tiers: at most this many times MPI_Allreduce's average.
+TIERS = (1.5, 1.05)
+PEER_RUNS, PEER_ITEMS = 100, 100
+#: The small sizes of the breakdown: (label, items, dtype).
+SMALL = [("800 B", 100, "int64"), ("1 KiB", 256, "float32")]
 
 
 def _label(nbytes: int) -> str:
@@ -33,15 +55,14 @@ def _repeats(nbytes: int, scale: float) -> int:
     return max(5, int(min(300, 2**25 // nbytes) * scale))
 
 
-def child(scale: float) -> None:
-    """Inside the MPI job: measure, and print the tables on rank 0."""
+def sizes(comm: Any, scale: float) -> None:
+    """Every algorithm at every size, over MPI_Allreduce's time; rank 0 prints."""
     import numpy as np
     from ddlab.allreduce import ALGORITHMS, allreduce_mpi
     from ddlab.allreduce.cost import bus_bandwidth, measure_memcpy_bandwidth, time_allreduce
     from ddlab.p2p import idle_wait
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     memcpy = measure_memcpy_bandwidth() if rank == 0 else 0.0  # the others sleep meanwhile
     idle_wait(comm.Ibarrier())
@@ -66,7 +87,6 @@ def child(scale: float) -> None:
     if rank != 0:
         return
     names = [name for name in contenders if name != "mpi"]
-    print(f"\n{size} ranks on {os.cpu_count()} cores, {MPI.Get_library_version().split(',')[0]}")
     for title, table in (("median", median), ("best", best)):
         print(f"time / MPI_Allreduce time ({title} of the repeats; MPI_Allreduce into a new array, in us)")
         print(f"{'size':>8} {'MPI us':>9}" + "".join(f"{n:>19}" for n in names))
@@ -86,6 +106,100 @@ def child(scale: float) -> None:
             f"{row['ring'] / row['mpi_prealloc']:.2f}; ring / x.copy() on every rank "
             f"{row['ring'] / row['x.copy()']:.2f}"
         )
+
+
+def breakdown(comm: Any, scale: float) -> None:
+    """Where a small call's time goes, part by part, against MPI_Allreduce; rank 0 prints."""
+    import numpy as np
+    from ddlab.allreduce.cost import time_allreduce
+    from ddlab.allreduce.latency import MPI_PART, call_parts, doubling_steps
+    from ddlab.runtime.counting import CountingComm
+
+    counting = CountingComm(comm, timeout=60.0)
+    parts = call_parts(comm, counting)
+    repeats = max(20, int(300 * scale))
+    table = {}
+    for label, n, dtype in SMALL:
+        seconds = time_allreduce(comm, parts, [n * np.dtype(dtype).itemsize], repeats, dtype)
+        table[label] = {name: float(np.median(s)) for name, s in seconds.items()}
+    counting.free()
+    if comm.Get_rank() != 0:
+        return
+    print(
+        f"where a small call's time goes: recursive doubling's {len(doubling_steps(0, comm.Get_size()))} "
+        f"messages on rank 0, median of {repeats} repeats, the parts taking turns"
+    )
+    print(f"{'part':>36}" + "".join(f"{label + ' us':>12}{'/ MPI':>7}" for label, _, _ in SMALL))
+    for name in parts:
+        print(
+            f"{name:>36}"
+            + "".join(f"{row[name] * 1e6:>12.1f}{row[name] / row[MPI_PART]:>7.2f}" for row in table.values())
+        )
+    for label, row in table.items():
+        bare, watched = row["messages (bare Sendrecv loop)"], row["messages through the deadline watch"]
+        print(
+            f"{label}: reference recursive doubling / MPI_Allreduce {row['reference recursive doubling'] / row[MPI_PART]:.2f}; "
+            f"a separate agreement would add {row['agreement as its own collective'] / row[MPI_PART]:.2f} x MPI's time; "
+            f"the watch adds {(watched - bare) * 1e6:.1f} us to the messages"
+        )
+
+
+def peer(comm: Any) -> None:
+    """UCSD CSE 234 PA2's measurement: average over 100 runs, a barrier before and after each call."""
+    import numpy as np
+    from ddlab.allreduce import ALGORITHMS
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    totals = dict.fromkeys(["mpi", *ALGORITHMS], 0.0)
+    wrong: set[str] = set()
+    for _ in range(PEER_RUNS):
+        x = np.random.randint(0, 100, PEER_ITEMS).astype(np.int64)
+        want = np.empty_like(x)
+        comm.Barrier()
+        start = MPI.Wtime()
+        comm.Allreduce(x, want, op=MPI.SUM)
+        comm.Barrier()
+        totals["mpi"] += MPI.Wtime() - start
+        for name, fn in ALGORITHMS.items():
+            comm.Barrier()
+            start = MPI.Wtime()
+            got = fn(comm, x)
+            comm.Barrier()
+            totals[name] += MPI.Wtime() - start
+            if not np.array_equal(got, want):
+                wrong.add(name)
+    wrong_anywhere = set().union(*comm.allgather(wrong))
+    if rank != 0:
+        return
+    mpi = totals["mpi"] / PEER_RUNS
+    print(
+        f"UCSD CSE 234 PA2's protocol: {PEER_RUNS} runs of {PEER_ITEMS} int64 on {comm.Get_size()} ranks, "
+        f"barrier before and after each call; MPI_Allreduce's average {mpi * 1e6:.1f} us (rank 0's clock)"
+    )
+    print(f"{'algorithm':>20} {'average us':>11} {'/ MPI':>7} {'<= 1.5x':>8} {'<= 1.05x':>9}")
+    for name in ALGORITHMS:
+        ratio = totals[name] / PEER_RUNS / mpi
+        marks = "".join(f"{'yes' if ratio <= tier else 'no':>{w}}" for tier, w in zip(TIERS, (9, 10)))
+        print(
+            f"{name:>20} {totals[name] / PEER_RUNS * 1e6:>11.1f} {ratio:>7.2f}{marks}"
+            + ("  WRONG RESULT" if name in wrong_anywhere else "")
+        )
+
+
+def child(parts: list[str], scale: float) -> None:
+    """Inside the MPI job: measure, and print on rank 0."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == 0:
+        print(f"\n{comm.Get_size()} ranks on {os.cpu_count()} cores, {MPI.Get_library_version().split(',')[0]}")
+    if "sizes" in parts:
+        sizes(comm, scale)
+    if "breakdown" in parts:
+        breakdown(comm, scale)
+    if "peer" in parts:
+        peer(comm)
     sys.stdout.flush()
 
 
@@ -95,7 +209,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats-scale", type=float, default=1.0, help="multiply every repeat count")
-    return bench_main(parser, lambda a: child(a.repeats_scale), TIMEOUT)
+    parser.add_argument(
+        "--part", nargs="+", choices=["sizes", "breakdown", "peer"], default=["sizes", "breakdown", "peer"]
+    )
+    return bench_main(parser, lambda a: child(a.part, a.repeats_scale), TIMEOUT)
 
 
 if __name__ == "__main__":

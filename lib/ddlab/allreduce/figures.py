@@ -188,3 +188,17 @@ def bytes_against_lower_bound(sent: dict[str, float], lower_bound: float, title:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def call_parts(microseconds: dict[str, float], baseline: str, title: str = "") -> plt.Figure:
+    """What each part of a small allreduce call costs (horizontal bars, in us), the baseline's time dashed."""
+    names = list(microseconds)[::-1]
+    fig, ax = plt.subplots(figsize=(7.5, 0.35 * len(names) + 1.2))
+    colours = ["black" if name == baseline else plt.get_cmap("tab10")(i) for i, name in enumerate(names)]
+    ax.barh(range(len(names)), [microseconds[k] for k in names], color=colours)
+    ax.axvline(microseconds[baseline], color="black", ls="--", lw=1)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel("microseconds per call (median, slowest rank)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
