@@ -196,11 +196,13 @@ def allreduce_tree(comm: Comm, x: np.ndarray) -> np.ndarray:
 HEADER = 32
 
 
-#: Recursive doubling's buffers for messages up to this many bytes stay with an mpi4py communicator
-#: between calls (an MPI attribute, freed with it), for the last length and dtype it was called with:
-#: MPI moves a small message from a buffer it has seen before faster, and a small call's Python
-#: work is most of its cost (bench/allreduce.py --part breakdown). Larger ones get new buffers.
-KEPT = 64 * 2**10
+#: A frame (header and data) of up to this many bytes travels as one message; a longer one as its
+#: header, then its data. Every first message therefore fits a receive buffer of this size, whatever
+#: the sender's length: no receive can overflow, and none needs a probe first. Frames this small
+#: also stay with an mpi4py communicator between calls (an MPI attribute, freed with it, for the
+#: last length and dtype): a small call's Python work is most of its cost (bench/allreduce.py
+#: --part breakdown). Larger ones get new buffers.
+SINGLE = 64 * 2**10
 
 
 @functools.cache
@@ -208,30 +210,36 @@ def _kept_key() -> int:
     return MPI.Comm.Create_keyval()
 
 
+def _data_bytes(header: memoryview) -> int:
+    """Bytes of data behind a header: length x itemsize (the dtype code's low byte), 0 for bad input."""
+    return int(header[1] * (header[2] & 255)) if header[0] == _OK else 0
+
+
 class _Framed:
-    """Recursive doubling's two buffers on a real communicator: each message is a header, then the data.
+    """Recursive doubling's buffers on a real communicator: each message is a header, then the data.
 
     Every rank compares the header it receives with its own, and passes on whether all the ranks
     it has heard from (directly or through its partners) agree; after the last exchange every rank
-    holds the same verdict, with no message of its own for the agreement. A message of another size
-    than this rank's is a disagreement too.
+    holds the same verdict, with no message of its own for the agreement.
     """
 
     def __init__(self, nbytes: int, dtype: np.dtype) -> None:
         self.frame = np.empty(HEADER + nbytes, dtype=np.uint8)  # what this rank sends
-        self.incoming = np.empty_like(self.frame)  # what it receives
+        self.incoming = np.empty(max(SINGLE, HEADER + nbytes), dtype=np.uint8)  # what it receives
         self.header = self.frame[:HEADER].data.cast("q")
         self.their_header = self.incoming[:HEADER].data.cast("q")
         self.work = self.frame[HEADER:].view(dtype)
-        self.theirs = self.incoming[HEADER:].view(dtype)
-        self.status = MPI.Status()
+        self.theirs = self.incoming[HEADER : HEADER + nbytes].view(dtype)
+        self.split = self.frame.nbytes > SINGLE  # the data goes in a message of its own
+        self.first = self.frame[:HEADER] if self.split else self.frame
+        self.landing = self.incoming[:SINGLE]
 
     @staticmethod
     def of(comm: Comm, x: Any) -> _Framed:
         """The buffers for x, this rank's header and a copy of x in place: kept on comm when small."""
         mine = _describe(x)
         data = x if mine[0] == _OK else np.empty(0, dtype=np.uint8)
-        keeper = comm if isinstance(comm, MPI.Comm) and HEADER + data.nbytes <= KEPT else None
+        keeper = comm if isinstance(comm, MPI.Comm) and HEADER + data.nbytes <= SINGLE else None
         framed = cast("_Framed | None", keeper.Get_attr(_kept_key())) if keeper is not None else None
         if framed is None or framed.work.size != data.size or framed.work.dtype != data.dtype:
             framed = _Framed(data.nbytes, data.dtype)
@@ -241,48 +249,59 @@ class _Framed:
         framed.work[...] = data
         return framed
 
-    def _receive(self, comm: Comm, peer: int, into: np.ndarray) -> bool:
-        """Receive peer's message into `into`; False if its size differs (the ranks disagree; it is dropped).
+    def _data_into(self, into: np.ndarray) -> np.ndarray:
+        """Where the data that follows the header just received goes: `into` if it has that size, else scratch."""
+        nbytes = _data_bytes(self.their_header)
+        return into.view(np.uint8) if nbytes == into.nbytes else np.empty(nbytes, dtype=np.uint8)
 
-        Probing first means a longer vector never overflows the buffer (MPI_ERR_TRUNCATE, which
-        Open MPI does not survive); the probe waits no longer than the receive would.
-        """
-        comm.Probe(source=peer, tag=TAG, status=self.status)
-        nbytes = self.status.Get_count(MPI.BYTE)
-        comm.Recv(into if nbytes == into.nbytes else np.empty(nbytes, dtype=np.uint8), source=peer, tag=TAG)
-        return nbytes == into.nbytes
+    def _follows(self) -> bool:
+        """Whether the header just received comes without its data (which follows as a message of its own)."""
+        return HEADER + _data_bytes(self.their_header) > SINGLE
 
-    def _merge(self, arrived: bool) -> bool:
+    def _merge(self) -> bool:
         """Fold the received header's verdict into this rank's; True if the data may be added."""
-        agree = arrived and self.header[3] == 1 and self.header.tolist() == self.their_header.tolist()
+        agree = self.header[3] == 1 and self.header.tolist() == self.their_header.tolist()
         self.header[3] = int(agree)
         return agree
 
     def swap(self, comm: Comm, peer: int) -> None:
         """Exchange with peer, then add its vector to this rank's (if all agree so far)."""
-        request = comm.Isend(self.frame, dest=peer, tag=TAG)
-        arrived = self._receive(comm, peer, self.incoming)
-        request.Wait()
-        if self._merge(arrived):
+        comm.Sendrecv(self.first, dest=peer, sendtag=TAG, recvbuf=self.landing, source=peer, recvtag=TAG)
+        if self.split and self._follows():
+            into = self._data_into(self.theirs)
+            comm.Sendrecv(self.work, dest=peer, sendtag=TAG, recvbuf=into, source=peer, recvtag=TAG)
+        elif self.split:
+            comm.Send(self.work, dest=peer, tag=TAG)
+        elif self._follows():
+            comm.Recv(self._data_into(self.theirs), source=peer, tag=TAG)
+        if self._merge():
             np.add(self.work, self.theirs, out=self.work)
 
     def give(self, comm: Comm, peer: int) -> None:
-        comm.Send(self.frame, dest=peer, tag=TAG)
+        comm.Send(self.first, dest=peer, tag=TAG)
+        if self.split:
+            comm.Send(self.work, dest=peer, tag=TAG)
 
     def take_sum(self, comm: Comm, peer: int) -> None:
         """Receive peer's vector (fold in) and add it to this rank's."""
-        if self._merge(self._receive(comm, peer, self.incoming)):
+        comm.Recv(self.landing, source=peer, tag=TAG)
+        if self._follows():
+            comm.Recv(self._data_into(self.theirs), source=peer, tag=TAG)
+        if self._merge():
             np.add(self.work, self.theirs, out=self.work)
 
     def take_result(self, comm: Comm, peer: int) -> None:
         """Receive the result (fold out) in place of this rank's vector, and the verdict with it."""
-        if not self._receive(comm, peer, self.frame):
-            self.header[3] = 0
+        comm.Recv(self.landing, source=peer, tag=TAG)
+        if self._follows():
+            comm.Recv(self._data_into(self.work), source=peer, tag=TAG)
+        if self._merge() and not self.split:
+            self.work[...] = self.theirs
 
     def result(self, comm: Comm, x: Any) -> np.ndarray:
         """The sum, once every rank knows all agreed; else the same ValueError on every rank."""
         if self.header[3] == 1 and self.header[0] == _OK:
-            return self.work.copy()  # the buffers may stay with the communicator: the caller gets its own array
+            return self.work if self.split else self.work.copy()  # small buffers stay with the communicator
         problem = _disagreement(comm, x)  # every rank is here with the same verdict: gather the inputs
         raise ValueError(f"allreduce: {problem or 'the ranks passed different inputs'}")
 
