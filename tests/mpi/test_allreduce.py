@@ -169,12 +169,12 @@ def test_checks_pass_the_references(check: Callable, reference: Callable, capsys
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
-@pytest.mark.parametrize("n", [3, 8188, 70_000])
+@pytest.mark.parametrize("n", [3, 8188, 131_068])
 def test_a_longer_vector_on_one_rank_raises_without_overflowing(name: str, n: int) -> None:
     """A rank whose vector is longer than its partners': the same error everywhere, never a receive that
     overflows. Recursive doubling carries the agreement in its messages, so its receives meet the longer
-    vector itself: 8188 float64 fill exactly one 64 KiB frame and 8189 do not (header and data then
-    travel apart), and 70 000 pass MPI's eager limit."""
+    vector itself: 8188 float64 fill exactly the 64 KiB frame kept between calls and 8189 do not; 131 068
+    fill exactly one 1 MiB message, and 131 069 travel as header then data, past MPI's eager limit."""
     for culprit in range(WORLD.size):
 
         def body(comm: MPI.Comm, culprit: int = culprit) -> str | None:

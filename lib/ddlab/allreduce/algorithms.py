@@ -198,11 +198,13 @@ HEADER = 32
 
 #: A frame (header and data) of up to this many bytes travels as one message; a longer one as its
 #: header, then its data. Every first message therefore fits a receive buffer of this size, whatever
-#: the sender's length: no receive can overflow, and none needs a probe first. Frames this small
-#: also stay with an mpi4py communicator between calls (an MPI attribute, freed with it, for the
-#: last length and dtype): a small call's Python work is most of its cost (bench/allreduce.py
-#: --part breakdown). Larger ones get new buffers.
-SINGLE = 64 * 2**10
+#: the sender's length: no receive can overflow, and none needs a probe first. (Recursive doubling
+#: is the algorithm for short vectors: past 1 MiB the extra message per step costs little.)
+SINGLE = 2**20
+#: Frames up to this many bytes stay with an mpi4py communicator between calls (an MPI attribute,
+#: freed with it, for the last length and dtype): a small call's Python work is most of its cost
+#: (bench/allreduce.py --part breakdown). Larger ones get new buffers.
+KEPT = 64 * 2**10
 
 
 @functools.cache
@@ -233,18 +235,20 @@ class _Framed:
         self.split = self.frame.nbytes > SINGLE  # the data goes in a message of its own
         self.first = self.frame[:HEADER] if self.split else self.frame
         self.landing = self.incoming[:SINGLE]
+        self.kept = False  # set when the buffers stay with a communicator
 
     @staticmethod
     def of(comm: Comm, x: Any) -> _Framed:
         """The buffers for x, this rank's header and a copy of x in place: kept on comm when small."""
         mine = _describe(x)
         data = x if mine[0] == _OK else np.empty(0, dtype=np.uint8)
-        keeper = comm if isinstance(comm, MPI.Comm) and HEADER + data.nbytes <= SINGLE else None
+        keeper = comm if isinstance(comm, MPI.Comm) and HEADER + data.nbytes <= KEPT else None
         framed = cast("_Framed | None", keeper.Get_attr(_kept_key())) if keeper is not None else None
         if framed is None or framed.work.size != data.size or framed.work.dtype != data.dtype:
             framed = _Framed(data.nbytes, data.dtype)
             if keeper is not None:  # one call at a time per communicator uses them, as MPI's matching needs anyway
                 keeper.Set_attr(_kept_key(), framed)
+                framed.kept = True
         framed.header[0], framed.header[1], framed.header[2], framed.header[3] = mine[0], mine[1], mine[2], 1
         framed.work[...] = data
         return framed
@@ -301,7 +305,7 @@ class _Framed:
     def result(self, comm: Comm, x: Any) -> np.ndarray:
         """The sum, once every rank knows all agreed; else the same ValueError on every rank."""
         if self.header[3] == 1 and self.header[0] == _OK:
-            return self.work if self.split else self.work.copy()  # small buffers stay with the communicator
+            return self.work.copy() if self.kept else self.work  # kept buffers stay with the communicator
         problem = _disagreement(comm, x)  # every rank is here with the same verdict: gather the inputs
         raise ValueError(f"allreduce: {problem or 'the ranks passed different inputs'}")
 
