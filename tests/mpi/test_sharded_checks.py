@@ -105,6 +105,22 @@ def allgather_dropping_the_last_shard(comm, mine, bounds):
     return out
 
 
+def allgather_in_float64(comm, mine, bounds):
+    """Wrong: the buffer made in a fixed dtype (float64), whatever mine's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = np.empty(bounds[-1])
+    pieces = [out[bounds[q] : bounds[q + 1]] for q in range(size)]
+    pieces[rank][...] = mine
+    for step in range(size - 1):
+        send = np.ascontiguousarray(pieces[(rank - step) % size])
+        arriving = np.empty_like(pieces[(rank - step - 1) % size])
+        comm.Sendrecv(
+            send, dest=(rank + 1) % size, sendtag=TAG, recvbuf=arriving, source=(rank - 1) % size, recvtag=TAG
+        )
+        pieces[(rank - step - 1) % size][...] = arriving
+    return out
+
+
 def reshard_by_concatenation(shards, numel, size, rank):
     """Another valid answer: put the whole buffer back together, then cut it again."""
     flat = np.concatenate(shards)[:numel]
@@ -176,6 +192,7 @@ def test_allgather_check_accepts(fn) -> None:
     [
         (allgather_reused_buffer, "second call changed the first call's result"),
         (allgather_dropping_the_last_shard, "gathered buffer is wrong"),
+        (allgather_in_float64, "has dtype float64, expected int16"),
     ],
 )
 def test_allgather_check_fails(fn, message) -> None:

@@ -95,17 +95,24 @@ def check_reduce_scatter(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray])
     passed(comm, "reduce_scatter: each rank gets the sums of its own shard, equal or uneven, in the ring's bytes")
 
 
+#: What the trainer hands allgather, case by case: float64 and float32 parameters, and bfloat16 ones
+#: as their int16 bits (NumPy has no bfloat16). Four layouts, so each dtype meets an uneven one.
+ALLGATHER_DTYPES = (np.float64, np.int16, np.float32, np.int16)
+
+
 def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> None:
     """fn(comm, mine, bounds) -> new array of bounds[-1] items, rank q's piece at bounds[q]:bounds[q+1]."""
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for description, bounds in _cases(size):
-            context = f"allgather ({description})"
+        for (description, bounds), dtype in zip(_cases(size), ALLGATHER_DTYPES):
+            context = (
+                f"allgather ({description}, {np.dtype(dtype).name}{' = bfloat16 bits' if dtype == np.int16 else ''})"
+            )
             results, wants = [], []
             for call in range(2):  # two calls: the first result must survive the second
-                full = np.random.default_rng([bounds[-1], call]).standard_normal(bounds[-1])
+                full = (100 * np.random.default_rng([bounds[-1], call]).standard_normal(bounds[-1])).astype(dtype)
                 mine = full[bounds[rank] : bounds[rank + 1]].copy()
                 got, traffic = run_counted(sub, fn, (mine, list(bounds)), context)
                 _, reference = run_counted(sub, allgather_ring, (mine.copy(), list(bounds)), "the reference")
