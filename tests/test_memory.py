@@ -74,6 +74,20 @@ def test_budget_raises_out_of_memory_naming_stage_and_bytes():
         Ledger(budget=0)
 
 
+def test_a_deferred_charge_past_the_budget_is_kept_until_settle_then_charges_raise_again():
+    ledger = Ledger(budget=100)
+    ledger.defer()
+    ledger.charge("activations", 80)
+    ledger.charge("gradients", 50, "a gradient")  # past the budget: kept, charged, not raised
+    ledger.charge("gradients", 60)
+    assert ledger.total == 190
+    first = ledger.settle()
+    assert isinstance(first, OutOfMemory) and first.asked == 50 and "a gradient" in str(first)
+    assert ledger.settle() is None
+    with pytest.raises(OutOfMemory):
+        ledger.charge("activations", 1)
+
+
 def test_reset_peak_starts_from_current_use():
     ledger = Ledger()
     ledger.charge("activations", 100)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
+import torch
+from ddlab import sharded
 from ddlab.allreduce import allgather_ring, reduce_scatter_ring
 from ddlab.checks import (
     CheckFailed,
     check_allgather,
     check_reduce_scatter,
     check_reshard,
-    check_zero2_step,
+    check_sharded_optimizer,
+    check_zero2_hooks,
     check_zero3_unit,
 )
 from mpi4py import MPI
@@ -100,6 +105,22 @@ def allgather_dropping_the_last_shard(comm, mine, bounds):
     return out
 
 
+def allgather_in_float64(comm, mine, bounds):
+    """Wrong: the buffer made in a fixed dtype (float64), whatever mine's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = np.empty(bounds[-1])
+    pieces = [out[bounds[q] : bounds[q + 1]] for q in range(size)]
+    pieces[rank][...] = mine
+    for step in range(size - 1):
+        send = np.ascontiguousarray(pieces[(rank - step) % size])
+        arriving = np.empty_like(pieces[(rank - step - 1) % size])
+        comm.Sendrecv(
+            send, dest=(rank + 1) % size, sendtag=TAG, recvbuf=arriving, source=(rank - 1) % size, recvtag=TAG
+        )
+        pieces[(rank - step - 1) % size][...] = arriving
+    return out
+
+
 def reshard_by_concatenation(shards, numel, size, rank):
     """Another valid answer: put the whole buffer back together, then cut it again."""
     flat = np.concatenate(shards)[:numel]
@@ -171,6 +192,7 @@ def test_allgather_check_accepts(fn) -> None:
     [
         (allgather_reused_buffer, "second call changed the first call's result"),
         (allgather_dropping_the_last_shard, "gathered buffer is wrong"),
+        (allgather_in_float64, "has dtype float64, expected int16"),
     ],
 )
 def test_allgather_check_fails(fn, message) -> None:
@@ -196,72 +218,215 @@ def test_reshard_check_fails(fn, message) -> None:
         check_reshard(fn)
 
 
-def zero2_step_ring(comm, grad, params, momentum, lr):
-    """The lab's answer: reduce-scatter, update this rank's shard, allgather."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    shard = grad.size // size
-    bounds = [q * shard for q in range(size + 1)]
-    mine = reduce_scatter_ring(comm, grad, bounds) / size
-    momentum[...] = 0.9 * momentum + mine
-    return allgather_ring(comm, params[rank * shard : (rank + 1) * shard] - lr * momentum, bounds)
+class RingShardedOptimizer:
+    """The lab's answer (exercise 13.3) on lab 03's ring halves; its subclasses below each make one mistake."""
+
+    mean = True  # divide the reduce-scatter's sum by P
+    shard_only = True  # the inner optimizer over this rank's shard, not every parameter
+    fixed_dtype: torch.dtype | None = None  # flat buffers in one dtype whatever the parameters'
+    world = False  # the notebook's MPI.COMM_WORLD instead of the comm given
+    gather = True  # allgather the shards into the parameters after the step
+    divide_in_place = False  # divide autograd's gradients in place
+    waits_forever = False  # a receive no rank sends to
+
+    def __init__(self, params, optimizer_class, comm, **kwargs):
+        self.params = [p for p in params if p.requires_grad]
+        self.comm = MPI.COMM_WORLD if self.world else comm
+        self.size, self.rank = self.comm.Get_size(), self.comm.Get_rank()
+        numel = sum(p.numel() for p in self.params)
+        shard = -(-numel // self.size)
+        self.bounds = [q * shard for q in range(self.size + 1)]
+        self.dtype = self.fixed_dtype or self.params[0].dtype
+        flat = self.flatten([p.detach() for p in self.params])
+        self.shard = torch.nn.Parameter(flat[self.bounds[self.rank] : self.bounds[self.rank + 1]].clone())
+        self.whole = torch.nn.Parameter(flat.clone())
+        self.optimizer = optimizer_class([self.shard if self.shard_only else self.whole], **kwargs)
+
+    def flatten(self, tensors):
+        flat = torch.zeros(self.bounds[-1], dtype=self.dtype)
+        offset = 0
+        for p, t in zip(self.params, tensors):
+            flat[offset : offset + p.numel()] = t.reshape(-1)
+            offset += p.numel()
+        return flat
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        if self.waits_forever:
+            self.comm.Recv(np.empty(1), source=0, tag=TAG + 1)
+        if self.divide_in_place:
+            for p in self.params:
+                p.grad.div_(self.size)
+        grads = self.flatten([p.grad for p in self.params])
+        summed = torch.from_numpy(reduce_scatter_ring(self.comm, grads.numpy(), self.bounds))
+        self.shard.grad = summed if self.divide_in_place or not self.mean else summed / self.size
+        if not self.shard_only:  # every rank steps a full copy with the averaged gradient: DDP's state
+            full = torch.from_numpy(allgather_ring(self.comm, self.shard.grad.numpy(), self.bounds))
+            self.whole.grad = full
+            self.optimizer.step()
+            self.scatter(self.whole.detach())
+            return
+        self.optimizer.step()
+        if not self.gather:
+            return
+        self.scatter(torch.from_numpy(allgather_ring(self.comm, self.shard.detach().numpy(), self.bounds)))
+
+    def scatter(self, full):
+        offset = 0
+        for p in self.params:
+            p.copy_(full[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
-def zero2_step_direct(comm, grad, params, momentum, lr):
-    """Another valid answer: the direct reduce-scatter and allgather above."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    shard = grad.size // size
-    bounds = [q * shard for q in range(size + 1)]
-    momentum *= 0.9
-    momentum += reduce_scatter_direct(comm, grad, bounds) / size
-    return allgather_direct(comm, params[rank * shard : (rank + 1) * shard] - lr * momentum, bounds)
+class SumNotMean(RingShardedOptimizer):
+    mean = False
 
 
-def zero2_step_summing(comm, grad, params, momentum, lr):
-    """Wrong: the sum of the gradients, not their mean."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    shard = grad.size // size
-    bounds = [q * shard for q in range(size + 1)]
-    momentum[...] = 0.9 * momentum + reduce_scatter_ring(comm, grad, bounds)
-    return allgather_ring(comm, params[rank * shard : (rank + 1) * shard] - lr * momentum, bounds)
+class WholeState(RingShardedOptimizer):
+    shard_only = False
 
 
-def zero2_step_allreduce_then_allgather(comm, grad, params, momentum, lr):
-    """Wrong in bytes: a whole allreduce (each rank then uses only its shard), then the allgather."""
-    from ddlab.allreduce import allreduce_ring
-
-    size, rank = comm.Get_size(), comm.Get_rank()
-    shard = grad.size // size
-    bounds = [q * shard for q in range(size + 1)]
-    mine = allreduce_ring(comm, grad)[rank * shard : (rank + 1) * shard] / size
-    momentum[...] = 0.9 * momentum + mine
-    return allgather_ring(comm, params[rank * shard : (rank + 1) * shard] - lr * momentum, bounds)
+class Float64Buffers(RingShardedOptimizer):
+    fixed_dtype = torch.float64
 
 
-def zero2_step_momentum_not_kept(comm, grad, params, momentum, lr):
-    """Wrong: a new momentum array, so the rank's state never changes."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    shard = grad.size // size
-    bounds = [q * shard for q in range(size + 1)]
-    momentum = 0.9 * momentum + reduce_scatter_ring(comm, grad, bounds) / size
-    return allgather_ring(comm, params[rank * shard : (rank + 1) * shard] - lr * momentum, bounds)
+class WorldComm(RingShardedOptimizer):
+    world = True
 
 
-@pytest.mark.parametrize("fn", [zero2_step_ring, zero2_step_direct])
-def test_zero2_step_check_accepts(fn) -> None:
-    check_zero2_step(fn)
+class NoAllgather(RingShardedOptimizer):
+    gather = False
+
+
+class DividesGradientsInPlace(RingShardedOptimizer):
+    divide_in_place = True
+
+
+class WaitsForever(RingShardedOptimizer):
+    waits_forever = True
+
+
+class ShardAliasesParameters(RingShardedOptimizer):
+    """Wrong: the master shard is a view of the first parameter's memory, which the allgather overwrites."""
+
+    def __init__(self, params, optimizer_class, comm, **kwargs):
+        super().__init__(params, optimizer_class, comm, **kwargs)
+        first = self.params[0].detach().view(-1)
+        n = min(first.numel(), self.shard.numel())
+        self.shard = torch.nn.Parameter(first[:n])
+        self.optimizer = optimizer_class([self.shard], **kwargs)
+
+
+def library_with_ring(params, optimizer_class, comm, **kwargs):
+    """A valid answer: ddlab's reference, on lab 03's ring halves."""
+    return sharded.ShardedOptimizer(params, optimizer_class, comm, collectives="ring", **kwargs)
+
+
+@pytest.mark.parametrize("fn", [RingShardedOptimizer, sharded.ShardedOptimizer, library_with_ring], ids=str)
+def test_sharded_optimizer_check_accepts(fn) -> None:
+    check_sharded_optimizer(fn)
 
 
 @pytest.mark.parametrize(
     "fn, message",
     [
-        (zero2_step_summing, "new parameters is wrong"),
-        (zero2_step_allreduce_then_allgather, "one reduce-scatter and one allgather send"),
-        (zero2_step_momentum_not_kept, "momentum shard after the step"),
+        (SumNotMean, "differs from one process's.*mean"),
+        (NoAllgather, "differs from one process's.*allgather"),
+        (WholeState, "inner optimizer holds 36 items"),
+        (Float64Buffers, "shard is torch.float64, the parameters torch.float32"),
+        (WorldComm, "nothing went through the communicator"),
+        (DividesGradientsInPlace, "changed the parameters' .grad"),
+        (WaitsForever, "never completed"),
+        (ShardAliasesParameters, "differs from one process's"),
     ],
+    ids=lambda v: v if isinstance(v, str) else v.__name__,
 )
-def test_zero2_step_check_fails(fn, message) -> None:
+def test_sharded_optimizer_check_fails(fn, message) -> None:
     with pytest.raises(CheckFailed, match=message):
-        check_zero2_step(fn)
+        check_sharded_optimizer(fn)
+
+
+def zero2_hooks_with(
+    unit,
+    comm,
+    keep,
+    *,
+    free=True,
+    at_first=False,
+    fixed_dtype=None,
+    world=False,
+    reuse=False,
+    mean=True,
+    mpi=False,
+    waits_forever=False,
+):
+    """The lab's answer (exercise 13.4) with lab 03's ring, or MPI's Reduce_scatter (mpi=True); each other
+    keyword makes one mistake."""
+    params = [p for p in unit.parameters() if p.requires_grad]
+    comm = MPI.COMM_WORLD if world else comm
+    size = comm.Get_size()
+    shard = -(-sum(p.numel() for p in params) // size)
+    bounds = [q * shard for q in range(size + 1)]
+    left = [len(params)]
+    kept = []
+
+    def on_gradient(param):
+        left[0] -= 1
+        if left[0] > 0 and not at_first:
+            return
+        left[0] = len(params)
+        if waits_forever:
+            comm.Recv(np.empty(1), source=0, tag=TAG + 2)
+        flat = torch.zeros(bounds[-1], dtype=fixed_dtype or param.grad.dtype)
+        offset = 0
+        for p in params:
+            if p.grad is not None:
+                flat[offset : offset + p.numel()] = p.grad.reshape(-1)
+            offset += p.numel()
+            if free:
+                p.grad = None
+        if mpi:
+            summed = np.empty(shard, dtype=flat.numpy().dtype)
+            comm.Reduce_scatter(flat.numpy(), summed, recvcounts=[shard] * size, op=MPI.SUM)
+        else:
+            summed = reduce_scatter_ring(comm, flat.numpy(), bounds)
+        result = torch.from_numpy(summed) / (size if mean else 1)
+        if reuse:
+            if not kept:
+                kept.append(result)
+            kept[0].copy_(result)
+            result = kept[0]
+        keep(result)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(on_gradient)
+
+
+@pytest.mark.parametrize("options", [{}, {"mpi": True}], ids=str)
+def test_zero2_hooks_check_accepts(options) -> None:
+    check_zero2_hooks(functools.partial(zero2_hooks_with, **options))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"free": False}, "full gradient is still held"),
+        ({"at_first": True}, "shard was not kept|keep was called"),
+        ({"fixed_dtype": torch.float64}, "shard is torch.float64, its gradients torch.float32"),
+        ({"world": True}, "nothing went through the communicator"),
+        ({"reuse": True}, "first's buffer, overwritten"),
+        ({"mean": False}, "shard is wrong.*the mean over ranks"),
+        ({"waits_forever": True}, "never completed"),
+    ],
+    ids=str,
+)
+def test_zero2_hooks_check_fails(options, message) -> None:
+    with pytest.raises(CheckFailed, match=message):
+        check_zero2_hooks(functools.partial(zero2_hooks_with, **options))
 
 
 def zero3_hooks_in_a_closure(unit, gather, free, reduce):

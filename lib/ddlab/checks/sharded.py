@@ -6,9 +6,11 @@
 - `check_allgather(fn)`: fn(comm, mine, bounds) -> a new array of bounds[-1] items, rank q's
   `mine` at bounds[q]:bounds[q+1]; point-to-point only; each call a fresh array (the caller
   keeps it: a buffer reused by the next call would change it); no more bytes than the ring's.
-- `check_zero2_step(fn)`: fn(comm, grad, params, momentum, lr) -> the new full parameters after one
-  step of SGD with momentum on the mean gradient, each rank updating only its shard (momentum is
-  this rank's shard, updated in place): a reduce-scatter, a shard update, an allgather.
+- `check_sharded_optimizer(cls)`: cls(params, optimizer_class, comm, **kwargs), ZeRO-1 around any
+  torch.optim class: the inner optimizer over this rank's flat shard only, a reduce-scatter of the
+  gradients, the inner step, an allgather; equal to one process with SGD-momentum and Adam.
+- `check_zero2_hooks(fn)`: fn(unit, comm, keep) makes ZeRO-2's difference: a unit's gradient
+  reduce-scattered in its last post-accumulate-grad hook, keep(mean shard) called, the full gradient freed.
 - `check_zero3_unit(fn)`: fn(unit, gather, free, reduce) places a ZeRO-3 unit's hooks: gather
   before forward, free after, gather before backward, reduce and free once its gradients are all there.
 - `check_reshard(fn)`: fn(shards, numel, size, rank) -> rank's shard of the flat buffer cut
@@ -93,17 +95,24 @@ def check_reduce_scatter(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray])
     passed(comm, "reduce_scatter: each rank gets the sums of its own shard, equal or uneven, in the ring's bytes")
 
 
+#: What the trainer hands allgather, case by case: float64 and float32 parameters, and bfloat16 ones
+#: as their int16 bits (NumPy has no bfloat16). Four layouts, so each dtype meets an uneven one.
+ALLGATHER_DTYPES = (np.float64, np.int16, np.float32, np.int16)
+
+
 def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> None:
     """fn(comm, mine, bounds) -> new array of bounds[-1] items, rank q's piece at bounds[q]:bounds[q+1]."""
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for description, bounds in _cases(size):
-            context = f"allgather ({description})"
+        for (description, bounds), dtype in zip(_cases(size), ALLGATHER_DTYPES):
+            context = (
+                f"allgather ({description}, {np.dtype(dtype).name}{' = bfloat16 bits' if dtype == np.int16 else ''})"
+            )
             results, wants = [], []
             for call in range(2):  # two calls: the first result must survive the second
-                full = np.random.default_rng([bounds[-1], call]).standard_normal(bounds[-1])
+                full = (100 * np.random.default_rng([bounds[-1], call]).standard_normal(bounds[-1])).astype(dtype)
                 mine = full[bounds[rank] : bounds[rank + 1]].copy()
                 got, traffic = run_counted(sub, fn, (mine, list(bounds)), context)
                 _, reference = run_counted(sub, allgather_ring, (mine.copy(), list(bounds)), "the reference")
@@ -127,68 +136,274 @@ def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> N
     passed(comm, "allgather: every rank gets every shard, equal or uneven, in a new array, in the ring's bytes")
 
 
-#: The momentum coefficient of exercise 13.3's SGD.
-MOMENTUM = 0.9
+#: Exercise 13.3's inner optimizers: (name, class, keyword arguments).
+OPTIMIZERS: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] = [
+    ("SGD with momentum 0.9", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    ("Adam", torch.optim.Adam, {"lr": 0.05, "weight_decay": 1e-3}),
+]
+OPTIMIZER_STEPS = 3
+#: Relative tolerance against one process, per dtype (float64: the course's 1e-10).
+OPTIMIZER_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
-def check_zero2_step(fn: Callable[[Any, np.ndarray, np.ndarray, np.ndarray, float], np.ndarray]) -> None:
-    """fn(comm, grad, params, momentum, lr) -> new full params; momentum (this rank's shard) updated in place.
+def _optimizer_model(dtype: torch.dtype) -> nn.Sequential:
+    """5 -> 4 -> 2 with a tanh: 34 parameters, which 3 and 4 ranks cannot split evenly (the shards need padding)."""
+    generator = torch.Generator().manual_seed(133)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=dtype))
+    return model
 
-    grad: this rank's full flat gradient, params: the full flat parameters (alike on every rank),
-    both of P equal shards; with g the mean over ranks of grad's shard r, rank r sets
-    momentum = 0.9 momentum + g and its shard of the parameters to params - lr momentum; every
-    rank returns all the new shards in a new array. Messages: point-to-point only, no more bytes
-    than one reduce-scatter and one allgather of the ring.
+
+def _optimizer_batches(size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global batch of 3 samples per rank for each step."""
+    generator = torch.Generator().manual_seed(size)
+    return [
+        (
+            torch.randn(3 * size, 5, generator=generator, dtype=dtype),
+            torch.randn(3 * size, 2, generator=generator, dtype=dtype),
+        )
+        for _ in range(OPTIMIZER_STEPS)
+    ]
+
+
+def _optimizer_problem(
+    fn: Callable[..., Any],
+    sub: MPI.Comm,
+    name: str,
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+) -> str | None:
+    rank, size = sub.Get_rank(), sub.Get_size()
+    batches = _optimizer_batches(size, dtype)
+    reference = _optimizer_model(dtype)
+    inner = optimizer_class(reference.parameters(), **kwargs)
+    for x, y in batches:
+        inner.zero_grad()
+        (reference(x) - y).square().mean().backward()
+        inner.step()
+    model = _optimizer_model(dtype)
+    params = list(model.parameters())
+    changed: list[str] = []
+
+    def train(comm: Any) -> Any:
+        optimizer = fn(params, optimizer_class, comm, **kwargs)
+        for x, y in batches:
+            optimizer.zero_grad()
+            (model(x[3 * rank : 3 * rank + 3]) - y[3 * rank : 3 * rank + 3]).square().mean().backward()
+            grads = [p.grad.clone() for p in params if p.grad is not None]
+            optimizer.step()
+            if not changed and (
+                len(grads) != len(params)
+                or any(p.grad is None or not torch.equal(p.grad, g) for p, g in zip(params, grads))
+            ):
+                changed.append(
+                    "step() changed the parameters' .grad (or dropped it): divide a copy, leave autograd's gradients alone"
+                )
+        return optimizer
+
+    context = f"ShardedOptimizer with {name} in {str(dtype).removeprefix('torch.')}"
+    optimizer, traffic = run_counted(
+        sub, train, (), context, timeout=10.0, allow=("Allgather", "Allgatherv", "Reduce_scatter")
+    )
+    numel = sum(p.numel() for p in params)
+    shard = -(-numel // size)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sent = _sent(traffic)
+    if changed:
+        return changed[0]
+    if size > 1 and sent == 0:
+        return (
+            "nothing went through the communicator the check gave: use the `comm` argument (keep it), "
+            "not the notebook's MPI.COMM_WORLD"
+        )
+    for p, (pname, want) in zip(params, reference.named_parameters()):
+        if p.dtype != dtype:
+            return f"parameter {pname} became {p.dtype}, the model's are {dtype}: copy the gathered values into the parameters"
+        error = float((p.detach() - want.detach()).abs().max() / want.detach().abs().max())
+        if not error <= OPTIMIZER_TOLERANCE[dtype]:
+            return (
+                f"after {OPTIMIZER_STEPS} steps parameter {pname} differs from one process's by {error:.1e} (relative): "
+                "step the inner optimizer on the mean of the ranks' gradients (the reduce-scatter's sum over P), "
+                "then allgather every shard into every rank's parameters"
+            )
+    inner_optimizer = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner_optimizer, optimizer_class):
+        return (
+            f"keep the inner optimizer as `self.optimizer`, an instance of the class given ({optimizer_class.__name__})"
+        )
+    mine = [p for group in inner_optimizer.param_groups for p in group["params"]]
+    held = sum(p.numel() for p in mine)
+    if held > shard:
+        return (
+            f"the inner optimizer holds {held} items of the {numel}, its state as much: build it over this "
+            f"rank's shard only (at most ceil({numel}/{size}) = {shard} items), so its state is 1/P of data parallelism's"
+        )
+    if any(p.dtype != dtype for p in mine):
+        return f"the inner optimizer's shard is {mine[0].dtype}, the parameters {dtype}: make the flat buffers in the parameters' dtype"
+    limit = OPTIMIZER_STEPS * size * 2 * (size - 1) * shard * itemsize
+    if sent > limit * BYTES_SLACK + 64 * OPTIMIZER_STEPS * size:
+        return (
+            f"the ranks sent {sent} bytes in {OPTIMIZER_STEPS} steps, a reduce-scatter and an allgather of the flat "
+            f"buffer per step send {limit}: send shards, not whole gradients"
+        )
+    return None
+
+
+def check_sharded_optimizer(fn: Callable[..., Any]) -> None:
+    """fn(params, optimizer_class, comm, **kwargs) -> an object with zero_grad() and step(): ZeRO-1.
+
+    `params` are alike on every rank; each rank builds `optimizer_class` (kept as `.optimizer`) over its
+    own flat shard only; step() reduce-scatters the gradients, divides by P, steps the inner optimizer,
+    allgathers the shards into the parameters. Run with SGD with momentum and Adam, in float64 and
+    float32, on comm's size first then 1, 2, ...: equal to one process on the global batch (float64
+    1e-10), the gradients left alone, the inner optimizer over at most ceil(N/P) items in the
+    parameters' dtype, messages on the communicator given (MPI's Reduce_scatter and
+    Allgather(v) allowed, within one ring reduce-scatter and allgather per step), done within 10 s.
     """
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
-        rank, size = sub.Get_rank(), sub.Get_size()
-        for shard in (3, 1):
-            n = shard * size
-            context = f"zero2_step ({size} shards of {shard})"
-            grad = np.random.default_rng([n, rank]).standard_normal(n)
-            params = np.random.default_rng(n).standard_normal(n)
-            momentum = np.random.default_rng([n, rank, 1]).standard_normal(shard)
-            mean = np.empty_like(grad)
-            sub.Allreduce(grad, mean, op=MPI.SUM)
-            mean /= size
-            mine = slice(rank * shard, (rank + 1) * shard)
-            want_momentum = MOMENTUM * momentum + mean[mine]
-            pieces = sub.allgather(params[mine] - 0.1 * want_momentum)
-            given = (grad.copy(), params.copy(), momentum.copy())
-            got, traffic = run_counted(sub, fn, (*given, 0.1), context)
-            bounds = [q * shard for q in range(size + 1)]
-            _, halves = run_counted(sub, reduce_scatter_ring, (grad.copy(), bounds), "the reference")
-            _, gathered = run_counted(sub, allgather_ring, (params[mine].copy(), bounds), "the reference")
-            problem = array_problem(got, np.concatenate(pieces), "the new parameters")
-            if problem is None:
-                problem = array_problem(given[2], want_momentum, "the momentum shard after the step")
-                if problem:
-                    problem += (
-                        " (update it in place, momentum[...] = ..., with the mean gradient: the sum over "
-                        "ranks divided by their number)"
-                    )
-            if problem is None and not (np.array_equal(given[0], grad) and np.array_equal(given[1], params)):
-                problem = "grad or params was changed: return the new parameters in a new array"
-            if problem is None and any(np.shares_memory(got, a) for a in given):
-                problem = "the result shares memory with an argument: return a new array"
-            if problem is None:
-                got_bytes, ring = _sent(traffic), _sent(halves) + _sent(gathered)
-                if got_bytes > ring * BYTES_SLACK + 64:
-                    problem = (
-                        f"the ranks sent {got_bytes} bytes in all, one reduce-scatter and one allgather send "
-                        f"{ring}: reduce-scatter the gradient (an allreduce sends the whole sum to every rank, "
-                        "which then needs no allgather at all), update your shard, allgather the parameters"
-                    )
-            fail_together(sub, problem and f"{context}: {problem}", "zero2_step")
+        for name, optimizer_class, kwargs in OPTIMIZERS:
+            for dtype in (torch.float64, torch.float32):
+                problem = _optimizer_problem(fn, sub, name, optimizer_class, kwargs, dtype)
+                fail_together(
+                    sub, problem and f"{name}, {str(dtype).removeprefix('torch.')}: {problem}", "ShardedOptimizer"
+                )
         return None
 
-    each_size(comm, body, "zero2_step")
+    size = comm.Get_size()
+    each_size(comm, body, "ShardedOptimizer", sizes=[size, *range(1, size)])
     passed(
         comm,
-        "zero2_step: each rank updates only its shard, with its own momentum, in one reduce-scatter and one allgather",
+        "ShardedOptimizer: SGD with momentum and Adam on 1/P of the state each reach one process's parameters, "
+        "float64 and float32",
     )
+
+
+def _zero2_model(dtype: torch.dtype) -> nn.Sequential:
+    """Three Linear units (5 -> 4 -> 4 -> 2) with tanh between: 24, 20 and 10 parameters."""
+    generator = torch.Generator().manual_seed(132)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=dtype))
+    return model
+
+
+def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype) -> str | None:
+    rank, size = sub.Get_rank(), sub.Get_size()
+    generator = torch.Generator().manual_seed(1000 * size + rank)
+    batches = [
+        (torch.randn(3, 5, generator=generator, dtype=dtype), torch.randn(3, 2, generator=generator, dtype=dtype))
+        for _ in range(2)
+    ]
+    model = _zero2_model(dtype)
+    units = [model[0], model[2], model[4]]
+    kept: list[list[tuple[int, Any]]] = []
+    problems: list[str] = []
+
+    def train(comm: Any) -> None:
+        for index, unit in enumerate(units):
+            fn(unit, comm, lambda shard, index=index: kept[-1].append((index, shard)))
+            params = list(unit.parameters())
+            arrived: list[int] = []
+
+            def watch(param: torch.Tensor, index: int = index, params: list = params, arrived: list = arrived) -> None:
+                arrived.append(1)
+                if len(arrived) < len(params):
+                    return
+                arrived.clear()
+                if not problems and any(p.grad is not None for p in params):
+                    problems.append(
+                        f"unit {index}'s full gradient is still held once its backward is over: set each "
+                        "parameter's .grad to None after the reduce-scatter (only the shard should stay)"
+                    )
+                if not problems and [i for i, _ in kept[-1]] != [i for i in range(index, len(units))][::-1]:
+                    problems.append(
+                        f"unit {index}'s shard was not kept when its last gradient arrived: reduce-scatter in the "
+                        "post-accumulate-grad hook of the unit's last gradient, once per backward"
+                    )
+
+            for p in params:
+                p.register_post_accumulate_grad_hook(watch)
+        for x, y in batches:
+            kept.append([])
+            (model(x) - y).square().mean().backward()
+
+    _, traffic = run_counted(
+        sub, train, (), f"zero2_hooks in {str(dtype).removeprefix('torch.')}", timeout=10.0, allow=("Reduce_scatter",)
+    )
+    if problems:
+        return problems[0]
+    if size > 1 and _sent(traffic) == 0:
+        return (
+            "nothing went through the communicator the check gave: reduce-scatter on the `comm` argument, "
+            "not the notebook's MPI.COMM_WORLD"
+        )
+    if len(kept) == 2 and all(len(k) == len(units) for k in kept):
+        firsts, seconds = dict(kept[0]), dict(kept[1])
+        if any(
+            isinstance(firsts.get(i), torch.Tensor)
+            and isinstance(seconds.get(i), torch.Tensor)
+            and firsts[i].untyped_storage().data_ptr() == seconds[i].untyped_storage().data_ptr()
+            for i in firsts
+        ):
+            return "the second backward's shard is the first's buffer, overwritten: keep a new tensor each time"
+    reference = _zero2_model(dtype)
+    for step, (x, y) in enumerate(batches):
+        reference.zero_grad()
+        (reference(x) - y).square().mean().backward()
+        got = dict(kept[step])
+        if len(kept[step]) != len(units) or set(got) != set(range(len(units))):
+            return f"step {step}: keep was called for units {[i for i, _ in kept[step]]}: once per unit and backward"
+        for index, unit in enumerate([reference[0], reference[2], reference[4]]):
+            flat = torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.grad is not None])
+            shard = -(-flat.numel() // size)
+            padded = torch.zeros(shard * size, dtype=dtype)
+            padded[: flat.numel()] = flat
+            total = padded.numpy().copy()
+            sub.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+            want = total[rank * shard : (rank + 1) * shard] / size
+            shard_got = got[index]
+            if not isinstance(shard_got, torch.Tensor):
+                return f"unit {index}: keep() got a {type(shard_got).__name__}, pass it a tensor"
+            problem = array_problem(
+                shard_got.detach().numpy(),
+                want.astype(shard_got.detach().numpy().dtype),
+                f"step {step}, unit {index}'s shard",
+                rtol=1e-10 if dtype == torch.float64 else 1e-5,
+                atol=1e-12 if dtype == torch.float64 else 1e-6,
+            )
+            if problem is None and shard_got.dtype != dtype:
+                problem = f"unit {index}'s shard is {shard_got.dtype}, its gradients {dtype}: make the flat buffer in the gradients' dtype"
+            if problem:
+                return problem + " (the mean over ranks of shard r of the unit's flat, zero-padded gradient)"
+    return None
+
+
+def check_zero2_hooks(fn: Callable[..., Any]) -> None:
+    """fn(unit, comm, keep) installs post-accumulate-grad hooks on `unit` (an nn.Module): when the last of the
+    unit's gradients of a backward has arrived, its flat zero-padded gradient is reduce-scattered over
+    `comm` (P equal shards), keep(mean shard) is called with a new tensor in the gradients' dtype, and
+    every parameter's .grad is set to None before the next unit's backward.
+
+    Three Linear units, two backward passes, float64 and float32, on comm's size then 1, 2, ...;
+    MPI's Reduce_scatter or point-to-point on the comm given; within 10 s.
+    """
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        for dtype in (torch.float64, torch.float32):
+            problem = _zero2_problem(fn, sub, dtype)
+            fail_together(sub, problem and f"{str(dtype).removeprefix('torch.')}: {problem}", "zero2_hooks")
+        return None
+
+    size = comm.Get_size()
+    each_size(comm, body, "zero2_hooks", sizes=[size, *range(1, size)])
+    passed(comm, "zero2_hooks: each unit's gradient is reduce-scattered as its backward ends, and freed")
 
 
 def _reference_shard(flat: np.ndarray, size: int, rank: int) -> np.ndarray:

@@ -13,7 +13,9 @@ Memory Optimizations Toward Training Trillion Parameter Models", 2020):
   tensors that arrived by message, for as long as they are alive.
 
 The charge that would pass the budget raises `OutOfMemory`, naming the stage and
-the bytes asked for. Short-lived temporaries (a layer's output before the next layer
+the bytes asked for. Between `defer()` and `settle()` it is recorded instead (and
+charged): an engine whose ranks share collectives finishes the phase on every rank,
+then all agree on the failure (`ddlab.sharded` does, raising `AgreedOutOfMemory`). Short-lived temporaries (a layer's output before the next layer
 saves it, gradients of activations during backward) are not counted: the saved
 tensors are the bulk that decides whether training fits.
 """
@@ -39,6 +41,22 @@ class OutOfMemory(MemoryError):
             f"{stage}: out of memory asking for {asked} bytes ({mib(asked)}) of {category}"
             f"{' for ' + what if what else ''}; {mib(sum(used.values()))} of the {mib(budget)} "
             f"budget in use ({parts}). Use a smaller image or batch, or split the model over more ranks."
+        )
+
+
+class AgreedOutOfMemory(OutOfMemory):
+    """Raised alike on every rank of a group when some of its ranks ran out of memory in a phase they share."""
+
+    def __init__(self, failures: dict[int, str], phase: str, size: int):
+        self.failures, self.phase = dict(failures), phase
+        first = min(failures)
+        others = sorted(set(failures) - {first})
+        also = f" (and on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
+        MemoryError.__init__(
+            self,
+            f"out of memory on rank {first} of {size}{also} in {phase}: {failures[first]} Every rank stopped "
+            "here together, with no collective left in flight: close the model and try again with a smaller "
+            "model or batch, a higher ZeRO stage, more ranks, or a larger budget.",
         )
 
 
@@ -105,6 +123,8 @@ class Ledger:
         self._grads_charged: set[int] = set()
         self._optimizer_bytes: dict[int, int] = {}
         self._handles: list = []
+        self.deferring = False
+        self.overdrawn: OutOfMemory | None = None  # the first charge past the budget while deferring
 
     @property
     def total(self) -> int:
@@ -114,10 +134,22 @@ class Ledger:
         """Add nbytes to a category, or raise OutOfMemory if the budget would be passed."""
         if self.budget is not None and self.total + nbytes > self.budget:
             where = f"{what} in {self.where}" if self.where and what else what or self.where
-            raise OutOfMemory(self.stage, nbytes, category, where, self.used, self.budget)
+            error = OutOfMemory(self.stage, nbytes, category, where, self.used, self.budget)
+            if not self.deferring:
+                raise error
+            self.overdrawn = self.overdrawn or error
         self.used[category] += nbytes
         self.peak[category] = max(self.peak[category], self.used[category])
         self.peak_total = max(self.peak_total, self.total)
+
+    def defer(self) -> None:
+        """From now until `settle`, a charge past the budget is kept in `overdrawn` (and charged), not raised."""
+        self.deferring = True
+
+    def settle(self) -> OutOfMemory | None:
+        """Stop deferring; return the first charge that passed the budget since `defer` (None if none)."""
+        overdrawn, self.overdrawn, self.deferring = self.overdrawn, None, False
+        return overdrawn
 
     def release(self, category: str, nbytes: int) -> None:
         self.used[category] -= nbytes

@@ -2,6 +2,7 @@
 
 - `FlatSpace` (flat.py): a unit's parameters in one padded flat buffer, P equal shards, views.
 - `Sharded` (zero.py): ZeRO-1, ZeRO-2, ZeRO-3 with prefetch, mixed precision and activation checkpointing.
+- `ShardedOptimizer` (optimizer.py): ZeRO-1 around any torch.optim class, its state for one shard.
 - `DynamicLossScale` (precision.py): float16 training without gradients underflowing.
 - `save_sharded`, `load_sharded` (checkpoint.py): each rank writes its shards; load on any rank count.
 - collectives.py: the pluggable reduce-scatter and allgather ("mpi", "ring" = lab 03's halves, yours).
@@ -10,5 +11,6 @@
 from .checkpoint import CheckpointError, load_sharded, save_sharded
 from .collectives import CHOICES, allgather_mpi, reduce_scatter_mpi, resolve_collectives
 from .flat import FlatSpace
+from .optimizer import ShardedOptimizer
 from .precision import DynamicLossScale
 from .zero import STAGES, Sharded, Unit

@@ -54,6 +54,11 @@ A `ddlab.runtime.memory.Ledger` passed as `ledger` is charged with what the engi
 parameters (full units: always in stages 1-2, while gathered in 3), gradients (the
 parameters' own while they exist, the buffer being reduced, the shards' gradients) and
 optimizer state (master shards here, the optimizer's state through the ledger's hook).
+With a budget, a rank that runs out of it must not stop alone: the other ranks would wait
+for collectives it never starts, and a communicator freed with requests in flight crashes
+MPI. So the ledger defers the error (`Ledger.defer`) through each phase (forward,
+backward, the optimizer's step); every rank finishes the phase's collectives, then all
+agree (one allgather) and raise the same `AgreedOutOfMemory`, naming the rank and its budget.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ from torch import nn
 
 from ..data_parallel.sync import broadcast_parameters
 from ..runtime.counting import underlying
-from ..runtime.memory import Ledger
+from ..runtime.memory import AgreedOutOfMemory, Ledger, OutOfMemory
 from ..runtime.trace import Tracer
 from .collectives import Collectives, CollectivesChoice, InFlight
 from .flat import FlatSpace
@@ -224,7 +229,16 @@ class Sharded(nn.Module):
             args = tuple(
                 a.to(self.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
             )
-        return self.module(*args, **kwargs)
+        if not self._budgeted:
+            return self.module(*args, **kwargs)
+        assert self.ledger is not None
+        self.ledger.defer()
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            overdrawn = self.ledger.settle()
+        self._agree(overdrawn, "the forward pass")
+        return output
 
     def shards(self) -> list[nn.Parameter]:
         """This rank's master shards, one per unit: what the optimizer updates."""
@@ -237,9 +251,10 @@ class Sharded(nn.Module):
             raise ValueError(
                 "build the optimizer on model.shards() (this rank's master shards), not on the model's parameters"
             )
-        optimizer.register_step_post_hook(self._after_step)
         if self.ledger is not None:
+            optimizer.register_step_pre_hook(self._before_step)
             self.ledger.watch(nn.Module(), optimizer)  # charges the optimizer's state after each step
+        optimizer.register_step_post_hook(self._after_step)  # after the ledger's: agrees on its charge
         return optimizer
 
     def synchronize(self) -> None:
@@ -247,6 +262,8 @@ class Sharded(nn.Module):
         for unit in self.units:
             if unit.gathering is not None:
                 self._finish_gather(unit)
+        while self._reducing:
+            self._finish_reduce(self._reducing.popleft())
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, by name, gathered from the master shards (a collective; new tensors)."""
@@ -259,7 +276,7 @@ class Sharded(nn.Module):
         return out
 
     def close(self) -> None:
-        """Remove the hooks, free the duplicate communicator (a collective)."""
+        """Complete the collectives in flight, remove the hooks, free the duplicate communicator (a collective)."""
         self.synchronize()
         for hook in self._hooks:
             hook.remove()
@@ -267,6 +284,21 @@ class Sharded(nn.Module):
         for unit in self.units:
             unit.module.__dict__.pop("forward", None)
         self.comm.Free()
+
+    # Running out of memory, together ---------------------------------------------
+    @property
+    def _budgeted(self) -> bool:
+        return self.ledger is not None  # on every rank or none: all ranks agree, budget or not
+
+    def _agree(self, overdrawn: OutOfMemory | None, phase: str) -> None:
+        """All ranks: raise AgreedOutOfMemory if any rank's ledger passed its budget in this phase.
+
+        Called where every rank has started the phase's collectives, so none waits for another."""
+        failed = self.comm.allreduce(overdrawn is not None, op=MPI.LOR)
+        if failed:
+            messages = self.comm.allgather(None if overdrawn is None else str(overdrawn))
+            failures = {rank: text for rank, text in enumerate(messages) if text is not None}
+            raise AgreedOutOfMemory(failures, phase, self.size)
 
     # Collectives ----------------------------------------------------------------
     def _progress(self) -> None:
@@ -397,6 +429,9 @@ class Sharded(nn.Module):
         if self._in_backward:
             return
         self._in_backward = True
+        if self._budgeted:
+            assert self.ledger is not None
+            self.ledger.defer()
         for unit in self.units:
             unit.pending, unit.reduced = len(unit.params), False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -413,9 +448,20 @@ class Sharded(nn.Module):
                 self._finish_reduce(self._reducing.popleft())
         finally:
             self._in_backward = False
+        if self._budgeted:
+            assert self.ledger is not None
+            self._agree(self.ledger.settle(), "the backward pass")
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._budgeted:
+            assert self.ledger is not None
+            self.ledger.defer()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.refresh()
+        if self._budgeted:
+            assert self.ledger is not None
+            self._agree(self.ledger.settle(), "the optimizer's step")
 
     def refresh(self) -> None:
         """The master shards changed (a step, a loaded checkpoint): start allgathering the units (stages 1-2).
