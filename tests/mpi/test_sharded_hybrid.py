@@ -1,0 +1,150 @@
+"""ddlab.sharded beyond ZeRO: hybrid sharding (HSDP) and gradient accumulation, on several ranks.
+
+Both must reach one process's parameters on the global batch (float64), and their bytes
+are counted with the counting communicator and compared with the formulas the library states.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ddlab import sharded
+from ddlab.data import StressStrainCurves
+from ddlab.data_parallel import squared_error
+from ddlab.models import make_mlp
+from ddlab.runtime.counting import CountingComm, gather_traffic
+from mpi4py import MPI
+
+TOLERANCE = 1e-10
+PER_RANK = 6
+STEPS = 3
+HIDDEN = (48, 32, 17)  # 17: units whose length no group size here divides
+
+
+def batches(size: int, rank: int | None, micro: int = 1):
+    """This rank's block of each global batch of size * PER_RANK * micro samples (rank=None: all of it),
+    as `micro` micro-batches."""
+    data = StressStrainCurves(n=size * PER_RANK * micro * STEPS, seed=3, dtype=torch.float64)
+    for step in range(STEPS):
+        first = step * size * PER_RANK * micro
+        blocks = []
+        for m in range(micro):
+            start = first + m * size * PER_RANK
+            idx = (
+                np.arange(start, start + size * PER_RANK)
+                if rank is None
+                else np.arange(start + rank * PER_RANK, start + (rank + 1) * PER_RANK)
+            )
+            blocks.append(data[idx])
+        yield blocks
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
+
+
+def one_process(size: int, micro: int = 1) -> dict[str, torch.Tensor]:
+    model = make_mlp(seed=1, dtype=torch.float64, hidden=HIDDEN)
+    optimizer = adam(model.parameters())
+    for blocks in batches(size, None, micro):
+        optimizer.zero_grad()
+        for x, y in blocks:
+            (squared_error(model(x), y).mean() / micro).backward()
+        optimizer.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def train(model: sharded.Sharded, comm, micro: int = 1, accumulate: bool = False) -> torch.optim.Optimizer:
+    """Steps on this rank's micro-batches; `accumulate`: keep the full gradient until the last one."""
+    optimizer = model.attach(adam(model.shards()))
+    for blocks in batches(comm.Get_size(), comm.Get_rank(), micro):
+        optimizer.zero_grad()
+        for m, (x, y) in enumerate(blocks):
+            if accumulate and m < micro - 1:
+                with model.no_sync():
+                    (squared_error(model(x), y).mean() / micro).backward()
+            else:
+                (squared_error(model(x), y).mean() / micro).backward()
+        optimizer.step()
+    return optimizer
+
+
+def relative(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    return max(float((params[k] - v).abs().max() / v.abs().max()) for k, v in reference.items())
+
+
+def group_sizes(size: int) -> list[int]:
+    return [g for g in range(1, size + 1) if size % g == 0]
+
+
+@pytest.mark.parametrize(("stage", "collectives"), [(1, "mpi"), (2, "ring"), (3, "mpi"), (3, "ring")])
+def test_hybrid_sharding_matches_one_process_for_every_group_size(comm, stage, collectives):
+    reference = one_process(comm.Get_size())
+    worst, shapes = 0.0, []
+    for g in group_sizes(comm.Get_size()):
+        model = sharded.HybridSharded(
+            make_mlp(seed=1, dtype=torch.float64, hidden=HIDDEN), comm, g, stage=stage, collectives=collectives
+        )
+        train(model, comm)
+        worst = max(worst, relative(model.full_parameters(), reference))
+        shapes.append([(u.master.numel(), -(-u.space.numel // g)) for u in model.units])
+        model.close()
+    assert comm.allreduce(worst, op=MPI.MAX) < TOLERANCE
+    assert all(mine == whole for unit in shapes for mine, whole in unit)  # 1/G of each unit: G-way, not P-way
+
+
+def test_hybrid_replicas_hold_the_same_shards(comm):
+    g = 2 if comm.Get_size() % 2 == 0 else 1
+    model = sharded.HybridSharded(make_mlp(seed=1, dtype=torch.float64, hidden=HIDDEN), comm, g, stage=3)
+    train(model, comm)
+    mine = np.concatenate([u.master.detach().numpy() for u in model.units])
+    replicas = model.replicate_comm.allgather(mine)
+    model.close()
+    assert all(np.array_equal(r, replicas[0]) for r in replicas)
+
+
+@pytest.mark.parametrize("group_size", [0, 5, 1.5, "2"])
+def test_a_group_size_that_does_not_divide_the_ranks_is_refused(comm, group_size):
+    if group_size == 5 and comm.Get_size() % 5 == 0:
+        pytest.skip("5 divides this rank count")
+    with pytest.raises(ValueError, match="group_size must divide the .* ranks"):
+        sharded.HybridSharded(make_mlp(seed=1, dtype=torch.float64, hidden=HIDDEN), comm, group_size)
+
+
+def crossing(traffic: list, group_size: int) -> int:
+    """Bytes sent from one group to another, all ranks."""
+    return sum(e.nbytes for t in traffic for e in t.sends if e.peer // group_size != t.rank // group_size)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("collectives", ["mpi", "ring"])
+def test_bytes_crossing_groups_follow_the_formula(comm, stage, collectives):
+    size = comm.Get_size()
+    per_step = {}
+    for g in group_sizes(size):
+        for kind in ("full", "hybrid"):
+            counting = CountingComm(comm, timeout=60, allow=("Allgatherv", "Reduce_scatter"))
+            module = make_mlp(seed=1, dtype=torch.float64, hidden=HIDDEN)
+            options = {"stage": stage, "collectives": collectives}
+            model = (
+                sharded.HybridSharded(module, counting, g, **options)
+                if kind == "hybrid"
+                else sharded.Sharded(module, counting, **options)
+            )
+            train(model, comm)
+            model.synchronize()
+            padded = [u.space.padded for u in model.units]
+            model.close()
+            per_step[g, kind] = crossing(gather_traffic(counting), g), padded
+            counting.free()
+    c, b = (3 if stage == 3 else 2), 8
+    for g in group_sizes(size):
+        r = size // g
+        sent, padded_g = per_step[g, "hybrid"]
+        assert sent == STEPS * 2 * (r - 1) * sum(padded_g) * b  # 2 (R-1) N b per step
+        sent, padded_p = per_step[g, "full"]
+        if collectives == "mpi":  # each rank's chunks straight to their owners: (P-G) of P-1 peers outside
+            assert sent == STEPS * c * (size - g) * sum(padded_p) * b
+        else:  # the ring over P ranks: R of its P links leave a group (none if R = 1)
+            assert sent == STEPS * c * (r if r > 1 else 0) * (size - 1) * sum(padded_p) // size * b
