@@ -6,6 +6,8 @@ are counted with the counting communicator and compared with the formulas the li
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from ddlab.data import StressStrainCurves
 from ddlab.data_parallel import squared_error
 from ddlab.models import make_mlp
 from ddlab.runtime.counting import CountingComm, gather_traffic
+from ddlab.runtime.memory import Ledger
 from mpi4py import MPI
 
 TOLERANCE = 1e-10
@@ -148,3 +151,51 @@ def test_bytes_crossing_groups_follow_the_formula(comm, stage, collectives):
             assert sent == STEPS * c * (size - g) * sum(padded_p) * b
         else:  # the ring over P ranks: R of its P links leave a group (none if R = 1)
             assert sent == STEPS * c * (r if r > 1 else 0) * (size - 1) * sum(padded_p) // size * b
+
+
+ACCUMULATION = [{"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": 3, "prefetch": 1, "collectives": "ring"}]
+
+
+@pytest.mark.parametrize("options", ACCUMULATION, ids=str)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["reduce every micro-batch", "accumulate locally"])
+def test_gradient_accumulation_matches_one_process(comm, options, accumulate):
+    model = sharded.Sharded(make_mlp(seed=1, dtype=torch.float64, hidden=HIDDEN), comm, **options)
+    train(model, comm, micro=3, accumulate=accumulate)
+    error = relative(model.full_parameters(), one_process(comm.Get_size(), micro=3))
+    freed = options["stage"] < 3 or all(u.full.untyped_storage().nbytes() == 0 for u in model.units)
+    model.close()
+    assert comm.allreduce(error, op=MPI.MAX) < TOLERANCE
+    assert comm.allreduce(int(freed), op=MPI.MIN) == 1  # stage 3 frees its units inside no_sync too
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulation_trades_gradient_memory_for_bytes(comm, stage):
+    """Reduce-scattering every micro-batch sends M reduce-scatters per step and keeps no full gradient
+    between micro-batches; accumulating locally keeps every parameter's gradient and sends one."""
+    micro, size, b = 3, comm.Get_size(), 8
+    sent, held = {}, {}
+    for accumulate in (False, True):
+        counting = CountingComm(comm, timeout=60, allow=("Allgatherv", "Reduce_scatter"))
+        ledger = Ledger()
+        model = sharded.Sharded(
+            make_mlp(seed=1, dtype=torch.float64, hidden=HIDDEN), counting, stage=stage, ledger=ledger
+        )
+        optimizer = model.attach(adam(model.shards()))
+        for blocks in batches(size, comm.Get_rank(), micro):
+            optimizer.zero_grad()
+            for m, (x, y) in enumerate(blocks):
+                with model.no_sync() if accumulate and m < micro - 1 else contextlib.nullcontext():
+                    (squared_error(model(x), y).mean() / micro).backward()
+                if m == 0:  # what the next micro-batch's forward runs beside
+                    held[accumulate] = ledger.used["gradients"]
+            optimizer.step()
+        model.synchronize()
+        padded = sum(u.space.padded for u in model.units)
+        numel = sum(u.space.numel for u in model.units)
+        model.close()
+        sent[accumulate] = sum(t.bytes_sent for t in gather_traffic(counting))
+        counting.free()
+    gathers = 1 if stage == 2 else 2 * micro  # allgathers per step: after the step, or twice per micro-batch
+    assert sent[False] == STEPS * (micro + gathers) * (size - 1) * padded * b
+    assert sent[True] == STEPS * (1 + gathers) * (size - 1) * padded * b
+    assert held[True] - held[False] == numel * b  # the full gradient, kept between micro-batches
