@@ -7,6 +7,7 @@ are counted with the counting communicator and compared with the formulas the li
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -199,3 +200,20 @@ def test_accumulation_trades_gradient_memory_for_bytes(comm, stage):
     assert sent[False] == STEPS * (micro + gathers) * (size - 1) * padded * b
     assert sent[True] == STEPS * (1 + gathers) * (size - 1) * padded * b
     assert held[True] - held[False] == numel * b  # the full gradient, kept between micro-batches
+
+
+def test_a_hybrid_checkpoint_is_written_once_and_loads_on_other_rank_counts(comm, tmp_path_factory):
+    path = comm.bcast(str(tmp_path_factory.mktemp("hybrid")) if comm.Get_rank() == 0 else None)
+    g = 2 if comm.Get_size() % 2 == 0 else 1
+    model = sharded.HybridSharded(make_mlp(seed=1, dtype=torch.float64, hidden=HIDDEN), comm, g, stage=3)
+    optimizer = train(model, comm)
+    expected = model.full_parameters()
+    sharded.save_sharded(path, model, optimizer, step=STEPS)
+    model.close()
+    files = sorted(p.name for p in Path(path).glob("shard-*.pt"))  # every rank returns after the commit
+    other = sharded.Sharded(make_mlp(seed=5, dtype=torch.float64, hidden=HIDDEN), comm, stage=2)
+    state = sharded.load_sharded(path, other, other.attach(adam(other.shards())))
+    got = other.full_parameters()
+    other.close()
+    assert files == [f"shard-{q:05d}.pt" for q in range(g)] and state == {"step": STEPS}
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
