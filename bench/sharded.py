@@ -20,8 +20,16 @@ One MPI job (4 ranks by default), an MLP of Linear layers 600-w-...-w-2 (w = --w
    (ddlab.runtime.trace spans) say what prefetch hides.
 4. The largest model (hidden layers of width w) each stage trains one step of under a
    fixed per-rank ledger budget (--budget MiB), over DDP's.
+5. Hybrid sharding (HSDP, ddlab.sharded.HybridSharded; Zhao et al., "PyTorch FSDP", VLDB 2023,
+   its sharding strategies), stage 3 in groups of G ranks, replicated across R = P/G: bytes sent
+   from one group to another per step (counted, float32), over full sharding's (stage 3 on all
+   P ranks), for every G dividing P, with lab 03's ring and with MPI's collectives, beside the
+   formulas: 2/(3G) (MPI: chunks sent straight to their owners), 2(P-G)/(3(P-1)) (the ring).
+6. Gradient accumulation over --micro micro-batches (ZeRO-2 and ZeRO-3): reduce-scatter every
+   micro-batch against `no_sync` (accumulate the full gradient locally, reduce-scatter once):
+   gradient bytes kept between micro-batches (ledger) and bytes sent per step (counted, float32).
 
-    .venv/bin/python bench/sharded.py [--ranks 4] [--width 1024] [--layers 6] [--rounds 7] [--budget 32] [--search-width 512] [--sections 1 2 3 4]
+    .venv/bin/python bench/sharded.py [--ranks 4] [--width 1024] [--layers 6] [--rounds 7] [--budget 32] [--search-width 512] [--micro 4] [--sections 1 2 3 4 5 6]
 
 It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
@@ -33,7 +41,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 TIMEOUT = 3600
 BATCH = 32
@@ -299,19 +307,139 @@ def child(args: argparse.Namespace) -> None:
             )
         )
 
+    if 5 in args.sections:
+        hybrid_bytes(args, say)
+    if 6 in args.sections:
+        accumulation(args, say)
+
+
+def hybrid_bytes(args: argparse.Namespace, say: Callable[[str], None]) -> None:
+    """Section 5: HSDP's bytes across groups over full sharding's, for every group size, beside the formula."""
+    import torch
+    from ddlab import data_parallel as dp
+    from ddlab import sharded
+    from ddlab.models.mlp import make_mlp
+    from ddlab.runtime.counting import CountingComm
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    x, y = batch(comm)
+    sizes = [g for g in range(1, size) if size % g == 0]  # G = P is full sharding itself
+    say(
+        "\n5. hybrid sharding (stage 3 in groups of G, replicated across R = P/G): bytes sent between groups "
+        "per step, all ranks (counted, float32), over full sharding's (stage 3 on all P ranks)"
+    )
+    if not sizes:
+        say("  one rank: no groups")
+        return
+    for kind in ("mpi", "ring"):
+        for g in sizes:
+            crossing = {}
+            for hybrid in (False, True):
+                counting = CountingComm(comm, timeout=600, allow=("Allgatherv", "Reduce_scatter"))
+                module = make_mlp(seed=1, hidden=(args.width,) * args.layers)
+                model = (
+                    sharded.HybridSharded(module, counting, g, stage=3, collectives=kind)
+                    if hybrid
+                    else sharded.Sharded(module, counting, stage=3, collectives=kind)
+                )
+                optimizer = model.attach(torch.optim.Adam(model.shards(), lr=1e-4))
+                for _ in range(2):  # the second step is measured
+                    start = len(counting.traffic.events)
+                    optimizer.zero_grad()
+                    dp.squared_error(model(x), y).mean().backward()
+                    optimizer.step()
+                step_events = counting.traffic.events[start:]
+                mine = sum(e.nbytes for e in step_events if e.kind == "send" and e.peer // g != comm.Get_rank() // g)
+                crossing[hybrid] = comm.allreduce(mine)
+                model.close()
+                counting.free()
+            formula = 2 / (3 * g) if kind == "mpi" else 2 * (size - g) / (3 * (size - 1))
+            shown = "2/(3G)" if kind == "mpi" else "2(P-G)/(3(P-1))"
+            say(
+                f"  {kind:>4}, G = {g} (R = {size // g}): HSDP {crossing[True] / 2**20:.2f} MiB, full sharding "
+                f"{crossing[False] / 2**20:.2f} MiB across groups: measured {crossing[True] / crossing[False]:.3f}, "
+                f"formula {shown} = {formula:.3f}; model state per rank 1/{g} of the model's, not 1/{size}"
+            )
+
+
+def accumulation(args: argparse.Namespace, say: Callable[[str], None]) -> None:
+    """Section 6: reduce-scatter every micro-batch or accumulate locally (no_sync): memory against bytes."""
+    import contextlib
+
+    import torch
+    from ddlab import data_parallel as dp
+    from ddlab import sharded
+    from ddlab.models.mlp import count_parameters, make_mlp
+    from ddlab.runtime.counting import CountingComm
+    from ddlab.runtime.memory import Ledger
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    x, y = batch(comm)
+    micro = max(1, args.micro)
+    psi = count_parameters(make_mlp(seed=1, hidden=(args.width,) * args.layers))
+    say(
+        f"\n6. gradient accumulation over {micro} micro-batches of {BATCH // micro}: reduce-scatter every "
+        "micro-batch vs no_sync (full gradient kept locally, one reduce-scatter); per rank, gradient bytes "
+        "kept between micro-batches (ledger), and bytes sent per step by all ranks (counted, float32)"
+    )
+    for stage in (2, 3):
+        held, sent = {}, {}
+        for accumulate in (False, True):
+            counting = CountingComm(comm, timeout=600, allow=("Allgatherv", "Reduce_scatter"))
+            ledger = Ledger()
+            module = make_mlp(seed=1, hidden=(args.width,) * args.layers)
+            model = sharded.Sharded(module, counting, stage=stage, collectives="mpi", ledger=ledger)
+            optimizer = model.attach(torch.optim.Adam(model.shards(), lr=1e-4))
+            for _ in range(2):  # the second step is measured
+                model.synchronize()
+                before = counting.traffic.bytes_sent
+                optimizer.zero_grad()
+                for m in range(micro):
+                    part = slice(m * BATCH // micro, (m + 1) * BATCH // micro)
+                    quiet = model.no_sync() if accumulate and m < micro - 1 else contextlib.nullcontext()
+                    with quiet:
+                        (dp.squared_error(model(x[part]), y[part]).mean() / micro).backward()
+                    if m == 0:
+                        held[accumulate] = ledger.used["gradients"]
+                optimizer.step()
+                model.synchronize()
+            sent[accumulate] = comm.allreduce(counting.traffic.bytes_sent - before)
+            model.close()
+            counting.free()
+        say(
+            f"  ZeRO-{stage}: kept {held[False] / psi:.2f} B/param every micro-batch, {held[True] / psi:.2f} "
+            f"accumulating ({held[True] / max(held[False], 1):.1f}x); sent {sent[False] / 2**20:.1f} MiB "
+            f"vs {sent[True] / 2**20:.1f} MiB ({sent[False] / sent[True]:.2f}x; "
+            f"formula {'(M+1)/2' if stage == 2 else '3M/(2M+1)'} = "
+            f"{(micro + 1) / 2 if stage == 2 else 3 * micro / (2 * micro + 1):.2f})"
+        )
+
+
+def batch(comm: Any) -> tuple[Any, Any]:
+    """This rank's batch of BATCH samples, as in `child`."""
+    from ddlab.data import StressStrainCurves
+
+    data = StressStrainCurves(n=BATCH * comm.Get_size() * 4)
+    rank = comm.Get_rank()
+    return data[list(range(rank * BATCH, (rank + 1) * BATCH))]
+
 
 def main() -> int:
     from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[4])
-    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4], help="which measurements (1-4)")
+    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="which measurements (1-6)")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--budget", type=float, default=32.0, help="MiB per rank for the largest-model search")
     parser.add_argument("--search-width", type=int, default=512, help="hidden width for the largest-model search")
+    parser.add_argument("--micro", type=int, default=4, help="micro-batches per step in section 6")
     return bench_main(parser, child, TIMEOUT)
 
 

@@ -76,6 +76,7 @@ _WHERE = {
     "check_sharded_optimizer": "sharded",
     "check_zero2_hooks": "sharded",
     "check_zero3_unit": "sharded",
+    "check_hybrid_reduce_scatter": "sharded_hybrid",
     "check_memory_per_rank": "oracle_transformer",
     "check_step_time": "oracle_transformer",
     "check_layout_search": "oracle_transformer",

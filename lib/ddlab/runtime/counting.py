@@ -286,10 +286,12 @@ class CountingComm:
 
     def agree(self, value: int, what: str) -> list[int]:
         """Every rank's value, gathered on the notice communicator under the timeout: a check's way to
-        stop before a rank starts another collective the others have not matched."""
+        stop before a rank starts another collective the others have not matched. A sub-communicator
+        (`Split`, `Dup`) gathers on its own ranks: the notice communicator spans the parent's."""
         everyone = np.empty(self.size, dtype=np.int64)
+        on = self.watch.alarm if self.members is None else self.comm
         self._wait(
-            [self.watch.alarm.Iallgather(np.array([value], dtype=np.int64), everyone)],
+            [on.Iallgather(np.array([value], dtype=np.int64), everyone)],
             [MPI.Status()],
             what,
             cancel=False,

@@ -5,12 +5,16 @@
 - `ShardedOptimizer` (optimizer.py): ZeRO-1 around any torch.optim class, its state for one shard.
 - `DynamicLossScale` (precision.py): float16 training without gradients underflowing.
 - `save_sharded`, `load_sharded` (checkpoint.py): each rank writes its shards; load on any rank count.
+- `to_dcp`, `from_dcp` (torch_checkpoint.py): a checkpoint to and from torch.distributed.checkpoint (FSDP2 reads it).
+- `HybridSharded` (hybrid.py): HSDP, sharded inside groups of ranks and replicated across them.
 - collectives.py: the pluggable reduce-scatter and allgather ("mpi", "ring" = lab 03's halves, yours).
 """
 
 from .checkpoint import CheckpointError, load_sharded, save_sharded
 from .collectives import CHOICES, allgather_mpi, reduce_scatter_mpi, resolve_collectives
 from .flat import FlatSpace
+from .hybrid import HybridSharded, two_stage
 from .optimizer import ShardedOptimizer
 from .precision import DynamicLossScale
+from .torch_checkpoint import from_dcp, to_dcp
 from .zero import STAGES, Sharded, Unit

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..runtime.counting import underlying
+from .hybrid import HybridSharded
 from .zero import Sharded
 
 INDEX, COMMITTED = "index.json", "COMMITTED"
@@ -59,8 +60,16 @@ def _agree(model: Sharded, problem: str | None, doing: str) -> None:
 
 
 def save_sharded(path: str | Path, model: Sharded, optimizer: torch.optim.Optimizer, **state: Any) -> None:
-    """Every rank writes its shards and their optimizer state; rank 0 the index, then COMMITTED (collective)."""
+    """Every rank writes its shards and their optimizer state; rank 0 the index, then COMMITTED (collective).
+
+    A `HybridSharded` model's groups hold the same shards: the first group writes, every other
+    rank returns once it has committed."""
     path, rank, comm = Path(path), model.rank, underlying(model.comm)
+    replicas = underlying(model.replicate_comm) if isinstance(model, HybridSharded) else None
+    if replicas is not None and replicas.Get_rank() != 0:
+        model.synchronize()
+        replicas.Barrier()  # returns once the first group's rank of this shard is past its commit
+        return
     model.synchronize()
     problem = None
     if rank == 0:
@@ -108,6 +117,8 @@ def save_sharded(path: str | Path, model: Sharded, optimizer: torch.optim.Optimi
         (path / INDEX).write_text(json.dumps(index, indent=1))
         (path / COMMITTED).write_text(f"{model.size} shards\n")  # last: the checkpoint is whole from here on
     comm.Barrier()
+    if replicas is not None:
+        replicas.Barrier()
 
 
 def _unit_layout(model: Sharded) -> list[dict[str, Any]]:

@@ -50,6 +50,13 @@ reduce-scattered in `reduce_dtype` (float32). float16 needs loss scaling
 backward instead of keeping its activations (Chen et al., "Training Deep Nets with
 Sublinear Memory Cost", 2016).
 
+Gradient accumulation over micro-batches: by default every backward reduce-scatters each
+unit's gradient and the shards' gradients add up (`shard.grad +=`), so the full gradient never
+outlives its unit (stages 2-3) but the bytes of one reduce-scatter are sent per micro-batch.
+A backward run inside `with model.no_sync():` reduces nothing: each parameter's full gradient
+stays and accumulates locally (ZeRO-1's gradient memory), and the next backward outside the
+block reduce-scatters the sum once (one reduce-scatter's bytes per step).
+
 A `ddlab.runtime.memory.Ledger` passed as `ledger` is charged with what the engine keeps:
 parameters (full units: always in stages 1-2, while gathered in 3), gradients (the
 parameters' own while they exist, the buffer being reduced, the shards' gradients) and
@@ -66,6 +73,8 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections import deque
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
@@ -182,6 +191,7 @@ class Sharded(nn.Module):
             raise ValueError(f"reduce_dtype must be float32 or float64 (sums need range), got {self.reduce_dtype}")
         self.units = self._make_units(units)
         self._in_backward = False
+        self._sync = True  # False inside no_sync(): backward keeps the full gradients, reduces nothing
         self._reducing: deque[Unit] = deque()  # units whose reduce-scatter is in flight, oldest first
         self._grad_charged: set[int] = set()
         self._hooks: list[Any] = []
@@ -256,6 +266,15 @@ class Sharded(nn.Module):
             self.ledger.watch(nn.Module(), optimizer)  # charges the optimizer's state after each step
         optimizer.register_step_post_hook(self._after_step)  # after the ledger's: agrees on its charge
         return optimizer
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Backwards run inside accumulate the full gradient locally; the next one outside reduces the sum."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def synchronize(self) -> None:
         """Wait for every collective in flight (the parameters gathered after a step, in stages 1-2)."""
@@ -423,7 +442,10 @@ class Sharded(nn.Module):
         unit.pending -= 1
         self._progress()
         if unit.pending == 0 and self.stage >= 2:
-            self._start_reduce(unit)
+            if self._sync:
+                self._start_reduce(unit)
+            elif self.stage == 3:
+                self._free(unit)  # its gradient stays, accumulating; its parameters need not
 
     def _begin_backward(self) -> None:
         if self._in_backward:
@@ -437,10 +459,16 @@ class Sharded(nn.Module):
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        """Reduce what backward left (stage 1: everything; else units with unused parameters), wait for all."""
+        """Reduce what backward left (stage 1: everything; else units with unused parameters), wait for all.
+        Inside no_sync, reduce nothing."""
         try:
             for unit in reversed(self.units):
-                if not unit.reduced and (self.stage == 1 or unit.pending > 0):
+                if not self._sync:  # no_sync: nothing reduced; stage 3 frees what backward left gathered
+                    if self.stage == 3:
+                        if unit.gathering is not None:
+                            self._finish_gather(unit)  # a prefetch still in flight lands before it is freed
+                        self._free(unit)
+                elif not unit.reduced and (self.stage == 1 or unit.pending > 0):
                     if unit.gathering is not None:
                         self._finish_gather(unit)  # a prefetch still in flight lands (and is freed) first
                     self._start_reduce(unit)
