@@ -417,3 +417,37 @@ def test_wrong_sequence_parallel_blocks_fail(fn, message):
 def test_the_block_stub_raises_not_implemented():
     with pytest.raises(NotImplementedError, match="14.5"):
         check_sequence_parallel_block(block_stub)
+
+
+class CopyOnTheGlobalComm(torch.autograd.Function):
+    """Wrong: backward sums over the notebook's global communicator, not the one forward was given."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return allreduce(MPI.COMM_WORLD, grad), None
+
+
+class ReduceOnTheGlobalComm(torch.autograd.Function):
+    """Wrong: forward sums over the notebook's global communicator."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return allreduce(MPI.COMM_WORLD, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@pytest.mark.parametrize(
+    "copy, reduce", [(CopyOnTheGlobalComm, Reduce), (Copy, ReduceOnTheGlobalComm)], ids=["copy", "reduce"]
+)
+def test_conjugates_on_the_global_communicator_fail_with_a_message(copy, reduce):
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("on one rank the global communicator sends nothing either way")
+    with pytest.raises(CheckFailed, match="global communicator"):
+        check_conjugates(copy, reduce)

@@ -29,6 +29,24 @@ TOL = 1e-10
 TIMEOUT = 20.0
 SHAPE = (3, 5, 4)
 
+#: Appended when fewer bytes went through the communicator passed in than the exercise must send.
+GLOBAL_COMM = (
+    " Fewer bytes than owed went through the communicator passed in: does the code use the notebook's "
+    "global communicator (`comm`, MPI.COMM_WORLD) instead of the one it was given (keep it in ctx for "
+    "backward)? On fewer ranks a global communicator waits for ranks that are not there."
+)
+
+
+def _sizes(world: MPI.Comm) -> list[int]:
+    """The world's size first (see each_size): an answer on the notebook's global communicator completes there,
+    where its missing bytes show, and fails before a smaller communicator would wait for ranks outside it."""
+    return list(range(world.Get_size(), 0, -1))
+
+
+def _fewer(sent: tuple[float, ...], want: tuple[float, ...]) -> str:
+    """GLOBAL_COMM if any count of `sent` is below its `want`, else ''."""
+    return GLOBAL_COMM if any(s < w for s, w in zip(sent, want)) else ""
+
 
 def _error(got: Any, want: torch.Tensor) -> str | None:
     if not isinstance(got, torch.Tensor):
@@ -78,6 +96,7 @@ def _check_conjugate(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str
             f"{name} sent {forward:.0f} bytes forward and {backward:.0f} backward; expected "
             f"{want_bytes[0]:.0f} and {want_bytes[1]:.0f} (one allreduce of x's {values.numel()} float64 "
             f"values {'backward' if copy else 'forward'}, by ddlab.tensor_parallel.allreduce, nothing else)"
+            + _fewer((forward, backward), want_bytes)
         )
     return None
 
@@ -90,7 +109,7 @@ def check_conjugates(copy: type[torch.autograd.Function], reduce: type[torch.aut
         def body(sub: MPI.Comm, fn: type[torch.autograd.Function] = fn, name: str = name) -> str | None:
             return _check_conjugate(sub, fn, name)
 
-        each_size(world, body, f"{name} ({getattr(fn, '__name__', fn)}) is wrong")
+        each_size(world, body, f"{name} ({getattr(fn, '__name__', fn)}) is wrong", _sizes(world))
     passed(
         world,
         "Copy and Reduce: values and gradients equal one process's; one allreduce each, Copy's "
@@ -151,9 +170,11 @@ def check_vocab_parallel_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor,
                 f"needs at most {limit} (4 (t-1) float64 values per position: the maxima, the sums of "
                 f"exponentials, the target's logit), whatever the vocabulary"
             )
+        if size > 1 and sent == 0:
+            return "sent nothing, but the ranks must combine their maxima and sums." + GLOBAL_COMM
         return None
 
-    each_size(world, body, "vocab_parallel_cross_entropy is wrong")
+    each_size(world, body, "vocab_parallel_cross_entropy is wrong", _sizes(world))
     passed(world, "vocab_parallel_cross_entropy: loss and gradients equal one process's, logits never gathered")
 
 
@@ -222,10 +243,11 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
             return (
                 f"sent {forward:.0f} bytes forward and {backward:.0f} backward; expected {one:.0f} each: one "
                 f"allreduce of the output forward (in row) and one of the input's gradient backward (in column)"
+                + _fewer((forward, backward), (one, one))
             )
         return None
 
-    each_size(world, body, "the column- and row-parallel layers are wrong")
+    each_size(world, body, "the column- and row-parallel layers are wrong", _sizes(world))
     passed(
         world,
         "column_parallel_linear and row_parallel_linear: the split MLP equals one process's, one "
@@ -333,11 +355,11 @@ def check_parallel_attention(fn: Callable[[torch.Tensor, CausalSelfAttention, Co
             return (
                 f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected {want:.0f} "
                 f"each: one allreduce of the output forward (after proj) and one of the input's gradient backward "
-                f"(before qkv)"
+                f"(before qkv)" + _fewer(sent, (want, want))
             )
         return None
 
-    each_size(world, body, "the attention split by heads is wrong")
+    each_size(world, body, "the attention split by heads is wrong", _sizes(world))
     passed(world, "attention split by heads: output and gradients equal one process's, one allreduce each way")
 
 
@@ -438,11 +460,11 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
                 f"{want_sent[0]:.0f} (two allgathers and two reduce-scatters of the (B, T, n_embd) activations: "
                 f"{half:.0f} bytes each) and {want_sent[1]:.0f} (the same four halves, and one allreduce of the "
                 f"{params} values of the whole parameters' gradients); an allreduce in place of a reduce-scatter "
-                f"sends twice the bytes"
+                f"sends twice the bytes" + _fewer(sent, want_sent)
             )
         return None
 
-    each_size(world, body, "the sequence-parallel block is wrong")
+    each_size(world, body, "the sequence-parallel block is wrong", _sizes(world))
     passed(
         world,
         "sequence-parallel block: output and every gradient equal one process's, dropout on; two allgathers "
