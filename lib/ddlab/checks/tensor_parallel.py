@@ -604,6 +604,7 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
     each_size(world, body, "the sequence-parallel block is wrong", _sizes(world))
     passed(
         world,
-        "sequence-parallel block: output and every gradient equal one process's, dropout on; two allgathers "
-        "and two reduce-scatters each way, the whole parameters' gradients summed",
+        "sequence-parallel block: output and every gradient equal one process's, dropout on; keeps Korthikanti "
+        "et al.'s bytes (its sequence block only); two allgathers and two reduce-scatters each way, the inputs "
+        "regathered in backward, the whole parameters' gradients summed",
     )
