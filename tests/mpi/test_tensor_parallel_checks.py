@@ -319,10 +319,12 @@ def test_the_linear_stub_raises_not_implemented():
         check_parallel_linear(linear_stub, RowParallelLinear)
 
 
-def _parallelize_with(features=None, copy_block=True, check=True, set_heads=True):
-    """A module surgery like the library's with one piece swapped: features(name, config, comm) -> index."""
+def _parallelize_with(features=None, copy_block=True, check=True, set_heads=True, world=False):
+    """A module surgery like the library's with one piece swapped: features(name, config, comm) -> index;
+    world: the layers built on the notebook's global communicator instead of the one passed in."""
 
-    def fn(block, comm, plan):
+    def fn(block, given, plan):
+        comm = MPI.COMM_WORLD if world else given
         if check:
             from ddlab.tensor_parallel.surgery import check_plan
 
@@ -400,6 +402,7 @@ def test_a_parallelize_written_differently_passes():
         (_parallelize_with(check=False), "should raise ValueError"),
         (_parallelize_with(set_heads=False), "RuntimeError|ValueError|differs"),
         (keeps_the_whole_block_too, "keep only the shards"),
+        (_parallelize_with(world=True), "global communicator"),
     ],
     ids=[
         "heads-split-across-features",
@@ -408,11 +411,12 @@ def test_a_parallelize_written_differently_passes():
         "accepts-a-bad-plan",
         "attention-not-told-its-heads",
         "keeps-the-whole-block-too",
+        "layers-on-the-global-communicator",
     ],
 )
 def test_wrong_parallelizes_fail(fn, message):
-    if MPI.COMM_WORLD.Get_size() < 2 and fn not in (keeps_the_whole_block_too,) and "heads" in str(message):
-        pytest.skip("on one rank every split is the whole block")
+    if MPI.COMM_WORLD.Get_size() < 2 and message == "global communicator":
+        pytest.skip("on one rank the global communicator sends nothing either way")
     if MPI.COMM_WORLD.Get_size() < 2 and message.startswith("the output differs"):
         pytest.skip("on one rank every split is the whole block")
     with pytest.raises(CheckFailed, match=message):
