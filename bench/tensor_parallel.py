@@ -11,7 +11,9 @@ One MPI job of 4 ranks, lab 14's GPT at bench size (4 blocks, width 128, 8 heads
   sbh(34/t + 5as/(ht)) (tensor + sequence parallel), and the ratio of the last two measured;
 - bytes each rank sends in one training step (float32), counted by the counting communicator,
   against `bytes_sent_per_step` (4 allreduces of s·b·h per block, or their halves);
-- time per training step (float32, dropout off, AdamW) of tensor parallel (t=4), tensor +
+- time per training step (float32, dropout off, AdamW) of tensor parallel (t=4) three ways -- the library's
+  TensorParallelGPT, the library's module surgery `parallelize` and the solution notebook's own exercises
+  14.1-14.3 (`my_parallelize` with its layers, run from solutions/) --, tensor +
   sequence parallel, data parallel (d=4, lab 04's averaging over lab 03's ring), data x tensor
   (2 x 2) and PyTorch's own tensor parallelism (`parallelize_module` with ColwiseParallel /
   RowwiseParallel over a gloo DeviceMesh, embeddings replicated) over one process's (rank 0
@@ -26,9 +28,9 @@ It relaunches itself under mpiexec (`ddlab.runtime.mpi.bench_main`).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
-import time
 from typing import Callable
 
 TIMEOUT = 3600
@@ -164,27 +166,13 @@ def traffic(comm) -> list[str]:
     return lines
 
 
-def _timed(comm, step: Callable[[int], None], steps: int, active: bool = True) -> float:
-    """Median seconds per step over `steps` steps (after one warm-up step), the slowest rank's."""
-    times = []
-    if active:
-        step(-1)
-    comm.Barrier()
-    for i in range(steps):
-        start = time.perf_counter()
-        if active:
-            step(i)
-        comm.Barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _variants(comm) -> dict[str, tuple[Callable[[int], None], bool]]:
     import torch
     from ddlab.data.text import BatchSampler, make_corpus
     from ddlab.data_parallel import average_gradients
     from ddlab.models.gpt import make_gpt
-    from ddlab.tensor_parallel import TensorParallelGPT, make_data_tensor_grid, train_step
+    from ddlab.tensor_parallel import TensorParallelGPT, make_data_tensor_grid, parallelize_gpt, train_step
+    from ddlab.tensor_parallel.timing import torch_parallelize
 
     config = _config(0.0)
     sampler = BatchSampler(make_corpus().train, BATCH, config.block_size, seed=1)
@@ -193,7 +181,7 @@ def _variants(comm) -> dict[str, tuple[Callable[[int], None], bool]]:
     variants: dict[str, tuple[Callable[[int], None], bool]] = {}
 
     def plain(model, samples: slice, data=None) -> Callable[[int], None]:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
 
         def step(i: int) -> None:
             x, y = batches[i % len(batches)]
@@ -208,7 +196,7 @@ def _variants(comm) -> dict[str, tuple[Callable[[int], None], bool]]:
 
     def split(model, comm_, data=None, sp=False) -> Callable[[int], None]:
         tp = TensorParallelGPT(model, comm_, sequence_parallel=sp)
-        optimizer = torch.optim.AdamW(tp.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(tp.parameters(), lr=1e-3, foreach=False)
 
         def step(i: int) -> None:
             x, y = batches[i % len(batches)]
@@ -217,87 +205,54 @@ def _variants(comm) -> dict[str, tuple[Callable[[int], None], bool]]:
         return step
 
     variants["one process"] = (plain(make_gpt(config), slice(None)), rank == 0)
-    variants["tensor (t=4)"] = (split(make_gpt(config), comm), True)
+    variants["tensor, library TensorParallelGPT (t=4)"] = (split(make_gpt(config), comm), True)
+    variants["tensor, library parallelize (t=4)"] = (plain(parallelize_gpt(make_gpt(config), comm), slice(None)), True)
+    mine, plan = _student_parallelize()
+    variants["tensor, solution's my_parallelize (t=4)"] = (
+        plain(parallelize_gpt(make_gpt(config), comm, plan, mine), slice(None)),
+        True,
+    )
     variants["tensor + sequence"] = (split(make_gpt(config), comm, sp=True), True)
     share = BATCH // size
     variants["data (d=4)"] = (plain(make_gpt(config), slice(rank * share, (rank + 1) * share), comm), True)
     grid = make_data_tensor_grid(comm, 2)
     variants["data x tensor (2x2)"] = (split(make_gpt(config), grid.tensor, grid.data), True)
     try:
-        variants["torch parallelize_module (t=4)"] = (_torch_tp(comm, make_gpt(config), batches), True)
+        variants["torch parallelize_module (t=4)"] = (
+            plain(torch_parallelize(make_gpt(config), comm), slice(None)),
+            True,
+        )
     except Exception as err:  # report why PyTorch's own tensor parallelism does not run here
         if rank == 0:
             print(f"PyTorch's parallelize_module did not run: {type(err).__name__}: {err}")
     return variants
 
 
-def _torch_tp(comm, model, batches) -> Callable[[int], None]:
-    """The same GPT under PyTorch's tensor parallelism: q/k/v rows reordered so each rank's contiguous quarter
-    holds its heads' q, k and v; attention and MLP ColwiseParallel then RowwiseParallel; the rest replicated."""
-    import torch
-    from ddlab.data_parallel import init_gloo
-    from ddlab.models.gpt import causal_attention
-    from ddlab.tensor_parallel import qkv_rows
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _student_parallelize():
+    """The solution's own exercises 14.1-14.3 (MyCopy, MyReduce, the two layers, my_parallelize), run from
+    solutions/14_tensor_parallel.ipynb: the path a student's code takes."""
+    import json
+    from pathlib import Path
 
-    size = comm.Get_size()
-    init_gloo(comm)
-    config = model.config
-    d = config.n_embd // config.n_head
-
-    class LocalHeads(nn.Module):
-        """The GPT's attention on whatever heads its (sharded) q/k/v layer gives this rank."""
-
-        def __init__(self, attn):
-            super().__init__()
-            self.qkv, self.proj = attn.qkv, attn.proj
-
-        def forward(self, x, seed, site):
-            qkv = self.qkv(x)
-            width = qkv.shape[-1] // 3
-            q, k, v = qkv.split(width, dim=2)
-            return self.proj(causal_attention(q, k, v, width // d, 0.0, seed, site))
-
-    per = config.n_head // size
-    order = torch.cat([qkv_rows(config.n_embd, config.n_head, range(r * per, (r + 1) * per)) for r in range(size)])
-    plan = {}
-    for i, block in enumerate(model.blocks):
-        with torch.no_grad():
-            block.attn.qkv.weight.copy_(block.attn.qkv.weight[order].clone())
-            block.attn.qkv.bias.copy_(block.attn.qkv.bias[order].clone())
-        block.attn = LocalHeads(block.attn)
-        plan.update(
-            {
-                f"blocks.{i}.attn.qkv": ColwiseParallel(),
-                f"blocks.{i}.attn.proj": RowwiseParallel(),
-                f"blocks.{i}.mlp.fc": ColwiseParallel(),
-                f"blocks.{i}.mlp.proj": RowwiseParallel(),
-            }
-        )
-    mesh = init_device_mesh("cpu", (size,))
-    parallel = parallelize_module(model, mesh, plan)
-    optimizer = torch.optim.AdamW(parallel.parameters(), lr=1e-3, foreach=False)
-
-    def step(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        _, loss = parallel(x, y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-    return step
+    cells = json.loads((Path(__file__).resolve().parent.parent / "solutions/14_tensor_parallel.ipynb").read_text())
+    sources = ["".join(c["source"]) for c in cells["cells"] if c["cell_type"] == "code"]
+    wanted = [s for s in sources if s.startswith("%%px\nimport torch") or re.search(r"# Exercise 14\.[123]:", s)]
+    namespace: dict = {}
+    for source in wanted:
+        exec(compile(source.removeprefix("%%px\n"), "solutions/14_tensor_parallel.ipynb", "exec"), namespace)
+    return namespace["my_parallelize"], namespace["PLAN"]
 
 
 def timing(comm, rounds: int, steps: int) -> list[str]:
+    from ddlab.tensor_parallel.timing import step_seconds
+
     variants = _variants(comm)
     names = list(variants)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             step, active = variants[name]
-            seconds[name].append(_timed(comm, step, steps, active))
+            seconds[name].append(step_seconds(comm, step, steps, active))
     base_median = statistics.median(seconds["one process"])
     base_fast = min(seconds["one process"])
     lines = [

@@ -22,6 +22,7 @@ from ddlab.runtime.comm import first_ranks
 from ddlab.runtime.counting import CountingComm, gather_traffic
 from ddlab.runtime.memory import Ledger
 from ddlab.tensor_parallel import (
+    BlockParts,
     ColumnParallelLinear,
     Copy,
     ParallelAttention,
@@ -36,8 +37,11 @@ from ddlab.tensor_parallel import (
     allreduce,
     bytes_sent_per_step,
     make_data_tensor_grid,
+    parallelize,
+    parallelize_gpt,
     reduce_scatter,
     reduce_sequence_parallel_grads,
+    sequence_parallel_block,
     train_step,
     vocab_parallel_cross_entropy,
     vocab_range,
@@ -413,3 +417,125 @@ def test_bytes_sent_per_step_are_the_formula(sequence_parallel):
         return max(abs(s - want) for s in sent)
 
     _each_sub(body)
+
+
+def test_parallelize_makes_a_block_equal_one_process_from_its_shards():
+    """The module surgery: each named layer replaced by one holding only this rank's shard; dropout on."""
+
+    def body(sub):
+        block = make_gpt(CONFIG, seed=2, dtype=torch.float64).blocks[1]
+        split = parallelize(block, sub)
+        x = torch.randn(3, 10, CONFIG.n_embd, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        g = torch.randn(3, 10, CONFIG.n_embd, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        mine, x = x.clone().requires_grad_(), x.requires_grad_()
+        y, out = block(x, 7), split(mine, 7)
+        y.backward(g)
+        out.backward(g)
+        held = sum(p.numel() for p in split.parameters()) - sum(
+            p.numel()
+            for p in (*split.ln_1.parameters(), *split.ln_2.parameters(), split.attn.proj.bias, split.mlp.proj.bias)
+        )
+        shards = sub.allgather(held)
+        whole = sum(p.numel() for n, p in block.named_parameters() if n.endswith("weight") and "ln_" not in n)
+        whole += block.attn.qkv.bias.numel() + block.mlp.fc.bias.numel()
+        return max(_diff(out, y.detach()), _diff(mine.grad, x.grad), _grad_error(split, block), sum(shards) - whole)
+
+    _each_sub(body)
+
+
+@pytest.mark.parametrize(
+    "plan, says",
+    [
+        ({"attn.qkv": "column"}, "as a pair"),
+        ({"attn.qkv": "row", "attn.proj": "column"}, "as a pair"),
+        ({"mlp.gate": "column"}, "not layers of a Block"),
+    ],
+)
+def test_parallelize_refuses_a_plan_that_cannot_work(plan, says):
+    block = make_gpt(CONFIG, seed=2, dtype=torch.float64).blocks[0]
+    with pytest.raises(ValueError, match=says):
+        parallelize(block, WORLD, plan)
+
+
+def _one_process_curve(model, batches):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step, (idx, targets) in enumerate(batches):
+        _, loss = model(idx, targets, seed=step)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_a_gpt_made_tensor_parallel_by_parallelize_trains_as_one_process():
+    """10 AdamW steps of one process's GPT and of its blocks replaced by parallelize (dropout 0.1,
+    float64): the training curves agree within 1e-8 on every rank count; the embeddings, the last LayerNorm
+    and the loss stay whole on every rank and need no message."""
+
+    def body(sub):
+        config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.1})
+        generator = torch.Generator().manual_seed(8)
+        batches = [
+            (torch.randint(0, 26, (6, 12), generator=generator), torch.randint(0, 26, (6, 12), generator=generator))
+            for _ in range(10)
+        ]
+        one = _one_process_curve(make_gpt(config, seed=3, dtype=torch.float64), batches)
+        split = _one_process_curve(parallelize_gpt(make_gpt(config, seed=3, dtype=torch.float64), sub), batches)
+        return max(abs(a - b) for a, b in zip(one, split)) / 100  # tolerance 1e-8 on the losses
+
+    _each_sub(body)
+
+
+def test_the_sequence_parallel_block_keeps_korthikanti_et_al_s_bytes_and_sends_the_formula():
+    """sequence_parallel_block (exercise 14.5's reference) in float16, dropout on: what autograd keeps is within
+    2% of sbh(34/t + 5as/(ht)) on every rank, and the bytes sent, summed over the ranks, are two allgathers and two
+    reduce-scatters of s·b·h forward and six backward, with one allreduce of the six whole parameters' gradients."""
+    s, b, h, a = 32, 4, 64, 8
+    config = GPTConfig(vocab_size=16, block_size=s, n_layer=1, n_head=a, n_embd=h, dropout=0.1)
+
+    def body(sub):
+        t = sub.Get_size()
+        if a % t or s % t:
+            return 0.0  # the formula assumes even splits
+        counting = CountingComm(sub, timeout=60.0)
+        parts = BlockParts(make_gpt(config, seed=2, dtype=torch.float16).blocks[0], counting)
+        x = torch.randn(b, s, h, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
+        ledger = Ledger()
+        ledger.ignore(parts)
+        with ledger.activations():
+            out = sequence_parallel_block(x[:, _rows(s, sub)].clone().requires_grad_(), parts, counting, 3, s)
+        kept = ledger.used["activations"] / activation_bytes_per_layer(s, b, h, a, t, True)
+        forward = counting.traffic.bytes_sent
+        out.float().pow(2).sum().backward()
+        sent = sub.allgather((forward, counting.traffic.bytes_sent - forward))
+        counting.free()
+        half = (t - 1) * s * b * h * 2
+        replicated = 6 * h
+        want = (4 * half, 6 * half + 2 * (t - 1) * replicated * 2)
+        got = (sum(f for f, _ in sent), sum(k for _, k in sent))
+        assert got == want, f"sent {got}, formula {want}"
+        return abs(kept - 1) * TOL / 0.02  # under TOL means within 2%
+
+    _each_sub(body)
+
+
+def test_torch_parallelize_module_trains_the_gpt_as_one_process():
+    """The lab's and bench's PyTorch comparison is the same model: parallelize_module over gloo on every rank,
+    three AdamW steps (float64, dropout off) equal one process's within 1e-8."""
+    from ddlab.data_parallel import close_gloo
+    from ddlab.tensor_parallel.timing import torch_parallelize
+
+    config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.0})
+    if config.n_head % WORLD.Get_size():
+        pytest.skip(f"{config.n_head} heads do not split evenly over {WORLD.Get_size()} ranks")
+    generator = torch.Generator().manual_seed(8)
+    batches = [
+        (torch.randint(0, 26, (4, 12), generator=generator), torch.randint(0, 26, (4, 12), generator=generator))
+        for _ in range(3)
+    ]
+    one = _one_process_curve(make_gpt(config, seed=3, dtype=torch.float64), batches)
+    split = _one_process_curve(torch_parallelize(make_gpt(config, seed=3, dtype=torch.float64), WORLD), batches)
+    close_gloo()
+    assert WORLD.allreduce(max(abs(a - b) for a, b in zip(one, split)), op=MPI.MAX) < 1e-8

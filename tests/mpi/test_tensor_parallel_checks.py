@@ -5,31 +5,35 @@ Every rank runs the same tests; the checks make all ranks raise the same error.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from ddlab.checks import (
     CheckFailed,
     check_conjugates,
-    check_parallel_attention,
     check_parallel_linear,
+    check_parallelize,
     check_sequence_parallel_block,
     check_vocab_parallel_cross_entropy,
 )
-from ddlab.models.gpt import causal_attention, dropout_mask, seeded_dropout
+from ddlab.models.gpt import dropout_mask, seeded_dropout
 from ddlab.runtime.blocks import block_range
 from ddlab.tensor_parallel import (
+    ColumnParallelLinear,
     Copy,
     Gather,
+    GatherLinear,
     Reduce,
     ReduceScatter,
+    RowParallelLinear,
     allgather,
     allreduce,
-    column_parallel_linear,
     head_range,
-    parallel_attention,
+    parallelize,
+    qkv_rows,
     reduce_scatter,
-    row_parallel_linear,
     sequence_parallel_block,
     vocab_parallel_cross_entropy,
 )
@@ -165,6 +169,64 @@ def test_a_cross_entropy_written_differently_passes():
     check_vocab_parallel_cross_entropy(separate_sums)
 
 
+class _CrossEntropyWith(torch.autograd.Function):
+    """The reference's forward with one thing changed: no maximum subtracted, the incoming gradient ignored,
+    or the logits shifted in place."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm, start, wrong):
+        n, width = logits.shape
+        largest = allgather(comm, logits.detach().max(dim=1).values.unsqueeze(0), 0, comm.Get_size()).max(0).values
+        if wrong == "no-max":
+            largest = torch.zeros_like(largest)
+        if wrong == "in-place":
+            shifted = logits.detach().sub_(largest.unsqueeze(1))
+        else:
+            shifted = logits.detach() - largest.unsqueeze(1)
+        exp = shifted.exp()
+        held = torch.nonzero((targets >= start) & (targets < start + width)).squeeze(1)
+        target = torch.zeros(n, dtype=logits.dtype)
+        target[held] = shifted[held, targets[held] - start]
+        sums = allreduce(comm, torch.stack([exp.sum(dim=1), target]))
+        ctx.save_for_backward(exp / sums[0].unsqueeze(1), held, targets[held] - start)
+        ctx.wrong = wrong
+        return (sums[0].log() - sums[1]).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, held, columns = ctx.saved_tensors
+        out = softmax.clone()
+        out[held, columns] -= 1
+        scale = 1.0 if ctx.wrong == "ignores-grad" else grad
+        return out * (scale / softmax.shape[0]), None, None, None, None
+
+
+def _cross_entropy_with(wrong):
+    return lambda logits, targets, comm, start: _CrossEntropyWith.apply(logits, targets, comm, start, wrong)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        ("no-max", "the loss differs.*subtract the largest logit"),
+        ("ignores-grad", "gradient of this rank's logits differs.*incoming gradient"),
+        ("in-place", "were changed"),
+    ],
+)
+def test_wrong_cross_entropies_fail(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_vocab_parallel_cross_entropy(_cross_entropy_with(wrong))
+
+
+def cross_entropy_stub(logits, targets, comm, start):
+    raise NotImplementedError("Exercise 14.4 (the vocabulary-parallel loss) is not done yet: write it here.")
+
+
+def test_the_cross_entropy_stub_raises_not_implemented():
+    with pytest.raises(NotImplementedError, match="14.4"):
+        check_vocab_parallel_cross_entropy(cross_entropy_stub)
+
+
 def test_a_cross_entropy_that_gathers_the_logits_fails():
     if MPI.COMM_WORLD.Get_size() < 2:
         pytest.skip("one rank holds all the logits: gathering them sends nothing")
@@ -172,95 +234,198 @@ def test_a_cross_entropy_that_gathers_the_logits_fails():
         check_vocab_parallel_cross_entropy(gathers_the_logits)
 
 
-def row_adds_bias_on_every_rank(x, weight, bias, comm):
+class RowAddsBiasOnEveryRank(RowParallelLinear):
     """Wrong: the bias added to each rank's part before the sum, so t times in all."""
-    return Reduce.apply(torch.nn.functional.linear(x, weight, bias), comm)
+
+    def forward(self, x):
+        return Reduce.apply(F.linear(x, self.weight, self.bias), self.comm)
 
 
-def column_by_hand(x, weight, bias, comm):
-    """Valid, written differently: the conjugate f around a matmul and an add."""
-    return Copy.apply(x, comm) @ weight.T + bias
+class ColumnKeepsTheWholeWeight(torch.nn.Module):
+    """Wrong: keeps the whole weight and slices it on every call (the same values and gradients of its rows)."""
+
+    def __init__(self, linear, features, comm):
+        super().__init__()
+        self.whole, self.features, self.comm = torch.nn.Linear(1, 1), features, comm
+        self.whole.weight = torch.nn.Parameter(linear.weight.detach().clone())
+        self.whole.bias = torch.nn.Parameter(linear.bias.detach().clone())
+        self.weight, self.bias = self.whole.weight, self.whole.bias
+
+    def forward(self, x):
+        return F.linear(Copy.apply(x, self.comm), self.weight[self.features], self.bias[self.features])
+
+
+class ColumnByHand(torch.nn.Module):
+    """Valid, written differently: index_select for the shard, f around a matmul and an add."""
+
+    def __init__(self, linear, features, comm):
+        super().__init__()
+        self.comm = comm
+        self.weight = torch.nn.Parameter(linear.weight.detach().index_select(0, features).clone())
+        self.bias = torch.nn.Parameter(linear.bias.detach().index_select(0, features).clone())
+
+    def forward(self, x):
+        return Copy.apply(x, self.comm) @ self.weight.T + self.bias
+
+
+class ColumnIgnoresTheIncomingGradient(torch.autograd.Function):
+    """Wrong: f's backward allreduces ones instead of the incoming gradient (a plain sum's)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return allreduce(ctx.comm, torch.ones_like(grad)), None
+
+
+class ColumnWithABadCopy(ColumnParallelLinear):
+    def forward(self, x):
+        return F.linear(ColumnIgnoresTheIncomingGradient.apply(x, self.comm), self.weight, self.bias)
 
 
 def test_the_reference_linear_layers_pass():
-    check_parallel_linear(column_parallel_linear, row_parallel_linear)
+    check_parallel_linear(ColumnParallelLinear, RowParallelLinear)
 
 
 def test_linear_layers_written_differently_pass():
-    check_parallel_linear(column_by_hand, row_parallel_linear)
+    check_parallel_linear(ColumnByHand, RowParallelLinear)
 
 
-def test_a_row_parallel_layer_adding_its_bias_on_every_rank_fails():
-    if MPI.COMM_WORLD.Get_size() < 2:
-        pytest.skip("on one rank the bias is added once either way")
-    with pytest.raises(CheckFailed, match="add the bias, once"):
-        check_parallel_linear(column_parallel_linear, row_adds_bias_on_every_rank)
+@pytest.mark.parametrize(
+    "column, row, message",
+    [
+        (ColumnParallelLinear, RowAddsBiasOnEveryRank, "add the bias, once"),
+        (ColumnKeepsTheWholeWeight, RowParallelLinear, "keep only this rank's shard|column's weight"),
+        (ColumnWithABadCopy, RowParallelLinear, "the input's gradient differs"),
+    ],
+    ids=["row-bias-on-every-rank", "column-keeps-the-whole-weight", "backward-ignores-the-gradient"],
+)
+def test_wrong_linear_layers_fail(column, row, message):
+    if MPI.COMM_WORLD.Get_size() < 2 and column is not ColumnKeepsTheWholeWeight:
+        pytest.skip("on one rank the bias is added once and the sum is the identity")
+    with pytest.raises(CheckFailed, match=message):
+        check_parallel_linear(column, row)
 
 
-def heads_split_across_features(x, attn, comm):
-    """Wrong: every head kept on every rank, each rank holding a slice of every head's features."""
-    config, size, rank = attn.config, comm.Get_size(), comm.Get_rank()
-    d = config.n_embd // config.n_head
-    mine = block_range(d, rank, size)
-    cols = torch.cat([torch.arange(h * d + mine.start, h * d + mine.stop) for h in range(config.n_head)])
-    rows = torch.cat([cols, config.n_embd + cols, 2 * config.n_embd + cols])
-    q, k, v = column_parallel_linear(x, attn.qkv.weight[rows], attn.qkv.bias[rows], comm).split(len(cols), dim=2)
-    y = causal_attention(q, k, v, config.n_head, 0.0, None, 0)
-    return row_parallel_linear(y, attn.proj.weight[:, cols], attn.proj.bias, comm)
+def linear_stub(linear, features, comm):
+    raise NotImplementedError("Exercise 14.2 (the column-parallel layer) is not done yet: write it here.")
 
 
-def every_rank_computes_every_head(x, attn, comm):
-    """Wrong: the same messages and values, but no split: every rank computes every head, a t-th of the sum."""
-    y = attn(Copy.apply(x, comm), None, 0) - attn.proj.bias
-    return Reduce.apply(y / comm.Get_size(), comm) + attn.proj.bias
+def test_the_linear_stub_raises_not_implemented():
+    with pytest.raises(NotImplementedError, match="14.2"):
+        check_parallel_linear(linear_stub, RowParallelLinear)
 
 
-def attention_by_hand(x, attn, comm):
-    """Valid, written differently: q, k and v rows picked one by one, PyTorch's causal attention, f and g by hand."""
-    config = attn.config
+def _parallelize_with(features=None, copy_block=True, check=True, set_heads=True, world=False):
+    """A module surgery like the library's with one piece swapped: features(name, config, comm) -> index;
+    world: the layers built on the notebook's global communicator instead of the one passed in."""
+
+    def fn(block, given, plan):
+        comm = MPI.COMM_WORLD if world else given
+        if check:
+            from ddlab.tensor_parallel.surgery import check_plan
+
+            check_plan(plan)
+        split = copy.deepcopy(block) if copy_block else block
+        config = block.config
+        heads = head_range(config.n_head, comm)
+        for name, kind in plan.items():
+            owner, _, child = name.rpartition(".")
+            parent = split.get_submodule(owner)
+            index = (features or _megatron_features)(name, config, comm)
+            layer = ColumnParallelLinear if kind == "column" else RowParallelLinear
+            setattr(parent, child, layer(getattr(parent, child), index, comm))
+        if set_heads:
+            split.attn.heads = heads
+        return split
+
+    return fn
+
+
+def _megatron_features(name, config, comm):
     heads = head_range(config.n_head, comm)
     d = config.n_embd // config.n_head
-    cols = slice(heads.start * d, heads.stop * d)
-    whole = Copy.apply(x, comm)
-    q, k, v = (
-        F.linear(whole, attn.qkv.weight[i * config.n_embd :][cols], attn.qkv.bias[i * config.n_embd :][cols])
-        .unflatten(2, (len(heads), d))
-        .transpose(1, 2)
-        for i in range(3)
-    )
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
-    return Reduce.apply(y @ attn.proj.weight[:, cols].T, comm) + attn.proj.bias
+    if name == "attn.qkv":
+        return qkv_rows(config.n_embd, config.n_head, heads)
+    if name == "attn.proj":
+        return torch.arange(heads.start * d, heads.stop * d)
+    hidden = block_range(4 * config.n_embd, comm.Get_rank(), comm.Get_size())
+    return torch.arange(hidden.start, hidden.stop)
 
 
-def attention_stub(x, attn, comm):
-    raise NotImplementedError("Exercise 14.3 (attention split by heads) is not done yet: write it where this line is.")
+def _features_across_heads(name, config, comm):
+    """Wrong: a slice of every head's features on each rank, instead of whole heads."""
+    if not name.startswith("attn"):
+        return _megatron_features(name, config, comm)
+    d = config.n_embd // config.n_head
+    mine = block_range(d, comm.Get_rank(), comm.Get_size())
+    cols = torch.cat([torch.arange(h * d + mine.start, h * d + mine.stop) for h in range(config.n_head)])
+    return torch.cat([cols, config.n_embd + cols, 2 * config.n_embd + cols]) if name == "attn.qkv" else cols
 
 
-def test_the_reference_attention_passes():
-    check_parallel_attention(parallel_attention)
+def _qkv_as_one_block(name, config, comm):
+    """Wrong: qkv's rows taken as one contiguous block of its 3 n_embd rows, not the heads' rows of q, k and v."""
+    if name != "attn.qkv":
+        return _megatron_features(name, config, comm)
+    rows = block_range(3 * config.n_embd, comm.Get_rank(), comm.Get_size())
+    return torch.arange(rows.start, rows.stop)
 
 
-def test_an_attention_written_differently_passes():
-    check_parallel_attention(attention_by_hand)
+def keeps_the_whole_block_too(block, comm, plan):
+    """Wrong: the split block is right, but keeps the whole one inside it as well."""
+    split = parallelize(block, comm, plan)
+    split.whole = copy.deepcopy(block)
+    return split
+
+
+def parallelize_stub(block, comm, plan):
+    raise NotImplementedError("Exercise 14.3 (parallelize) is not done yet: write it where this line is.")
+
+
+def test_the_reference_parallelize_passes():
+    check_parallelize(parallelize)
+
+
+def test_a_parallelize_written_differently_passes():
+    check_parallelize(_parallelize_with())
 
 
 @pytest.mark.parametrize(
     "fn, message",
     [
-        (heads_split_across_features, "the output differs"),
-        (every_rank_computes_every_head, "qkv's weight gradient differs"),
+        (_parallelize_with(features=_features_across_heads), "the output differs|raised an error"),
+        (_parallelize_with(features=_qkv_as_one_block), "the output differs|raised an error"),
+        (_parallelize_with(copy_block=False), "the block passed in was changed"),
+        (_parallelize_with(check=False), "should raise ValueError"),
+        (_parallelize_with(set_heads=False), "RuntimeError|ValueError|differs"),
+        (keeps_the_whole_block_too, "keep only the shards"),
+        (_parallelize_with(world=True), "global communicator"),
+    ],
+    ids=[
+        "heads-split-across-features",
+        "qkv-as-one-block",
+        "changes-the-block-passed-in",
+        "accepts-a-bad-plan",
+        "attention-not-told-its-heads",
+        "keeps-the-whole-block-too",
+        "layers-on-the-global-communicator",
     ],
 )
-def test_wrong_attentions_fail(fn, message):
-    if MPI.COMM_WORLD.Get_size() < 2:
-        pytest.skip("on one rank every split is the whole attention")
+def test_wrong_parallelizes_fail(fn, message):
+    if MPI.COMM_WORLD.Get_size() < 2 and message == "global communicator":
+        pytest.skip("on one rank the global communicator sends nothing either way")
+    if MPI.COMM_WORLD.Get_size() < 2 and message.startswith("the output differs"):
+        pytest.skip("on one rank every split is the whole block")
     with pytest.raises(CheckFailed, match=message):
-        check_parallel_attention(fn)
+        check_parallelize(fn)
 
 
-def test_the_attention_stub_raises_not_implemented():
+def test_the_parallelize_stub_raises_not_implemented():
     with pytest.raises(NotImplementedError, match="14.3"):
-        check_parallel_attention(attention_stub)
+        check_parallelize(parallelize_stub)
 
 
 class _SumGrads(torch.autograd.Function):
@@ -277,17 +442,6 @@ class _SumGrads(torch.autograd.Function):
         return (None, *total.split([s.numel() for s in ctx.shapes]))
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, length):
-        ctx.comm = comm
-        return allgather(comm, x, 1, length)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(ctx.comm, grad, 1), None, None
-
-
 class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -299,24 +453,42 @@ class _ScatterRows(torch.autograd.Function):
         return allgather(ctx.comm, grad, 1, ctx.length), None
 
 
+class _GatherLinearByHand(torch.autograd.Function):
+    """Valid, written differently: keeps only its block, regathers in backward, einsum for the weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, length):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.length = comm, length
+        return allgather(comm, x, 1, length) @ weight.T + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = allgather(ctx.comm, x, 1, ctx.length)
+        grad_x = reduce_scatter(ctx.comm, grad @ weight, 1)
+        return grad_x, torch.einsum("bto,bti->oi", grad, whole), grad.sum(dim=(0, 1)), None, None
+
+
 def block_by_hand(x, parts, comm, seed, length):
-    """Valid, written differently: LayerNorm by hand, masks from dropout_mask, the six whole gradients in one
-    allreduce, the two halves as hand-written Functions."""
+    """Valid, written differently: masks from dropout_mask, the six whole gradients in one allreduce, the
+    gathering linear and the reduce-scatter as hand-written Functions."""
     rows = block_range(length, comm.Get_rank(), comm.Get_size())
     w1, b1, w2, b2, attn_bias, mlp_bias = _SumGrads.apply(
         comm, parts.ln_1.weight, parts.ln_1.bias, parts.ln_2.weight, parts.ln_2.bias, parts.attn_bias, parts.mlp_bias
     )
 
-    def norm(h, w, b):
-        mean, var = h.mean(-1, keepdim=True), h.var(-1, unbiased=False, keepdim=True)
-        return _GatherRows.apply((h - mean) / torch.sqrt(var + parts.ln_1.eps) * w + b, comm, length)
-
     def drop(y, site):
         keep = dropout_mask((x.shape[0], length, x.shape[2]), parts.p, seed, site)[:, rows.start : rows.stop]
-        return y * keep / (1 - parts.p)
+        return y.masked_fill(~keep, 0) / (1 - parts.p)
 
-    x = x + drop(_ScatterRows.apply(parts.attention(norm(x, w1, b1), seed), comm) + attn_bias, parts.site + 1)
-    return x + drop(_ScatterRows.apply(parts.mlp(norm(x, w2, b2)), comm) + mlp_bias, parts.site + 2)
+    h = F.layer_norm(x, (x.shape[2],), w1, b1, parts.ln_1.eps)
+    qkv = _GatherLinearByHand.apply(h, parts.qkv.weight, parts.qkv.bias, comm, length)
+    y = _ScatterRows.apply(parts.heads(qkv, seed) @ parts.attn_proj_weight.T, comm)
+    x = x + drop(y + attn_bias, parts.site + 1)
+    h = F.layer_norm(x, (x.shape[2],), w2, b2, parts.ln_2.eps)
+    hidden = F.gelu(_GatherLinearByHand.apply(h, parts.fc.weight, parts.fc.bias, comm, length))
+    return x + drop(_ScatterRows.apply(hidden @ parts.mlp_proj_weight.T, comm) + mlp_bias, parts.site + 2)
 
 
 def _summed(comm, ln):
@@ -358,20 +530,41 @@ class _AllreduceThenRows(torch.autograd.Function):
         return allgather(ctx.comm, grad, 1, ctx.length), None
 
 
-def _block_with(norm_weights=_summed, drop=seeded_dropout, gather=Gather.apply, scatter=ReduceScatter.apply):
+def _gather_linear(x, weight, bias, comm, length):
+    return GatherLinear.apply(x, weight, bias, comm, length)
+
+
+def _gather_then_linear(gather):
+    """A gather (Function) and then an ordinary linear layer, which keeps the whole gathered input."""
+    return lambda x, weight, bias, comm, length: F.linear(gather(x, comm, length), weight, bias)
+
+
+def _block_with(
+    norm_weights=_summed,
+    drop=seeded_dropout,
+    linear=_gather_linear,
+    scatter=ReduceScatter.apply,
+    norm_after_gather=False,
+):
     """The sequence-parallel block with one piece swapped for a wrong one."""
 
     def block(x, parts, comm, seed, length):
         rows = block_range(length, comm.Get_rank(), comm.Get_size())
         whole, part = (x.shape[0], length, x.shape[2]), (slice(None), slice(rows.start, rows.stop))
 
-        def norm(ln, h):
-            return gather(F.layer_norm(h, ln.normalized_shape, *norm_weights(comm, ln), ln.eps), comm, length)
+        def column(ln, h, layer):
+            weight, bias = norm_weights(comm, ln)
+            if norm_after_gather:  # wrong: normalizes the whole gathered sequence, so keeps its input whole
+                h = F.layer_norm(Gather.apply(h, comm, length), ln.normalized_shape, weight, bias, ln.eps)
+                return F.linear(h, layer.weight, layer.bias)
+            return linear(
+                F.layer_norm(h, ln.normalized_shape, weight, bias, ln.eps), layer.weight, layer.bias, comm, length
+            )
 
-        y = scatter(parts.attention(norm(parts.ln_1, x), seed), comm) + Copy.apply(parts.attn_bias, comm)
-        x = x + drop(y, parts.p, seed, parts.site + 1, whole, part)
-        y = scatter(parts.mlp(norm(parts.ln_2, x)), comm) + Copy.apply(parts.mlp_bias, comm)
-        return x + drop(y, parts.p, seed, parts.site + 2, whole, part)
+        y = scatter(F.linear(parts.heads(column(parts.ln_1, x, parts.qkv), seed), parts.attn_proj_weight), comm)
+        x = x + drop(y + Copy.apply(parts.attn_bias, comm), parts.p, seed, parts.site + 1, whole, part)
+        y = scatter(F.linear(F.gelu(column(parts.ln_2, x, parts.fc)), parts.mlp_proj_weight), comm)
+        return x + drop(y + Copy.apply(parts.mlp_bias, comm), parts.p, seed, parts.site + 2, whole, part)
 
     return block
 
@@ -384,7 +577,7 @@ def test_the_reference_sequence_parallel_block_passes():
     check_sequence_parallel_block(sequence_parallel_block)
 
 
-def test_the_block_assembled_from_the_library_pieces_passes():
+def test_the_block_assembled_from_the_library_pieces_passes():  # GatherLinear, ReduceScatter, Copy
     check_sequence_parallel_block(_block_with())
 
 
@@ -397,14 +590,18 @@ def test_a_sequence_parallel_block_written_differently_passes():
     [
         (_block_with(norm_weights=_not_summed), "ln_1.weight's gradient differs.*sum its gradient"),
         (_block_with(drop=_same_mask_everywhere), "the output differs.*rows of the whole tensor's mask"),
-        (_block_with(gather=_GatherKeepingRows.apply), "the input's gradient differs"),
+        (_block_with(linear=_gather_then_linear(_GatherKeepingRows.apply)), "the input's gradient differs"),
         (_block_with(scatter=_AllreduceThenRows.apply), "an allreduce in place of a reduce-scatter"),
+        (_block_with(linear=_gather_then_linear(Gather.apply)), "times Korthikanti et al.'s count"),
+        (_block_with(norm_after_gather=True), "times Korthikanti et al.'s count"),
     ],
     ids=[
         "layer-norm-grads-not-summed",
         "same-dropout-mask-on-every-rank",
         "gather-without-reduce-scatter",
         "allreduce-for-reduce-scatter",
+        "linear-keeps-the-gathered-input",
+        "layer-norm-after-the-allgather",
     ],
 )
 def test_wrong_sequence_parallel_blocks_fail(fn, message):
@@ -417,3 +614,37 @@ def test_wrong_sequence_parallel_blocks_fail(fn, message):
 def test_the_block_stub_raises_not_implemented():
     with pytest.raises(NotImplementedError, match="14.5"):
         check_sequence_parallel_block(block_stub)
+
+
+class CopyOnTheGlobalComm(torch.autograd.Function):
+    """Wrong: backward sums over the notebook's global communicator, not the one forward was given."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return allreduce(MPI.COMM_WORLD, grad), None
+
+
+class ReduceOnTheGlobalComm(torch.autograd.Function):
+    """Wrong: forward sums over the notebook's global communicator."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return allreduce(MPI.COMM_WORLD, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@pytest.mark.parametrize(
+    "copy, reduce", [(CopyOnTheGlobalComm, Reduce), (Copy, ReduceOnTheGlobalComm)], ids=["copy", "reduce"]
+)
+def test_conjugates_on_the_global_communicator_fail_with_a_message(copy, reduce):
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("on one rank the global communicator sends nothing either way")
+    with pytest.raises(CheckFailed, match="global communicator"):
+        check_conjugates(copy, reduce)

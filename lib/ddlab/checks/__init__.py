@@ -68,7 +68,7 @@ _WHERE = {
     "check_conjugates": "tensor_parallel",
     "check_parallel_linear": "tensor_parallel",
     "check_vocab_parallel_cross_entropy": "tensor_parallel",
-    "check_parallel_attention": "tensor_parallel",
+    "check_parallelize": "tensor_parallel",
     "check_sequence_parallel_block": "tensor_parallel",
     "check_reduce_scatter": "sharded",
     "check_allgather": "sharded",

@@ -1,26 +1,29 @@
-"""Checks for lab 14: the conjugate pair, the column- and row-parallel layers, attention split by heads,
-the vocabulary-parallel loss, the sequence-parallel block.
+"""Checks for lab 14: the conjugate pair, the column- and row-parallel layers, the module surgery
+(`parallelize`), the vocabulary-parallel loss, the sequence-parallel block.
 
 Each check runs the student's code on the first P ranks for P = 1 .. world size through
 a counting communicator (no MPI collective allowed: the lab's `ddlab.tensor_parallel.allreduce`
 and `allgather` are the ring's point-to-point halves, so every byte is counted) and
 compares with one process in float64 (1e-10): outputs, the input's gradient, the weights'
-gradients, and the bytes sent forward and backward.
+gradients (from random output gradients, never a plain sum), and the bytes sent forward and backward.
+The world's size runs first: an answer on the notebook's global communicator completes there and
+fails with a message naming it, where a smaller communicator would wait forever.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, cast
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from ..models.gpt import Block, CausalSelfAttention, GPTConfig, make_gpt
+from ..models.gpt import Block, GPTConfig, make_gpt
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm
+from ..runtime.memory import Ledger
 from ..tensor_parallel.block import BlockParts, qkv_rows
 from ..tensor_parallel.formulas import ring_bytes
 from ._core import each_size, passed, run_counted
@@ -28,6 +31,24 @@ from ._core import each_size, passed, run_counted
 TOL = 1e-10
 TIMEOUT = 20.0
 SHAPE = (3, 5, 4)
+
+#: Appended when fewer bytes went through the communicator passed in than the exercise must send.
+GLOBAL_COMM = (
+    " Fewer bytes than owed went through the communicator passed in: does the code use the notebook's "
+    "global communicator (`comm`, MPI.COMM_WORLD) instead of the one it was given (keep it in ctx for "
+    "backward)? On fewer ranks a global communicator waits for ranks that are not there."
+)
+
+
+def _sizes(world: MPI.Comm) -> list[int]:
+    """The world's size first (see each_size): an answer on the notebook's global communicator completes there,
+    where its missing bytes show, and fails before a smaller communicator would wait for ranks outside it."""
+    return list(range(world.Get_size(), 0, -1))
+
+
+def _fewer(sent: tuple[float, ...], want: tuple[float, ...]) -> str:
+    """GLOBAL_COMM if any count of `sent` is below its `want`, else ''."""
+    return GLOBAL_COMM if any(s < w for s, w in zip(sent, want)) else ""
 
 
 def _error(got: Any, want: torch.Tensor) -> str | None:
@@ -78,6 +99,7 @@ def _check_conjugate(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str
             f"{name} sent {forward:.0f} bytes forward and {backward:.0f} backward; expected "
             f"{want_bytes[0]:.0f} and {want_bytes[1]:.0f} (one allreduce of x's {values.numel()} float64 "
             f"values {'backward' if copy else 'forward'}, by ddlab.tensor_parallel.allreduce, nothing else)"
+            + _fewer((forward, backward), want_bytes)
         )
     return None
 
@@ -90,7 +112,7 @@ def check_conjugates(copy: type[torch.autograd.Function], reduce: type[torch.aut
         def body(sub: MPI.Comm, fn: type[torch.autograd.Function] = fn, name: str = name) -> str | None:
             return _check_conjugate(sub, fn, name)
 
-        each_size(world, body, f"{name} ({getattr(fn, '__name__', fn)}) is wrong")
+        each_size(world, body, f"{name} ({getattr(fn, '__name__', fn)}) is wrong", _sizes(world))
     passed(
         world,
         "Copy and Reduce: values and gradients equal one process's; one allreduce each, Copy's "
@@ -99,24 +121,31 @@ def check_conjugates(copy: type[torch.autograd.Function], reduce: type[torch.aut
 
 
 #: Positions and vocabulary of the cross-entropy check: V/t columns per rank well above the 4 values per
-#: position a loss that never gathers the logits needs to send.
-N, VOCAB = 30, 64
+#: position a loss that never gathers the logits may send, so gathering them breaks the byte limit; and
+#: logits of a few hundred, so a softmax without the largest logit subtracted overflows (e^710 > float64's max).
+N, VOCAB, SCALE = 30, 96, 300.0
+
+
+def _logits() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(14)
+    logits = torch.randn(N, VOCAB, dtype=torch.float64, generator=generator) * SCALE
+    return logits, torch.randint(0, VOCAB, (N,), generator=generator)
 
 
 def _cross_entropy_case(counting: CountingComm, fn: Callable[..., Any]) -> tuple:
-    generator = torch.Generator().manual_seed(14)
-    logits = torch.randn(N, VOCAB, dtype=torch.float64, generator=generator) * 4
-    targets = torch.randint(0, VOCAB, (N,), generator=generator)
+    logits, targets = _logits()
     vocab = block_range(VOCAB, counting.Get_rank(), counting.Get_size())
     mine = logits[:, vocab.start : vocab.stop].clone().requires_grad_()
-    loss = fn(mine, targets, counting, vocab.start)
+    given = targets.clone()
+    loss = fn(mine, given, counting, vocab.start)
     if not isinstance(loss, torch.Tensor) or loss.shape != ():
         raise TypeError(
             f"the loss must be a 0-dim tensor, got {type(loss).__name__} "
             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
         )
     (loss * 3).backward()
-    return loss.detach(), mine.grad
+    untouched = torch.equal(mine.detach(), logits[:, vocab.start : vocab.stop]) and torch.equal(given, targets)
+    return loss.detach(), mine.grad, untouched
 
 
 def check_vocab_parallel_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor, Comm, int], torch.Tensor]) -> None:
@@ -126,23 +155,29 @@ def check_vocab_parallel_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor,
 
     def body(sub: MPI.Comm) -> str | None:
         size = sub.Get_size()
-        (loss, grad), traffic = run_counted(
+        (loss, grad, untouched), traffic = run_counted(
             sub, lambda c: _cross_entropy_case(c, fn), (), "vocab_parallel_cross_entropy", timeout=TIMEOUT
         )
-        generator = torch.Generator().manual_seed(14)
-        logits = (torch.randn(N, VOCAB, dtype=torch.float64, generator=generator) * 4).requires_grad_()
-        targets = torch.randint(0, VOCAB, (N,), generator=generator)
+        if not untouched:
+            return "the logits or targets passed in were changed: leave the inputs as they are (no in-place ops)"
+        logits, targets = _logits()
+        logits.requires_grad_()
         want = F.cross_entropy(logits, targets)
         (want * 3).backward()
         assert logits.grad is not None
         vocab = block_range(VOCAB, sub.Get_rank(), size)
-        for label, got, expected in (
-            ("the loss", loss, want.detach()),
-            ("the gradient of this rank's logits", grad, logits.grad[:, vocab.start : vocab.stop]),
+        for label, got, expected, hint in (
+            ("the loss", loss, want.detach(), "subtract the largest logit before exp (logits here reach ~1000)"),
+            (
+                "the gradient of this rank's logits",
+                grad,
+                logits.grad[:, vocab.start : vocab.stop],
+                "the check back-propagates 3 x the loss: multiply by the incoming gradient",
+            ),
         ):
             problem = _error(got, expected)
             if problem:
-                return f"{label} {problem}"
+                return f"{label} {problem}: {hint}"
         limit = 4 * (size - 1) * N * 8
         sent = traffic[sub.Get_rank()].bytes_sent
         if sent > limit:
@@ -151,9 +186,11 @@ def check_vocab_parallel_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor,
                 f"needs at most {limit} (4 (t-1) float64 values per position: the maxima, the sums of "
                 f"exponentials, the target's logit), whatever the vocabulary"
             )
+        if size > 1 and sent == 0:
+            return "sent nothing, but the ranks must combine their maxima and sums." + GLOBAL_COMM
         return None
 
-    each_size(world, body, "vocab_parallel_cross_entropy is wrong")
+    each_size(world, body, "vocab_parallel_cross_entropy is wrong", _sizes(world))
     passed(world, "vocab_parallel_cross_entropy: loss and gradients equal one process's, logits never gathered")
 
 
@@ -170,22 +207,26 @@ def _mlp_case(
     x: torch.Tensor,
     g: torch.Tensor,
 ) -> tuple:
-    features = block_range(HIDDEN, counting.Get_rank(), counting.Get_size())
-    cut = slice(features.start, features.stop)
-    w1 = first.weight.detach()[cut].clone().requires_grad_()
-    b1 = first.bias.detach()[cut].clone().requires_grad_()
-    w2 = second.weight.detach()[:, cut].clone().requires_grad_()
-    b2 = second.bias.detach().clone().requires_grad_()
+    features = torch.arange(counting.Get_rank(), HIDDEN, counting.Get_size())
+    layers = column(copy.deepcopy(first), features, counting), row(copy.deepcopy(second), features, counting)
+    held = sum(p.numel() for layer in layers for p in layer.parameters())
     mine = x.detach().clone().requires_grad_()
-    y = row(F.gelu(column(mine, w1, b1, counting)), w2, b2, counting)
+    y = layers[1](F.gelu(layers[0](mine)))
     forward = counting.traffic.bytes_sent
     y.backward(g)
-    return y.detach(), mine.grad, [w1.grad, b1.grad, w2.grad, b2.grad], forward, counting.traffic.bytes_sent - forward
+    kept = [getattr(layer, name, None) for layer in layers for name in ("weight", "bias")]
+    grads = [p.grad if isinstance(p, torch.nn.Parameter) else None for p in kept]
+    values = [p.detach() if isinstance(p, torch.Tensor) else p for p in kept]
+    return y.detach(), mine.grad, values, grads, held, forward, counting.traffic.bytes_sent - forward
 
 
 def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -> None:
-    """column(x, weight, bias, comm), row(x, weight, bias, comm): as ddlab.tensor_parallel.column_parallel_linear
-    and row_parallel_linear, checked as the two layers of an MLP (column, GELU, row)."""
+    """column(linear, features, comm), row(linear, features, comm): modules as ddlab.tensor_parallel's
+    ColumnParallelLinear and RowParallelLinear, built from a whole nn.Linear; `features` an index tensor of
+    this rank's output features (column) or input features (row). Each keeps `weight` and `bias` as
+    parameters holding its shard only (column: those rows and bias entries; row: those columns and the
+    whole bias) and nothing else; checked as the two layers of an MLP (column, GELU, row) with interleaved
+    features, a backward from random output gradients, and the bytes sent."""
     world = MPI.COMM_WORLD
     generator = torch.Generator().manual_seed(2)
     first, second = torch.nn.Linear(WIDTH, HIDDEN).double(), torch.nn.Linear(HIDDEN, WIDTH).double()
@@ -199,36 +240,52 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
 
     def body(sub: MPI.Comm) -> str | None:
         size = sub.Get_size()
-        (out, grad_x, grads, forward, backward), _ = run_counted(
+        (out, grad_x, values, grads, held, forward, backward), _ = run_counted(
             sub, lambda c: _mlp_case(c, column, row, first, second, x, g), (), "the parallel MLP", timeout=TIMEOUT
         )
-        cut = block_range(HIDDEN, sub.Get_rank(), size)
+        cut = torch.arange(sub.Get_rank(), HIDDEN, size)
         assert first.weight.grad is not None and first.bias.grad is not None
         assert second.weight.grad is not None and second.bias.grad is not None
+        where = f"features {cut.tolist()}: "
+        shards = [
+            ("column's weight", values[0], first.weight.detach()[cut], where + "the rows of those output features"),
+            ("column's bias", values[1], first.bias.detach()[cut], where + "the bias entries of those features"),
+            ("row's weight", values[2], second.weight.detach()[:, cut], where + "the columns of those input features"),
+            ("row's bias", values[3], second.bias.detach(), "the whole bias, the same on every rank"),
+        ]
+        problem = _first_problem(shards)
+        if problem:
+            return problem + " (keep them as self.weight and self.bias, nn.Parameters)"
+        want_held = len(cut) * (2 * WIDTH + 1) + WIDTH
+        if held != want_held:
+            return (
+                f"the two layers hold {held} parameter values on this rank; their shards are {want_held}: keep "
+                "only this rank's shard (not the whole nn.Linear, nor a copy of its weight)"
+            )
         wants = [
             ("the output (row's)", out, y.detach(), "row must sum the ranks' parts and then add the bias, once"),
             ("the input's gradient", grad_x, x.grad, "column's backward must sum the input's gradient over ranks"),
-            ("column's weight gradient", grads[0], first.weight.grad[cut.start : cut.stop], ""),
-            ("column's bias gradient", grads[1], first.bias.grad[cut.start : cut.stop], ""),
-            ("row's weight gradient", grads[2], second.weight.grad[:, cut.start : cut.stop], ""),
+            ("column's weight gradient", grads[0], first.weight.grad[cut], ""),
+            ("column's bias gradient", grads[1], first.bias.grad[cut], ""),
+            ("row's weight gradient", grads[2], second.weight.grad[:, cut], ""),
             ("row's bias gradient", grads[3], second.bias.grad, ""),
         ]
-        for label, got, want, hint in wants:
-            problem = _error(got, want)
-            if problem:
-                return f"{label} {problem}" + (f": {hint}" if hint else "")
+        problem = _first_problem(wants)
+        if problem:
+            return problem
         one = 2 * ring_bytes(BATCH * LENGTH * WIDTH, size, 8)
         if (forward, backward) != (one, one):
             return (
                 f"sent {forward:.0f} bytes forward and {backward:.0f} backward; expected {one:.0f} each: one "
                 f"allreduce of the output forward (in row) and one of the input's gradient backward (in column)"
+                + _fewer((forward, backward), (one, one))
             )
         return None
 
-    each_size(world, body, "the column- and row-parallel layers are wrong")
+    each_size(world, body, "the column- and row-parallel layers are wrong", _sizes(world))
     passed(
         world,
-        "column_parallel_linear and row_parallel_linear: the split MLP equals one process's, one "
+        "column- and row-parallel layers: each keeps only its shard, the split MLP equals one process's, one "
         "allreduce forward and one backward",
     )
 
@@ -258,7 +315,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _first_problem(wants: list[tuple[str, Any, torch.Tensor | None, str]]) -> str | None:
+def _first_problem(wants: Sequence[tuple[str, Any, torch.Tensor | None, str]]) -> str | None:
     for label, got, want, hint in wants:
         if want is None:
             continue
@@ -272,73 +329,147 @@ def _grad(p: torch.Tensor | None) -> torch.Tensor | None:
     return None if p is None else p.grad
 
 
-def _attention_case(counting: CountingComm, fn: Callable[..., Any]) -> tuple:
-    attn = copy.deepcopy(_random_block(0.0).attn)
+#: Exercise 14.3's plan, and plans it must refuse with a ValueError.
+PLAN = {"attn.qkv": "column", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
+BAD_PLANS = (
+    {"attn.qkv": "column"},
+    {"attn.qkv": "row", "attn.proj": "column", "mlp.fc": "column", "mlp.proj": "row"},
+    {**PLAN, "mlp.gate": "column"},
+)
+
+
+def _parallelize_case(counting: CountingComm, fn: Callable[..., Any], block: Block) -> tuple:
+    given = copy.deepcopy(block)
+    split = fn(given, counting, dict(PLAN))
+    if not isinstance(split, torch.nn.Module):
+        raise TypeError(f"parallelize must return the new block (a module), got {type(split).__name__}")
+    untouched = all(type(m) is type(o) for m, o in zip(given.modules(), block.modules())) and all(
+        torch.equal(p, q) for p, q in zip(given.parameters(), block.parameters())
+    )
+    held = sum(p.numel() for p in split.parameters())
     x, g = _inputs()
     mine = x.clone().requires_grad_()
-    y = fn(mine, attn, counting)
+    y = split(mine, SEED)
     if not isinstance(y, torch.Tensor):
-        raise TypeError(f"the attention must return a tensor, got {type(y).__name__}")
+        raise TypeError(f"the split block must return a tensor, got {type(y).__name__}")
     forward = counting.traffic.bytes_sent
     y.backward(g)
-    grads = [_grad(p) for p in (attn.qkv.weight, attn.qkv.bias, attn.proj.weight, attn.proj.bias)]
-    return y.detach(), mine.grad, grads, forward, counting.traffic.bytes_sent - forward
+    grads = [
+        _grad(split.get_submodule(name.rpartition(".")[0]).get_parameter(name.rpartition(".")[2]))
+        for name in _SPLIT_NAMES
+    ]
+    refused = []
+    for plan in BAD_PLANS:
+        try:
+            fn(copy.deepcopy(block), counting, plan)
+        except ValueError:
+            continue
+        except Exception as err:  # noqa: BLE001 (any other error is the student's, and reported)
+            refused.append((plan, f"raised {type(err).__name__}: {err}"))
+            continue
+        refused.append((plan, "returned a block"))
+    return y.detach(), mine.grad, grads, held, untouched, refused, forward, counting.traffic.bytes_sent - forward
 
 
-def check_parallel_attention(fn: Callable[[torch.Tensor, CausalSelfAttention, Comm], torch.Tensor]) -> None:
-    """fn(x, attn, comm) -> the whole output of attn from this rank's heads, as
-    ddlab.tensor_parallel.parallel_attention: rank r uses heads block_range(n_head, r, t) only (the other
-    rows of attn.qkv and columns of attn.proj get no gradient on it); bytes summed over the ranks: one allreduce
-    of the (B, T, n_embd) activations forward, one backward."""
+#: The parameters of a Block, by name, in the order `_parallelize_case` returns their gradients.
+_SPLIT_NAMES = (
+    "ln_1.weight",
+    "ln_1.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "attn.qkv.weight",
+    "attn.qkv.bias",
+    "attn.proj.weight",
+    "attn.proj.bias",
+    "mlp.fc.weight",
+    "mlp.fc.bias",
+    "mlp.proj.weight",
+    "mlp.proj.bias",
+)
+
+
+def _shard_index(name: str, rank: int, size: int) -> tuple[torch.Tensor, int] | None:
+    """(index, dim) of this rank's shard of a Block's parameter `name`, or None if it stays whole."""
+    heads = block_range(HEADS, rank, size)
+    d = EMBD // HEADS
+    hidden = block_range(4 * EMBD, rank, size)
+    index = {
+        "attn.qkv.weight": (qkv_rows(EMBD, HEADS, heads), 0),
+        "attn.qkv.bias": (qkv_rows(EMBD, HEADS, heads), 0),
+        "attn.proj.weight": (torch.arange(heads.start * d, heads.stop * d), 1),
+        "mlp.fc.weight": (torch.arange(hidden.start, hidden.stop), 0),
+        "mlp.fc.bias": (torch.arange(hidden.start, hidden.stop), 0),
+        "mlp.proj.weight": (torch.arange(hidden.start, hidden.stop), 1),
+    }
+    return index.get(name)
+
+
+def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Module]) -> None:
+    """fn(block, comm, plan) -> a new block, as ddlab.tensor_parallel.parallelize: the layers the plan names
+    replaced by ones holding this rank's shard (attention by heads block_range(n_head, r, t), the MLP by
+    hidden features block_range(4 n_embd, r, t)), the block passed in left as it was, every parameter value
+    held a shard's or a LayerNorm's or a row layer's whole bias; output and gradients equal one process's
+    with dropout on; one allreduce per sub-layer each way; a plan naming an unknown layer, a pair split the
+    wrong way round, or one layer of a pair alone raises ValueError."""
     world = MPI.COMM_WORLD
-    one = _random_block(0.0).attn
+    block = _random_block(DROPOUT)
     x, g = _inputs()
     x.requires_grad_()
-    one(x, None, 0).backward(g)
+    one = copy.deepcopy(block)
+    want_y = one(x, SEED)
+    want_y.backward(g)
 
     def body(sub: MPI.Comm) -> str | None:
         size, rank = sub.Get_size(), sub.Get_rank()
-        (out, grad_x, grads, forward, backward), _ = run_counted(
-            sub, lambda c: _attention_case(c, fn), (), "the parallel attention", timeout=TIMEOUT
+        (out, grad_x, grads, held, untouched, refused, forward, backward), _ = run_counted(
+            sub, lambda c: _parallelize_case(c, fn, block), (), "parallelize", timeout=TIMEOUT
         )
+        if not untouched:
+            return "the block passed in was changed: work on a copy (copy.deepcopy) and return it"
+        if refused:
+            plan, what = refused[0]
+            return f"the plan {plan} should raise ValueError (see the exercise's text); it {what}"
         heads = block_range(HEADS, rank, size)
-        rows = qkv_rows(EMBD, HEADS, heads)
-        d = EMBD // HEADS
-        cols = torch.arange(heads.start * d, heads.stop * d)
-
-        def only(grad: torch.Tensor | None, index: torch.Tensor, dim: int) -> torch.Tensor:
-            assert grad is not None
-            kept = torch.zeros_like(grad)
-            kept.index_copy_(dim, index, grad.index_select(dim, index))
-            return kept
-
-        by_heads = f"rank {rank} of {size} holds heads {heads.start}..{heads.stop - 1} (block_range): the q, k and v "
-        by_heads += "rows of those heads, whole heads of n_embd / n_head features each, and proj's matching columns"
-        problem = _first_problem(
-            [
-                ("the output", out, one(x.detach(), None, 0).detach(), "each head attends with all of its features"),
-                ("the input's gradient", grad_x, x.grad, "sum it over the ranks (f) once"),
-                ("qkv's weight gradient", grads[0], only(one.qkv.weight.grad, rows, 0), by_heads),
-                ("qkv's bias gradient", grads[1], only(one.qkv.bias.grad, rows, 0), by_heads),
-                ("proj's weight gradient", grads[2], only(one.proj.weight.grad, cols, 1), by_heads),
-                ("proj's bias gradient", grads[3], one.proj.bias.grad, "add the whole bias once, after the sum"),
-            ]
-        )
+        by_heads = f"rank {rank} of {size} holds heads {heads.start}..{heads.stop - 1} (block_range) and hidden "
+        by_heads += "features block_range(4 n_embd, rank, t): those rows of qkv (of q, k and v) and fc, those columns "
+        by_heads += "of the projections"
+        wants: list[tuple[str, Any, torch.Tensor | None, str]] = [
+            ("the output", out, want_y.detach(), "each rank's heads drop with their part of the whole mask"),
+            ("the input's gradient", grad_x, x.grad, ""),
+        ]
+        whole = 0
+        for name, got in zip(_SPLIT_NAMES, grads):
+            want = one.get_parameter(name).grad
+            shard = _shard_index(name, rank, size)
+            if shard is not None and want is not None:
+                want = want.index_select(shard[1], shard[0])
+            whole += 0 if want is None else want.numel()
+            wants.append((f"{name}'s gradient", got, want, by_heads if shard else ""))
+        problem = _first_problem(wants)
         if problem:
             return problem
+        if held != whole:
+            return (
+                f"the new block holds {held} parameter values on this rank; its shards and whole LayerNorms and "
+                f"biases are {whole}: keep only the shards (not the whole layers)"
+            )
         totals = sub.allgather((forward, backward))
         sent = (sum(f for f, _ in totals), sum(b for _, b in totals))
-        want = 2 * (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * 8  # one allreduce, summed over the ranks
-        if sent != (want, want):
+        want_sent = 2 * 2 * (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * 8  # two allreduces, all ranks
+        if sent != (want_sent, want_sent):
             return (
-                f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected {want:.0f} "
-                f"each: one allreduce of the output forward (after proj) and one of the input's gradient backward "
-                f"(before qkv)"
+                f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected "
+                f"{want_sent:.0f} each: one allreduce after attention and one after the MLP forward, one before "
+                f"each backward" + _fewer(sent, (want_sent, want_sent))
             )
         return None
 
-    each_size(world, body, "the attention split by heads is wrong")
-    passed(world, "attention split by heads: output and gradients equal one process's, one allreduce each way")
+    each_size(world, body, "parallelize does not make a tensor-parallel block", _sizes(world))
+    passed(
+        world,
+        "parallelize: every rank keeps its shards only; the split block equals one process's (dropout on), "
+        "one allreduce per sub-layer each way; bad plans refused",
+    )
 
 
 def _block_parameters(block: Block | BlockParts) -> list[tuple[str, torch.Tensor | None]]:
@@ -374,20 +505,38 @@ def _block_case(counting: CountingComm, fn: Callable[..., Any], block: Block) ->
     x, g = _inputs()
     rows = block_range(BLOCK_LENGTH, counting.Get_rank(), counting.Get_size())
     mine = x[:, rows.start : rows.stop].clone().requires_grad_()
-    y = fn(mine, parts, counting, SEED, BLOCK_LENGTH)
+    ledger = Ledger()
+    ledger.ignore(parts)
+    with ledger.activations():
+        y = fn(mine, parts, counting, SEED, BLOCK_LENGTH)
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"the block must return a tensor, got {type(y).__name__}")
+    kept = ledger.used["activations"]
     forward = counting.traffic.bytes_sent
     y.backward(g[:, rows.start : rows.stop])
     grads = [_grad(p) for _, p in _block_parameters(parts)]
-    return y.detach(), mine.grad, grads, forward, counting.traffic.bytes_sent - forward
+    return y.detach(), mine.grad, grads, kept, forward, counting.traffic.bytes_sent - forward
+
+
+#: How far over Korthikanti et al.'s count a sequence-parallel block may keep (LayerNorm statistics, ~1%).
+MEMORY_SLACK = 1.02
+
+
+def _korthikanti_bytes(rows: int, heads: int, hidden: int, e: int = 8) -> int:
+    """Korthikanti et al.'s sbh(34/t + 5as/(ht)) term by term (section 4.2.2) for this rank's share of the check's
+    block: `rows` of the sequence, `heads` heads, `hidden` MLP features; e-byte values, 1-byte masks."""
+    b, s, h, d = BLOCK_BATCH, BLOCK_LENGTH, EMBD, EMBD // HEADS
+    per_row = h * (2 * e + 2 * e + 2)  # the LayerNorms' and the column layers' inputs, two residual masks
+    return b * (rows * per_row + s * heads * d * 4 * e + s * hidden * 2 * e + s * s * heads * (2 * e + 1))
 
 
 def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, int, int], torch.Tensor]) -> None:
     """fn(x, parts, comm, seed, length) -> this rank's rows of a Block's output, as
     ddlab.tensor_parallel.sequence_parallel_block (parts a ddlab.tensor_parallel.BlockParts, dropout on).
     Bytes, summed over the ranks: forward two allgathers and two reduce-scatters of the (B, T, n_embd)
-    activations; backward the same four halves, and an allreduce of the six whole parameters' gradients."""
+    activations; backward the same four halves, the column layers' inputs allgathered again, and an
+    allreduce of the six whole parameters' gradients. What autograd keeps (the lab's Ledger) at most 2% over
+    Korthikanti et al.'s count for this rank's share (rows, heads, hidden features)."""
     world = MPI.COMM_WORLD
     block = _random_block(DROPOUT)
     x, g = _inputs()
@@ -399,7 +548,7 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
 
     def body(sub: MPI.Comm) -> str | None:
         size, rank = sub.Get_size(), sub.Get_rank()
-        (out, grad_x, grads, forward, backward), _ = run_counted(
+        (out, grad_x, grads, kept, forward, backward), _ = run_counted(
             sub, lambda c: _block_case(c, fn, block), (), "the sequence-parallel block", timeout=TIMEOUT
         )
         rows = block_range(BLOCK_LENGTH, rank, size)
@@ -427,24 +576,35 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
         problem = _first_problem(wants)
         if problem:
             return problem
+        limit = _korthikanti_bytes(len(rows), len(heads), len(hidden))
+        if kept > MEMORY_SLACK * limit:
+            return (
+                f"the block keeps {kept} bytes for backward on this rank, {kept / limit:.2f} times Korthikanti et "
+                f"al.'s count for its share ({limit} bytes: {len(rows)} of the {BLOCK_LENGTH} rows, {len(heads)} "
+                f"heads, {len(hidden)} hidden features); the LayerNorms must run on this rank's rows, before the "
+                "allgather, and the column-parallel layers keep only this rank's block of their input (allgather "
+                "it again in backward)"
+            )
         totals = sub.allgather((forward, backward))
         half = (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * 8  # one allgather or reduce-scatter, all ranks
         params = sum(p.numel() for _, p in _block_parameters(block)[:REPLICATED] if p is not None)
-        want_sent = (4 * half, 4 * half + 2 * (size - 1) * params * 8)
+        want_sent = (4 * half, 6 * half + 2 * (size - 1) * params * 8)
         sent = (sum(f for f, _ in totals), sum(b for _, b in totals))
         if sent != want_sent:
             return (
                 f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected "
                 f"{want_sent[0]:.0f} (two allgathers and two reduce-scatters of the (B, T, n_embd) activations: "
-                f"{half:.0f} bytes each) and {want_sent[1]:.0f} (the same four halves, and one allreduce of the "
+                f"{half:.0f} bytes each) and {want_sent[1]:.0f} (the same four halves, the two column layers' "
+                f"inputs allgathered again, and one allreduce of the "
                 f"{params} values of the whole parameters' gradients); an allreduce in place of a reduce-scatter "
-                f"sends twice the bytes"
+                f"sends twice the bytes" + _fewer(sent, want_sent)
             )
         return None
 
-    each_size(world, body, "the sequence-parallel block is wrong")
+    each_size(world, body, "the sequence-parallel block is wrong", _sizes(world))
     passed(
         world,
-        "sequence-parallel block: output and every gradient equal one process's, dropout on; two allgathers "
-        "and two reduce-scatters each way, the whole parameters' gradients summed",
+        "sequence-parallel block: output and every gradient equal one process's, dropout on; keeps Korthikanti "
+        "et al.'s bytes (its sequence block only); two allgathers and two reduce-scatters each way, the inputs "
+        "regathered in backward, the whole parameters' gradients summed",
     )

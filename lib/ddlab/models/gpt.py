@@ -123,17 +123,24 @@ def causal_attention(
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: one linear layer for q, k and v (in that order), one projection."""
+    """Multi-head causal self-attention: one linear layer for q, k and v (in that order), one projection.
+
+    `heads` (all of them unless a tensor-parallel split sets fewer, `ddlab.tensor_parallel.parallelize`)
+    are the heads this module computes: qkv gives their q, k and v, proj takes their features, and the
+    attention probabilities drop with their part of the whole mask.
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.config = config
+        self.config, self.heads = config, range(config.n_head)
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor, seed: int | None, site: int) -> torch.Tensor:
-        q, k, v = self.qkv(x).split(self.config.n_embd, dim=2)
-        return self.proj(causal_attention(q, k, v, self.config.n_head, self.config.dropout, seed, site))
+        config, heads = self.config, self.heads
+        q, k, v = self.qkv(x).split(len(heads) * (config.n_embd // config.n_head), dim=2)
+        part = slice(heads.start, heads.stop)
+        return self.proj(causal_attention(q, k, v, len(heads), config.dropout, seed, site, config.n_head, part))
 
 
 class MLP(nn.Module):

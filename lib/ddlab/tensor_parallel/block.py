@@ -18,16 +18,16 @@ block's tokens: their gradients are summed over the tensor group after backward
 Dropout draws the mask of the whole tensor and keeps this rank's part (its heads, its block
 of the sequence), so the split block drops exactly what one process's does.
 
-Exercise 14.3 signature: `parallel_attention(x, attn, comm)` with `attn` a whole
-`ddlab.models.gpt.CausalSelfAttention` (dropout off): x the whole input (B, T, n_embd) on every
-rank; returns the whole output, using only this rank's heads `head_range(n_head, comm)`: its
-rows `qkv_rows` of `attn.qkv` (column-parallel) and the matching columns of `attn.proj`
-(row-parallel, proj's whole bias added once); one allreduce forward, one backward.
+`parallel_attention(x, attn, comm)` is the functional form of the heads' split (whole weights indexed,
+attn a whole `ddlab.models.gpt.CausalSelfAttention`, dropout off); exercise 14.3 writes the module form,
+`ddlab.tensor_parallel.surgery.parallelize`.
 
 Exercise 14.5 signature: `sequence_parallel_block(x, parts, comm, seed, length)`: x this rank's
 rows `block_range(length, rank, t)` of the residual stream (B, T_r, n_embd); parts a `BlockParts`;
 returns this rank's rows of the block's output, equal to one process's `Block(x, seed)`, with the
-whole LayerNorms' and biases' gradients summed over the ranks (each saw only its rows).
+whole LayerNorms' and biases' gradients summed over the ranks (each saw only its rows); its
+column-parallel layers are `GatherLinear`s, which keep only this rank's block of their input, so what
+it keeps for backward is Korthikanti et al.'s sbh(34/t + 5as/(ht)).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from torch import nn
 from ..models.gpt import MLP, Block, CausalSelfAttention, causal_attention, seeded_dropout
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
-from .conjugates import Copy, Gather, ReduceScatter
-from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
+from .conjugates import Copy, ReduceScatter
+from .layers import ColumnParallelLinear, GatherLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 
 #: Another attention for a rank's heads: q, k, v (B, T, heads x d) and the number of heads -> (B, T, heads x d)
 #: (lab 16 passes lab 15's ring attention over the context ranks; None: `causal_attention` on this rank).
@@ -196,7 +196,10 @@ class BlockParts(nn.Module):
     """This rank's parts of a Block, for writing its sequence-parallel forward (exercise 14.5) by hand.
 
     `ln_1`, `ln_2`, `attn_bias`, `mlp_bias`: the whole LayerNorms and row-parallel biases (the same on
-    every rank); `attention(h, seed)` and `mlp(h)`: the whole normalized input (B, T, n_embd) -> this
+    every rank); `qkv` and `fc`: this rank's column-parallel layers (`.weight`, `.bias`: its rows);
+    `attn_proj_weight`, `mlp_proj_weight`: its columns of the row-parallel layers; `heads(qkv, seed)`:
+    its q, k, v -> its heads' attention output (dropout on the probabilities, its part of the mask);
+    `attention(h, seed)` and `mlp(h)`: the whole normalized input (B, T, n_embd) -> this
     rank's part of the sub-layer's output (its heads', its hidden features'), before the sum over ranks
     and without the bias, with no message (attention drops its probabilities with its heads' part of
     the whole mask); `p`: the dropout probability; `site`: the block's first dropout site (the two
@@ -208,7 +211,13 @@ class BlockParts(nn.Module):
         self.split = ParallelBlock(block, comm)
         self.ln_1, self.ln_2 = self.split.ln_1, self.split.ln_2
         self.attn_bias, self.mlp_bias = self.split.attn.proj.bias, self.split.mlp.proj.bias
+        self.qkv, self.fc = self.split.attn.qkv, self.split.mlp.fc
+        self.attn_proj_weight, self.mlp_proj_weight = self.split.attn.proj.weight, self.split.mlp.proj.weight
         self.p, self.site = block.config.dropout, block.site
+
+    def heads(self, qkv: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+        """This rank's q, k, v (B, T, 3 x its heads' width) -> its heads' attention (B, T, their width); no message."""
+        return self.split.attn._heads(qkv, seed, self.site)
 
     def attention(self, h: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         return self.split.attn.partial(h, seed, self.site)
@@ -237,18 +246,21 @@ def _summed_grad(p: torch.Tensor | None, comm: Comm) -> torch.Tensor | None:
 def sequence_parallel_block(
     x: torch.Tensor, parts: BlockParts, comm: Comm, seed: int | None, length: int
 ) -> torch.Tensor:
-    """This rank's rows of a Block's output from its rows x of the input (Korthikanti et al., figure 5)."""
+    """This rank's rows of a Block's output from its rows x of the input (Korthikanti et al., figure 5): the
+    column-parallel layers gather the sequence and keep only this rank's block of their input (GatherLinear)."""
     whole, part = residual_part(tuple(x.shape), length, comm, sequence_parallel=True)
 
     def norm(ln: nn.LayerNorm, h: torch.Tensor) -> torch.Tensor:
         weight, bias = _summed_grad(ln.weight, comm), _summed_grad(ln.bias, comm)
-        return Gather.apply(F.layer_norm(h, ln.normalized_shape, weight, bias, ln.eps), comm, length)
+        return F.layer_norm(h, ln.normalized_shape, weight, bias, ln.eps)
 
     def add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         summed = _summed_grad(bias, comm)
         return y if summed is None else y + summed
 
-    y = add_bias(ReduceScatter.apply(parts.attention(norm(parts.ln_1, x), seed), comm), parts.attn_bias)
-    x = x + seeded_dropout(y, parts.p, seed, parts.site + 1, whole, part)
-    y = add_bias(ReduceScatter.apply(parts.mlp(norm(parts.ln_2, x)), comm), parts.mlp_bias)
-    return x + seeded_dropout(y, parts.p, seed, parts.site + 2, whole, part)
+    qkv = GatherLinear.apply(norm(parts.ln_1, x), parts.qkv.weight, parts.qkv.bias, comm, length)
+    y = ReduceScatter.apply(F.linear(parts.heads(qkv, seed), parts.attn_proj_weight), comm)
+    x = x + seeded_dropout(add_bias(y, parts.attn_bias), parts.p, seed, parts.site + 1, whole, part)
+    hidden = F.gelu(GatherLinear.apply(norm(parts.ln_2, x), parts.fc.weight, parts.fc.bias, comm, length))
+    y = ReduceScatter.apply(F.linear(hidden, parts.mlp_proj_weight), comm)
+    return x + seeded_dropout(add_bias(y, parts.mlp_bias), parts.p, seed, parts.site + 2, whole, part)

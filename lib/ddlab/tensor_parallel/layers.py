@@ -20,11 +20,11 @@ activation memory of the layer's input is divided by t, for one more allgather i
 A row-parallel layer's sum becomes a reduce-scatter to sequence blocks, and its bias, added
 on a block, gets a gradient from that block only: `sequence_parallel_parameters` lists it.
 
-Exercise 14.2 signature: `column_parallel_linear(x, weight, bias, comm)` and
-`row_parallel_linear(x, weight, bias, comm)`: weight/bias this rank's part (rows and bias
-entries of the whole layer's for column; columns and the whole bias for row); x the whole
-input (column) or this rank's input features (row); return this rank's output features
-(column) or the whole output (row), with gradients through autograd.
+Exercise 14.2 writes `ColumnParallelLinear(linear, rows, comm)` and `RowParallelLinear(linear, cols,
+comm)` (without sequence parallelism): modules made from a whole `nn.Linear` that keep only this rank's
+shard as `weight` and `bias` (rows and bias entries for column; columns and the whole bias for row);
+`column_parallel_linear` and `row_parallel_linear` are the same computations on given shards. Exercise
+14.5 writes `GatherLinear`.
 """
 
 from __future__ import annotations

@@ -6,14 +6,16 @@ al., 2019, section 3; with tied embeddings the same rows are the output layer's)
 - Embedding: a token this rank holds is looked up, any other gives zeros; the sum over
   ranks (`Reduce`, or with sequence parallelism `ReduceScatter`) is the whole embedding.
 - Output layer: column-parallel over the vocabulary: each rank computes the logits of its
-  tokens, (B, T, V/t). The logits are never gathered: at V = 50,257 (GPT-2) they would be
-  the largest activation of the model.
+  tokens, (B, T, V/t). The logits are never gathered: that allgather would send b x s x v
+  values; Shoeybi et al. fuse the loss with the output layer so that only b x s scalars per
+  combination are communicated.
 - Cross-entropy on split logits, per position n: loss = log sum_v exp(z_v - m) - (z_target - m),
   with m the largest logit. Each rank finds its largest logit; the ranks' largest are
   allgathered (t numbers per position) and m is their maximum; then each rank's sum of
   exp(z - m) over its tokens and its part of z_target - m (zero unless it holds the target)
   are summed over ranks in one allreduce of 2 numbers per position. Backward needs no
-  message: the gradient of rank r's logits is softmax(z)_v - [v = target], for its v.
+  message: the gradient of rank r's logits is G/N (softmax(z)_v - [v = target]) for its v, with G the
+  gradient arriving at the mean loss over N positions.
 
 Exercise 14.4 signature: `vocab_parallel_cross_entropy(logits, targets, comm, start)`:
 logits (N, V_r) this rank's columns, the vocabulary entries start .. start + V_r - 1

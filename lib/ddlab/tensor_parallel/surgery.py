@@ -1,0 +1,95 @@
+"""Module surgery: one process's transformer block made tensor parallel by replacing its layers (exercise 14.3).
+
+`parallelize(block, comm, plan)` is the idea of PyTorch's `parallelize_module`: a plan names each
+linear layer of a `ddlab.models.gpt.Block` "column" or "row", and the layer is replaced by a
+`ColumnParallelLinear` or `RowParallelLinear` that keeps only this rank's shard of its weight:
+
+- attention splits by heads: rank r computes heads `head_range(n_head, comm)`, so `attn.qkv`
+  (column) keeps those heads' rows of q, k and v (`qkv_rows`) and `attn.proj` (row) the matching
+  columns; the attention module is told its heads (`attn.heads`) so that it splits q, k and v
+  at their width and drops its part of the whole dropout mask;
+- the MLP splits by hidden features: `mlp.fc` (column) keeps rows `block_range(4 n_embd, r, t)`,
+  `mlp.proj` (row) the same columns.
+
+A column layer must feed the row layer of the same sub-layer (its output features are the row
+layer's input features), so a plan names both layers of a sub-layer, the first "column" and the
+second "row", or neither. The block returned is a new one; LayerNorms stay whole (replicated).
+With the blocks of a GPT replaced this way (`parallelize_gpt`), the embeddings, the last
+LayerNorm and the loss stay whole on every rank and the model steps as one process does.
+
+Exercise 14.3 signature: `parallelize(block, comm, plan)` -> a new Block, the one passed in
+left as it was; a plan naming a layer the block lacks, or any kind but "column" and "row", or
+one layer of a pair without the other, raises ValueError.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Mapping, cast
+
+import torch
+from torch import nn
+
+from ..models.gpt import GPT, Block
+from ..runtime.blocks import block_range
+from ..runtime.comm import Comm
+from .block import head_range, qkv_rows
+from .layers import ColumnParallelLinear, RowParallelLinear
+
+#: Builds one rank's block from a whole one: `parallelize`, or the student's.
+Parallelize = Callable[[Block, Comm, Mapping[str, str]], nn.Module]
+
+#: Megatron-LM's plan for a GPT block (Shoeybi et al., 2019, figure 3).
+PLAN: dict[str, str] = {"attn.qkv": "column", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
+
+#: The sub-layers' pairs: (the layer that must be column-parallel, the one that must be row-parallel).
+PAIRS = (("attn.qkv", "attn.proj"), ("mlp.fc", "mlp.proj"))
+
+
+def check_plan(plan: Mapping[str, str]) -> None:
+    """ValueError unless plan names whole pairs of PAIRS, each "column" then "row"."""
+    known = {name for pair in PAIRS for name in pair}
+    unknown = sorted(set(plan) - known)
+    if unknown:
+        raise ValueError(f"the plan names {unknown}, not layers of a Block: use {sorted(known)}")
+    for first, second in PAIRS:
+        given = (plan.get(first), plan.get(second))
+        if given not in ((None, None), ("column", "row")):
+            raise ValueError(
+                f"the plan gives {first}: {given[0]!r}, {second}: {given[1]!r}; a sub-layer splits as a pair, "
+                f"{first} 'column' and {second} 'row' (or neither)"
+            )
+
+
+def parallelize(block: Block, comm: Comm, plan: Mapping[str, str] = PLAN) -> Block:
+    """A copy of block whose layers named in plan hold only this rank's shard (see the module's docstring)."""
+    check_plan(plan)
+    config = block.config
+    split = copy.deepcopy(block)
+    heads = head_range(config.n_head, comm)
+    d = config.n_embd // config.n_head
+    hidden = block_range(4 * config.n_embd, comm.Get_rank(), comm.Get_size())
+    features = {
+        "attn.qkv": qkv_rows(config.n_embd, config.n_head, heads),
+        "attn.proj": torch.arange(heads.start * d, heads.stop * d),
+        "mlp.fc": torch.arange(hidden.start, hidden.stop),
+        "mlp.proj": torch.arange(hidden.start, hidden.stop),
+    }
+    for name, kind in plan.items():
+        owner, _, child = name.rpartition(".")
+        parent = split.get_submodule(owner)
+        linear = cast(nn.Linear, getattr(parent, child))
+        layer = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        setattr(parent, child, layer(linear, features[name], comm))
+    if "attn.qkv" in plan:
+        split.attn.heads = heads
+    return split
+
+
+def parallelize_gpt(
+    model: GPT, comm: Comm, plan: Mapping[str, str] = PLAN, parallelize_block: Parallelize = parallelize
+) -> GPT:
+    """A copy of model with every block replaced by parallelize_block(block, comm, plan) (yours or the library's)."""
+    split = copy.deepcopy(model)
+    split.blocks = nn.ModuleList(parallelize_block(cast(Block, b), comm, plan) for b in model.blocks)
+    return split
