@@ -2,7 +2,8 @@
 
 - `DIMS`, `Mesh`, `split_mesh` (exercise 16.1's reference), `coordinates`, `validate_sizes`, `layouts`:
   P ranks as pipeline x data x context x tensor, each dimension's communicator made by Split.
-- `GPTStage`, `MeshTrainer`, `train_on_mesh`, `MeshRun`, `context_rows`: a GPT's pipeline stage of
+- `Embeddings`, `Head`, `Chain`, `mesh_loss`, `sequence_rows`, `sum_sequence_parallel_grads`: the parts a
+  stage is assembled from (exercise 16.2); `GPTStage`, `MeshTrainer`, `train_on_mesh`, `MeshRun`, `context_rows`: a GPT's pipeline stage of
   tensor-parallel blocks (labs 07 and 14) whose attention is lab 15's ring attention over the
   context ranks (zig-zag rows), data parallelism or ZeRO (labs 04 and 13) over data x context.
 - figures.py: `plot_layouts`, each layout's step time and peak memory per rank.
@@ -11,4 +12,16 @@ Every function takes its communicator explicitly. Exercise 16.1's signature is i
 """
 
 from .layout import DIMS, Mesh, coordinates, layouts, split_mesh, validate_sizes
-from .training import GPTStage, MeshRun, MeshTrainer, context_rows, train_on_mesh
+from .training import (
+    Chain,
+    Embeddings,
+    GPTStage,
+    Head,
+    MeshRun,
+    MeshTrainer,
+    context_rows,
+    mesh_loss,
+    sequence_rows,
+    sum_sequence_parallel_grads,
+    train_on_mesh,
+)
