@@ -6,6 +6,8 @@
   stage is assembled from (exercise 16.2); `GPTStage`, `MeshTrainer`, `train_on_mesh`, `MeshRun`, `context_rows`: a GPT's pipeline stage of
   tensor-parallel blocks (labs 07 and 14) whose attention is lab 15's ring attention over the
   context ranks (zig-zag rows), data parallelism or ZeRO (labs 04 and 13) over data x context.
+- torch_mesh.py: the same mesh as torch's `init_device_mesh`, `BLOCK_PLACEMENTS` (Shard, Replicate,
+  Partial for each tensor of a block) and `dtensor_block`, a block from DTensor-placed weights.
 - figures.py: `plot_layouts`, each layout's step time and peak memory per rank.
 
 Every function takes its communicator explicitly. Exercise 16.1's signature is in `layout`'s docstring.
