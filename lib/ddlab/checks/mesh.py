@@ -178,7 +178,7 @@ TRAINER_CASES = {
         (1, 2, 1, 2, 1, 0, True),
     ],
 }
-TRAINER_STEPS = 3
+TRAINER_STEPS = 2
 
 
 def _trainer_cases(world: int) -> list[tuple[int, int, int, int, int, int, bool]]:
