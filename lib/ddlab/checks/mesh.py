@@ -167,13 +167,12 @@ def check_split_mesh(fn: SplitMesh, timeout: float = TIMEOUT) -> None:
 
 # Exercise 16.2: the mesh trainer assembled from labs 07, 13, 14 and 15's parts ---------------------------
 #: (data, tensor, pipeline, context, micro-batches, zero, sequence parallelism) on 4 ranks: a pipeline beside data,
-#: sequence parallelism beside a pipeline, ZeRO-2 beside tensor parallelism, ZeRO-1 over data x context, and context with
+#: sequence parallelism beside a pipeline, ZeRO-1 over data x context, and context with
 #: sequence parallelism; on other world sizes pure data, tensor (with and without sequence parallelism), pipeline.
 TRAINER_CASES = {
     4: [
         (2, 1, 2, 1, 2, 0, False),
         (1, 2, 2, 1, 2, 0, True),
-        (2, 2, 1, 1, 1, 2, False),
         (2, 1, 1, 2, 1, 1, False),
         (1, 2, 1, 2, 1, 0, True),
     ],
@@ -200,8 +199,7 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS) -> None:
     block = 8 if 8 % world.Get_size() == 0 else 2 * world.Get_size()  # the rows split over the tensor ranks
     config = GPTConfig(vocab_size=256, block_size=block, n_layer=4, n_head=4, n_embd=16, tied=False)
     sampler = BatchSampler(make_corpus().train, batch=12, block=config.block_size)
-    want = train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, steps) if world.Get_rank() == 0 else None
-    want = world.bcast(want)
+    want: list[float] | None = None  # one process's losses, computed once fn has returned (a stub fails first)
     comm = world.Dup()
     try:
         for data, tensor, pipeline, context, micro, zero, sp in _trainer_cases(world.Get_size()):
@@ -210,10 +208,9 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS) -> None:
                 f", {micro} micro-batches" + (f", ZeRO-{zero}" if zero else "") + (", sequence parallel" if sp else "")
             )
             mesh = Mesh.build(comm, data=data, tensor=tensor, pipeline=pipeline, context=context)
-            problem = stub = None
+            problem = stub = got = None
             try:
                 got = fn(make_gpt(config, dtype=torch.float64), mesh, sampler.batch_at, steps, micro, zero, sp)
-                problem = _losses_problem(got, want)
             except NotImplementedError as err:
                 stub = str(err) or "not implemented"
             except Exception as err:  # the student's code failed on this rank: every rank reports it
@@ -223,6 +220,14 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS) -> None:
             stubs = [s for s in comm.allgather(stub) if s]
             if stubs:
                 raise NotImplementedError(stubs[0])
+            if want is None:
+                one = (
+                    train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, steps)
+                    if comm.Get_rank() == 0
+                    else None
+                )
+                want = comm.bcast(one)
+            problem = problem or _losses_problem(got, want)
             fail_together(comm, problem, f"the mesh trainer is wrong on {what}")
     finally:
         comm.Free()
