@@ -212,49 +212,6 @@ def test_context_layouts_take_the_steps_of_one_process(
     assert run.label.startswith(f"{data}x{tensor}x{pipeline}x{context}") and min(run.peak_bytes) > 0
 
 
-# Sequence parallelism (lab 14's) on the tensor dimension of every layout of the world's ranks over the four
-# dimensions that has one (4 of the 10 on 4 ranks: 1x4x1, 2x2x1, 1x2x2, 1x2x1x2; 1x3x1 on 3 ranks, with a
-# sequence of 6), a GPT of 4 blocks; without a tensor dimension sequence parallelism changes nothing.
-@pytest.fixture(scope="module")
-def deep_gpts() -> dict[int, tuple[GPTConfig, BatchSampler, list[float]]]:
-    """Per block size (8, and 6 for 3 context ranks): lab 16's 4-block GPT, its batches and one process's losses."""
-    found = {}
-    for block in {6} if WORLD.Get_size() == 3 else {8}:
-        config = GPTConfig(vocab_size=256, block_size=block, n_layer=4, n_head=4, n_embd=16, tied=False)
-        sampler = BatchSampler(make_corpus().train, batch=BATCH, block=block)
-        found[block] = config, sampler, train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, STEPS)
-    return found
-
-
-@pytest.mark.parametrize("index", range(10))
-def test_every_layout_with_sequence_parallelism_takes_the_steps_of_one_process(
-    comm: MPI.Comm, deep_gpts: dict[int, tuple[GPTConfig, BatchSampler, list[float]]], index: int
-) -> None:
-    found = layouts(comm.Get_size(), DIMS)
-    if index >= len(found):
-        pytest.skip(f"{comm.Get_size()} ranks have {len(found)} layouts over {DIMS}")
-    sizes = found[index]
-    if sizes["tensor"] == 1:
-        pytest.skip(f"{sizes}: no tensor dimension to split the sequence over")
-    config, sampler, want = deep_gpts[8 if 8 % (2 * sizes["context"]) == 0 and 8 % sizes["tensor"] == 0 else 6]
-    if (config.block_size // sizes["context"]) % sizes["tensor"]:
-        pytest.skip(f"{sizes}: a context rank's {config.block_size // sizes['context']} rows do not split evenly")
-    run = train_on_mesh(
-        comm,
-        make_gpt(config, dtype=torch.float64),
-        sampler.batch_at,
-        STEPS,
-        sizes["data"],
-        sizes["tensor"],
-        sizes["pipeline"],
-        micro_batches=2 if sizes["pipeline"] > 1 else 1,
-        context=sizes["context"],
-        sequence_parallel=True,
-    )
-    error = max(abs(a - b) for a, b in zip(run.losses, want))
-    assert error < 1e-8, f"{run.label}: losses differ from one process's by {error:.3g}"
-
-
 def test_sequence_parallel_rows_that_do_not_split_evenly_are_refused(comm: MPI.Comm) -> None:
     mesh = Mesh.build(comm, tensor=comm.Get_size())
     trainer = MeshTrainer(make_gpt(CONFIG, dtype=torch.float64), mesh, sequence_parallel=True)

@@ -10,21 +10,29 @@ import pytest
 import torch
 from ddlab.checks import CheckFailed, check_interleaved, check_mesh_trainer
 from ddlab.context_parallel import ring_attention_heads
+from ddlab.data.text import BatchSampler, make_corpus
 from ddlab.data_parallel import average_gradients
 from ddlab.mesh import (
+    DIMS,
     Chain,
     Embeddings,
     Head,
+    Mesh,
     MeshTrainer,
     context_rows,
+    layouts,
     mesh_loss,
     sequence_rows,
     sum_sequence_parallel_grads,
 )
+from ddlab.models.gpt import GPTConfig, make_gpt, train_gpt
 from ddlab.pipeline import interleaved_1f1b, one_f_one_b, run_schedule
 from ddlab.runtime.blocks import block_range
 from ddlab.sharded import Sharded
 from ddlab.tensor_parallel import ParallelBlock
+from mpi4py import MPI
+
+STEPS = 10
 
 
 def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b):
@@ -79,6 +87,36 @@ def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b):
         return losses
 
     return train
+
+
+# Exercise 16.2's solution with sequence parallelism on, every layout of the world's ranks over the four dimensions
+# (10 on 4 ranks, 4 on 3), lab 16's 4-block GPT (a sequence of 8; 6 on 3 ranks), 10 steps: one process's losses.
+@pytest.fixture(scope="module")
+def deep_gpt():
+    block = 8 if MPI.COMM_WORLD.Get_size() != 3 else 6
+    config = GPTConfig(vocab_size=256, block_size=block, n_layer=4, n_head=4, n_embd=16, tied=False)
+    sampler = BatchSampler(make_corpus().train, batch=12, block=block)
+    return config, sampler, train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, STEPS)
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_the_assembled_trainer_with_sequence_parallelism_takes_one_process_s_steps_on_every_layout(
+    comm, deep_gpt, index
+) -> None:
+    found = layouts(comm.Get_size(), DIMS)
+    if index >= len(found):
+        pytest.skip(f"{comm.Get_size()} ranks have {len(found)} layouts over {DIMS}")
+    sizes = found[index]
+    config, sampler, want = deep_gpt
+    mesh = Mesh.build(comm, **sizes)
+    try:
+        micro = 2 if sizes["pipeline"] > 1 else 1
+        got = assembled()(make_gpt(config, dtype=torch.float64), mesh, sampler.batch_at, STEPS, micro, 0, True)
+    finally:
+        mesh.free()
+    error = max(abs(a - b) for a, b in zip(got, want))
+    assert len(got) == STEPS and want[-1] < want[0] - 0.1  # it learns
+    assert error < 1e-8, f"{sizes}: losses differ from one process's by {error:.3g}"
 
 
 def the_library_trainer(model, mesh, batch_at, steps, micro_batches=1, zero=0, sequence_parallel=False):
