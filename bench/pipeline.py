@@ -21,6 +21,15 @@ starting with the other one, so that other work on the machine hits them alike.
 
     .venv/bin/python bench/pipeline.py [--rounds 5]
 
+With `--interleaved` (lab 16) it measures instead the bubble against M for plain 1F1B and the
+interleaved schedule (v = 2 chunks per rank, Narayanan et al., SC 2021, section 2.2.2) on p ranks
+(`--ranks`, default 2: one per core) of a chain of equal linear layers, beside (p-1)/m and
+(p-1)/(v m) of the ideal time and (p-1)/(m+p-1), (p-1)/(v m+p-1) of the step. The ideal time is
+each rank's own ops run back to back without messages, all ranks at once (the same contention),
+measured in the same round; the bubble is 1 - ideal / step, the step the slowest rank's.
+
+    .venv/bin/python bench/pipeline.py --interleaved [--ranks 2] [--rounds 5]
+
 It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
@@ -182,12 +191,84 @@ def child(rounds: int) -> None:
     bubble_table(k, *tables["control"])
 
 
+INTERLEAVED_WIDTH, INTERLEAVED_ROWS, LAYERS_PER_CHUNK, CHUNKS = 512, 256, 2, 2
+
+
+def interleaved_child(rounds: int) -> None:
+    """Bubble against M, 1F1B (one chunk of v x LAYERS_PER_CHUNK layers per rank) and interleaved (v chunks)."""
+    import time
+
+    from ddlab.pipeline import interleaved_1f1b, interleaved_bubble, run_interleaved
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, p, v = comm.Get_rank(), comm.Get_size(), CHUNKS
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    def layer() -> nn.Module:
+        return nn.Sequential(nn.Linear(INTERLEAVED_WIDTH, INTERLEAVED_WIDTH), nn.Tanh())
+
+    virtual = [nn.Sequential(*(layer() for _ in range(LAYERS_PER_CHUNK))) for _ in range(v * p)]
+    # 1F1B: rank r holds virtual stages r v .. r v + v - 1 as one chunk; interleaved: stages r, p + r, ...
+    plain = [nn.Sequential(*virtual[rank * v : (rank + 1) * v])]
+    chunked = [virtual[j * p + rank] for j in range(v)]
+
+    def loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((y - target) ** 2).sum()
+
+    def step(chunks: list[nn.Module], chunk_count: int, m: int) -> float:
+        inputs = [torch.randn(INTERLEAVED_ROWS, INTERLEAVED_WIDTH) for _ in range(m)]
+        comm.Barrier()
+        start = time.perf_counter()
+        run_interleaved(comm, chunks, interleaved_1f1b(p, m, rank, chunk_count), inputs, inputs, loss)
+        return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+    def alone(m: int) -> float:
+        """This rank's forwards and backwards of m micro-batches, back to back, no messages; all ranks at once."""
+        x = torch.randn(INTERLEAVED_ROWS, INTERLEAVED_WIDTH, requires_grad=True)
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(m):
+            plain[0](x).sum().backward()
+        return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+    ms = [m for m in (p, 2 * p, 4 * p, 8 * p) if m <= 16] or [p]
+    found: dict[tuple[int, int], list[float]] = {}
+    alone(ms[0]), step(plain, 1, ms[0]), step(chunked, v, ms[0])  # warm-up, not counted
+    for _ in range(rounds):
+        for m in ms:
+            ideal = alone(m)
+            for chunks, count in ((plain, 1), (chunked, v)):
+                found.setdefault((m, count), []).append(1 - ideal / step(chunks, count, m))
+    if rank == 0:
+        print(f"p = {p} ranks, v = {v} chunks, {LAYERS_PER_CHUNK * v} layers per rank; bubble = 1 - ideal / step")
+        print(f"(median of {rounds} rounds; measured under whatever else the machine runs)")
+        print(
+            f"{'M':>3} | {'1F1B':>6} {'(p-1)/(m+p-1)':>13} | {'interleaved':>11} {'(p-1)/(vm+p-1)':>14} |"
+            f" {'(p-1)/m':>8} {'(p-1)/(vm)':>10}"
+        )
+        for m in ms:
+            one, two = statistics.median(found[(m, 1)]), statistics.median(found[(m, v)])
+            print(
+                f"{m:3} | {one:6.3f} {interleaved_bubble(p, m, 1):13.3f} | {two:11.3f} {interleaved_bubble(p, m, v):14.3f} |"
+                f" {(p - 1) / m:8.3f} {(p - 1) / (v * m):10.3f}"
+            )
+
+
 def main() -> int:
     from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    return bench_main(parser, lambda a: child(a.rounds), TIMEOUT)
+    parser.add_argument("--interleaved", action="store_true", help="bubble against M, 1F1B and interleaved")
+    parser.add_argument(
+        "--ranks", type=int, nargs="+", default=None, help="rank counts (default 4; 2 with --interleaved)"
+    )
+    args, _ = parser.parse_known_args()
+    if args.interleaved and args.ranks is None:
+        parser.set_defaults(ranks=[2])
+    return bench_main(parser, lambda a: interleaved_child(a.rounds) if a.interleaved else child(a.rounds), TIMEOUT)
 
 
 if __name__ == "__main__":

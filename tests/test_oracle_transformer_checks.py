@@ -10,7 +10,7 @@ from ddlab.checks import CheckFailed, check_layout_search, check_memory_per_rank
 from ddlab.oracle.transformer import iteration_flops, memory_per_rank, predict, problem, stage_parameters, step_time
 from ddlab.oracle.transformer_planner import search
 
-# ---- Exercise 16.2: memory_per_rank
+# ---- Exercise 16.4: memory_per_rank
 
 
 def valid_memory(psi, s, b, h, a, layers, t, d, zero, recompute, sequence_parallel=False):
@@ -74,7 +74,7 @@ def attention_not_split(psi, s, b, h, a, layers, t, d, zero, recompute, sp=False
     return out
 
 
-# ---- Exercise 16.3: step_time
+# ---- Exercise 16.5: step_time
 
 
 def valid_time(gpt, layout, platform):
@@ -97,7 +97,7 @@ def valid_time(gpt, layout, platform):
     ring = (3 if full else 2) * platform.comm("allgather", kv, c, t) + platform.comm("reduce_scatter", kv, c, t)
     grads = stage_parameters(gpt, layout) * 2
     if layout.zero == 3:
-        data = 2 * m * platform.comm("allgather", grads, d * c, t) + platform.comm("reduce_scatter", grads, d * c, t)
+        data = m * (2 * platform.comm("allgather", grads, d * c, t) + platform.comm("reduce_scatter", grads, d * c, t))
     else:
         data = platform.comm("allreduce", grads, d * c, t)
     pipe = 2 * m * platform.comm("p2p", activation / t, 2, stride=t * c * d) if p > 1 else 0.0
@@ -147,7 +147,27 @@ def zero3_as_allreduce(gpt, layout, platform):
     return step_time(gpt, layout.with_(zero=0), platform)
 
 
-# ---- Exercise 16.4: search
+def zero3_reduces_once(gpt, layout, platform):  # one reduce-scatter per step, not lab 13's one per micro-batch
+    out = step_time(gpt, layout, platform)
+    if layout.zero == 3:
+        d, c, t, m = layout.data, layout.context, layout.tensor, layout.micro_batches
+        grads = stage_parameters(gpt, layout) * 2
+        out["data"] -= (m - 1) * platform.comm("reduce_scatter", grads, d * c, t)
+    return out
+
+
+def no_context_term(gpt, layout, platform):  # leaves out ring attention's collectives
+    return {**step_time(gpt, layout, platform), "context": 0.0}
+
+
+def full_recompute_context_as_none(gpt, layout, platform):  # the recomputed forward's allgather forgotten
+    out = step_time(gpt, layout, platform)
+    if layout.recompute == "full":
+        out["context"] = step_time(gpt, layout.with_(recompute="none"), platform)["context"]
+    return out
+
+
+# ---- Exercise 16.6: search
 
 
 def valid_search(gpt, devices, template, platform, budget):
@@ -171,6 +191,18 @@ def valid_search(gpt, devices, template, platform, budget):
         else:
             ranked.append(pred)
     return sorted(ranked, key=lambda pred: pred.time), rejected
+
+
+def rejected_in_another_order(gpt, devices, template, platform, budget):
+    """The text asks for "a list" of the rejected layouts, in no order: reversed, it passes."""
+    ranked, rejected = search(gpt, devices, template, platform, budget)
+    return ranked, rejected[::-1]
+
+
+def test_the_search_cases_have_a_device_count_with_an_odd_factor():
+    from ddlab.checks.oracle_transformer import search_cases
+
+    assert any(devices % 3 == 0 for _, devices, *_ in search_cases())
 
 
 def slowest_first(*args):
@@ -213,6 +245,9 @@ def listed_twice(*args):
         (check_step_time, pipeline_sends_whole_activation, "pipeline"),
         (check_step_time, compute_without_recompute, "compute"),
         (check_step_time, zero3_as_allreduce, "data"),
+        (check_step_time, zero3_reduces_once, "data"),
+        (check_step_time, no_context_term, "context"),
+        (check_step_time, full_recompute_context_as_none, "context"),
         (check_step_time, no_slowdown, "compute"),
         (check_step_time, lambda *a: 1 / 0, "ZeroDivisionError"),
         (check_layout_search, slowest_first, "fastest first"),
@@ -236,6 +271,7 @@ def test_wrong_answers_fail(check, wrong, words):
         (check_step_time, valid_time),
         (check_step_time, step_time),
         (check_layout_search, valid_search),
+        (check_layout_search, rejected_in_another_order),
         (check_layout_search, search),
     ],
 )

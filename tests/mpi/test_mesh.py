@@ -210,3 +210,12 @@ def test_context_layouts_take_the_steps_of_one_process(
     assert len(run.losses) == steps and want[-1] < want[0] - 0.1  # it learns
     assert error < 1e-8, f"{run.label}: losses differ from one process's by {error:.3g}"
     assert run.label.startswith(f"{data}x{tensor}x{pipeline}x{context}") and min(run.peak_bytes) > 0
+
+
+def test_sequence_parallel_rows_that_do_not_split_evenly_are_refused(comm: MPI.Comm) -> None:
+    mesh = Mesh.build(comm, tensor=comm.Get_size())
+    trainer = MeshTrainer(make_gpt(CONFIG, dtype=torch.float64), mesh, sequence_parallel=True)
+    idx = targets = torch.zeros((4, 2 * comm.Get_size() + 1), dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"multiple of {comm.Get_size()}"):
+        trainer.step(idx, targets)
+    mesh.free()

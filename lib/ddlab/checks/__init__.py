@@ -86,6 +86,8 @@ _WHERE = {
     "check_dispatch": "experts",
     "check_combine": "experts",
     "check_split_mesh": "mesh",
+    "check_mesh_trainer": "mesh",
+    "check_interleaved": "mesh",
 }
 
 __all__ = list(_WHERE)

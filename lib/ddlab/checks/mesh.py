@@ -1,4 +1,5 @@
-"""Checks for lab 16: the mesh's coordinates and sub-communicators (exercise 16.1).
+"""Checks for lab 16: the mesh's coordinates and sub-communicators (exercise 16.1), the mesh trainer
+assembled from earlier labs' parts (16.2) and the interleaved 1F1B schedule (16.3).
 
 The student's `split_mesh(comm, sizes)` runs on the first P ranks for P = 1 .. world size,
 on every layout of P ranks over the four dimensions, through a counting communicator that
@@ -8,11 +9,24 @@ check's deadline (a rank that never calls it fails the check instead of hanging 
 
 from __future__ import annotations
 
+import copy
 from typing import Any, cast
 
+import torch
 from mpi4py import MPI
+from torch import nn
 
 from ..mesh.layout import DIMS, SplitMesh, coordinates, layouts
+from ..pipeline.interleaved import (
+    Interleaved,
+    chunk_in_flight,
+    interleaved_bubble,
+    run_interleaved,
+    simulate_interleaved,
+    virtual_stage,
+    warmup_forwards,
+)
+from ..pipeline.schedules import bubble
 from ..runtime.counting import CountingComm, MismatchedCollective, underlying
 from ._core import each_size, fail_together, passed, run_counted
 
@@ -149,3 +163,187 @@ def check_split_mesh(fn: SplitMesh, timeout: float = TIMEOUT) -> None:
         "split_mesh: every layout's coordinates and its four sub-communicators are right, and sizes "
         "that do not multiply to the ranks are refused",
     )
+
+
+# Exercise 16.2: the mesh trainer assembled from labs 07, 13, 14 and 15's parts ---------------------------
+#: (data, tensor, pipeline, context, micro-batches, zero, sequence parallelism) on 4 ranks: a pipeline beside data,
+#: sequence parallelism beside a pipeline, ZeRO-1 over data x context, and context with
+#: sequence parallelism; on other world sizes pure data, tensor (with and without sequence parallelism), pipeline.
+TRAINER_CASES = {
+    4: [
+        (2, 1, 2, 1, 2, 0, False),
+        (1, 2, 2, 1, 2, 0, True),
+        (2, 1, 1, 2, 1, 1, False),
+        (1, 2, 1, 2, 1, 0, True),
+    ],
+}
+TRAINER_STEPS = 2
+
+
+def _trainer_cases(world: int) -> list[tuple[int, int, int, int, int, int, bool]]:
+    if world in TRAINER_CASES:
+        return TRAINER_CASES[world]
+    return [(world, 1, 1, 1, 1, 0, False), (1, world, 1, 1, 1, 0, True), (1, 1, world, 1, 2, 0, False)]
+
+
+def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS) -> None:
+    """fn(model, mesh, batch_at, steps, micro_batches, zero, sequence_parallel) -> the losses of `steps` steps.
+
+    Each case trains lab 16's 4-block GPT (float64, block size 8, batch 12) from the same weights as one
+    process, on a mesh of the world's ranks built here; every rank's losses must be one process's to 1e-8."""
+    from ..data.text import BatchSampler, make_corpus
+    from ..mesh.layout import Mesh
+    from ..models.gpt import GPTConfig, make_gpt, train_gpt
+
+    world = MPI.COMM_WORLD
+    block = 8 if 8 % world.Get_size() == 0 else 2 * world.Get_size()  # the rows split over the tensor ranks
+    config = GPTConfig(vocab_size=256, block_size=block, n_layer=4, n_head=4, n_embd=16, tied=False)
+    sampler = BatchSampler(make_corpus().train, batch=12, block=config.block_size)
+    want: list[float] | None = None  # one process's losses, computed once fn has returned (a stub fails first)
+    comm = world.Dup()
+    try:
+        for data, tensor, pipeline, context, micro, zero, sp in _trainer_cases(world.Get_size()):
+            what = f"{data} data x {tensor} tensor x {pipeline} pipeline x {context} context"
+            what += (
+                f", {micro} micro-batches" + (f", ZeRO-{zero}" if zero else "") + (", sequence parallel" if sp else "")
+            )
+            mesh = Mesh.build(comm, data=data, tensor=tensor, pipeline=pipeline, context=context)
+            problem = stub = got = None
+            try:
+                got = fn(make_gpt(config, dtype=torch.float64), mesh, sampler.batch_at, steps, micro, zero, sp)
+            except NotImplementedError as err:
+                stub = str(err) or "not implemented"
+            except Exception as err:  # the student's code failed on this rank: every rank reports it
+                problem = f"{type(err).__name__}: {err}"
+            finally:
+                mesh.free()
+            stubs = [s for s in comm.allgather(stub) if s]
+            if stubs:
+                raise NotImplementedError(stubs[0])
+            if want is None:
+                one = (
+                    train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, steps)
+                    if comm.Get_rank() == 0
+                    else None
+                )
+                want = comm.bcast(one)
+            problem = problem or _losses_problem(got, want)
+            fail_together(comm, problem, f"the mesh trainer is wrong on {what}")
+    finally:
+        comm.Free()
+    passed(world, f"the mesh trainer takes one process's steps (float64, 1e-8, {steps} steps) on every layout tried")
+
+
+def _losses_problem(got: Any, want: list[float]) -> str | None:
+    if not isinstance(got, (list, tuple)) or len(got) != len(want):
+        return f"should return a list of {len(want)} losses (one per step), got {got!r}"
+    if not all(isinstance(x, float) for x in got):
+        return f"the losses should be floats (the step's mean loss), got {[type(x).__name__ for x in got]}"
+    error = max(abs(a - b) for a, b in zip(got, want))
+    if error > 1e-8:
+        shown = " ".join(f"{x:.6f}" for x in got)
+        return (
+            f"losses {shown} differ from one process's {' '.join(f'{x:.6f}' for x in want)} by up to {error:.2e}: "
+            "check which rows of the batch this rank takes, the loss's scale per micro-batch, and which gradients "
+            "are summed or averaged over which communicator"
+        )
+    return None
+
+
+# Exercise 16.3: the interleaved 1F1B schedule ---------------------------------------------------------------
+#: (p, v, m) the schedule is simulated on: m a multiple of p, 1 to 4 ranks, 1 to 3 chunks per rank.
+INTERLEAVED_SIZES = [(p, v, m) for p in (1, 2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
+
+
+def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
+    """What is wrong with fn's op lists for p ranks, v chunks, m micro-batches (simulated), else None."""
+    schedules = []
+    for rank in range(p):
+        ops = fn(p, m, rank, v)
+        if not isinstance(ops, list) or not all(isinstance(op, tuple) and len(op) == 3 for op in ops):
+            return f"rank {rank}: should return a list of (kind, chunk, micro-batch) tuples, got {ops!r}"
+        ops = [(kind, int(j), int(i)) for kind, j, i in ops]
+        want = {(kind, j, i) for kind in "FB" for j in range(v) for i in range(m)}
+        if len(ops) != len(want) or set(ops) != want:
+            return f"rank {rank}: the ops should be every ('F' or 'B', chunk < {v}, micro-batch < {m}) once, got {ops}"
+        if any(ops.index(("B", j, i)) < ops.index(("F", j, i)) for _, j, i in ops):
+            return f"rank {rank}: a backward comes before its own forward: {ops}"
+        most = min(warmup_forwards(p, m, rank, v) + 1, v * m)
+        if chunk_in_flight(ops) > most:
+            return (
+                f"rank {rank} keeps {chunk_in_flight(ops)} activations at once, more than 1F1B's warm-up "
+                f"{warmup_forwards(p, m, rank, v)} + 1: start the backwards as soon as the warm-up ends"
+            )
+        schedules.append(ops)
+    try:
+        timeline = simulate_interleaved(schedules, v)
+    except ValueError as err:
+        return str(err)
+    got, want_bubble = bubble(timeline), interleaved_bubble(p, m, v)
+    if abs(got - want_bubble) > 1e-9:
+        return f"the bubble is {got:.4f} of the step, not (p - 1)/(v m + p - 1) = {want_bubble:.4f}"
+    return None
+
+
+def check_interleaved(fn: Interleaved, timeout: float = TIMEOUT) -> None:
+    """fn(p, m, rank, v) -> rank's ops [(kind, chunk, micro-batch)], as ddlab.pipeline.interleaved_1f1b.
+
+    Simulated on every (p, v, m) of INTERLEAVED_SIZES (every op once, none before its forward, at most
+    1F1B's warm-up + 1 activations kept, no deadlock, the bubble (p - 1)/(v m + p - 1)); m not a multiple
+    of p with v > 1 refused (ValueError); then run on the world's ranks, 2 chunks each of a chain of
+    linear layers, in float64 and float32: every gradient one process's."""
+    world = MPI.COMM_WORLD
+    problem = None
+    for p, v, m in INTERLEAVED_SIZES:
+        problem = _schedule_problem(fn, p, v, m)
+        if problem:
+            problem = f"p = {p} ranks, v = {v} chunks, m = {m} micro-batches: {problem}"
+            break
+    if problem is None:
+        try:
+            fn(2, 3, 0, 2)
+            problem = (
+                "accepted m = 3 micro-batches on p = 2 ranks with v = 2: raise ValueError (m must be a multiple of p)"
+            )
+        except ValueError:
+            pass
+    fail_together(world, problem, "the interleaved schedule is wrong")
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        _run_problem(world, fn, dtype, tolerance, timeout)
+    passed(
+        world,
+        "the interleaved schedule runs every op once, keeps at most 1F1B's activations, has the bubble "
+        "(p - 1)/(v m + p - 1), and its gradients on the ranks are one process's (float64, float32)",
+    )
+
+
+def _run_problem(world: MPI.Comm, fn: Interleaved, dtype: torch.dtype, tolerance: float, timeout: float) -> None:
+    p, v = world.Get_size(), 2
+    m, width = 2 * p, 4
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Sequential(nn.Linear(width, width, dtype=dtype), nn.Tanh()) for _ in range(v * p)]
+    inputs = list(torch.randn(m, 2, width, dtype=dtype).unbind())
+    targets = list(torch.randn(m, 2, width, dtype=dtype).unbind())
+
+    def loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((y - target) ** 2).sum()
+
+    whole = copy.deepcopy(nn.Sequential(*layers))
+    for x, target in zip(inputs, targets):
+        loss(whole(x), target).backward()
+    rank = world.Get_rank()
+    chunks = [copy.deepcopy(layers[virtual_stage(p, rank, j)]) for j in range(v)]
+    ops = fn(p, m, rank, v)
+    run_counted(
+        world, lambda comm: run_interleaved(comm, chunks, ops, inputs, targets, loss), (), "the schedule", timeout
+    )
+    problem = None
+    for j, chunk in enumerate(chunks):
+        mine = whole[virtual_stage(p, rank, j)]
+        for (name, got), want in zip(chunk.named_parameters(), mine.parameters()):
+            assert got.grad is not None and want.grad is not None
+            error = float((got.grad - want.grad).abs().max())
+            if error > tolerance * max(1.0, float(want.grad.abs().max())):
+                problem = f"chunk {j} ({name}) in {dtype}: gradient differs from one process's by {error:.2e}"
+                break
+    fail_together(world, problem, "the interleaved schedule's gradients are wrong")

@@ -4,7 +4,9 @@ Nothing here is a new mechanism; each dimension is an earlier lab's, on that dim
 
 - tensor (lab 14): every block is a `ParallelBlock` (heads and MLP features split), the
   embedding a `VocabParallelEmbedding`, the output layer split by vocabulary and the loss
-  `vocab_parallel_cross_entropy`, all over `mesh.tensor`;
+  `vocab_parallel_cross_entropy`, all over `mesh.tensor`; with `sequence_parallel` (lab 14's, Korthikanti
+  et al., MLSys 2023), the residual stream between the blocks is this tensor rank's block of rows (of the
+  context rank's rows), and the whole parameters' gradients are summed over `mesh.tensor` after backward;
 - pipeline (lab 07): stage s holds blocks `block_range(n_layer, s, pipeline)` (the first
   stage the embeddings too, the last the final LayerNorm and the output layer) and runs
   a schedule (1F1B by default) with lab 07's `run_schedule` over `mesh.pipeline`;
@@ -54,7 +56,15 @@ from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from ..runtime.memory import Ledger
 from ..sharded import Sharded
-from ..tensor_parallel import Copy, ParallelBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from ..tensor_parallel import (
+    Copy,
+    Gather,
+    ParallelBlock,
+    VocabParallelEmbedding,
+    allreduce,
+    vocab_parallel_cross_entropy,
+    vocab_range,
+)
 from ..tensor_parallel.block import Attend
 from .layout import Mesh
 
@@ -74,30 +84,50 @@ def context_rows(length: int, context: Comm) -> torch.Tensor:
     return torch.from_numpy(zigzag_positions(length, c, context.Get_rank()))
 
 
+def sequence_rows(length: int, tensor: Comm) -> range:
+    """With sequence parallelism, the rows of a (context rank's) sequence `length` long this tensor rank holds."""
+    t = tensor.Get_size()
+    if length % t:
+        raise ValueError(
+            f"sequence parallelism splits each rank's {length} positions over {t} tensor ranks: use a sequence "
+            f"(block size) whose share per context rank is a multiple of {t}"
+        )
+    return block_range(length, tensor.Get_rank(), t)
+
+
 class Embeddings(nn.Module):
     """The first stage's input: token embedding split by vocabulary over `tensor`, position embedding whole;
-    with context ranks, the ids are this rank's zig-zag rows and take their positions' embeddings."""
+    with context ranks, the ids are this rank's zig-zag rows and take their positions' embeddings; with
+    sequence parallelism the output is this tensor rank's block of those rows (a reduce-scatter, lab 14)."""
 
-    def __init__(self, model: GPT, tensor: Comm, context: Comm):
+    def __init__(self, model: GPT, tensor: Comm, context: Comm, sequence_parallel: bool = False):
         super().__init__()
-        self.wte = VocabParallelEmbedding(model.wte, tensor)
+        self.wte = VocabParallelEmbedding(model.wte, tensor, sequence_parallel)
         self.wpe = copy.deepcopy(model.wpe)
-        self.context = context
+        self.tensor, self.context, self.sequence_parallel = tensor, context, sequence_parallel
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.wte(idx) + self.wpe(context_rows(idx.shape[1] * self.context.Get_size(), self.context))
+        positions = context_rows(idx.shape[1] * self.context.Get_size(), self.context)
+        if self.sequence_parallel:
+            rows = sequence_rows(idx.shape[1], self.tensor)
+            positions = positions[rows.start : rows.stop]
+        return self.wte(idx) + self.wpe(positions)
+
+    def replicated_parameters(self) -> list[torch.Tensor]:
+        """The whole parameters (the position embedding): with sequence parallelism they see one block of rows."""
+        return list(self.wpe.parameters())
 
 
 class Head(nn.Module):
     """The last stage's output: final LayerNorm whole, this rank's vocabulary rows of the output layer."""
 
-    def __init__(self, model: GPT, tensor: Comm):
+    def __init__(self, model: GPT, tensor: Comm, sequence_parallel: bool = False):
         super().__init__()
         if model.lm_head is None:
             raise ValueError(
                 "the mesh splits the output layer from the embedding: build the GPT with GPTConfig(tied=False)"
             )
-        self.tensor = tensor
+        self.tensor, self.sequence_parallel = tensor, sequence_parallel
         self.ln_f = copy.deepcopy(model.ln_f)
         self.vocab = vocab_range(model.config.vocab_size, tensor)
         self.out = nn.Linear(model.config.n_embd, len(self.vocab), bias=False, dtype=model.lm_head.weight.dtype)
@@ -105,15 +135,70 @@ class Head(nn.Module):
             self.out.weight.copy_(model.lm_head.weight[self.vocab.start : self.vocab.stop])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, n_embd) whole -> this rank's logits (B, T, V / t)."""
-        return self.out(Copy.apply(self.ln_f(x), self.tensor))
+        """x (B, T, n_embd) whole, or this rank's block of rows with sequence parallelism -> its logits (B, T, V / t)."""
+        x = self.ln_f(x)
+        if self.sequence_parallel:
+            return self.out(Gather.apply(x, self.tensor, x.shape[1] * self.tensor.Get_size()))
+        return self.out(Copy.apply(x, self.tensor))
+
+    def replicated_parameters(self) -> list[torch.Tensor]:
+        """The whole parameters (the final LayerNorm)."""
+        return list(self.ln_f.parameters())
 
 
-class GPTStage(nn.Module):
-    """Pipeline stage `mesh.coords['pipeline']` of a GPT, split over `mesh.tensor`; built from one process's GPT."""
+class Chain(nn.Module):
+    """A pipeline stage's units run in order: `Embeddings` (first stage), `ParallelBlock`s, `Head` (last stage).
 
-    def __init__(self, model: GPT, mesh: Mesh):
+    With sequence parallelism a block's input is this tensor rank's block of rows of a sequence t times as long
+    (the rows split evenly): the chain tells each block that length."""
+
+    def __init__(self, units: list[nn.Module], tensor: Comm, sequence_parallel: bool = False):
         super().__init__()
+        self.chain = nn.ModuleList(units)
+        self.tensor, self.sequence_parallel = tensor, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.chain:
+            if isinstance(unit, ParallelBlock) and self.sequence_parallel:
+                x = unit(x, length=x.shape[1] * self.tensor.Get_size())
+            else:
+                x = unit(x)
+        return x
+
+    def units(self) -> list[nn.Module]:
+        """The modules forward calls in order, each a ZeRO unit."""
+        return list(self.chain)
+
+    def replicated_parameters(self) -> list[torch.Tensor]:
+        """The parameters every rank of the tensor group holds whole (position embedding, LayerNorms,
+        row-parallel biases): with sequence parallelism each saw one block of rows."""
+        found: list[torch.Tensor] = []
+        for unit in self.chain:
+            if isinstance(unit, (Embeddings, ParallelBlock, Head)):
+                found += unit.replicated_parameters()
+        return found
+
+
+def sum_sequence_parallel_grads(stage: Chain, tensor: Comm) -> None:
+    """Sum over the tensor ranks the gradients of the stage's whole parameters (with sequence parallelism
+    each rank's come from its block of rows only): one allreduce of them all, flattened."""
+    params = [p for p in stage.replicated_parameters() if p.grad is not None]
+    if not params or tensor.Get_size() == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    total = allreduce(tensor, torch.cat([g.reshape(-1) for g in grads]))
+    offset = 0
+    with torch.no_grad():
+        for grad in grads:
+            grad.copy_(total[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+class GPTStage(Chain):
+    """Pipeline stage `mesh.coords['pipeline']` of a GPT, split over `mesh.tensor` (and its sequence, with
+    sequence parallelism); built from one process's GPT."""
+
+    def __init__(self, model: GPT, mesh: Mesh, sequence_parallel: bool = False):
         config = model.config
         stages, index = mesh.sizes["pipeline"], mesh.coords["pipeline"]
         if config.dropout > 0:
@@ -122,44 +207,33 @@ class GPTStage(nn.Module):
             raise ValueError(
                 f"{config.n_layer} blocks cannot fill {stages} pipeline stages: use at most n_layer stages"
             )
-        self.first, self.last = index == 0, index == stages - 1
-        self.tensor = mesh.tensor
-        self.layers = block_range(config.n_layer, index, stages)
-        self.embed = Embeddings(model, mesh.tensor, mesh.context) if self.first else None
         attend: Attend | None = None
         if mesh.sizes["context"] > 1:  # this rank's heads attend over every context rank's keys (lab 15)
             attend = functools.partial(ring_attention_heads, mesh.context)
-        self.blocks = nn.ModuleList(
-            ParallelBlock(_block(model, i), mesh.tensor, attend=attend)
-            for i in range(self.layers.start, self.layers.stop)
-        )
-        self.head = Head(model, mesh.tensor) if self.last else None
+        layers = block_range(config.n_layer, index, stages)
+        units: list[nn.Module] = [Embeddings(model, mesh.tensor, mesh.context, sequence_parallel)] if index == 0 else []
+        units += [ParallelBlock(_block(model, i), mesh.tensor, sequence_parallel, attend) for i in layers]
+        if index == stages - 1:
+            units.append(Head(model, mesh.tensor, sequence_parallel))
+        super().__init__(units, mesh.tensor, sequence_parallel)
+        self.first, self.last, self.layers = index == 0, index == stages - 1, layers
         self.width = config.n_embd
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or the residual stream (B, T / c, n_embd) -> the residual stream, or logits (last)."""
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return x if self.head is None else self.head(x)
-
-    def units(self) -> list[nn.Module]:
-        """The modules forward calls in order, each a ZeRO unit."""
-        return [m for m in (self.embed, *self.blocks, self.head) if m is not None]
+        self.head = units[-1] if self.last else None
 
     def loss(self, micro_batches: int) -> LossFn:
         """The last stage's loss of a micro-batch: mean cross-entropy (vocabulary-parallel) over micro_batches."""
-        assert self.head is not None, "only the last stage has a loss"
-        start = self.head.vocab.start
+        assert isinstance(self.head, Head), "only the last stage has a loss"
+        return mesh_loss(self.head, micro_batches)
 
-        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return (
-                vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tensor, start)
-                / micro_batches
-            )
 
-        return loss
+def mesh_loss(head: Head, micro_batches: int) -> LossFn:
+    """A micro-batch's loss on the last stage: its mean cross-entropy over the vocabulary-split logits, / micro_batches."""
+    start = head.vocab.start
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), head.tensor, start) / micro_batches
+
+    return loss
 
 
 def _block(model: GPT, index: int) -> Block:
@@ -174,6 +248,8 @@ class MeshTrainer:
 
     zero: 0 for lab 04's gradient averaging over `mesh.replicas` (data x context), or a ZeRO stage 1-3
     (lab 13's `Sharded` over the same ranks).
+    sequence_parallel: lab 14's sequence parallelism on the tensor dimension (not with ZeRO here: lab 13's
+    engine reduces a unit's gradients during backward, before the tensor ranks' blocks of rows are summed).
     ledger: charged with this rank's parameters, gradients, optimizer state and activations.
     """
 
@@ -183,6 +259,7 @@ class MeshTrainer:
     zero: int = 0
     schedule: Schedule = one_f_one_b
     ledger: Ledger | None = None
+    sequence_parallel: bool = False
     stage: GPTStage = field(init=False)
     module: nn.Module = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
@@ -190,7 +267,9 @@ class MeshTrainer:
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero is 0 (plain data parallelism) or a ZeRO stage 1, 2, 3, got {self.zero!r}")
-        self.stage = GPTStage(self.model, self.mesh)
+        if self.zero and self.sequence_parallel and self.mesh.sizes["tensor"] > 1:
+            raise ValueError("sequence parallelism with ZeRO is not built here: use zero=0 or sequence_parallel=False")
+        self.stage = GPTStage(self.model, self.mesh, self.sequence_parallel)
         if self.zero:
             sharded = Sharded(
                 self.stage, self.mesh.replicas, stage=self.zero, units=self.stage.units(), ledger=self.ledger
@@ -220,12 +299,15 @@ class MeshTrainer:
             rows = context_rows(idx.shape[1], self.mesh.context)
             idx, targets = idx[:, rows], targets[:, rows]
         inputs, outputs = list(idx.chunk(micro_batches)), list(targets.chunk(micro_batches))
-        width = (inputs[0].shape[0], inputs[0].shape[1], self.stage.width)
+        length = len(sequence_rows(idx.shape[1], self.mesh.tensor)) if self.sequence_parallel else idx.shape[1]
+        width = (inputs[0].shape[0], length, self.stage.width)
         ops = self.schedule(pipeline.Get_size(), micro_batches, pipeline.Get_rank())
         loss = self.stage.loss(micro_batches) if self.stage.last else _no_loss
         self.optimizer.zero_grad()
         with self.ledger.activations() if self.ledger is not None else contextlib.nullcontext():
             losses = run_schedule(pipeline, self.module, ops, inputs, outputs, loss, (width, self.model_dtype))
+        if self.sequence_parallel:
+            sum_sequence_parallel_grads(self.stage, self.mesh.tensor)
         replicas = self.mesh.replicas
         if not self.zero and replicas.Get_size() > 1:
             average_gradients(self.stage, replicas)
@@ -275,6 +357,7 @@ def train_on_mesh(
     zero: int = 0,
     lr: float = 3e-3,
     context: int = 1,
+    sequence_parallel: bool = False,
 ) -> MeshRun:
     """Train a copy of `model` for `steps` steps on the mesh data x tensor x pipeline x context of comm's ranks.
 
@@ -282,7 +365,7 @@ def train_on_mesh(
     same MeshRun."""
     mesh = Mesh.build(comm, data=data, tensor=tensor, pipeline=pipeline, context=context)
     ledger = Ledger(stage=f"rank {comm.Get_rank()} ({mesh.label})")
-    trainer = MeshTrainer(model, mesh, lr=lr, zero=zero, ledger=ledger)
+    trainer = MeshTrainer(model, mesh, lr=lr, zero=zero, ledger=ledger, sequence_parallel=sequence_parallel)
     losses, times = [], []
     try:
         for step in range(steps):
@@ -296,5 +379,5 @@ def train_on_mesh(
         ledger.close()
         mesh.free()
     seconds = statistics.median(times[1:] if len(times) > 1 else times)
-    label = mesh.label + (f" ZeRO-{zero}" if zero else "")
+    label = mesh.label + (f" ZeRO-{zero}" if zero else "") + (" SP" if sequence_parallel else "")
     return MeshRun(label, dict(mesh.sizes), zero, losses, seconds, comm.allgather(ledger.report()["peak"]))

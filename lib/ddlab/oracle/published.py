@@ -39,24 +39,32 @@ class PublishedRun:
     measured_tflops: float  # per GPU
 
 
-def _row(billions: float, heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int, tflops: float):
+def _row(
+    billions: float, heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int, tflops: float, v: int
+):
     gpt = GPT(layers=layers, hidden=hidden, heads=heads, seq=2048, vocab=51200, name=f"GPT {billions:g} B")
-    layout = Layout(data=gpus // (t * p), tensor=t, pipeline=p, batch=batch, micro_batch=1, recompute="full")
+    layout = Layout(
+        data=gpus // (t * p), tensor=t, pipeline=p, batch=batch, micro_batch=1, recompute="full", interleave=v
+    )
     return PublishedRun(gpt, layout, tflops)
 
 
-#: Table 1 of Narayanan et al. (SC 2021): parameters (billions), heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU.
+#: Table 1 of Narayanan et al. (SC 2021): parameters (billions), heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU;
+#: and v, the model chunks per pipeline rank of the interleaved schedule, which the table does not print: the layers
+#: per stage over `--num-layers-per-virtual-pipeline-stage` in the scripts that produced the table (NVIDIA
+#: Megatron-LM repository, examples/sc21/run_table_1.sh: 5 of 15 for 76 B, 5 of 10 for 145.6 B, 3 of 6 for 310.1 B,
+#: 1 of 3 for 529.6 B; not set, plain 1F1B, for the others).
 TABLE1 = (
-    _row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    _row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    _row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    _row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    _row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    _row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    _row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    _row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    _row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    _row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    _row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 1),
+    _row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 1),
+    _row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 1),
+    _row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 1),
+    _row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 1),
+    _row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 3),
+    _row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2),
+    _row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 2),
+    _row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 3),
+    _row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1),
 )
 
 

@@ -19,7 +19,11 @@ the attention's 4 s^2 h. Each of the N devices does 1/N of them at `platform.flo
 `platform.slowdown` with min(N, devices per node) devices of a node computing at once (1 on a
 GPU; on a laptop's shared cores lab 09 measures it).
 
-Bubble: 1F1B idles (p-1)/m of the compute (lab 07).
+Bubble: 1F1B idles (p-1)/m of the ideal compute time (lab 07), which is (p-1)/(m+p-1) of the step
+(idle / (compute + idle) with idle = (p-1)/m compute). With the interleaved schedule (`interleave` = v
+model chunks per rank, Narayanan et al., SC 2021, section 2.2.2; `ddlab.pipeline.interleaved_1f1b`)
+it idles (p-1)/(v m) of the compute, for v times the pipeline messages; l must split into p v chunks
+and m into groups of p.
 
 Communication, on the critical path (no overlap), each collective priced by the platform
 (`Platform.comm`: its measured curves, else `ddlab.allreduce.cost`), `e` bytes per element,
@@ -33,11 +37,12 @@ per micro-batch and per layer of a stage unless said:
   when the forward is recomputed;
 - pipeline: each micro-batch's activation b (s/c) h / t elements forward to the next stage
   and its gradient back (Narayanan et al.'s scatter/gather: 1/t of it per rank), 2 m
-  messages per stage (no messages if p = 1);
+  messages per stage, 2 v m interleaved (no messages if p = 1);
 - data: once per iteration, the gradients of this rank's parameters psi over the d c ranks
   that hold the same weights: an allreduce of psi e bytes (ZeRO 1-2: a reduce-scatter then
-  an allgather, the same bytes; ZeRO-3: the parameters allgathered forward and backward of
-  every micro-batch, 2 m allgathers, and one reduce-scatter).
+  an allgather, the same bytes; ZeRO-3, as lab 13's engine runs it: the parameters allgathered
+  before the forward and the backward of every micro-batch and the gradients reduce-scattered
+  after every backward, 2 m allgathers and m reduce-scatters).
 
 Memory of the busiest rank (the first or the last stage):
 
@@ -54,7 +59,7 @@ Memory of the busiest rank (the first or the last stage):
   the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes.
 
 Signatures (lab 16's exercises):
-- Exercise 16.2 `memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute,
+- Exercise 16.4 `memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute,
   sequence_parallel=False) -> dict` with keys "parameters", "gradients", "optimizer",
   "activations", in bytes, for mixed-precision Adam: `psi` the parameters this rank holds
   (after tensor and pipeline splits), `layers` how many layers' activations it keeps at once
@@ -62,7 +67,7 @@ Signatures (lab 16's exercises):
   0-3, `recompute` "none", "selective" or "full" (full: 2sbh per layer kept, 2sbh/t with
   sequence parallelism, plus one layer's activations without recomputation);
   the reference is `memory_per_rank` here.
-- Exercise 16.3 `step_time(gpt, layout, platform) -> dict` with keys "compute", "bubble",
+- Exercise 16.5 `step_time(gpt, layout, platform) -> dict` with keys "compute", "bubble",
   "tensor", "context", "pipeline", "data" in seconds, as above; the reference is `step_time`.
 """
 
@@ -71,6 +76,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ..pipeline.interleaved import warmup_forwards
 from ..tensor_parallel.formulas import activation_bytes_per_layer
 from .platform import Platform
 
@@ -124,6 +130,7 @@ class Layout:
     recompute: str = "none"
     precision: str = "mixed"
     sequence_parallel: bool = False
+    interleave: int = 1  # v: model chunks per pipeline rank (the interleaved 1F1B schedule; 1: plain 1F1B)
 
     @property
     def devices(self) -> int:
@@ -139,6 +146,7 @@ class Layout:
         extras = [f"ZeRO-{self.zero}"] if self.zero else []
         extras += [] if self.recompute == "none" else [f"{self.recompute} recompute"]
         extras += ["SP"] if self.sequence_parallel else []
+        extras += [f"v{self.interleave}"] if self.interleave > 1 else []
         extras += [] if self.precision == "mixed" else [self.precision]
         return f"d{self.data} t{self.tensor} p{self.pipeline} c{self.context} b{self.micro_batch}" + (
             " " + ", ".join(extras) if extras else ""
@@ -174,7 +182,7 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
     """Why the layout cannot run this GPT (the first reason found), or None."""
     lay = layout
     for name, value in asdict(lay).items():
-        if name in ("data", "tensor", "pipeline", "context", "micro_batch", "batch") and value < 1:
+        if name in ("data", "tensor", "pipeline", "context", "micro_batch", "batch", "interleave") and value < 1:
             return f"{name} = {value}: every dimension needs at least 1"
     if lay.zero not in (0, 1, 2, 3):
         return f"ZeRO stage {lay.zero} does not exist: choose 0, 1, 2 or 3"
@@ -184,13 +192,19 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
         return f"precision {lay.precision!r}: choose one of {', '.join(PRECISIONS)}"
     if gpt.heads % lay.tensor or gpt.hidden % lay.tensor:
         return f"tensor {lay.tensor} does not divide the {gpt.heads} heads and the hidden size {gpt.hidden}"
-    if gpt.layers % lay.pipeline:
-        return f"pipeline {lay.pipeline} does not divide the {gpt.layers} layers"
+    if gpt.layers % (lay.pipeline * lay.interleave):
+        chunks = f" x {lay.interleave} chunks" if lay.interleave > 1 else ""
+        return f"pipeline {lay.pipeline}{chunks} does not divide the {gpt.layers} layers"
     if gpt.seq % (2 * lay.context if lay.context > 1 else 1):
         return f"context {lay.context} does not divide the sequence of {gpt.seq} into 2c zig-zag blocks"
     if lay.batch % (lay.data * lay.micro_batch):
         return (
             f"data {lay.data} x micro-batch {lay.micro_batch} does not divide the global batch of {lay.batch} sequences"
+        )
+    if lay.interleave > 1 and lay.micro_batches % lay.pipeline:
+        return (
+            f"pipeline {lay.pipeline} does not divide the {lay.micro_batches} micro-batches, "
+            "which the interleaved schedule takes in groups of p"
         )
     return None
 
@@ -225,7 +239,7 @@ def memory_per_rank(
     sequence_parallel: bool = False,
     precision: str = "mixed",
 ) -> dict[str, float]:
-    """Bytes a rank holds (Exercise 16.2): ZeRO's split of 16 bytes per parameter, Korthikanti's activations."""
+    """Bytes a rank holds (Exercise 16.4): ZeRO's split of 16 bytes per parameter, Korthikanti's activations."""
     weights, grads, optimizer = PRECISIONS[precision]
     shard = {0: (1, 1, 1), 1: (1, 1, d), 2: (1, d, d), 3: (d, d, d)}[zero]
     act_bytes = weights  # activations in the training precision
@@ -247,10 +261,12 @@ def memory_per_rank(
 
 
 def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
-    """Bytes of the busiest rank: the first stage (min(p, m) micro-batches in flight) or the last (the logits)."""
+    """Bytes of the busiest rank: the first stage (min(p, m) micro-batches in flight under 1F1B; with v chunks,
+    min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (the logits)."""
     lay = layout
     s_local = gpt.seq // lay.context
-    in_flight = min(lay.pipeline, lay.micro_batches)
+    v = lay.interleave
+    chunks = min(warmup_forwards(lay.pipeline, lay.micro_batches, 0, v) + 1, v * lay.micro_batches)
     psi = stage_parameters(gpt, lay)
 
     def held(layers: float) -> dict[str, float]:
@@ -269,7 +285,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
             lay.precision,
         )
 
-    first = held(gpt.layers // lay.pipeline * in_flight)
+    first = held(gpt.layers // (lay.pipeline * v) * chunks)
     last = held(gpt.layers // lay.pipeline)
     logits = max(4, PRECISIONS[lay.precision][0])  # the loss's logits in float32 at least
     last["activations"] += logits * lay.micro_batch * s_local * gpt.vocab / lay.tensor
@@ -277,7 +293,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
 
 
 def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
-    """Seconds of one iteration by part (Exercise 16.3): compute, bubble, tensor, context, pipeline, data."""
+    """Seconds of one iteration by part (Exercise 16.5): compute, bubble, tensor, context, pipeline, data."""
     lay = layout
     e = PRECISIONS[lay.precision][0]
     m, b, h, s = lay.micro_batches, lay.micro_batch, gpt.hidden, gpt.seq
@@ -285,7 +301,7 @@ def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     reruns = 1 if lay.recompute == "full" else 0
     busy = min(lay.devices, platform.devices_per_node)
     compute = iteration_flops(gpt, lay.batch, lay.recompute) / lay.devices / platform.flops * platform.slowdown(busy)
-    bubble = (lay.pipeline - 1) / m * compute
+    bubble = (lay.pipeline - 1) / (lay.interleave * m) * compute  # (p-1)/(v m) of the compute
     tokens = b * (s // lay.context) * h  # elements of one micro-batch's activation on a rank
     tensor = m * stage_layers * (4 + 2 * reruns) * platform.comm("allreduce", tokens * e, lay.tensor)
     kv = 2 * b * s * h / lay.tensor * e  # keys and values of the whole sequence, this rank's heads
@@ -298,12 +314,15 @@ def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     pipeline = 0.0
     if lay.pipeline > 1:
         stride = lay.tensor * lay.context * lay.data
-        pipeline = 2 * m * platform.comm("p2p", tokens / lay.tensor * e, 2, stride=stride)
+        pipeline = 2 * lay.interleave * m * platform.comm("p2p", tokens / lay.tensor * e, 2, stride=stride)
     replicas, stride = lay.data * lay.context, lay.tensor
     grads = stage_parameters(gpt, lay) * e
     if lay.zero == 3:
-        data = 2 * m * platform.comm("allgather", grads, replicas, stride) + platform.comm(
-            "reduce_scatter", grads, replicas, stride
+        # lab 13's engine: each unit's parameters allgathered before its forward and its backward, and its
+        # gradient reduce-scattered after every backward, so once per micro-batch
+        data = m * (
+            2 * platform.comm("allgather", grads, replicas, stride)
+            + platform.comm("reduce_scatter", grads, replicas, stride)
         )
     else:
         data = platform.comm("allreduce", grads, replicas, stride)

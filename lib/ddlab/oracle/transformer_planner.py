@@ -9,7 +9,7 @@ template of the options (`ZERO_STAGES` 0-3, `MICRO_BATCHES` 1-8, the three recom
 parallelism on or off) and merges them. `explain` says, part by part, why one prediction
 is faster than another.
 
-Exercise 16.4 signature: `search(gpt, devices, template, platform, budget) -> (ranked,
+Exercise 16.6 signature: `search(gpt, devices, template, platform, budget) -> (ranked,
 rejected)`: `ranked` a list of `TransformerPrediction` (from `transformer.predict`) of every
 layout `template.with_(data=d, tensor=t, pipeline=p, context=c)` with d t p c = devices
 that runs and fits in `budget` bytes, fastest first; `rejected` a list of (layout, reason)

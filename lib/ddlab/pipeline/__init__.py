@@ -4,6 +4,8 @@
 - `pipedream_partition`: balanced stages by dynamic programming over stage times;
   `measured_stage_times`: those times from measured layer and message costs;
   `calibrate`: correct them with measured pipeline steps and solve again.
+- `interleaved_1f1b`, `run_interleaved`, `simulate_interleaved`, `interleaved_bubble`: v model chunks per
+  rank (Narayanan et al., SC 2021, section 2.2.2; exercise 16.3's reference), its bubble (p - 1)/(v m).
 - `run_schedule`: exercise 7.3's reference, a schedule's ops run on a chain of stages, one per rank.
 - `weight_versions`: how many weight versions each stage keeps under flushless 1F1B (weight stashing).
 - `pipeline_step`: one training step of M micro-batches on a `ddlab.model_parallel.Stage`
@@ -17,6 +19,15 @@
 
 from .balance import Calibration, calibrate
 from .executor import micro_batch_loss, run_schedule
+from .interleaved import (
+    ChunkOp,
+    chunk_in_flight,
+    interleaved_1f1b,
+    interleaved_bubble,
+    run_interleaved,
+    simulate_interleaved,
+    virtual_stage,
+)
 from .partition import StageTimes, measured_stage_times, message_cost, pipedream_partition
 from .runner import PipelineRun, expected_bubble, hidden_share, measure_pipeline, micro_batches, pipeline_step
 from .schedules import Op, Schedule, as_spans, bubble, gpipe, in_flight, one_f_one_b, simulate, theory_bubble

@@ -17,7 +17,7 @@ idle for K-1, a bubble of (K-1)/(M+K-1). They differ in memory.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from ..runtime.trace import Span
 
@@ -106,8 +106,8 @@ def as_spans(timeline: list[list[tuple[Op, float, float]]]) -> list[list[Span]]:
     ]
 
 
-def bubble(timeline: list[list[tuple[Op, float, float]]]) -> float:
-    """Idle share of stages x makespan in a simulated timeline."""
+def bubble(timeline: Sequence[Sequence[tuple[Any, float, float]]]) -> float:
+    """Idle share of stages x makespan in a simulated timeline (of lab 07's ops or the interleaved chunk ops)."""
     makespan = max(end for ops in timeline for _, _, end in ops)
     busy = sum(end - start for ops in timeline for _, start, end in ops)
     return 1 - busy / (len(timeline) * makespan)

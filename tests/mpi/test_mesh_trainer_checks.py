@@ -1,0 +1,225 @@
+"""Lab 16's checks of the assembled mesh trainer (16.2) and the interleaved schedule (16.3): the solution's
+code and valid alternatives pass, each wrong answer fails with its message, and the stubs raise
+NotImplementedError; on every rank."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from ddlab.checks import CheckFailed, check_interleaved, check_mesh_trainer
+from ddlab.context_parallel import ring_attention_heads
+from ddlab.data.text import BatchSampler, make_corpus
+from ddlab.data_parallel import average_gradients
+from ddlab.mesh import (
+    DIMS,
+    Chain,
+    Embeddings,
+    Head,
+    Mesh,
+    MeshTrainer,
+    context_rows,
+    layouts,
+    mesh_loss,
+    sequence_rows,
+    sum_sequence_parallel_grads,
+)
+from ddlab.models.gpt import GPTConfig, make_gpt, train_gpt
+from ddlab.pipeline import interleaved_1f1b, one_f_one_b, run_schedule
+from ddlab.runtime.blocks import block_range
+from ddlab.sharded import Sharded
+from ddlab.tensor_parallel import ParallelBlock
+from mpi4py import MPI
+
+STEPS = 10
+
+
+def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b):
+    """Exercise 16.2's solution as the notebook writes it; the arguments make the wrong answers."""
+
+    def train(model, mesh, batch_at, steps, micro_batches=1, zero=0, sequence_parallel=False):
+        p, s = mesh.sizes["pipeline"], mesh.coords["pipeline"]
+        replicas = mesh.replicas if plane == "replicas" else mesh.data
+        attend = functools.partial(ring_attention_heads, mesh.context) if mesh.sizes["context"] > 1 else None
+        units = [Embeddings(model, mesh.tensor, mesh.context, sequence_parallel)] if s == 0 else []
+        for i in block_range(model.config.n_layer, s, p):
+            units.append(ParallelBlock(model.blocks[i], mesh.tensor, sequence_parallel, attend))
+        if s == p - 1:
+            units.append(Head(model, mesh.tensor, sequence_parallel))
+        stage = Chain(units, mesh.tensor, sequence_parallel)
+        if zero:
+            module = Sharded(stage, replicas, stage=zero, units=stage.units())
+            optimizer = module.attach(torch.optim.AdamW(module.shards(), lr=3e-3, weight_decay=0.0))
+        else:
+            module = stage
+            optimizer = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.0)
+        loss = mesh_loss(units[-1], micro_batches if scale else 1) if s == p - 1 else None
+        losses = []
+        for step in range(steps):
+            idx, targets = batch_at(step)
+            mine = block_range(idx.shape[0], mesh.data.Get_rank(), mesh.data.Get_size())
+            rows = context_rows(idx.shape[1], mesh.context)
+            idx, targets = idx[mine.start : mine.stop, rows], targets[mine.start : mine.stop, rows]
+            length = len(sequence_rows(idx.shape[1], mesh.tensor)) if sequence_parallel else idx.shape[1]
+            shape = (idx.shape[0] // micro_batches, length, model.config.n_embd)
+            dtype = next(model.parameters()).dtype
+            ops = schedule(p, micro_batches, s)
+            optimizer.zero_grad()
+            done = run_schedule(
+                mesh.pipeline,
+                module,
+                ops,
+                list(idx.chunk(micro_batches)),
+                list(targets.chunk(micro_batches)),
+                loss,
+                (shape, dtype),
+            )
+            if sequence_parallel and sum_sp:
+                sum_sequence_parallel_grads(stage, mesh.tensor)
+            if not zero:
+                average_gradients(stage, replicas)
+            optimizer.step()
+            mean = replicas.allreduce(sum(done)) / replicas.Get_size() if s == p - 1 else 0.0
+            losses.append(mesh.pipeline.bcast(mean, root=p - 1))
+        if zero:
+            module.close()
+        return losses
+
+    return train
+
+
+# Exercise 16.2's solution with sequence parallelism on, every layout of the world's ranks over the four dimensions
+# (10 on 4 ranks, 4 on 3), lab 16's 4-block GPT (a sequence of 8; 6 on 3 ranks), 10 steps: one process's losses.
+@pytest.fixture(scope="module")
+def deep_gpt():
+    block = 8 if MPI.COMM_WORLD.Get_size() != 3 else 6
+    config = GPTConfig(vocab_size=256, block_size=block, n_layer=4, n_head=4, n_embd=16, tied=False)
+    sampler = BatchSampler(make_corpus().train, batch=12, block=block)
+    return config, sampler, train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, STEPS)
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_the_assembled_trainer_with_sequence_parallelism_takes_one_process_s_steps_on_every_layout(
+    comm, deep_gpt, index
+) -> None:
+    found = layouts(comm.Get_size(), DIMS)
+    if index >= len(found):
+        pytest.skip(f"{comm.Get_size()} ranks have {len(found)} layouts over {DIMS}")
+    sizes = found[index]
+    config, sampler, want = deep_gpt
+    mesh = Mesh.build(comm, **sizes)
+    try:
+        micro = 2 if sizes["pipeline"] > 1 else 1
+        got = assembled()(make_gpt(config, dtype=torch.float64), mesh, sampler.batch_at, STEPS, micro, 0, True)
+    finally:
+        mesh.free()
+    error = max(abs(a - b) for a, b in zip(got, want))
+    assert len(got) == STEPS and want[-1] < want[0] - 0.1  # it learns
+    assert error < 1e-8, f"{sizes}: losses differ from one process's by {error:.3g}"
+
+
+def the_library_trainer(model, mesh, batch_at, steps, micro_batches=1, zero=0, sequence_parallel=False):
+    """A valid alternative: the library's MeshTrainer, step by step."""
+    trainer = MeshTrainer(model, mesh, zero=zero, sequence_parallel=sequence_parallel)
+    try:
+        return [trainer.step(*batch_at(step), micro_batches) for step in range(steps)]
+    finally:
+        trainer.close()
+
+
+def expect_trainer_failure(fn, *words: str) -> None:
+    with pytest.raises(CheckFailed) as info:
+        check_mesh_trainer(fn)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_the_assembled_trainer_and_the_library_s_pass(comm) -> None:
+    check_mesh_trainer(assembled())
+    check_mesh_trainer(the_library_trainer)
+
+
+def test_wrong_trainers_fail(comm) -> None:
+    if comm.Get_size() == 4:  # the cases with context ranks (replicas = data x context) and a pipeline
+        expect_trainer_failure(assembled(plane="data"), "differ from one process's", "context")
+    expect_trainer_failure(assembled(sum_sp=False), "differ from one process's", "sequence parallel")
+    expect_trainer_failure(assembled(scale=False), "differ from one process's", "micro-batches")
+
+
+def test_a_trainer_stub_raises_not_implemented(comm) -> None:
+    def stub(*args):
+        raise NotImplementedError("exercise 16.2: the mesh trainer")
+
+    with pytest.raises(NotImplementedError, match="16.2"):
+        check_mesh_trainer(stub)
+
+
+# The interleaved schedule -----------------------------------------------------------------------------------
+def by_forward_count(p, m, rank, v):
+    """A valid alternative: the same order, written as the forwards and backwards each a list, then merged."""
+    if v > 1 and m % p:
+        raise ValueError("m must be a multiple of p")
+    forwards, backwards = [], []
+    for group in range(0, m, p if v > 1 else m):
+        width = p if v > 1 else m
+        for chunk in range(v):
+            forwards += [("F", chunk, group + k) for k in range(width)]
+            backwards += [("B", v - 1 - chunk, group + k) for k in range(width)]
+    warm = min(p - rank - 1, m) if v == 1 else min(2 * (p - rank - 1) + (v - 1) * p, v * m)
+    ops = forwards[:warm]
+    for f, b in zip(forwards[warm:], backwards):
+        ops += [f, b]
+    return ops + backwards[len(forwards) - warm :]
+
+
+def all_forwards_first(p, m, rank, v):
+    """GPipe with chunks: the bubble is the same, but every activation is kept until the backwards."""
+    ops = interleaved_1f1b(p, m, rank, v)
+    return [op for op in ops if op[0] == "F"] + [op for op in ops if op[0] == "B"]
+
+
+def backwards_in_forward_chunk_order(p, m, rank, v):
+    """The backward of chunk 0 before chunk 1's: it waits for a gradient that never comes."""
+    return [(kind, j if kind == "F" else v - 1 - j, i) for kind, j, i in interleaved_1f1b(p, m, rank, v)]
+
+
+def one_chunk_at_a_time(p, m, rank, v):
+    """Chunk 0 for every micro-batch, then chunk 1 ...: plain 1F1B per chunk, the bubble v times."""
+    if v > 1 and m % p:
+        raise ValueError("m must be a multiple of p")
+    ops = []
+    for j in range(v):
+        ops += [(kind, j, i) for kind, i in one_f_one_b(p, m, rank)]
+    return ops
+
+
+def never_refuses(p, m, rank, v):
+    return interleaved_1f1b(p, m, rank, 1) if m % p else interleaved_1f1b(p, m, rank, v)
+
+
+def expect_schedule_failure(fn, *words: str) -> None:
+    with pytest.raises(CheckFailed) as info:
+        check_interleaved(fn, timeout=5.0)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_the_interleaved_reference_and_an_alternative_pass(comm) -> None:
+    check_interleaved(interleaved_1f1b)
+    check_interleaved(by_forward_count)
+
+
+def test_wrong_interleaved_schedules_fail(comm) -> None:
+    expect_schedule_failure(all_forwards_first, "keeps", "activations")
+    expect_schedule_failure(backwards_in_forward_chunk_order, "deadlock")
+    expect_schedule_failure(one_chunk_at_a_time, "deadlock")
+    expect_schedule_failure(never_refuses, "raise ValueError")
+
+
+def test_an_interleaved_stub_raises_not_implemented(comm) -> None:
+    def stub(p, m, rank, v):
+        raise NotImplementedError("exercise 16.3: the interleaved schedule")
+
+    with pytest.raises(NotImplementedError, match="16.3"):
+        check_interleaved(stub)
