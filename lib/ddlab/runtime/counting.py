@@ -4,7 +4,8 @@ Checks hand a `CountingComm` to a student's collective instead of the real
 communicator. It forwards point-to-point calls to MPI, records each one, and
 refuses the MPI library's own collectives, so a hand-written broadcast cannot
 quietly call `Bcast`, and the point-to-point calls it cannot count (persistent and
-buffered sends, matched probes), naming what to use instead. `traffic(...)` then gathers what every rank did.
+buffered sends), naming what to use instead. A matched probe (`Mprobe`, `Improbe`) is counted:
+the message it returns receives through the same timeout and log as `Recv`. `traffic(...)` then gathers what every rank did.
 
 Rounds model the alpha term: a message's round is one more than the latest round
 its sender has seen, counting both the messages it received and the ones it sent
@@ -77,7 +78,6 @@ UNCOUNTED = {
     **dict.fromkeys(("Recv_init", "Precv_init"), "Irecv (a new request each time)"),
     **dict.fromkeys(("Bsend", "Rsend", "bsend"), "Send (or Isend and Wait)"),
     **dict.fromkeys(("Ibsend", "Irsend", "ibsend"), "Isend"),
-    **dict.fromkeys(("Mprobe", "Improbe", "mprobe", "improbe"), "Probe, then Recv from the status's source and tag"),
     **dict.fromkeys(("Isendrecv", "Isendrecv_replace"), "Isend and Irecv"),
     "Attach_buffer": "Send or Isend (no buffer to attach)",
     # communicators whose messages the check could not follow
@@ -346,7 +346,7 @@ class CountingComm:
             raise UncountedCall(
                 f"comm.{name} is not counted by the check's communicator: use comm.{UNCOUNTED[name]} "
                 f"instead (the check counts Send/Recv, Isend/Irecv/Issend, Sendrecv, "
-                f"Sendrecv_replace, Probe and their lower-case object forms)."
+                f"Sendrecv_replace, Probe, Mprobe and their lower-case object forms)."
             )
         return getattr(self.comm, name)
 
@@ -650,8 +650,13 @@ class CountingComm:
 
     def Iprobe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> bool:
         """MPI's Iprobe; misses in a row past the timeout (a polling loop no message ends) raise Stalled."""
-        what = f"Iprobe for a message from {_peer(source)} (tag {_tag(tag)})"
-        if self.comm.Iprobe(source, tag, status):
+        return self._probed(
+            self.comm.Iprobe(source, tag, status), f"Iprobe for a message from {_peer(source)} (tag {_tag(tag)})"
+        )
+
+    def _probed(self, found: bool, what: str) -> bool:
+        """found, after a non-blocking probe; a run of misses longer than the timeout raises Stalled."""
+        if found:
             self._probing_since = None
             return True
         self.watch.check(what)  # another rank failed: stop polling
@@ -665,6 +670,71 @@ class CountingComm:
         return False
 
     iprobe = Iprobe
+
+    def Mprobe(
+        self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None
+    ) -> CountedMessage:
+        """MPI's matched probe, with the timeout: the message it returns is received (and counted) by its Recv."""
+        status = status if status is not None else MPI.Status()
+        matched: list[MPI.Message] = []
+
+        def match() -> bool:
+            message = self.comm.Improbe(source, tag, status)
+            matched.extend([message] if message is not None else [])
+            return message is not None
+
+        self.watch.poll(match, f"Mprobe for a message from {_peer(source)} (tag {_tag(tag)})")
+        return CountedMessage(self, matched[0], status.Get_source(), status.Get_tag())
+
+    mprobe = Mprobe
+
+    def Improbe(
+        self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None
+    ) -> CountedMessage | None:
+        """MPI's non-blocking matched probe; misses in a row past the timeout raise Stalled (as Iprobe's)."""
+        status = status if status is not None else MPI.Status()
+        message = self.comm.Improbe(source, tag, status)
+        self._probed(message is not None, f"Improbe for a message from {_peer(source)} (tag {_tag(tag)})")
+        if message is None:
+            return None
+        return CountedMessage(self, message, status.Get_source(), status.Get_tag())
+
+    improbe = Improbe
+
+
+class CountedMessage:
+    """A message matched by CountingComm.Mprobe/Improbe: its receives are logged and cannot hang."""
+
+    def __init__(self, counting: CountingComm, message: MPI.Message, source: int, tag: int):
+        self.counting, self.message, self.source, self.tag = counting, message, source, tag
+        self.what = f"the matched message from rank {source} (tag {tag}) to be received"
+
+    def Recv(self, buf: Any, status: MPI.Status | None = None) -> None:
+        status = status if status is not None else MPI.Status()
+        # A matched message cannot be cancelled, and its sender has started: wait without cancelling.
+        self.counting._wait([self.message.Irecv(buf)], [status], self.what, cancel=False)
+        self.counting._log("recv", self.source, self.tag, status.Get_count(MPI.BYTE))
+
+    def Irecv(self, buf: Any) -> MPI.Request:
+        self.counting._log("recv", self.source, self.tag, _nbytes(buf))
+        return self.counting._handed(self.counting.watch.watched(self.message.Irecv(buf), self.what))
+
+    def recv(self, status: MPI.Status | None = None) -> Any:
+        status = status if status is not None else MPI.Status()
+        request, received = self.message.irecv(), []
+
+        def done() -> bool:
+            complete, obj = request.test(status)
+            received.extend([obj] if complete else [])
+            return bool(complete)
+
+        self.counting.watch.poll(done, self.what)
+        self.counting._log("recv", self.source, self.tag, status.Get_count(MPI.BYTE))
+        return received[0]
+
+    def irecv(self) -> MPI.Request:
+        self.counting._log("recv", self.source, self.tag, 0)
+        return self.counting._handed(self.counting.watch.watched(self.message.irecv(), self.what, pickled=True))
 
 
 def rounds(all_traffic: list[Traffic], *, one_receive_at_a_time: bool = False) -> int:
