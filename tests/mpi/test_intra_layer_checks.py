@@ -261,6 +261,16 @@ def slabs_ignore_pooling(height, size, levels):
     return block_bounds(height, size)
 
 
+def slabs_remainder_last(height, size, levels):
+    """Whole blocks of 2**levels rows, but a height that is not a multiple of them is taken: the rest in the last slab."""
+    unit = 2**levels
+    if height // unit < size:
+        raise ValueError("too few blocks")
+    bounds = [unit * b for b in block_bounds(height // unit, size)]
+    bounds[-1] = height
+    return bounds
+
+
 def slabs_extra_rows_last(height, size, levels):
     """A valid alternative: the larger slabs at the bottom."""
     unit = 2**levels
@@ -326,6 +336,11 @@ def test_filter_that_forgets_to_sum_the_input_gradient_fails():
 def test_slabs_that_break_at_a_pooling_level_fail():
     with pytest.raises(CheckFailed, match="not a multiple of 2\\*\\*levels"):
         check_slab_bounds(slabs_ignore_pooling)
+
+
+def test_slabs_of_a_height_the_poolings_cannot_halve_fail():
+    with pytest.raises(CheckFailed, match="(?s)not a multiple of 2\\*\\*levels = 8.*raise ValueError.*valid heights"):
+        check_slab_bounds(slabs_remainder_last)
 
 
 def test_stub_raises_not_implemented_on_every_rank():

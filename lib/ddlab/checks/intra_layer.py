@@ -236,18 +236,28 @@ def check_filter_parallel_conv(fn: Any) -> None:
 
 
 # Exercise 8.3: slab bounds -------------------------------------------------------
-SLAB_CASES = ((48, 3), (40, 3), (112, 3), (24, 1), (13, 0), (96, 2), (64, 4))  # (height, levels)
+# (height, levels); 50 and 38 are no multiple of 8 or 4 (enough blocks for 4 ranks): no bounds can keep whole rows.
+SLAB_CASES = ((48, 3), (40, 3), (112, 3), (24, 1), (13, 0), (96, 2), (64, 4), (50, 3), (38, 2))
 
 
 def _bounds_problem(fn: Callable[..., Any], height: int, size: int, levels: int) -> str | None:
     unit = 2**levels
     case = f"slab_bounds({height}, {size}, {levels})"
-    if height // unit < size:
+    if height % unit or height // unit < size:
         try:
             got = fn(height, size, levels)
         except ValueError:
             return None
-        return f"{case} returned {got!r}; {height // unit} blocks of {unit} rows cannot give {size} ranks one each: raise ValueError"
+        why = (
+            f"{height} rows are not a multiple of 2**levels = {unit}, so {count(levels, 'halving')} cannot keep "
+            "every slab whole rows"
+            if height % unit
+            else f"{height // unit} blocks of {unit} rows cannot give {size} ranks one each"
+        )
+        return (
+            f"{case} returned {got!r}; {why}: raise ValueError (valid heights are multiples of {unit} "
+            f"with at least size = {size} blocks of {unit} rows)"
+        )
     got = fn(height, size, levels)
     if not isinstance(got, (list, tuple, np.ndarray)) or len(got) != size + 1 or not all(is_integer(b) for b in got):
         return f"{case} returned {got!r}; return a list of size + 1 = {size + 1} ints"
