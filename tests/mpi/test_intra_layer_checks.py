@@ -595,3 +595,52 @@ def test_pool_that_never_completes_fails_within_its_timeout():
 def test_pool_stub_raises_not_implemented_on_every_rank():
     with pytest.raises(NotImplementedError, match="Exercise 8.4"):
         check_spatial_max_pool(PoolStub)
+
+
+class FilterObjectCounts(FilterParallelConv):
+    """A valid alternative: the channel counts by the object form, comm.allgather(int); the output by Allgatherv."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        counts = np.array(comm.allgather(weight.shape[0]), dtype=np.int64)
+        mine = F.conv2d(x, weight, bias, padding=padding)
+        n, _, h, w = mine.shape
+        whole = torch.empty(int(counts.sum()), n, h, w, dtype=x.dtype)
+        comm.Allgatherv(mine.transpose(0, 1).contiguous().numpy(), [whole.numpy(), (counts * n * h * w).tolist()])
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.padding, ctx.has_bias = comm, padding, bias is not None
+        ctx.start = int(counts[: comm.Get_rank()].sum())
+        return whole.transpose(0, 1).contiguous()
+
+
+class FilterObjectTotal(FilterObjectCounts):
+    """Also valid: the number of all channels by the object allreduce, comm.allreduce(int)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        total = comm.allreduce(weight.shape[0])
+        whole = FilterObjectCounts.forward(ctx, x, weight, bias, comm, padding)
+        assert whole.shape[1] == total
+        return whole
+
+
+class FilterPickledOutput(FilterParallelConv):
+    """Gathers the output tensors themselves with the object form: pickled data, which the text forbids."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        blocks = comm.allgather(F.conv2d(x, weight, bias, padding=padding))
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.padding, ctx.has_bias = comm, padding, bias is not None
+        ctx.start = sum(b.shape[1] for b in blocks[: comm.Get_rank()])
+        return torch.cat(blocks, dim=1)
+
+
+def test_filter_object_form_for_the_counts_passes():
+    check_filter_parallel_conv(FilterObjectCounts)
+    check_filter_parallel_conv(FilterObjectTotal)
+
+
+def test_filter_pickling_the_output_fails():
+    with pytest.raises(CheckFailed, match="(?s)comm.allgather pickled a Tensor.*Allgatherv"):
+        check_filter_parallel_conv(FilterPickledOutput)

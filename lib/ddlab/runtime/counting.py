@@ -21,7 +21,9 @@ their sends only: this rank's buffer once to every other rank), Reduce_scatter (
 MPI choice: logs its sends only, each other rank's chunk of this rank's buffer to it), Allreduce (lab 08's
 filter and channel parallel convolutions: named in `Traffic.calls`, bytes not logged), and
 Bcast, which allows the object form `bcast` too (lab 04's parameter broadcast; named in
-`Traffic.calls`). Each runs as its non-blocking twin under the timeout. Iallreduce (lab 04's
+`Traffic.calls`). The object forms `allgather` and `allreduce`, allowed by name, are for small
+values such as lab 08's channel counts: one holding an array or tensor is refused, naming the
+buffer form; their pickles are logged as sends, tag COLLECTIVE_TAG. Each runs as its non-blocking twin under the timeout. Iallreduce (lab 04's
 overlapped buckets) returns a watched request, so waiting on it cannot hang either.
 
 `Split` returns a CountingComm of the sub-communicator that logs into the same
@@ -37,6 +39,7 @@ names those the student's code never completed (a dropped request is an error to
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -106,7 +109,18 @@ def is_collective(name: str) -> bool:
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
 COLLECTIVE_TAG = -1
-ALLOWABLE = ("Alltoall", "Alltoallv", "Allreduce", "Iallreduce", "Allgather", "Allgatherv", "Reduce_scatter", "Bcast")
+ALLOWABLE = (
+    "Alltoall",
+    "Alltoallv",
+    "Allreduce",
+    "Iallreduce",
+    "Allgather",
+    "Allgatherv",
+    "Reduce_scatter",
+    "Bcast",
+    "allgather",
+    "allreduce",
+)
 
 
 class ForbiddenCollective(RuntimeError):
@@ -450,6 +464,45 @@ class CountingComm:
         self.Bcast(payload, root)
         return pickle.loads(payload.tobytes())
 
+    def allgather(self, obj: Any) -> list[Any]:
+        """The object allgather, if allowed by name: for small values (counts, shapes), not data."""
+        if "allgather" not in self.allow:
+            self.__getattr__("allgather")  # raises ForbiddenCollective
+        _refuse_arrays(obj, "allgather", "comm.Allgather or comm.Allgatherv")
+        self.traffic.calls.append("allgather")
+        return self._gather_objects(obj)
+
+    def allreduce(self, obj: Any, op: MPI.Op = MPI.SUM) -> Any:
+        """The object allreduce, if allowed by name: for small values (counts, flags), not data."""
+        if "allreduce" not in self.allow:
+            self.__getattr__("allreduce")  # raises ForbiddenCollective
+        _refuse_arrays(obj, "allreduce", "comm.Allreduce")
+        self.traffic.calls.append("allreduce")
+        return functools.reduce(op, self._gather_objects(obj))
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's obj, in rank order: the pickles' lengths, then the pickles, each under the timeout; bytes logged."""
+        data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        lengths = np.empty(self.size, dtype=np.int64)
+        self._wait(
+            [self.comm.Iallgather(np.array([len(data)], dtype=np.int64), lengths)],
+            [MPI.Status()],
+            "the object collective to be called on every rank",
+            cancel=False,
+        )
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._log("send", peer, COLLECTIVE_TAG, len(data))
+        payload = np.empty(int(lengths.sum()), dtype=np.uint8)
+        self._wait(
+            [self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8), [payload, lengths.tolist()])],
+            [MPI.Status()],
+            "the object collective to complete",
+            cancel=False,
+        )
+        ends = np.cumsum(lengths).tolist()
+        return [pickle.loads(payload[end - n : end].tobytes()) for n, end in zip(lengths.tolist(), ends)]
+
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """MPI's Allgather, if allowed; logs this rank's buffer sent to every other rank."""
         self._gather("Allgather", sendbuf, recvbuf)
@@ -735,6 +788,18 @@ class CountedMessage:
     def irecv(self) -> MPI.Request:
         self.counting._log("recv", self.source, self.tag, 0)
         return self.counting._handed(self.counting.watch.watched(self.message.irecv(), self.what, pickled=True))
+
+
+def _refuse_arrays(obj: Any, name: str, buffer_form: str) -> None:
+    """Raise ForbiddenCollective if obj holds an array or tensor: the object forms are for small values."""
+    if hasattr(obj, "__array__") or isinstance(obj, memoryview):
+        raise ForbiddenCollective(
+            f"comm.{name} pickled a {type(obj).__name__}: the object forms carry small values (counts, shapes, "
+            f"flags); send arrays and tensors with the buffer form, {buffer_form}, which moves their bytes unpickled"
+        )
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else ()
+    for item in items:
+        _refuse_arrays(item, name, buffer_form)
 
 
 def rounds(all_traffic: list[Traffic], *, one_receive_at_a_time: bool = False) -> int:
