@@ -644,3 +644,19 @@ def test_filter_object_form_for_the_counts_passes():
 def test_filter_pickling_the_output_fails():
     with pytest.raises(CheckFailed, match="(?s)comm.allgather pickled a Tensor.*Allgatherv"):
         check_filter_parallel_conv(FilterPickledOutput)
+
+
+class FilterFloat64Output(FilterParallelConv):
+    """Gathers into a float64 tensor whatever x's dtype: right in float64, the wrong dtype for float32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        return FilterParallelConv.forward(ctx, x, weight, bias, comm, padding).to(torch.float64)
+
+
+def test_filter_in_the_wrong_dtype_fails():
+    with pytest.raises(
+        CheckFailed,
+        match="(?s)float32.*(dtype torch.float64, expected torch.float32|expected scalar type Double but found Float)",
+    ):
+        check_filter_parallel_conv(FilterFloat64Output)

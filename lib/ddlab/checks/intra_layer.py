@@ -191,12 +191,15 @@ def check_halo_exchange(fn: Any) -> None:
 
 
 # Exercise 8.2: the filter-parallel convolution ------------------------------------
+#: (padding, dtype): the argument the signature names (1 keeps the size, 0 shrinks it, 2 grows it), and float32
+#: too, so an output or gradient made in a fixed dtype fails one of them.
+FILTER_CASES = ((1, torch.float64), (0, torch.float64), (2, torch.float64), (1, torch.float32))
 #: The strategies' collectives, and the object forms for small values (the channel counts), as the text says.
 ALLOWED = (*COLLECTIVES, "allgather", "allreduce")
 
 
-def _filter_case(sub: MPI.Comm, fn: Any, padding: int) -> str | None:
-    conv, x, weights = _reference(3, COUT, 7, seed=2, padding=padding)
+def _filter_case(sub: MPI.Comm, fn: Any, padding: int, dtype: torch.dtype) -> str | None:
+    conv, x, weights = _reference(3, COUT, 7, seed=2, padding=padding, dtype=dtype)
     mine = block_range(COUT, sub.Get_rank(), sub.Get_size())
 
     def run(counting: Any) -> tuple:
@@ -208,7 +211,7 @@ def _filter_case(sub: MPI.Comm, fn: Any, padding: int) -> str | None:
 
     where = (
         f"{COUT} output channels over {sub.Get_size()} ranks, this rank's {mine.start}-{mine.stop - 1}, "
-        f"padding {padding}"
+        f"padding {padding}, {str(dtype).removeprefix('torch.')}"
     )
     out, grad_x, grad_w, grad_b = run_counted(sub, run, (), f"FilterParallelConv ({where})", allow=ALLOWED)[0]
     if grad_w is None or grad_b is None:
@@ -226,10 +229,10 @@ def _filter_case(sub: MPI.Comm, fn: Any, padding: int) -> str | None:
 def check_filter_parallel_conv(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.FilterParallelConv: apply(x, weight, bias, comm, padding)."""
     world = MPI.COMM_WORLD
-    for padding in (1, 0, 2):  # the argument the signature names: 1 keeps the size, 0 shrinks it, 2 grows it
+    for padding, dtype in FILTER_CASES:
         each_size(
             world,
-            functools.partial(_filter_case, fn=fn, padding=padding),
+            functools.partial(_filter_case, fn=fn, padding=padding, dtype=dtype),
             "FilterParallelConv does not equal one process's convolution",
         )
     passed(
