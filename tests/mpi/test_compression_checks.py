@@ -348,6 +348,23 @@ def hierarchical_world_rank(comm, x, group_size):
     return allgather_ring(node, _across(reduce_scatter_ring(node, x, cuts), holders, blocks, cuts, local), cuts)
 
 
+def hierarchical_in_float64(comm, x, group_size):
+    """Right sums, but in float64 whatever x's dtype (a buffer made with NumPy's default)."""
+    return hierarchical_allreduce(comm, x.astype(np.float64), group_size)
+
+
+def hierarchical_into_x(comm, x, group_size):
+    """Right sums, written into x and x returned: lab 03's contract leaves x alone."""
+    x[:] = hierarchical_allreduce(comm, x, group_size)
+    return x
+
+
+def hierarchical_into_x_returning_a_copy(comm, x, group_size):
+    """Right sums in a new array, but x overwritten with them on the way."""
+    x[:] = hierarchical_allreduce(comm, x, group_size)
+    return x.copy()
+
+
 @pytest.mark.parametrize("fn", [hierarchical_allreduce, hierarchical_pairwise])
 def test_hierarchical_check_accepts(fn) -> None:
     check_hierarchical_allreduce(fn)
@@ -365,6 +382,9 @@ def test_hierarchical_check_accepts(fn) -> None:
         (hierarchical_skipping_the_reduce_scatter, "step 2"),
         (hierarchical_on_the_world, "(?s)on [34] ranks:.*sent nothing through `comm`.*MPI.COMM_WORLD"),
         (hierarchical_world_rank, "(?s)numbered differently.*notebook's `rank`"),
+        (hierarchical_in_float64, "float32.*dtype float64, expected float32"),
+        (hierarchical_into_x, "changed x"),
+        (hierarchical_into_x_returning_a_copy, "changed x"),
     ],
 )
 def test_hierarchical_check_fails(fn, says: str) -> None:

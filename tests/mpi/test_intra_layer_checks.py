@@ -261,6 +261,16 @@ def slabs_ignore_pooling(height, size, levels):
     return block_bounds(height, size)
 
 
+def slabs_remainder_last(height, size, levels):
+    """Whole blocks of 2**levels rows, but a height that is not a multiple of them is taken: the rest in the last slab."""
+    unit = 2**levels
+    if height // unit < size:
+        raise ValueError("too few blocks")
+    bounds = [unit * b for b in block_bounds(height // unit, size)]
+    bounds[-1] = height
+    return bounds
+
+
 def slabs_extra_rows_last(height, size, levels):
     """A valid alternative: the larger slabs at the bottom."""
     unit = 2**levels
@@ -326,6 +336,11 @@ def test_filter_that_forgets_to_sum_the_input_gradient_fails():
 def test_slabs_that_break_at_a_pooling_level_fail():
     with pytest.raises(CheckFailed, match="not a multiple of 2\\*\\*levels"):
         check_slab_bounds(slabs_ignore_pooling)
+
+
+def test_slabs_of_a_height_the_poolings_cannot_halve_fail():
+    with pytest.raises(CheckFailed, match="(?s)not a multiple of 2\\*\\*levels = 8.*raise ValueError.*valid heights"):
+        check_slab_bounds(slabs_remainder_last)
 
 
 def test_stub_raises_not_implemented_on_every_rank():
@@ -580,3 +595,68 @@ def test_pool_that_never_completes_fails_within_its_timeout():
 def test_pool_stub_raises_not_implemented_on_every_rank():
     with pytest.raises(NotImplementedError, match="Exercise 8.4"):
         check_spatial_max_pool(PoolStub)
+
+
+class FilterObjectCounts(FilterParallelConv):
+    """A valid alternative: the channel counts by the object form, comm.allgather(int); the output by Allgatherv."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        counts = np.array(comm.allgather(weight.shape[0]), dtype=np.int64)
+        mine = F.conv2d(x, weight, bias, padding=padding)
+        n, _, h, w = mine.shape
+        whole = torch.empty(int(counts.sum()), n, h, w, dtype=x.dtype)
+        comm.Allgatherv(mine.transpose(0, 1).contiguous().numpy(), [whole.numpy(), (counts * n * h * w).tolist()])
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.padding, ctx.has_bias = comm, padding, bias is not None
+        ctx.start = int(counts[: comm.Get_rank()].sum())
+        return whole.transpose(0, 1).contiguous()
+
+
+class FilterObjectTotal(FilterObjectCounts):
+    """Also valid: the number of all channels by the object allreduce, comm.allreduce(int)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        total = comm.allreduce(weight.shape[0])
+        whole = FilterObjectCounts.forward(ctx, x, weight, bias, comm, padding)
+        assert whole.shape[1] == total
+        return whole
+
+
+class FilterPickledOutput(FilterParallelConv):
+    """Gathers the output tensors themselves with the object form: pickled data, which the text forbids."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        blocks = comm.allgather(F.conv2d(x, weight, bias, padding=padding))
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.padding, ctx.has_bias = comm, padding, bias is not None
+        ctx.start = sum(b.shape[1] for b in blocks[: comm.Get_rank()])
+        return torch.cat(blocks, dim=1)
+
+
+def test_filter_object_form_for_the_counts_passes():
+    check_filter_parallel_conv(FilterObjectCounts)
+    check_filter_parallel_conv(FilterObjectTotal)
+
+
+def test_filter_pickling_the_output_fails():
+    with pytest.raises(CheckFailed, match="(?s)comm.allgather pickled a Tensor.*Allgatherv"):
+        check_filter_parallel_conv(FilterPickledOutput)
+
+
+class FilterFloat64Output(FilterParallelConv):
+    """Gathers into a float64 tensor whatever x's dtype: right in float64, the wrong dtype for float32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, padding):
+        return FilterParallelConv.forward(ctx, x, weight, bias, comm, padding).to(torch.float64)
+
+
+def test_filter_in_the_wrong_dtype_fails():
+    with pytest.raises(
+        CheckFailed,
+        match="(?s)float32.*(dtype torch.float64, expected torch.float32|expected scalar type Double but found Float)",
+    ):
+        check_filter_parallel_conv(FilterFloat64Output)

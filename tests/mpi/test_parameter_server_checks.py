@@ -18,6 +18,16 @@ def gate_off_by_one(clocks, step, bound):
     return len(clocks) == 0 or step - int(np.min(clocks)) <= bound + 1
 
 
+def gate_fails_on_empty(clocks, step, bound):
+    """Right on every table with a worker; np.min raises on an empty one (no one left to wait for)."""
+    return step - int(np.min(clocks)) <= bound
+
+
+def gate_waits_on_empty(clocks, step, bound):
+    """Makes a worker wait when no one is left to wait for."""
+    return len(clocks) > 0 and step - int(np.min(clocks)) <= bound
+
+
 def gate_never_blocks(clocks, step, bound):
     return True
 
@@ -56,7 +66,13 @@ def gossip_alternative(comm, params):
 
 @pytest.mark.parametrize(
     "gate, message",
-    [(gate_off_by_one, "the gate let it start"), (gate_never_blocks, "let it start"), (gate_sorts_in_place, "changed")],
+    [
+        (gate_off_by_one, "the gate let it start"),
+        (gate_never_blocks, "let it start"),
+        (gate_sorts_in_place, "changed"),
+        (gate_fails_on_empty, "an empty clock table .*raised ValueError"),
+        (gate_waits_on_empty, r"clocks \[\] .*made it wait"),
+    ],
 )
 def test_wrong_gates_fail(comm, gate, message):
     with pytest.raises(CheckFailed, match=f"clock tables: [^\n]*{message}") as failed:

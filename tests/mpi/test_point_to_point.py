@@ -530,3 +530,53 @@ def test_an_iprobe_loop_no_message_ends_fails_within_the_timeout(comm):
     with pytest.raises(CheckFailed, match="polled Iprobe .* none came"):
         check_collect(one_too_many, timeout=1.0)
     assert time.monotonic() - start < 4.0
+
+
+def _collect_matched(nonblocking: bool):
+    """collect with a matched probe (Mprobe, or an Improbe loop), then the message's own receive."""
+
+    def collect(comm, data):
+        if comm.Get_rank() != 0:
+            comm.Send(data, dest=0)
+            return None
+        arrays, status = [data.copy()] + [None] * (comm.Get_size() - 1), MPI.Status()
+        for _ in range(comm.Get_size() - 1):
+            if nonblocking:
+                message = None
+                while message is None:
+                    message = comm.Improbe(source=MPI.ANY_SOURCE, status=status)
+            else:
+                message = comm.Mprobe(source=MPI.ANY_SOURCE, status=status)
+            buf = np.empty(status.Get_count(MPI.DOUBLE))
+            if nonblocking:
+                message.Irecv(buf).Wait()
+            else:
+                message.Recv(buf)
+            arrays[status.Get_source()] = buf
+        return arrays
+
+    return collect
+
+
+def test_collect_check_accepts_a_matched_probe(comm):
+    """Mprobe then the message's Recv (or Improbe then Irecv): Probe's thread-safe form, counted like it."""
+    check_collect(_collect_matched(nonblocking=False), timeout=SHORT)
+    check_collect(_collect_matched(nonblocking=True), timeout=SHORT)
+
+
+def test_a_matched_probe_no_message_ends_fails_within_the_timeout(comm):
+    def one_too_many(comm, data):
+        if comm.Get_rank() != 0:
+            comm.Send(data, dest=0)
+            return None
+        arrays, status = [data.copy()] + [None] * (comm.Get_size() - 1), MPI.Status()
+        for _ in range(comm.Get_size()):  # counts rank 0 too: the last Mprobe never matches
+            message = comm.Mprobe(source=MPI.ANY_SOURCE, status=status)
+            arrays[status.Get_source()] = np.empty(status.Get_count(MPI.DOUBLE))
+            message.Recv(arrays[status.Get_source()])
+        return arrays
+
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match="Mprobe for a message from any rank"):
+        check_collect(one_too_many, timeout=1.0)
+    assert time.monotonic() - start < 4.0

@@ -143,6 +143,11 @@ def exchange_reverses_x_on_rank_0(comm, x, send, recv_counts):
     return got
 
 
+def exchange_in_position_order(comm, x, send, recv_counts):
+    """Sends each rank its rows in position order (sorted), not in the order send[d] lists them."""
+    return exchange_samples(comm, x, [np.sort(positions) for positions in send], recv_counts)
+
+
 @pytest.mark.parametrize(
     "plan, message",
     [
@@ -167,6 +172,7 @@ def test_wrong_plans_fail(comm, plan, message):
         (exchange_point_to_point, "called comm.Alltoallv 0 times"),
         (exchange_counts_in_rows, "rows received is wrong .*in elements, not rows\\?"),
         (exchange_reverses_x_on_rank_0, "rank 0: .*changed x"),
+        (exchange_in_position_order, "rows received is wrong .*in the order send\\[d\\] lists them"),
     ],
 )
 def test_wrong_exchanges_fail(comm, exchange, message):

@@ -17,7 +17,7 @@ MPI.COMM_WORLD instead of `comm` completes there and sends nothing through `comm
 which fails it before a smaller communicator would wait forever for the absent ranks.
 
 `check_hierarchical_allreduce` runs it with groups of 1 (3 and 4 groups on 3 and 4 ranks),
-2 and 3 consecutive ranks, compares with MPI's Allreduce, and counts the bytes each rank
+2 and 3 consecutive ranks, in float64 and float32, compares with MPI's Allreduce, fails an x changed or a result sharing its memory, and counts the bytes each rank
 sends in each step against what the reference sends in it: inside its group before its
 last message across groups (the reduce-scatter), to other groups (only its slice may
 cross), and inside its group after it (the allgather); then once more on the ranks
@@ -48,7 +48,15 @@ FEEDBACK_CASES = [
 FEEDBACK_STEPS = 4
 SPARSE_CASES = [(1000, (10, 0, 25, 3), np.float32), (40, (10, 40, 7, 10), np.float64)]
 COUNTS_OVERHEAD = 64  # bytes per peer allowed on top of the pairs (the counts' exchange)
-HIERARCHICAL_CASES = [(2, 1001), (2, 6), (3, 400), (1, 300)]  # groups of 1: as many groups as ranks
+#: (group_size, n, dtype); groups of 1: as many groups as ranks. float32 too, as lab 03's checks: a buffer
+#: made in NumPy's default float64 fails it.
+HIERARCHICAL_CASES = [
+    (2, 1001, np.float64),
+    (2, 6, np.float64),
+    (3, 400, np.float64),
+    (1, 300, np.float64),
+    (2, 301, np.float32),
+]
 
 
 def _mpi_sum(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
@@ -281,14 +289,23 @@ def check_hierarchical_allreduce(fn: Callable[[Any, np.ndarray, int], np.ndarray
 
     def body(sub: MPI.Comm) -> str | None:
         rank, found = sub.Get_rank(), None
-        for group_size, n in HIERARCHICAL_CASES:
-            x = np.random.default_rng([n, rank]).integers(-50, 50, n).astype(np.float64)
+        for group_size, n, dtype in HIERARCHICAL_CASES:
+            x = np.random.default_rng([n, rank]).integers(-50, 50, n).astype(dtype)
             groups = -(-sub.Get_size() // group_size)
-            context = f"hierarchical_allreduce (n={n}, groups of {group_size}: {count(groups, 'group')})"
-            got, traffic = run_counted(sub, fn, (x.copy(), group_size), context)
+            context = (
+                f"hierarchical_allreduce (n={n}, {np.dtype(dtype).name}, groups of {group_size}: "
+                f"{count(groups, 'group')})"
+            )
+            given = x.copy()
+            got, traffic = run_counted(sub, fn, (given, group_size), context)
             _, reference = run_counted(sub, hierarchical_allreduce, (x.copy(), group_size), "the reference")
             problem = array_problem(got, _mpi_sum(sub, x), "the sum")
-            if problem is None and np.shares_memory(got, x):
+            if not np.array_equal(given, x):
+                problem = (
+                    "changed x (the sums written into it?): lab 03's contract leaves the caller's x as it was; "
+                    "write the sums into a new array"
+                )
+            if problem is None and np.shares_memory(got, given):
                 problem = "the result shares memory with x: return a new array"
             problem = problem or _crossing_problem(traffic, rank, group_size)
             if problem is None:

@@ -191,8 +191,15 @@ def check_halo_exchange(fn: Any) -> None:
 
 
 # Exercise 8.2: the filter-parallel convolution ------------------------------------
-def _filter_case(sub: MPI.Comm, fn: Any, padding: int) -> str | None:
-    conv, x, weights = _reference(3, COUT, 7, seed=2, padding=padding)
+#: (padding, dtype): the argument the signature names (1 keeps the size, 0 shrinks it, 2 grows it), and float32
+#: too, so an output or gradient made in a fixed dtype fails one of them.
+FILTER_CASES = ((1, torch.float64), (0, torch.float64), (2, torch.float64), (1, torch.float32))
+#: The strategies' collectives, and the object forms for small values (the channel counts), as the text says.
+ALLOWED = (*COLLECTIVES, "allgather", "allreduce")
+
+
+def _filter_case(sub: MPI.Comm, fn: Any, padding: int, dtype: torch.dtype) -> str | None:
+    conv, x, weights = _reference(3, COUT, 7, seed=2, padding=padding, dtype=dtype)
     mine = block_range(COUT, sub.Get_rank(), sub.Get_size())
 
     def run(counting: Any) -> tuple:
@@ -204,9 +211,9 @@ def _filter_case(sub: MPI.Comm, fn: Any, padding: int) -> str | None:
 
     where = (
         f"{COUT} output channels over {sub.Get_size()} ranks, this rank's {mine.start}-{mine.stop - 1}, "
-        f"padding {padding}"
+        f"padding {padding}, {str(dtype).removeprefix('torch.')}"
     )
-    out, grad_x, grad_w, grad_b = run_counted(sub, run, (), f"FilterParallelConv ({where})", allow=COLLECTIVES)[0]
+    out, grad_x, grad_w, grad_b = run_counted(sub, run, (), f"FilterParallelConv ({where})", allow=ALLOWED)[0]
     if grad_w is None or grad_b is None:
         return f"({where}) the gradient of this rank's weight or bias is missing: backward must return them"
     problems = [
@@ -222,10 +229,10 @@ def _filter_case(sub: MPI.Comm, fn: Any, padding: int) -> str | None:
 def check_filter_parallel_conv(fn: Any) -> None:
     """fn: an autograd Function like ddlab.intra_layer.FilterParallelConv: apply(x, weight, bias, comm, padding)."""
     world = MPI.COMM_WORLD
-    for padding in (1, 0, 2):  # the argument the signature names: 1 keeps the size, 0 shrinks it, 2 grows it
+    for padding, dtype in FILTER_CASES:
         each_size(
             world,
-            functools.partial(_filter_case, fn=fn, padding=padding),
+            functools.partial(_filter_case, fn=fn, padding=padding, dtype=dtype),
             "FilterParallelConv does not equal one process's convolution",
         )
     passed(
@@ -236,18 +243,28 @@ def check_filter_parallel_conv(fn: Any) -> None:
 
 
 # Exercise 8.3: slab bounds -------------------------------------------------------
-SLAB_CASES = ((48, 3), (40, 3), (112, 3), (24, 1), (13, 0), (96, 2), (64, 4))  # (height, levels)
+# (height, levels); 50 and 38 are no multiple of 8 or 4 (enough blocks for 4 ranks): no bounds can keep whole rows.
+SLAB_CASES = ((48, 3), (40, 3), (112, 3), (24, 1), (13, 0), (96, 2), (64, 4), (50, 3), (38, 2))
 
 
 def _bounds_problem(fn: Callable[..., Any], height: int, size: int, levels: int) -> str | None:
     unit = 2**levels
     case = f"slab_bounds({height}, {size}, {levels})"
-    if height // unit < size:
+    if height % unit or height // unit < size:
         try:
             got = fn(height, size, levels)
         except ValueError:
             return None
-        return f"{case} returned {got!r}; {height // unit} blocks of {unit} rows cannot give {size} ranks one each: raise ValueError"
+        why = (
+            f"{height} rows are not a multiple of 2**levels = {unit}, so {count(levels, 'halving')} cannot keep "
+            "every slab whole rows"
+            if height % unit
+            else f"{height // unit} blocks of {unit} rows cannot give {size} ranks one each"
+        )
+        return (
+            f"{case} returned {got!r}; {why}: raise ValueError (valid heights are multiples of {unit} "
+            f"with at least size = {size} blocks of {unit} rows)"
+        )
     got = fn(height, size, levels)
     if not isinstance(got, (list, tuple, np.ndarray)) or len(got) != size + 1 or not all(is_integer(b) for b in got):
         return f"{case} returned {got!r}; return a list of size + 1 = {size + 1} ints"

@@ -9,7 +9,8 @@ another epoch another one. The last case gives each rank 70,000 samples, so posi
 computed in 16 bits on the way (past 32,767 or 65,535) wrap and fail.
 
 `check_exchange_samples` hands the student's function a CountingComm that allows
-exactly one collective, Alltoallv, and compares the rows received with the reference
+exactly one collective, Alltoallv, with each send[d] listed out of position order, and
+compares the rows received (in the order listed) with the reference
 (`ddlab.data.exchange_samples`), and the bytes sent to each rank with the rows planned.
 
 `check_redistribute` gives the student's function diagrams (which ids each rank holds,
@@ -165,6 +166,13 @@ def _samples(rank: int, m: int, dtype: str, shape: tuple[int, ...]) -> np.ndarra
     return (base + features).astype(dtype)
 
 
+def _unsorted(plan: tuple[list[np.ndarray], list[int]], rank: int) -> tuple[list[np.ndarray], list[int]]:
+    """The plan with each send[d] in a seeded random order: the rows must go in the order listed, not sorted."""
+    send, recv_counts = plan
+    rng = np.random.default_rng([7, rank])
+    return [rng.permutation(positions) for positions in send], recv_counts
+
+
 EXCHANGE_CASES = ((37, 0.3, "float64", (3,)), (20, 1.0, "int64", ()), (41, 0.5, "float32", (2, 2)))
 
 
@@ -176,7 +184,7 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
         rank, size = comm.Get_rank(), comm.Get_size()
         for n, q, dtype, shape in EXCHANGE_CASES:
             counts = _counts(n, size)
-            plans = [exchange_plan(counts, r, q, epoch=1, seed=2) for r in range(size)]
+            plans = [_unsorted(exchange_plan(counts, r, q, epoch=1, seed=2), r) for r in range(size)]
             holdings = [_samples(r, counts[r], dtype, shape) for r in range(size)]
             x = holdings[rank]
             original = x.copy()
@@ -188,6 +196,12 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
             problem = array_problem(got, want, "the rows received")
             if problem is not None:
                 problem += _rows_for_elements(traffic[rank], [len(p) * x[0:1].nbytes for p in plans[rank][0]], x)
+                sorted_rows = np.concatenate([holdings[s][np.sort(plans[s][0][rank])] for s in range(size)])
+                if isinstance(got, np.ndarray) and got.shape == want.shape and np.array_equal(got, sorted_rows):
+                    problem += (
+                        " (each sender's rows came in position order: send them in the order send[d] lists them, "
+                        "x[send[d]], not sorted)"
+                    )
             if problem is None and np.shares_memory(got, x):
                 problem = "returned x or a view of it: return a new array"
             if problem is None and not np.array_equal(x, original):

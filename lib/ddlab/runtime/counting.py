@@ -4,7 +4,8 @@ Checks hand a `CountingComm` to a student's collective instead of the real
 communicator. It forwards point-to-point calls to MPI, records each one, and
 refuses the MPI library's own collectives, so a hand-written broadcast cannot
 quietly call `Bcast`, and the point-to-point calls it cannot count (persistent and
-buffered sends, matched probes), naming what to use instead. `traffic(...)` then gathers what every rank did.
+buffered sends), naming what to use instead. A matched probe (`Mprobe`, `Improbe`) is counted:
+the message it returns receives through the same timeout and log as `Recv`. `traffic(...)` then gathers what every rank did.
 
 Rounds model the alpha term: a message's round is one more than the latest round
 its sender has seen, counting both the messages it received and the ones it sent
@@ -20,7 +21,9 @@ their sends only: this rank's buffer once to every other rank), Reduce_scatter (
 MPI choice: logs its sends only, each other rank's chunk of this rank's buffer to it), Allreduce (lab 08's
 filter and channel parallel convolutions: named in `Traffic.calls`, bytes not logged), and
 Bcast, which allows the object form `bcast` too (lab 04's parameter broadcast; named in
-`Traffic.calls`). Each runs as its non-blocking twin under the timeout. Iallreduce (lab 04's
+`Traffic.calls`). The object forms `allgather` and `allreduce`, allowed by name, are for small
+values such as lab 08's channel counts: one holding an array or tensor is refused, naming the
+buffer form; their pickles are logged as sends, tag COLLECTIVE_TAG. Each runs as its non-blocking twin under the timeout. Iallreduce (lab 04's
 overlapped buckets) returns a watched request, so waiting on it cannot hang either.
 
 `Split` returns a CountingComm of the sub-communicator that logs into the same
@@ -36,6 +39,7 @@ names those the student's code never completed (a dropped request is an error to
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -77,7 +81,6 @@ UNCOUNTED = {
     **dict.fromkeys(("Recv_init", "Precv_init"), "Irecv (a new request each time)"),
     **dict.fromkeys(("Bsend", "Rsend", "bsend"), "Send (or Isend and Wait)"),
     **dict.fromkeys(("Ibsend", "Irsend", "ibsend"), "Isend"),
-    **dict.fromkeys(("Mprobe", "Improbe", "mprobe", "improbe"), "Probe, then Recv from the status's source and tag"),
     **dict.fromkeys(("Isendrecv", "Isendrecv_replace"), "Isend and Irecv"),
     "Attach_buffer": "Send or Isend (no buffer to attach)",
     # communicators whose messages the check could not follow
@@ -106,7 +109,18 @@ def is_collective(name: str) -> bool:
 
 #: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
 COLLECTIVE_TAG = -1
-ALLOWABLE = ("Alltoall", "Alltoallv", "Allreduce", "Iallreduce", "Allgather", "Allgatherv", "Reduce_scatter", "Bcast")
+ALLOWABLE = (
+    "Alltoall",
+    "Alltoallv",
+    "Allreduce",
+    "Iallreduce",
+    "Allgather",
+    "Allgatherv",
+    "Reduce_scatter",
+    "Bcast",
+    "allgather",
+    "allreduce",
+)
 
 
 class ForbiddenCollective(RuntimeError):
@@ -348,7 +362,7 @@ class CountingComm:
             raise UncountedCall(
                 f"comm.{name} is not counted by the check's communicator: use comm.{UNCOUNTED[name]} "
                 f"instead (the check counts Send/Recv, Isend/Irecv/Issend, Sendrecv, "
-                f"Sendrecv_replace, Probe and their lower-case object forms)."
+                f"Sendrecv_replace, Probe, Mprobe and their lower-case object forms)."
             )
         return getattr(self.comm, name)
 
@@ -451,6 +465,45 @@ class CountingComm:
         payload = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(length[0], np.uint8)
         self.Bcast(payload, root)
         return pickle.loads(payload.tobytes())
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """The object allgather, if allowed by name: for small values (counts, shapes), not data."""
+        if "allgather" not in self.allow:
+            self.__getattr__("allgather")  # raises ForbiddenCollective
+        _refuse_arrays(obj, "allgather", "comm.Allgather or comm.Allgatherv")
+        self.traffic.calls.append("allgather")
+        return self._gather_objects(obj)
+
+    def allreduce(self, obj: Any, op: MPI.Op = MPI.SUM) -> Any:
+        """The object allreduce, if allowed by name: for small values (counts, flags), not data."""
+        if "allreduce" not in self.allow:
+            self.__getattr__("allreduce")  # raises ForbiddenCollective
+        _refuse_arrays(obj, "allreduce", "comm.Allreduce")
+        self.traffic.calls.append("allreduce")
+        return functools.reduce(op, self._gather_objects(obj))
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's obj, in rank order: the pickles' lengths, then the pickles, each under the timeout; bytes logged."""
+        data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        lengths = np.empty(self.size, dtype=np.int64)
+        self._wait(
+            [self.comm.Iallgather(np.array([len(data)], dtype=np.int64), lengths)],
+            [MPI.Status()],
+            "the object collective to be called on every rank",
+            cancel=False,
+        )
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._log("send", peer, COLLECTIVE_TAG, len(data))
+        payload = np.empty(int(lengths.sum()), dtype=np.uint8)
+        self._wait(
+            [self.comm.Iallgatherv(np.frombuffer(data, dtype=np.uint8), [payload, lengths.tolist()])],
+            [MPI.Status()],
+            "the object collective to complete",
+            cancel=False,
+        )
+        ends = np.cumsum(lengths).tolist()
+        return [pickle.loads(payload[end - n : end].tobytes()) for n, end in zip(lengths.tolist(), ends)]
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """MPI's Allgather, if allowed; logs this rank's buffer sent to every other rank."""
@@ -652,8 +705,13 @@ class CountingComm:
 
     def Iprobe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> bool:
         """MPI's Iprobe; misses in a row past the timeout (a polling loop no message ends) raise Stalled."""
-        what = f"Iprobe for a message from {_peer(source)} (tag {_tag(tag)})"
-        if self.comm.Iprobe(source, tag, status):
+        return self._probed(
+            self.comm.Iprobe(source, tag, status), f"Iprobe for a message from {_peer(source)} (tag {_tag(tag)})"
+        )
+
+    def _probed(self, found: bool, what: str) -> bool:
+        """found, after a non-blocking probe; a run of misses longer than the timeout raises Stalled."""
+        if found:
             self._probing_since = None
             return True
         self.watch.check(what)  # another rank failed: stop polling
@@ -667,6 +725,83 @@ class CountingComm:
         return False
 
     iprobe = Iprobe
+
+    def Mprobe(
+        self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None
+    ) -> CountedMessage:
+        """MPI's matched probe, with the timeout: the message it returns is received (and counted) by its Recv."""
+        status = status if status is not None else MPI.Status()
+        matched: list[MPI.Message] = []
+
+        def match() -> bool:
+            message = self.comm.Improbe(source, tag, status)
+            matched.extend([message] if message is not None else [])
+            return message is not None
+
+        self.watch.poll(match, f"Mprobe for a message from {_peer(source)} (tag {_tag(tag)})")
+        return CountedMessage(self, matched[0], status.Get_source(), status.Get_tag())
+
+    mprobe = Mprobe
+
+    def Improbe(
+        self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None
+    ) -> CountedMessage | None:
+        """MPI's non-blocking matched probe; misses in a row past the timeout raise Stalled (as Iprobe's)."""
+        status = status if status is not None else MPI.Status()
+        message = self.comm.Improbe(source, tag, status)
+        self._probed(message is not None, f"Improbe for a message from {_peer(source)} (tag {_tag(tag)})")
+        if message is None:
+            return None
+        return CountedMessage(self, message, status.Get_source(), status.Get_tag())
+
+    improbe = Improbe
+
+
+class CountedMessage:
+    """A message matched by CountingComm.Mprobe/Improbe: its receives are logged and cannot hang."""
+
+    def __init__(self, counting: CountingComm, message: MPI.Message, source: int, tag: int):
+        self.counting, self.message, self.source, self.tag = counting, message, source, tag
+        self.what = f"the matched message from rank {source} (tag {tag}) to be received"
+
+    def Recv(self, buf: Any, status: MPI.Status | None = None) -> None:
+        status = status if status is not None else MPI.Status()
+        # A matched message cannot be cancelled, and its sender has started: wait without cancelling.
+        self.counting._wait([self.message.Irecv(buf)], [status], self.what, cancel=False)
+        self.counting._log("recv", self.source, self.tag, status.Get_count(MPI.BYTE))
+
+    def Irecv(self, buf: Any) -> MPI.Request:
+        self.counting._log("recv", self.source, self.tag, _nbytes(buf))
+        return self.counting._handed(self.counting.watch.watched(self.message.Irecv(buf), self.what))
+
+    def recv(self, status: MPI.Status | None = None) -> Any:
+        status = status if status is not None else MPI.Status()
+        request, received = self.message.irecv(), []
+
+        def done() -> bool:
+            complete, obj = request.test(status)
+            received.extend([obj] if complete else [])
+            return bool(complete)
+
+        self.counting.watch.poll(done, self.what)
+        self.counting._log("recv", self.source, self.tag, status.Get_count(MPI.BYTE))
+        return received[0]
+
+    def irecv(self) -> MPI.Request:
+        self.counting._log("recv", self.source, self.tag, 0)
+        return self.counting._handed(self.counting.watch.watched(self.message.irecv(), self.what, pickled=True))
+
+
+def _refuse_arrays(obj: Any, name: str, buffer_form: str) -> None:
+    """Raise ForbiddenCollective if obj holds an array or tensor: the object forms are for small values."""
+    if hasattr(obj, "__array__") or isinstance(obj, memoryview):
+        raise ForbiddenCollective(
+            f"comm.{name} pickled a {type(obj).__name__}: the object forms carry small values (counts, shapes, "
+            f"flags); send arrays and tensors with the buffer form, {buffer_form}, which moves their bytes unpickled"
+        )
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else ()
+    for item in items:
+        _refuse_arrays(item, name, buffer_form)
 
 
 def rounds(all_traffic: list[Traffic], *, one_receive_at_a_time: bool = False) -> int:
