@@ -1,5 +1,7 @@
 """Checks for lab 15 (experts): the MoE dispatch (counts by Alltoall, rows by Alltoallv) and combine.
 
+Both run on the whole world first (an answer on the notebook's communicator is seen there), then on
+sub-communicators of 1 .. P-1 ranks; all ranks agree on each case's verdict before the next case.
 Both hand the student's function a CountingComm that allows exactly the collectives the
 lab names, on sub-communicators of every size, and compare with what one process
 computes from every rank's rows (each rank can make every rank's rows from its seed):
@@ -20,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.counting import COLLECTIVE_TAG, Traffic
-from ._core import array_problem, count, each_size, passed, run_counted
+from ._core import array_problem, count, each_size, fail_together, passed, run_counted
 
 #: (dtype, shape of one row after the first axis, experts per rank or None for 12 in all, skew, last rank empty):
 #: rank r holds 5 + 3 r rows (the last rank none, if so marked), routed with a skew towards the first experts.
@@ -90,6 +92,13 @@ def _calls_problem(traffic: Traffic, calls: list[str], want_bytes: dict[str, lis
     return None
 
 
+def _sizes(world: MPI.Comm) -> list[int]:
+    """The world's size first (an answer that calls the notebook's communicator completes there, and is
+    seen to), then 1 .. size - 1."""
+    size = world.Get_size()
+    return [size, *range(1, size)]
+
+
 def _pair(result: Any, first: str, second: str) -> str | None:
     if not isinstance(result, tuple) or len(result) != 2:
         return f"should return a tuple ({first}, {second}), got {type(result).__name__}"
@@ -125,11 +134,11 @@ def check_dispatch(fn: Callable[..., tuple[np.ndarray, np.ndarray]], timeout: fl
             if problem is None:
                 want = {"Alltoall": [(experts // size) * 8] * size, "Alltoallv": _sent_bytes(case, rank, size)}
                 problem = _calls_problem(traffic[rank], ["Alltoall", "Alltoallv"], want)
-            if problem:
-                return f"{label}: {problem}"
+            # every rank of comm agrees on this case's verdict before the next case's collectives
+            fail_together(comm, problem and f"{label}: {problem}", f"dispatch on {count(size, 'rank')}")
         return None
 
-    each_size(world, body, "dispatch")
+    each_size(world, body, "dispatch", _sizes(world))
     passed(world, "dispatch: counts by one Alltoall, then exactly the planned rows by one Alltoallv, in order")
 
 
@@ -170,9 +179,9 @@ def check_combine(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
                 problem = _calls_problem(
                     traffic[rank], ["Alltoallv"], {"Alltoallv": [int(c) * row for c in counts.sum(1)]}
                 )
-            if problem:
-                return f"{label}: {problem}"
+            # every rank of comm agrees on this case's verdict before the next case's collectives
+            fail_together(comm, problem and f"{label}: {problem}", f"combine on {count(size, 'rank')}")
         return None
 
-    each_size(world, body, "combine")
+    each_size(world, body, "combine", _sizes(world))
     passed(world, "combine: one Alltoallv back, every result in its row's place")
