@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 
 import numpy as np
 import pytest
-from ddlab.checks import CheckFailed, check_combine, check_dispatch
-from ddlab.experts import combine, dispatch
+import torch
+from ddlab.checks import CheckFailed, check_combine, check_dispatch, check_route
+from ddlab.experts import Routing, combine, dispatch, route
 
 
 def _displacements(counts):
@@ -239,3 +241,66 @@ def test_checks_fail_answers_on_the_global_communicator_with_a_message(comm):
         check_dispatch(dispatch_on_the_world, timeout=5)
     with deadline(60), pytest.raises(CheckFailed, match="no collective"):
         check_combine(combine_on_the_world, timeout=5)
+
+
+# --- the router (exercise 15.6) ------------------------------------------------------------------------------
+
+
+def router_with(capacity_k=True, served="choice", renormalise=True, loss="switch"):
+    """A router; the variations are wrong answers: capacity_k=False leaves k out of the capacity, served="token"
+    serves a token's both choices before the next token's, renormalise=False keeps the raw top-2 probabilities,
+    loss="max" uses each expert's largest probability for P_i."""
+
+    def answer(logits, k, capacity_factor):
+        tokens, experts = logits.shape
+        probs = torch.softmax(logits, dim=-1)
+        top, chosen = probs.topk(k, dim=-1)
+        weight = top / top.sum(-1, keepdim=True) if k > 1 and renormalise else top
+        limit = math.ceil(capacity_factor * (k if capacity_k else 1) * tokens / experts)
+        if served == "choice":
+            expert, token, weight = chosen.t().reshape(-1), torch.arange(tokens).repeat(k), weight.t().reshape(-1)
+        else:
+            expert, token, weight = chosen.reshape(-1), torch.arange(tokens).repeat_interleave(k), weight.reshape(-1)
+        one_hot = torch.nn.functional.one_hot(expert, experts)
+        slot = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # place in its expert's queue, by a running count
+        kept = slot < limit
+        fraction = torch.bincount(chosen[:, 0], minlength=experts).to(probs.dtype) / tokens
+        share = probs.mean(0) if loss == "switch" else probs.max(0).values
+        return Routing(
+            token=token[kept],
+            expert=expert[kept],
+            weight=weight[kept],
+            dropped=int((~kept).sum()),
+            capacity=limit,
+            load=torch.bincount(expert, minlength=experts),
+            aux_loss=experts * torch.sum(fraction * share),
+        )
+
+    return answer
+
+
+def test_route_check_accepts_the_library_and_a_running_count(comm):
+    check_route(route)
+    check_route(router_with())
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [
+        (router_with(capacity_k=False), "capacity"),
+        (router_with(served="token"), "first choices"),
+        (router_with(renormalise=False), "weight"),
+        (router_with(loss="max"), "aux_loss"),
+    ],
+)
+def test_route_check_fails_wrong_answers(comm, answer, says):
+    with pytest.raises(CheckFailed, match=says):
+        check_route(answer)
+
+
+def test_route_check_fails_its_stub(comm):
+    def stub(logits, k, capacity_factor):
+        raise NotImplementedError("exercise 15.6")
+
+    with pytest.raises(NotImplementedError):
+        check_route(stub)

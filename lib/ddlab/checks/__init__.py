@@ -80,9 +80,12 @@ _WHERE = {
     "check_layout_search": "oracle_transformer",
     "check_merge_partials": "context_parallel",
     "check_ring_attention": "context_parallel",
+    "check_ring_attention_backward": "context_parallel",
+    "check_ulysses": "context_parallel",
     "check_zigzag": "context_parallel",
     "check_dispatch": "experts",
     "check_combine": "experts",
+    "check_route": "experts",
     "check_split_mesh": "mesh",
 }
 
