@@ -14,7 +14,7 @@ of 16 (float64), ratios measured side by side in one run:
 3. Ring attention forward time with the messages overlapped with compute over waiting for each
    block before computing (median of --rounds, the two alternating).
 4. Ring attention against Ulysses (an all-to-all to a head split), forward, on the zig-zag
-   split: bytes each rank sends (counted, beside the formulas: ring 2 (P-1) H n e b, Ulysses
+   split: bytes each rank sends to other ranks (counted, beside the formulas: ring 2 (P-1) H n e b, Ulysses
    4 H n e b (P-1)/P, n = S/P rows, e the head width, b bytes a number), peak traced bytes per
    rank (beside the scores the formulas predict: ring one n x n tile per head, Ulysses (H/P) S x S),
    and the time of a forward (max over ranks, median of --rounds, the two alternating). --heads
@@ -157,7 +157,8 @@ def ring_against_ulysses(comm: Any, args: argparse.Namespace, say: Say) -> None:
         attend(counting, *mine, positions)
         peak[name] = comm.allreduce(tracemalloc.get_traced_memory()[1] - base, op=MPI.MAX)
         tracemalloc.stop()
-        sent[name] = comm.allreduce(gather_traffic(counting)[rank].bytes_sent, op=MPI.MAX)
+        mine_sent = sum(e.nbytes for e in gather_traffic(counting)[rank].sends if e.peer != rank)  # not the block kept
+        sent[name] = comm.allreduce(mine_sent, op=MPI.MAX)
         counting.free()
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
