@@ -136,11 +136,12 @@ def test_ring_check_fails(comm, answer, message):
         check_ring_attention(answer, timeout=3.0)  # only the deadlock waits it out
 
 
-def split_reference(x, size, rank):
-    """Valid: the late chunk read as the first `chunk` rows from its start."""
+def split_reference(x, size, rank, dtype=None):
+    """Valid: the late chunk read as the first `chunk` rows from its start (dtype given: a wrong answer that
+    pads into a buffer of that dtype whatever x's)."""
     length = x.shape[-2]
     chunk = -(-length // (2 * size))
-    padded = np.zeros((*x.shape[:-2], 2 * size * chunk, x.shape[-1]))
+    padded = np.zeros((*x.shape[:-2], 2 * size * chunk, x.shape[-1]), dtype=dtype or x.dtype)
     padded[..., :length, :] = x
     late = 2 * size - 1 - rank
     return np.concatenate(
@@ -158,6 +159,11 @@ def unsplit_reference(parts, length):
 def unsplit_in_rank_order(parts, length):
     """Wrong: puts the parts back one after another, as if the split were contiguous."""
     return np.concatenate(parts, axis=-2)[..., :length, :]
+
+
+def test_zigzag_check_fails_a_split_into_float64_whatever_the_dtype(comm):
+    with pytest.raises(CheckFailed, match="float32"):
+        check_zigzag(lambda x, size, rank: split_reference(x, size, rank, np.float64), unsplit_reference)
 
 
 def test_zigzag_check_on_ranks(comm, capsys):

@@ -362,11 +362,12 @@ def _zigzag_problem(
     unsplit: Callable[[list[np.ndarray], int], np.ndarray],
     size: int,
     shape: tuple[int, ...],
+    dtype: str = "float64",
 ) -> str | None:
     """What is wrong with split and unsplit for one sequence on `size` ranks, on one process."""
     length = shape[-2]
-    context = f"{length} positions of shape {shape} on {size} ranks"
-    x = np.random.default_rng([*shape, size]).standard_normal(shape)
+    context = f"{length} positions of shape {shape} in {dtype} on {size} ranks"
+    x = np.random.default_rng([*shape, size]).standard_normal(shape).astype(dtype)
     positions = all_positions(length, size)
     parts = []
     for rank in range(size):
@@ -392,8 +393,14 @@ def check_zigzag(
     comm = MPI.COMM_WORLD
     problem = None
     for size in (1, 2, 3, 4):
-        for shape in ((8 * size, 2), (8 * size + 3, 2), (1, 3), (2, 2 * size - 1, 2)):
-            problem = _zigzag_problem(split, unsplit, size, shape)
+        for shape, dtype in (
+            ((8 * size, 2), "float64"),
+            ((8 * size + 3, 2), "float64"),
+            ((1, 3), "float64"),
+            ((2, 2 * size - 1, 2), "float64"),
+            ((3, 2, 4 * size + 1, 2), "float32"),
+        ):
+            problem = _zigzag_problem(split, unsplit, size, shape, dtype)
             if problem:
                 raise CheckFailed(f"zig-zag: {problem}\n{ZIGZAG_HINT}")
 
