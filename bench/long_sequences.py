@@ -13,11 +13,17 @@ of 16 (float64), ratios measured side by side in one run:
    about 1.75 in pairs the mask keeps ((2P-1)/P), 2P/(P+1) in whole blocks.
 3. Ring attention forward time with the messages overlapped with compute over waiting for each
    block before computing (median of --rounds, the two alternating).
-4. The mixture of experts (bench/experts.py, run in the same job): all-to-all bytes against the
+4. Ring attention against Ulysses (an all-to-all to a head split), forward, on the zig-zag
+   split: bytes each rank sends to other ranks (counted, beside the formulas: ring 2 (P-1) H n e b, Ulysses
+   4 H n e b (P-1)/P, n = S/P rows, e the head width, b bytes a number), peak traced bytes per
+   rank (beside the scores the formulas predict: ring one n x n tile per head, Ulysses (H/P) S x S),
+   and the time of a forward (max over ranks, median of --rounds, the two alternating). --heads
+   must be a multiple of P for Ulysses.
+5. The mixture of experts (bench/experts.py, run in the same job): all-to-all bytes against the
    formula, tokens dropped per capacity factor, expert load with and without the balancing loss
    after --steps training steps, and the MoE layer's step time over the dense MLP's.
 
-    .venv/bin/python bench/long_sequences.py [--ranks 4] [--length 1024] [--heads 2] [--rounds 21] [--steps 300] [--sections memory balance overlap experts]
+    .venv/bin/python bench/long_sequences.py [--ranks 4] [--length 1024] [--heads 2] [--rounds 21] [--steps 300] [--sections memory balance overlap ulysses experts]
 
 More sections plug in through SECTIONS (name -> function(comm, args, say)). It relaunches
 itself under mpiexec (ddlab.runtime.mpi.bench_main).
@@ -123,6 +129,56 @@ def overlap(comm: Any, args: argparse.Namespace, say: Say) -> None:
     say(f"  overlapped {with_ * 1e3:.1f} ms, waiting first {without * 1e3:.1f} ms: ratio {with_ / without:.3f}")
 
 
+def ring_against_ulysses(comm: Any, args: argparse.Namespace, say: Say) -> None:
+    """Section 4: ring attention and Ulysses forward, side by side: bytes, peak memory, time per rank."""
+    from ddlab.context_parallel import all_positions, ring_attention, take_rows, ulysses_attention
+    from ddlab.runtime.counting import CountingComm, gather_traffic
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    say(f"\n4. ring attention against Ulysses, forward, S = {args.length}, {args.heads} heads of {WIDTH}, {size} ranks")
+    if args.heads % size:
+        say(f"  skipped: Ulysses needs the heads ({args.heads}) to be a multiple of the ranks ({size}); use --heads")
+        return
+    positions = all_positions(args.length, size)
+    mine = [take_rows(a, positions[rank]) for a in _inputs(args)[:3]]
+    n, bytes_ = positions.shape[1], mine[0].itemsize
+    runs = {"ring": ring_attention, "Ulysses": ulysses_attention}
+    formula = {
+        "ring": 2 * (size - 1) * args.heads * n * WIDTH * bytes_,
+        "Ulysses": 4 * args.heads * n * WIDTH * bytes_ * (size - 1) / size,
+    }
+    scores = {"ring": args.heads * n * n * bytes_, "Ulysses": args.heads // size * (n * size) ** 2 * bytes_}
+    sent, peak = {}, {}
+    for name, attend in runs.items():
+        counting = CountingComm(comm, allow=("Alltoall",))
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        attend(counting, *mine, positions)
+        peak[name] = comm.allreduce(tracemalloc.get_traced_memory()[1] - base, op=MPI.MAX)
+        tracemalloc.stop()
+        mine_sent = sum(e.nbytes for e in gather_traffic(counting)[rank].sends if e.peer != rank)  # not the block kept
+        sent[name] = comm.allreduce(mine_sent, op=MPI.MAX)
+        counting.free()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(args.rounds):
+        for name in runs if round_ % 2 == 0 else reversed(list(runs)):
+            comm.Barrier()
+            start = time.perf_counter()
+            runs[name](comm, *mine, positions)
+            times[name].append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    for name in runs:
+        say(
+            f"  {name:8}: sent {sent[name] / 2**10:8.1f} KiB per rank (formula {formula[name] / 2**10:8.1f}), "
+            f"peak {peak[name] / 2**20:7.2f} MiB per rank (scores by the formula {scores[name] / 2**20:7.2f}), "
+            f"{statistics.median(times[name]) * 1e3:7.1f} ms per forward"
+        )
+    ring, ulysses = (statistics.median(times[name]) for name in runs)
+    say(
+        f"  Ulysses over ring: bytes {sent['Ulysses'] / max(sent['ring'], 1):.3f}, peak {peak['Ulysses'] / peak['ring']:.3f}, time {ulysses / ring:.3f}"
+    )
+
+
 def mixture_of_experts(comm: Any, args: argparse.Namespace, say: Say) -> None:
     """Part 2: bench/experts.py's all-to-all bytes, dropped tokens, balance and step time."""
     from experts import run  # bench/experts.py: this script's folder is on sys.path
@@ -136,6 +192,7 @@ SECTIONS: dict[str, Callable[[Any, argparse.Namespace, Say], None]] = {
     "memory": attention_memory,
     "balance": causal_balance,
     "overlap": overlap,
+    "ulysses": ring_against_ulysses,
     "experts": mixture_of_experts,
 }
 

@@ -5,9 +5,14 @@ size, with the zig-zag and the contiguous layouts, at lengths that 2P divides an
 not (padding), on (n, d) and (batch, heads, n, d) arrays; values are gathered and compared on
 every rank, so a failure fails every rank. Also: the messages each rank sends, the autograd
 function on lab 14's GPT shapes, and a ring whose neighbour never sends stalling within its deadline.
+The solution notebook's ring backward (exercise 15.3) and Ulysses (15.5) are run here too, against
+autograd and one process.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,12 +26,14 @@ from ddlab.context_parallel import (
     ring_attention_backward,
     ring_attention_torch,
     take_rows,
+    ulysses_attention,
 )
 from ddlab.context_parallel.ring import TAG_KV, Ring
 from ddlab.models.gpt import GPTConfig, causal_attention, make_gpt
 from ddlab.runtime.comm import first_ranks
 from ddlab.runtime.counting import CountingComm, gather_traffic
 from ddlab.runtime.waiting import Stalled
+from mpi4py import MPI
 
 CASES = [((11, 4), True), ((2, 3, 16, 4), True), ((13, 4), False), ((2, 16, 2), False)]
 
@@ -156,3 +163,68 @@ def test_bad_positions_say_what_to_pass(comm):
     q = np.zeros((4, 2))
     with pytest.raises(ValueError, match="every rank's positions"):
         ring_attention(comm, q, q, q, np.arange(4))
+
+
+def _solution(function: str):
+    """The solution notebook's answer `function` (lab 15), as the student writes it: its exercise cell run here."""
+    notebook = json.loads(SOLUTIONS.read_text())
+    for cell in notebook["cells"]:
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "code" and f"def {function}(" in text and "### BEGIN SOLUTION" in text:
+            namespace = {"np": np, "MPI": MPI, "reference_attention": reference_attention}
+            exec(text.removeprefix("%%px\n"), namespace)
+            return namespace[function]
+    raise LookupError(f"no exercise cell defines {function} in {SOLUTIONS}")
+
+
+SOLUTIONS = Path(__file__).parents[2] / "solutions" / "15_long_sequences_and_experts.ipynb"
+
+
+@pytest.mark.parametrize("answer", ["library", "my_ring_backward"])
+@pytest.mark.parametrize("shape,zigzag", CASES)
+def test_the_students_backward_equals_autograd_on_one_process(comm, shape, zigzag, answer):
+    """Exercise 15.3's answer (and the library's) from the forward's own out and lse: dq, dk, dv within 1e-10."""
+    backward = ring_attention_backward if answer == "library" else _solution(answer)
+    q, k, v, grad_out = _inputs(shape)
+    _, want_grads = _torch_reference(q, k, v, grad_out)
+    length = shape[-2]
+
+    def body(sub):
+        rank, size = sub.Get_rank(), sub.Get_size()
+        positions = all_positions(length, size, zigzag)
+        mine = [take_rows(a, positions[rank]) for a in (q, k, v, grad_out)]
+        out, lse = ring_attention(sub, *mine[:3], positions)
+        grads = backward(sub, *mine[:3], out, lse, mine[3], positions)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+            whole = put_rows(sub.allgather(got), positions, length)
+            if not np.allclose(whole, want, rtol=0, atol=1e-10):
+                return f"{name} differs from autograd's by {np.abs(whole - want).max():.2e}"
+        return None
+
+    each_size(comm, body, f"{answer}'s backward, shape {shape}, {'zig-zag' if zigzag else 'contiguous'}")
+
+
+@pytest.mark.parametrize("answer", ["library", "my_ulysses"])
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_ulysses_equals_one_process(comm, answer, zigzag):
+    """Ulysses (the library's and exercise 15.5's) on every P dividing the heads: each rank's rows within 1e-10."""
+    attend = ulysses_attention if answer == "library" else _solution(answer)
+    heads, length = 12, 23
+    q, k, v = (np.random.default_rng(i).standard_normal((heads, length, 4)) for i in range(3))
+    want, _ = reference_attention(q, k, v)
+
+    def body(sub):
+        rank, size = sub.Get_rank(), sub.Get_size()
+        positions = all_positions(length, size, zigzag)
+        out = attend(sub, *(take_rows(a, positions[rank]) for a in (q, k, v)), positions)
+        got = put_rows(sub.allgather(out), positions, length)
+        if not np.allclose(got, want, rtol=0, atol=1e-10):
+            return f"differs from one process's by {np.abs(got - want).max():.2e}"
+        return None
+
+    each_size(
+        comm,
+        body,
+        f"{answer} ({'zig-zag' if zigzag else 'contiguous'})",
+        [p for p in range(1, 5) if p <= comm.Get_size() and heads % p == 0],
+    )

@@ -8,10 +8,23 @@ none sends: it must fail at the check's deadline, not hang); a ring that sends t
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+
 import numpy as np
 import pytest
-from ddlab.checks import CheckFailed, check_ring_attention, check_zigzag
-from ddlab.context_parallel import attend_block, empty_partial, finish, merge_partials
+from ddlab.checks import CheckFailed, check_ring_attention, check_ring_attention_backward, check_ulysses, check_zigzag
+from ddlab.context_parallel import (
+    attend_block,
+    attend_block_backward,
+    empty_partial,
+    finish,
+    merge_partials,
+    reference_attention,
+    ring_attention_backward,
+    ulysses_attention,
+)
+from mpi4py import MPI
 
 TAG = 15
 
@@ -123,11 +136,12 @@ def test_ring_check_fails(comm, answer, message):
         check_ring_attention(answer, timeout=3.0)  # only the deadlock waits it out
 
 
-def split_reference(x, size, rank):
-    """Valid: the late chunk read as the first `chunk` rows from its start."""
+def split_reference(x, size, rank, dtype=None):
+    """Valid: the late chunk read as the first `chunk` rows from its start (dtype given: a wrong answer that
+    pads into a buffer of that dtype whatever x's)."""
     length = x.shape[-2]
     chunk = -(-length // (2 * size))
-    padded = np.zeros((*x.shape[:-2], 2 * size * chunk, x.shape[-1]))
+    padded = np.zeros((*x.shape[:-2], 2 * size * chunk, x.shape[-1]), dtype=dtype or x.dtype)
     padded[..., :length, :] = x
     late = 2 * size - 1 - rank
     return np.concatenate(
@@ -147,8 +161,155 @@ def unsplit_in_rank_order(parts, length):
     return np.concatenate(parts, axis=-2)[..., :length, :]
 
 
+def test_zigzag_check_fails_a_split_into_float64_whatever_the_dtype(comm):
+    with pytest.raises(CheckFailed, match="float32"):
+        check_zigzag(lambda x, size, rank: split_reference(x, size, rank, np.float64), unsplit_reference)
+
+
 def test_zigzag_check_on_ranks(comm, capsys):
     check_zigzag(split_reference, unsplit_reference)
     assert ("passed" in capsys.readouterr().out) == (comm.Get_rank() == 0)
     with pytest.raises(CheckFailed, match="unsplit"):
         check_zigzag(split_reference, unsplit_in_rank_order)
+
+
+# --- the backward ring (exercise 15.3) and Ulysses (exercise 15.5) ---------------------------------------------
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """End this process, with every thread's traceback, if the block takes longer than `seconds`: a hang fails."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def backward_by(shift, last_hop=True, fixed_dtype=None, extra=False):
+    """A backward ring whose blocks move by shift(comm, send, tag) -> received; the variations are wrong answers:
+    last_hop=False stops the gradients one hop short of home, fixed_dtype receives into buffers of that dtype,
+    extra=True sends the key/value block on the last step too."""
+
+    def answer(comm, q, k, v, out, lse, grad_out, positions):
+        rank, size = comm.Get_rank(), comm.Get_size()
+        delta = np.sum(grad_out * out, axis=-1)
+        held, grads, dq = np.stack([k, v]), np.zeros((2, *k.shape), dtype=k.dtype), np.zeros_like(q)
+        for step in range(size):
+            source = (rank - step) % size
+            share = attend_block_backward(q, held[0], held[1], grad_out, lse, delta, positions[rank], positions[source])
+            dq += share[0]
+            grads = grads + np.stack(share[1:])
+            if size > 1 and (last_hop or step < size - 1):
+                grads = shift(comm, grads, 2, fixed_dtype)
+            if size > 1 and (step < size - 1 or extra):
+                held = shift(comm, held, 1, fixed_dtype)
+        return dq, grads[0], grads[1]
+
+    return answer
+
+
+def by_isend_irecv(comm, send, tag, dtype=None):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    incoming = np.empty(send.shape, dtype=dtype or send.dtype)
+    MPI.Request.Waitall([comm.Irecv(incoming, (rank - 1) % size, tag), comm.Isend(send, (rank + 1) % size, tag)])
+    return incoming
+
+
+def by_sendrecv(comm, send, tag, dtype=None):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    incoming = np.empty(send.shape, dtype=dtype or send.dtype)
+    comm.Sendrecv(send, (rank + 1) % size, tag, incoming, (rank - 1) % size, tag)
+    return incoming
+
+
+def backward_scaling_grad_in_place(comm, q, k, v, out, lse, grad_out, positions):
+    """Scales grad_out by 1 in place first... by multiplying it by 2 and dividing back: the caller's array is touched."""
+    grad_out *= 2.0
+    result = ring_attention_backward(comm, q, k, v, out, lse, grad_out / 2.0, positions)
+    grad_out /= 3.0
+    return result
+
+
+def backward_on_the_world(comm, q, k, v, out, lse, grad_out, positions):
+    return backward_by(by_isend_irecv)(MPI.COMM_WORLD, q, k, v, out, lse, grad_out, positions)
+
+
+@pytest.mark.parametrize("answer", [ring_attention_backward, backward_by(by_isend_irecv), backward_by(by_sendrecv)])
+def test_backward_check_accepts_isend_irecv_and_sendrecv(comm, answer):
+    with deadline(120):
+        check_ring_attention_backward(answer)
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [
+        (backward_by(by_isend_irecv, last_hop=False), "dk|dv|bytes"),
+        (backward_by(by_sendrecv, fixed_dtype=np.float64), "float32"),
+        (backward_by(by_isend_irecv, extra=True), "bytes"),
+        (backward_scaling_grad_in_place, "changed"),
+        (backward_on_the_world, "communicator it was given"),
+    ],
+)
+def test_backward_check_fails_wrong_answers(comm, answer, says):
+    if comm.Get_size() == 1 and says in ("dk|dv|bytes", "bytes", "communicator it was given"):
+        pytest.skip("one rank sends nothing: no hop to miss, no block too many, no other communicator")
+    with deadline(120), pytest.raises(CheckFailed, match=says):
+        check_ring_attention_backward(answer, timeout=3.0)
+
+
+def test_backward_check_fails_its_stub(comm):
+    def stub(comm, q, k, v, out, lse, grad_out, positions):
+        raise NotImplementedError("exercise 15.3")
+
+    with pytest.raises(NotImplementedError):
+        check_ring_attention_backward(stub)
+
+
+def ulysses_by(reorder=False, fixed_dtype=None, twice=False):
+    """Ulysses with one Alltoall per tensor each way; variations: reorder puts the gathered rows in the order of
+    the sources reversed (wrong positions), fixed_dtype receives into a buffer of that dtype, twice sends q twice."""
+
+    def answer(comm, q, k, v, positions):
+        size = comm.Get_size()
+        heads, rows, d = q.shape
+
+        def to_heads(x):
+            out = np.ascontiguousarray(x.reshape(size, heads // size, rows, d))
+            inc = np.empty(out.shape, dtype=fixed_dtype or out.dtype)
+            comm.Alltoall(out, inc)
+            blocks = list(inc)[::-1] if reorder else list(inc)
+            return np.concatenate(blocks, axis=-2)
+
+        if twice:
+            to_heads(q)
+        whole = positions.reshape(-1)
+        o, _ = reference_attention(to_heads(q), to_heads(k), to_heads(v), whole, whole)
+        back = np.ascontiguousarray(np.stack(np.split(o, size, axis=-2)))
+        inc = np.empty_like(back)
+        comm.Alltoall(back, inc)
+        return inc.reshape(heads, rows, d)
+
+    return answer
+
+
+@pytest.mark.parametrize("answer", [ulysses_attention, ulysses_by()])
+def test_ulysses_check_accepts(comm, answer):
+    with deadline(120):
+        check_ulysses(answer)
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [(ulysses_by(fixed_dtype=np.float64), "float32|dtype|disagree"), (ulysses_by(twice=True), "four Alltoalls")],
+)
+def test_ulysses_check_fails_wrong_answers(comm, answer, says):
+    with deadline(120), pytest.raises(CheckFailed, match=says):
+        check_ulysses(answer, timeout=3.0)
+
+
+def test_ulysses_check_fails_rows_gathered_out_of_rank_order(comm):
+    if comm.Get_size() == 1:
+        pytest.skip("one rank: one block, no order to get wrong")
+    with deadline(120), pytest.raises(CheckFailed, match="output"):
+        check_ulysses(ulysses_by(reorder=True), timeout=3.0)

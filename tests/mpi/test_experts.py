@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ddlab.experts import MoE, combine, dispatch
+from ddlab.experts import MoE, average_gradients, combine, dispatch, expert_and_data_groups
 from mpi4py import MPI
+from torch import nn
 
 N_EMBD, EXPERTS = 8, 12
 
@@ -67,3 +68,57 @@ def test_experts_not_shared_equally_are_refused(comm: MPI.Comm) -> None:
         pytest.skip("any number of experts fits one rank")
     with pytest.raises(ValueError, match="multiple of"):
         MoE(N_EMBD, comm.Get_size() + 1, comm=comm)
+
+
+class Net(nn.Module):
+    """A Linear (replicated, averaged over every rank) before a MoE layer."""
+
+    def __init__(self, comm: MPI.Comm | None) -> None:
+        super().__init__()
+        self.pre = nn.Linear(N_EMBD, N_EMBD).double()
+        with torch.no_grad():
+            self.pre.weight.copy_(torch.randn(N_EMBD, N_EMBD, generator=torch.Generator().manual_seed(7)) * 0.5)
+            self.pre.bias.zero_()
+        self.moe = MoE(N_EMBD, 8, 2, 1.0, comm, hidden=16, seed=5, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(torch.tanh(self.pre(x)))
+
+
+def _loss(net: Net, x: torch.Tensor) -> torch.Tensor:
+    """This rank's mean loss, the balancing loss included (alpha 0.1)."""
+    y = net(x)
+    return (y - x).square().mean() + 0.1 * net.moe.aux_loss
+
+
+def test_experts_with_data_parallelism_train_to_one_process(comm: MPI.Comm) -> None:
+    """4 ranks, 2 replicas of 2 expert ranks: 6 SGD steps through the router equal one process's (float64, 1e-8).
+
+    One process runs the dense fallback on each rank's tokens in turn (the same routing: capacities
+    come from each rank's own tokens) and steps on the mean of the four losses."""
+    if comm.Get_size() != 4:
+        pytest.skip("a 2 x 2 grid needs 4 ranks")
+    rank = comm.Get_rank()
+    experts, data = expert_and_data_groups(comm, 2)
+    net, dense = Net(experts), Net(None)
+    batches = [[tokens(10 * step + r, 12)[0] for r in range(4)] for step in range(6)]
+    for step in range(6):
+        net.zero_grad()
+        _loss(net, batches[step][rank]).backward()
+        average_gradients(net, comm, data)
+        dense.zero_grad()
+        (sum(_loss(dense, x) for x in batches[step]) / 4).backward()
+        with torch.no_grad():
+            for model in (net, dense):
+                for param in model.parameters():
+                    param -= 0.5 * param.grad
+    first = net.moe.first
+    torch.testing.assert_close(net.pre.weight, dense.pre.weight, rtol=0, atol=1e-8)
+    torch.testing.assert_close(net.moe.gate.weight, dense.moe.gate.weight, rtol=0, atol=1e-8)
+    for j, expert in enumerate(net.moe.experts):
+        for got, want in zip(expert.parameters(), dense.moe.experts[first + j].parameters()):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-8)
+    moved = (dense.moe.gate.weight - Net(None).moe.gate.weight).abs().max().item()
+    assert moved > 1e-3, "the gate did not train: the test would not see a wrong average"
+    experts.Free()
+    data.Free()

@@ -3,10 +3,15 @@ and accept valid answers written differently. Every rank runs the same tests."""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import math
+
 import numpy as np
 import pytest
-from ddlab.checks import CheckFailed, check_combine, check_dispatch
-from ddlab.experts import combine, dispatch
+import torch
+from ddlab.checks import CheckFailed, check_combine, check_dispatch, check_route
+from ddlab.experts import Routing, combine, dispatch, route
 
 
 def _displacements(counts):
@@ -144,3 +149,158 @@ def test_combine_check_accepts_valid_answers(comm, answer):
 def test_combine_check_fails_wrong_answers(comm, answer, says):
     with pytest.raises(CheckFailed, match=says):
         check_combine(answer)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """End this process, with every thread's traceback, if the block takes longer than `seconds`: a hang fails."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _combine_with_order(comm, y, counts, expert, n_experts, order):
+    """One Alltoallv back, then position i of what came back put at row order[i]."""
+    size = comm.Get_size()
+    sent = np.bincount(expert, minlength=n_experts).reshape(size, -1).sum(1)
+    back = _send_rows(comm, y, counts.sum(1), sent)
+    out = np.empty_like(back)
+    out[order] = back
+    return out
+
+
+def combine_by_default_argsort(comm, y, counts, expert, n_experts):
+    """Takes the rows' order from np.argsort's default sort, which need not keep ties in the sender's order."""
+    return _combine_with_order(comm, y, counts, expert, n_experts, np.argsort(expert))
+
+
+def combine_reversed_on_later_ranks(comm, y, counts, expert, n_experts):
+    """Rank 0 puts its rows back right, the others put the rows of one expert back in reverse order:
+    the ranks disagree on whether the first case failed."""
+    ties = np.arange(len(expert)) * (1 if comm.Get_rank() == 0 else -1)
+    return _combine_with_order(comm, y, counts, expert, n_experts, np.lexsort((ties, expert)))
+
+
+def dispatch_without_minlength(comm, x, expert, n_experts):
+    """Counts from np.bincount(expert) without minlength, padded to whole ranks: their length, and so the
+    Alltoall's blocks, differ from rank to rank."""
+    size = comm.Get_size()
+    counts = np.bincount(expert).astype(np.int64)
+    counts = np.pad(counts, (0, -len(counts) % size)).reshape(size, -1)
+    received = np.empty_like(counts)
+    comm.Alltoall(counts, received)
+    order = np.argsort(expert, kind="stable")
+    return _send_rows(comm, x[order], counts.sum(1), received.sum(1)), received
+
+
+def dispatch_counts_twice(comm, x, expert, n_experts):
+    """Exchanges the counts, then exchanges them again (as if to check): one Alltoall too many."""
+    size = comm.Get_size()
+    counts = np.bincount(expert, minlength=n_experts).astype(np.int64).reshape(size, -1)
+    received = np.empty_like(counts)
+    comm.Alltoall(counts, received)
+    comm.Alltoall(counts, received)
+    order = np.argsort(expert, kind="stable")
+    return _send_rows(comm, x[order], counts.sum(1), received.sum(1)), received
+
+
+@pytest.mark.parametrize("answer", [combine_by_default_argsort, combine_reversed_on_later_ranks])
+def test_combine_check_fails_rows_put_back_in_another_order_without_hanging(comm, answer):
+    """Rows of one expert put back in another order than they left: a message within a minute, on every rank."""
+    with deadline(60), pytest.raises(CheckFailed, match="row i"):
+        check_combine(answer, timeout=5)
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [(dispatch_without_minlength, "buffers disagree"), (dispatch_counts_twice, "Alltoall then Alltoall")],
+)
+def test_dispatch_check_fails_counts_that_disagree_or_travel_twice_with_a_message(comm, answer, says):
+    with deadline(60), pytest.raises(CheckFailed, match=says):
+        check_dispatch(answer, timeout=5)
+
+
+def dispatch_on_the_world(comm, x, expert, n_experts):
+    """Valid steps, but on the notebook's MPI.COMM_WORLD instead of the communicator given."""
+    from mpi4py import MPI
+
+    return dispatch(MPI.COMM_WORLD, x, expert, n_experts)
+
+
+def combine_on_the_world(comm, y, counts, expert, n_experts):
+    """Valid steps, but on the notebook's MPI.COMM_WORLD instead of the communicator given."""
+    from mpi4py import MPI
+
+    return combine(MPI.COMM_WORLD, y, counts, expert, n_experts)
+
+
+def test_checks_fail_answers_on_the_global_communicator_with_a_message(comm):
+    with deadline(60), pytest.raises(CheckFailed, match="no collective"):
+        check_dispatch(dispatch_on_the_world, timeout=5)
+    with deadline(60), pytest.raises(CheckFailed, match="no collective"):
+        check_combine(combine_on_the_world, timeout=5)
+
+
+# --- the router (exercise 15.6) ------------------------------------------------------------------------------
+
+
+def router_with(capacity_k=True, served="choice", renormalise=True, loss="switch"):
+    """A router; the variations are wrong answers: capacity_k=False leaves k out of the capacity, served="token"
+    serves a token's both choices before the next token's, renormalise=False keeps the raw top-2 probabilities,
+    loss="max" uses each expert's largest probability for P_i."""
+
+    def answer(logits, k, capacity_factor):
+        tokens, experts = logits.shape
+        probs = torch.softmax(logits, dim=-1)
+        top, chosen = probs.topk(k, dim=-1)
+        weight = top / top.sum(-1, keepdim=True) if k > 1 and renormalise else top
+        limit = math.ceil(capacity_factor * (k if capacity_k else 1) * tokens / experts)
+        if served == "choice":
+            expert, token, weight = chosen.t().reshape(-1), torch.arange(tokens).repeat(k), weight.t().reshape(-1)
+        else:
+            expert, token, weight = chosen.reshape(-1), torch.arange(tokens).repeat_interleave(k), weight.reshape(-1)
+        one_hot = torch.nn.functional.one_hot(expert, experts)
+        slot = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # place in its expert's queue, by a running count
+        kept = slot < limit
+        fraction = torch.bincount(chosen[:, 0], minlength=experts).to(probs.dtype) / tokens
+        share = probs.mean(0) if loss == "switch" else probs.max(0).values
+        return Routing(
+            token=token[kept],
+            expert=expert[kept],
+            weight=weight[kept],
+            dropped=int((~kept).sum()),
+            capacity=limit,
+            load=torch.bincount(expert, minlength=experts),
+            aux_loss=experts * torch.sum(fraction * share),
+        )
+
+    return answer
+
+
+def test_route_check_accepts_the_library_and_a_running_count(comm):
+    check_route(route)
+    check_route(router_with())
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [
+        (router_with(capacity_k=False), "capacity"),
+        (router_with(served="token"), "first choices"),
+        (router_with(renormalise=False), "weight"),
+        (router_with(loss="max"), "aux_loss"),
+    ],
+)
+def test_route_check_fails_wrong_answers(comm, answer, says):
+    with pytest.raises(CheckFailed, match=says):
+        check_route(answer)
+
+
+def test_route_check_fails_its_stub(comm):
+    def stub(logits, k, capacity_factor):
+        raise NotImplementedError("exercise 15.6")
+
+    with pytest.raises(NotImplementedError):
+        check_route(stub)

@@ -6,11 +6,18 @@
 - `check_ring_attention(fn)`: fn(comm, q, k, v, positions) -> (out, lse), this rank's rows of
   causal attention over every rank's keys, and their log-sum-exp; messages only to the next rank,
   exactly P-1 blocks of K and V each (no collectives); a ring that deadlocks fails at the deadline.
+- `check_ring_attention_backward(fn)`: fn(comm, q, k, v, out, lse, grad_out, positions) -> (dq, dk, dv) of
+  this rank's rows, equal to autograd on one process; messages only to the next rank, exactly P-1
+  blocks of K and V and P blocks of their gradients each, Isend/Irecv or Sendrecv alike.
+- `check_ulysses(fn)`: fn(comm, q, k, v, positions) -> this rank's output (H, n, d), equal to one
+  process; exactly three Alltoalls of q, k, v there and one of the output back, nothing else.
 - `check_zigzag(split, unsplit)`: split(x, size, rank) -> rank's rows (chunk rank, then chunk
   2*size-1-rank, of x padded with zero rows to a multiple of 2*size); unsplit(parts, length) -> x.
 
-Every value is compared with one process in float64 (1e-10); the multi-rank ones on 1, 2, 3 and
-4 ranks, at lengths 2P divides and lengths it does not.
+Every value is compared with one process, in float64 (1e-10) and float32 (1e-5 relative, against
+float64 from the same inputs); the multi-rank ones on the whole world first (an answer on the
+notebook's communicator fails there, with a message), then 1 .. P-1 ranks, at lengths 2P divides and
+lengths it does not, and every rank agrees on a case's verdict before the next case.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from ..context_parallel import (
@@ -39,9 +47,19 @@ TOLERANCE = 1e-10
 DEADLINE = 10.0
 
 
+#: Relative tolerance of a float32 answer against float64 computed from the same inputs.
+TOLERANCE32 = 1e-5
+
+
 def _close_problem(got: Any, want: np.ndarray, what: str) -> str | None:
-    """None if got is an array of want's shape and dtype within TOLERANCE (infinities where want has them)."""
-    return array_problem(got, want, what, rtol=TOLERANCE, atol=TOLERANCE)
+    """None if got is an array of want's shape and dtype within TOLERANCE (TOLERANCE32 in float32)."""
+    tol = TOLERANCE32 if want.dtype == np.float32 else TOLERANCE
+    return array_problem(got, want, what, rtol=tol, atol=tol)
+
+
+def _world_first(comm: MPI.Comm) -> list[int]:
+    """The world's size first (an answer on the notebook's communicator completes there and is seen to), then 1 .. P-1."""
+    return [comm.Get_size(), *range(1, comm.Get_size())]
 
 
 def _call(fn: Callable[..., Any], *args: Any, what: str) -> tuple[Any, str | None]:
@@ -114,6 +132,11 @@ def check_merge_partials(fn: Callable[..., tuple[np.ndarray, np.ndarray, np.ndar
 
 def _ring_problem(traffic: list[Traffic], rank: int, size: int, block_bytes: int) -> str | None:
     mine = traffic[rank]
+    if size > 1 and not mine.events:
+        return (
+            f"rank {rank} sent and received nothing through the communicator it was given: use that `comm`, "
+            "not the notebook's"
+        )
     if size > 1 and {e.peer for e in mine.sends} != {(rank + 1) % size}:
         return (
             f"rank {rank} sent to ranks {sorted({e.peer for e in mine.sends})}: in a ring each rank sends only "
@@ -126,6 +149,17 @@ def _ring_problem(traffic: list[Traffic], rank: int, size: int, block_bytes: int
             "the K and V block held (positions are known to every rank: do not send them)"
         )
     return None
+
+
+def CASES(size: int) -> list[tuple[tuple[int, ...], bool, str]]:
+    """(shape, zig-zag layout?, dtype) of the ring checks' inputs on `size` ranks: 2P divides the length or not,
+    leading axes or none, float64 and float32."""
+    return [
+        ((4 * size, 3), True, "float64"),
+        ((2, 2, 4 * size + 3, 4), True, "float64"),
+        ((4 * size + 1, 2), False, "float64"),
+        ((2, 4 * size + 1, 3), True, "float32"),
+    ]
 
 
 def _real_rows(got: Any, want: np.ndarray, real: np.ndarray, vectors: bool) -> Any:
@@ -148,12 +182,12 @@ def check_ring_attention(fn: Callable[..., tuple[np.ndarray, np.ndarray]], timeo
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for shape, zigzag in (((4 * size, 3), True), ((2, 2, 4 * size + 3, 4), True), ((4 * size + 1, 2), False)):
+        for shape, zigzag, dtype in CASES(size):
             length = shape[-2]
             layout = "zig-zag" if zigzag else "contiguous"
-            context = f"ring attention, {length} positions of shape {shape}, {layout} layout"
+            context = f"ring attention, {length} positions of shape {shape} in {dtype}, {layout} layout"
             rng = np.random.default_rng([*shape, 15])
-            q, k, v = (rng.standard_normal(shape) for _ in range(3))
+            q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
             positions = all_positions(length, size, zigzag)
             mine = q_mine, k_mine, v_mine = [take_rows(a, positions[rank]) for a in (q, k, v)]
             given = [a.copy() for a in mine]
@@ -174,8 +208,147 @@ def check_ring_attention(fn: Callable[..., tuple[np.ndarray, np.ndarray]], timeo
             fail_together(sub, found and f"{context}: {found}", "ring attention")
         return None
 
-    each_size(comm, body, "ring attention")
+    each_size(comm, body, "ring attention", _world_first(comm))
     passed(comm, "ring attention: every rank's rows equal one process's, in P-1 steps of K and V round the ring")
+
+
+def _padded_whole(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """x with zero rows appended up to every position in `positions` (the padded sequence)."""
+    return take_rows(x, np.arange(positions.size))
+
+
+def _one_process_backward(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, grad: np.ndarray, positions: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """(out, lse, dq, dk, dv) of the padded sequence by torch's autograd on one process, in float64.
+
+    The padding rows' output gradient is 0 (they are not part of any loss); their out and lse are
+    what every layout's forward gives them (they see the real keys and themselves)."""
+    padded = [torch.from_numpy(_padded_whole(a, positions).astype(np.float64)) for a in (q, k, v)]
+    leaves = [t.requires_grad_() for t in padded]
+    length = leaves[0].shape[-2]
+    scores = leaves[0] @ leaves[1].transpose(-1, -2) / np.sqrt(q.shape[-1])
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ leaves[2]
+    out.backward(torch.from_numpy(_padded_whole(grad, positions).astype(np.float64)))
+    grads = [t.grad.numpy() for t in leaves if t.grad is not None]
+    return out.detach().numpy(), lse.detach().numpy(), *grads
+
+
+def check_ring_attention_backward(fn: Callable[..., tuple[np.ndarray, ...]], timeout: float = DEADLINE) -> None:
+    """fn(comm, q, k, v, out, lse, grad_out, positions) -> (dq, dk, dv) of this rank's rows, as autograd gives."""
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        rank, size = sub.Get_rank(), sub.Get_size()
+        for shape, zigzag, dtype in CASES(size):
+            length = shape[-2]
+            layout = "zig-zag" if zigzag else "contiguous"
+            context = f"ring attention backward, {length} positions of shape {shape} in {dtype}, {layout} layout"
+            rng = np.random.default_rng([*shape, 16])
+            q, k, v, grad = (rng.standard_normal(shape) for _ in range(4))
+            positions = all_positions(length, size, zigzag)
+            q, k, v, grad = (a.astype(dtype) for a in (q, k, v, grad))
+            whole = _one_process_backward(q, k, v, grad, positions)
+            # this rank's rows of each; the inputs in the dtype under test, out and lse from one process
+            mine = [take_rows(a, positions[rank]) for a in (q, k, v)]
+            out_lse = [np.take(a, positions[rank], axis=a.ndim - (2 if i == 0 else 1)) for i, a in enumerate(whole[:2])]
+            given = [*mine, *(a.astype(dtype) for a in out_lse), take_rows(grad, positions[rank])]
+            copies = [a.copy() for a in given]
+            got, traffic = run_counted(sub, fn, (*copies, positions.copy()), context, timeout=timeout)
+            problem = None
+            if not isinstance(got, tuple) or len(got) != 3:
+                problem = f"return a tuple (dq, dk, dv), got {type(got).__name__}"
+            else:
+                for name, g, w in zip(("dq", "dk", "dv"), got, whole[2:]):
+                    want = np.take(w, positions[rank], axis=-2).astype(dtype)
+                    problem = problem or _close_problem(g, want, f"rank {rank}'s {name}")
+                if problem is None and any(np.shares_memory(g, a) for g in got for a in copies):
+                    problem = "a gradient shares memory with an input: return new arrays"
+            if problem is None and any(not np.array_equal(a, b) for a, b in zip(copies, given)):
+                problem = "q, k, v, out, lse or grad_out was changed: send copies, or receive into new buffers"
+            block = mine[1].nbytes + mine[2].nbytes
+            found = problem or _backward_messages_problem(traffic, rank, size, block)
+            fail_together(sub, found and f"{context}: {found}", f"ring attention backward on {size} ranks")
+        return None
+
+    each_size(comm, body, "ring attention backward", _world_first(comm))
+    passed(comm, "ring attention backward: every rank's dq, dk, dv equal autograd's on one process")
+
+
+def _backward_messages_problem(traffic: list[Traffic], rank: int, size: int, block_bytes: int) -> str | None:
+    """Only to the next rank; P-1 blocks of K and V and P blocks of their gradients (dK and dV) in all."""
+    mine = traffic[rank]
+    if size > 1 and not mine.events:
+        return (
+            f"rank {rank} sent and received nothing through the communicator it was given: use that `comm`, "
+            "not the notebook's"
+        )
+    if size > 1 and {e.peer for e in mine.sends} != {(rank + 1) % size}:
+        return (
+            f"rank {rank} sent to ranks {sorted({e.peer for e in mine.sends})}: in a ring each rank sends only "
+            f"to the next, rank {(rank + 1) % size}"
+        )
+    want = (2 * size - 1) * block_bytes if size > 1 else 0
+    if mine.bytes_sent != want:
+        return (
+            f"rank {rank} sent {mine.bytes_sent} bytes, the backward ring sends {want}: {size - 1} blocks of K and V "
+            f"and {size if size > 1 else 0} blocks of their gradients, each {block_bytes} bytes"
+        )
+    if any(e.tag < 0 for e in mine.events):
+        return "called a collective: the ring is point-to-point messages only"
+    return None
+
+
+def check_ulysses(fn: Callable[..., np.ndarray], timeout: float = DEADLINE) -> None:
+    """fn(comm, q, k, v, positions) -> this rank's rows (H, n, d) of causal attention, by a head split."""
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        rank, size = sub.Get_rank(), sub.Get_size()
+        for heads, length, zigzag, dtype in (
+            (size, 4 * size, False, "float64"),
+            (2 * size, 4 * size + 3, True, "float64"),
+            (2 * size, 2 * size + 1, False, "float32"),
+        ):
+            layout = "zig-zag" if zigzag else "contiguous"
+            context = f"Ulysses, {heads} heads of {length} positions in {dtype}, {layout} layout"
+            rng = np.random.default_rng([heads, length, 17])
+            q, k, v = (rng.standard_normal((heads, length, 3)).astype(dtype) for _ in range(3))
+            positions = all_positions(length, size, zigzag)
+            mine = [take_rows(a, positions[rank]) for a in (q, k, v)]
+            copies = [a.copy() for a in mine]
+            got, traffic = run_counted(
+                sub, fn, (*copies, positions.copy()), context, timeout=timeout, allow=("Alltoall",)
+            )
+            padded = [_padded_whole(a, positions).astype(np.float64) for a in (q, k, v)]
+            want = np.take(reference_attention(*padded)[0], positions[rank], axis=-2).astype(dtype)
+            real = positions[rank] < length
+            problem = _close_problem(_real_rows(got, want, real, True), want, f"rank {rank}'s output")
+            if problem is None and any(np.shares_memory(got, a) for a in copies):
+                problem = "the output shares memory with an input: return a new array"
+            if problem is None and any(not np.array_equal(a, b) for a, b in zip(copies, mine)):
+                problem = "q, k or v was changed: leave the inputs alone"
+            if problem is None:
+                mine_traffic = traffic[rank]
+                each = mine[0].nbytes // size  # one rank's share of one tensor: its heads of my rows
+                if mine_traffic.calls != ["Alltoall"] * 4:
+                    problem = (
+                        f"called {', '.join(mine_traffic.calls) or 'no collective'}: expected exactly four Alltoalls "
+                        "(q, k and v to the head split, the output back)"
+                    )
+                elif any(e.tag >= 0 for e in mine_traffic.events):
+                    problem = "sent point-to-point messages: the four Alltoalls carry everything"
+                elif [e.nbytes for e in mine_traffic.sends] != [each] * (4 * size):
+                    problem = (
+                        f"its Alltoalls send {[e.nbytes for e in mine_traffic.sends]} bytes, {each} to each rank each"
+                    )
+            fail_together(sub, problem and f"{context}: {problem}", f"Ulysses on {size} ranks")
+        return None
+
+    each_size(comm, body, "Ulysses", _world_first(comm))
+    passed(comm, "Ulysses: four Alltoalls, and every rank's rows equal one process's")
 
 
 ZIGZAG_HINT = (
@@ -189,11 +362,12 @@ def _zigzag_problem(
     unsplit: Callable[[list[np.ndarray], int], np.ndarray],
     size: int,
     shape: tuple[int, ...],
+    dtype: str = "float64",
 ) -> str | None:
     """What is wrong with split and unsplit for one sequence on `size` ranks, on one process."""
     length = shape[-2]
-    context = f"{length} positions of shape {shape} on {size} ranks"
-    x = np.random.default_rng([*shape, size]).standard_normal(shape)
+    context = f"{length} positions of shape {shape} in {dtype} on {size} ranks"
+    x = np.random.default_rng([*shape, size]).standard_normal(shape).astype(dtype)
     positions = all_positions(length, size)
     parts = []
     for rank in range(size):
@@ -219,8 +393,14 @@ def check_zigzag(
     comm = MPI.COMM_WORLD
     problem = None
     for size in (1, 2, 3, 4):
-        for shape in ((8 * size, 2), (8 * size + 3, 2), (1, 3), (2, 2 * size - 1, 2)):
-            problem = _zigzag_problem(split, unsplit, size, shape)
+        for shape, dtype in (
+            ((8 * size, 2), "float64"),
+            ((8 * size + 3, 2), "float64"),
+            ((1, 3), "float64"),
+            ((2, 2 * size - 1, 2), "float64"),
+            ((3, 2, 4 * size + 1, 2), "float32"),
+        ):
+            problem = _zigzag_problem(split, unsplit, size, shape, dtype)
             if problem:
                 raise CheckFailed(f"zig-zag: {problem}\n{ZIGZAG_HINT}")
 

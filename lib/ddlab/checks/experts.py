@@ -1,5 +1,7 @@
-"""Checks for lab 15 (experts): the MoE dispatch (counts by Alltoall, rows by Alltoallv) and combine.
+"""Checks for lab 15 (experts): the router, and the MoE dispatch (counts by Alltoall, rows by Alltoallv) and combine.
 
+Both run on the whole world first (an answer on the notebook's communicator is seen there), then on
+sub-communicators of 1 .. P-1 ranks; all ranks agree on each case's verdict before the next case.
 Both hand the student's function a CountingComm that allows exactly the collectives the
 lab names, on sub-communicators of every size, and compare with what one process
 computes from every rank's rows (each rank can make every rank's rows from its seed):
@@ -8,6 +10,9 @@ computes from every rank's rows (each rank can make every rank's rows from its s
   in the sender's order) and the (P, E/P) int64 counts; exactly one Alltoall of the
   counts (E/P int64 to every rank) and then one Alltoallv of exactly the rows each
   rank's experts take; x left as it was.
+- `check_route`: one process (every rank runs it): the kept assignments (token, expert, weight)
+  in the order served, the capacity, dropped, load, the balancing loss, and the gradients of the
+  weights and of the loss by the logits, against `ddlab.experts.route`, k = 1 and 2, float64 and float32.
 - `check_combine`: out[i] is the result for this rank's row i (the inverse
   permutation), carried by one Alltoallv of exactly the rows each rank gets back.
 """
@@ -17,10 +22,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
+from ..experts.router import Routing, route
 from ..runtime.counting import COLLECTIVE_TAG, Traffic
-from ._core import array_problem, count, each_size, passed, run_counted
+from ._core import array_problem, count, each_size, fail_together, is_integer, passed, run_counted
 
 #: (dtype, shape of one row after the first axis, experts per rank or None for 12 in all, skew, last rank empty):
 #: rank r holds 5 + 3 r rows (the last rank none, if so marked), routed with a skew towards the first experts.
@@ -90,6 +97,13 @@ def _calls_problem(traffic: Traffic, calls: list[str], want_bytes: dict[str, lis
     return None
 
 
+def _sizes(world: MPI.Comm) -> list[int]:
+    """The world's size first (an answer that calls the notebook's communicator completes there, and is
+    seen to), then 1 .. size - 1."""
+    size = world.Get_size()
+    return [size, *range(1, size)]
+
+
 def _pair(result: Any, first: str, second: str) -> str | None:
     if not isinstance(result, tuple) or len(result) != 2:
         return f"should return a tuple ({first}, {second}), got {type(result).__name__}"
@@ -125,11 +139,11 @@ def check_dispatch(fn: Callable[..., tuple[np.ndarray, np.ndarray]], timeout: fl
             if problem is None:
                 want = {"Alltoall": [(experts // size) * 8] * size, "Alltoallv": _sent_bytes(case, rank, size)}
                 problem = _calls_problem(traffic[rank], ["Alltoall", "Alltoallv"], want)
-            if problem:
-                return f"{label}: {problem}"
+            # every rank of comm agrees on this case's verdict before the next case's collectives
+            fail_together(comm, problem and f"{label}: {problem}", f"dispatch on {count(size, 'rank')}")
         return None
 
-    each_size(world, body, "dispatch")
+    each_size(world, body, "dispatch", _sizes(world))
     passed(world, "dispatch: counts by one Alltoall, then exactly the planned rows by one Alltoallv, in order")
 
 
@@ -170,9 +184,87 @@ def check_combine(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
                 problem = _calls_problem(
                     traffic[rank], ["Alltoallv"], {"Alltoallv": [int(c) * row for c in counts.sum(1)]}
                 )
-            if problem:
-                return f"{label}: {problem}"
+            # every rank of comm agrees on this case's verdict before the next case's collectives
+            fail_together(comm, problem and f"{label}: {problem}", f"combine on {count(size, 'rank')}")
         return None
 
-    each_size(world, body, "combine")
+    each_size(world, body, "combine", _sizes(world))
     passed(world, "combine: one Alltoallv back, every result in its row's place")
+
+
+#: (tokens, experts, k, capacity factor, dtype, seed) of check_route's cases: drops and none, k = 1 and 2.
+ROUTE_CASES = (
+    (32, 8, 1, 1.0, torch.float64, 0),
+    (32, 8, 2, 1.0, torch.float64, 1),
+    (30, 4, 2, 1.25, torch.float32, 2),
+    (12, 6, 1, 2.0, torch.float32, 3),
+    (16, 4, 1, 0.5, torch.float64, 4),
+)
+
+
+def _route_problem(got: Any, want: Routing, logits: torch.Tensor, got_logits: torch.Tensor) -> str | None:
+    """What differs between the student's routing and the library's, gradients of weight and loss included."""
+    if not isinstance(got, Routing):
+        return f"return a Routing(token, expert, weight, dropped, capacity, load, aux_loss), got {type(got).__name__}"
+    for name in ("capacity", "dropped"):
+        if not is_integer(getattr(got, name)) or getattr(got, name) != getattr(want, name):
+            return f"{name} is {getattr(got, name)!r}, expected {getattr(want, name)}"
+    for name in ("token", "expert", "load"):
+        value = getattr(got, name)
+        if not isinstance(value, torch.Tensor):
+            return f"{name} should be a tensor, got {type(value).__name__}"
+        problem = array_problem(value.detach().numpy(), getattr(want, name).numpy(), name)
+        if problem:
+            order = " (first choices of every token in token order, then second choices)" if name != "load" else ""
+            return problem + order
+    for name in ("weight", "aux_loss"):
+        value = getattr(got, name)
+        if not isinstance(value, torch.Tensor):
+            return f"{name} should be a tensor, got {type(value).__name__}"
+        problem = array_problem(value.detach().numpy(), getattr(want, name).detach().numpy(), name, rtol=1e-5)
+        if problem:
+            return problem
+    # the gradients: weights carry the gate's, and the balancing loss pushes on P_i only
+    for name in ("weight", "aux_loss"):
+        value = getattr(got, name)
+        if not value.requires_grad:
+            return f"{name} carries no gradient to the logits: compute it from the softmax, do not detach it"
+        seed = torch.Generator().manual_seed(len(name))
+        direction = torch.randn(value.shape, generator=seed, dtype=value.dtype)
+        (grad_got,) = torch.autograd.grad((value * direction).sum(), got_logits, retain_graph=True)
+        (grad_want,) = torch.autograd.grad((getattr(want, name) * direction).sum(), logits, retain_graph=True)
+        problem = array_problem(grad_got.numpy(), grad_want.numpy(), f"the gradient of {name} by the logits", rtol=1e-5)
+        if problem:
+            return problem + (
+                " (f_i carries no gradient: only the mean probability P_i does)" if name == "aux_loss" else ""
+            )
+    return None
+
+
+def check_route(fn: Callable[..., Routing]) -> None:
+    """fn(logits, k, capacity_factor) -> Routing, as `ddlab.experts.route` gives: one process, on every rank."""
+    world = MPI.COMM_WORLD
+    problem = None
+    for tokens, experts, k, factor, dtype, seed in ROUTE_CASES:
+        label = f"{tokens} tokens, {experts} experts, k = {k}, capacity factor {factor}, {str(dtype)[6:]}"
+        base = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        base[:, 0] += 1.0  # a crowded first expert, so capacities bind
+        logits, given = base.clone().requires_grad_(), base.clone().requires_grad_()
+        want = route(logits, k, factor)
+        try:
+            got = fn(given, k, factor)
+        except NotImplementedError:
+            raise
+        except Exception as err:  # the student's router failed: say how
+            problem = f"raised {type(err).__name__}: {err}"
+        else:
+            problem = _route_problem(got, want, logits, given)
+            if problem is None and not torch.equal(given.detach(), base):
+                problem = "changed the logits: leave the caller's tensor alone"
+        if problem:
+            problem = f"{label}: {problem}"
+            break
+    fail_together(
+        world, problem, "route", "(see `ddlab.experts.router`'s docstring for the order tokens are served in)"
+    )
+    passed(world, "route: top-k, capacity, the dropped assignments, the load and the balancing loss with its gradient")

@@ -6,6 +6,8 @@
   mask), padded to a multiple of 2P; the work each rank does with either.
 - ring.py: ring attention forward and backward with Isend/Irecv overlapped with compute, as
   an autograd function, and on a rank's heads of zig-zag rows (`ring_attention_heads`, lab 16's mesh).
+- ulysses.py: the other split, DeepSpeed-Ulysses: an all-to-all turns the sequence split into a
+  head split before attention and back after it.
 - figures.py: the blocks moving round the ring, and the two layouts under the causal mask.
 """
 
@@ -38,6 +40,7 @@ from .ring import (
     ring_attention_heads,
     ring_attention_torch,
 )
+from .ulysses import heads_to_ranks, ranks_to_heads, ulysses_attention
 
 __all__ = [
     "Partial",
@@ -52,15 +55,18 @@ __all__ = [
     "contiguous_positions",
     "empty_partial",
     "finish",
+    "heads_to_ranks",
     "merge_partials",
     "padded_length",
     "put_rows",
+    "ranks_to_heads",
     "reference_attention",
     "ring_attention",
     "ring_attention_backward",
     "ring_attention_heads",
     "ring_attention_torch",
     "take_rows",
+    "ulysses_attention",
     "visible",
     "zigzag_positions",
 ]

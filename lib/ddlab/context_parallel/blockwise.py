@@ -10,8 +10,9 @@ A *partial* result of attention for some query rows over some of the keys is a t
 Two partials over disjoint keys merge exactly (`merge_partials`): rescale both to the
 larger maximum, then add. That is the online softmax of Milakov & Gimelshein ("Online
 normalizer calculation for softmax", 2018) that FlashAttention computes tile by tile
-(Dao et al., "FlashAttention", 2022); `finish` divides at the end and keeps each row's
-log-sum-exp, m + log l, which is all the backward pass needs besides q, k, v and the output.
+(Dao et al., "FlashAttention", 2022, which keeps m and l for the backward); `finish` divides at
+the end and keeps each row's log-sum-exp, m + log l, as FlashAttention-2 does (Dao 2023): with
+q, k, v and the output, all the backward pass needs.
 
 Keys are causal by *global* position: query i sees key j when pos(j) <= pos(i). A block
 computes only the rectangle of rows that see some key and keys some row sees
@@ -41,7 +42,9 @@ def attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
     rows, cols = visible(q_pos, k_pos)
     if rows.size == 0:
         return result
-    scores = q[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2) * (1.0 / np.sqrt(q.shape[-1]))
+    scores = (
+        q[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2) * q.shape[-1] ** -0.5
+    )  # a Python float: keeps float32 float32
     scores = np.where(k_pos[cols][None, :] <= q_pos[rows][:, None], scores, -np.inf)
     m = scores.max(axis=-1)  # finite: every row kept sees at least one key
     p = np.exp(scores - m[..., None])
@@ -88,7 +91,7 @@ def attend_block_backward(
     rows, cols = visible(q_pos, k_pos)
     if rows.size == 0:
         return dq, dk, dv
-    scale = 1.0 / np.sqrt(q.shape[-1])
+    scale = q.shape[-1] ** -0.5  # a Python float: keeps float32 float32
     q_r, k_c, v_c, g_r = q[..., rows, :], k[..., cols, :], v[..., cols, :], grad_out[..., rows, :]
     scores = q_r @ k_c.swapaxes(-1, -2) * scale
     mask = k_pos[cols][None, :] <= q_pos[rows][:, None]
@@ -118,7 +121,7 @@ def reference_attention(
     """Causal attention by the textbook formula, the whole score matrix at once: (output, lse)."""
     q_pos = np.arange(q.shape[-2]) if q_pos is None else q_pos
     k_pos = np.arange(k.shape[-2]) if k_pos is None else k_pos
-    scores = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])
+    scores = q @ k.swapaxes(-1, -2) * q.shape[-1] ** -0.5
     scores = np.where(k_pos[None, :] <= q_pos[:, None], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores - m)

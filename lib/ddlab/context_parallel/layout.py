@@ -3,7 +3,10 @@
 A sequence of `length` tokens is padded to a multiple of 2P and cut into 2P chunks of c rows.
 The contiguous split gives rank r chunks 2r and 2r+1; the zig-zag split gives it chunk r and
 chunk 2P-1-r, one early and one late, so that under the causal mask every rank has the same
-work (the split of Llama 3's context parallelism: Dubey et al., "The Llama 3 Herd of Models", 2024). Padding rows sit past the end: their positions are >= length, so no real query
+work (Striped Attention, Brandon et al. 2023, balances it by striping instead; this two-chunk
+layout is ring-flash-attention's and Megatron-LM's, and Llama 3 cuts its sequences into the same
+2P chunks, though it all-gathers keys and values instead of a ring: Dubey et al., "The Llama 3
+Herd of Models", 2024, section 3.3.2). Padding rows sit past the end: their positions are >= length, so no real query
 sees them (the causal mask hides them for free) and their outputs are dropped.
 """
 

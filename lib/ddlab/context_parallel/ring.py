@@ -4,7 +4,8 @@ Each rank holds the queries, keys and values of its positions (`ddlab.context_pa
 Forward, P steps: at each step a rank starts sending the key/value block it holds to rank+1 and
 receiving the next from rank-1 (Isend/Irecv), computes its queries' partial result over the block
 it holds meanwhile (`attend_block`), merges it into its running one (`merge_partials`), then waits:
-after P steps its queries have met every block, and no rank ever held more than two blocks.
+after P steps its queries have met every block, and no rank ever held more than three blocks
+of keys and values (its own, kept for the backward, the one it computes on, the one arriving).
 Backward, P steps again: the key/value blocks go round once more, each with the gradients of
 its keys and values, which every rank adds its share to and passes on; after the last step
 they arrive home. Messages per rank: P-1 blocks of K and V forward; P-1 blocks of K and V

@@ -407,12 +407,28 @@ class CountingComm:
         self.traffic.calls.append("Alltoallv")
 
     def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
-        """MPI's Alltoall, if allowed (lab 15's exchange of counts): equal blocks, one per rank, bytes logged."""
+        """MPI's Alltoall, if allowed (lab 15's exchange of counts): equal blocks, one per rank, bytes logged.
+
+        As for Alltoallv, all ranks first share their buffers' sizes, so that all of them refuse
+        together a call whose blocks differ from rank to rank, instead of crashing or hanging."""
         if "Alltoall" not in self.allow:
             return self.__getattr__("Alltoall")
         send, recv = _nbytes(sendbuf), _nbytes(recvbuf)
+        everyone = np.empty((self.size, 2), dtype=np.int64)
+        self._wait(
+            [self.watch.alarm.Iallgather(np.array([send, recv], dtype=np.int64), everyone)],
+            [MPI.Status()],
+            "the other ranks to call Alltoall",
+            cancel=False,
+        )
         if send % self.size or recv % self.size:
             raise ValueError(f"Alltoall: the buffers ({send} and {recv} bytes) must hold {self.size} equal blocks")
+        if len(set(everyone.ravel().tolist())) > 1:
+            sizes = ", ".join(f"rank {r} sends {s} and receives {v}" for r, (s, v) in enumerate(everyone.tolist()))
+            raise ValueError(
+                f"Alltoall: the ranks' buffers disagree ({sizes} bytes): every rank sends and receives "
+                f"{self.size} blocks of one size, the same on every rank"
+            )
         for peer in range(self.size):
             self._log("send", peer, COLLECTIVE_TAG, send // self.size)
         self._wait([self.comm.Ialltoall(sendbuf, recvbuf)], [MPI.Status()], "Alltoall to complete", cancel=False)

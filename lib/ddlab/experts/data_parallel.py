@@ -1,0 +1,48 @@
+"""Experts with data parallelism (lab 15): experts spread over the ranks of an expert group, each
+expert group a replica of the others, as expert parallelism is used.
+
+The world of W ranks is a grid of W/G replicas of G expert ranks (`expert_and_data_groups`): rank
+w is expert rank w mod G of replica w // G. Within a replica the MoE layers' tokens travel by
+all-to-all (the layer's `comm` is the expert group); the ranks holding the same experts in
+different replicas form a data group. Each rank's loss is the mean over its own tokens, the
+global loss the mean over the W ranks, so after backward (`average_gradients`):
+
+- a non-expert parameter (the gate, everything outside the experts) is replicated on every rank,
+  and its gradient is the sum over the W ranks' divided by W (an Allreduce over the world);
+- an expert's gradient already sums the contributions of every token of its replica (the
+  all-to-all's backward brought them), so it is summed over the data group only, divided by W.
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from .layer import MoE
+
+
+def expert_and_data_groups(comm: MPI.Comm, expert_ranks: int) -> tuple[MPI.Comm, MPI.Comm]:
+    """(expert group, data group) of this rank: its replica's G ranks, and the ranks holding its experts."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if expert_ranks < 1 or size % expert_ranks:
+        raise ValueError(f"{size} ranks cannot form replicas of {expert_ranks} expert ranks: use a divisor of {size}")
+    experts = comm.Split(rank // expert_ranks, rank)
+    data = comm.Split(rank % expert_ranks, rank)
+    return experts, data
+
+
+def expert_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters that belong to some MoE layer's experts (not its gate)."""
+    return {id(p) for module in model.modules() if isinstance(module, MoE) for p in module.experts.parameters()}
+
+
+def average_gradients(model: nn.Module, world: MPI.Comm, data: MPI.Comm) -> None:
+    """Each gradient summed where its parameter is replicated and divided by the world's size (see the module)."""
+    experts, size = expert_parameters(model), world.Get_size()
+    for param in model.parameters():
+        if param.grad is None:  # an expert no token reached on this rank: zero here, maybe not on its peers
+            param.grad = torch.zeros_like(param)
+        buffer = param.grad.detach().contiguous().numpy()
+        (data if id(param) in experts else world).Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+        param.grad.copy_(torch.from_numpy(buffer) / size)
