@@ -312,10 +312,13 @@ class Sharded(nn.Module):
     def _agree(self, overdrawn: OutOfMemory | None, phase: str) -> None:
         """All ranks: raise AgreedOutOfMemory if any rank's ledger passed its budget in this phase.
 
-        Called where every rank has started the phase's collectives, so none waits for another."""
-        failed = self.comm.allreduce(overdrawn is not None, op=MPI.LOR)
+        Called where every rank has started the phase's collectives, so none waits for another. The
+        agreement is bookkeeping, not the algorithm's traffic: a counting communicator neither counts nor
+        refuses it (it runs on the communicator underneath)."""
+        control = underlying(self.comm)
+        failed = control.allreduce(overdrawn is not None, op=MPI.LOR)
         if failed:
-            messages = self.comm.allgather(None if overdrawn is None else str(overdrawn))
+            messages = control.allgather(None if overdrawn is None else str(overdrawn))
             failures = {rank: text for rank, text in enumerate(messages) if text is not None}
             raise AgreedOutOfMemory(failures, phase, self.size)
 
