@@ -130,8 +130,8 @@ def check_merge_partials(fn: Callable[..., tuple[np.ndarray, np.ndarray, np.ndar
     passed(comm, "merge_partials: two partial attention results merge exactly, empty rows included")
 
 
-def _ring_problem(traffic: list[Traffic], rank: int, size: int, block_bytes: int) -> str | None:
-    mine = traffic[rank]
+def _neighbour_problem(mine: Traffic, rank: int, size: int) -> str | None:
+    """What is wrong with whom a ring rank talked to: nobody (the notebook's comm used) or not only the next."""
     if size > 1 and not mine.events:
         return (
             f"rank {rank} sent and received nothing through the communicator it was given: use that `comm`, "
@@ -142,6 +142,14 @@ def _ring_problem(traffic: list[Traffic], rank: int, size: int, block_bytes: int
             f"rank {rank} sent to ranks {sorted({e.peer for e in mine.sends})}: in a ring each rank sends only "
             f"to the next, rank {(rank + 1) % size}"
         )
+    return None
+
+
+def _ring_problem(traffic: list[Traffic], rank: int, size: int, block_bytes: int) -> str | None:
+    mine = traffic[rank]
+    neighbours = _neighbour_problem(mine, rank, size)
+    if neighbours:
+        return neighbours
     want = (size - 1) * block_bytes
     if mine.bytes_sent != want:
         return (
@@ -280,16 +288,9 @@ def check_ring_attention_backward(fn: Callable[..., tuple[np.ndarray, ...]], tim
 def _backward_messages_problem(traffic: list[Traffic], rank: int, size: int, block_bytes: int) -> str | None:
     """Only to the next rank; P-1 blocks of K and V and P blocks of their gradients (dK and dV) in all."""
     mine = traffic[rank]
-    if size > 1 and not mine.events:
-        return (
-            f"rank {rank} sent and received nothing through the communicator it was given: use that `comm`, "
-            "not the notebook's"
-        )
-    if size > 1 and {e.peer for e in mine.sends} != {(rank + 1) % size}:
-        return (
-            f"rank {rank} sent to ranks {sorted({e.peer for e in mine.sends})}: in a ring each rank sends only "
-            f"to the next, rank {(rank + 1) % size}"
-        )
+    neighbours = _neighbour_problem(mine, rank, size)
+    if neighbours:
+        return neighbours
     want = (2 * size - 1) * block_bytes if size > 1 else 0
     if mine.bytes_sent != want:
         return (
