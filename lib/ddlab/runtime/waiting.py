@@ -114,10 +114,10 @@ class Watch:
             start = time.thread_time()
             if done():
                 return time.thread_time() - start
-            if pause:  # the first SPINS tries cost only done(): notices and the clock are read once it sleeps
-                self.check(what)
-                if time.monotonic() > deadline:
-                    raise Stalled(self._stalled(what))
+            self.check(what)
+            if time.monotonic() > deadline:
+                raise Stalled(self._stalled(what))
+            if pause:
                 time.sleep(pause)
             if between is not None:
                 between()
