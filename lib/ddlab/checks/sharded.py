@@ -31,6 +31,7 @@ from torch import nn
 
 from ..allreduce import allgather_ring, reduce_scatter_ring
 from ..runtime.blocks import block_bounds
+from ..runtime.comm import Comm
 from ..runtime.counting import Traffic
 from ._core import array_problem, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
@@ -188,7 +189,7 @@ def _optimizer_problem(
     params = list(model.parameters())
     changed: list[str] = []
 
-    def train(comm: Any) -> Any:
+    def train(comm: Comm) -> Any:
         optimizer = fn(params, optimizer_class, comm, **kwargs)
         for x, y in batches:
             optimizer.zero_grad()
@@ -305,7 +306,7 @@ def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype) ->
     kept: list[list[tuple[int, Any]]] = []
     problems: list[str] = []
 
-    def train(comm: Any) -> None:
+    def train(comm: Comm) -> None:
         for index, unit in enumerate(units):
             fn(unit, comm, lambda shard, index=index: kept[-1].append((index, shard)))
             params = list(unit.parameters())
