@@ -17,7 +17,8 @@ One MPI job (4 ranks by default), an MLP of Linear layers 600-w-...-w-2 (w = --w
    FSDP2's fully_shard per Linear, both on gloo. Variants take turns each round, order
    rotated; a round's time is the slowest rank's; median over rounds (and fastest round),
    and the median of the ratios within each round. ZeRO-3's waits for its collectives
-   (ddlab.runtime.trace spans) say what prefetch hides.
+   (ddlab.runtime.trace spans) say what prefetch hides. Then each one's model state per rank
+   (ddlab.sharded.held_bytes, float32, the largest rank's) over DDP's.
 4. The largest model (hidden layers of width w) each stage trains one step of under a
    fixed per-rank ledger budget (--budget MiB), over DDP's.
 5. Hybrid sharding (HSDP, ddlab.sharded.HybridSharded; Zhao et al., "PyTorch FSDP", VLDB 2023,
@@ -178,10 +179,6 @@ def child(args: argparse.Namespace) -> None:
 
     # 3. Step time --------------------------------------------------------------------------------------
     if 3 in args.sections:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         dp.init_gloo(comm)
         tracers = {name: Tracer(rank) for name in ("ZeRO-3", "ZeRO-3 prefetch 1", "ZeRO-3 prefetch 2")}
         models: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {
@@ -194,20 +191,11 @@ def child(args: argparse.Namespace) -> None:
         }
         problems = {}
         try:
-            ddp = dp.torch_ddp(mlp())
-            models["torch ZeroRedundancyOptimizer"] = (
-                ddp,
-                ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4),
-            )
+            models["torch ZeroRedundancyOptimizer"] = sharded.torch_zero(mlp(), torch.optim.Adam, lr=1e-4)
         except (RuntimeError, ValueError) as err:
             problems["torch ZeroRedundancyOptimizer"] = str(err)
         try:
-            mesh = init_device_mesh("cpu", (size,))
-            fsdp = mlp()
-            for layer in fsdp:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(fsdp, mesh=mesh)
+            fsdp = sharded.torch_fsdp(mlp())
             models["torch FSDP2"] = (fsdp, torch.optim.Adam(fsdp.parameters(), lr=1e-4))
         except (RuntimeError, ValueError) as err:
             problems["torch FSDP2"] = str(err)
@@ -265,6 +253,11 @@ def child(args: argparse.Namespace) -> None:
             ]
             shown = f"{1e3 * mean[0]:6.1f}, {1e3 * mean[1]:6.1f}" if name in tracers else "     -,      -"
             say(f"  {name:>30}: {shown}; CPU {1e3 * statistics.median(cpu_seconds[name]):6.1f}")
+        held = {name: comm.allreduce(sharded.held_bytes(*pair), op=MPI.MAX) for name, pair in models.items()}
+        say(
+            "  model state per rank after a step, float32 (held_bytes: parameters, gradients, optimizer state; "
+            "the largest rank's), over DDP's: " + ", ".join(f"{name} {held[name] / held['DDP']:.3f}" for name in models)
+        )
         for model, _ in models.values():
             close(model)
         dp.close_gloo()

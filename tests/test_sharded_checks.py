@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
 from ddlab.checks import CheckFailed, check_zero3_unit
 
 
@@ -16,22 +19,47 @@ def zero3_hooks(
     gather_for_backward=True,
     reduce_early=False,
     free_after_reduce=True,
+    input_dtype=None,
+    output_dtype=None,
+    grad_dtype=None,
+    clamp_input=False,
+    reused_output=False,
 ):
     """The lab's answer (the switches make the wrong ones): module hooks, a hook on the output's gradient,
-    and post-accumulate-grad hooks that count the unit's gradients."""
+    and post-accumulate-grad hooks that count the unit's gradients. The dtype switches cast a tensor to a
+    fixed dtype (input_dtype=unit: to the unit's own, which is valid)."""
     params = list(unit.parameters())
     left = [0]
+    kept = []
+
+    def before_forward(module, args):
+        gather()
+        if clamp_input:  # normalise the input in place
+            args[0].clamp_(-0.5, 0.5)
+        if input_dtype == "unit":
+            return (args[0].to(params[0].dtype),)
+        if input_dtype is not None:
+            return (args[0].to(input_dtype),)
+        return None
 
     def before_backward(grad):
         if gather_for_backward:
             gather()
         left[0] = len(params)
+        return grad.to(grad_dtype) if grad_dtype is not None else grad
 
     def after_forward(module, args, output):
         if free_after_forward:
             free()
         if output.requires_grad:
             output.register_hook(before_backward)
+        if output_dtype is not None:
+            return output.to(output_dtype)
+        if reused_output:  # one buffer per unit, refilled every step
+            if not kept or kept[0].shape != output.shape:
+                kept[:] = [torch.empty_like(output)]
+            return kept[0].copy_(output)
+        return None
 
     def on_gradient(param):
         left[0] -= 1
@@ -40,7 +68,7 @@ def zero3_hooks(
             if free_after_reduce:
                 free()
 
-    unit.register_forward_pre_hook(lambda module, args: gather())
+    unit.register_forward_pre_hook(before_forward)
     unit.register_forward_hook(after_forward)
     for p in params:
         p.register_post_accumulate_grad_hook(on_gradient)
@@ -77,7 +105,11 @@ def zero3_by_tensor_counts(unit, gather, free, reduce):
     Hooks()
 
 
-@pytest.mark.parametrize("fn", [zero3_hooks, zero3_by_tensor_counts])
+@pytest.mark.parametrize(
+    "fn",
+    [zero3_hooks, zero3_by_tensor_counts, functools.partial(zero3_hooks, input_dtype="unit")],
+    ids=["counter", "set of ids", "input cast to the unit's dtype"],
+)
 def test_zero3_check_accepts(fn) -> None:
     check_zero3_unit(fn)
 
@@ -89,7 +121,13 @@ def test_zero3_check_accepts(fn) -> None:
         ({"gather_for_backward": False}, "gather\\(\\) the unit again before its backward"),
         ({"reduce_early": True}, "reduce-scattered before its backward ended"),
         ({"free_after_reduce": False}, "still holds its parameters after backward"),
+        ({"input_dtype": torch.float64}, "float32, step 0: the forward failed"),
+        ({"output_dtype": torch.float64}, "float32, step 0: the forward failed"),
+        ({"grad_dtype": torch.float64}, "float32, step 0: backward failed"),
+        ({"clamp_input": True}, "input was changed in place"),
+        ({"reused_output": True}, "step 1: backward failed.*reused across steps"),
     ],
+    ids=str,
 )
 def test_zero3_check_fails(switch, message) -> None:
     with pytest.raises(CheckFailed, match=message):

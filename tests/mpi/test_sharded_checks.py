@@ -163,6 +163,63 @@ def reshard_dropping_padding(shards, numel, size, rank):
     return np.concatenate(shards)[:numel][rank * shard : (rank + 1) * shard].copy()
 
 
+def reshard_into_empty(shards, numel, size, rank):
+    """Another valid answer: a new array of the shards' dtype, zeros written only where the padding is."""
+    flat = np.concatenate(shards)
+    shard = max(1, -(-numel // size))
+    out = np.empty(shard, dtype=shards[0].dtype)
+    real = max(0, min(shard, numel - rank * shard))
+    out[:real] = flat[rank * shard : rank * shard + real]
+    out[real:] = 0
+    return out
+
+
+def reshard_in_float64(shards, numel, size, rank):
+    """Wrong: the new shard made in a fixed dtype (np.zeros' float64), whatever the checkpoint's."""
+    out = np.zeros(max(1, -(-numel // size)))
+    out[...] = reshard_by_overlaps(shards, numel, size, rank)
+    return out
+
+
+_RESHARD_BUFFERS: dict[tuple[int, np.dtype], np.ndarray] = {}
+
+
+def reshard_reused_buffer(shards, numel, size, rank):
+    """Wrong: one buffer per shard length and dtype, refilled by every call."""
+    new = reshard_by_overlaps(shards, numel, size, rank)
+    buffer = _RESHARD_BUFFERS.setdefault((new.size, new.dtype), np.empty_like(new))
+    buffer[...] = new
+    return buffer
+
+
+def reshard_handing_back_old_shard(shards, numel, size, rank):
+    """Wrong: when the shard length did not change, hands the old shard itself back (an alias)."""
+    if rank < len(shards) and shards[0].size == max(1, -(-numel // size)) and (rank + 1) * shards[0].size <= numel:
+        return shards[rank]
+    return reshard_by_overlaps(shards, numel, size, rank)
+
+
+def reshard_zeroing_old_padding(shards, numel, size, rank):
+    """Wrong: zeroes the old shards' padding in place (the caller's arrays), then concatenates."""
+    old = shards[0].size
+    for q, shard in enumerate(shards):
+        shard[max(0, numel - q * old) :] = 0
+    return reshard_by_concatenation(shards, numel, size, rank)
+
+
+def reshard_two_old_shards_at_most(shards, numel, size, rank):
+    """Wrong: reads at most two old shards (a new shard may overlap more when the count falls: 4 -> 1 reads four)."""
+    old, new = shards[0].size, max(1, -(-numel // size))
+    start = rank * new
+    first = min(start // old, len(shards) - 1)
+    flat = np.concatenate(shards[first : first + 2])
+    out = np.zeros(new, dtype=shards[0].dtype)
+    stop = min(start + new, numel)
+    piece = flat[start - first * old : stop - first * old]
+    out[: piece.size] = piece
+    return out
+
+
 @pytest.mark.parametrize("fn", [reduce_scatter_ring, reduce_scatter_direct])
 def test_reduce_scatter_check_accepts(fn) -> None:
     check_reduce_scatter(fn)
@@ -200,7 +257,7 @@ def test_allgather_check_fails(fn, message) -> None:
         check_allgather(fn)
 
 
-@pytest.mark.parametrize("fn", [reshard_by_overlaps, reshard_by_concatenation])
+@pytest.mark.parametrize("fn", [reshard_by_overlaps, reshard_by_concatenation, reshard_into_empty])
 def test_reshard_check_accepts(fn) -> None:
     check_reshard(fn)
 
@@ -211,7 +268,13 @@ def test_reshard_check_accepts(fn) -> None:
         (reshard_same_count_only, "from 4 to 2 ranks"),
         (reshard_copying_old_padding, "wrong at"),
         (reshard_dropping_padding, "has shape"),
+        (reshard_in_float64, r"\(float32\).*has dtype float64, expected float32"),
+        (reshard_reused_buffer, "changed when a later rank's was made"),
+        (reshard_handing_back_old_shard, "shares memory with an old one"),
+        (reshard_zeroing_old_padding, "old shards were changed"),
+        (reshard_two_old_shards_at_most, "from 4 to 2 ranks, rank 1: the new shard is wrong"),
     ],
+    ids=lambda v: v if isinstance(v, str) else v.__name__,
 )
 def test_reshard_check_fails(fn, message) -> None:
     with pytest.raises(CheckFailed, match=message):

@@ -18,8 +18,6 @@ from ddlab.runtime.comm import first_ranks
 from mpi4py import MPI
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 PER_RANK, STEPS = 6, 3
 HIDDEN = (48, 32, 17)
@@ -56,12 +54,7 @@ def ddlab_state(model: sharded.Sharded, optimizer: torch.optim.Optimizer) -> dic
 
 def fsdp2(comm: MPI.Comm, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     init_gloo(comm)
-    mesh = init_device_mesh("cpu", (comm.Get_size(),))
-    model = make_mlp(seed=seed, dtype=torch.float64, hidden=HIDDEN)
-    for layer in model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded.torch_fsdp(make_mlp(seed=seed, dtype=torch.float64, hidden=HIDDEN))
     return model, adam(model.parameters())
 
 

@@ -12,9 +12,11 @@
 - `check_zero2_hooks(fn)`: fn(unit, comm, keep) makes ZeRO-2's difference: a unit's gradient
   reduce-scattered in its last post-accumulate-grad hook, keep(mean shard) called, the full gradient freed.
 - `check_zero3_unit(fn)`: fn(unit, gather, free, reduce) places a ZeRO-3 unit's hooks: gather
-  before forward, free after, gather before backward, reduce and free once its gradients are all there.
+  before forward, free after, gather before backward, reduce and free once its gradients are all there;
+  in float64, float32 and bfloat16, the hooks leaving the units' inputs, outputs and dtypes alone.
 - `check_reshard(fn)`: fn(shards, numel, size, rank) -> rank's shard of the flat buffer cut
-  for `size` ranks, from the shards another rank count wrote (padding is zeros).
+  for `size` ranks, from the shards another rank count wrote (padding is zeros); float64, float32
+  and bfloat16 bits, a new array in the shards' dtype on every call, the old shards left alone.
 
 Bounds come as the flat space of lab 13 cuts them (equal shards) and unevenly: a short
 last shard, and a rank with an empty one, so an answer that assumes equal shards fails.
@@ -414,23 +416,29 @@ def _reference_shard(flat: np.ndarray, size: int, rank: int) -> np.ndarray:
     return padded[rank * shard : (rank + 1) * shard].copy()
 
 
-def check_reshard(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray]) -> None:
-    """fn(shards, numel, size, rank) -> rank's shard when `numel` items are cut for `size` ranks.
+#: What a checkpoint's shards hold, dtype by dtype: float64 and float32 masters and Adam's moments, and a
+#: bfloat16 model's shards as their int16 bits (NumPy has no bfloat16); with the value marking the old padding.
+RESHARD_DTYPES: dict[type, float] = {np.float64: 7e7, np.float32: 7e7, np.int16: 7777}
 
-    `shards` are the equal padded shards another rank count wrote (their padding is not
-    zero here: it is nothing the new shard may copy). Each call must return a new array.
-    """
-    problems = []
+
+def _dtype_name(dtype: type) -> str:
+    return f"{np.dtype(dtype).name}{' = bfloat16 bits' if dtype == np.int16 else ''}"
+
+
+def _reshard_problem(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray], dtype: type) -> str | None:
+    """The first wrong shard along 4 -> 2 -> 3 -> 1 -> 4 -> 5 ranks for units of several lengths, or None."""
     for numel in (10, 12, 2, 7, 1):
-        flat = np.random.default_rng(numel).standard_normal(numel)
+        flat: np.ndarray = (100 * np.random.default_rng(numel).standard_normal(numel)).astype(dtype)
         shards = [_reference_shard(flat, 4, q) for q in range(4)]
         for size in (2, 3, 1, 4, 5):  # 4 -> 2 -> 3 -> 1 ..., each from the previous count's shards
             old_shard = shards[0].size
             for q, shard in enumerate(shards):  # mark the old padding: it must not reach the new shards
-                shard[max(0, numel - q * old_shard) :] = 7e7
+                shard[max(0, numel - q * old_shard) :] = RESHARD_DTYPES[dtype]
             new = []
             for rank in range(size):
-                context = f"reshard of {numel} items from {len(shards)} to {size} ranks, rank {rank}"
+                context = (
+                    f"reshard of {numel} items ({_dtype_name(dtype)}) from {len(shards)} to {size} ranks, rank {rank}"
+                )
                 given = [s.copy() for s in shards]
                 got = fn(given, numel, size, rank)
                 problem = array_problem(got, _reference_shard(flat, size, rank), "the new shard")
@@ -439,33 +447,56 @@ def check_reshard(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray]) -
                 if problem is None and any(not np.array_equal(a, b) for a, b in zip(given, shards)):
                     problem = "the old shards were changed: read them, do not write them"
                 if problem:
-                    problems.append(f"{context}: {problem}")
-                    break
+                    return f"{context}: {problem}"
                 new.append(got)
-            if problems:
-                break
+            for rank, got in enumerate(new):  # a later call must not have changed an earlier call's result
+                if not np.array_equal(got, _reference_shard(flat, size, rank)) or any(
+                    np.shares_memory(got, other) for other in new[rank + 1 :]
+                ):
+                    return (
+                        f"reshard of {numel} items ({_dtype_name(dtype)}) from {len(shards)} to {size} ranks: "
+                        f"rank {rank}'s new shard changed when a later rank's was made: return a new array on "
+                        "every call, not a buffer reused across calls"
+                    )
             shards = new
-        if problems:
-            break
-    if problems:
-        raise CheckFailed(
-            problems[0] + "\n(new rank r holds items [r s, (r+1) s) of the flat buffer, "
-            "s = ceil(numel / size); copy the overlapping pieces of the old shards, items past "
-            "numel are zeros)"
-        )
+    return None
+
+
+def check_reshard(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray]) -> None:
+    """fn(shards, numel, size, rank) -> rank's shard when `numel` items are cut for `size` ranks.
+
+    `shards` are the equal padded shards another rank count wrote (their padding is not
+    zero here: it is nothing the new shard may copy), in every dtype a checkpoint holds:
+    float64, float32, and bfloat16 as int16 bits. Each call must return a new array in the
+    shards' dtype, leave the old shards alone, and stay unchanged by later calls.
+    """
+    for dtype in RESHARD_DTYPES:
+        problem = _reshard_problem(fn, dtype)
+        if problem:
+            raise CheckFailed(
+                problem + "\n(new rank r holds items [r s, (r+1) s) of the flat buffer, "
+                "s = ceil(numel / size), in the shards' dtype; copy the overlapping pieces of the old "
+                "shards, items past numel are zeros)"
+            )
     # every rank ran the same cases, so all fail or pass alike; one line says so, from rank 0
     passed(
         MPI.COMM_WORLD,
-        "reshard cuts a checkpoint's shards for any rank count, 4 -> 2 -> 3 -> 1 -> 4 -> 5, padding zeros",
+        "reshard cuts a checkpoint's shards for any rank count, 4 -> 2 -> 3 -> 1 -> 4 -> 5, padding zeros, "
+        "float64, float32 and bfloat16 bits",
     )
 
 
-def _zero3_model() -> nn.Sequential:
+#: The dtypes the trainer runs a ZeRO-3 unit in: float64 and float32 (its master dtype) and bfloat16 (the
+#: compute dtype of mixed precision); the gradients' relative tolerance against autograd's, per dtype.
+ZERO3_DTYPES = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}
+
+
+def _zero3_model(dtype: torch.dtype) -> nn.Sequential:
     generator = torch.Generator().manual_seed(13)
-    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64))
     return model
 
 
@@ -510,22 +541,30 @@ class _UnitLog:
             p.grad = None
 
 
-def check_zero3_unit(
-    fn: Callable[[nn.Module, Callable[[], None], Callable[[], None], Callable[[], None]], Any],
-) -> None:
-    """fn(unit, gather, free, reduce) installs hooks on `unit` (an nn.Module) so that, in every step,
-    gather() runs before the unit's forward, free() right after it, gather() again before the
-    unit's backward, and, once all of the unit's gradients exist, reduce() then free().
-
-    The check wraps three Linear layers of a small model as units (its gather and free fill and
-    empty the parameters' storage, its reduce records and clears the gradients), runs two steps
-    of forward and backward, and compares the gradients reduce() saw with autograd's on a plain copy.
-    """
-    reference = _zero3_model()
-    x = torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(3, 5)
-    reference(x).square().sum().backward()
+def _zero3_problem(
+    fn: Callable[[nn.Module, Callable[[], None], Callable[[], None], Callable[[], None]], Any], dtype: torch.dtype
+) -> str | None:
+    """Two steps of a three-unit model in `dtype` with fn's hooks, against autograd on a plain copy: the first problem."""
+    name = str(dtype).removeprefix("torch.")
+    inputs = [
+        torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(3, 5).to(dtype),
+        torch.linspace(2, -0.5, 15, dtype=torch.float64).reshape(3, 5).to(dtype),
+    ]
+    reference = _zero3_model(dtype)
+    outputs, gradients = [], []
+    for x in inputs:
+        reference.zero_grad()
+        out = reference(x)
+        out.square().sum().backward()
+        outputs.append(out.detach().clone())
+        gradients.append(
+            [
+                [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in reference[2 * i].parameters()]
+                for i in range(3)
+            ]
+        )
     problems: list[str] = []
-    model = _zero3_model()
+    model = _zero3_model(dtype)
     units = [_UnitLog(i, model[2 * i], problems) for i in range(3)]
     for unit in units:
         unit.free()
@@ -550,15 +589,38 @@ def check_zero3_unit(
                 )
             )
         )
-    for step in range(2):
+    rtol = ZERO3_DTYPES[dtype]
+    for step, x in enumerate(inputs):
         for unit in units:
             unit.reduced = 0
+        given = x.clone()
         try:
-            model(x).square().sum().backward()
+            output = model(given)
         except RuntimeError as err:
-            problems.append(
-                f"backward failed ({err}): gather() the unit again before its backward needs its "
-                "parameters, e.g. in a hook on its output's gradient"
+            return (
+                f"{name}, step {step}: the forward failed ({err}): the hooks must leave the units' inputs and "
+                "outputs as they are (in the units' dtype), returning nothing or what they were given"
+            )
+        if problems:
+            return f"{name}: {problems[0]}"
+        if not torch.equal(given, x):
+            return f"{name}, step {step}: the model's input was changed in place by a hook: leave it alone"
+        if not isinstance(output, torch.Tensor) or output.dtype != dtype:
+            got = output.dtype if isinstance(output, torch.Tensor) else type(output).__name__
+            return (
+                f"{name}, step {step}: the model's output is {got}, its units compute in {dtype}: a hook made or "
+                "cast a tensor in a fixed dtype; return nothing from the hooks (or what they were given)"
+            )
+        if not torch.allclose(output.detach(), outputs[step], rtol=rtol, atol=0):
+            return f"{name}, step {step}: the model's output differs from the same model's without hooks"
+        try:
+            output.square().sum().backward()
+        except RuntimeError as err:
+            return (
+                f"{name}, step {step}: backward failed ({err}): gather() the unit again before its backward needs "
+                "its parameters, e.g. in a hook on its output's gradient, and return nothing from that hook (or "
+                "the gradient it was given, in its dtype); a hook must not keep a tensor from one step to the "
+                "next (a buffer reused across steps ties this step's graph to the last one's)"
             )
         for unit in units:
             if problems:
@@ -573,19 +635,36 @@ def check_zero3_unit(
                     f"unit {unit.index} still holds its parameters after backward: free() it once its "
                     "gradients are reduced"
                 )
-            else:
-                want = [
-                    p.grad if p.grad is not None else torch.zeros_like(p)
-                    for p in reference[2 * unit.index].parameters()
-                ]
-                if not all(torch.allclose(g, w, rtol=1e-12, atol=0) for g, w in zip(unit.grads, want)):
-                    problems.append(f"unit {unit.index}: the gradients reduce() saw differ from autograd's")
+            elif not all(
+                g.dtype == dtype and torch.allclose(g, w, rtol=rtol, atol=0)
+                for g, w in zip(unit.grads, gradients[step][unit.index])
+            ):
+                problems.append(f"step {step}: unit {unit.index}: the gradients reduce() saw differ from autograd's")
         if problems:
-            break
-    if problems:
-        raise CheckFailed(problems[0])
+            return f"{name}: {problems[0]}"
+    return None
+
+
+def check_zero3_unit(
+    fn: Callable[[nn.Module, Callable[[], None], Callable[[], None], Callable[[], None]], Any],
+) -> None:
+    """fn(unit, gather, free, reduce) installs hooks on `unit` (an nn.Module) so that, in every step,
+    gather() runs before the unit's forward, free() right after it, gather() again before the
+    unit's backward, and, once all of the unit's gradients exist, reduce() then free().
+
+    The check wraps three Linear layers of a small model as units (its gather and free fill and
+    empty the parameters' storage, its reduce records and clears the gradients), runs two steps
+    of forward and backward on different inputs, in every dtype the trainer runs a unit in (float64,
+    float32, bfloat16), and compares the output and the gradients reduce() saw with autograd's on a
+    plain copy: a hook that changes a tensor's dtype, changes the input in place, or returns a buffer
+    it reuses across steps fails.
+    """
+    for dtype in ZERO3_DTYPES:
+        problem = _zero3_problem(fn, dtype)
+        if problem:
+            raise CheckFailed(problem)
     passed(
         MPI.COMM_WORLD,
         "zero3 hooks gather each unit before forward and backward, free it after, and reduce its "
-        "gradients once they are complete",
+        "gradients once they are complete, in float64, float32 and bfloat16",
     )

@@ -6,6 +6,8 @@
 - `DynamicLossScale` (precision.py): float16 training without gradients underflowing.
 - `save_sharded`, `load_sharded` (checkpoint.py): each rank writes its shards; load on any rank count.
 - `to_dcp`, `from_dcp` (torch_checkpoint.py): a checkpoint to and from torch.distributed.checkpoint (FSDP2 reads it).
+- `torch_zero`, `torch_fsdp`, `held_bytes` (torch_baselines.py): torch's ZeroRedundancyOptimizer and FSDP2 beside
+  ddlab's, and the bytes of model state a rank holds, counted alike for all.
 - `HybridSharded` (hybrid.py): HSDP, sharded inside groups of ranks and replicated across them.
 - collectives.py: the pluggable reduce-scatter and allgather ("mpi", "ring" = lab 03's halves, yours).
 """
@@ -16,5 +18,6 @@ from .flat import FlatSpace
 from .hybrid import HybridSharded, two_stage
 from .optimizer import ShardedOptimizer
 from .precision import DynamicLossScale
+from .torch_baselines import held_bytes, torch_fsdp, torch_zero
 from .torch_checkpoint import from_dcp, to_dcp
 from .zero import STAGES, Sharded, Unit
