@@ -193,6 +193,15 @@ def valid_search(gpt, devices, template, platform, budget):
     return sorted(ranked, key=lambda pred: pred.time), rejected
 
 
+def in_reversed_key_order(fn):
+    """The text says "a dict": the same values with the keys in another order pass."""
+
+    def reordered(*args):
+        return dict(reversed(list(fn(*args).items())))
+
+    return reordered
+
+
 def rejected_in_another_order(gpt, devices, template, platform, budget):
     """The text asks for "a list" of the rejected layouts, in no order: reversed, it passes."""
     ranked, rejected = search(gpt, devices, template, platform, budget)
@@ -268,7 +277,9 @@ def test_wrong_answers_fail(check, wrong, words):
     [
         (check_memory_per_rank, valid_memory),
         (check_memory_per_rank, memory_per_rank),
+        (check_memory_per_rank, in_reversed_key_order(memory_per_rank)),
         (check_step_time, valid_time),
+        (check_step_time, in_reversed_key_order(step_time)),
         (check_step_time, step_time),
         (check_layout_search, valid_search),
         (check_layout_search, rejected_in_another_order),

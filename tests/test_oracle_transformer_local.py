@@ -25,6 +25,9 @@ from ddlab.oracle.transformer_local import (
     predict_mesh,
     rank_memory_local,
     rank_parameters,
+    ring_arithmetic,
+    ring_arithmetic_seconds,
+    ring_block_flops,
     ring_exchanges,
     ring_time,
     zero_units,
@@ -131,6 +134,24 @@ def test_calibration_on_one_process_measures_a_rate():
     platform = calibrate(MPI.COMM_SELF, _platform(), CONFIG, lambda: make_gpt(CONFIG), _batch_at, BATCH, 8, 1, 1)
     assert platform.flops > 0 and platform.contention == (1.0,)
     assert platform.overheads["gpt layer"] >= 0.0
+    assert platform.overheads["ring block"] >= 0.0 and platform.overheads["ring flop"] > 0.0
+
+
+def test_ring_attention_s_own_arithmetic_is_priced_on_context_layouts():
+    """A context rank runs c blocks of lab 15's NumPy code per layer and micro-batch in place of the
+    attention the GPT's rate prices; without context, or without that calibration, nothing changes."""
+    block, per_flop = 2e-4, 1e-9
+    platform = replace(_platform(), overheads={"gpt layer": 1e-3, "ring block": block, "ring flop": per_flop})
+    case = MeshCase(1, 2, 1, BATCH, CONFIG.block_size, context=2)  # 2 heads per rank, 4 rows per block
+    blocks = CONFIG.n_layer * 2 * (block + ring_block_flops(BATCH, 2, 4, 4) * per_flop)
+    torch_share = 12 * BATCH * CONFIG.n_layer * CONFIG.block_size**2 * CONFIG.n_embd / 4 / platform.flops
+    assert ring_arithmetic(CONFIG, case, platform) == pytest.approx(blocks - torch_share)
+    assert ring_arithmetic(CONFIG, replace(case, context=1, data=2), platform) == 0.0
+    assert ring_arithmetic(CONFIG, case, _platform()) == 0.0
+    uncalibrated = mesh_time(CONFIG, case, _platform())["compute"]
+    extra = (blocks - torch_share) * platform.slowdown(4)
+    assert mesh_time(CONFIG, case, platform)["compute"] == pytest.approx(uncalibrated + extra)
+    assert ring_arithmetic_seconds(2, 2, 4, 4, 2, repeats=1) > 0.0
 
 
 def test_bad_input_says_what_to_do():

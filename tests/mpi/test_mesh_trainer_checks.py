@@ -5,6 +5,7 @@ NotImplementedError; on every rank."""
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -35,12 +36,18 @@ from mpi4py import MPI
 STEPS = 10
 
 
-def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b):
-    """Exercise 16.2's solution as the notebook writes it; the arguments make the wrong answers."""
+def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b, last_broadcasts=True):
+    """Exercise 16.2's solution as the notebook writes it; the arguments make the wrong answers.
+
+    plane: "replicas" (right), "data" (every rank averages over its data ranks only), or "mixed" (context rank 1
+    averages, shards and sums the loss over mesh.data, the others over mesh.replicas: ranks of one plane
+    meet different collectives). last_broadcasts=False: the last stage keeps its loss instead of joining the
+    pipeline's broadcast of it, so the other stages wait for it."""
 
     def train(model, mesh, batch_at, steps, micro_batches=1, zero=0, sequence_parallel=False):
         p, s = mesh.sizes["pipeline"], mesh.coords["pipeline"]
-        replicas = mesh.replicas if plane == "replicas" else mesh.data
+        mixed = plane == "mixed" and mesh.coords["context"] == 1
+        replicas = mesh.replicas if plane == "replicas" or (plane == "mixed" and not mixed) else mesh.data
         attend = functools.partial(ring_attention_heads, mesh.context) if mesh.sizes["context"] > 1 else None
         units = [Embeddings(model, mesh.tensor, mesh.context, sequence_parallel)] if s == 0 else []
         for i in block_range(model.config.n_layer, s, p):
@@ -81,7 +88,10 @@ def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b):
                 average_gradients(stage, replicas)
             optimizer.step()
             mean = replicas.allreduce(sum(done)) / replicas.Get_size() if s == p - 1 else 0.0
-            losses.append(mesh.pipeline.bcast(mean, root=p - 1))
+            if last_broadcasts or s < p - 1:
+                losses.append(mesh.pipeline.bcast(mean, root=p - 1))
+            else:
+                losses.append(mean)
         if zero:
             module.close()
         return losses
@@ -128,11 +138,13 @@ def the_library_trainer(model, mesh, batch_at, steps, micro_batches=1, zero=0, s
         trainer.close()
 
 
-def expect_trainer_failure(fn, *words: str) -> None:
+def expect_trainer_failure(fn, *words: str, timeout: float = 20.0) -> None:
+    """check_mesh_trainer(fn) fails with every word in its message, the same message on every rank."""
     with pytest.raises(CheckFailed) as info:
-        check_mesh_trainer(fn)
+        check_mesh_trainer(fn, timeout=timeout)
     for word in words:
         assert word in str(info.value), str(info.value)
+    assert len(set(MPI.COMM_WORLD.allgather(str(info.value)))) == 1, "the ranks disagree on the failure"
 
 
 def test_the_assembled_trainer_and_the_library_s_pass(comm) -> None:
@@ -145,6 +157,23 @@ def test_wrong_trainers_fail(comm) -> None:
         expect_trainer_failure(assembled(plane="data"), "differ from one process's", "context")
     expect_trainer_failure(assembled(sum_sp=False), "differ from one process's", "sequence parallel")
     expect_trainer_failure(assembled(scale=False), "differ from one process's", "micro-batches")
+
+
+#: The check's deadline per wait in the tests of answers that used to hang it.
+WAIT = 5.0
+
+
+def test_trainers_whose_ranks_meet_different_collectives_fail_within_the_deadline(comm) -> None:
+    """Both hung the check before it ran the trainer on counting communicators (the pipeline's stages left in
+    the loss's broadcast; a plane's ranks in a broadcast or an allreduce the others never join)."""
+    started = time.monotonic()
+    expect_trainer_failure(
+        assembled(last_broadcasts=False), "Stalled", "Bcast", "waited in vain", "the loss's broadcast", timeout=WAIT
+    )
+    if comm.Get_size() == 4:  # a ZeRO case with context ranks: replicas (data x context) differs from data
+        expect_trainer_failure(assembled(plane="mixed"), "Stalled", "Dup", "mesh.replicas", timeout=WAIT)
+    assert time.monotonic() - started < 180, "the failures took longer than the deadlines allow"
+    check_mesh_trainer(assembled(), timeout=WAIT)  # and the next check on the same ranks runs clean
 
 
 def test_a_trainer_stub_raises_not_implemented(comm) -> None:

@@ -16,7 +16,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..mesh.layout import DIMS, SplitMesh, coordinates, layouts
+from ..mesh.layout import DIMS, Mesh, SplitMesh, coordinates, layouts
 from ..pipeline.interleaved import (
     Interleaved,
     chunk_in_flight,
@@ -28,7 +28,7 @@ from ..pipeline.interleaved import (
 )
 from ..pipeline.schedules import bubble
 from ..runtime.counting import CountingComm, MismatchedCollective, underlying
-from ._core import each_size, fail_together, passed, run_counted
+from ._core import CheckFailed, each_size, fail_together, passed, run_counted
 
 TIMEOUT = 10.0
 #: The communicator constructors the check's communicator offers; the ranks must call the same one.
@@ -178,6 +178,25 @@ TRAINER_CASES = {
     ],
 }
 TRAINER_STEPS = 2
+#: Seconds a rank of the trainer waits at any one call (a message, a collective) before the check fails.
+TRAINER_TIMEOUT = 20.0
+#: The MPI collectives the trainer's communicators offer, each under the deadline (what the library's parts
+#: and the loss's average and broadcast use); any other is refused, as exercise 16.2's text says.
+TRAINER_COLLECTIVES = (
+    "Allreduce",
+    "Iallreduce",
+    "Allgather",
+    "Allgatherv",
+    "Reduce_scatter",
+    "Bcast",
+    "allgather",
+    "allreduce",
+)
+TRAINER_HINT = (
+    "A rank waited in vain: the ranks of a communicator must make the same collective calls in the same "
+    "order. Is a call made on some ranks only (the loss's broadcast left out on the last stage?), or over "
+    "another communicator on some ranks (mesh.data on some, mesh.replicas on others)?"
+)
 
 
 def _trainer_cases(world: int) -> list[tuple[int, int, int, int, int, int, bool]]:
@@ -186,13 +205,15 @@ def _trainer_cases(world: int) -> list[tuple[int, int, int, int, int, int, bool]
     return [(world, 1, 1, 1, 1, 0, False), (1, world, 1, 1, 1, 0, True), (1, 1, world, 1, 2, 0, False)]
 
 
-def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS) -> None:
+def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS, timeout: float = TRAINER_TIMEOUT) -> None:
     """fn(model, mesh, batch_at, steps, micro_batches, zero, sequence_parallel) -> the losses of `steps` steps.
 
     Each case trains lab 16's 4-block GPT (float64, block size 8, batch 12) from the same weights as one
-    process, on a mesh of the world's ranks built here; every rank's losses must be one process's to 1e-8."""
+    process, on a mesh of the world's ranks built here on the check's counting communicator: every wait
+    gives up after `timeout` seconds (or as soon as another rank fails), and only the collectives of
+    TRAINER_COLLECTIVES are offered, so ranks that make different collective calls fail the check instead
+    of hanging it. Every rank's losses must be one process's to 1e-8."""
     from ..data.text import BatchSampler, make_corpus
-    from ..mesh.layout import Mesh
     from ..models.gpt import GPTConfig, make_gpt, train_gpt
 
     world = MPI.COMM_WORLD
@@ -202,24 +223,24 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS) -> None:
     want: list[float] | None = None  # one process's losses, computed once fn has returned (a stub fails first)
     comm = world.Dup()
     try:
-        for data, tensor, pipeline, context, micro, zero, sp in _trainer_cases(world.Get_size()):
+        for case in _trainer_cases(world.Get_size()):
+            data, tensor, pipeline, context, micro, zero, sp = case
             what = f"{data} data x {tensor} tensor x {pipeline} pipeline x {context} context"
             what += (
                 f", {micro} micro-batches" + (f", ZeRO-{zero}" if zero else "") + (", sequence parallel" if sp else "")
             )
-            mesh = Mesh.build(comm, data=data, tensor=tensor, pipeline=pipeline, context=context)
-            problem = stub = got = None
             try:
-                got = fn(make_gpt(config, dtype=torch.float64), mesh, sampler.batch_at, steps, micro, zero, sp)
-            except NotImplementedError as err:
-                stub = str(err) or "not implemented"
-            except Exception as err:  # the student's code failed on this rank: every rank reports it
-                problem = f"{type(err).__name__}: {err}"
-            finally:
-                mesh.free()
-            stubs = [s for s in comm.allgather(stub) if s]
-            if stubs:
-                raise NotImplementedError(stubs[0])
+                got, _ = run_counted(
+                    comm,
+                    _train_case,
+                    (fn, config, sampler.batch_at, steps, case),
+                    f"the mesh trainer on {what}",
+                    timeout=timeout,
+                    allow=TRAINER_COLLECTIVES,
+                )
+            except CheckFailed as err:  # the advice on collectives only where a rank waited in vain
+                waited = any(word in str(err) for word in ("Stalled", "PeerFailed", "MismatchedCollective"))
+                raise CheckFailed(f"{err}\n{TRAINER_HINT}" if waited else str(err)) from None
             if want is None:
                 one = (
                     train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, steps)
@@ -227,11 +248,29 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS) -> None:
                     else None
                 )
                 want = comm.bcast(one)
-            problem = problem or _losses_problem(got, want)
-            fail_together(comm, problem, f"the mesh trainer is wrong on {what}")
+            fail_together(comm, _losses_problem(got, want), f"the mesh trainer is wrong on {what}")
     finally:
         comm.Free()
     passed(world, f"the mesh trainer takes one process's steps (float64, 1e-8, {steps} steps) on every layout tried")
+
+
+def _train_case(
+    counting: CountingComm,
+    fn: Any,
+    config: Any,
+    batch_at: Any,
+    steps: int,
+    case: tuple[int, int, int, int, int, int, bool],
+) -> Any:
+    """fn's losses on the mesh of one case, built on the check's counting communicator (and freed after)."""
+    from ..models.gpt import make_gpt
+
+    data, tensor, pipeline, context, micro, zero, sp = case
+    mesh = Mesh.build(cast(MPI.Comm, counting), data=data, tensor=tensor, pipeline=pipeline, context=context)
+    try:
+        return fn(make_gpt(config, dtype=torch.float64), mesh, batch_at, steps, micro, zero, sp)
+    finally:
+        mesh.free()
 
 
 def _losses_problem(got: Any, want: list[float]) -> str | None:

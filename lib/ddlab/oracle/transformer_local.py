@@ -12,7 +12,9 @@ measured curves; with c context ranks, ring attention's messages instead of `ste
 collectives for them, `ring_time`: per layer and micro-batch c - 1 key/value blocks forward,
 c - 1 backward and c of their gradients, each priced by the measured ping-pong curve; the
 zig-zag layout gives every context rank 1/c of the causal work, so the FLOPs are split over
-all N = d t p c ranks like the others), with two inputs measured on this machine for this GPT, the same for
+all N = d t p c ranks like the others; the attention's part of them a context rank runs in lab 15's
+blockwise NumPy code instead, which is timed alone as the GPT is: `ring_arithmetic`), with two inputs
+measured on this machine for this GPT, the same for
 every layout (`calibrate`, from one process training it alone, at the whole batch B and
 at B/P): the FLOP rate, and the seconds the implementation spends per layer and
 micro-batch whatever their size (Python, kernel launches, the optimizer's loop: at lab 16's
@@ -73,9 +75,11 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..context_parallel import all_positions, attend_block, attend_block_backward, empty_partial, finish, merge_partials
 from ..mesh import train_on_mesh
 from ..mesh.layout import coordinates
 from ..model_parallel import polite_barrier
@@ -470,6 +474,54 @@ def zero_seconds(config: Any, case: MeshCase, platform: Platform) -> float:
     )
 
 
+def ring_block_flops(batch: int, heads: int, rows: int, head_size: int) -> float:
+    """FLOPs of one block of ring attention, forward and backward, on a rank: its `rows` queries over `rows` keys,
+    4 n^2 d per head forward (scores, then their weights times the values) and twice that backward."""
+    return 12.0 * batch * heads * rows * rows * head_size
+
+
+def ring_arithmetic_seconds(batch: int, heads: int, rows: int, head_size: int, context: int, repeats: int = 3) -> float:
+    """Median seconds, on this process, of one context rank's ring attention arithmetic for one layer and
+    micro-batch, forward and backward: lab 15's blockwise code (`attend_block`, `merge_partials`, `finish`,
+    `attend_block_backward`) over the `context` blocks rank 0 of the zig-zag ring meets, without messages."""
+    rng = np.random.default_rng(0)
+    q, k, v, grad_out = (rng.standard_normal((batch, heads, rows, head_size)) for _ in range(4))
+    positions = all_positions(rows * context, context)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        partial = empty_partial(q, head_size)
+        for source in range(context):
+            partial = merge_partials(partial, attend_block(q, k, v, positions[0], positions[source]))
+        out, lse = finish(partial)
+        delta = np.sum(grad_out * out, axis=-1)
+        for source in range(context):
+            attend_block_backward(q, k, v, grad_out, lse, delta, positions[0], positions[source])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ring_arithmetic(config: Any, case: MeshCase, platform: Platform) -> float:
+    """Seconds a context rank spends per step in ring attention's own arithmetic, beyond what the GPT's rate
+    gives its attention (0 with one context rank, or a platform not calibrated for it, `calibrate`).
+
+    Per layer of a stage and micro-batch, c blocks of (s/c) x (s/c) for its a/t heads, each
+    `overheads["ring block"]` + its FLOPs x `overheads["ring flop"]` (lab 15's NumPy code, timed alone);
+    less the attention's FLOPs the compute already prices at the GPT's rate (4 s^2 h per sequence and layer
+    forward, Narayanan et al.'s count, three times with backward, over the N ranks)."""
+    if case.context == 1 or "ring block" not in platform.overheads:
+        return 0.0
+    c, t, m = case.context, case.tensor, case.micro_batches
+    b, rows = case.batch // (case.data * m), case.seq // c
+    heads, head_size = config.n_head // t, config.n_embd // config.n_head
+    block = (
+        platform.overheads["ring block"] + ring_block_flops(b, heads, rows, head_size) * platform.overheads["ring flop"]
+    )
+    layers = len(block_range(config.n_layer, 0, case.pipeline))
+    torch_share = 12.0 * case.batch * config.n_layer * case.seq**2 * config.n_embd / case.ranks / platform.flops
+    return layers * m * c * block - torch_share
+
+
 def busy_ranks(case: MeshCase, platform: Platform) -> float:
     """Ranks computing at once on average: all but the bubble's, d t c p m / (m + p - 1) (lab 09's pipeline)."""
     p, m = case.pipeline, case.micro_batches
@@ -492,7 +544,7 @@ def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, floa
     flops = iteration_flops(GPT.from_config(config, seq=case.seq), case.batch, "none") / layout.devices
     layers = len(block_range(config.n_layer, 0, case.pipeline))
     fixed = platform.overheads.get("gpt layer", 0.0) * layers * case.micro_batches
-    compute = (flops / platform.flops + fixed) * platform.slowdown(busy)
+    compute = (flops / platform.flops + fixed + ring_arithmetic(config, case, platform)) * platform.slowdown(busy)
     if case.zero:
         parts["data"] = zero_seconds(config, case, platform)
     return {
@@ -574,17 +626,24 @@ def calibrate(
     the optimizer's loop), o per layer and micro-batch (`overheads["gpt layer"]`). c(P),
     the slowdown with all P ranks computing, is together / alone at B/P (the slowest rank's),
     c(n) linear from 1 to c(P). Medians over the rounds; `sync` is measured again (it moves with
-    the load more than the rest). Every rank gets the same Platform."""
+    the load more than the rest). With a sequence that splits into 2 x 2 zig-zag chunks, rank 0 also
+    times ring attention's own arithmetic alone (lab 15's blockwise NumPy code, which context layouts run
+    instead of the GPT's torch attention) at B/P and B sequences, and the same two-point fit gives its
+    seconds per block (`overheads["ring block"]`) and per FLOP (`overheads["ring flop"]`): see `ring_arithmetic`.
+    Every rank gets the same Platform."""
     p = comm.Get_size()
     if batch % p:
         raise ValueError(f"the batch of {batch} does not split over {p} ranks: use a multiple of {p}")
     small = _first(batch_at, batch // p)
     alone, alone_small, together = [], [], []
+    rings: list[tuple[float, float]] = []
     for _ in range(rounds):
         polite_barrier(comm)
         mine = comm.Get_rank() == 0
         alone.append(one_process_seconds(make_model, batch_at, steps) if mine else 0.0)
         alone_small.append(one_process_seconds(make_model, small, steps) if mine else 0.0)
+        if mine and seq % 4 == 0:
+            rings.append((_ring_seconds(config, batch // p, seq), _ring_seconds(config, batch, seq)))
         polite_barrier(comm)
         together.append(comm.allreduce(one_process_seconds(make_model, small, steps), op=MPI.MAX))
     whole, part = comm.bcast((statistics.median(alone), statistics.median(alone_small)), root=0)
@@ -598,8 +657,28 @@ def calibrate(
     worst = max(1.0, statistics.median(together) / part)
     contention = tuple(1.0 + (worst - 1.0) * (n - 1) / max(p - 1, 1) for n in range(1, p + 1))
     overheads = {**platform.overheads, "gpt layer": fixed / config.n_layer}
+    ring = comm.bcast(_ring_fit(config, batch, seq, p, rings) if rings else None, root=0)
+    if ring is not None:
+        overheads["ring block"], overheads["ring flop"] = ring
     sync = comm.bcast(measure_sync(comm), root=0) if p > 1 else 0.0
     return replace(platform, flops=flops, contention=contention, overheads=overheads, sync=sync)
+
+
+def _ring_seconds(config: Any, batch: int, seq: int) -> float:
+    """A block of ring attention on this process: two context ranks' zig-zag rows of `seq`, all heads."""
+    return ring_arithmetic_seconds(batch, config.n_head, seq // 2, config.n_embd // config.n_head, 2) / 2
+
+
+def _ring_fit(config: Any, batch: int, seq: int, p: int, rings: list[tuple[float, float]]) -> tuple[float, float]:
+    """(seconds per block, seconds per FLOP) of ring attention's arithmetic, from its blocks at B/P and B
+    sequences (medians over the rounds), as the GPT's rate and cost per layer are found."""
+    small, big = (statistics.median(r[i] for r in rings) for i in (0, 1))
+    head_size = config.n_embd // config.n_head
+    little, large = (ring_block_flops(b, config.n_head, seq // 2, head_size) for b in (batch // p, batch))
+    if large > little and big > small:
+        per_flop = (big - small) / (large - little)
+        return max(0.0, small - little * per_flop), per_flop
+    return 0.0, big / large
 
 
 def local_platform(

@@ -177,9 +177,12 @@ class Sharded(nn.Module):
         self.module, self.stage, self.prefetch, self.ledger = module, stage, prefetch, ledger
         self._collectives = Collectives(collectives)
         self.tracer = tracer or Tracer(enabled=False)
+        # Its own communicator: collectives in flight never mix with the caller's messages. Made first: on a
+        # CountingComm every rank meets at the Dup under the deadline, so a rank that never builds the engine
+        # (or builds it over other ranks) fails there instead of leaving the others in the broadcast.
+        self.comm = comm.Dup()
         if broadcast:
             broadcast_parameters(module, underlying(comm))  # a CountingComm's real one: not step traffic
-        self.comm = comm.Dup()  # its own: collectives in flight never mix with the caller's messages
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         dtypes = {p.dtype for p in module.parameters()}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
