@@ -2,7 +2,7 @@
 
 Every rank runs the same tests on sub-communicators of the first P ranks for P = 1 .. world
 size, with the zig-zag and the contiguous layouts, at lengths that 2P divides and that it does
-not (padding), on (n, d) and (batch, heads, n, d) arrays; values are gathered and compared on
+not (padding), causal and (at lengths every 2P divides) not, on (n, d) and (batch, heads, n, d) arrays; values are gathered and compared on
 every rank, so a failure fails every rank. Also: the messages each rank sends, the autograd
 function on lab 14's GPT shapes, and a ring whose neighbour never sends stalling within its deadline.
 The solution notebook's ring backward (exercise 15.3) and Ulysses (15.5) are run here too, against
@@ -36,6 +36,8 @@ from ddlab.runtime.waiting import Stalled
 from mpi4py import MPI
 
 CASES = [((11, 4), True), ((2, 3, 16, 4), True), ((13, 4), False), ((2, 16, 2), False)]
+#: Without the causal mask every query sees every key, padding too: lengths 2P divides for every P up to 4.
+NOT_CAUSAL = [((24, 4), True), ((2, 3, 24, 2), False)]
 
 
 def _inputs(shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -43,29 +45,30 @@ def _inputs(shape: tuple[int, ...]) -> list[np.ndarray]:
     return [rng.standard_normal(shape) for _ in range(4)]  # q, k, v, grad_out
 
 
-def _torch_reference(q, k, v, grad_out):
+def _torch_reference(q, k, v, grad_out, causal=True):
     qt, kt, vt = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
     length = q.shape[-2]
     scores = qt @ kt.transpose(-1, -2) / np.sqrt(q.shape[-1])
-    scores = scores + torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
+    if causal:
+        scores = scores + torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)
     out = torch.softmax(scores, dim=-1) @ vt
     out.backward(torch.tensor(grad_out))
     return out.detach().numpy(), [t.grad.numpy() for t in (qt, kt, vt)]
 
 
-@pytest.mark.parametrize("shape,zigzag", CASES)
-def test_forward_and_backward_equal_one_process(comm, shape, zigzag):
+@pytest.mark.parametrize("shape,zigzag,causal", [(*c, True) for c in CASES] + [(*c, False) for c in NOT_CAUSAL])
+def test_forward_and_backward_equal_one_process(comm, shape, zigzag, causal):
     q, k, v, grad_out = _inputs(shape)
-    want_out, want_grads = _torch_reference(q, k, v, grad_out)
-    _, want_lse = reference_attention(q, k, v)
+    want_out, want_grads = _torch_reference(q, k, v, grad_out, causal)
+    _, want_lse = reference_attention(q, k, v, causal=causal)
     length = shape[-2]
 
     def body(sub):
         rank, size = sub.Get_rank(), sub.Get_size()
         positions = all_positions(length, size, zigzag)
         mine = [take_rows(a, positions[rank]) for a in (q, k, v, grad_out)]
-        out, lse = ring_attention(sub, *mine[:3], positions)
-        grads = ring_attention_backward(sub, *mine[:3], out, lse, mine[3], positions)
+        out, lse = ring_attention(sub, *mine[:3], positions, causal=causal)
+        grads = ring_attention_backward(sub, *mine[:3], out, lse, mine[3], positions, causal)
         full = [put_rows(sub.allgather(a), positions, length) for a in (out, *grads)]
         lse_full = put_rows([p[..., None] for p in sub.allgather(lse)], positions, length)[..., 0]
         for name, got, want in zip(("output", "dq", "dk", "dv"), full, [want_out, *want_grads]):
@@ -75,7 +78,7 @@ def test_forward_and_backward_equal_one_process(comm, shape, zigzag):
             return "the log-sum-exp differs from one process's"
         return None
 
-    each_size(comm, body, f"ring attention of shape {shape}, {'zig-zag' if zigzag else 'contiguous'}")
+    each_size(comm, body, f"ring attention of shape {shape}, {'zig-zag' if zigzag else 'contiguous'}, causal {causal}")
 
 
 def test_messages_per_rank(comm):
@@ -181,27 +184,29 @@ SOLUTIONS = Path(__file__).parents[2] / "solutions" / "15_long_sequences_and_exp
 
 
 @pytest.mark.parametrize("answer", ["library", "my_ring_backward"])
-@pytest.mark.parametrize("shape,zigzag", CASES)
-def test_the_students_backward_equals_autograd_on_one_process(comm, shape, zigzag, answer):
-    """Exercise 15.3's answer (and the library's) from the forward's own out and lse: dq, dk, dv within 1e-10."""
+@pytest.mark.parametrize("shape,zigzag,causal", [(*c, True) for c in CASES] + [(*c, False) for c in NOT_CAUSAL])
+def test_the_students_backward_equals_autograd_on_one_process(comm, shape, zigzag, causal, answer):
+    """Exercise 15.3's answer (and the library's) from the forward's own out and lse: dq, dk, dv within 1e-10,
+    causal and not, on 1 .. P ranks."""
     backward = ring_attention_backward if answer == "library" else _solution(answer)
     q, k, v, grad_out = _inputs(shape)
-    _, want_grads = _torch_reference(q, k, v, grad_out)
+    _, want_grads = _torch_reference(q, k, v, grad_out, causal)
     length = shape[-2]
 
     def body(sub):
         rank, size = sub.Get_rank(), sub.Get_size()
         positions = all_positions(length, size, zigzag)
         mine = [take_rows(a, positions[rank]) for a in (q, k, v, grad_out)]
-        out, lse = ring_attention(sub, *mine[:3], positions)
-        grads = backward(sub, *mine[:3], out, lse, mine[3], positions)
+        out, lse = ring_attention(sub, *mine[:3], positions, causal=causal)
+        grads = backward(sub, *mine[:3], out, lse, mine[3], positions, causal)
         for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
             whole = put_rows(sub.allgather(got), positions, length)
             if not np.allclose(whole, want, rtol=0, atol=1e-10):
                 return f"{name} differs from autograd's by {np.abs(whole - want).max():.2e}"
         return None
 
-    each_size(comm, body, f"{answer}'s backward, shape {shape}, {'zig-zag' if zigzag else 'contiguous'}")
+    layout = "zig-zag" if zigzag else "contiguous"
+    each_size(comm, body, f"{answer}'s backward, shape {shape}, {layout}, {'causal' if causal else 'not causal'}")
 
 
 @pytest.mark.parametrize("answer", ["library", "my_ulysses"])

@@ -8,9 +8,6 @@ none sends: it must fail at the check's deadline, not hang); a ring that sends t
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
-
 import numpy as np
 import pytest
 from ddlab.checks import CheckFailed, check_ring_attention, check_ring_attention_backward, check_ulysses, check_zigzag
@@ -176,28 +173,21 @@ def test_zigzag_check_on_ranks(comm, capsys):
 # --- the backward ring (exercise 15.3) and Ulysses (exercise 15.5) ---------------------------------------------
 
 
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """End this process, with every thread's traceback, if the block takes longer than `seconds`: a hang fails."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-
-
-def backward_by(shift, last_hop=True, fixed_dtype=None, extra=False):
+def backward_by(shift, last_hop=True, fixed_dtype=None, extra=False, always_causal=False):
     """A backward ring whose blocks move by shift(comm, send, tag) -> received; the variations are wrong answers:
     last_hop=False stops the gradients one hop short of home, fixed_dtype receives into buffers of that dtype,
-    extra=True sends the key/value block on the last step too."""
+    extra=True sends the key/value block on the last step too, always_causal masks whatever `causal` says."""
 
-    def answer(comm, q, k, v, out, lse, grad_out, positions):
+    def answer(comm, q, k, v, out, lse, grad_out, positions, causal):
+        causal = causal or always_causal
         rank, size = comm.Get_rank(), comm.Get_size()
         delta = np.sum(grad_out * out, axis=-1)
         held, grads, dq = np.stack([k, v]), np.zeros((2, *k.shape), dtype=k.dtype), np.zeros_like(q)
         for step in range(size):
             source = (rank - step) % size
-            share = attend_block_backward(q, held[0], held[1], grad_out, lse, delta, positions[rank], positions[source])
+            share = attend_block_backward(
+                q, held[0], held[1], grad_out, lse, delta, positions[rank], positions[source], causal
+            )
             dq += share[0]
             grads = grads + np.stack(share[1:])
             if size > 1 and (last_hop or step < size - 1):
@@ -223,20 +213,25 @@ def by_sendrecv(comm, send, tag, dtype=None):
     return incoming
 
 
-def backward_scaling_grad_in_place(comm, q, k, v, out, lse, grad_out, positions):
+def backward_scaling_grad_in_place(comm, q, k, v, out, lse, grad_out, positions, causal):
     """Scales grad_out by 1 in place first... by multiplying it by 2 and dividing back: the caller's array is touched."""
     grad_out *= 2.0
-    result = ring_attention_backward(comm, q, k, v, out, lse, grad_out / 2.0, positions)
+    result = ring_attention_backward(comm, q, k, v, out, lse, grad_out / 2.0, positions, causal)
     grad_out /= 3.0
     return result
 
 
-def backward_on_the_world(comm, q, k, v, out, lse, grad_out, positions):
-    return backward_by(by_isend_irecv)(MPI.COMM_WORLD, q, k, v, out, lse, grad_out, positions)
+def backward_on_the_world(comm, q, k, v, out, lse, grad_out, positions, causal):
+    return backward_by(by_isend_irecv)(MPI.COMM_WORLD, q, k, v, out, lse, grad_out, positions, causal)
+
+
+def backward_without_the_flag(comm, q, k, v, out, lse, grad_out, positions):
+    """The exercise as it was before the causal flag: eight arguments, always causal."""
+    return ring_attention_backward(comm, q, k, v, out, lse, grad_out, positions)
 
 
 @pytest.mark.parametrize("answer", [ring_attention_backward, backward_by(by_isend_irecv), backward_by(by_sendrecv)])
-def test_backward_check_accepts_isend_irecv_and_sendrecv(comm, answer):
+def test_backward_check_accepts_isend_irecv_and_sendrecv(comm, deadline, answer):
     with deadline(120):
         check_ring_attention_backward(answer)
 
@@ -249,9 +244,11 @@ def test_backward_check_accepts_isend_irecv_and_sendrecv(comm, answer):
         (backward_by(by_isend_irecv, extra=True), "bytes"),
         (backward_scaling_grad_in_place, "changed"),
         (backward_on_the_world, "communicator it was given"),
+        (backward_by(by_isend_irecv, always_causal=True), "not causal.*d[qkv] is wrong"),
+        (backward_without_the_flag, "TypeError"),
     ],
 )
-def test_backward_check_fails_wrong_answers(comm, answer, says):
+def test_backward_check_fails_wrong_answers(comm, deadline, answer, says):
     if comm.Get_size() == 1 and says in ("dk|dv|bytes", "bytes", "communicator it was given"):
         pytest.skip("one rank sends nothing: no hop to miss, no block too many, no other communicator")
     with deadline(120), pytest.raises(CheckFailed, match=says):
@@ -259,7 +256,7 @@ def test_backward_check_fails_wrong_answers(comm, answer, says):
 
 
 def test_backward_check_fails_its_stub(comm):
-    def stub(comm, q, k, v, out, lse, grad_out, positions):
+    def stub(comm, q, k, v, out, lse, grad_out, positions, causal):
         raise NotImplementedError("exercise 15.3")
 
     with pytest.raises(NotImplementedError):
@@ -294,7 +291,7 @@ def ulysses_by(reorder=False, fixed_dtype=None, twice=False):
 
 
 @pytest.mark.parametrize("answer", [ulysses_attention, ulysses_by()])
-def test_ulysses_check_accepts(comm, answer):
+def test_ulysses_check_accepts(comm, deadline, answer):
     with deadline(120):
         check_ulysses(answer)
 
@@ -303,12 +300,12 @@ def test_ulysses_check_accepts(comm, answer):
     "answer, says",
     [(ulysses_by(fixed_dtype=np.float64), "float32|dtype|disagree"), (ulysses_by(twice=True), "four Alltoalls")],
 )
-def test_ulysses_check_fails_wrong_answers(comm, answer, says):
+def test_ulysses_check_fails_wrong_answers(comm, deadline, answer, says):
     with deadline(120), pytest.raises(CheckFailed, match=says):
         check_ulysses(answer, timeout=3.0)
 
 
-def test_ulysses_check_fails_rows_gathered_out_of_rank_order(comm):
+def test_ulysses_check_fails_rows_gathered_out_of_rank_order(comm, deadline):
     if comm.Get_size() == 1:
         pytest.skip("one rank: one block, no order to get wrong")
     with deadline(120), pytest.raises(CheckFailed, match="output"):

@@ -51,6 +51,42 @@ def test_moe_equals_dense_forward_and_backward(comm: MPI.Comm, k: int, capacity_
             torch.testing.assert_close(got_p.grad, want_p.grad, rtol=0, atol=1e-10)
 
 
+def test_a_rank_whose_experts_get_no_row_runs_the_backward_exchanges_too(comm: MPI.Comm, deadline) -> None:
+    """Issue 39's hang at step 150: a step where no kept row reached one rank's experts. That rank's
+    backward skipped the two Alltoallvs its peers ran (its experts' results were out of autograd's
+    graph) and the expert group hung. Here the gate sends every token to expert 0, on rank 0: the
+    other ranks' experts get no row. Forward and backward equal the dense fallback (float64, 1e-10),
+    within a deadline."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        pytest.skip("one rank holds every expert: no rank is left without rows")
+    moe = MoE(N_EMBD, EXPERTS, 1, 1.25, comm, hidden=16, seed=3, dtype=torch.float64)
+    dense = MoE(N_EMBD, EXPERTS, 1, 1.25, None, hidden=16, seed=3, dtype=torch.float64)
+    for layer in (moe, dense):
+        with torch.no_grad():
+            layer.gate.weight.zero_()
+            layer.gate.weight[0, 0] = 10.0  # every token whose first feature is positive chooses expert 0
+    x = tokens(rank).abs().requires_grad_()
+    with deadline(60):
+        y = moe(x)
+        (y * y).sum().backward()
+        gate = moe.gate.weight.grad.clone()
+        comm.Allreduce(MPI.IN_PLACE, gate.numpy())
+    assert set(moe.routing.expert.tolist()) == {0}
+    for s in range(size):  # one process, every rank's tokens: its gradients sum over ranks
+        xs = tokens(s).abs().requires_grad_()
+        ys = dense(xs)
+        (ys * ys).sum().backward()
+        if s == rank:
+            torch.testing.assert_close(y, ys, rtol=0, atol=1e-10)
+            torch.testing.assert_close(x.grad, xs.grad, rtol=0, atol=1e-10)
+    torch.testing.assert_close(gate, dense.gate.weight.grad, rtol=0, atol=1e-10)
+    for j, expert in enumerate(moe.experts):
+        for got, want in zip(expert.parameters(), dense.experts[moe.first + j].parameters()):
+            assert got.grad is not None, f"expert {moe.first + j}, given no row, has no gradient: expected zeros"
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10)
+
+
 def test_dispatch_then_combine_returns_every_row(comm: MPI.Comm) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     rng = np.random.default_rng(rank)

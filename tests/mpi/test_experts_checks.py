@@ -3,8 +3,6 @@ and accept valid answers written differently. Every rank runs the same tests."""
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import math
 
 import numpy as np
@@ -151,16 +149,6 @@ def test_combine_check_fails_wrong_answers(comm, answer, says):
         check_combine(answer)
 
 
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """End this process, with every thread's traceback, if the block takes longer than `seconds`: a hang fails."""
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-
-
 def _combine_with_order(comm, y, counts, expert, n_experts, order):
     """One Alltoallv back, then position i of what came back put at row order[i]."""
     size = comm.Get_size()
@@ -207,7 +195,7 @@ def dispatch_counts_twice(comm, x, expert, n_experts):
 
 
 @pytest.mark.parametrize("answer", [combine_by_default_argsort, combine_reversed_on_later_ranks])
-def test_combine_check_fails_rows_put_back_in_another_order_without_hanging(comm, answer):
+def test_combine_check_fails_rows_put_back_in_another_order_without_hanging(comm, deadline, answer):
     """Rows of one expert put back in another order than they left: a message within a minute, on every rank."""
     with deadline(60), pytest.raises(CheckFailed, match="row i"):
         check_combine(answer, timeout=5)
@@ -217,7 +205,7 @@ def test_combine_check_fails_rows_put_back_in_another_order_without_hanging(comm
     "answer, says",
     [(dispatch_without_minlength, "buffers disagree"), (dispatch_counts_twice, "Alltoall then Alltoall")],
 )
-def test_dispatch_check_fails_counts_that_disagree_or_travel_twice_with_a_message(comm, answer, says):
+def test_dispatch_check_fails_counts_that_disagree_or_travel_twice_with_a_message(comm, deadline, answer, says):
     with deadline(60), pytest.raises(CheckFailed, match=says):
         check_dispatch(answer, timeout=5)
 
@@ -236,7 +224,7 @@ def combine_on_the_world(comm, y, counts, expert, n_experts):
     return combine(MPI.COMM_WORLD, y, counts, expert, n_experts)
 
 
-def test_checks_fail_answers_on_the_global_communicator_with_a_message(comm):
+def test_checks_fail_answers_on_the_global_communicator_with_a_message(comm, deadline):
     with deadline(60), pytest.raises(CheckFailed, match="no collective"):
         check_dispatch(dispatch_on_the_world, timeout=5)
     with deadline(60), pytest.raises(CheckFailed, match="no collective"):

@@ -6,9 +6,10 @@
 - `check_ring_attention(fn)`: fn(comm, q, k, v, positions) -> (out, lse), this rank's rows of
   causal attention over every rank's keys, and their log-sum-exp; messages only to the next rank,
   exactly P-1 blocks of K and V each (no collectives); a ring that deadlocks fails at the deadline.
-- `check_ring_attention_backward(fn)`: fn(comm, q, k, v, out, lse, grad_out, positions) -> (dq, dk, dv) of
-  this rank's rows, equal to autograd on one process; messages only to the next rank, exactly P-1
-  blocks of K and V and P blocks of their gradients each, Isend/Irecv or Sendrecv alike.
+- `check_ring_attention_backward(fn)`: fn(comm, q, k, v, out, lse, grad_out, positions, causal) -> (dq, dk, dv)
+  of this rank's rows, equal to autograd on one process, causal and not (causal=False: every query sees
+  every key, at lengths 2P divides); messages only to the next rank, exactly P-1 blocks of K and V and
+  P blocks of their gradients each, Isend/Irecv or Sendrecv alike.
 - `check_ulysses(fn)`: fn(comm, q, k, v, positions) -> this rank's output (H, n, d), equal to one
   process; exactly three Alltoalls of q, k, v there and one of the output back, nothing else.
 - `check_zigzag(split, unsplit)`: split(x, size, rank) -> rank's rows (chunk rank, then chunk
@@ -225,18 +226,30 @@ def _padded_whole(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return take_rows(x, np.arange(positions.size))
 
 
+def BACKWARD_CASES(size: int) -> list[tuple[tuple[int, ...], bool, str, bool]]:
+    """(shape, zig-zag layout?, dtype, causal?) of the backward check's inputs on `size` ranks: the forward's
+    causal cases, then non-causal ones at lengths 2P divides (no padding key for a query to see)."""
+    return [
+        *((shape, zigzag, dtype, True) for shape, zigzag, dtype in CASES(size)),
+        ((2, 4 * size, 3), True, "float64", False),
+        ((4 * size, 2), False, "float32", False),
+    ]
+
+
 def _one_process_backward(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, grad: np.ndarray, positions: np.ndarray
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, grad: np.ndarray, positions: np.ndarray, causal: bool = True
 ) -> tuple[np.ndarray, ...]:
     """(out, lse, dq, dk, dv) of the padded sequence by torch's autograd on one process, in float64.
 
     The padding rows' output gradient is 0 (they are not part of any loss); their out and lse are
-    what every layout's forward gives them (they see the real keys and themselves)."""
+    what every layout's forward gives them (they see the real keys and themselves). Without the
+    causal mask every query sees every key (the non-causal cases have no padding)."""
     padded = [torch.from_numpy(_padded_whole(a, positions).astype(np.float64)) for a in (q, k, v)]
     leaves = [t.requires_grad_() for t in padded]
     length = leaves[0].shape[-2]
     scores = leaves[0] @ leaves[1].transpose(-1, -2) / np.sqrt(q.shape[-1])
-    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    if causal:
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.softmax(scores, dim=-1) @ leaves[2]
     out.backward(torch.from_numpy(_padded_whole(grad, positions).astype(np.float64)))
@@ -245,26 +258,29 @@ def _one_process_backward(
 
 
 def check_ring_attention_backward(fn: Callable[..., tuple[np.ndarray, ...]], timeout: float = DEADLINE) -> None:
-    """fn(comm, q, k, v, out, lse, grad_out, positions) -> (dq, dk, dv) of this rank's rows, as autograd gives."""
+    """fn(comm, q, k, v, out, lse, grad_out, positions, causal) -> (dq, dk, dv) of this rank's rows, as autograd gives."""
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for shape, zigzag, dtype in CASES(size):
+        for shape, zigzag, dtype, causal in BACKWARD_CASES(size):
             length = shape[-2]
             layout = "zig-zag" if zigzag else "contiguous"
-            context = f"ring attention backward, {length} positions of shape {shape} in {dtype}, {layout} layout"
+            context = (
+                f"ring attention backward, {'causal' if causal else 'not causal'}, {length} positions of shape "
+                f"{shape} in {dtype}, {layout} layout"
+            )
             rng = np.random.default_rng([*shape, 16])
             q, k, v, grad = (rng.standard_normal(shape) for _ in range(4))
             positions = all_positions(length, size, zigzag)
             q, k, v, grad = (a.astype(dtype) for a in (q, k, v, grad))
-            whole = _one_process_backward(q, k, v, grad, positions)
+            whole = _one_process_backward(q, k, v, grad, positions, causal)
             # this rank's rows of each; the inputs in the dtype under test, out and lse from one process
             mine = [take_rows(a, positions[rank]) for a in (q, k, v)]
             out_lse = [np.take(a, positions[rank], axis=a.ndim - (2 if i == 0 else 1)) for i, a in enumerate(whole[:2])]
             given = [*mine, *(a.astype(dtype) for a in out_lse), take_rows(grad, positions[rank])]
             copies = [a.copy() for a in given]
-            got, traffic = run_counted(sub, fn, (*copies, positions.copy()), context, timeout=timeout)
+            got, traffic = run_counted(sub, fn, (*copies, positions.copy(), causal), context, timeout=timeout)
             problem = None
             if not isinstance(got, tuple) or len(got) != 3:
                 problem = f"return a tuple (dq, dk, dv), got {type(got).__name__}"
@@ -323,8 +339,8 @@ def check_ulysses(fn: Callable[..., np.ndarray], timeout: float = DEADLINE) -> N
             got, traffic = run_counted(
                 sub, fn, (*copies, positions.copy()), context, timeout=timeout, allow=("Alltoall",)
             )
-            padded = [_padded_whole(a, positions).astype(np.float64) for a in (q, k, v)]
-            want = np.take(reference_attention(*padded)[0], positions[rank], axis=-2).astype(dtype)
+            q_whole, k_whole, v_whole = (_padded_whole(a, positions).astype(np.float64) for a in (q, k, v))
+            want = np.take(reference_attention(q_whole, k_whole, v_whole)[0], positions[rank], axis=-2).astype(dtype)
             real = positions[rank] < length
             problem = _close_problem(_real_rows(got, want, real, True), want, f"rank {rank}'s output")
             if problem is None and any(np.shares_memory(got, a) for a in copies):

@@ -1,4 +1,4 @@
-"""Causal attention by blocks on one rank: the online softmax and the merge of two partial results.
+"""Attention by blocks on one rank: the online softmax and the merge of two partial results.
 
 A *partial* result of attention for some query rows over some of the keys is a triple
 (out, m, l), arrays of shapes (..., n, d), (..., n) and (..., n):
@@ -17,7 +17,8 @@ q, k, v and the output, all the backward pass needs.
 Keys are causal by *global* position: query i sees key j when pos(j) <= pos(i). A block
 computes only the rectangle of rows that see some key and keys some row sees
 (`ddlab.context_parallel.layout.visible`), so a block wholly in the future costs nothing.
-Arrays are NumPy, float64 in the checks; the sequence axis is -2.
+With causal=False (an encoder's attention) every query sees every key, padding rows included:
+use it on lengths 2P divides. Arrays are NumPy, float64 in the checks; the sequence axis is -2.
 """
 
 from __future__ import annotations
@@ -36,16 +37,27 @@ def empty_partial(q: np.ndarray, d_v: int) -> Partial:
     return np.zeros((*rows, d_v), dtype=q.dtype), np.full(rows, -np.inf, dtype=q.dtype), np.zeros(rows, dtype=q.dtype)
 
 
-def attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
+def _block_mask(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, columns, mask) of a block: the rectangle with any work in it, and which of its pairs are seen."""
+    if not causal:
+        rows, cols = np.arange(q_pos.size), np.arange(k_pos.size)
+        return rows, cols, np.ones((rows.size, cols.size), dtype=bool)
+    rows, cols = visible(q_pos, k_pos)
+    return rows, cols, k_pos[cols][None, :] <= q_pos[rows][:, None]
+
+
+def attend_block(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, causal: bool = True
+) -> Partial:
     """The partial result of queries q (at global positions q_pos) over one block of keys and values."""
     result = empty_partial(q, v.shape[-1])
-    rows, cols = visible(q_pos, k_pos)
-    if rows.size == 0:
+    rows, cols, mask = _block_mask(q_pos, k_pos, causal)
+    if rows.size == 0 or cols.size == 0:
         return result
     scores = (
         q[..., rows, :] @ k[..., cols, :].swapaxes(-1, -2) * q.shape[-1] ** -0.5
     )  # a Python float: keeps float32 float32
-    scores = np.where(k_pos[cols][None, :] <= q_pos[rows][:, None], scores, -np.inf)
+    scores = np.where(mask, scores, -np.inf)
     m = scores.max(axis=-1)  # finite: every row kept sees at least one key
     p = np.exp(scores - m[..., None])
     out, m_all, l_all = result
@@ -81,6 +93,7 @@ def attend_block_backward(
     delta: np.ndarray,
     q_pos: np.ndarray,
     k_pos: np.ndarray,
+    causal: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This block's share of (dq, dk, dv), given each row's log-sum-exp and delta = rowsum(grad_out * out).
 
@@ -88,13 +101,12 @@ def attend_block_backward(
     p = exp(s - lse), dv = p^T dO, dp = dO v^T, ds = p (dp - delta), dq = ds k / sqrt(d), dk = ds^T q / sqrt(d).
     """
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    rows, cols = visible(q_pos, k_pos)
-    if rows.size == 0:
+    rows, cols, mask = _block_mask(q_pos, k_pos, causal)
+    if rows.size == 0 or cols.size == 0:
         return dq, dk, dv
     scale = q.shape[-1] ** -0.5  # a Python float: keeps float32 float32
     q_r, k_c, v_c, g_r = q[..., rows, :], k[..., cols, :], v[..., cols, :], grad_out[..., rows, :]
     scores = q_r @ k_c.swapaxes(-1, -2) * scale
-    mask = k_pos[cols][None, :] <= q_pos[rows][:, None]
     p = np.where(mask, np.exp(np.where(mask, scores, 0.0) - lse[..., rows, None]), 0.0)
     dv[..., cols, :] = p.swapaxes(-1, -2) @ g_r
     ds = p * (g_r @ v_c.swapaxes(-1, -2) - delta[..., rows, None])
@@ -116,13 +128,19 @@ def blockwise_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, block: int)
 
 
 def reference_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray | None = None, k_pos: np.ndarray | None = None
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray | None = None,
+    k_pos: np.ndarray | None = None,
+    causal: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Causal attention by the textbook formula, the whole score matrix at once: (output, lse)."""
+    """Attention by the textbook formula, the whole score matrix at once, causal unless told: (output, lse)."""
     q_pos = np.arange(q.shape[-2]) if q_pos is None else q_pos
     k_pos = np.arange(k.shape[-2]) if k_pos is None else k_pos
     scores = q @ k.swapaxes(-1, -2) * q.shape[-1] ** -0.5
-    scores = np.where(k_pos[None, :] <= q_pos[:, None], scores, -np.inf)
+    if causal:
+        scores = np.where(k_pos[None, :] <= q_pos[:, None], scores, -np.inf)
     m = scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores - m)
     total = weights.sum(axis=-1, keepdims=True)

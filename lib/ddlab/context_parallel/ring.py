@@ -12,7 +12,8 @@ they arrive home. Messages per rank: P-1 blocks of K and V forward; P-1 blocks o
 and P of their gradients backward (none on one rank).
 
 `positions` is a (P, n) array of every rank's global positions (the same on every rank), so the
-causal mask of the block that came from rank s uses positions[s]. Every wait has a deadline
+causal mask of the block that came from rank s uses positions[s]. With causal=False every query
+sees every key (padding rows included: use it on lengths 2P divides); the messages are the same. Every wait has a deadline
 (`ddlab.runtime.waiting`): a ring that deadlocks raises `Stalled` instead of hanging.
 """
 
@@ -80,9 +81,15 @@ def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, s
 
 
 def ring_attention(
-    comm: Comm, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, overlap: bool = True
+    comm: Comm,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    positions: np.ndarray,
+    overlap: bool = True,
+    causal: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Causal attention of this rank's queries over every rank's keys: (output, log-sum-exp per row).
+    """Attention of this rank's queries over every rank's keys, causal unless told: (output, log-sum-exp per row).
 
     overlap=False waits for each block to arrive before computing (to measure what overlap saves).
     """
@@ -98,7 +105,7 @@ def ring_attention(
                 incoming, requests = ring.shift(held, TAG_KV)
                 if not overlap:
                     ring.wait(requests, f"key/value block {step + 1} to move round the ring")
-            block = attend_block(q, held[0], held[1], positions[ring.rank], positions[source])
+            block = attend_block(q, held[0], held[1], positions[ring.rank], positions[source], causal)
             partial = merge_partials(partial, block)
             if not last:
                 ring.wait(requests, f"key/value block {step + 1} to move round the ring")
@@ -117,6 +124,7 @@ def ring_attention_backward(
     lse: np.ndarray,
     grad_out: np.ndarray,
     positions: np.ndarray,
+    causal: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq, dk, dv) of this rank's rows: the blocks go round again, their gradients travelling with them."""
     ring = Ring(comm)
@@ -133,7 +141,7 @@ def ring_attention_backward(
             if not last:
                 incoming, requests = ring.shift(held, TAG_KV)
             share = attend_block_backward(
-                q, held[0], held[1], grad_out, lse, delta, positions[ring.rank], positions[source]
+                q, held[0], held[1], grad_out, lse, delta, positions[ring.rank], positions[source], causal
             )
             dq += share[0]
             grads[0] += share[1]

@@ -41,7 +41,7 @@ def average_gradients(model: nn.Module, world: MPI.Comm, data: MPI.Comm) -> None
     """Each gradient summed where its parameter is replicated and divided by the world's size (see the module)."""
     experts, size = expert_parameters(model), world.Get_size()
     for param in model.parameters():
-        if param.grad is None:  # an expert no token reached on this rank: zero here, maybe not on its peers
+        if param.grad is None:  # a parameter the forward did not use: zero here, maybe not on its peers
             param.grad = torch.zeros_like(param)
         buffer = param.grad.detach().contiguous().numpy()
         (data if id(param) in experts else world).Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)

@@ -119,12 +119,15 @@ class MoE(nn.Module):
         return y.reshape(x.shape)
 
     def _apply_experts(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """Each row through its expert (global ids, all held here), results in the rows' order."""
+        """Each row through its expert (global ids, all held here), results in the rows' order.
+
+        Every expert runs, on no rows too: the results then stay in autograd's graph even when no row
+        reached this rank, so its backward runs the two Alltoallvs its peers run (skipping them hung the
+        expert group), and an expert given no row gets a zero gradient."""
         out = torch.zeros_like(rows)
         for j, module in enumerate(self.experts):
             mine = torch.nonzero(expert == self.first + j).flatten()
-            if len(mine):
-                out = out.index_copy(0, mine, module(rows[mine]))
+            out = out.index_copy(0, mine, module(rows[mine]))
         return out
 
 
