@@ -13,8 +13,9 @@ One MPI job of 4 ranks, lab 14's GPT at bench size (4 blocks, width 128, 8 heads
   against `bytes_sent_per_step` (4 allreduces of s·b·h per block, or their halves);
 - time per training step (float32, dropout off, AdamW) of tensor parallel (t=4) three ways -- the library's
   TensorParallelGPT, the library's module surgery `parallelize` and the solution notebook's own exercises
-  14.1-14.3 (`my_parallelize` with its layers, run from solutions/) --, tensor +
-  sequence parallel, data parallel (d=4, lab 04's averaging over lab 03's ring), data x tensor
+  14.1-14.3 (`my_parallelize` with its layers, run from solutions/) --, tensor + sequence parallel two ways
+  (TensorParallelGPT, and the solution's `my_parallelize` run by its exercise 14.5 `my_sequence_parallel_block`
+  through `parallelize_gpt`), data parallel (d=4, lab 04's averaging over lab 03's ring), data x tensor
   (2 x 2) and PyTorch's own tensor parallelism (`parallelize_module` with ColwiseParallel /
   RowwiseParallel over a gloo DeviceMesh, embeddings replicated) over one process's (rank 0
   alone, the whole batch). The variants take turns in every round (load from other programs
@@ -207,12 +208,16 @@ def _variants(comm) -> dict[str, tuple[Callable[[int], None], bool]]:
     variants["one process"] = (plain(make_gpt(config), slice(None)), rank == 0)
     variants["tensor, library TensorParallelGPT (t=4)"] = (split(make_gpt(config), comm), True)
     variants["tensor, library parallelize (t=4)"] = (plain(parallelize_gpt(make_gpt(config), comm), slice(None)), True)
-    mine, plan = _student_parallelize()
+    mine, plan, block = _student_parallelize()
     variants["tensor, solution's my_parallelize (t=4)"] = (
         plain(parallelize_gpt(make_gpt(config), comm, plan, mine), slice(None)),
         True,
     )
     variants["tensor + sequence"] = (split(make_gpt(config), comm, sp=True), True)
+    variants["tensor + sequence, solution's"] = (
+        plain(parallelize_gpt(make_gpt(config), comm, plan, mine, sequence_parallel=block), slice(None)),
+        True,
+    )
     share = BATCH // size
     variants["data (d=4)"] = (plain(make_gpt(config), slice(rank * share, (rank + 1) * share), comm), True)
     grid = make_data_tensor_grid(comm, 2)
@@ -229,18 +234,18 @@ def _variants(comm) -> dict[str, tuple[Callable[[int], None], bool]]:
 
 
 def _student_parallelize():
-    """The solution's own exercises 14.1-14.3 (MyCopy, MyReduce, the two layers, my_parallelize), run from
-    solutions/14_tensor_parallel.ipynb: the path a student's code takes."""
+    """The solution's own exercises 14.1-14.3 and 14.5 (MyCopy, MyReduce, the two layers, my_parallelize; the
+    sequence-parallel block), run from solutions/14_tensor_parallel.ipynb: the path a student's code takes."""
     import json
     from pathlib import Path
 
     cells = json.loads((Path(__file__).resolve().parent.parent / "solutions/14_tensor_parallel.ipynb").read_text())
     sources = ["".join(c["source"]) for c in cells["cells"] if c["cell_type"] == "code"]
-    wanted = [s for s in sources if s.startswith("%%px\nimport torch") or re.search(r"# Exercise 14\.[123]:", s)]
+    wanted = [s for s in sources if s.startswith("%%px\nimport torch") or re.search(r"# Exercise 14\.[1235]:", s)]
     namespace: dict = {}
     for source in wanted:
         exec(compile(source.removeprefix("%%px\n"), "solutions/14_tensor_parallel.ipynb", "exec"), namespace)
-    return namespace["my_parallelize"], namespace["PLAN"]
+    return namespace["my_parallelize"], namespace["PLAN"], namespace["my_sequence_parallel_block"]
 
 
 def timing(comm, rounds: int, steps: int) -> list[str]:

@@ -10,6 +10,9 @@ a failure fails every rank. Splits that do not divide (3 ranks over 4 heads, a v
 from __future__ import annotations
 
 import copy
+import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ from ddlab.runtime.comm import first_ranks
 from ddlab.runtime.counting import CountingComm, gather_traffic
 from ddlab.runtime.memory import Ledger
 from ddlab.tensor_parallel import (
+    PLAN,
     BlockParts,
     ColumnParallelLinear,
     Copy,
@@ -469,21 +473,51 @@ def _one_process_curve(model, batches):
     return losses
 
 
-def test_a_gpt_made_tensor_parallel_by_parallelize_trains_as_one_process():
-    """10 AdamW steps of one process's GPT and of its blocks replaced by parallelize (dropout 0.1,
-    float64): the training curves agree within 1e-8 on every rank count; the embeddings, the last LayerNorm
-    and the loss stay whole on every rank and need no message."""
+def _solution_answers() -> dict:
+    """The solution notebook's imports cell and exercises 14.1, 14.2, 14.3 and 14.5 run here as they run on the
+    engines (as bench/tensor_parallel.py does): its MyCopy, its layers, my_parallelize, my_sequence_parallel_block."""
+    cells = json.loads(SOLUTION.read_text())["cells"]
+    namespace: dict = {}
+    for cell in cells:
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "code" and (
+            text.startswith("%%px\nimport torch") or re.search(r"# Exercise 14\.[1235]:", text)
+        ):
+            exec(compile(text.removeprefix("%%px\n"), str(SOLUTION), "exec"), namespace)
+    return namespace
+
+
+SOLUTION = Path(__file__).parents[2] / "solutions" / "14_tensor_parallel.ipynb"
+
+
+@pytest.mark.parametrize(
+    "answer, sequence_parallel",
+    [("library", False), ("solution", False), ("solution", True)],
+    ids=["library", "solution", "solution-sequence-parallel"],
+)
+def test_a_gpt_made_tensor_parallel_by_parallelize_trains_as_one_process(answer, sequence_parallel):
+    """6 AdamW steps of one process's GPT and of its blocks replaced by parallelize (dropout 0.1, float64): the
+    library's, or the solution notebook's own my_parallelize (exercise 14.3, with its layers of 14.1-14.2); with
+    sequence parallelism the split blocks run by the notebook's my_sequence_parallel_block (14.5) through
+    parallelize_gpt's SequenceParallelBlocks. The training curves agree within 1e-8 on every rank count (a sequence
+    of 11: uneven rows on 2, 3 and 4 ranks); the embeddings, the last LayerNorm and the loss stay whole."""
+    if answer == "library":
+        surgery, block_forward = parallelize, None
+    else:
+        found = _solution_answers()
+        surgery, block_forward = found["my_parallelize"], found["my_sequence_parallel_block"]
+    config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.1})
+    generator = torch.Generator().manual_seed(8)
+    batches = [
+        (torch.randint(0, 26, (6, 11), generator=generator), torch.randint(0, 26, (6, 11), generator=generator))
+        for _ in range(6)
+    ]
+    one = _one_process_curve(make_gpt(config, seed=3, dtype=torch.float64), batches)
 
     def body(sub):
-        config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.1})
-        generator = torch.Generator().manual_seed(8)
-        batches = [
-            (torch.randint(0, 26, (6, 12), generator=generator), torch.randint(0, 26, (6, 12), generator=generator))
-            for _ in range(10)
-        ]
-        one = _one_process_curve(make_gpt(config, seed=3, dtype=torch.float64), batches)
-        split = _one_process_curve(parallelize_gpt(make_gpt(config, seed=3, dtype=torch.float64), sub), batches)
-        return max(abs(a - b) for a, b in zip(one, split)) / 100  # tolerance 1e-8 on the losses
+        model = make_gpt(config, seed=3, dtype=torch.float64)
+        split = parallelize_gpt(model, sub, PLAN, surgery, block_forward if sequence_parallel else None)
+        return max(abs(a - b) for a, b in zip(one, _one_process_curve(split, batches))) / 100  # 1e-8 on the losses
 
     _each_sub(body)
 

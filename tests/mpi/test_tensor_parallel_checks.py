@@ -97,8 +97,8 @@ def test_a_copy_written_differently_passes():
 @pytest.mark.parametrize(
     "copy, reduce, message",
     [
-        (CopyAllreducesForward, Reduce, "Copy: the output differs"),
-        (Copy, ReduceAllreducesBackward, "Reduce: the output differs"),
+        (CopyAllreducesForward, Reduce, r"Copy \(float64\): the output differs"),
+        (Copy, ReduceAllreducesBackward, r"Reduce \(float64\): the output differs"),
         (CopyAllreducesForward, ReduceAllreducesBackward, "Copy"),
     ],
 )
@@ -171,7 +171,7 @@ def test_a_cross_entropy_written_differently_passes():
 
 class _CrossEntropyWith(torch.autograd.Function):
     """The reference's forward with one thing changed: no maximum subtracted, the incoming gradient ignored,
-    or the logits shifted in place."""
+    the logits shifted in place, or the target logits gathered into a float64 buffer whatever the logits' dtype."""
 
     @staticmethod
     def forward(ctx, logits, targets, comm, start, wrong):
@@ -185,7 +185,7 @@ class _CrossEntropyWith(torch.autograd.Function):
             shifted = logits.detach() - largest.unsqueeze(1)
         exp = shifted.exp()
         held = torch.nonzero((targets >= start) & (targets < start + width)).squeeze(1)
-        target = torch.zeros(n, dtype=logits.dtype)
+        target = torch.zeros(n, dtype=torch.float64 if wrong == "float64-buffer" else logits.dtype)
         target[held] = shifted[held, targets[held] - start]
         sums = allreduce(comm, torch.stack([exp.sum(dim=1), target]))
         ctx.save_for_backward(exp / sums[0].unsqueeze(1), held, targets[held] - start)
@@ -319,9 +319,10 @@ def test_the_linear_stub_raises_not_implemented():
         check_parallel_linear(linear_stub, RowParallelLinear)
 
 
-def _parallelize_with(features=None, copy_block=True, check=True, set_heads=True, world=False):
+def _parallelize_with(features=None, copy_block=True, check=True, set_heads=True, world=False, layer_dtype=None):
     """A module surgery like the library's with one piece swapped: features(name, config, comm) -> index;
-    world: the layers built on the notebook's global communicator instead of the one passed in."""
+    world: the layers built on the notebook's global communicator instead of the one passed in; layer_dtype: the
+    split layers converted to that dtype whatever the block's."""
 
     def fn(block, given, plan):
         comm = MPI.COMM_WORLD if world else given
@@ -337,7 +338,8 @@ def _parallelize_with(features=None, copy_block=True, check=True, set_heads=True
             parent = split.get_submodule(owner)
             index = (features or _megatron_features)(name, config, comm)
             layer = ColumnParallelLinear if kind == "column" else RowParallelLinear
-            setattr(parent, child, layer(getattr(parent, child), index, comm))
+            built = layer(getattr(parent, child), index, comm)
+            setattr(parent, child, built if layer_dtype is None else built.to(layer_dtype))
         if set_heads:
             split.attn.heads = heads
         return split
@@ -648,3 +650,98 @@ def test_conjugates_on_the_global_communicator_fail_with_a_message(copy, reduce)
         pytest.skip("on one rank the global communicator sends nothing either way")
     with pytest.raises(CheckFailed, match="global communicator"):
         check_conjugates(copy, reduce)
+
+
+# Every check runs float64 and float32 (the lab trains in one and times in the other): an answer that makes a result
+# or a buffer in a fixed dtype passes the float64 case and fails the float32 one, saying so.
+
+
+class ReduceInFloat64(torch.autograd.Function):
+    """Wrong: sums a float64 copy of x, whatever x's dtype (right in float64)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return allreduce(comm, x.to(torch.float64))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class CopyBackwardInFloat64(torch.autograd.Function):
+    """Wrong: backward sums a float64 copy of the gradient (autograd casts it back; twice the bytes go)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return allreduce(ctx.comm, grad.to(torch.float64)), None
+
+
+@pytest.mark.parametrize(
+    "copy, reduce, message",
+    [
+        (Copy, ReduceInFloat64, r"Reduce \(float32\): the output has .*dtype torch.float64, expected .*torch.float32"),
+        (CopyBackwardInFloat64, Reduce, r"Copy \(float32\) sent 0 bytes forward and \d+ backward"),
+    ],
+    ids=["reduce-returns-float64", "copy-sums-in-float64"],
+)
+def test_conjugates_in_a_fixed_dtype_fail_in_float32(copy, reduce, message):
+    if MPI.COMM_WORLD.Get_size() < 2 and copy is CopyBackwardInFloat64:
+        pytest.skip("on one rank the allreduce sends nothing: its dtype does not show in the bytes")
+    with pytest.raises(CheckFailed, match=message):
+        check_conjugates(copy, reduce)
+
+
+class ColumnFloat64Shard(ColumnParallelLinear):
+    """Wrong: its shard made in float64 whatever the layer's dtype (right in float64)."""
+
+    def __init__(self, linear, features, comm):
+        super().__init__(linear, features, comm)
+        self.weight = torch.nn.Parameter(self.weight.detach().to(torch.float64))
+        self.bias = torch.nn.Parameter(self.bias.detach().to(torch.float64))
+
+
+def test_linear_layers_in_a_fixed_dtype_fail_in_float32():
+    with pytest.raises(CheckFailed, match=r"(?s)float32.*(dtype|Double|Float)"):
+        check_parallel_linear(ColumnFloat64Shard, RowParallelLinear)
+
+
+def parallelize_in_float64(block, comm, plan):
+    """Wrong: the surgery builds its split layers in float64 whatever the block's dtype (right in float64)."""
+    return _parallelize_with(layer_dtype=torch.float64)(block, comm, plan)
+
+
+def test_a_parallelize_in_a_fixed_dtype_fails_in_float32():
+    with pytest.raises(CheckFailed, match=r"(?s)parallelize \(float32\).*(dtype|Double|Float)"):
+        check_parallelize(parallelize_in_float64)
+
+
+def test_a_cross_entropy_with_a_float64_buffer_fails_in_float32():
+    with pytest.raises(CheckFailed, match=r"(?s)float32.*(dtype torch.float64, expected torch.float32|Double|Float)"):
+        check_vocab_parallel_cross_entropy(_cross_entropy_with("float64-buffer"))
+
+
+class _GatherIntoFloat64(torch.autograd.Function):
+    """Wrong: gathers the sequence into a float64 buffer whatever x's dtype (right in float64)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, length):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.length, ctx.has_bias = comm, length, True
+        whole = torch.zeros(x.shape[0], length, x.shape[2], dtype=torch.float64)
+        whole.copy_(allgather(comm, x, 1, length))
+        return F.linear(whole, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return GatherLinear.backward(ctx, grad)
+
+
+def test_a_sequence_parallel_block_with_a_float64_buffer_fails_in_float32():
+    fn = _block_with(linear=lambda x, w, b, comm, length: _GatherIntoFloat64.apply(x, w, b, comm, length))
+    with pytest.raises(CheckFailed, match=r"(?s)sequence-parallel block \(float32\).*(dtype|Double|Float)"):
+        check_sequence_parallel_block(fn)

@@ -4,8 +4,11 @@
 Each check runs the student's code on the first P ranks for P = 1 .. world size through
 a counting communicator (no MPI collective allowed: the lab's `ddlab.tensor_parallel.allreduce`
 and `allgather` are the ring's point-to-point halves, so every byte is counted) and
-compares with one process in float64 (1e-10): outputs, the input's gradient, the weights'
-gradients (from random output gradients, never a plain sum), and the bytes sent forward and backward.
+compares with one process: outputs, the input's gradient, the weights' gradients (from random
+output gradients, never a plain sum), and the bytes sent forward and backward. Each runs in float64
+(within 1e-10) and in float32 (within 1e-5 of the largest value), the dtypes the lab trains and times
+in, and the sequence-parallel block in float16 too (within 5%), the dtype the lab measures its memory in:
+an answer that makes a buffer or a result in a fixed dtype fails one of them.
 The world's size runs first: an answer on the notebook's global communicator completes there and
 fails with a message naming it, where a smaller communicator would wait forever.
 """
@@ -28,7 +31,13 @@ from ..tensor_parallel.block import BlockParts, qkv_rows
 from ..tensor_parallel.formulas import ring_bytes
 from ._core import each_size, passed, run_counted
 
-TOL = 1e-10
+#: How far from one process's values (computed in float64, then cast) an answer may be, times the largest of them
+#: (at least 1), by dtype.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-2}
+#: The dtypes every check runs an answer in: the lab trains in float64 and times its steps in float32. The
+#: sequence-parallel block runs in float16 too, the dtype section 8 measures its activations in.
+DTYPES = (torch.float64, torch.float32)
+BLOCK_DTYPES = (*DTYPES, torch.float16)
 TIMEOUT = 20.0
 SHAPE = (3, 5, 4)
 
@@ -51,19 +60,28 @@ def _fewer(sent: tuple[float, ...], want: tuple[float, ...]) -> str:
     return GLOBAL_COMM if any(s < w for s, w in zip(sent, want)) else ""
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _error(got: Any, want: torch.Tensor) -> str | None:
     if not isinstance(got, torch.Tensor):
         return f"is a {type(got).__name__}, not a tensor"
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"has shape {tuple(got.shape)} and dtype {got.dtype}, expected {tuple(want.shape)} and {want.dtype}"
-    worst = float((got.detach() - want).abs().max()) if want.numel() else 0.0
-    return None if worst < TOL else f"differs from one process's by up to {worst:.3g}"
+    if not want.numel():
+        return None
+    worst = float((got.detach().double() - want.double()).abs().max())
+    limit = TOLERANCE.get(want.dtype, 1e-10) * max(1.0, float(want.abs().max()))
+    return None if worst < limit else f"differs from one process's by up to {worst:.3g}"
 
 
-def _conjugate_case(counting: CountingComm, fn: type[torch.autograd.Function], replicated: bool) -> tuple:
+def _conjugate_case(
+    counting: CountingComm, fn: type[torch.autograd.Function], replicated: bool, dtype: torch.dtype
+) -> tuple:
     """x through fn forward and backward on this rank; the output, x's gradient, bytes sent each way."""
     rank = counting.Get_rank()
-    values = torch.arange(60, dtype=torch.float64).reshape(SHAPE) / 7
+    values = torch.arange(60, dtype=dtype).reshape(SHAPE) / 7
     x = (values if replicated else values * (rank + 1)).clone().requires_grad_()
     y = fn.apply(x, counting)
     forward = counting.traffic.bytes_sent
@@ -72,10 +90,19 @@ def _conjugate_case(counting: CountingComm, fn: type[torch.autograd.Function], r
 
 
 def _check_conjugate(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str) -> str | None:
+    for dtype in DTYPES:
+        problem = _conjugate_problem(sub, fn, name, dtype)
+        if problem:
+            return problem
+    return None
+
+
+def _conjugate_problem(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str, dtype: torch.dtype) -> str | None:
     size = sub.Get_size()
     copy = name == "Copy"
+    where = f"{name} ({_name(dtype)})"
     (y, grad, forward, backward), _ = run_counted(
-        sub, lambda c: _conjugate_case(c, fn, copy), (), name, timeout=TIMEOUT
+        sub, lambda c: _conjugate_case(c, fn, copy, dtype), (), where, timeout=TIMEOUT
     )
     values = torch.arange(60, dtype=torch.float64).reshape(SHAPE) / 7
     ranks = torch.arange(1, size + 1, dtype=torch.float64)
@@ -83,7 +110,8 @@ def _check_conjugate(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str
     rank = sub.Get_rank()
     want_y = values if copy else values * float(ranks.sum())
     want_grad = total_grad if copy else torch.cos(values) * (rank + 2)
-    allreduce_bytes = 2 * ring_bytes(values.numel(), size, 8)
+    e = torch.tensor([], dtype=dtype).element_size()
+    allreduce_bytes = 2 * ring_bytes(values.numel(), size, e)
     want_bytes = (0.0, allreduce_bytes) if copy else (allreduce_bytes, 0.0)
     what = (
         "forward must return x's values; backward must return the gradient summed over the ranks"
@@ -91,13 +119,13 @@ def _check_conjugate(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str
         else "forward must return x summed over the ranks; backward must return the gradient unchanged"
     )
     for label, got, want in (("the output", y, want_y), ("x's gradient", grad, want_grad)):
-        problem = _error(got, want)
+        problem = _error(got, want.to(dtype))
         if problem:
-            return f"{name}: {label} {problem}. {name}'s {what}."
+            return f"{where}: {label} {problem}. {name}'s {what}, in x's dtype."
     if (forward, backward) != want_bytes:
         return (
-            f"{name} sent {forward:.0f} bytes forward and {backward:.0f} backward; expected "
-            f"{want_bytes[0]:.0f} and {want_bytes[1]:.0f} (one allreduce of x's {values.numel()} float64 "
+            f"{where} sent {forward:.0f} bytes forward and {backward:.0f} backward; expected "
+            f"{want_bytes[0]:.0f} and {want_bytes[1]:.0f} (one allreduce of x's {values.numel()} {_name(dtype)} "
             f"values {'backward' if copy else 'forward'}, by ddlab.tensor_parallel.allreduce, nothing else)"
             + _fewer((forward, backward), want_bytes)
         )
@@ -115,25 +143,26 @@ def check_conjugates(copy: type[torch.autograd.Function], reduce: type[torch.aut
         each_size(world, body, f"{name} ({getattr(fn, '__name__', fn)}) is wrong", _sizes(world))
     passed(
         world,
-        "Copy and Reduce: values and gradients equal one process's; one allreduce each, Copy's "
+        "Copy and Reduce: values and gradients equal one process's (float64, float32); one allreduce each, Copy's "
         "backward, Reduce's forward",
     )
 
 
 #: Positions and vocabulary of the cross-entropy check: V/t columns per rank well above the 4 values per
 #: position a loss that never gathers the logits may send, so gathering them breaks the byte limit; and
-#: logits of a few hundred, so a softmax without the largest logit subtracted overflows (e^710 > float64's max).
+#: logits of a few hundred, so a softmax without the largest logit subtracted overflows (e^710 > float64's max,
+#: e^89 > float32's).
 N, VOCAB, SCALE = 30, 96, 300.0
 
 
-def _logits() -> tuple[torch.Tensor, torch.Tensor]:
+def _logits(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(14)
     logits = torch.randn(N, VOCAB, dtype=torch.float64, generator=generator) * SCALE
-    return logits, torch.randint(0, VOCAB, (N,), generator=generator)
+    return logits.to(dtype), torch.randint(0, VOCAB, (N,), generator=generator)
 
 
-def _cross_entropy_case(counting: CountingComm, fn: Callable[..., Any]) -> tuple:
-    logits, targets = _logits()
+def _cross_entropy_case(counting: CountingComm, fn: Callable[..., Any], dtype: torch.dtype) -> tuple:
+    logits, targets = _logits(dtype)
     vocab = block_range(VOCAB, counting.Get_rank(), counting.Get_size())
     mine = logits[:, vocab.start : vocab.stop].clone().requires_grad_()
     given = targets.clone()
@@ -154,44 +183,60 @@ def check_vocab_parallel_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor,
     world = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
-        size = sub.Get_size()
-        (loss, grad, untouched), traffic = run_counted(
-            sub, lambda c: _cross_entropy_case(c, fn), (), "vocab_parallel_cross_entropy", timeout=TIMEOUT
-        )
-        if not untouched:
-            return "the logits or targets passed in were changed: leave the inputs as they are (no in-place ops)"
-        logits, targets = _logits()
-        logits.requires_grad_()
-        want = F.cross_entropy(logits, targets)
-        (want * 3).backward()
-        assert logits.grad is not None
-        vocab = block_range(VOCAB, sub.Get_rank(), size)
-        for label, got, expected, hint in (
-            ("the loss", loss, want.detach(), "subtract the largest logit before exp (logits here reach ~1000)"),
-            (
-                "the gradient of this rank's logits",
-                grad,
-                logits.grad[:, vocab.start : vocab.stop],
-                "the check back-propagates 3 x the loss: multiply by the incoming gradient",
-            ),
-        ):
-            problem = _error(got, expected)
+        for dtype in DTYPES:
+            problem = _cross_entropy_problem(sub, fn, dtype)
             if problem:
-                return f"{label} {problem}: {hint}"
-        limit = 4 * (size - 1) * N * 8
-        sent = traffic[sub.Get_rank()].bytes_sent
-        if sent > limit:
-            return (
-                f"sent {sent} bytes for {N} positions over {size} ranks; a loss that never gathers the logits "
-                f"needs at most {limit} (4 (t-1) float64 values per position: the maxima, the sums of "
-                f"exponentials, the target's logit), whatever the vocabulary"
-            )
-        if size > 1 and sent == 0:
-            return "sent nothing, but the ranks must combine their maxima and sums." + GLOBAL_COMM
+                return f"{_name(dtype)} logits: {problem}"
         return None
 
     each_size(world, body, "vocab_parallel_cross_entropy is wrong", _sizes(world))
-    passed(world, "vocab_parallel_cross_entropy: loss and gradients equal one process's, logits never gathered")
+    passed(
+        world,
+        "vocab_parallel_cross_entropy: loss and gradients equal one process's (float64, float32), logits never "
+        "gathered",
+    )
+
+
+def _cross_entropy_problem(sub: MPI.Comm, fn: Callable[..., Any], dtype: torch.dtype) -> str | None:
+    size = sub.Get_size()
+    (loss, grad, untouched), traffic = run_counted(
+        sub,
+        lambda c: _cross_entropy_case(c, fn, dtype),
+        (),
+        f"vocab_parallel_cross_entropy ({_name(dtype)})",
+        timeout=TIMEOUT,
+    )
+    if not untouched:
+        return "the logits or targets passed in were changed: leave the inputs as they are (no in-place ops)"
+    logits, targets = _logits(dtype)
+    logits = logits.double().requires_grad_()
+    want = F.cross_entropy(logits, targets)
+    (want * 3).backward()
+    assert logits.grad is not None
+    vocab = block_range(VOCAB, sub.Get_rank(), size)
+    for label, got, expected, hint in (
+        ("the loss", loss, want.detach(), "subtract the largest logit before exp (logits here reach ~1000)"),
+        (
+            "the gradient of this rank's logits",
+            grad,
+            logits.grad[:, vocab.start : vocab.stop],
+            "the check back-propagates 3 x the loss: multiply by the incoming gradient",
+        ),
+    ):
+        problem = _error(got, expected.to(dtype))
+        if problem:
+            return f"{label} {problem}: {hint}"
+    limit = 4 * (size - 1) * N * torch.tensor([], dtype=dtype).element_size()
+    sent = traffic[sub.Get_rank()].bytes_sent
+    if sent > limit:
+        return (
+            f"sent {sent} bytes for {N} positions over {size} ranks; a loss that never gathers the logits "
+            f"needs at most {limit} (4 (t-1) {_name(dtype)} values per position: the maxima, the sums of "
+            f"exponentials, the target's logit), whatever the vocabulary"
+        )
+    if size > 1 and sent == 0:
+        return "sent nothing, but the ranks must combine their maxima and sums." + GLOBAL_COMM
+    return None
 
 
 #: The MLP of the linear-layer check: (batch, sequence, width) in, `HIDDEN` features split over the ranks.
@@ -239,9 +284,21 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
     y.backward(g)
 
     def body(sub: MPI.Comm) -> str | None:
+        for dtype in DTYPES:
+            problem = in_dtype(sub, dtype)
+            if problem:
+                return f"{_name(dtype)} layers and input: {problem}"
+        return None
+
+    def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
         size = sub.Get_size()
+        layers = copy.deepcopy(first).to(dtype), copy.deepcopy(second).to(dtype)
         (out, grad_x, values, grads, held, forward, backward), _ = run_counted(
-            sub, lambda c: _mlp_case(c, column, row, first, second, x, g), (), "the parallel MLP", timeout=TIMEOUT
+            sub,
+            lambda c: _mlp_case(c, column, row, *layers, x.detach().to(dtype), g.to(dtype)),
+            (),
+            f"the parallel MLP ({_name(dtype)})",
+            timeout=TIMEOUT,
         )
         cut = torch.arange(sub.Get_rank(), HIDDEN, size)
         assert first.weight.grad is not None and first.bias.grad is not None
@@ -253,7 +310,7 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
             ("row's weight", values[2], second.weight.detach()[:, cut], where + "the columns of those input features"),
             ("row's bias", values[3], second.bias.detach(), "the whole bias, the same on every rank"),
         ]
-        problem = _first_problem(shards)
+        problem = _first_problem(shards, dtype)
         if problem:
             return problem + " (keep them as self.weight and self.bias, nn.Parameters)"
         want_held = len(cut) * (2 * WIDTH + 1) + WIDTH
@@ -270,10 +327,10 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
             ("row's weight gradient", grads[2], second.weight.grad[:, cut], ""),
             ("row's bias gradient", grads[3], second.bias.grad, ""),
         ]
-        problem = _first_problem(wants)
+        problem = _first_problem(wants, dtype)
         if problem:
             return problem
-        one = 2 * ring_bytes(BATCH * LENGTH * WIDTH, size, 8)
+        one = 2 * ring_bytes(BATCH * LENGTH * WIDTH, size, torch.tensor([], dtype=dtype).element_size())
         if (forward, backward) != (one, one):
             return (
                 f"sent {forward:.0f} bytes forward and {backward:.0f} backward; expected {one:.0f} each: one "
@@ -285,8 +342,8 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
     each_size(world, body, "the column- and row-parallel layers are wrong", _sizes(world))
     passed(
         world,
-        "column- and row-parallel layers: each keeps only its shard, the split MLP equals one process's, one "
-        "allreduce forward and one backward",
+        "column- and row-parallel layers: each keeps only its shard, the split MLP equals one process's (float64, "
+        "float32), one allreduce forward and one backward",
     )
 
 
@@ -315,11 +372,15 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _first_problem(wants: Sequence[tuple[str, Any, torch.Tensor | None, str]]) -> str | None:
+def _first_problem(
+    wants: Sequence[tuple[str, Any, torch.Tensor | None, str]], dtype: torch.dtype = torch.float64
+) -> str | None:
+    """The first of `wants` (label, got, one process's value in float64 or None, hint) that differs from its value
+    cast to dtype, said with its hint."""
     for label, got, want, hint in wants:
         if want is None:
             continue
-        problem = _error(got, want)
+        problem = _error(got, want.to(dtype))
         if problem:
             return f"{label} {problem}" + (f": {hint}" if hint else "")
     return None
@@ -338,7 +399,8 @@ BAD_PLANS = (
 )
 
 
-def _parallelize_case(counting: CountingComm, fn: Callable[..., Any], block: Block) -> tuple:
+def _parallelize_case(counting: CountingComm, fn: Callable[..., Any], block: Block, refusals: bool) -> tuple:
+    """block in the case's dtype; refusals: whether to try the bad plans too."""
     given = copy.deepcopy(block)
     split = fn(given, counting, dict(PLAN))
     if not isinstance(split, torch.nn.Module):
@@ -347,7 +409,7 @@ def _parallelize_case(counting: CountingComm, fn: Callable[..., Any], block: Blo
         torch.equal(p, q) for p, q in zip(given.parameters(), block.parameters())
     )
     held = sum(p.numel() for p in split.parameters())
-    x, g = _inputs()
+    x, g = (t.to(block.ln_1.weight.dtype) for t in _inputs())
     mine = x.clone().requires_grad_()
     y = split(mine, SEED)
     if not isinstance(y, torch.Tensor):
@@ -359,7 +421,7 @@ def _parallelize_case(counting: CountingComm, fn: Callable[..., Any], block: Blo
         for name in _SPLIT_NAMES
     ]
     refused = []
-    for plan in BAD_PLANS:
+    for plan in BAD_PLANS if refusals else ():
         try:
             fn(copy.deepcopy(block), counting, plan)
         except ValueError:
@@ -420,9 +482,21 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
     want_y.backward(g)
 
     def body(sub: MPI.Comm) -> str | None:
+        for dtype in DTYPES:
+            problem = in_dtype(sub, dtype)
+            if problem:
+                return f"{_name(dtype)} block and input: {problem}"
+        return None
+
+    def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
         size, rank = sub.Get_size(), sub.Get_rank()
+        given = copy.deepcopy(block).to(dtype)
         (out, grad_x, grads, held, untouched, refused, forward, backward), _ = run_counted(
-            sub, lambda c: _parallelize_case(c, fn, block), (), "parallelize", timeout=TIMEOUT
+            sub,
+            lambda c: _parallelize_case(c, fn, given, dtype == DTYPES[0]),
+            (),
+            f"parallelize ({_name(dtype)})",
+            timeout=TIMEOUT,
         )
         if not untouched:
             return "the block passed in was changed: work on a copy (copy.deepcopy) and return it"
@@ -445,7 +519,7 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
                 want = want.index_select(shard[1], shard[0])
             whole += 0 if want is None else want.numel()
             wants.append((f"{name}'s gradient", got, want, by_heads if shard else ""))
-        problem = _first_problem(wants)
+        problem = _first_problem(wants, dtype)
         if problem:
             return problem
         if held != whole:
@@ -455,7 +529,8 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
             )
         totals = sub.allgather((forward, backward))
         sent = (sum(f for f, _ in totals), sum(b for _, b in totals))
-        want_sent = 2 * 2 * (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * 8  # two allreduces, all ranks
+        e = torch.tensor([], dtype=dtype).element_size()
+        want_sent = 2 * 2 * (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * e  # two allreduces, all ranks
         if sent != (want_sent, want_sent):
             return (
                 f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected "
@@ -467,8 +542,8 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
     each_size(world, body, "parallelize does not make a tensor-parallel block", _sizes(world))
     passed(
         world,
-        "parallelize: every rank keeps its shards only; the split block equals one process's (dropout on), "
-        "one allreduce per sub-layer each way; bad plans refused",
+        "parallelize: every rank keeps its shards only; the split block equals one process's (dropout on; float64, "
+        "float32), one allreduce per sub-layer each way; bad plans refused",
     )
 
 
@@ -501,8 +576,9 @@ REPLICATED = 6
 
 
 def _block_case(counting: CountingComm, fn: Callable[..., Any], block: Block) -> tuple:
+    """block in the case's dtype."""
     parts = BlockParts(copy.deepcopy(block), counting)
-    x, g = _inputs()
+    x, g = (t.to(block.ln_1.weight.dtype) for t in _inputs())
     rows = block_range(BLOCK_LENGTH, counting.Get_rank(), counting.Get_size())
     mine = x[:, rows.start : rows.stop].clone().requires_grad_()
     ledger = Ledger()
@@ -547,10 +623,23 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
     assert whole_grad is not None
 
     def body(sub: MPI.Comm) -> str | None:
+        for dtype in BLOCK_DTYPES:
+            problem = in_dtype(sub, dtype)
+            if problem:
+                return f"{_name(dtype)} block and input: {problem}"
+        return None
+
+    def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
         size, rank = sub.Get_size(), sub.Get_rank()
+        given = copy.deepcopy(block).to(dtype)
         (out, grad_x, grads, kept, forward, backward), _ = run_counted(
-            sub, lambda c: _block_case(c, fn, block), (), "the sequence-parallel block", timeout=TIMEOUT
+            sub,
+            lambda c: _block_case(c, fn, given),
+            (),
+            f"the sequence-parallel block ({_name(dtype)})",
+            timeout=TIMEOUT,
         )
+        e = torch.tensor([], dtype=dtype).element_size()
         rows = block_range(BLOCK_LENGTH, rank, size)
         heads = block_range(HEADS, rank, size)
         d = EMBD // HEADS
@@ -573,10 +662,10 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
                 rows_of, dim = index[name.rsplit(".", 1)[0]]
                 want = want.index_select(dim, rows_of)
             wants.append((f"{name}'s gradient", got, want, summed if i < REPLICATED else ""))
-        problem = _first_problem(wants)
+        problem = _first_problem(wants, dtype)
         if problem:
             return problem
-        limit = _korthikanti_bytes(len(rows), len(heads), len(hidden))
+        limit = _korthikanti_bytes(len(rows), len(heads), len(hidden), e)
         if kept > MEMORY_SLACK * limit:
             return (
                 f"the block keeps {kept} bytes for backward on this rank, {kept / limit:.2f} times Korthikanti et "
@@ -586,9 +675,9 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
                 "it again in backward)"
             )
         totals = sub.allgather((forward, backward))
-        half = (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * 8  # one allgather or reduce-scatter, all ranks
+        half = (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * e  # one allgather or reduce-scatter, all ranks
         params = sum(p.numel() for _, p in _block_parameters(block)[:REPLICATED] if p is not None)
-        want_sent = (4 * half, 6 * half + 2 * (size - 1) * params * 8)
+        want_sent = (4 * half, 6 * half + 2 * (size - 1) * params * e)
         sent = (sum(f for f, _ in totals), sum(b for _, b in totals))
         if sent != want_sent:
             return (
@@ -604,7 +693,9 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
     each_size(world, body, "the sequence-parallel block is wrong", _sizes(world))
     passed(
         world,
-        "sequence-parallel block: output and every gradient equal one process's, dropout on; keeps Korthikanti "
+        "sequence-parallel block: output and every gradient equal one process's, dropout on (float64, float32, "
+        "float16); "
+        "keeps Korthikanti "
         "et al.'s bytes (its sequence block only); two allgathers and two reduce-scatters each way, the inputs "
         "regathered in backward, the whole parameters' gradients summed",
     )

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.gpt import MLP, Block, CausalSelfAttention, causal_attention, seeded_dropout
+from ..models.gpt import MLP, Block, CausalSelfAttention, GPTConfig, causal_attention, seeded_dropout
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from .conjugates import Copy, ReduceScatter
@@ -121,29 +121,33 @@ class ParallelAttention(nn.Module):
     ) -> torch.Tensor:
         return self.proj(self._heads(self.qkv(x, length), seed, site, samples))
 
-    def partial(self, x: torch.Tensor, seed: int | None = None, site: int = 1) -> torch.Tensor:
-        """x the whole input -> this rank's heads' part of the output (before the sum, no bias); no message."""
-        return F.linear(self._heads(F.linear(x, self.qkv.weight, self.qkv.bias), seed, site), self.proj.weight)
-
     def _heads(self, qkv: torch.Tensor, seed: int | None, site: int, samples: Samples | None = None) -> torch.Tensor:
         """This rank's q, k, v (B, T, 3 x its heads' width) -> its heads' attention output (B, T, their width)."""
-        width = len(self.heads) * (self.config.n_embd // self.config.n_head)
-        q, k, v = qkv.split(width, dim=2)
         if self.attend is not None:
+            q, k, v = qkv.split(len(self.heads) * (self.config.n_embd // self.config.n_head), dim=2)
             return self.attend(q, k, v, len(self.heads))
-        return causal_attention(
-            q,
-            k,
-            v,
-            len(self.heads),
-            self.config.dropout,
-            seed,
-            site,
-            self.config.n_head,
-            slice(self.heads.start, self.heads.stop),
-            None if samples is None else samples.total,
-            slice(None) if samples is None else samples.part,
-        )
+        return heads_attention(qkv, self.config, self.heads, seed, site, samples)
+
+
+def heads_attention(
+    qkv: torch.Tensor, config: GPTConfig, heads: range, seed: int | None, site: int, samples: Samples | None = None
+) -> torch.Tensor:
+    """q, k, v of `heads` (B, T, 3 x their width) -> their causal attention (B, T, their width), no message; the
+    probabilities drop with these heads' (and samples') part of the whole mask at `site`."""
+    q, k, v = qkv.split(len(heads) * (config.n_embd // config.n_head), dim=2)
+    return causal_attention(
+        q,
+        k,
+        v,
+        len(heads),
+        config.dropout,
+        seed,
+        site,
+        config.n_head,
+        slice(heads.start, heads.stop),
+        None if samples is None else samples.total,
+        slice(None) if samples is None else samples.part,
+    )
 
 
 class ParallelMLP(nn.Module):
@@ -158,10 +162,6 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, length: int | None = None) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x, length)))
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """x the whole input -> this rank's features' part of the output (before the sum, no bias); no message."""
-        return F.linear(F.gelu(F.linear(x, self.fc.weight, self.fc.bias)), self.proj.weight)
 
 
 class ParallelBlock(nn.Module):
@@ -195,35 +195,43 @@ class ParallelBlock(nn.Module):
 class BlockParts(nn.Module):
     """This rank's parts of a Block, for writing its sequence-parallel forward (exercise 14.5) by hand.
 
+    `BlockParts(block, comm)` splits a whole Block over comm (the library's `ParallelBlock`);
+    `BlockParts(split)`, without comm, takes the parts of a block already split over its tensor group: by
+    `ddlab.tensor_parallel.parallelize`, or exercise 14.3's `my_parallelize` (`parallelize_gpt` with a
+    sequence-parallel block does this). Either way `split` is that split block, and:
+
     `ln_1`, `ln_2`, `attn_bias`, `mlp_bias`: the whole LayerNorms and row-parallel biases (the same on
     every rank); `qkv` and `fc`: this rank's column-parallel layers (`.weight`, `.bias`: its rows);
     `attn_proj_weight`, `mlp_proj_weight`: its columns of the row-parallel layers; `heads(qkv, seed)`:
-    its q, k, v -> its heads' attention output (dropout on the probabilities, its part of the mask);
-    `attention(h, seed)` and `mlp(h)`: the whole normalized input (B, T, n_embd) -> this
-    rank's part of the sub-layer's output (its heads', its hidden features'), before the sum over ranks
-    and without the bias, with no message (attention drops its probabilities with its heads' part of
-    the whole mask); `p`: the dropout probability; `site`: the block's first dropout site (the two
-    residual dropouts are at site + 1 and site + 2).
+    its q, k, v -> its heads' attention output (dropout on the probabilities, its part of the mask), no
+    message; `p`: the dropout probability; `site`: the block's first dropout site (the two residual
+    dropouts are at site + 1 and site + 2).
     """
 
-    def __init__(self, block: Block, comm: Comm):
+    split: Any  # ParallelBlock, or the block a parallelize made (the student's layers)
+    ln_1: nn.LayerNorm
+    ln_2: nn.LayerNorm
+    attn_bias: torch.Tensor | None
+    mlp_bias: torch.Tensor | None
+    qkv: Any  # a column-parallel layer: .weight, .bias
+    fc: Any
+    attn_proj_weight: torch.Tensor
+    mlp_proj_weight: torch.Tensor
+
+    def __init__(self, block: nn.Module, comm: Comm | None = None):
         super().__init__()
-        self.split = ParallelBlock(block, comm)
-        self.ln_1, self.ln_2 = self.split.ln_1, self.split.ln_2
-        self.attn_bias, self.mlp_bias = self.split.attn.proj.bias, self.split.mlp.proj.bias
-        self.qkv, self.fc = self.split.attn.qkv, self.split.mlp.fc
-        self.attn_proj_weight, self.mlp_proj_weight = self.split.attn.proj.weight, self.split.mlp.proj.weight
-        self.p, self.site = block.config.dropout, block.site
+        self.split = block if comm is None else ParallelBlock(cast(Block, block), comm)
+        split = self.split
+        self.ln_1, self.ln_2 = split.ln_1, split.ln_2
+        self.attn_bias, self.mlp_bias = split.attn.proj.bias, split.mlp.proj.bias
+        self.qkv, self.fc = split.attn.qkv, split.mlp.fc
+        self.attn_proj_weight, self.mlp_proj_weight = split.attn.proj.weight, split.mlp.proj.weight
+        self.config: GPTConfig = split.config
+        self.p, self.site, self.held = self.config.dropout, int(split.site), cast(range, split.attn.heads)
 
     def heads(self, qkv: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         """This rank's q, k, v (B, T, 3 x its heads' width) -> its heads' attention (B, T, their width); no message."""
-        return self.split.attn._heads(qkv, seed, self.site)
-
-    def attention(self, h: torch.Tensor, seed: int | None = None) -> torch.Tensor:
-        return self.split.attn.partial(h, seed, self.site)
-
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.split.mlp.partial(h)
+        return heads_attention(qkv, self.config, self.held, seed, self.site)
 
 
 def parallel_attention(x: torch.Tensor, attn: CausalSelfAttention, comm: Comm) -> torch.Tensor:

@@ -18,6 +18,16 @@ between the split layers as blocks of the sequence, and replaces them by another
   backward a reduce-scatter (the whole gradient is a sum of parts; each rank keeps its block).
 - `ReduceScatter` (their "g-bar"): forward a reduce-scatter to sequence blocks; backward an allgather.
 
+Where the layers on one side of the sequence-parallel region are replicated (every rank computes the same
+whole tensor, as a GPT's whole embeddings and loss around the blocks `parallelize_gpt` runs sequence
+parallel), the whole gradient arrives the same on every rank and nothing is summed:
+
+- `Scatter`: forward this rank's block of the sequence (a slice, no message); backward an allgather;
+- `Gather` with `replicated=True`: forward an allgather; backward this rank's block of the gradient.
+
+(Megatron-LM's `scatter_to_sequence_parallel_region` and `gather_from_sequence_parallel_region` with
+`tensor_parallel_output_grad=False`.)
+
 Tensors are (batch, sequence, features): the sequence is dim 1, split by `block_range`.
 
 Exercise 14.1 signature: `Copy.apply(x, comm)` and `Reduce.apply(x, comm)`: x any float
@@ -33,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from .collectives import allgather, allreduce, reduce_scatter
 
@@ -65,16 +76,35 @@ class Reduce(torch.autograd.Function):
 
 
 class Gather(torch.autograd.Function):
-    """Sequence blocks -> the whole sequence (allgather); backward, the gradient summed and scattered back."""
+    """Sequence blocks -> the whole sequence (allgather); backward, the gradient summed and scattered back,
+    or with `replicated` (the layers after it compute the same on every rank) this rank's block of it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm, length: int) -> torch.Tensor:
-        ctx.comm = comm
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, length: int, replicated: bool = False) -> torch.Tensor:
+        ctx.comm, ctx.replicated = comm, replicated
+        ctx.rows = block_range(length, comm.Get_rank(), comm.Get_size())
         return allgather(comm, x, SEQUENCE, length)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return reduce_scatter(ctx.comm, grad, SEQUENCE), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.replicated:
+            return grad.narrow(SEQUENCE, ctx.rows.start, len(ctx.rows)).clone(), None, None, None
+        return reduce_scatter(ctx.comm, grad, SEQUENCE), None, None, None
+
+
+class Scatter(torch.autograd.Function):
+    """The whole sequence, the same on every rank -> this rank's block (no message); backward, the blocks'
+    gradients allgathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm, ctx.length = comm, x.shape[SEQUENCE]
+        rows = block_range(ctx.length, comm.Get_rank(), comm.Get_size())
+        return x.narrow(SEQUENCE, rows.start, len(rows)).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return allgather(ctx.comm, grad, SEQUENCE, ctx.length), None
 
 
 class ReduceScatter(torch.autograd.Function):

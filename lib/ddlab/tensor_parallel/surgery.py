@@ -17,6 +17,15 @@ second "row", or neither. The block returned is a new one; LayerNorms stay whole
 With the blocks of a GPT replaced this way (`parallelize_gpt`), the embeddings, the last
 LayerNorm and the loss stay whole on every rank and the model steps as one process does.
 
+`parallelize_gpt(..., sequence_parallel=block_forward)` runs the split blocks sequence parallel
+(Korthikanti et al., MLSys 2023, section 4.2.2) with a block forward such as exercise 14.5's
+(`sequence_parallel_block(x, parts, comm, seed, length)`, its parts taken from each split block by
+`BlockParts(split)`): the residual stream between the blocks holds this rank's rows of the sequence.
+The embeddings, the last LayerNorm and the loss stay whole and the same on every rank, so the whole
+embedding output is cut to this rank's rows before the first block (`Scatter`: no message; backward
+an allgather of the rows' gradients) and the last block's rows are allgathered after it (`Gather`
+with `replicated=True`: backward keeps this rank's rows of the whole gradient, which every rank has).
+
 Exercise 14.3 signature: `parallelize(block, comm, plan)` -> a new Block, the one passed in
 left as it was; a plan naming a layer the block lacks, or any kind but "column" and "row", or
 one layer of a pair without the other, raises ValueError.
@@ -33,11 +42,16 @@ from torch import nn
 from ..models.gpt import GPT, Block
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
-from .block import head_range, qkv_rows
+from .block import BlockParts, head_range, qkv_rows
+from .conjugates import Gather, Scatter
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 #: Builds one rank's block from a whole one: `parallelize`, or the student's.
 Parallelize = Callable[[Block, Comm, Mapping[str, str]], nn.Module]
+
+#: A block's sequence-parallel forward (exercise 14.5): (this rank's rows x, parts, comm, seed, the sequence's
+#: length) -> this rank's rows of the block's output; `sequence_parallel_block`, or the student's.
+SequenceBlock = Callable[[torch.Tensor, BlockParts, Comm, int | None, int], torch.Tensor]
 
 #: Megatron-LM's plan for a GPT block (Shoeybi et al., 2019, figure 3).
 PLAN: dict[str, str] = {"attn.qkv": "column", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
@@ -86,10 +100,38 @@ def parallelize(block: Block, comm: Comm, plan: Mapping[str, str] = PLAN) -> Blo
     return split
 
 
+class SequenceParallelBlocks(nn.Module):
+    """A GPT's split blocks run one after the other sequence parallel: the whole (B, T, n_embd) in, the same on
+    every rank; this rank's rows through every block (`block_forward`); the whole out (see the module's docstring)."""
+
+    def __init__(self, blocks: list[nn.Module], comm: Comm, block_forward: SequenceBlock):
+        super().__init__()
+        self.parts = nn.ModuleList(BlockParts(block) for block in blocks)
+        self.comm, self.block_forward = comm, block_forward
+
+    def forward(self, x: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+        length, size = x.shape[1], self.comm.Get_size()
+        if length < size:
+            raise ValueError(f"a sequence of {length} tokens cannot be split over {size} ranks")
+        rows = Scatter.apply(x, self.comm)
+        for parts in self.parts:
+            rows = self.block_forward(rows, cast(BlockParts, parts), self.comm, seed, length)
+        return Gather.apply(rows, self.comm, length, True)
+
+
 def parallelize_gpt(
-    model: GPT, comm: Comm, plan: Mapping[str, str] = PLAN, parallelize_block: Parallelize = parallelize
+    model: GPT,
+    comm: Comm,
+    plan: Mapping[str, str] = PLAN,
+    parallelize_block: Parallelize = parallelize,
+    sequence_parallel: SequenceBlock | None = None,
 ) -> GPT:
-    """A copy of model with every block replaced by parallelize_block(block, comm, plan) (yours or the library's)."""
+    """A copy of model with every block replaced by parallelize_block(block, comm, plan) (yours or the library's);
+    with `sequence_parallel` (`sequence_parallel_block`, or yours) the split blocks run sequence parallel by it,
+    as one module (`SequenceParallelBlocks`, the only entry of the copy's `blocks`)."""
     split = copy.deepcopy(model)
-    split.blocks = nn.ModuleList(parallelize_block(cast(Block, b), comm, plan) for b in model.blocks)
+    blocks = [parallelize_block(cast(Block, b), comm, plan) for b in model.blocks]
+    split.blocks = nn.ModuleList(
+        blocks if sequence_parallel is None else [SequenceParallelBlocks(blocks, comm, sequence_parallel)]
+    )
     return split
