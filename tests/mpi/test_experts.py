@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ddlab.experts import MoE, average_gradients, combine, dispatch, expert_and_data_groups
+from ddlab.experts import MoE, average_gradients, combine, dispatch, expert_and_data_groups, train_with_experts
 from mpi4py import MPI
 from torch import nn
 
@@ -158,3 +158,13 @@ def test_experts_with_data_parallelism_train_to_one_process(comm: MPI.Comm) -> N
     assert moved > 1e-3, "the gate did not train: the test would not see a wrong average"
     experts.Free()
     data.Free()
+
+
+def test_training_with_experts_counts_every_validation_token_and_agrees_on_every_rank(comm: MPI.Comm) -> None:
+    """Lab 15 section 11's run, 2 steps: the same losses and loads on every rank, every token counted once."""
+    expert_ranks = 2 if comm.Get_size() % 2 == 0 else 1
+    losses, load = train_with_experts(comm, expert_ranks, steps=2, alpha=0.01)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert load.shape == (2, 8)
+    np.testing.assert_array_equal(load.sum(axis=1), comm.Get_size() * 4 * 16 * 32)  # k = 1: one expert per token
+    assert comm.allgather((losses, load.tolist())) == [(losses, load.tolist())] * comm.Get_size()
