@@ -76,6 +76,39 @@ def reduce_scatter_whole_buffers(comm, x, bounds):
     return total[bounds[rank] : bounds[rank + 1]].copy()
 
 
+def reduce_scatter_on_world(comm, x, bounds):
+    """Wrong: the ring's messages on the notebook's MPI.COMM_WORLD, not on the communicator given."""
+    return reduce_scatter_ring(MPI.COMM_WORLD, x, bounds)
+
+
+def reduce_scatter_world_rank(comm, x, bounds):
+    """Wrong: each chunk straight to its owner, but the chunk kept chosen by the notebook's world `rank`."""
+    rank, me, size = MPI.COMM_WORLD.Get_rank(), comm.Get_rank(), comm.Get_size()
+    requests = [comm.Isend(x[bounds[q] : bounds[q + 1]].copy(), dest=q, tag=TAG) for q in range(size) if q != me]
+    out = x[bounds[rank] : bounds[rank + 1]].copy()
+    for q in range(size):
+        if q != me:
+            incoming = np.empty(bounds[me + 1] - bounds[me], dtype=x.dtype)
+            comm.Recv(incoming, source=q, tag=TAG)
+            out = out + incoming
+    for request in requests:
+        request.Wait()
+    return out
+
+
+def allgather_on_world(comm, mine, bounds):
+    """Wrong: the ring's messages on the notebook's MPI.COMM_WORLD, not on the communicator given."""
+    return allgather_ring(MPI.COMM_WORLD, mine, bounds)
+
+
+def allgather_world_rank(comm, mine, bounds):
+    """Wrong: the ring on comm, then `mine` written at the notebook's world `rank`'s offset."""
+    full = allgather_ring(comm, mine, bounds)
+    rank = MPI.COMM_WORLD.Get_rank()
+    full[bounds[rank] : bounds[rank + 1]] = mine
+    return full
+
+
 def allgather_direct(comm, mine, bounds):
     """Another valid answer: every rank sends its piece to every other, received straight into place."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -239,6 +272,23 @@ def test_reduce_scatter_check_fails(fn, message) -> None:
         check_reduce_scatter(fn)
 
 
+#: Answers that go wrong only on a communicator other than the notebook's world (which 1 rank cannot make).
+NOT_THE_COMM_GIVEN = [
+    (check_reduce_scatter, reduce_scatter_on_world, "no message went through the communicator the check gave"),
+    (check_reduce_scatter, reduce_scatter_world_rank, "numbered differently from the world"),
+    (check_allgather, allgather_on_world, "no message went through the communicator the check gave"),
+    (check_allgather, allgather_world_rank, "numbered differently from the world"),
+]
+
+
+@pytest.mark.parametrize("check, fn, message", NOT_THE_COMM_GIVEN, ids=[f.__name__ for _, f, _ in NOT_THE_COMM_GIVEN])
+def test_the_halves_checks_fail_the_notebooks_world(check, fn, message) -> None:
+    if MPI.COMM_WORLD.Get_size() == 1:
+        pytest.skip("one rank: the world is the only communicator")
+    with pytest.raises(CheckFailed, match=message):
+        check(fn)
+
+
 @pytest.mark.parametrize("fn", [allgather_ring, allgather_direct])
 def test_allgather_check_accepts(fn) -> None:
     check_allgather(fn)
@@ -357,6 +407,12 @@ class Float64Buffers(RingShardedOptimizer):
     fixed_dtype = torch.float64
 
 
+class Float32Buffers(RingShardedOptimizer):
+    """Wrong: `torch.zeros(n)` makes float32 flat buffers whatever the parameters' dtype."""
+
+    fixed_dtype = torch.float32
+
+
 class WorldComm(RingShardedOptimizer):
     world = True
 
@@ -401,6 +457,7 @@ def test_sharded_optimizer_check_accepts(fn) -> None:
         (NoAllgather, "differs from one process's.*allgather"),
         (WholeState, "inner optimizer holds 36 items"),
         (Float64Buffers, "shard is torch.float64, the parameters torch.float32"),
+        (Float32Buffers, "shard is torch.float32, the parameters torch.float64"),
         (WorldComm, "nothing went through the communicator"),
         (DividesGradientsInPlace, "changed the parameters' .grad"),
         (WaitsForever, "never completed"),

@@ -121,6 +121,18 @@ def never_completes(comm, x, group_size):
     return out
 
 
+def never_freed(comm, x, group_size):
+    """Wrong: the lab's answer, but the Split communicators are never freed (the text says to Free them)."""
+    rank = comm.Get_rank()
+    group = comm.Split(rank // group_size, rank)
+    replicas = comm.Split(rank % group_size, rank)
+    shard = x.size // group_size
+    partial = reduce_scatter_mpi(group, x, [k * shard for k in range(group_size + 1)])
+    r = replicas.Get_size()
+    across = [k * shard // r for k in range(r + 1)]
+    return allgather_mpi(replicas, reduce_scatter_mpi(replicas, partial, across), across)
+
+
 def stub(comm, x, group_size):
     raise NotImplementedError("Exercise: hybrid_reduce_scatter")
 
@@ -160,6 +172,7 @@ WRONG = [
     (sums_into_x, "x was changed"),
     (by_allreduce, "Allreduce"),
     (never_completes, "Stalled|never|waited"),
+    (never_freed, "communicators made with Split were not freed"),
 ]
 
 

@@ -383,6 +383,34 @@ def keeps_the_whole_block_too(block, comm, plan):
     return split
 
 
+def checks_attention_pairs_only(block, comm, plan):
+    """Wrong: refuses unknown layers and a wrong attention pair, but lets the MLP's layers through as they come."""
+    if set(plan) - {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}:
+        raise ValueError("not a layer of a block")
+    if (plan.get("attn.qkv"), plan.get("attn.proj")) not in ((None, None), ("column", "row")):
+        raise ValueError("attention splits column then row")
+    return _parallelize_with(check=False)(block, comm, plan)
+
+
+def refuses_lone_layers_only(block, comm, plan):
+    """Wrong: refuses unknown layers and a layer without its pair, but not the MLP's pair the wrong way round."""
+    if set(plan) - {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}:
+        raise ValueError("not a layer of a block")
+    for first, second in (("attn.qkv", "attn.proj"), ("mlp.fc", "mlp.proj")):
+        if (first in plan) != (second in plan):
+            raise ValueError("a layer without its pair")
+    if plan.get("attn.qkv", "column") != "column":
+        raise ValueError("attention splits column then row")
+    return _parallelize_with(check=False)(block, comm, plan)
+
+
+def tells_the_block_given_its_heads(block, comm, plan):
+    """Wrong: the split block is right, but the block passed in is told this rank's heads too."""
+    split = parallelize(block, comm, plan)
+    block.attn.heads = split.attn.heads
+    return split
+
+
 def parallelize_stub(block, comm, plan):
     raise NotImplementedError("Exercise 14.3 (parallelize) is not done yet: write it where this line is.")
 
@@ -405,6 +433,9 @@ def test_a_parallelize_written_differently_passes():
         (_parallelize_with(set_heads=False), "RuntimeError|ValueError|differs"),
         (keeps_the_whole_block_too, "keep only the shards"),
         (_parallelize_with(world=True), "global communicator"),
+        (checks_attention_pairs_only, r"\(the MLP's first layer alone\) should raise ValueError"),
+        (refuses_lone_layers_only, r"\(the MLP the wrong way round\) should raise ValueError"),
+        (tells_the_block_given_its_heads, "the block passed in was changed.*attn.heads"),
     ],
     ids=[
         "heads-split-across-features",
@@ -414,12 +445,17 @@ def test_a_parallelize_written_differently_passes():
         "attention-not-told-its-heads",
         "keeps-the-whole-block-too",
         "layers-on-the-global-communicator",
+        "refuses-wrong-attention-pairs-only",
+        "accepts-the-mlp-the-wrong-way-round",
+        "changes-the-heads-of-the-block-passed-in",
     ],
 )
 def test_wrong_parallelizes_fail(fn, message):
     if MPI.COMM_WORLD.Get_size() < 2 and message == "global communicator":
         pytest.skip("on one rank the global communicator sends nothing either way")
-    if MPI.COMM_WORLD.Get_size() < 2 and message.startswith("the output differs"):
+    if MPI.COMM_WORLD.Get_size() < 2 and (
+        message.startswith("the output differs") or fn is tells_the_block_given_its_heads
+    ):
         pytest.skip("on one rank every split is the whole block")
     with pytest.raises(CheckFailed, match=message):
         check_parallelize(fn)
@@ -611,6 +647,28 @@ def test_wrong_sequence_parallel_blocks_fail(fn, message):
         pytest.skip("on one rank the sequence is not split")
     with pytest.raises(CheckFailed, match=message):
         check_sequence_parallel_block(fn)
+
+
+class CopyByClone(torch.autograd.Function):
+    """f returning a copy of x (14.1's check accepts it): F.layer_norm then saves a copy of its weight and bias."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return allreduce(ctx.comm, grad), None
+
+
+def _summed_copies(comm, ln):
+    return CopyByClone.apply(ln.weight, comm), CopyByClone.apply(ln.bias, comm)
+
+
+def test_f_returning_a_copy_passes_both_checks():
+    check_conjugates(CopyByClone, Reduce)
+    check_sequence_parallel_block(_block_with(norm_weights=_summed_copies))
 
 
 def test_the_block_stub_raises_not_implemented():

@@ -70,8 +70,9 @@ def each_size(
             if stubs:
                 raise NotImplementedError(stubs[0])
             failures = [f for _, f, _ in outcomes if f]
-            if failures:
-                raise CheckFailed(failures[0])
+            if failures:  # on the reordered run, with its hint (a ring by the world's `rank` may stall there)
+                hint = f"\n(this run's ranks are{where})" if where and where not in failures[0] else ""
+                raise CheckFailed(failures[0] + hint)
             _raise_found([p for _, _, p in outcomes], f"{context} on {count(size, 'rank')}{where}")
 
 
@@ -97,6 +98,18 @@ REORDERED = (
     " numbered differently from the world (rank q here is world rank q - 1): does your code use the "
     "notebook's `rank` instead of `comm.Get_rank()` of the communicator it was given?"
 )
+
+
+#: What a check says when a run on several ranks sent nothing through the communicator it gave.
+NOTHING_SENT = (
+    "no message went through the communicator the check gave: did your code use the notebook's "
+    "global `comm` (or MPI.COMM_WORLD) instead of its `comm` argument?"
+)
+
+
+def reordered_hint(sub: MPI.Comm, comm: MPI.Comm) -> str:
+    """The hint for each_size's reordered run of comm (sub's ranks are not comm's), else ""."""
+    return f"(this run's ranks are{REORDERED})" if sub.Get_rank() != comm.Get_rank() else ""
 
 
 @contextlib.contextmanager

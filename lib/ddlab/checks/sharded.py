@@ -35,7 +35,7 @@ from ..allreduce import allgather_ring, reduce_scatter_ring
 from ..runtime.blocks import block_bounds
 from ..runtime.comm import Comm
 from ..runtime.counting import Traffic
-from ._core import array_problem, each_size, fail_together, passed, run_counted
+from ._core import NOTHING_SENT, array_problem, each_size, fail_together, passed, reordered_hint, run_counted
 from .errors import CheckFailed
 
 #: Slack over the ring's bytes (the ring is optimal up to message boundaries).
@@ -62,6 +62,8 @@ def _sent(traffic: list[Traffic]) -> int:
 
 def _bytes_problem(traffic: list[Traffic], reference: list[Traffic]) -> str | None:
     got, ring = _sent(traffic), _sent(reference)
+    if ring > 0 and got == 0:
+        return NOTHING_SENT
     if got > ring * BYTES_SLACK + 64:
         return (
             f"the ranks sent {got} bytes in all, the ring sends {ring}: each rank should send every chunk but "
@@ -91,10 +93,10 @@ def check_reduce_scatter(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray])
                 if problem is None and np.shares_memory(got, x):
                     problem = "the result shares memory with x: return a new array"
                 found = problem or _bytes_problem(traffic, reference)
-                fail_together(sub, found and f"{context}: {found}", "reduce_scatter")
+                fail_together(sub, found and f"{context}: {found}", "reduce_scatter", reordered_hint(sub, comm))
         return None
 
-    each_size(comm, body, "reduce_scatter")
+    each_size(comm, body, "reduce_scatter", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True)
     passed(comm, "reduce_scatter: each rank gets the sums of its own shard, equal or uneven, in the ring's bytes")
 
 
@@ -123,7 +125,7 @@ def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> N
                 if problem is None and np.shares_memory(got, mine):
                     problem = "the result shares memory with `mine`: return a new array"
                 found = problem or _bytes_problem(traffic, reference)
-                fail_together(sub, found and f"{context}: {found}", "allgather")
+                fail_together(sub, found and f"{context}: {found}", "allgather", reordered_hint(sub, comm))
                 results.append(got)
                 wants.append(full)
             found = None
@@ -132,10 +134,10 @@ def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> N
                     f"{context}: the second call changed the first call's result: each call must return a "
                     "new array (a buffer reused across calls overwrites the parameters a unit still uses)"
                 )
-            fail_together(sub, found, "allgather")
+            fail_together(sub, found, "allgather", reordered_hint(sub, comm))
         return None
 
-    each_size(comm, body, "allgather")
+    each_size(comm, body, "allgather", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True)
     passed(comm, "allgather: every rank gets every shard, equal or uneven, in a new array, in the ring's bytes")
 
 
@@ -222,6 +224,15 @@ def _optimizer_problem(
             "nothing went through the communicator the check gave: use the `comm` argument (keep it), "
             "not the notebook's MPI.COMM_WORLD"
         )
+    inner_optimizer = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner_optimizer, optimizer_class):
+        return (
+            f"keep the inner optimizer as `self.optimizer`, an instance of the class given ({optimizer_class.__name__})"
+        )
+    mine = [p for group in inner_optimizer.param_groups for p in group["params"]]
+    # the dtype before the values: a float32 flat buffer fails on values by rounding, which would mislead
+    if any(p.dtype != dtype for p in mine):
+        return f"the inner optimizer's shard is {mine[0].dtype}, the parameters {dtype}: make the flat buffers in the parameters' dtype"
     for p, (pname, want) in zip(params, reference.named_parameters()):
         if p.dtype != dtype:
             return f"parameter {pname} became {p.dtype}, the model's are {dtype}: copy the gathered values into the parameters"
@@ -232,20 +243,12 @@ def _optimizer_problem(
                 "step the inner optimizer on the mean of the ranks' gradients (the reduce-scatter's sum over P), "
                 "then allgather every shard into every rank's parameters"
             )
-    inner_optimizer = getattr(optimizer, "optimizer", None)
-    if not isinstance(inner_optimizer, optimizer_class):
-        return (
-            f"keep the inner optimizer as `self.optimizer`, an instance of the class given ({optimizer_class.__name__})"
-        )
-    mine = [p for group in inner_optimizer.param_groups for p in group["params"]]
     held = sum(p.numel() for p in mine)
     if held > shard:
         return (
             f"the inner optimizer holds {held} items of the {numel}, its state as much: build it over this "
             f"rank's shard only (at most ceil({numel}/{size}) = {shard} items), so its state is 1/P of data parallelism's"
         )
-    if any(p.dtype != dtype for p in mine):
-        return f"the inner optimizer's shard is {mine[0].dtype}, the parameters {dtype}: make the flat buffers in the parameters' dtype"
     limit = OPTIMIZER_STEPS * size * 2 * (size - 1) * shard * itemsize
     if sent > limit * BYTES_SLACK + 64 * OPTIMIZER_STEPS * size:
         return (

@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.counting import Traffic
-from ._core import REORDERED, array_problem, each_size, fail_together, passed, run_counted
+from ._core import NOTHING_SENT, array_problem, each_size, fail_together, passed, reordered_hint, run_counted
 
 #: What the exercise may call besides point-to-point messages: the halves (MPI's, counted).
 ALLOWED = ("Reduce_scatter", "Allgatherv")
@@ -37,10 +37,7 @@ def _bytes_problem(traffic: list[Traffic], group_size: int, nbytes: int) -> str 
     most_across = 2 * (replicas - 1) * nbytes  # the shards' allreduce across groups: 2 (R-1) N b
     most_inside = replicas * (group_size - 1) * nbytes  # one reduce-scatter in each group: R (G-1) N b
     if size > 1 and across + inside == 0:
-        return (
-            "no message went through the communicator the check gave: did your code use the notebook's "
-            "global `comm` (or MPI.COMM_WORLD) instead of its `comm` argument?"
-        )
+        return NOTHING_SENT
     if across > most_across:
         return (
             f"{across} bytes crossed between groups, more than the {most_across} of two-stage reduction "
@@ -52,6 +49,12 @@ def _bytes_problem(traffic: list[Traffic], group_size: int, nbytes: int) -> str 
             f"{inside} bytes moved inside the groups, more than the {most_inside} of one reduce-scatter "
             "per group (R (G-1) N b)"
         )
+    unfreed = sum(t.unfreed for t in traffic)
+    if unfreed > 0:
+        return (
+            f"{unfreed} communicators made with Split were not freed (all ranks together): call .Free() on each "
+            "group communicator once its messages are done (MPI can hold only so many)"
+        )
     return None
 
 
@@ -60,15 +63,14 @@ def check_hybrid_reduce_scatter(fn: Callable[[Any, np.ndarray, int], np.ndarray]
 
     Ranks form groups of G = group_size consecutive ranks; x (float64 or float32, the same
     length on every rank) is G equal shards. Point-to-point messages, MPI's Reduce_scatter and
-    Allgatherv (counted) and Split; no more bytes between groups than the shard's allreduce
+    Allgatherv (counted) and Split (each communicator freed); no more bytes between groups than the shard's allreduce
     across them, no more inside a group than one reduce-scatter. x is left alone.
     """
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
         size = sub.Get_size()
-        renumbered = sub.Get_rank() != comm.Get_rank()  # each_size's last run: rank q is world rank q - 1
-        hint = f"(this run's ranks are{REORDERED})" if renumbered else ""
+        hint = reordered_hint(sub, comm)  # each_size's last run: rank q is world rank q - 1
         for g in [g for g in range(1, size + 1) if size % g == 0]:
             for shard in (5, 1):
                 for dtype in (np.float64, np.float32):

@@ -28,7 +28,8 @@ overlapped buckets) returns a watched request, so waiting on it cannot hang eith
 
 `Split` returns a CountingComm of the sub-communicator that logs into the same
 traffic, peers named by their rank in the communicator the check made, so a
-hierarchical collective's messages inside and between groups are all counted.
+hierarchical collective's messages inside and between groups are all counted;
+`Traffic.unfreed` counts the communicators made (Split, Dup) and not yet `Free`d.
 
 Blocking calls never hang a check: they wait through a `ddlab.runtime.waiting.Watch`,
 giving up after `timeout` seconds with a message naming the message waited for,
@@ -154,6 +155,7 @@ class Traffic:
     rank: int
     events: list[Event] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)  # allowed collectives, in the order called
+    unfreed: int = 0  # communicators this rank made through Split or Dup and has not freed
 
     @property
     def sends(self) -> list[Event]:
@@ -564,14 +566,24 @@ class CountingComm:
         """
         self._same_call("Split")
         sub = self.comm.Split(color, key)
-        return sub if sub == MPI.COMM_NULL else CountingComm(sub, self.timeout, self.allow, parent=self)
+        if sub == MPI.COMM_NULL:
+            return sub
+        self.traffic.unfreed += 1
+        return CountingComm(sub, self.timeout, self.allow, parent=self)
 
     def Dup(self) -> CountingComm:
         """MPI's Dup (as Idup, under the timeout); the copy counts into this one's traffic."""
         self._same_call("Dup")
         dup, request = self.comm.Idup()
         self._wait([request], [MPI.Status()], "Dup to be called on every rank", cancel=False)
+        self.traffic.unfreed += 1
         return CountingComm(dup, self.timeout, self.allow, parent=self)
+
+    def Free(self) -> None:
+        """MPI's Free; `Traffic.unfreed` counts it off if this communicator came from Split or Dup."""
+        self.comm.Free()
+        if self.members is not None:
+            self.traffic.unfreed -= 1
 
     def _log(self, kind: str, peer: int, tag: int, nbytes: int) -> None:
         """Record a call (before it is made); a rank's first send waits out its stagger first."""
