@@ -389,3 +389,15 @@ def server_stub(comm, params, steps, bound, lr):
 def test_a_server_stub_fails_as_not_done(comm):
     with pytest.raises(NotImplementedError, match="ssp_server"):
         check_ssp_server(server_stub, timeout=2.0)
+
+
+def worker_stub(comm, n, gradient, steps):
+    raise NotImplementedError("Exercise 10.2 (async_worker) is not done yet")
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_a_worker_stub_fails_as_not_done(comm, repeat):
+    """The stubbed workers' notices stop the server on rank 0 whichever way its wait ends (it once read the
+    buffer of the receive the watch gave up, failed otherwise, and waited in a collective the others had left)."""
+    with pytest.raises(NotImplementedError, match="async_worker"):
+        check_async_worker(worker_stub)

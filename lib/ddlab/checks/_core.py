@@ -144,25 +144,27 @@ def run_counted(
     `allow` names MPI collectives the exercise may call (see CountingComm); others are refused.
     `stagger` > 0 makes messages to one receiver arrive in reverse rank order (see CountingComm).
 
-    An exercise stub's NotImplementedError passes straight through (all ranks raise
-    it together). Any other exception, a stall (of a blocking call, or of a request
-    fn waits for), a request fn never waited for, or a forbidden collective on any
-    rank becomes one CheckFailed on every rank.
+    An exercise stub's NotImplementedError on any rank is raised on every rank (the
+    others may have failed otherwise meanwhile, e.g. a server whose workers are stubs).
+    Any other exception, a stall (of a blocking call, or of a request fn waits for), a
+    request fn never waited for, or a forbidden collective on any rank becomes one
+    CheckFailed on every rank. Every rank takes the same collective calls whatever
+    happened, so no outcome can leave ranks waiting in different collectives.
     """
     counting = CountingComm(comm, timeout=timeout, allow=allow, stagger=stagger)
-    problem, result = None, None
+    stub, problem, result = None, None, None
     try:
         result = fn(counting, *args)
-    except NotImplementedError:
-        counting.free()
-        raise
+    except NotImplementedError as err:  # the lab's stub: not done, whatever the other ranks met
+        stub = str(err) or "not implemented"
+        problem = f"NotImplementedError: {stub}"
     except Exception as err:  # the student's code failed: tell the others, report it
         problem = f"{type(err).__name__}: {err}"
         if isinstance(err, MPI.Exception):
             problem += f" ({MPI_ERROR_HINT})"
     else:
         problem = counting.unwaited()
-    if counting.watch.failure is not None:  # a request of fn's gave up (or a peer failed): the cause
+    if counting.watch.failure is not None and stub is None:  # a request of fn's gave up (or a peer failed): the cause
         kind, message = counting.watch.failure
         problem = f"{kind.__name__}: {message}"
     if problem is not None:
@@ -170,7 +172,11 @@ def run_counted(
     comm.Barrier()
     counting.watch.settle()  # notices still in flight taken in: one left on a freed communicator reaches the next given its id
     counting.free()
-    fail_together(comm, problem, f"{context} raised an error")
+    outcomes = comm.allgather((stub, problem))
+    stubs = [s for s, _ in outcomes if s is not None]
+    if stubs:
+        raise NotImplementedError(stubs[0])
+    _raise_found([p for _, p in outcomes], f"{context} raised an error")
     return result, gather_traffic(counting)
 
 

@@ -42,7 +42,7 @@ class Mailbox:
         self.watch = comm.watch if isinstance(comm, CountingComm) else Watch(self.raw, timeout)
         self._sends: list[tuple[MPI.Request, np.ndarray]] = []
         self._open_recv: MPI.Request | None = None
-        self._open_source = -1
+        self._open_source, self._open_status = -1, MPI.Status()
         self.sent: Counter[int] = Counter()  # messages posted to each peer
         self.received: Counter[int] = Counter()  # messages completed from each peer
         self.sent_by_tag: Counter[int] = Counter()  # messages posted with each tag
@@ -106,9 +106,9 @@ class Mailbox:
                 "receive into the shape and dtype of the tensor that was sent (saved at forward), not of "
                 "another tensor such as the placeholder's gradient"
             )
-        request = self.comm.Irecv(buf, source, tag)
-        self._open_recv, self._open_source = request, source
-        receive_cpu = self.watch.poll(request.Test, what, self.progress)
+        request, received = self.comm.Irecv(buf, source, tag), MPI.Status()
+        self._open_recv, self._open_source, self._open_status = request, source, received
+        receive_cpu = self.watch.poll(lambda: request.Test(received), what, self.progress)
         self._open_recv = None
         self.received[source] += 1
         self.clock.wait_end(float(buf[:header].view(np.float64)[0]) if header else None, receive_cpu)
@@ -128,10 +128,10 @@ class Mailbox:
         (and discards) the ones still meant for it, then waits for its own sends.
         """
         if self._open_recv is not None:
-            status = MPI.Status()
-            self._open_recv.Cancel()
-            self._open_recv.Wait(status)
-            if not status.Is_cancelled():
+            if self._open_recv != MPI.REQUEST_NULL:  # still open; else the watch gave it up (status cancelled)
+                self._open_recv.Cancel()
+                self._open_recv.Wait(self._open_status)
+            if not self._open_status.Is_cancelled():
                 self.received[self._open_source] += 1
             self._open_recv = None
         sent = self.raw.allgather(dict(self.sent))

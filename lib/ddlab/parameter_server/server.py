@@ -105,8 +105,9 @@ class Server:
         try:
             self.watch.poll(request.Test, f"a gradient from workers {sorted(self.running)}")
         except (Stalled, PeerFailed):
-            request.Cancel()
-            request.Wait()
+            if request != MPI.REQUEST_NULL:  # still open (a request the watch gave up is complete already)
+                request.Cancel()
+                request.Wait()
             raise
         worker, step, version, more = (int(x) for x in buf[:GRADIENT_HEADER])
         return worker, step, version, bool(more), buf[GRADIENT_HEADER:]

@@ -304,15 +304,15 @@ class CountingComm:
         """Every rank's value, gathered on the notice communicator under the timeout: a check's way to
         stop before a rank starts another collective the others have not matched. A sub-communicator
         (`Split`, `Dup`) gathers on its own ranks: the notice communicator spans the parent's."""
-        everyone = np.empty(self.size, dtype=np.int64)
+        return [int(v) for v in self._share(np.array([value], dtype=np.int64), what).ravel()]
+
+    def _share(self, mine: np.ndarray, what: str) -> np.ndarray:
+        """Every rank's int64 array `mine` (one shape on all), stacked in rank order, gathered under the
+        timeout on the notice communicator, or on a sub-communicator's own ranks (that one spans the parent's)."""
+        everyone = np.empty((self.size, *mine.shape), dtype=np.int64)
         on = self.watch.alarm if self.members is None else self.comm
-        self._wait(
-            [on.Iallgather(np.array([value], dtype=np.int64), everyone)],
-            [MPI.Status()],
-            what,
-            cancel=False,
-        )
-        return [int(v) for v in everyone]
+        self._wait([on.Iallgather(mine, everyone)], [MPI.Status()], what, cancel=False)
+        return everyone
 
     def _same_call(self, name: str) -> None:
         """Meet every rank under the timeout; raise MismatchedCollective unless each is calling `name` too."""
@@ -372,8 +372,7 @@ class CountingComm:
     def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None:
         """MPI's Alltoallv, if allowed: every rank's buffers checked and agreed on first, bytes logged.
 
-        All ranks first share their byte counts (an Iallgather on the private
-        communicator), so that all of them refuse together a call whose counts do not
+        All ranks first share their byte counts (an Iallgather, see `_share`), so that all of them refuse together a call whose counts do not
         match pairwise, or that runs past a buffer, instead of crashing or hanging.
         """
         if "Alltoallv" not in self.allow:
@@ -383,13 +382,7 @@ class CountingComm:
             mine = [_vector_blocks(sendbuf, size, "send"), _vector_blocks(recvbuf, size, "receive")]
         except ValueError as err:
             problem, mine = str(err), [[-1] * size, [-1] * size]
-        everyone = np.empty((size, 2, size), dtype=np.int64)
-        self._wait(
-            [self.watch.alarm.Iallgather(np.array(mine, dtype=np.int64), everyone)],
-            [MPI.Status()],
-            "the other ranks to call Alltoallv",
-            cancel=False,
-        )
+        everyone = self._share(np.array(mine, dtype=np.int64), "the other ranks to call Alltoallv")
         if problem is not None:
             raise ValueError(problem)
         sends, recvs = everyone[:, 0, :], everyone[:, 1, :]
@@ -416,13 +409,7 @@ class CountingComm:
         if "Alltoall" not in self.allow:
             return self.__getattr__("Alltoall")
         send, recv = _nbytes(sendbuf), _nbytes(recvbuf)
-        everyone = np.empty((self.size, 2), dtype=np.int64)
-        self._wait(
-            [self.watch.alarm.Iallgather(np.array([send, recv], dtype=np.int64), everyone)],
-            [MPI.Status()],
-            "the other ranks to call Alltoall",
-            cancel=False,
-        )
+        everyone = self._share(np.array([send, recv], dtype=np.int64), "the other ranks to call Alltoall")
         if send % self.size or recv % self.size:
             raise ValueError(f"Alltoall: the buffers ({send} and {recv} bytes) must hold {self.size} equal blocks")
         if len(set(everyone.ravel().tolist())) > 1:

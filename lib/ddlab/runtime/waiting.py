@@ -108,11 +108,14 @@ class Watch:
         """Call done() until true (between() after each miss); raise Stalled or PeerFailed instead of hanging.
 
         Returns the CPU seconds of the last call, the one that completed (and moved the data).
+        done() also turns true when it tests a watched request that was given up (its deadline, a
+        peer's failure): that request moved no data, so the failure recorded first is raised instead.
         """
         deadline = time.monotonic() + self.timeout
         for pause in pauses():
             start = time.thread_time()
             if done():
+                self._raise_failure()
                 return time.thread_time() - start
             self.check(what)
             if time.monotonic() > deadline:
@@ -126,6 +129,10 @@ class Watch:
     def check(self, what: str) -> None:
         """Raise PeerFailed (or the failure already met) if this wait can no longer succeed."""
         self._take_notice(what)
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raise the failure this watch has met, if any (a watched request gives up only after recording it)."""
         if self.failure is not None:
             kind, message = self.failure
             raise kind(message)
