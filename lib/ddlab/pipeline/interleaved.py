@@ -34,6 +34,7 @@ from torch import nn
 
 from ..model_parallel import Mailbox
 from ..runtime.comm import Comm
+from .schedules import replay, virtual_stage
 
 ChunkOp = tuple[str, int, int]
 Interleaved = Callable[[int, int, int, int], list[ChunkOp]]
@@ -74,47 +75,16 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[ChunkOp]:
     return ops + [op("B", k) for k in range(total - warmup, total)]
 
 
-def virtual_stage(p: int, rank: int, chunk: int) -> int:
-    """Chunk `chunk` of rank `rank` is virtual stage chunk x p + rank of the v p."""
-    return chunk * p + rank
-
-
 def simulate_interleaved(
     schedules: list[list[ChunkOp]], v: int, forward: float = 1.0, backward: float = 2.0
 ) -> list[list[tuple[ChunkOp, float, float]]]:
     """Replay per-rank op lists with equal chunks (forward / v and backward / v per chunk op); messages are free.
 
     F of virtual stage q needs F of q - 1; B of q needs F of q and B of q + 1. Returns, per rank,
-    (op, start, end); raises ValueError on a deadlock (a rank waiting for an op that never runs)."""
+    (op, start, end); raises ValueError on a deadlock (a rank waiting for an op that never runs).
+    Lab 07's `simulate` is the same replay with v = 1."""
     p = len(schedules)
-    last = v * p - 1
-    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end
-    cursor, clock = [0] * p, [0.0] * p
-    out: list[list[tuple[ChunkOp, float, float]]] = [[] for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while cursor[r] < len(schedules[r]):
-                kind, chunk, i = schedules[r][cursor[r]]
-                q = virtual_stage(p, r, chunk)
-                if kind == "F":
-                    needs = [("F", q - 1, i)] if q > 0 else []
-                else:
-                    needs = [("F", q, i)] + ([("B", q + 1, i)] if q < last else [])
-                if any(need not in done for need in needs):
-                    break
-                start = max([clock[r]] + [done[need] for need in needs])
-                end = start + (forward if kind == "F" else backward) / v
-                done[(kind, q, i)], clock[r] = end, end
-                out[r].append(((kind, chunk, i), start, end))
-                cursor[r] += 1
-                progress = True
-    stuck = [r for r in range(p) if cursor[r] < len(schedules[r])]
-    if stuck:
-        waiting = ", ".join(f"rank {r} at {schedules[r][cursor[r]]}" for r in stuck)
-        raise ValueError(f"the schedules deadlock: {waiting} wait for ops that never run")
-    return out
+    return replay(schedules, [forward / v] * p, [backward / v] * p, v, unit="rank")
 
 
 def chunk_in_flight(ops: list[ChunkOp]) -> int:
