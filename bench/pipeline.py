@@ -24,9 +24,11 @@ starting with the other one, so that other work on the machine hits them alike.
 With `--interleaved` (lab 16) it measures instead the bubble against M for plain 1F1B and the
 interleaved schedule (v = 2 chunks per rank, Narayanan et al., SC 2021, section 2.2.2) on p ranks
 (`--ranks`, default 2: one per core) of a chain of equal linear layers, beside (p-1)/m and
-(p-1)/(v m) of the ideal time and (p-1)/(m+p-1), (p-1)/(v m+p-1) of the step. The ideal time is
-each rank's own ops run back to back without messages, all ranks at once (the same contention),
-measured in the same round; the bubble is 1 - ideal / step, the step the slowest rank's.
+(p-1)/(v m) of the ideal time and (p-1)/(m+p-1), (p-1)/(v m+p-1) of the step. The bubble is measured
+as lab 07 measures it, on the busy clock (`run_interleaved(..., clock=Timeline)`: idle is a rank
+waiting for a message its sender had not yet sent, in CPU time), beside the schedule replayed with the
+step's own op times per rank (what uneven ranks give), and, on the wall clock, the idle share of the
+same spans and 1 - ideal / step (the ideal each rank's own ops back to back, measured in the same round).
 
     .venv/bin/python bench/pipeline.py --interleaved [--ranks 2] [--rounds 5]
 
@@ -195,10 +197,17 @@ INTERLEAVED_WIDTH, INTERLEAVED_ROWS, LAYERS_PER_CHUNK, CHUNKS = 512, 256, 2, 2
 
 
 def interleaved_child(rounds: int) -> None:
-    """Bubble against M, 1F1B (one chunk of v x LAYERS_PER_CHUNK layers per rank) and interleaved (v chunks)."""
+    """Bubble against M, 1F1B (one chunk of v x LAYERS_PER_CHUNK layers per rank) and interleaved (v chunks).
+
+    Three measures of one step, each a share of the step: the idle share on the busy clock (CPU time,
+    messages carrying the sender's time, as lab 07 measures), the idle share on the wall clock from the
+    same run's spans, and 1 - ideal / step on the wall clock."""
     import time
 
-    from ddlab.pipeline import interleaved_1f1b, interleaved_bubble, run_interleaved
+    from ddlab.model_parallel import Timeline, kind_totals, utilisation
+    from ddlab.pipeline import bubble, interleaved_1f1b, interleaved_bubble, run_interleaved
+    from ddlab.pipeline.schedules import replay
+    from ddlab.runtime.trace import gather_spans
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -217,12 +226,37 @@ def interleaved_child(rounds: int) -> None:
     def loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return ((y - target) ** 2).sum()
 
-    def step(chunks: list[nn.Module], chunk_count: int, m: int) -> float:
-        inputs = [torch.randn(INTERLEAVED_ROWS, INTERLEAVED_WIDTH) for _ in range(m)]
+    def step(chunks: list[nn.Module], chunk_count: int, m: int, ideal: float) -> tuple[float, ...]:
+        """(busy-clock bubble, expected, wall-clock bubble from the spans, 1 - ideal / step, max/mean) of one step.
+
+        expected: the schedule replayed with this step's own op times, each rank's busy time per op split
+        between forward and backward as its compute was (uneven ranks included, jitter left out); max/mean:
+        the slowest rank's busy time per op over the mean. The inputs require grad, so that rank 0's first
+        layer computes its input's gradient as every other layer does: the ranks are equal, as the formulas
+        assume (without it rank 0's backward is the shorter, and in 1F1B's steady state, which leaves no
+        slack, the other rank's extra time per micro-batch is idle on rank 0: a bubble growing with M)."""
+        inputs = [torch.randn(INTERLEAVED_ROWS, INTERLEAVED_WIDTH, requires_grad=True) for _ in range(m)]
+        schedules = [interleaved_1f1b(p, m, r, chunk_count) for r in range(p)]
+        clock = Timeline(rank)
         comm.Barrier()
         start = time.perf_counter()
-        run_interleaved(comm, chunks, interleaved_1f1b(p, m, rank, chunk_count), inputs, inputs, loss)
-        return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        run_interleaved(comm, chunks, schedules[rank], inputs, inputs, loss, clock=clock)
+        wall = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        busy_spans, wall_spans = gather_spans(clock.busy, comm), gather_spans(clock.wall, comm)
+        per_op = [utilisation([spans])["busy"][0] / (chunk_count * m) for spans in busy_spans]
+        totals = [kind_totals(spans) for spans in busy_spans]
+        share = [t["forward"] / (t["forward"] + t["backward"]) for t in totals]
+        forward = [t * f for t, f in zip(per_op, share)]
+        backward = [t * (1 - f) for t, f in zip(per_op, share)]
+        expected = bubble(replay(schedules, forward, backward, chunk_count))
+        imbalance = max(per_op) / (sum(per_op) / p)
+        return (
+            utilisation(busy_spans)["bubble"],
+            expected,
+            utilisation(wall_spans)["bubble"],
+            1 - ideal / wall,
+            imbalance,
+        )
 
     def alone(m: int) -> float:
         """This rank's forwards and backwards of m micro-batches, back to back, no messages; all ranks at once."""
@@ -234,26 +268,48 @@ def interleaved_child(rounds: int) -> None:
         return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
     ms = [m for m in (p, 2 * p, 4 * p, 8 * p) if m <= 16] or [p]
-    found: dict[tuple[int, int], list[float]] = {}
-    alone(ms[0]), step(plain, 1, ms[0]), step(chunked, v, ms[0])  # warm-up, not counted
-    for _ in range(rounds):
+    found: dict[tuple[int, int], list[tuple[float, ...]]] = {}
+    step(plain, 1, ms[0], alone(ms[0])), step(chunked, v, ms[0], 0.0)  # warm-up, not counted
+    for round_ in range(rounds):
         for m in ms:
             ideal = alone(m)
-            for chunks, count in ((plain, 1), (chunked, v)):
-                found.setdefault((m, count), []).append(1 - ideal / step(chunks, count, m))
-    if rank == 0:
-        print(f"p = {p} ranks, v = {v} chunks, {LAYERS_PER_CHUNK * v} layers per rank; bubble = 1 - ideal / step")
-        print(f"(median of {rounds} rounds; measured under whatever else the machine runs)")
-        print(
-            f"{'M':>3} | {'1F1B':>6} {'(p-1)/(m+p-1)':>13} | {'interleaved':>11} {'(p-1)/(vm+p-1)':>14} |"
-            f" {'(p-1)/m':>8} {'(p-1)/(vm)':>10}"
-        )
-        for m in ms:
-            one, two = statistics.median(found[(m, 1)]), statistics.median(found[(m, v)])
-            print(
-                f"{m:3} | {one:6.3f} {interleaved_bubble(p, m, 1):13.3f} | {two:11.3f} {interleaved_bubble(p, m, v):14.3f} |"
-                f" {(p - 1) / m:8.3f} {(p - 1) / (v * m):10.3f}"
+            order = ((plain, 1), (chunked, v))
+            for chunks, count in order if round_ % 2 == 0 else order[::-1]:
+                found.setdefault((m, count), []).append(step(chunks, count, m, ideal))
+    if rank != 0:
+        return
+    print(f"p = {p} ranks, v = {v} chunks, {LAYERS_PER_CHUNK * v} layers per rank, median of {rounds} rounds")
+    print("bubble as a share of the step. busy: idle on the busy clock (CPU time; a message carries its sender's")
+    print("  time: the step as it would run with a core per rank); expected: the schedule replayed with the")
+    print("  step's own op times per rank (what is left of busy - expected is jitter: ops that ran slower")
+    print("  than their rank's mean, on a machine shared); formula: (p-1)/(m+p-1), (p-1)/(v m+p-1);")
+    print("  waits: idle on the wall clock, from the same spans; 1-i/s: 1 - ideal / step, wall clock, the")
+    print("  ideal each rank's ops back to back, measured in the same round")
+    head = f"{'busy':>6} {'expect':>6} {'formula':>7} {'waits':>6} {'1-i/s':>6}"
+    print(f"{'':3} | {'1F1B':^35} | {'interleaved, v = ' + str(v):^35}")
+    print(f"{'M':>3} | {head} | {head}")
+    medians = {key: [statistics.median(x) for x in zip(*values)] for key, values in found.items()}
+    for m in ms:
+        cells = []
+        for count in (1, v):
+            busy, expected, waits, share, _ = medians[(m, count)]
+            cells.append(
+                f"{busy:6.3f} {expected:6.3f} {interleaved_bubble(p, m, count):7.3f} {waits:6.3f} {share:6.3f}"
             )
+        print(f"{m:3} | " + " | ".join(cells))
+    print("\nthe same on the busy clock as a share of the ideal compute, b / (1 - b), against (p-1)/m and (p-1)/(v m);")
+    print("max/mean: the slowest rank's busy time per op over the mean")
+    head = f"{'busy':>6} {'expect':>6} {'formula':>7} {'ratio':>5} {'max/mean':>8}"
+    print(f"{'':3} | {'1F1B':^36} | {'interleaved':^36} | {'interleaved / 1F1B':^18}")
+    print(f"{'M':>3} | {head} | {head} | {'busy':>6} {'1/v':>5}")
+    for m in ms:
+        cells, ideal = [], []
+        for count in (1, v):
+            busy, expected = (b / (1 - b) for b in medians[(m, count)][:2])
+            want = (p - 1) / (count * m)
+            cells.append(f"{busy:6.3f} {expected:6.3f} {want:7.3f} {busy / want:5.2f} {medians[(m, count)][4]:8.3f}")
+            ideal.append(busy)
+        print(f"{m:3} | " + " | ".join(cells) + f" | {ideal[1] / ideal[0]:6.2f} {1 / v:5.2f}")
 
 
 def main() -> int:

@@ -107,3 +107,30 @@ def test_torch_pipelining_gives_the_same_gradients(schedule):
     errors = WORLD.allgather(pipe.gradient_error(reference_gradients(model, images, masks), bounds))
     close_gloo()
     assert max(errors) < 1e-12, errors
+
+
+def test_interleaved_run_records_its_ops_on_a_clock():
+    """run_interleaved with a Timeline: the same losses as without, a forward and a backward span of every
+    (chunk, micro-batch) on both clocks, and the wait of the last rank's first forward idle on the busy clock."""
+    from ddlab.model_parallel import Timeline, utilisation
+    from ddlab.pipeline import interleaved_1f1b, micro_batch_loss, run_interleaved
+    from ddlab.runtime.trace import gather_spans
+
+    rank, v, m = WORLD.Get_rank(), 2, K
+    torch.manual_seed(0)
+    chunks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).double() for _ in range(v)]
+    inputs = [torch.randn(3, 8, dtype=torch.float64) for _ in range(m)]
+    ops = interleaved_1f1b(K, m, rank, v)
+    plain = run_interleaved(WORLD, chunks, ops, inputs, inputs, micro_batch_loss)
+    clock = Timeline(rank)
+    timed = run_interleaved(WORLD, chunks, ops, inputs, inputs, micro_batch_loss, clock=clock)
+    assert timed == plain
+    busy, wall = gather_spans(clock.busy, WORLD), gather_spans(clock.wall, WORLD)
+    for spans in (busy, wall):
+        for per_rank in spans:
+            for name in ("forward", "backward"):
+                assert {s.number for s in per_rank if s.name == name} == set(range(m)), (name, per_rank)
+        assert 0 <= utilisation(spans)["bubble"] < 1
+    if K > 1:
+        first = next(i for i, s in enumerate(busy[-1]) if s.name == "forward")
+        assert any(s.name == "idle" for s in busy[-1][first:]), busy[-1]

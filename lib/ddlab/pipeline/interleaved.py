@@ -32,8 +32,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..model_parallel import Mailbox
+from ..model_parallel import Mailbox, Timeline
 from ..runtime.comm import Comm
+from .schedules import replay, virtual_stage
 
 ChunkOp = tuple[str, int, int]
 Interleaved = Callable[[int, int, int, int], list[ChunkOp]]
@@ -74,47 +75,16 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[ChunkOp]:
     return ops + [op("B", k) for k in range(total - warmup, total)]
 
 
-def virtual_stage(p: int, rank: int, chunk: int) -> int:
-    """Chunk `chunk` of rank `rank` is virtual stage chunk x p + rank of the v p."""
-    return chunk * p + rank
-
-
 def simulate_interleaved(
     schedules: list[list[ChunkOp]], v: int, forward: float = 1.0, backward: float = 2.0
 ) -> list[list[tuple[ChunkOp, float, float]]]:
     """Replay per-rank op lists with equal chunks (forward / v and backward / v per chunk op); messages are free.
 
     F of virtual stage q needs F of q - 1; B of q needs F of q and B of q + 1. Returns, per rank,
-    (op, start, end); raises ValueError on a deadlock (a rank waiting for an op that never runs)."""
+    (op, start, end); raises ValueError on a deadlock (a rank waiting for an op that never runs).
+    Lab 07's `simulate` is the same replay with v = 1."""
     p = len(schedules)
-    last = v * p - 1
-    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end
-    cursor, clock = [0] * p, [0.0] * p
-    out: list[list[tuple[ChunkOp, float, float]]] = [[] for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while cursor[r] < len(schedules[r]):
-                kind, chunk, i = schedules[r][cursor[r]]
-                q = virtual_stage(p, r, chunk)
-                if kind == "F":
-                    needs = [("F", q - 1, i)] if q > 0 else []
-                else:
-                    needs = [("F", q, i)] + ([("B", q + 1, i)] if q < last else [])
-                if any(need not in done for need in needs):
-                    break
-                start = max([clock[r]] + [done[need] for need in needs])
-                end = start + (forward if kind == "F" else backward) / v
-                done[(kind, q, i)], clock[r] = end, end
-                out[r].append(((kind, chunk, i), start, end))
-                cursor[r] += 1
-                progress = True
-    stuck = [r for r in range(p) if cursor[r] < len(schedules[r])]
-    if stuck:
-        waiting = ", ".join(f"rank {r} at {schedules[r][cursor[r]]}" for r in stuck)
-        raise ValueError(f"the schedules deadlock: {waiting} wait for ops that never run")
-    return out
+    return replay(schedules, [forward / v] * p, [backward / v] * p, v, unit="rank")
 
 
 def chunk_in_flight(ops: list[ChunkOp]) -> int:
@@ -138,14 +108,21 @@ def run_interleaved(
     inputs: list[torch.Tensor],
     targets: list[torch.Tensor],
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    clock: Timeline | None = None,
 ) -> list[float]:
     """Run rank r's ops with its v chunks (chunk j is virtual stage j p + r); gradients add up in .grad.
 
     Every activation has inputs[i]'s shape and dtype. inputs are used by rank 0's chunk 0, targets and
     `loss` by the last rank's last chunk, which returns the micro-batch losses in micro-batch order
     ([] elsewhere). Messages are posted without waiting and tagged by the receiver's chunk and
-    micro-batch, and by direction (the last rank and rank 0 exchange both ways)."""
-    mailbox = Mailbox(comm)
+    micro-batch, and by direction (the last rank and rank 0 exchange both ways).
+
+    With an enabled `clock` (lab 07's `Timeline`), each op is a forward or backward span of its micro-batch
+    and each wait for a message is idle time, on the wall and the busy clock (messages carry the sender's
+    busy time); the clock starts at 0 once every rank's mailbox is made (a collective)."""
+    mailbox = Mailbox(comm, clock=clock)
+    if clock is not None:
+        clock.start()
     r, p, v, m = mailbox.rank, mailbox.size, len(chunks), len(inputs)
     nxt, prev = (r + 1) % p, (r - 1) % p
 
@@ -155,26 +132,27 @@ def run_interleaved(
     kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     losses: dict[int, float] = {}
     for kind, j, i in ops:
-        q = virtual_stage(p, r, j)
-        if kind == "F":
-            shape, dtype = tuple(inputs[i].shape), inputs[i].dtype
-            x = inputs[i] if q == 0 else mailbox.take(shape, dtype, prev, tag(j, i, False)).requires_grad_()
-            y = chunks[j](x)
-            if q == v * p - 1:
-                y = loss(y, targets[i])
-                losses[i] = y.item()
-            else:
-                mailbox.post(y, nxt, tag(j + (r == p - 1), i, False))
-            kept[(j, i)] = (x, y)
-        elif kind == "B":
-            x, y = kept.pop((j, i))
-            last = q == v * p - 1
-            y.backward(None if last else mailbox.take(tuple(y.shape), y.dtype, nxt, tag(j, i, True)))
-            if q > 0:
-                assert x.grad is not None, "a received activation requires grad"
-                mailbox.post(x.grad, prev, tag(j - (r == 0), i, True))
-        else:
+        if kind not in ("F", "B"):
             raise ValueError(f"unknown op {(kind, j, i)!r}: ops are ('F', chunk, i) or ('B', chunk, i)")
+        q = virtual_stage(p, r, j)
+        with mailbox.clock.span("forward" if kind == "F" else "backward", i):
+            if kind == "F":
+                shape, dtype = tuple(inputs[i].shape), inputs[i].dtype
+                x = inputs[i] if q == 0 else mailbox.take(shape, dtype, prev, tag(j, i, False)).requires_grad_()
+                y = chunks[j](x)
+                if q == v * p - 1:
+                    y = loss(y, targets[i])
+                    losses[i] = y.item()
+                else:
+                    mailbox.post(y, nxt, tag(j + (r == p - 1), i, False))
+                kept[(j, i)] = (x, y)
+            else:
+                x, y = kept.pop((j, i))
+                last = q == v * p - 1
+                y.backward(None if last else mailbox.take(tuple(y.shape), y.dtype, nxt, tag(j, i, True)))
+                if q > 0:
+                    assert x.grad is not None, "a received activation requires grad"
+                    mailbox.post(x.grad, prev, tag(j - (r == 0), i, True))
     if kept:
         raise ValueError(f"rank {r}: the ops never ran the backward of (chunk, micro-batch) {sorted(kept)}")
     mailbox.free()

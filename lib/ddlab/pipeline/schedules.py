@@ -13,6 +13,9 @@ An op is ("F", i) or ("B", i), micro-batch i = 0 .. M-1.
 
 Both take the same time: (M+K-1) forward-and-backward slots, of which each stage is
 idle for K-1, a bubble of (K-1)/(M+K-1). They differ in memory.
+
+`simulate` replays per-stage op lists with given op times; it is `replay`, which also
+replays lab 16's interleaved schedule (v chunks per rank, `simulate_interleaved`), with v = 1.
 """
 
 from __future__ import annotations
@@ -69,30 +72,53 @@ def simulate(
     k = len(schedules)
     forward = forward if isinstance(forward, list) else [forward] * k
     backward = backward if isinstance(backward, list) else [backward] * k
-    done: dict[tuple[int, Op], float] = {}
-    cursor, clock = [0] * k, [0.0] * k
-    out: list[list[tuple[Op, float, float]]] = [[] for _ in range(k)]
+    return replay(schedules, forward, backward)
+
+
+def virtual_stage(p: int, rank: int, chunk: int) -> int:
+    """Chunk `chunk` of rank `rank` is virtual stage chunk x p + rank of the v p (lab 16's interleaving)."""
+    return chunk * p + rank
+
+
+def replay(
+    schedules: Sequence[Sequence[Any]], forward: list[float], backward: list[float], v: int = 1, unit: str = "stage"
+) -> list[list[tuple[Any, float, float]]]:
+    """The one replay behind `simulate` (lab 07) and `simulate_interleaved` (lab 16); messages are free.
+
+    schedules[r] lists rank r's ops: ("F", i) and ("B", i), or with v chunks per rank ("F", j, i) and
+    ("B", j, i), chunk j of rank r being virtual stage j p + r (a plain op is chunk 0's). forward[r],
+    backward[r]: the time of one op on rank r. F of virtual stage q needs F of q - 1; B of q needs F of
+    q and B of q + 1. Returns, per rank, (op, start, end); raises ValueError naming each stuck `unit`
+    (stage or rank) on a deadlock, a rank waiting for an op that never runs.
+    """
+    p = len(schedules)
+    last = v * p - 1
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end
+    cursor, clock = [0] * p, [0.0] * p
+    out: list[list[tuple[Any, float, float]]] = [[] for _ in range(p)]
     progress = True
     while progress:
         progress = False
-        for s in range(k):
-            while cursor[s] < len(schedules[s]):
-                op = schedules[s][cursor[s]]
-                kind, i = op
-                needs = [(s - 1, ("F", i))] if kind == "F" and s > 0 else []
-                if kind == "B":
-                    needs = [(s, ("F", i))] + ([(s + 1, ("B", i))] if s < k - 1 else [])
+        for r in range(p):
+            while cursor[r] < len(schedules[r]):
+                op = schedules[r][cursor[r]]
+                kind, chunk, i = (op[0], 0, op[1]) if len(op) == 2 else op
+                q = virtual_stage(p, r, chunk)
+                if kind == "F":
+                    needs = [("F", q - 1, i)] if q > 0 else []
+                else:
+                    needs = [("F", q, i)] + ([("B", q + 1, i)] if q < last else [])
                 if any(need not in done for need in needs):
                     break
-                start = max([clock[s]] + [done[need] for need in needs if need[0] != s])
-                end = start + (forward[s] if kind == "F" else backward[s])
-                done[(s, op)], clock[s] = end, end
-                out[s].append((op, start, end))
-                cursor[s] += 1
+                start = max([clock[r]] + [done[need] for need in needs])
+                end = start + (forward[r] if kind == "F" else backward[r])
+                done[(kind, q, i)], clock[r] = end, end
+                out[r].append((op, start, end))
+                cursor[r] += 1
                 progress = True
-    stuck = [s for s in range(k) if cursor[s] < len(schedules[s])]
+    stuck = [r for r in range(p) if cursor[r] < len(schedules[r])]
     if stuck:
-        waiting = ", ".join(f"stage {s} at {schedules[s][cursor[s]]}" for s in stuck)
+        waiting = ", ".join(f"{unit} {r} at {schedules[r][cursor[r]]}" for r in stuck)
         raise ValueError(f"the schedules deadlock: {waiting} wait for ops that never run")
     return out
 
