@@ -219,9 +219,15 @@ def test_zigzag_check_accepts(split, unsplit, capsys):
     assert "passed" in capsys.readouterr().out
 
 
+def zigzag_split_returns_x_on_one_rank(x, size, rank):
+    """Wrong: on one rank with nothing to pad, x itself comes back (the text asks for a new array)."""
+    return x if size == 1 and x.shape[-2] % 2 == 0 else zigzag_split_reference(x, size, rank)
+
+
 @pytest.mark.parametrize(
     "split,unsplit,message",
     [
+        (zigzag_split_returns_x_on_one_rank, zigzag_unsplit_reference, "shares memory with x"),
         (zigzag_split_no_padding, zigzag_unsplit_reference, "split has shape"),
         (zigzag_split_late_first, zigzag_unsplit_reference, "split is wrong"),
         (zigzag_split_reference, zigzag_unsplit_keeps_padding, "unsplit has shape"),

@@ -312,3 +312,43 @@ def test_cases_cover_every_choice():
     assert all(any(getattr(lay, dim) > 1 for lay in layouts) for dim in ("data", "tensor", "pipeline", "context"))
     memory = [sum("memory" in why for _, why in search(*case)[1]) for case in search_cases()]
     assert any(memory) and all(search(*case)[0] for case in search_cases())
+
+
+# ---- A student function that never returns fails at the check's deadline, naming the case
+
+
+def never_returns(*args):
+    while True:
+        pass
+
+
+@pytest.mark.parametrize(
+    "check, name",
+    [(check_memory_per_rank, "memory_per_rank"), (check_step_time, "step_time"), (check_layout_search, "search")],
+)
+def test_a_loop_that_never_ends_fails_at_the_deadline(check, name, monkeypatch):
+    import time
+
+    from ddlab.checks import oracle_transformer
+
+    monkeypatch.setattr(oracle_transformer, "DEADLINE", 0.5)
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match=rf"{name}\(.*did not return within .*a loop that never ends"):
+        check(never_returns)
+    assert time.monotonic() - start < 30
+
+
+def test_the_step_time_hint_counts_the_context_collectives_the_reference_does():
+    from ddlab.checks.oracle_transformer import HINTS, time_cases
+
+    gpt, layout, platform = next(
+        (g, lay, pf) for g, lay, pf in time_cases() if lay.context > 1 and lay.recompute != "full"
+    )
+    t, c, b = layout.tensor, layout.context, layout.micro_batch
+    m = layout.batch // (layout.data * b)
+    kv = 2 * b * gpt.seq * gpt.hidden / t * 2
+    per_layer = 2 * platform.comm("allgather", kv, c, t) + platform.comm("reduce_scatter", kv, c, t)
+    assert step_time(gpt, layout, platform)["context"] == pytest.approx(m * gpt.layers // layout.pipeline * per_layer)
+    assert (
+        "2 context allgathers and a reduce-scatter (one allgather more with full recomputation)" in HINTS["step_time"]
+    )

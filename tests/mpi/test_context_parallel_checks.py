@@ -206,6 +206,32 @@ def by_isend_irecv(comm, send, tag, dtype=None):
     return incoming
 
 
+def by_irecv_any_tag(comm, send, tag, dtype=None):
+    """Valid: the receive takes MPI's default tag (ANY_TAG), the send its own."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    incoming = np.empty(send.shape, dtype=dtype or send.dtype)
+    MPI.Request.Waitall([comm.Irecv(incoming, source=(rank - 1) % size), comm.Isend(send, (rank + 1) % size, tag)])
+    return incoming
+
+
+def by_recv_any_tag(comm, send, tag, dtype=None):
+    """Valid: a blocking receive with the default tag, after a non-blocking send."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    incoming = np.empty(send.shape, dtype=dtype or send.dtype)
+    request = comm.Isend(send, (rank + 1) % size, tag)
+    comm.Recv(incoming, source=(rank - 1) % size)
+    request.Wait()
+    return incoming
+
+
+def by_allgather(comm, send, tag, dtype=None):
+    """Wrong: every block gathered by a collective, the previous rank's kept."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    everyone = np.empty((size, *send.shape), dtype=dtype or send.dtype)
+    comm.Allgather(send, everyone)
+    return everyone[(rank - 1) % size].copy()
+
+
 def by_sendrecv(comm, send, tag, dtype=None):
     rank, size = comm.Get_rank(), comm.Get_size()
     incoming = np.empty(send.shape, dtype=dtype or send.dtype)
@@ -230,7 +256,16 @@ def backward_without_the_flag(comm, q, k, v, out, lse, grad_out, positions):
     return ring_attention_backward(comm, q, k, v, out, lse, grad_out, positions)
 
 
-@pytest.mark.parametrize("answer", [ring_attention_backward, backward_by(by_isend_irecv), backward_by(by_sendrecv)])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        ring_attention_backward,
+        backward_by(by_isend_irecv),
+        backward_by(by_sendrecv),
+        backward_by(by_irecv_any_tag),
+        backward_by(by_recv_any_tag),
+    ],
+)
 def test_backward_check_accepts_isend_irecv_and_sendrecv(comm, deadline, answer):
     with deadline(120):
         check_ring_attention_backward(answer)
@@ -246,10 +281,11 @@ def test_backward_check_accepts_isend_irecv_and_sendrecv(comm, deadline, answer)
         (backward_on_the_world, "communicator it was given"),
         (backward_by(by_isend_irecv, always_causal=True), "not causal.*d[qkv] is wrong"),
         (backward_without_the_flag, "TypeError"),
+        (backward_by(by_allgather), "collective|Allgather"),
     ],
 )
 def test_backward_check_fails_wrong_answers(comm, deadline, answer, says):
-    if comm.Get_size() == 1 and says in ("dk|dv|bytes", "bytes", "communicator it was given"):
+    if comm.Get_size() == 1 and says in ("dk|dv|bytes", "bytes", "communicator it was given", "collective|Allgather"):
         pytest.skip("one rank sends nothing: no hop to miss, no block too many, no other communicator")
     with deadline(120), pytest.raises(CheckFailed, match=says):
         check_ring_attention_backward(answer, timeout=3.0)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import faulthandler
 import time
 
 import pytest
 from ddlab.checks import CheckFailed, check_split_mesh
 from ddlab.mesh import DIMS, coordinates, split_mesh, validate_sizes
+from mpi4py import MPI
 
 SHORT = 3.0
 
@@ -114,6 +116,25 @@ def rank_zero_skips_a_split(comm, sizes):
     if comm.Get_rank() != 0:
         comms["extra"] = comm.Split(0, 0)
     return coords, comms
+
+
+def splits_the_world(comm, sizes):
+    """The right colours and keys, but MPI.COMM_WORLD split instead of comm: on fewer ranks it would block forever."""
+    validate_sizes(sizes, comm.Get_size())
+    coords = coordinates(comm.Get_rank(), sizes)
+    comms = {}
+    for name in DIMS:
+        colour = sum(coords[o] * 10 ** DIMS.index(o) for o in DIMS if o != name)
+        comms[name] = MPI.COMM_WORLD.Split(colour, coords[name])
+    return coords, comms
+
+
+def test_a_split_of_the_world_fails_naming_it_instead_of_hanging(comm) -> None:
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang ends the process, with tracebacks
+    try:
+        expect_failure(splits_the_world, "not made from the communicator passed in", "MPI.COMM_WORLD")
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def test_the_wrong_answers_fail(comm) -> None:

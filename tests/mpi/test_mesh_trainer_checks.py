@@ -4,6 +4,7 @@ NotImplementedError; on every rank."""
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import time
 
@@ -244,6 +245,25 @@ def test_wrong_interleaved_schedules_fail(comm) -> None:
     expect_schedule_failure(backwards_in_forward_chunk_order, "deadlock")
     expect_schedule_failure(one_chunk_at_a_time, "deadlock")
     expect_schedule_failure(never_refuses, "raise ValueError")
+
+
+def forward_count_never_advances(p, m, rank, v):
+    """A steady-state loop whose forward count never moves (only the backwards do): it never returns."""
+    forwards, backwards = 0, 0
+    while forwards < v * m:
+        backwards = min(backwards + 1, v * m)
+    return []
+
+
+def test_a_schedule_that_never_returns_fails_at_the_deadline(comm, monkeypatch) -> None:
+    from ddlab.checks import mesh
+
+    monkeypatch.setattr(mesh, "SCHEDULE_DEADLINE", 1.0)
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang ends the process, with tracebacks
+    try:
+        expect_schedule_failure(forward_count_never_advances, "did not return within 1 s", "never advances")
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def test_an_interleaved_stub_raises_not_implemented(comm) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import signal
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -23,6 +25,28 @@ MPI_ERROR_HINT = (
 def count(n: int, noun: str) -> str:
     """'1 rank', '3 ranks': n and the noun, plural unless n is 1."""
     return f"{n} {noun}{'s' * (n != 1)}"
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str, cause: str = "a loop that never ends?") -> Iterator[None]:
+    """CheckFailed naming `what` and the likely `cause` if the body runs longer than `seconds`.
+
+    The one time limit of the checks that call student code on one process (no communicator's timeout
+    covers it). It interrupts the main thread only (a signal); elsewhere nothing can, and there is no limit."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise CheckFailed(f"{what} did not return within {seconds:.0f} s: {cause}")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str = "") -> None:

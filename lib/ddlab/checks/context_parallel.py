@@ -38,7 +38,7 @@ from ..context_parallel import (
     ring_attention,
     take_rows,
 )
-from ..runtime.counting import Traffic
+from ..runtime.counting import COLLECTIVE_TAG, Traffic
 from ._core import array_problem, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
 
@@ -313,7 +313,7 @@ def _backward_messages_problem(traffic: list[Traffic], rank: int, size: int, blo
             f"rank {rank} sent {mine.bytes_sent} bytes, the backward ring sends {want}: {size - 1} blocks of K and V "
             f"and {size if size > 1 else 0} blocks of their gradients, each {block_bytes} bytes"
         )
-    if any(e.tag < 0 for e in mine.events):
+    if any(e.tag == COLLECTIVE_TAG for e in mine.events):
         return "called a collective: the ring is point-to-point messages only"
     return None
 
@@ -355,7 +355,7 @@ def check_ulysses(fn: Callable[..., np.ndarray], timeout: float = DEADLINE) -> N
                         f"called {', '.join(mine_traffic.calls) or 'no collective'}: expected exactly four Alltoalls "
                         "(q, k and v to the head split, the output back)"
                     )
-                elif any(e.tag >= 0 for e in mine_traffic.events):
+                elif any(e.tag != COLLECTIVE_TAG for e in mine_traffic.events):
                     problem = "sent point-to-point messages: the four Alltoalls carry everything"
                 elif [e.nbytes for e in mine_traffic.sends] != [each] * (4 * size):
                     problem = (
@@ -388,9 +388,10 @@ def _zigzag_problem(
     positions = all_positions(length, size)
     parts = []
     for rank in range(size):
-        got, problem = _call(split, x.copy(), size, rank, what=f"split(x, {size}, {rank})")
+        given_x = x.copy()
+        got, problem = _call(split, given_x, size, rank, what=f"split(x, {size}, {rank})")
         problem = problem or _close_problem(got, take_rows(x, positions[rank]), f"rank {rank}'s split")
-        if problem is None and np.shares_memory(got, x):
+        if problem is None and np.shares_memory(got, given_x):
             problem = f"rank {rank}'s split shares memory with x: return a new array"
         if problem:
             return f"{context}: {problem}"

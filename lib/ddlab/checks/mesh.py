@@ -28,7 +28,8 @@ from ..pipeline.interleaved import (
 )
 from ..pipeline.schedules import bubble
 from ..runtime.counting import CountingComm, MismatchedCollective, underlying
-from ._core import CheckFailed, each_size, fail_together, passed, run_counted
+from ._core import deadline, each_size, fail_together, passed, run_counted
+from .errors import CheckFailed
 
 TIMEOUT = 10.0
 #: The communicator constructors the check's communicator offers; the ranks must call the same one.
@@ -102,6 +103,12 @@ def _shape_problem(result: Any, sizes: dict[str, int], rank: int) -> str | None:
         raw = underlying(comms[name]) if isinstance(comms[name], (CountingComm, MPI.Comm)) else None
         if not isinstance(raw, MPI.Intracomm) or raw == MPI.COMM_NULL:
             return f"comms[{name!r}] should be a communicator, got {type(comms[name]).__name__}"
+        if not isinstance(comms[name], CountingComm):  # every communicator made from comm is one
+            return (
+                f"comms[{name!r}] was not made from the communicator passed in: split `comm`, not MPI.COMM_WORLD "
+                "(the check also runs split_mesh on fewer ranks than the world, where a split of MPI.COMM_WORLD "
+                "would wait forever for the others)"
+            )
     return None
 
 
@@ -157,7 +164,8 @@ def check_split_mesh(fn: SplitMesh, timeout: float = TIMEOUT) -> None:
             )
         return None
 
-    each_size(world, body, "split_mesh is wrong")
+    # The world's size first: an answer splitting MPI.COMM_WORLD completes there, and is seen to.
+    each_size(world, body, "split_mesh is wrong", sizes=[world.Get_size(), *range(1, world.Get_size())])
     passed(
         world,
         "split_mesh: every layout's coordinates and its four sub-communicators are right, and sizes "
@@ -291,6 +299,9 @@ def _losses_problem(got: Any, want: list[float]) -> str | None:
 
 # Exercise 16.3: the interleaved 1F1B schedule ---------------------------------------------------------------
 #: (p, v, m) the schedule is simulated on: m a multiple of p, 1 to 4 ranks, 1 to 3 chunks per rank.
+#: Seconds to build and simulate one (p, v, m)'s op lists: milliseconds when right.
+SCHEDULE_DEADLINE = 10.0
+SCHEDULE_CAUSE = "a loop that never ends? (a counter of forwards or backwards that never advances)"
 INTERLEAVED_SIZES = [(p, v, m) for p in (1, 2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
 
 
@@ -309,9 +320,11 @@ def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
             return f"rank {rank}: a backward comes before its own forward: {ops}"
         most = min(warmup_forwards(p, m, rank, v) + 1, v * m)
         if chunk_in_flight(ops) > most:
+            formula = "p - r - 1, lab 07's, with v = 1" if v == 1 else "2(p - r - 1) + (v - 1)p"
             return (
                 f"rank {rank} keeps {chunk_in_flight(ops)} activations at once, more than 1F1B's warm-up "
-                f"{warmup_forwards(p, m, rank, v)} + 1: start the backwards as soon as the warm-up ends"
+                f"{warmup_forwards(p, m, rank, v)} ({formula}, at most v m) + 1: start the backwards as soon as "
+                "the warm-up ends"
             )
         schedules.append(ops)
     try:
@@ -333,19 +346,25 @@ def check_interleaved(fn: Interleaved, timeout: float = TIMEOUT) -> None:
     linear layers, in float64 and float32: every gradient one process's."""
     world = MPI.COMM_WORLD
     problem = None
-    for p, v, m in INTERLEAVED_SIZES:
-        problem = _schedule_problem(fn, p, v, m)
-        if problem:
-            problem = f"p = {p} ranks, v = {v} chunks, m = {m} micro-batches: {problem}"
-            break
-    if problem is None:
-        try:
-            fn(2, 3, 0, 2)
-            problem = (
-                "accepted m = 3 micro-batches on p = 2 ranks with v = 2: raise ValueError (m must be a multiple of p)"
-            )
-        except ValueError:
-            pass
+    try:
+        for p, v, m in INTERLEAVED_SIZES:
+            with deadline(SCHEDULE_DEADLINE, f"the schedule for p = {p}, v = {v}, m = {m}", SCHEDULE_CAUSE):
+                problem = _schedule_problem(fn, p, v, m)
+            if problem:
+                problem = f"p = {p} ranks, v = {v} chunks, m = {m} micro-batches: {problem}"
+                break
+        if problem is None:
+            try:
+                with deadline(SCHEDULE_DEADLINE, "the schedule for p = 2, v = 2, m = 3", SCHEDULE_CAUSE):
+                    fn(2, 3, 0, 2)
+                problem = (
+                    "accepted m = 3 micro-batches on p = 2 ranks with v = 2: raise ValueError "
+                    "(m must be a multiple of p)"
+                )
+            except ValueError:
+                pass
+    except CheckFailed as err:  # past the deadline
+        problem = str(err)
     fail_together(world, problem, "the interleaved schedule is wrong")
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         _run_problem(world, fn, dtype, tolerance, timeout)

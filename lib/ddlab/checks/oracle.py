@@ -14,18 +14,15 @@ and those where it agrees (not the formula).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
-import signal
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
 from ..oracle import formulas
-from ._core import each_size, is_number, passed
+from ._core import deadline, each_size, is_number, passed
 from .errors import CheckFailed
 
 DEADLINE = 10.0  # seconds for one case: these are closed forms, a loop that never ends fails
@@ -99,25 +96,6 @@ def _cases(name: str) -> list[tuple]:
     return cases
 
 
-@contextlib.contextmanager
-def _deadline(seconds: float, what: str) -> Iterator[None]:
-    """CheckFailed if the body runs longer than `seconds` (on the main thread; elsewhere no limit can interrupt it)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise CheckFailed(f"{what} did not return within {seconds:.0f} s: a loop that never ends?")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _copy(case: tuple) -> tuple:
     return tuple(value.copy() if isinstance(value, np.ndarray) else value for value in case)
 
@@ -161,7 +139,7 @@ def _problem(name: str, fn: Callable, case: tuple) -> str | None:
         refused = ""
     given = tuple(list(v) if isinstance(v, list) else v for v in _copy(case))  # the student's own copy
     try:
-        with _deadline(DEADLINE, f"{name}{case}"):
+        with deadline(DEADLINE, f"{name}{case}"):
             got = fn(*given)
     except ValueError as err:
         if refused:

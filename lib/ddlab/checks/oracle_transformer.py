@@ -5,7 +5,8 @@ The student's function is compared with the reference (`ddlab.oracle.transformer
 tensor parallelism with and without sequence parallelism, pipelines with fewer and more
 micro-batches than stages, context parallelism, small and published GPTs, the A100 platform
 and a flat one, budgets that cut some layouts. The functions are pure, so every rank runs all
-cases; `each_size` gathers one verdict.
+cases; `each_size` gathers one verdict. Each call of the student's function has `DEADLINE` seconds:
+a loop that never ends fails the check, naming the case, instead of hanging it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from ..oracle.platform import Platform
 from ..oracle.published import TABLE1, a100_cluster
 from ..oracle.transformer import GPT, MEMORY_PARTS, RECOMPUTE, TIME_PARTS, Layout, memory_per_rank, problem, step_time
 from ..oracle.transformer_planner import search
-from ._core import each_size, is_number, passed
+from ._core import deadline, each_size, is_number, passed
+from .errors import CheckFailed
+
+DEADLINE = 30.0  # seconds for one case: closed forms and a search over a few hundred layouts
 
 HINTS = {
     "memory_per_rank": "ZeRO-1 shards the optimizer state over d, ZeRO-2 the gradients too, ZeRO-3 the parameters "
@@ -28,7 +32,7 @@ HINTS = {
     "selective recomputation drops the attention term; full keeps 2sbh per layer (/t with sequence parallelism) "
     "plus one layer's activations.",
     "step_time": "the compute is slowed by platform.slowdown(devices of a node computing at once); count per micro-batch and per layer of a stage: 4 tensor allreduces (6 with full recomputation), "
-    "3 context allgathers and a reduce-scatter (one allgather more with full recomputation); 2 pipeline messages "
+    "2 context allgathers and a reduce-scatter (one allgather more with full recomputation); 2 pipeline messages "
     "per micro-batch; the bubble is (p-1)/m of the compute.",
     "search": "try every (d, t, p, c) whose product is the device count; a layout that does not run or does not fit "
     "goes to the rejected list with its reason; sort the others by time.",
@@ -129,7 +133,10 @@ def _memory_problem(fn: Callable) -> str | None:
     for case in memory_cases():
         want = memory_per_rank(*case)
         assert set(want) == set(MEMORY_PARTS)
-        problem_found = _dict_problem("memory_per_rank", fn(*case), want, ", ".join(map(repr, case)))
+        where = ", ".join(map(repr, case))
+        with deadline(DEADLINE, f"memory_per_rank({where})"):
+            got = fn(*case)
+        problem_found = _dict_problem("memory_per_rank", got, want, where)
         if problem_found:
             return problem_found
     return None
@@ -139,9 +146,10 @@ def _time_problem(fn: Callable) -> str | None:
     for gpt, layout, platform in time_cases():
         want = step_time(gpt, layout, platform)
         assert set(want) == set(TIME_PARTS)
-        found = _dict_problem(
-            "step_time", fn(gpt, layout, platform), want, f"{gpt.name}, {layout.label}, {platform.name}"
-        )
+        where = f"{gpt.name}, {layout.label}, {platform.name}"
+        with deadline(DEADLINE, f"step_time({where})"):
+            got = fn(gpt, layout, platform)
+        found = _dict_problem("step_time", got, want, where)
         if found:
             return found
     return None
@@ -151,7 +159,8 @@ def _search_problem(fn: Callable) -> str | None:
     for gpt, devices, template, platform, budget in search_cases():
         where = f"search({gpt.name}, {devices} devices, {template.label}, budget {budget:.3g} B)"
         ranked, rejected = search(gpt, devices, template, platform, budget)
-        out = fn(gpt, devices, template, platform, budget)
+        with deadline(DEADLINE, where):
+            out = fn(gpt, devices, template, platform, budget)
         if not isinstance(out, tuple) or len(out) != 2:
             return f"{where} returned {type(out).__name__}; return (ranked, rejected)"
         got_ranked, got_rejected = list(out[0]), list(out[1])
@@ -198,6 +207,8 @@ def _check(name: str, body: Callable[[], str | None], count: int, comm: MPI.Comm
             return body()
         except NotImplementedError:
             raise
+        except CheckFailed as err:  # a case ran past its deadline
+            return str(err)
         except Exception as err:  # the student's function failed on a case: say how
             return f"{name} raised {type(err).__name__}: {err}"
 

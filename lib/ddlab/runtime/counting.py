@@ -108,8 +108,9 @@ def is_collective(name: str) -> bool:
     return base in COLLECTIVES or (base.startswith("i") and base[1:] in COLLECTIVES)
 
 
-#: Tag of the events an allowed collective logs (no point-to-point message has a negative tag).
-COLLECTIVE_TAG = -1
+#: Tag of the events an allowed collective logs: below every C int, so no send or receive can carry it
+#: (a receive's MPI.ANY_TAG, the default, is -1 and is logged as given).
+COLLECTIVE_TAG = -(2**31) - 1
 ALLOWABLE = (
     "Alltoall",
     "Alltoallv",
