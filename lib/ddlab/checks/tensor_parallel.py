@@ -89,12 +89,19 @@ def _conjugate_case(
     return y.detach(), x.grad, forward, counting.traffic.bytes_sent - forward
 
 
-def _check_conjugate(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str) -> str | None:
-    for dtype in DTYPES:
-        problem = _conjugate_problem(sub, fn, name, dtype)
+def _first_in_dtypes(
+    dtypes: tuple[torch.dtype, ...], problem_in: Callable[[torch.dtype], str | None], what: str
+) -> str | None:
+    """The first dtype's problem, named ("float32 logits: ..."), or None when every dtype passes."""
+    for dtype in dtypes:
+        problem = problem_in(dtype)
         if problem:
-            return problem
+            return f"{_name(dtype)} {what}: {problem}" if what else problem
     return None
+
+
+def _check_conjugate(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str) -> str | None:
+    return _first_in_dtypes(DTYPES, lambda dtype: _conjugate_problem(sub, fn, name, dtype), "")
 
 
 def _conjugate_problem(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str, dtype: torch.dtype) -> str | None:
@@ -183,11 +190,7 @@ def check_vocab_parallel_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor,
     world = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
-        for dtype in DTYPES:
-            problem = _cross_entropy_problem(sub, fn, dtype)
-            if problem:
-                return f"{_name(dtype)} logits: {problem}"
-        return None
+        return _first_in_dtypes(DTYPES, lambda dtype: _cross_entropy_problem(sub, fn, dtype), "logits")
 
     each_size(world, body, "vocab_parallel_cross_entropy is wrong", _sizes(world))
     passed(
@@ -284,11 +287,7 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
     y.backward(g)
 
     def body(sub: MPI.Comm) -> str | None:
-        for dtype in DTYPES:
-            problem = in_dtype(sub, dtype)
-            if problem:
-                return f"{_name(dtype)} layers and input: {problem}"
-        return None
+        return _first_in_dtypes(DTYPES, lambda dtype: in_dtype(sub, dtype), "layers and input")
 
     def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
         size = sub.Get_size()
@@ -494,11 +493,7 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
     want_y.backward(g)
 
     def body(sub: MPI.Comm) -> str | None:
-        for dtype in DTYPES:
-            problem = in_dtype(sub, dtype)
-            if problem:
-                return f"{_name(dtype)} block and input: {problem}"
-        return None
+        return _first_in_dtypes(DTYPES, lambda dtype: in_dtype(sub, dtype), "block and input")
 
     def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
         size, rank = sub.Get_size(), sub.Get_rank()
@@ -642,11 +637,7 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
     assert whole_grad is not None
 
     def body(sub: MPI.Comm) -> str | None:
-        for dtype in BLOCK_DTYPES:
-            problem = in_dtype(sub, dtype)
-            if problem:
-                return f"{_name(dtype)} block and input: {problem}"
-        return None
+        return _first_in_dtypes(BLOCK_DTYPES, lambda dtype: in_dtype(sub, dtype), "block and input")
 
     def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
         size, rank = sub.Get_size(), sub.Get_rank()
