@@ -11,11 +11,16 @@ from mpi4py import MPI
 
 
 @pytest.fixture
-def comm() -> MPI.Comm:
-    """The world communicator, with a barrier after each test so ranks stay in step."""
-    world = MPI.COMM_WORLD
-    yield world
-    world.Barrier()
+def comm() -> Iterator[MPI.Comm]:
+    """A duplicate of the world communicator for this test alone, freed after a barrier.
+
+    Every test gets its own context, so a message an earlier test left unreceived can never be
+    matched by a later test's receive (it once was: tests/mpi/test_point_to_point.py's collect
+    took a stray empty message from rank 2 on the shared world communicator)."""
+    mine = MPI.COMM_WORLD.Dup()
+    yield mine
+    mine.Barrier()
+    mine.Free()
 
 
 @contextlib.contextmanager
