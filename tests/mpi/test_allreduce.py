@@ -95,7 +95,7 @@ def test_every_rank_gets_the_same_sum(name: str, n: int, dtype: type, seed: int)
 @given(
     size=st.sampled_from([s for s in SIZES if s > 1]),
     n=st.integers(0, 9),
-    mismatch=st.sampled_from(["length", "dtype", "2-D", "list"]),
+    mismatch=st.sampled_from(["length", "dtype", "same bytes", "2-D", "list"]),
     culprit=st.integers(0, 5),
 )
 def test_mismatched_inputs_raise_the_same_error_everywhere(
@@ -106,9 +106,13 @@ def test_mismatched_inputs_raise_the_same_error_everywhere(
     def body(comm: MPI.Comm) -> str | None:
         x = np.ones(n, dtype=np.float64)
         if comm.rank == culprit:
-            x = {"length": np.ones(n + 1), "dtype": x.astype(np.float32), "2-D": x.reshape(1, n), "list": list(x)}[
-                mismatch
-            ]
+            x = {
+                "length": np.ones(n + 1),
+                "dtype": x.astype(np.float32),
+                "same bytes": x.view(np.int64),  # same length and itemsize: only the dtype's kind tells them apart
+                "2-D": x.reshape(1, n),
+                "list": list(x),
+            }[mismatch]
         try:
             ALGORITHMS[name](comm, x)
         except ValueError as err:
@@ -203,6 +207,14 @@ def test_recursive_doubling_keeps_its_buffers_but_returns_new_arrays() -> None:
     assert np.array_equal(first, want) and np.array_equal(second, 2 * want)
     assert np.array_equal(third, np.full(7, WORLD.size, dtype=np.float32)) and third.dtype == np.float32
     assert not np.shares_memory(first, second) and np.array_equal(x, np.arange(100) + WORLD.rank)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_a_strided_view_sums_as_its_copy(name: str) -> None:
+    """x[::2] is not contiguous, so no message can be sent from it directly: the result still equals the sum."""
+    x = np.arange(20, dtype=np.float32) + WORLD.rank
+    got = ALGORITHMS[name](WORLD, x[::2])
+    assert np.array_equal(got, np.arange(0, 20, 2, dtype=np.float32) * WORLD.size + sum(range(WORLD.size)))
 
 
 def test_the_breakdown_times_recursive_doublings_own_messages() -> None:

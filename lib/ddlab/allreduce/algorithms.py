@@ -21,14 +21,13 @@ Before any message, the ranks compare lengths and dtypes in one small allgather,
 a mismatch raises the same ValueError everywhere instead of hanging or summing
 garbage. It costs one latency, as much as a small allreduce; MPI_Allreduce trusts its
 caller instead. Recursive doubling, the small-message algorithm, carries the agreement
-in its own messages instead (a 32-byte header ahead of the data), so it pays no
-latency for it; on a CountingComm (a check's) it sends the textbook messages and
-agrees on the side, uncounted.
+in its own messages instead (each message's tag names its dtype and its size is the
+length), so it pays no latency for it; on a CountingComm (a check's) it sends the
+textbook messages and agrees on the side, uncounted.
 """
 
 from __future__ import annotations
 
-import functools
 from array import array
 from typing import Any, Callable, cast
 
@@ -37,7 +36,7 @@ from mpi4py import MPI
 
 from ..runtime.blocks import block_bounds
 from ..runtime.comm import Comm
-from ..runtime.counting import CountingComm, underlying
+from ..runtime.counting import underlying
 
 #: An allreduce as every lab plugs one in: (comm, x) -> a new array of the sums over ranks, x left alone.
 #: The communicator is any `Comm`: an mpi4py one, or a CountingComm that counts what the allreduce sends.
@@ -52,30 +51,32 @@ RING_TAG = 31
 _OK, _NOT_ARRAY, _NOT_1D, _NOT_NUMBERS = range(4)
 
 
-_CODES: dict[np.dtype, int] = {}
+_NUMBERS: dict[np.dtype, int] = {}
+_KINDS = "iufc"
 
 
-def _dtype_code(dtype: np.dtype) -> int:
-    """ord(kind) << 8 | itemsize for numbers in native byte order, 0 for anything else (cached)."""
-    code = _CODES.get(dtype)
-    if code is None:
-        numbers = dtype.kind in "iufc" and dtype.isnative
-        code = _CODES[dtype] = ord(dtype.kind) << 8 | dtype.itemsize if numbers else 0
-    return code
+def _dtype_number(dtype: np.dtype) -> int:
+    """1-30 for numbers in native byte order (their kind << 3 | bit length of their itemsize), 0 for
+    anything else (cached). Small enough for a tag's bits (see FOLLOWS)."""
+    number = _NUMBERS.get(dtype)
+    if number is None:
+        numbers = dtype.kind in _KINDS and dtype.isnative
+        number = _NUMBERS[dtype] = _KINDS.index(dtype.kind) << 3 | dtype.itemsize.bit_length() if numbers else 0
+    return number
 
 
 def _describe(x: Any) -> array:
-    """(status, length or ndim, dtype code) of this rank's input, for comparing across ranks."""
+    """(status, length or ndim, dtype number) of this rank's input, for comparing across ranks."""
     if not isinstance(x, np.ndarray):
         return array("q", (_NOT_ARRAY, 0, 0))
     if x.ndim != 1:
         return array("q", (_NOT_1D, x.ndim, 0))
-    code = _dtype_code(x.dtype)
-    return array("q", (_OK, x.size, code) if code else (_NOT_NUMBERS, 0, 0))
+    number = _dtype_number(x.dtype)
+    return array("q", (_OK, x.size, number) if number else (_NOT_NUMBERS, 0, 0))
 
 
-def _dtype_name(code: int) -> str:
-    return np.dtype(f"{chr(code >> 8)}{code & 255}").name
+def _dtype_name(number: int) -> str:
+    return np.dtype(f"{_KINDS[number >> 3]}{1 << (number & 7) - 1}").name
 
 
 def _input_problem(rows: list[tuple[int, ...]]) -> str:
@@ -90,7 +91,7 @@ def _input_problem(rows: list[tuple[int, ...]]) -> str:
                 f"rank {rank} passed an array that does not hold numbers in native byte order: "
                 "pass float32, float64, int64, ..."
             )
-    have = ", ".join(f"rank {rank} has {value} {_dtype_name(code)}" for rank, (_, value, code) in enumerate(rows))
+    have = ", ".join(f"rank {rank} has {value} {_dtype_name(number)}" for rank, (_, value, number) in enumerate(rows))
     return f"every rank must pass the same length and dtype, but {have}"
 
 
@@ -188,179 +189,160 @@ def allreduce_tree(comm: Comm, x: np.ndarray) -> np.ndarray:
     return bcast_tree(comm, x if total is None else total, root=0)
 
 
-# Recursive doubling: the agreement rides in its messages --------------------------
+# Recursive doubling: the agreement rides in its messages' envelopes ----------------
 
-#: Bytes of the header ahead of the data in recursive doubling's messages on a real communicator:
-#: four int64 (status, length or ndim, dtype code, and 1 while every rank heard from so far agrees).
-#: 32 bytes keep the data behind it aligned for every dtype.
-HEADER = 32
-
-
-#: A frame (header and data) of up to this many bytes travels as one message; a longer one as its
-#: header, then its data. Every first message therefore fits a receive buffer of this size, whatever
-#: the sender's length: no receive can overflow, and none needs a probe first. (Recursive doubling
-#: is the algorithm for short vectors: past 1 MiB the extra message per step costs little.)
+#: A vector of up to this many bytes travels whole; a longer one is announced first (one int64: its size in
+#: bytes), then sent. Every first message from a peer therefore fits the landing buffer each rank keeps: no
+#: receive can overflow, whatever the peer passed, and none needs a probe first. (Recursive doubling is the
+#: algorithm for short vectors: past 1 MiB the extra message per step costs little.)
 SINGLE = 2**20
-#: Frames up to this many bytes stay with an mpi4py communicator between calls (an MPI attribute,
-#: freed with it, for the last length and dtype): a small call's Python work is most of its cost
-#: (bench/allreduce.py --part breakdown). Larger ones get new buffers.
-KEPT = 64 * 2**10
+
+#: Bits of recursive doubling's tags on a real communicator. A message's tag says what its sender passed, so
+#: the receiver compares it with its own input at no cost in bytes or messages: the dtype's number
+#: (`_dtype_number`, 0 for input that is not a 1-D array of numbers) << 2, | FOLLOWS if the data comes in a
+#: message of its own after an announcement, | AGREED while the input of every rank the sender has heard from
+#: (directly or through its partners) matches its own. The length is the message's size, or the announced one.
+FOLLOWS, AGREED = 2, 1
 
 
-@functools.cache
-def _kept_key() -> int:
-    return MPI.Comm.Create_keyval()
+def doubling_steps(rank: int, size: int) -> list[tuple[str, int]]:
+    """Recursive doubling's messages for this rank, in order: ("send" | "recv" | "swap", peer).
+
+    Rank counts that are not a power of two fold in first and out at the end (as fold_in and fold_out):
+    a rank that sits out sends its vector, then receives the result."""
+    pof2 = largest_power_of_two(size)
+    extra = size - pof2
+    if rank < 2 * extra and rank % 2 == 0:
+        return [("send", rank + 1), ("recv", rank + 1)]
+    group = rank // 2 if rank < 2 * extra else rank - extra
+    steps = [("recv", rank - 1)] if rank < 2 * extra else []
+    distance = 1
+    while distance < pof2:
+        steps.append(("swap", member_rank(group ^ distance, size)))
+        distance *= 2
+    return steps + ([("send", rank - 1)] if rank < 2 * extra else [])
 
 
-def _data_bytes(header: memoryview) -> int:
-    """Bytes of data behind a header: length x itemsize (the dtype code's low byte), 0 for bad input."""
-    return int(header[1] * (header[2] & 255)) if header[0] == _OK else 0
+def _doubling_textbook(comm: Comm, x: np.ndarray) -> np.ndarray:
+    """On a CountingComm (a check's), or any communicator that is not mpi4py's: the textbook messages, the
+    data alone, after agreeing on the side with agree_on_input (uncounted), so the count is the algorithm's."""
+    work = _start(comm, x)
+    scratch = np.empty_like(work)
+    steps = doubling_steps(comm.Get_rank(), comm.Get_size())
+    for kind, peer in steps:
+        if kind == "send":
+            comm.Send(work, dest=peer, tag=TAG)
+        elif kind == "swap":
+            comm.Sendrecv(work, dest=peer, sendtag=TAG, recvbuf=scratch, source=peer, recvtag=TAG)
+            np.add(work, scratch, out=work)
+        elif steps[0][0] == "send":  # sat out: the result
+            comm.Recv(work, source=peer, tag=TAG)
+        else:
+            comm.Recv(scratch, source=peer, tag=TAG)
+            np.add(work, scratch, out=work)
+    return work
 
 
-class _Framed:
-    """Recursive doubling's buffers on a real communicator: each message is a header, then the data.
+def _free_doubling(comm: MPI.Comm, key: int, kept: _Doubling) -> None:
+    kept.comm.Free()
 
-    Every rank compares the header it receives with its own, and passes on whether all the ranks
-    it has heard from (directly or through its partners) agree; after the last exchange every rank
-    holds the same verdict, with no message of its own for the agreement.
-    """
 
-    def __init__(self, nbytes: int, dtype: np.dtype) -> None:
-        self.frame = np.empty(HEADER + nbytes, dtype=np.uint8)  # what this rank sends
-        self.incoming = np.empty(max(SINGLE, HEADER + nbytes), dtype=np.uint8)  # what it receives
-        self.header = self.frame[:HEADER].data.cast("q")
-        self.their_header = self.incoming[:HEADER].data.cast("q")
-        self.work = self.frame[HEADER:].view(dtype)
-        self.theirs = self.incoming[HEADER : HEADER + nbytes].view(dtype)
-        self.split = self.frame.nbytes > SINGLE  # the data goes in a message of its own
-        self.first = self.frame[:HEADER] if self.split else self.frame
-        self.landing = self.incoming[:SINGLE]
-        self.kept = False  # set when the buffers stay with a communicator
+class _Doubling:
+    """What recursive doubling keeps with an mpi4py communicator between calls (an MPI attribute, freed with
+    it): a private duplicate, on which a receive from any tag can only match these messages; this rank's
+    steps; the landing buffer for whatever a peer sends first; one status. A small call's Python work is
+    most of its cost (bench/allreduce.py --part breakdown), so a call does little beyond its messages."""
 
-    @staticmethod
-    def of(comm: Comm, x: Any) -> _Framed:
-        """The buffers for x, this rank's header and a copy of x in place: kept on comm when small."""
-        mine = _describe(x)
-        data = x if mine[0] == _OK else np.empty(0, dtype=np.uint8)
-        keeper = comm if isinstance(comm, MPI.Comm) and HEADER + data.nbytes <= KEPT else None
-        framed = cast("_Framed | None", keeper.Get_attr(_kept_key())) if keeper is not None else None
-        if framed is None or framed.work.size != data.size or framed.work.dtype != data.dtype:
-            framed = _Framed(data.nbytes, data.dtype)
-            if keeper is not None:  # one call at a time per communicator uses them, as MPI's matching needs anyway
-                keeper.Set_attr(_kept_key(), framed)
-                framed.kept = True
-        framed.header[0], framed.header[1], framed.header[2], framed.header[3] = mine[0], mine[1], mine[2], 1
-        framed.work[...] = data
-        return framed
+    KEY = MPI.Comm.Create_keyval(delete_fn=_free_doubling)
 
-    def _data_into(self, into: np.ndarray) -> np.ndarray:
-        """Where the data that follows the header just received goes: `into` if it has that size, else scratch."""
-        nbytes = _data_bytes(self.their_header)
-        return into.view(np.uint8) if nbytes == into.nbytes else np.empty(nbytes, dtype=np.uint8)
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.comm = comm.Dup()
+        self.steps = doubling_steps(comm.Get_rank(), comm.Get_size())
+        self.sits_out = bool(self.steps) and self.steps[0][0] == "send"
+        self.landing = np.empty(SINGLE, dtype=np.uint8)
+        self.status = MPI.Status()
+        self.followed = self.landing  # the data of a message that came after its announcement
+        self._view = (np.dtype(np.uint8), 0, self.landing[:0])
 
-    def _follows(self) -> bool:
-        """Whether the header just received comes without its data (which follows as a message of its own)."""
-        return HEADER + _data_bytes(self.their_header) > SINGLE
+    @classmethod
+    def of(cls, comm: MPI.Comm) -> _Doubling:
+        kept = comm.Get_attr(cls.KEY)
+        if kept is None:  # every rank's first call on comm: Dup is a collective, as the allreduce is
+            kept = cls(comm)
+            comm.Set_attr(cls.KEY, kept)
+        return cast(_Doubling, kept)
 
-    def _merge(self) -> bool:
-        """Fold the received header's verdict into this rank's; True if the data may be added."""
-        agree = self.header[3] == 1 and self.header.tolist() == self.their_header.tolist()
-        self.header[3] = int(agree)
-        return agree
-
-    def swap(self, comm: Comm, peer: int) -> None:
-        """Exchange with peer, then add its vector to this rank's (if all agree so far)."""
-        comm.Sendrecv(self.first, dest=peer, sendtag=TAG, recvbuf=self.landing, source=peer, recvtag=TAG)
-        if self.split and self._follows():
-            into = self._data_into(self.theirs)
-            comm.Sendrecv(self.work, dest=peer, sendtag=TAG, recvbuf=into, source=peer, recvtag=TAG)
-        elif self.split:
-            comm.Send(self.work, dest=peer, tag=TAG)
-        elif self._follows():
-            comm.Recv(self._data_into(self.theirs), source=peer, tag=TAG)
-        if self._merge():
-            np.add(self.work, self.theirs, out=self.work)
-
-    def give(self, comm: Comm, peer: int) -> None:
-        comm.Send(self.first, dest=peer, tag=TAG)
-        if self.split:
-            comm.Send(self.work, dest=peer, tag=TAG)
-
-    def take_sum(self, comm: Comm, peer: int) -> None:
-        """Receive peer's vector (fold in) and add it to this rank's."""
-        comm.Recv(self.landing, source=peer, tag=TAG)
-        if self._follows():
-            comm.Recv(self._data_into(self.theirs), source=peer, tag=TAG)
-        if self._merge():
-            np.add(self.work, self.theirs, out=self.work)
-
-    def take_result(self, comm: Comm, peer: int) -> None:
-        """Receive the result (fold out) in place of this rank's vector, and the verdict with it."""
-        comm.Recv(self.landing, source=peer, tag=TAG)
-        if self._follows():
-            comm.Recv(self._data_into(self.work), source=peer, tag=TAG)
-        if self._merge() and not self.split:
-            self.work[...] = self.theirs
-
-    def result(self, comm: Comm, x: Any) -> np.ndarray:
-        """The sum, once every rank knows all agreed; else the same ValueError on every rank."""
-        if self.header[3] == 1 and self.header[0] == _OK:
-            return self.work.copy() if self.kept else self.work  # kept buffers stay with the communicator
+    def allreduce(self, comm: MPI.Comm, x: Any) -> np.ndarray:
+        number = _dtype_number(x.dtype) if isinstance(x, np.ndarray) and x.ndim == 1 else 0
+        data = np.ascontiguousarray(x) if number else np.empty(0, dtype=np.uint8)
+        nbytes = data.nbytes
+        tag = number << 2 | (FOLLOWS if nbytes > SINGLE else 0) | (AGREED if number else 0)
+        work = None  # the running sum, a new array once this rank has added anything
+        for kind, peer in self.steps:
+            their_tag, their_bytes = self.step(kind, peer, data if work is None else work, tag)
+            if kind == "send":
+                continue
+            if not (tag & AGREED and their_tag == tag and their_bytes == nbytes):
+                tag &= ~AGREED  # passed on: every rank ends with the same verdict
+                continue
+            theirs = self.followed.view(data.dtype) if tag & FOLLOWS else self.arrived(data.dtype, data.size)
+            if self.sits_out:
+                work = theirs.copy()
+            elif work is None:
+                work = np.add(data, theirs)
+            else:
+                np.add(work, theirs, out=work)
+        if tag & AGREED:
+            return data.copy() if work is None else work
         problem = _disagreement(comm, x)  # every rank is here with the same verdict: gather the inputs
         raise ValueError(f"allreduce: {problem or 'the ranks passed different inputs'}")
 
+    def step(self, kind: str, peer: int, outgoing: np.ndarray, tag: int) -> tuple[int, int]:
+        """One step's messages with peer. Returns the tag and bytes of what arrived ((0, 0) after a send):
+        its data is in the landing buffer, or in `followed` if it came after an announcement."""
+        comm, status, follows = self.comm, self.status, tag & FOLLOWS
+        first = np.array([outgoing.nbytes], dtype=np.int64) if follows else outgoing
+        if kind == "send":
+            comm.Send(first, dest=peer, tag=tag)
+            if follows:
+                comm.Send(outgoing, dest=peer, tag=tag)
+            return 0, 0
+        if kind == "swap":
+            comm.Sendrecv(first, peer, tag, self.landing, peer, MPI.ANY_TAG, status)
+        else:
+            comm.Recv(self.landing, peer, MPI.ANY_TAG, status)
+        their_tag = status.Get_tag()
+        if not their_tag & FOLLOWS:
+            if kind == "swap" and follows:
+                comm.Send(outgoing, dest=peer, tag=tag)
+            return their_tag, status.Get_count(MPI.BYTE)
+        their_bytes = int(self.landing[:8].view(np.int64)[0])
+        self.followed = np.empty(their_bytes, dtype=np.uint8)
+        if kind == "swap" and follows:
+            comm.Sendrecv(outgoing, peer, tag, self.followed, peer, their_tag)
+        else:
+            comm.Recv(self.followed, peer, their_tag)
+        return their_tag, their_bytes
 
-class _Counted:
-    """Recursive doubling's buffers on a CountingComm (a check's): the textbook messages, the data alone,
-    after agreeing on the side with agree_on_input (uncounted), so the count is the algorithm's."""
-
-    def __init__(self, comm: Comm, x: np.ndarray) -> None:
-        self.work = _start(comm, x)
-        self.scratch = np.empty_like(self.work)
-
-    def swap(self, comm: Comm, peer: int) -> None:
-        comm.Sendrecv(self.work, dest=peer, sendtag=TAG, recvbuf=self.scratch, source=peer, recvtag=TAG)
-        np.add(self.work, self.scratch, out=self.work)
-
-    def give(self, comm: Comm, peer: int) -> None:
-        comm.Send(self.work, dest=peer, tag=TAG)
-
-    def take_sum(self, comm: Comm, peer: int) -> None:
-        comm.Recv(self.scratch, source=peer, tag=TAG)
-        np.add(self.work, self.scratch, out=self.work)
-
-    def take_result(self, comm: Comm, peer: int) -> None:
-        comm.Recv(self.work, source=peer, tag=TAG)
-
-    def result(self, comm: Comm, x: Any) -> np.ndarray:
-        return self.work
+    def arrived(self, dtype: np.dtype, size: int) -> np.ndarray:
+        """The landing buffer's first `size` items of `dtype` (the view is kept for the next call of that shape)."""
+        kept_dtype, kept_size, view = self._view
+        if kept_size != size or kept_dtype != dtype:
+            view = self.landing[: size * dtype.itemsize].view(dtype)
+            self._view = (dtype, size, view)
+        return view
 
 
 def allreduce_recursive_doubling(comm: Comm, x: np.ndarray) -> np.ndarray:
     """In step k, swap whole vectors with the rank 2^k away and add: log2 P steps.
 
-    Other rank counts fold in first and out at the end (as fold_in and fold_out). On a real
-    communicator the agreement on length and dtype rides in the messages (`_Framed`): no
-    collective of its own, which at small sizes would cost as much as the allreduce.
+    Other rank counts fold in first and out at the end (`doubling_steps`). On a real communicator the
+    agreement on length and dtype rides in the messages' tags and sizes (`_Doubling`): no collective and no
+    byte of its own, which at small sizes would cost as much as the allreduce.
     """
-    buffers = _Counted(comm, x) if isinstance(comm, CountingComm) else _Framed.of(comm, x)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    pof2 = largest_power_of_two(size)
-    extra = size - pof2
-    if rank < 2 * extra and rank % 2 == 0:  # sits out: its vector in, the result back
-        buffers.give(comm, rank + 1)
-        buffers.take_result(comm, rank + 1)
-        return buffers.result(comm, x)
-    if rank < 2 * extra:
-        buffers.take_sum(comm, rank - 1)
-    group_rank = rank // 2 if rank < 2 * extra else rank - extra
-    distance = 1
-    while distance < pof2:
-        buffers.swap(comm, member_rank(group_rank ^ distance, size))
-        distance *= 2
-    if rank < 2 * extra:
-        buffers.give(comm, rank - 1)
-    return buffers.result(comm, x)
+    if isinstance(comm, MPI.Comm):
+        return _Doubling.of(comm).allreduce(comm, x)
+    return _doubling_textbook(comm, x)
 
 
 def allreduce_ring(comm: Comm, x: np.ndarray) -> np.ndarray:

@@ -29,27 +29,11 @@ from .algorithms import (
     agree_on_input,
     allreduce_mpi,
     allreduce_recursive_doubling,
-    largest_power_of_two,
-    member_rank,
+    doubling_steps,
 )
 
 #: The name of MPI's own allreduce among the parts (the baseline of every ratio).
 MPI_PART = "MPI_Allreduce (new array)"
-
-
-def doubling_steps(rank: int, size: int) -> list[tuple[str, int]]:
-    """Recursive doubling's messages for this rank, in order: ("send" | "recv" | "swap", peer)."""
-    pof2 = largest_power_of_two(size)
-    extra = size - pof2
-    if rank < 2 * extra and rank % 2 == 0:  # sits out: its vector in, the result back
-        return [("send", rank + 1), ("recv", rank + 1)]
-    group = rank // 2 if rank < 2 * extra else rank - extra
-    steps = [("recv", rank - 1)] if rank < 2 * extra else []
-    distance = 1
-    while distance < pof2:
-        steps.append(("swap", member_rank(group ^ distance, size)))
-        distance *= 2
-    return steps + ([("send", rank - 1)] if rank < 2 * extra else [])
 
 
 def call_parts(comm: MPI.Comm, counting: CountingComm) -> dict[str, Callable[[MPI.Comm, np.ndarray], Any]]:
