@@ -3,8 +3,8 @@ steps of one process: float64 losses to 1e-8 over 5 steps; bad sizes are refused
 local oracle predicts each rank's peak as the ledger counts it (to the byte on the first tensor coordinate,
 the warm-up's extra chunks included).
 
-On 4 ranks: 2x1x2 (2 data ranks beside 2 pipeline ranks), 1x2x2 and 1x2x2 with sequence parallelism, a GPT of
-4 blocks in 2 x 2 chunks of one block; on 3 ranks 1x1x3, a GPT of 6 blocks in 2 x 3 chunks, 3 micro-batches.
+On 4 ranks: 2x1x2 (2 data ranks beside 2 pipeline ranks), 1x2x2, 1x2x2 with sequence parallelism and 1x1x2x2
+(2 context ranks, lab 15's ring attention), a GPT of 4 blocks in 2 x 2 chunks of one block; on 3 ranks 1x1x3, a GPT of 6 blocks in 2 x 3 chunks, 3 micro-batches.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ def config(layers: int) -> GPTConfig:
     return GPTConfig(vocab_size=256, block_size=8, n_layer=layers, n_head=4, n_embd=16, tied=False)
 
 
-# per world size: (data, tensor, pipeline, micro-batches, sequence parallelism, blocks)
+# per world size: (data, tensor, pipeline, context, micro-batches, sequence parallelism, blocks)
 LAYOUTS = {
-    4: [(2, 1, 2, 2, False, 4), (1, 2, 2, 2, False, 4), (1, 2, 2, 4, True, 4)],
-    3: [(1, 1, 3, 3, False, 6)],
+    4: [(2, 1, 2, 1, 2, False, 4), (1, 2, 2, 1, 2, False, 4), (1, 2, 2, 1, 4, True, 4), (1, 1, 2, 2, 2, False, 4)],
+    3: [(1, 1, 3, 1, 3, False, 6)],
 }
 
 
@@ -44,14 +44,14 @@ def one_process(sampler: BatchSampler) -> dict[int, list[float]]:
     return {n: train_gpt(make_gpt(config(n), dtype=torch.float64), sampler.batch_at, STEPS) for n in blocks}
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(4))
 def test_interleaved_layouts_take_the_steps_of_one_process(
     comm: MPI.Comm, sampler: BatchSampler, one_process: dict[int, list[float]], index: int
 ) -> None:
     found = LAYOUTS.get(comm.Get_size(), [])
     if index >= len(found):
         pytest.skip(f"{comm.Get_size()} ranks: {len(found)} interleaved layouts tested")
-    data, tensor, pipeline, micro, sequence_parallel, layers = found[index]
+    data, tensor, pipeline, context, micro, sequence_parallel, layers = found[index]
     run = train_on_mesh(
         comm,
         make_gpt(config(layers), dtype=torch.float64),
@@ -61,6 +61,7 @@ def test_interleaved_layouts_take_the_steps_of_one_process(
         tensor,
         pipeline,
         micro_batches=micro,
+        context=context,
         sequence_parallel=sequence_parallel,
         virtual=2,
     )
@@ -68,11 +69,12 @@ def test_interleaved_layouts_take_the_steps_of_one_process(
     error = max(abs(a - b) for a, b in zip(run.losses, want))
     assert len(run.losses) == STEPS and want[-1] < want[0] - 0.1  # it learns
     assert error < 1e-8, f"{run.label}: losses differ from one process's by {error:.3g}"
-    assert run.label == f"{data}x{tensor}x{pipeline} v2" + (" SP" if sequence_parallel else "")
+    layout = f"{data}x{tensor}x{pipeline}" + (f"x{context}" if context > 1 else "")
+    assert run.label == f"{layout} v2" + (" SP" if sequence_parallel else "")
     assert run.virtual == 2 and min(run.peak_bytes) > 0
     if sequence_parallel:  # the oracle does not price sequence parallelism's memory
         return
-    case = MeshCase(data, tensor, pipeline, BATCH, 8, micro, element_bytes=8, virtual=2)
+    case = MeshCase(data, tensor, pipeline, BATCH, 8, micro, element_bytes=8, context=context, virtual=2)
     for rank, measured in enumerate(run.peak_bytes):
         predicted = sum(rank_memory_local(config(layers), case, rank).values())
         if coordinates(rank, run.sizes)["tensor"] == 0:
