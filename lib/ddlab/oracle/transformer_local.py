@@ -7,8 +7,9 @@ measures it, with two inputs more for this GPT: its compute rate and its cost pe
 
 Time (`mesh_time`): the parts of `step_time` (Narayanan et al., SC 2021: the iteration's
 FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) without recomputation, over the N ranks;
-lab 07's bubble, (p - 1)/m of the compute; each dimension's collectives priced by lab 09's
-measured curves; with c context ranks, ring attention's messages instead of `step_time`'s
+lab 07's bubble, (p - 1)/m of the compute, or (p - 1)/(v m) with the interleaved schedule's v chunks
+per rank (`MeshCase.virtual`, section 2.2.2 of the same paper, v times the pipeline's messages);
+each dimension's collectives priced by lab 09's measured curves; with c context ranks, ring attention's messages instead of `step_time`'s
 collectives for them, `ring_time`: per layer and micro-batch c - 1 key/value blocks forward,
 c - 1 backward and c of their gradients, each priced by the measured ping-pong curve; the
 zig-zag layout gives every context rank 1/c of the causal work, so the FLOPs are split over
