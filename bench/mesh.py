@@ -3,23 +3,27 @@
 One MPI job (4 ranks by default). Layouts data x tensor x pipeline: every one of the ranks
 (4 ranks: 4x1x1, 2x2x1, 2x1x2, 1x4x1, 1x2x2, 1x1x4), every product of the ranks that includes
 context parallelism (lab 15's ring attention; 4 ranks: 1x1x1x4, 2x1x1x2, 1x2x1x2, 1x1x2x2,
-data x tensor x pipeline x context), and ZeRO-1/2/3 on the data dimension of pure data
-parallelism. Each round every variant trains a fresh GPT (same weights) for
+data x tensor x pipeline x context), ZeRO-1/2/3 on the data dimension of pure data
+parallelism, and the interleaved 1F1B schedule with v = 2 chunks per pipeline rank on every layout
+whose pipeline it fits (--layers a multiple of 2p, --micro of p; 4 ranks and the defaults: 2x1x2 v2 and
+1x2x2 v2). Each round every variant trains a fresh GPT (same weights) for
 --steps steps plus one warm-up, taking turns, the order rotated each round; a variant's step
 time is the slowest rank's median step, its memory each rank's peak in the memory ledger
 (parameters, gradients, AdamW state, activations). Pipelines run 1F1B with --micro
-micro-batches.
+micro-batches (the interleaved variants v m chunk slots of 1F1B's order, `interleaved_1f1b`).
 
 The oracle (`ddlab.oracle.transformer_local`): before the rounds, this machine is measured
 as lab 09 measures it (`measure_platform`: collectives' curves, ping-pong, sync); at the start
-of every round the compute rate is calibrated from one process training the same GPT alone
+of every round the collectives' and ping-pong's curves are measured again (`measure_links`: measured once
+per run, a disturbed measurement would move every round's prediction of the collective-heavy layouts alike),
+the compute rate is calibrated from one process training the same GPT alone,
 the contention from every rank training it at once and sync measured again (inputs of the round, the same for
-every layout: no factor per layout), and each layout's step is predicted. Printed: per
+every layout: no factor per layout), and each layout's step is predicted with that round's platform. Printed: per
 variant, the median over rounds of its step time over data parallelism's in the same round,
 its largest and smallest rank's peak over data parallelism's; then per layout the measured
 and predicted step time (medians over rounds) and their accuracy 1 - |pred - meas| / meas,
 the measured and predicted peak of the worst-predicted rank and the memory accuracy (the
-worst rank's), and the means, over every variant, ZeRO's included (the oracle walks lab 13's
+worst rank's), each round's measured and predicted step, and the means, over every variant, ZeRO's included (the oracle walks lab 13's
 engine for its memory and prices its collectives unit by unit). Targets (issues 30 and 40): mean time
 accuracy >= 0.85, no layout below 0.70, memory accuracy >= 0.95 on every layout. Context
 layouts are calibrated with ring attention's own arithmetic too (`calibrate`, `ring_arithmetic`).
@@ -40,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 TIMEOUT = 3600
 
@@ -49,7 +54,7 @@ def child(args: argparse.Namespace) -> None:
     from ddlab.data.text import BatchSampler, make_corpus
     from ddlab.mesh import DIMS, layouts, train_on_mesh
     from ddlab.models.gpt import GPTConfig, make_gpt
-    from ddlab.oracle.measure import measure_platform
+    from ddlab.oracle.measure import measure_links, measure_platform
     from ddlab.oracle.transformer_local import calibrate, case_of, predict_mesh
     from mpi4py import MPI
 
@@ -60,7 +65,13 @@ def child(args: argparse.Namespace) -> None:
     config = GPTConfig(block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.width, tied=False)
     sampler = BatchSampler(make_corpus().train, batch=args.batch, block=args.block)
     with_context = [sizes for sizes in layouts(size, DIMS) if sizes["context"] > 1]
-    variants = [(sizes, 0) for sizes in layouts(size) + with_context] + [(layouts(size)[0], zero) for zero in (1, 2, 3)]
+    interleaved = [
+        (sizes, 0, 2)
+        for sizes in layouts(size)
+        if sizes["pipeline"] > 1 and args.layers % (2 * sizes["pipeline"]) == 0 and args.micro % sizes["pipeline"] == 0
+    ]
+    variants = [(sizes, 0, 1) for sizes in layouts(size) + with_context]
+    variants += [(layouts(size)[0], zero, 1) for zero in (1, 2, 3)] + interleaved
     times: dict[int, list[float]] = {i: [] for i in range(len(variants))}
     predicted: dict[int, list] = {i: [] for i in range(len(variants))}
     peaks: dict[int, list[int]] = {}
@@ -68,6 +79,9 @@ def child(args: argparse.Namespace) -> None:
     measured = measure_platform(comm)
     platforms = []
     for round_ in range(args.rounds):
+        if round_:  # this round's machine: the curves again (round 0's were measured just before it)
+            curves, link = measure_links(comm)
+            measured = replace(measured, curves=curves, intra=link, inter=link)
         platform = calibrate(
             comm, measured, config, lambda: make_gpt(config), sampler.batch_at, args.batch, args.block, args.steps
         )
@@ -75,7 +89,7 @@ def child(args: argparse.Namespace) -> None:
         order = list(range(len(variants)))
         shift = round_ % len(order)
         for i in order[shift:] + order[:shift]:
-            sizes, zero = variants[i]
+            sizes, zero, virtual = variants[i]
             micro = args.micro if sizes["pipeline"] > 1 else 1
             run = train_on_mesh(
                 comm,
@@ -88,10 +102,11 @@ def child(args: argparse.Namespace) -> None:
                 micro_batches=micro,
                 zero=zero,
                 context=sizes["context"],
+                virtual=virtual,
             )
             times[i].append(run.seconds)
             peaks[i], labels[i] = run.peak_bytes, run.label
-            case = case_of(sizes, args.batch, args.block, micro, zero=zero)
+            case = case_of(sizes, args.batch, args.block, micro, zero=zero, virtual=virtual)
             predicted[i].append(predict_mesh(config, case, platform))
     if comm.Get_rank() != 0:
         return
@@ -120,6 +135,19 @@ def child(args: argparse.Namespace) -> None:
         f"sync {', '.join(f'{p.sync * 1e3:.2f}' for p in platforms)} ms per blocking exchange; "
         f"ring attention's arithmetic alone {ring or 'not calibrated'} per block)"
     )
+    links = [
+        ("p2p", 128 * 2**10, 2),
+        ("allreduce", 4 * 2**20, size),
+        ("allgather", 2**20, size),
+        ("reduce_scatter", 2**20, size),
+    ]
+    print(
+        "The curves per round (ms): "
+        + "; ".join(
+            f"{op} {nbytes // 2**10} KiB on {n}: " + ", ".join(f"{p.comm(op, nbytes, n) * 1e3:.3f}" for p in platforms)
+            for op, nbytes, n in links
+        )
+    )
     print(
         f"{'layout':13} {'meas ms':>8} {'pred ms':>8} {'(compute/bubble/tensor/context/pipe/data/sync)':>48} {'time acc':>8} "
         f"{'each round':>24} | {'meas KiB':>9} {'pred KiB':>9} {'mem acc':>7}"
@@ -140,6 +168,9 @@ def child(args: argparse.Namespace) -> None:
             f"{labels[i]:13} {meas * 1e3:8.1f} {pred * 1e3:8.1f} {parts:>48} {time_acc[-1]:8.3f} {each:>24} | "
             f"{peaks[i][worst] / 2**10:9.1f} {middle.peaks()[worst] / 2**10:9.1f} {memory_acc[-1]:7.4f}"
         )
+    print("Each round, measured / predicted ms (a miss in one round is its measurement's or its prediction's):")
+    for i, runs in predicted.items():
+        print(f"{labels[i]:13} " + "  ".join(f"{t * 1e3:6.1f} / {p.time * 1e3:6.1f}" for p, t in zip(runs, times[i])))
     context = [acc for i, acc in enumerate(time_acc) if variants[i][0]["context"] > 1]
     if context:
         print(f"context layouts: mean time accuracy {statistics.mean(context):.3f}, lowest {min(context):.3f}")

@@ -264,3 +264,41 @@ def test_zero_time_is_its_collectives_unit_by_unit():
 def test_zero_is_predicted_with_context_1_only():
     with pytest.raises(ValueError, match="ZeRO is predicted with context = 1 only"):
         MeshCase(2, 1, 1, BATCH, 8, context=2, zero=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_interleaved_chunks_on_one_process_are_the_ledgers_count(dtype):
+    """v = 2 chunks on one pipeline rank (every message to itself): the walk of the schedule's op list
+    holds both chunks of every micro-batch, as the ledger counts."""
+    run = train_on_mesh(MPI.COMM_SELF, make_gpt(CONFIG, dtype=dtype), _batch_at, 2, micro_batches=2, virtual=2)
+    case = MeshCase(1, 1, 1, BATCH, CONFIG.block_size, 2, torch.finfo(dtype).bits // 8, virtual=2)
+    assert run.label == "1x1x1 v2" == case.label
+    assert predict_mesh(CONFIG, case, _platform()).peaks() == [pytest.approx(run.peak_bytes[0], rel=1e-9)]
+
+
+def test_the_interleaved_schedule_is_priced_with_its_bubble_messages_and_warm_up():
+    platform, p, m = _platform(), 2, 4
+    plain = case_of({"data": 1, "tensor": 1, "pipeline": p}, BATCH, CONFIG.block_size, m)
+    inter = case_of({"data": 1, "tensor": 1, "pipeline": p}, BATCH, CONFIG.block_size, m, virtual=2)
+    one, two = mesh_time(CONFIG, plain, platform), mesh_time(CONFIG, inter, platform)
+    assert two["bubble"] == pytest.approx((p - 1) / (2 * m) * two["compute"])  # (p - 1)/(v m) of the compute
+    assert one["bubble"] == pytest.approx((p - 1) / m * one["compute"])
+    assert two["pipeline"] == pytest.approx(2 * one["pipeline"])  # v times the point-to-point messages
+    assert exchanges(CONFIG, inter) == exchanges(CONFIG, plain) + 2 * m
+    # rank 0's warm-up runs 2 (p - 1) + (v - 1) p = 4 forwards (chunk 0 of micro-batches 0, 1, chunk 1 of 0, 1),
+    # then F(chunk 0, 2), B(chunk 1, 0), F(chunk 0, 3): 5 chunks of 1 block in flight, 4 of them chunk 0's with
+    # the token ids (8 + 1 bytes per token, 8 per position); 1F1B keeps 2 micro-batches of 2 blocks and the ids
+    block, tokens = layer_elements(CONFIG, inter) * 4, BATCH // m * CONFIG.block_size
+    ids = 9 * tokens + 8 * CONFIG.block_size
+    assert rank_memory_local(CONFIG, inter, 0)["activations"] == pytest.approx(5 * block + 4 * ids)
+    assert rank_memory_local(CONFIG, plain, 0)["activations"] == pytest.approx(2 * (2 * block + ids))
+    assert predict_mesh(CONFIG, inter, platform).case.label == "1x1x2 v2"
+
+
+def test_interleaved_sizes_that_do_not_split_are_refused():
+    with pytest.raises(ValueError, match="groups of p = 2: use a multiple of 2, got 3"):
+        MeshCase(1, 1, 2, 12, 8, micro_batches=3, virtual=2)
+    with pytest.raises(ValueError, match="1 with ZeRO"):
+        MeshCase(2, 1, 2, 8, 8, micro_batches=2, zero=1, virtual=2)
+    with pytest.raises(ValueError, match="4 blocks do not split into 4 chunks x 2 pipeline stages"):
+        predict_mesh(CONFIG, MeshCase(1, 1, 2, 8, 8, micro_batches=2, virtual=4), _platform())

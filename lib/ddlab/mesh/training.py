@@ -9,7 +9,11 @@ Nothing here is a new mechanism; each dimension is an earlier lab's, on that dim
   context rank's rows), and the whole parameters' gradients are summed over `mesh.tensor` after backward;
 - pipeline (lab 07): stage s holds blocks `block_range(n_layer, s, pipeline)` (the first
   stage the embeddings too, the last the final LayerNorm and the output layer) and runs
-  a schedule (1F1B by default) with lab 07's `run_schedule` over `mesh.pipeline`;
+  a schedule (1F1B by default) with lab 07's `run_schedule` over `mesh.pipeline`; or, with
+  `virtual` = v > 1, each pipeline rank r holds v chunks, chunk j being virtual stage j p + r of
+  the v p (`ddlab.pipeline.virtual_stage`), and runs the interleaved 1F1B schedule
+  (`interleaved_1f1b`, Narayanan et al., SC 2021, section 2.2.2) with `run_interleaved`, the same
+  mailbox of lab 06 as `run_schedule`;
 - data (lab 04) over `mesh.data`: each data rank takes its block of the batch and the
   gradients are averaged (`average_gradients`) before the step; or with `zero` = 1, 2, 3
   the stage is lab 13's `Sharded` over `mesh.data`, one unit per embedding, block and head;
@@ -51,7 +55,7 @@ from torch import nn
 from ..context_parallel import ring_attention_heads, zigzag_positions
 from ..data_parallel import average_gradients
 from ..models.gpt import GPT, BatchAt, Block
-from ..pipeline import Schedule, one_f_one_b, run_schedule
+from ..pipeline import Schedule, interleaved_1f1b, one_f_one_b, run_interleaved, run_schedule, virtual_stage
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from ..runtime.memory import Ledger
@@ -179,7 +183,20 @@ class Chain(nn.Module):
         return found
 
 
-def sum_sequence_parallel_grads(stage: Chain, tensor: Comm) -> None:
+class Chunks(nn.Module):
+    """A pipeline rank's v chunks under the interleaved schedule (`GPTStage`s, chunk j virtual stage j p + r),
+    held together so that their gradients are summed, averaged and stepped as one stage's."""
+
+    def __init__(self, chunks: list[GPTStage]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+    def replicated_parameters(self) -> list[torch.Tensor]:
+        """Every chunk's whole parameters (`Chain.replicated_parameters`)."""
+        return [p for chunk in self.chunks if isinstance(chunk, Chain) for p in chunk.replicated_parameters()]
+
+
+def sum_sequence_parallel_grads(stage: Chain | Chunks, tensor: Comm) -> None:
     """Sum over the tensor ranks the gradients of the stage's whole parameters (with sequence parallelism
     each rank's come from its block of rows only): one allreduce of them all, flattened."""
     params = [p for p in stage.replicated_parameters() if p.grad is not None]
@@ -196,27 +213,38 @@ def sum_sequence_parallel_grads(stage: Chain, tensor: Comm) -> None:
 
 class GPTStage(Chain):
     """Pipeline stage `mesh.coords['pipeline']` of a GPT, split over `mesh.tensor` (and its sequence, with
-    sequence parallelism); built from one process's GPT."""
+    sequence parallelism); built from one process's GPT.
 
-    def __init__(self, model: GPT, mesh: Mesh, sequence_parallel: bool = False):
+    With `virtual` = v chunks per pipeline rank (the interleaved schedule), it is chunk `chunk` of that
+    rank: virtual stage chunk x p + rank of the v p, holding n_layer / (v p) blocks (the first virtual
+    stage the embeddings too, the last the head); n_layer must split into those v p chunks."""
+
+    def __init__(self, model: GPT, mesh: Mesh, sequence_parallel: bool = False, chunk: int = 0, virtual: int = 1):
         config = model.config
-        stages, index = mesh.sizes["pipeline"], mesh.coords["pipeline"]
+        stages = mesh.sizes["pipeline"]
+        total, index = stages * virtual, virtual_stage(stages, mesh.coords["pipeline"], chunk)
         if config.dropout > 0:
             raise ValueError("the mesh trains without dropout (GPTConfig(dropout=0.0)): set dropout to 0")
-        if config.n_layer < stages:
+        if virtual < 1 or not 0 <= chunk < virtual:
             raise ValueError(
-                f"{config.n_layer} blocks cannot fill {stages} pipeline stages: use at most n_layer stages"
+                f"need virtual >= 1 chunks per pipeline rank and 0 <= chunk < virtual, got {chunk}, {virtual}"
+            )
+        if config.n_layer < total or (virtual > 1 and config.n_layer % total):
+            what = f"{virtual} chunks x {stages} pipeline stages" if virtual > 1 else f"{stages} pipeline stages"
+            raise ValueError(
+                f"{config.n_layer} blocks do not split into {what}: use "
+                + (f"n_layer a multiple of {total}" if virtual > 1 else "at most n_layer stages")
             )
         attend: Attend | None = None
         if mesh.sizes["context"] > 1:  # this rank's heads attend over every context rank's keys (lab 15)
             attend = functools.partial(ring_attention_heads, mesh.context)
-        layers = block_range(config.n_layer, index, stages)
+        layers = block_range(config.n_layer, index, total)
         units: list[nn.Module] = [Embeddings(model, mesh.tensor, mesh.context, sequence_parallel)] if index == 0 else []
         units += [ParallelBlock(_block(model, i), mesh.tensor, sequence_parallel, attend) for i in layers]
-        if index == stages - 1:
+        if index == total - 1:
             units.append(Head(model, mesh.tensor, sequence_parallel))
         super().__init__(units, mesh.tensor, sequence_parallel)
-        self.first, self.last, self.layers = index == 0, index == stages - 1, layers
+        self.first, self.last, self.layers = index == 0, index == total - 1, layers
         self.width = config.n_embd
         self.head = units[-1] if self.last else None
 
@@ -250,6 +278,9 @@ class MeshTrainer:
     (lab 13's `Sharded` over the same ranks).
     sequence_parallel: lab 14's sequence parallelism on the tensor dimension (not with ZeRO here: lab 13's
     engine reduces a unit's gradients during backward, before the tensor ranks' blocks of rows are summed).
+    virtual: v model chunks per pipeline rank, run by the interleaved 1F1B schedule instead of `schedule`
+    (v = 1: `schedule`, 1F1B by default); n_layer must split into v p chunks and the micro-batches into
+    groups of p; not with ZeRO here (its engine walks one chain of units per rank).
     ledger: charged with this rank's parameters, gradients, optimizer state and activations.
     """
 
@@ -260,7 +291,10 @@ class MeshTrainer:
     schedule: Schedule = one_f_one_b
     ledger: Ledger | None = None
     sequence_parallel: bool = False
+    virtual: int = 1
     stage: GPTStage = field(init=False)
+    chunks: list[GPTStage] = field(init=False)
+    held: GPTStage | Chunks = field(init=False)
     module: nn.Module = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
 
@@ -269,7 +303,20 @@ class MeshTrainer:
             raise ValueError(f"zero is 0 (plain data parallelism) or a ZeRO stage 1, 2, 3, got {self.zero!r}")
         if self.zero and self.sequence_parallel and self.mesh.sizes["tensor"] > 1:
             raise ValueError("sequence parallelism with ZeRO is not built here: use zero=0 or sequence_parallel=False")
-        self.stage = GPTStage(self.model, self.mesh, self.sequence_parallel)
+        if not isinstance(self.virtual, int) or self.virtual < 1:
+            raise ValueError(
+                f"virtual is the number of model chunks per pipeline rank, 1 or more, got {self.virtual!r}"
+            )
+        if self.virtual > 1 and self.zero:
+            raise ValueError("the interleaved schedule with ZeRO is not built here: use zero=0 or virtual=1")
+        if self.virtual > 1 and self.schedule is not one_f_one_b:
+            raise ValueError("with virtual > 1 the schedule is the interleaved 1F1B: leave `schedule` as one_f_one_b")
+        self.chunks = [
+            GPTStage(self.model, self.mesh, self.sequence_parallel, chunk, self.virtual)
+            for chunk in range(self.virtual)
+        ]
+        self.stage = self.chunks[-1]  # the last chunk: on the last pipeline rank, the one with the loss
+        self.held = self.stage if self.virtual == 1 else Chunks(self.chunks)
         if self.zero:
             sharded = Sharded(
                 self.stage, self.mesh.replicas, stage=self.zero, units=self.stage.units(), ledger=self.ledger
@@ -277,15 +324,16 @@ class MeshTrainer:
             self.module = sharded
             self.optimizer = sharded.attach(torch.optim.AdamW(sharded.shards(), lr=self.lr, weight_decay=0.0))
         else:
-            self.module = self.stage
-            self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=self.lr, weight_decay=0.0)
+            self.module = self.held
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.lr, weight_decay=0.0)
             if self.ledger is not None:
-                self.ledger.watch(self.stage, self.optimizer)
+                self.ledger.watch(self.module, self.optimizer)
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor, micro_batches: int = 1) -> float:
         """One step on the global batch (idx, targets), whole on every rank; returns its mean loss on every rank.
 
-        The sequence length must split into 2c zig-zag chunks (c context ranks): ValueError otherwise."""
+        The sequence length must split into 2c zig-zag chunks (c context ranks), and with v > 1 chunks the
+        micro-batches into groups of p pipeline ranks: ValueError otherwise."""
         data, pipeline = self.mesh.data, self.mesh.pipeline
         ways = data.Get_size() * micro_batches
         if micro_batches < 1 or idx.shape[0] % ways:
@@ -293,6 +341,10 @@ class MeshTrainer:
                 f"a batch of {idx.shape[0]} does not split into {data.Get_size()} data ranks x {micro_batches} "
                 f"micro-batches: use a batch that is a multiple of {ways}"
             )
+        p, r = pipeline.Get_size(), pipeline.Get_rank()
+        # every rank refuses the same sizes here, before any message (interleaved: m a multiple of p)
+        ops = interleaved_1f1b(p, micro_batches, r, self.virtual) if self.virtual > 1 else []
+        plain = self.schedule(p, micro_batches, r) if self.virtual == 1 else []
         mine = block_range(idx.shape[0], data.Get_rank(), data.Get_size())
         idx, targets = idx[mine.start : mine.stop], targets[mine.start : mine.stop]
         if self.mesh.sizes["context"] > 1:  # this context rank's positions of every sequence
@@ -300,17 +352,20 @@ class MeshTrainer:
             idx, targets = idx[:, rows], targets[:, rows]
         inputs, outputs = list(idx.chunk(micro_batches)), list(targets.chunk(micro_batches))
         length = len(sequence_rows(idx.shape[1], self.mesh.tensor)) if self.sequence_parallel else idx.shape[1]
-        width = (inputs[0].shape[0], length, self.stage.width)
-        ops = self.schedule(pipeline.Get_size(), micro_batches, pipeline.Get_rank())
+        activation = ((inputs[0].shape[0], length, self.stage.width), self.model_dtype)
         loss = self.stage.loss(micro_batches) if self.stage.last else _no_loss
         self.optimizer.zero_grad()
         with self.ledger.activations() if self.ledger is not None else contextlib.nullcontext():
-            losses = run_schedule(pipeline, self.module, ops, inputs, outputs, loss, (width, self.model_dtype))
+            if self.virtual > 1:
+                chunks: list[nn.Module] = list(self.chunks)
+                losses = run_interleaved(pipeline, chunks, ops, inputs, outputs, loss, activation=activation)
+            else:
+                losses = run_schedule(pipeline, self.module, plain, inputs, outputs, loss, activation)
         if self.sequence_parallel:
-            sum_sequence_parallel_grads(self.stage, self.mesh.tensor)
+            sum_sequence_parallel_grads(self.held, self.mesh.tensor)
         replicas = self.mesh.replicas
         if not self.zero and replicas.Get_size() > 1:
-            average_gradients(self.stage, replicas)
+            average_gradients(self.module, replicas)
         self.optimizer.step()
         value = replicas.allreduce(sum(losses)) / replicas.Get_size() if self.stage.last else 0.0
         return float(pipeline.bcast(value, root=pipeline.Get_size() - 1))
@@ -333,6 +388,7 @@ def _no_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class MeshRun:
     """A layout's training run: the losses of every step, its step time and every rank's peak memory.
 
+    virtual: the model chunks per pipeline rank (interleaved schedule when above 1).
     seconds: the median over the steps after the first of the slowest rank's time per step.
     peak_bytes: per world rank, the ledger's peak (parameters, gradients, optimizer state, activations).
     """
@@ -343,6 +399,7 @@ class MeshRun:
     losses: list[float]
     seconds: float
     peak_bytes: list[int]
+    virtual: int = 1
 
 
 def train_on_mesh(
@@ -358,14 +415,23 @@ def train_on_mesh(
     lr: float = 3e-3,
     context: int = 1,
     sequence_parallel: bool = False,
+    virtual: int = 1,
 ) -> MeshRun:
     """Train a copy of `model` for `steps` steps on the mesh data x tensor x pipeline x context of comm's ranks.
 
+    virtual: v model chunks per pipeline rank, trained with the interleaved 1F1B schedule (`MeshTrainer`).
     A collective. Every rank passes the same one-process model (its weights are split here) and gets the
     same MeshRun."""
     mesh = Mesh.build(comm, data=data, tensor=tensor, pipeline=pipeline, context=context)
     ledger = Ledger(stage=f"rank {comm.Get_rank()} ({mesh.label})")
-    trainer = MeshTrainer(model, mesh, lr=lr, zero=zero, ledger=ledger, sequence_parallel=sequence_parallel)
+    try:
+        trainer = MeshTrainer(
+            model, mesh, lr=lr, zero=zero, ledger=ledger, sequence_parallel=sequence_parallel, virtual=virtual
+        )
+    except ValueError:  # refused on every rank alike: free what was built
+        ledger.close()
+        mesh.free()
+        raise
     losses, times = [], []
     try:
         for step in range(steps):
@@ -379,5 +445,7 @@ def train_on_mesh(
         ledger.close()
         mesh.free()
     seconds = statistics.median(times[1:] if len(times) > 1 else times)
-    label = mesh.label + (f" ZeRO-{zero}" if zero else "") + (" SP" if sequence_parallel else "")
-    return MeshRun(label, dict(mesh.sizes), zero, losses, seconds, comm.allgather(ledger.report()["peak"]))
+    label = mesh.label + (f" ZeRO-{zero}" if zero else "") + (f" v{virtual}" if virtual > 1 else "")
+    label += " SP" if sequence_parallel else ""
+    peaks = comm.allgather(ledger.report()["peak"])
+    return MeshRun(label, dict(mesh.sizes), zero, losses, seconds, peaks, virtual)

@@ -131,12 +131,10 @@ def exchange_curve(
     return [float(n) for n in sizes], comm.bcast(seconds, root=0)
 
 
-def measure_platform(
-    comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int = 5, name: str = "this machine"
-) -> Platform:
-    """This machine's Platform (see the module docstring); every rank gets the same one."""
+def measure_links(comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int = 5) -> tuple[Curves, Link]:
+    """The collectives' and the ping-pong's curves (see the module docstring) and the link fitted to the
+    ping-pong; every rank gets the same. A collective."""
     size = comm.Get_size()
-    torch.set_num_threads(1)
     curves = Curves()
     for n in range(2, size + 1):
         sub = first_ranks(comm, n)
@@ -149,10 +147,20 @@ def measure_platform(
     curves.add("p2p", 2, list(sizes), list(ping))
     alpha, beta = fit_alpha_beta(list(sizes), list(ping))
     link = Link(max(alpha, 0.0), max(beta, 1e-12))
+    table, link = comm.bcast((curves.table, link), root=0)
+    return Curves(dict(table)), link
+
+
+def measure_platform(
+    comm: MPI.Comm, sizes: Sequence[int] = SIZES, repeats: int = 5, name: str = "this machine"
+) -> Platform:
+    """This machine's Platform (see the module docstring); every rank gets the same one."""
+    size = comm.Get_size()
+    torch.set_num_threads(1)
+    curves, link = measure_links(comm, sizes, repeats)
     flops, contention = measure_contention(comm, repeats)
     sync = comm.bcast(measure_sync(comm), root=0)
     memory = psutil.virtual_memory().total // size
-    table = comm.bcast(curves.table, root=0)
     contention = comm.bcast(contention, root=0)
     flops = comm.bcast(flops, root=0)
     return Platform(
@@ -162,7 +170,7 @@ def measure_platform(
         memory=int(memory),
         intra=link,
         inter=link,
-        curves=Curves(dict(table)),
+        curves=curves,
         contention=contention,
         sync=sync,
         sources={

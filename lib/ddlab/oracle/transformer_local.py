@@ -7,8 +7,9 @@ measures it, with two inputs more for this GPT: its compute rate and its cost pe
 
 Time (`mesh_time`): the parts of `step_time` (Narayanan et al., SC 2021: the iteration's
 FLOPs, 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) without recomputation, over the N ranks;
-lab 07's bubble, (p - 1)/m of the compute; each dimension's collectives priced by lab 09's
-measured curves; with c context ranks, ring attention's messages instead of `step_time`'s
+lab 07's bubble, (p - 1)/m of the compute, or (p - 1)/(v m) with the interleaved schedule's v chunks
+per rank (`MeshCase.virtual`, section 2.2.2 of the same paper, v times the pipeline's messages);
+each dimension's collectives priced by lab 09's measured curves; with c context ranks, ring attention's messages instead of `step_time`'s
 collectives for them, `ring_time`: per layer and micro-batch c - 1 key/value blocks forward,
 c - 1 backward and c of their gradients, each priced by the measured ping-pong curve; the
 zig-zag layout gives every context rank 1/c of the causal work, so the FLOPs are split over
@@ -37,7 +38,10 @@ in a run, in the same four parts:
   float32 tensor per parameter tensor (Rajbhandari et al., SC 2020, count 8 bytes per
   parameter of float32 Adam state; the step counts are what the ledger sees beside them);
 - activations: what autograd saves, each storage once, for the micro-batches in flight
-  (1F1B: min(p - stage, m) on stage `stage`, lab 07), per layer and token, in elements:
+  (1F1B: min(p - stage, m) on stage `stage`, lab 07; the interleaved schedule's v chunks per rank:
+  its op list walked, each (chunk, micro-batch) held from its forward to its backward, the peak
+  taken, since the warm-up keeps more in flight and the chunks save different bytes: only the first
+  virtual stage keeps the token ids, only the last the logits), per layer and token, in elements:
   4h whole (the LayerNorms' and the column-parallel layers' inputs) + 12h/t (q, k, v, the
   projection's input, the GELU's and the second MLP layer's inputs) + a s/t (the softmax's
   output; with context parallelism ring attention keeps instead its output and log-sum-exp,
@@ -84,7 +88,7 @@ from ..mesh import train_on_mesh
 from ..mesh.layout import coordinates
 from ..model_parallel import polite_barrier
 from ..models.gpt import BatchAt
-from ..pipeline import one_f_one_b
+from ..pipeline import interleaved_1f1b, one_f_one_b, virtual_stage
 from ..runtime.blocks import block_range
 from ..sharded.zero import REDUCES_IN_FLIGHT
 from .measure import SIZES, measure_platform, measure_sync
@@ -112,6 +116,7 @@ class MeshCase:
     element_bytes: int = 4
     context: int = 1
     zero: int = 0  # 0: lab 04's gradient averaging over the data ranks; 1-3: lab 13's Sharded over them
+    virtual: int = 1  # v model chunks per pipeline rank: the interleaved 1F1B schedule when above 1
 
     def __post_init__(self) -> None:
         if self.element_bytes not in _PRECISION:
@@ -122,6 +127,13 @@ class MeshCase:
             raise ValueError("ZeRO is predicted with context = 1 only (its shards would span data x context)")
         if min(self.data, self.tensor, self.pipeline, self.context, self.micro_batches, self.batch, self.seq) < 1:
             raise ValueError(f"every size must be at least 1: {self}")
+        if self.virtual < 1 or (self.virtual > 1 and self.zero):
+            raise ValueError(f"virtual is 1 or more model chunks per pipeline rank, and 1 with ZeRO: {self}")
+        if self.virtual > 1 and self.micro_batches % self.pipeline:
+            raise ValueError(
+                f"the interleaved schedule takes micro-batches in groups of p = {self.pipeline}: "
+                f"use a multiple of {self.pipeline}, got {self.micro_batches}"
+            )
         if self.context > 1 and self.seq % (2 * self.context):
             raise ValueError(
                 f"a sequence of {self.seq} does not split into 2 x {self.context} zig-zag chunks: "
@@ -143,9 +155,10 @@ class MeshCase:
 
     @property
     def label(self) -> str:
-        """As `MeshRun.label`: data x tensor x pipeline, x context when it is used, and the ZeRO stage if any."""
+        """As `MeshRun.label`: data x tensor x pipeline, x context when it is used, the ZeRO stage if any, and
+        v chunks if interleaved."""
         base = f"{self.data}x{self.tensor}x{self.pipeline}" + (f"x{self.context}" if self.context > 1 else "")
-        return base + (f" ZeRO-{self.zero}" if self.zero else "")
+        return base + (f" ZeRO-{self.zero}" if self.zero else "") + (f" v{self.virtual}" if self.virtual > 1 else "")
 
     def layout(self) -> Layout:
         """The oracle's Layout: micro-batches of B / (d m) sequences, no recomputation, the run's precision."""
@@ -158,13 +171,21 @@ class MeshCase:
             batch=self.batch,
             precision=_PRECISION[self.element_bytes],
             zero=self.zero,
+            interleave=self.virtual,
         )
 
 
 def case_of(
-    sizes: dict[str, int], batch: int, seq: int, micro_batches: int = 1, element_bytes: int = 4, zero: int = 0
+    sizes: dict[str, int],
+    batch: int,
+    seq: int,
+    micro_batches: int = 1,
+    element_bytes: int = 4,
+    zero: int = 0,
+    virtual: int = 1,
 ) -> MeshCase:
-    """The MeshCase of a layout given as `ddlab.mesh.layouts` gives it, with ZeRO stage `zero` on its data ranks."""
+    """The MeshCase of a layout given as `ddlab.mesh.layouts` gives it, with ZeRO stage `zero` on its data ranks
+    and `virtual` model chunks per pipeline rank."""
     return MeshCase(
         sizes["data"],
         sizes["tensor"],
@@ -175,6 +196,7 @@ def case_of(
         element_bytes,
         context=sizes.get("context", 1),
         zero=zero,
+        virtual=virtual,
     )
 
 
@@ -198,16 +220,18 @@ def rank_parameters(config: Any, case: MeshCase, stage: int, tensor_rank: int) -
     return elements, tensors
 
 
-def activation_elements(config: Any, case: MeshCase, stage: int, tensor_rank: int) -> dict[str, float]:
-    """Per micro-batch, what autograd saves on that rank: float elements, and the integer ids' and masks' bytes."""
+def activation_elements(config: Any, case: MeshCase, stage: int, tensor_rank: int, chunk: int = 0) -> dict[str, float]:
+    """Per micro-batch, what autograd saves on that rank (on its chunk `chunk`, virtual stage chunk x p + stage,
+    with the interleaved schedule): float elements, and the integer ids' and masks' bytes."""
     b, h, t = case.batch // (case.data * case.micro_batches), config.n_embd, case.tensor
     s = case.seq // case.context  # the rank's rows of each sequence
     tokens = s * b
-    layers = len(block_range(config.n_layer, stage, case.pipeline))
+    stages, index = case.pipeline * case.virtual, virtual_stage(case.pipeline, stage, chunk)
+    layers = len(block_range(config.n_layer, index, stages))
     floats, other = layers * layer_elements(config, case), 0.0
-    if stage == 0:
+    if index == 0:
         other += 8 * tokens + tokens + 8 * s  # token ids (int64), vocabulary mask (bool), positions (int64)
-    if stage == case.pipeline - 1:
+    if index == stages - 1:
         vocab = len(block_range(config.vocab_size, tensor_rank, t))
         floats += tokens * (2 * h + 2 + vocab)  # ln_f input + stats, the output layer's input, the softmax
         other += 2 * 8 * tokens  # the targets, twice (int64)
@@ -392,13 +416,16 @@ def rank_memory_local(config: Any, case: MeshCase, rank: int) -> dict[str, float
     e = case.element_bytes
     elements, tensors = rank_parameters(config, case, stage, tensor_rank)
     _, grads, adam = PRECISIONS[_PRECISION[e]]
-    saved = activation_elements(config, case, stage, tensor_rank)
-    in_flight = min(case.pipeline - stage, case.micro_batches)
+    saved = [activation_elements(config, case, stage, tensor_rank, j) for j in range(case.virtual)]
+    held = most = 0.0  # the schedule walked: a (chunk, micro-batch)'s activations from its forward to its backward
+    for kind, chunk, _ in interleaved_1f1b(case.pipeline, case.micro_batches, stage, case.virtual):
+        held += (1 if kind == "F" else -1) * (saved[chunk]["floats"] * e + saved[chunk]["other bytes"])
+        most = max(most, held)
     return {
         "parameters": float(elements * e),
         "gradients": float(elements * grads),
         "optimizer": float(elements * adam + 4 * tensors),
-        "activations": in_flight * (saved["floats"] * e + saved["other bytes"]),
+        "activations": most,
     }
 
 
@@ -407,7 +434,8 @@ def exchanges(config: Any, case: MeshCase) -> int:
 
     Per micro-batch and layer of a stage 4 tensor allreduces, and per micro-batch 4 more
     around the embedding, the output layer and the loss (`ddlab.tensor_parallel.formulas`);
-    2 pipeline messages per micro-batch; one gradient allreduce per step (over data x context), or
+    2 pipeline messages per micro-batch (2 v with v chunks: a micro-batch goes round the ranks v times); one
+    gradient allreduce per step (over data x context), or
     with ZeRO each of its collectives on the timed step (`zero_collectives`), each waited for; ring
     attention's (`ring_exchanges`)."""
     m, layers = case.micro_batches, config.n_layer // case.pipeline
@@ -416,7 +444,7 @@ def exchanges(config: Any, case: MeshCase) -> int:
         data = sum(count for *_, count, timed in zero_collectives(config, case) if timed) if case.data > 1 else 0
     else:
         data = 1 if case.data * case.context > 1 else 0  # the gradient allreduce over data x context
-    return tensor + (2 * m if case.pipeline > 1 else 0) + data + ring_exchanges(config, case)
+    return tensor + (2 * case.virtual * m if case.pipeline > 1 else 0) + data + ring_exchanges(config, case)
 
 
 def ring_exchanges(config: Any, case: MeshCase) -> int:
@@ -523,9 +551,10 @@ def ring_arithmetic(config: Any, case: MeshCase, platform: Platform) -> float:
 
 
 def busy_ranks(case: MeshCase, platform: Platform) -> float:
-    """Ranks computing at once on average: all but the bubble's, d t c p m / (m + p - 1) (lab 09's pipeline)."""
-    p, m = case.pipeline, case.micro_batches
-    return min(case.data * case.tensor * case.context * p * m / (m + p - 1), platform.devices_per_node)
+    """Ranks computing at once on average: all but the bubble's, d t c p m / (m + p - 1) (lab 09's pipeline);
+    with v chunks per rank d t c p v m / (v m + p - 1)."""
+    p, vm = case.pipeline, case.virtual * case.micro_batches
+    return min(case.data * case.tensor * case.context * p * vm / (vm + p - 1), platform.devices_per_node)
 
 
 def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, float]:
@@ -535,7 +564,8 @@ def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, floa
     compute: the iteration's FLOPs over the N ranks at `platform.flops`, plus the
     implementation's seconds per layer and micro-batch (`overheads["gpt layer"]`, 0 if not
     calibrated) for each of a stage's layers and micro-batches, slowed by the contention of
-    the ranks computing at once (`busy_ranks`); bubble: (p - 1) / m of it (lab 07); sync:
+    the ranks computing at once (`busy_ranks`); bubble: (p - 1) / m of it (lab 07), (p - 1) / (v m) with
+    v chunks per rank (Narayanan et al., SC 2021, section 2.2.2); sync:
     each blocking exchange (`exchanges`) pays the share of `platform.sync` those ranks cause
     (`ddlab.oracle.strategies.sync_share`); data, with ZeRO: its collectives (`zero_seconds`)."""
     layout = case.layout()
@@ -551,7 +581,7 @@ def mesh_time(config: Any, case: MeshCase, platform: Platform) -> dict[str, floa
         **parts,
         "context": ring_time(config, case, platform),
         "compute": compute,
-        "bubble": (case.pipeline - 1) / case.micro_batches * compute,
+        "bubble": (case.pipeline - 1) / (case.virtual * case.micro_batches) * compute,
         "sync": exchanges(config, case) * platform.sync * sync_share(busy, platform),
     }
 
@@ -588,6 +618,11 @@ def predict_mesh(config: Any, case: MeshCase, platform: Platform) -> MeshPredict
         raise ValueError("the mesh trains without dropout: predict a GPTConfig with dropout=0.0")
     if config.tied:
         raise ValueError("the mesh splits the output layer from the embedding: predict a GPTConfig with tied=False")
+    if case.virtual > 1 and config.n_layer % (case.virtual * case.pipeline):
+        raise ValueError(
+            f"{config.n_layer} blocks do not split into {case.virtual} chunks x {case.pipeline} pipeline stages: "
+            f"predict n_layer a multiple of {case.virtual * case.pipeline}"
+        )
     memory = [rank_memory_local(config, case, rank) for rank in range(case.ranks)]
     return MeshPrediction(case, mesh_time(config, case, platform), memory)
 

@@ -109,17 +109,21 @@ def run_interleaved(
     targets: list[torch.Tensor],
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     clock: Timeline | None = None,
+    activation: tuple[tuple[int, ...], torch.dtype] | None = None,
 ) -> list[float]:
     """Run rank r's ops with its v chunks (chunk j is virtual stage j p + r); gradients add up in .grad.
 
-    Every activation has inputs[i]'s shape and dtype. inputs are used by rank 0's chunk 0, targets and
-    `loss` by the last rank's last chunk, which returns the micro-batch losses in micro-batch order
+    Every activation has inputs[i]'s shape and dtype (or `activation`'s). inputs are used by rank 0's
+    chunk 0, targets and `loss` by the last rank's last chunk, which returns the micro-batch losses in micro-batch order
     ([] elsewhere). Messages are posted without waiting and tagged by the receiver's chunk and
     micro-batch, and by direction (the last rank and rank 0 exchange both ways).
 
     With an enabled `clock` (lab 07's `Timeline`), each op is a forward or backward span of its micro-batch
     and each wait for a message is idle time, on the wall and the busy clock (messages carry the sender's
-    busy time); the clock starts at 0 once every rank's mailbox is made (a collective)."""
+    busy time); the clock starts at 0 once every rank's mailbox is made (a collective).
+
+    `activation` = (shape, dtype) of what the chunks send when it is not the inputs' (lab 16's GPT: token
+    ids in, float activations between virtual stages), as `run_schedule`'s."""
     mailbox = Mailbox(comm, clock=clock)
     if clock is not None:
         clock.start()
@@ -137,7 +141,7 @@ def run_interleaved(
         q = virtual_stage(p, r, j)
         with mailbox.clock.span("forward" if kind == "F" else "backward", i):
             if kind == "F":
-                shape, dtype = tuple(inputs[i].shape), inputs[i].dtype
+                shape, dtype = activation or (tuple(inputs[i].shape), inputs[i].dtype)
                 x = inputs[i] if q == 0 else mailbox.take(shape, dtype, prev, tag(j, i, False)).requires_grad_()
                 y = chunks[j](x)
                 if q == v * p - 1:
