@@ -29,7 +29,6 @@ It relaunches itself under mpiexec (`ddlab.runtime.mpi.bench_main`).
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 from typing import Callable
@@ -236,15 +235,12 @@ def _variants(comm) -> dict[str, tuple[Callable[[int], None], bool]]:
 def _student_parallelize():
     """The solution's own exercises 14.1-14.3 and 14.5 (MyCopy, MyReduce, the two layers, my_parallelize; the
     sequence-parallel block), run from solutions/14_tensor_parallel.ipynb: the path a student's code takes."""
-    import json
     from pathlib import Path
 
-    cells = json.loads((Path(__file__).resolve().parent.parent / "solutions/14_tensor_parallel.ipynb").read_text())
-    sources = ["".join(c["source"]) for c in cells["cells"] if c["cell_type"] == "code"]
-    wanted = [s for s in sources if s.startswith("%%px\nimport torch") or re.search(r"# Exercise 14\.[1235]:", s)]
-    namespace: dict = {}
-    for source in wanted:
-        exec(compile(source.removeprefix("%%px\n"), "solutions/14_tensor_parallel.ipynb", "exec"), namespace)
+    from ddlab.tools.solutions import exercises, run_cells
+
+    notebook = Path(__file__).resolve().parent.parent / "solutions/14_tensor_parallel.ipynb"
+    namespace = run_cells(notebook, exercises("14.1", "14.2", "14.3", "14.5", setup="%%px\nimport torch"))
     return namespace["my_parallelize"], namespace["PLAN"], namespace["my_sequence_parallel_block"]
 
 

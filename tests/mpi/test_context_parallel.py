@@ -11,7 +11,6 @@ autograd and one process.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ from ddlab.models.gpt import GPTConfig, causal_attention, make_gpt
 from ddlab.runtime.comm import first_ranks
 from ddlab.runtime.counting import CountingComm, gather_traffic
 from ddlab.runtime.waiting import Stalled
+from ddlab.tools.solutions import run_cells
 from mpi4py import MPI
 
 CASES = [((11, 4), True), ((2, 3, 16, 4), True), ((13, 4), False), ((2, 16, 2), False)]
@@ -170,14 +170,10 @@ def test_bad_positions_say_what_to_pass(comm):
 
 def _solution(function: str):
     """The solution notebook's answer `function` (lab 15), as the student writes it: its exercise cell run here."""
-    notebook = json.loads(SOLUTIONS.read_text())
-    for cell in notebook["cells"]:
-        text = "".join(cell["source"])
-        if cell["cell_type"] == "code" and f"def {function}(" in text and "### BEGIN SOLUTION" in text:
-            namespace = {"np": np, "MPI": MPI, "reference_attention": reference_attention}
-            exec(text.removeprefix("%%px\n"), namespace)
-            return namespace[function]
-    raise LookupError(f"no exercise cell defines {function} in {SOLUTIONS}")
+    namespace = {"np": np, "MPI": MPI, "reference_attention": reference_attention}
+    return run_cells(SOLUTIONS, lambda text: f"def {function}(" in text and "### BEGIN SOLUTION" in text, namespace)[
+        function
+    ]
 
 
 SOLUTIONS = Path(__file__).parents[2] / "solutions" / "15_long_sequences_and_experts.ipynb"

@@ -10,8 +10,6 @@ a failure fails every rank. Splits that do not divide (3 ranks over 4 heads, a v
 from __future__ import annotations
 
 import copy
-import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +48,7 @@ from ddlab.tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_range,
 )
+from ddlab.tools.solutions import exercises, run_cells
 from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
@@ -476,15 +475,7 @@ def _one_process_curve(model, batches):
 def _solution_answers() -> dict:
     """The solution notebook's imports cell and exercises 14.1, 14.2, 14.3 and 14.5 run here as they run on the
     engines (as bench/tensor_parallel.py does): its MyCopy, its layers, my_parallelize, my_sequence_parallel_block."""
-    cells = json.loads(SOLUTION.read_text())["cells"]
-    namespace: dict = {}
-    for cell in cells:
-        text = "".join(cell["source"])
-        if cell["cell_type"] == "code" and (
-            text.startswith("%%px\nimport torch") or re.search(r"# Exercise 14\.[1235]:", text)
-        ):
-            exec(compile(text.removeprefix("%%px\n"), str(SOLUTION), "exec"), namespace)
-    return namespace
+    return run_cells(SOLUTION, exercises("14.1", "14.2", "14.3", "14.5", setup="%%px\nimport torch"))
 
 
 SOLUTION = Path(__file__).parents[2] / "solutions" / "14_tensor_parallel.ipynb"

@@ -6,8 +6,11 @@ import time
 
 import numpy as np
 import pytest
+from ddlab.checks import CheckFailed
 from ddlab.checks._core import run_counted
+from ddlab.runtime.comm import drain
 from ddlab.runtime.waiting import PeerFailed, Stalled, Watch
+from mpi4py import MPI
 
 
 def test_a_wait_nobody_answers_fails_at_its_deadline(comm):
@@ -74,3 +77,29 @@ def test_a_stub_on_some_ranks_is_reported_on_all_whatever_the_others_met(comm):
 
     with pytest.raises(NotImplementedError, match="Exercise 9.9"):
         run_counted(comm, roles, (), "roles", timeout=20.0)
+
+
+def test_a_message_sent_after_its_receive_was_given_up_is_not_left_on_comm(comm):
+    """Rank 0's first receive fails (truncated), so the watch gives up the one from the last rank, which sends
+    its empty message only once told of the failure: run_counted receives it, so comm holds nothing afterwards.
+    (It once stayed, for the caller's next receive from any rank to take: collect took such a message.)"""
+    size = comm.Get_size()
+    if size < 3:
+        pytest.skip("needs a rank whose receive fails and another whose message comes late")
+    last = size - 1
+
+    def late(counting):
+        rank = counting.Get_rank()
+        if rank == 0:
+            MPI.Request.Waitall([counting.Irecv(np.zeros(1), source=peer, tag=7) for peer in (1, last)])
+        elif rank == 1:
+            counting.Send(np.zeros(4), dest=0, tag=7)  # larger than rank 0's buffer
+        elif rank == last:
+            with pytest.raises(PeerFailed):
+                counting.Recv(np.empty(1), source=0, tag=8)  # never sent: ends when rank 0 fails
+            counting.Isend(np.zeros(0), dest=0, tag=7).Wait()
+
+    with pytest.raises(CheckFailed, match="larger than the receive buffer"):
+        run_counted(comm, late, (), "a message after the failure", timeout=20.0)
+    comm.Barrier()
+    assert comm.allgather(drain(comm, 5.0)) == [[]] * size

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime.comm import first_ranks
+from ..runtime.comm import drain, first_ranks
 from ..runtime.counting import CountingComm, Traffic, gather_traffic
 from .errors import CheckFailed
 
@@ -173,7 +173,10 @@ def run_counted(
     Any other exception, a stall (of a blocking call, or of a request fn waits for), a
     request fn never waited for, or a forbidden collective on any rank becomes one
     CheckFailed on every rank. Every rank takes the same collective calls whatever
-    happened, so no outcome can leave ranks waiting in different collectives.
+    happened, so no outcome can leave ranks waiting in different collectives. Afterwards no
+    message of fn's is left on comm for the caller's next receive to match (`drain`): one a
+    peer sent after this rank gave up its receive (a failure elsewhere, a deadline), or one
+    nobody ever received; each rank's `Traffic.unreceived` lists them.
     """
     counting = CountingComm(comm, timeout=timeout, allow=allow, stagger=stagger)
     stub, problem, result = None, None, None
@@ -194,6 +197,8 @@ def run_counted(
     if problem is not None:
         counting.fail_all(problem)
     comm.Barrier()
+    left = drain(comm, timeout)
+    counting.traffic.unreceived = [(found.source, found.tag) for found in left if found.tag is not None]
     counting.watch.settle()  # notices still in flight taken in: one left on a freed communicator reaches the next given its id
     counting.free()
     outcomes = comm.allgather((stub, problem))

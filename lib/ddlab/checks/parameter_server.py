@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import time
 from collections import Counter, defaultdict
 from typing import Callable
 
@@ -45,7 +44,7 @@ from ..parameter_server import Consistency, LeastSquares, may_start, train
 from ..parameter_server.messages import GRADIENT, GRADIENT_HEADER, PARAMETERS, PARAMETERS_HEADER
 from ..parameter_server.replay import replay
 from ..parameter_server.server import Server
-from ..runtime.comm import Comm
+from ..runtime.comm import Comm, drain
 from ..runtime.counting import CountingComm
 from ..runtime.waiting import PeerFailed, Stalled, Watch
 from ._core import array_problem, each_size, passed, run_counted
@@ -175,16 +174,6 @@ class _RecordingServer(Server):
         super().apply(worker, step, version, grad)
 
 
-def _leftover(sub: MPI.Comm, seconds: float = 0.05) -> list[tuple[int, int]]:
-    """(source, tag) of every message still unreceived on sub (looking for `seconds`), received now so none lingers."""
-    found, status, until = [], MPI.Status(), time.monotonic() + seconds
-    while time.monotonic() < until:
-        if sub.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-            found.append((status.Get_source(), status.Get_tag()))
-            sub.Recv(np.empty(status.Get_count(MPI.BYTE), np.uint8), status.Get_source(), status.Get_tag())
-    return found
-
-
 def _worker_problem(
     server: _RecordingServer | None, calls: list[tuple[int, np.ndarray, np.ndarray]], sub: MPI.Comm, planned: int
 ) -> str | None:
@@ -254,14 +243,14 @@ def check_async_worker(async_worker: Worker) -> None:
     def body(sub: MPI.Comm) -> str | None:
         calls.clear()
         try:
-            server, _ = run_counted(sub, roles, (), "async_worker", timeout=5.0)
+            server, traffic = run_counted(sub, roles, (), "async_worker", timeout=5.0)
         except CheckFailed as err:
             raise _explained(
                 err,
                 "did every step push its gradient, and did your last gradient say more = 0? After a "
                 "gradient with more = 1 the server waits for another one.",
             ) from None
-        leftover = _leftover(sub)
+        leftover = traffic[sub.Get_rank()].unreceived
         problem = _worker_problem(server, calls, sub, STEPS)  # a collective: every rank calls it
         if leftover:
             return (
@@ -426,7 +415,7 @@ def check_ssp_server(ssp_server: Serve, timeout: float = 5.0) -> None:
         try:
             result, traffic = run_counted(sub, roles, (), f"ssp_server with s = {bound}", timeout=timeout)
         except CheckFailed as err:  # a failed run may leave a go-ahead unreceived: take it, lest a later Dup meet it
-            _leftover(side, 0.01)
+            drain(side, timeout)
             raise _explained(
                 err,
                 "a worker waiting for its PARAMETERS: after each gradient, re-check every waiting worker "
@@ -434,11 +423,11 @@ def check_ssp_server(ssp_server: Serve, timeout: float = 5.0) -> None:
                 "worker has sent its last one (more = 0).",
             ) from None
         except BaseException:
-            _leftover(side, 0.01)
+            drain(side, timeout)
             raise
         finally:
             side.Free()
-        leftover = _leftover(sub, 0.01)
+        leftover = traffic[sub.Get_rank()].unreceived
         got = sub.gather(result, root=0)
         problem_found = None
         if got is not None:  # rank 0

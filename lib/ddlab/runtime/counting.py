@@ -157,6 +157,8 @@ class Traffic:
     events: list[Event] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)  # allowed collectives, in the order called
     unfreed: int = 0  # communicators this rank made through Split or Dup and has not freed
+    unreceived: list[tuple[int, int]] = field(default_factory=list)  # (source, tag) of messages that reached
+    # this rank and no receive took: found (and received) by the check harness's run_counted once the run ends
 
     @property
     def sends(self) -> list[Event]:
