@@ -29,7 +29,7 @@ textbook messages and agrees on the side, uncounted.
 from __future__ import annotations
 
 from array import array
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -243,63 +243,105 @@ def _doubling_textbook(comm: Comm, x: np.ndarray) -> np.ndarray:
     return work
 
 
-def _free_doubling(comm: MPI.Comm, key: int, kept: _Doubling) -> None:
-    kept.comm.Free()
+#: What recursive doubling keeps per mpi4py communicator, by its handle. An MPI attribute on the communicator
+#: removes the entry (and frees the private duplicate) when the communicator is freed, so a handle MPI hands
+#: out again never finds a stale entry. (The dict finds it in a tenth of MPI_Comm_get_attr's time, which
+#: counts at 800 bytes: bench/allreduce.py --part breakdown.)
+_KEPT: dict[int, _Doubling] = {}
+
+
+def _forget_doubling(comm: MPI.Comm, key: int, handle: int) -> None:
+    _KEPT.pop(handle).comm.Free()
+
+
+_FORGET = MPI.Comm.Create_keyval(delete_fn=_forget_doubling)
+_ANY_TAG, _BYTE = MPI.ANY_TAG, MPI.BYTE
 
 
 class _Doubling:
-    """What recursive doubling keeps with an mpi4py communicator between calls (an MPI attribute, freed with
-    it): a private duplicate, on which a receive from any tag can only match these messages; this rank's
-    steps; the landing buffer for whatever a peer sends first; one status. A small call's Python work is
-    most of its cost (bench/allreduce.py --part breakdown), so a call does little beyond its messages."""
-
-    KEY = MPI.Comm.Create_keyval(delete_fn=_free_doubling)
+    """What recursive doubling keeps with an mpi4py communicator between calls: a private duplicate, on which a
+    receive from any tag can only match these messages; this rank's steps; the landing buffer for whatever a
+    peer sends first; one status. A small call's Python work is most of its cost (every microsecond of it
+    also waits for a core when ranks outnumber cores), so a call does little beyond its messages."""
 
     def __init__(self, comm: MPI.Comm) -> None:
-        self.comm = comm.Dup()
+        self.comm = comm.Dup()  # every rank's first call on comm: a collective, as the allreduce is
         self.steps = doubling_steps(comm.Get_rank(), comm.Get_size())
         self.sits_out = bool(self.steps) and self.steps[0][0] == "send"
+        self.partners = [peer for _, peer in self.steps] if all(k == "swap" for k, _ in self.steps) else []
         self.landing = np.empty(SINGLE, dtype=np.uint8)
         self.status = MPI.Status()
         self.followed = self.landing  # the data of a message that came after its announcement
-        self._view = (np.dtype(np.uint8), 0, self.landing[:0])
+        #: The last valid input's (dtype, shape, bytes, tag, landing view), when the next call of its kind may go
+        #: the short way (a power of two of ranks, a whole message).
+        self.last: tuple[np.dtype | None, tuple[int, ...], int, int, np.ndarray] = (None, (), 0, 0, self.landing[:0])
 
-    @classmethod
-    def of(cls, comm: MPI.Comm) -> _Doubling:
-        kept = comm.Get_attr(cls.KEY)
-        if kept is None:  # every rank's first call on comm: Dup is a collective, as the allreduce is
-            kept = cls(comm)
-            comm.Set_attr(cls.KEY, kept)
-        return cast(_Doubling, kept)
+    @staticmethod
+    def keep(comm: MPI.Comm) -> _Doubling:
+        """A new _Doubling for comm, kept until comm is freed."""
+        kept = _KEPT[comm.handle] = _Doubling(comm)
+        comm.Set_attr(_FORGET, comm.handle)
+        return kept
 
     def allreduce(self, comm: MPI.Comm, x: Any) -> np.ndarray:
+        dtype, shape, nbytes, tag, arrived = self.last
+        if x.__class__ is not np.ndarray or x.dtype is not dtype or x.shape != shape or not x.flags.c_contiguous:
+            return self.first_of_its_kind(comm, x)
+        work, private, landing, status = None, self.comm, self.landing, self.status
+        for peer in self.partners:  # a power of two of ranks, whole messages, the input of the last call's kind
+            private.Sendrecv(x if work is None else work, peer, tag, landing, peer, _ANY_TAG, status)
+            if status.Get_tag() != tag or status.Get_count(_BYTE) != nbytes:
+                if status.Get_tag() & FOLLOWS:
+                    self.rest(peer, status.Get_tag())
+                tag &= ~AGREED  # passed on: every rank ends with the same verdict
+            elif work is None:
+                work = x + arrived  # the result: a new array
+            else:
+                work += arrived
+        return work if tag & AGREED and work is not None else self.refuse(comm, x)
+
+    def first_of_its_kind(self, comm: MPI.Comm, x: Any) -> np.ndarray:
+        """Any input, rank count and length (folds in and out, announced messages); a valid input of a power of
+        two of ranks that travels whole becomes the kind the next calls take the short way."""
         number = _dtype_number(x.dtype) if isinstance(x, np.ndarray) and x.ndim == 1 else 0
         data = np.ascontiguousarray(x) if number else np.empty(0, dtype=np.uint8)
-        nbytes = data.nbytes
-        tag = number << 2 | (FOLLOWS if nbytes > SINGLE else 0) | (AGREED if number else 0)
-        work = None  # the running sum, a new array once this rank has added anything
+        tag = number << 2 | (FOLLOWS if data.nbytes > SINGLE else 0) | (AGREED if number else 0)
+        arrived = self.landing[: data.nbytes].view(data.dtype)  # where a peer's whole message lands
+        work, tag = self.any_steps(data, tag, arrived)
+        if not tag & AGREED:
+            return self.refuse(comm, x)
+        if self.partners and not tag & FOLLOWS:
+            self.last = (data.dtype, data.shape, data.nbytes, tag, arrived)
+        return data.copy() if work is None else work
+
+    def refuse(self, comm: MPI.Comm, x: Any) -> np.ndarray:
+        """Every rank is here with the same verdict: gather the inputs and say which rank differs."""
+        problem = _disagreement(comm, x)
+        raise ValueError(f"allreduce: {problem or 'the ranks passed different inputs'}")
+
+    def any_steps(self, data: np.ndarray, tag: int, arrived: np.ndarray) -> tuple[np.ndarray | None, int]:
+        """Any rank count and length: folds in and out, announced messages. Returns the sum and the tag."""
+        work, nbytes = None, data.nbytes
         for kind, peer in self.steps:
             their_tag, their_bytes = self.step(kind, peer, data if work is None else work, tag)
             if kind == "send":
                 continue
-            if not (tag & AGREED and their_tag == tag and their_bytes == nbytes):
-                tag &= ~AGREED  # passed on: every rank ends with the same verdict
+            if their_tag != tag or their_bytes != nbytes or not tag & AGREED:
+                tag &= ~AGREED
                 continue
-            theirs = self.followed.view(data.dtype) if tag & FOLLOWS else self.arrived(data.dtype, data.size)
+            theirs = self.followed.view(data.dtype) if tag & FOLLOWS else arrived
             if self.sits_out:
                 work = theirs.copy()
             elif work is None:
                 work = np.add(data, theirs)
             else:
                 np.add(work, theirs, out=work)
-        if tag & AGREED:
-            return data.copy() if work is None else work
-        problem = _disagreement(comm, x)  # every rank is here with the same verdict: gather the inputs
-        raise ValueError(f"allreduce: {problem or 'the ranks passed different inputs'}")
+        return work, tag
 
     def step(self, kind: str, peer: int, outgoing: np.ndarray, tag: int) -> tuple[int, int]:
-        """One step's messages with peer. Returns the tag and bytes of what arrived ((0, 0) after a send):
-        its data is in the landing buffer, or in `followed` if it came after an announcement."""
+        """One step's messages with peer. Returns the tag and bytes
+        of what arrived ((0, 0) after a send): its data is in the landing buffer, or in `followed` if it came
+        after an announcement."""
         comm, status, follows = self.comm, self.status, tag & FOLLOWS
         first = np.array([outgoing.nbytes], dtype=np.int64) if follows else outgoing
         if kind == "send":
@@ -316,21 +358,19 @@ class _Doubling:
             if kind == "swap" and follows:
                 comm.Send(outgoing, dest=peer, tag=tag)
             return their_tag, status.Get_count(MPI.BYTE)
+        if kind == "swap" and follows:
+            return their_tag, self.rest(peer, their_tag, outgoing, tag)
+        return their_tag, self.rest(peer, their_tag)
+
+    def rest(self, peer: int, their_tag: int, outgoing: np.ndarray | None = None, tag: int = 0) -> int:
+        """Receive the data peer announced into `followed`, and send `outgoing` (announced too) at once if given."""
         their_bytes = int(self.landing[:8].view(np.int64)[0])
         self.followed = np.empty(their_bytes, dtype=np.uint8)
-        if kind == "swap" and follows:
-            comm.Sendrecv(outgoing, peer, tag, self.followed, peer, their_tag)
+        if outgoing is None:
+            self.comm.Recv(self.followed, peer, their_tag)
         else:
-            comm.Recv(self.followed, peer, their_tag)
-        return their_tag, their_bytes
-
-    def arrived(self, dtype: np.dtype, size: int) -> np.ndarray:
-        """The landing buffer's first `size` items of `dtype` (the view is kept for the next call of that shape)."""
-        kept_dtype, kept_size, view = self._view
-        if kept_size != size or kept_dtype != dtype:
-            view = self.landing[: size * dtype.itemsize].view(dtype)
-            self._view = (dtype, size, view)
-        return view
+            self.comm.Sendrecv(outgoing, peer, tag, self.followed, peer, their_tag)
+        return their_bytes
 
 
 def allreduce_recursive_doubling(comm: Comm, x: np.ndarray) -> np.ndarray:
@@ -341,7 +381,7 @@ def allreduce_recursive_doubling(comm: Comm, x: np.ndarray) -> np.ndarray:
     byte of its own, which at small sizes would cost as much as the allreduce.
     """
     if isinstance(comm, MPI.Comm):
-        return _Doubling.of(comm).allreduce(comm, x)
+        return (_KEPT.get(comm.handle) or _Doubling.keep(comm)).allreduce(comm, x)
     return _doubling_textbook(comm, x)
 
 
