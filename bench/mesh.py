@@ -14,11 +14,9 @@ micro-batches (the interleaved variants v m chunk slots of 1F1B's order, `interl
 
 The oracle (`ddlab.oracle.transformer_local`): before the rounds, this machine is measured
 as lab 09 measures it (`measure_platform`: collectives' curves, ping-pong, sync); at the start
-of every round the collectives' and ping-pong's curves are measured again (`measure_links`: measured once
-per run, a disturbed measurement would move every round's prediction of the collective-heavy layouts alike),
-the compute rate is calibrated from one process training the same GPT alone,
+of every round the compute rate is calibrated from one process training the same GPT alone,
 the contention from every rank training it at once and sync measured again (inputs of the round, the same for
-every layout: no factor per layout), and each layout's step is predicted with that round's platform. Printed: per
+every layout: no factor per layout), and each layout's step is predicted. Printed: per
 variant, the median over rounds of its step time over data parallelism's in the same round,
 its largest and smallest rank's peak over data parallelism's; then per layout the measured
 and predicted step time (medians over rounds) and their accuracy 1 - |pred - meas| / meas,
@@ -44,7 +42,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 TIMEOUT = 3600
 
@@ -54,7 +51,7 @@ def child(args: argparse.Namespace) -> None:
     from ddlab.data.text import BatchSampler, make_corpus
     from ddlab.mesh import DIMS, layouts, train_on_mesh
     from ddlab.models.gpt import GPTConfig, make_gpt
-    from ddlab.oracle.measure import measure_links, measure_platform
+    from ddlab.oracle.measure import measure_platform
     from ddlab.oracle.transformer_local import calibrate, case_of, predict_mesh
     from mpi4py import MPI
 
@@ -79,9 +76,6 @@ def child(args: argparse.Namespace) -> None:
     measured = measure_platform(comm)
     platforms = []
     for round_ in range(args.rounds):
-        if round_:  # this round's machine: the curves again (round 0's were measured just before it)
-            curves, link = measure_links(comm)
-            measured = replace(measured, curves=curves, intra=link, inter=link)
         platform = calibrate(
             comm, measured, config, lambda: make_gpt(config), sampler.batch_at, args.batch, args.block, args.steps
         )
@@ -142,9 +136,9 @@ def child(args: argparse.Namespace) -> None:
         ("reduce_scatter", 2**20, size),
     ]
     print(
-        "The curves per round (ms): "
+        "The curves, measured before the rounds (ms): "
         + "; ".join(
-            f"{op} {nbytes // 2**10} KiB on {n}: " + ", ".join(f"{p.comm(op, nbytes, n) * 1e3:.3f}" for p in platforms)
+            f"{op} {nbytes // 2**10} KiB on {n}: {platforms[0].comm(op, nbytes, n) * 1e3:.3f}"
             for op, nbytes, n in links
         )
     )

@@ -1,4 +1,4 @@
-"""`measure_links`, the part of `measure_platform` bench/mesh.py measures again every round: every rank gets the
+"""`measure_links`, the part of `measure_platform` that times the links: every rank gets the
 same curves (each collective on 2 .. P ranks, the ping-pong) and the same link fitted to the ping-pong."""
 
 from __future__ import annotations
