@@ -117,8 +117,9 @@ def sizes(comm: Any, scale: float) -> None:
 def breakdown(comm: Any, scale: float) -> None:
     """Where a small call's time goes, part by part, against MPI_Allreduce; rank 0 prints."""
     import numpy as np
+    from ddlab.allreduce.algorithms import doubling_steps
     from ddlab.allreduce.cost import time_allreduce
-    from ddlab.allreduce.latency import MPI_PART, call_parts, doubling_steps
+    from ddlab.allreduce.latency import MPI_PART, call_parts
     from ddlab.runtime.counting import CountingComm
 
     counting = CountingComm(comm, timeout=60.0)

@@ -13,7 +13,8 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from ddlab.allreduce import ALGORITHMS, allreduce_mpi, cost, latency
+from ddlab.allreduce import ALGORITHMS, allreduce_mpi, cost
+from ddlab.allreduce.algorithms import doubling_steps
 from ddlab.checks import check_allreduce_rabenseifner, check_allreduce_recursive_doubling, check_allreduce_ring
 from ddlab.checks._core import run_counted
 from ddlab.runtime.counting import rounds
@@ -223,6 +224,6 @@ def test_the_breakdown_times_recursive_doublings_own_messages() -> None:
     mine = traffic[WORLD.rank]
     pattern = [(e.kind, e.peer) for e in mine.events]
     expected = []
-    for kind, peer in latency.doubling_steps(WORLD.rank, WORLD.size):
+    for kind, peer in doubling_steps(WORLD.rank, WORLD.size):
         expected += [("send", peer), ("recv", peer)] if kind == "swap" else [(kind, peer)]
     assert pattern == expected

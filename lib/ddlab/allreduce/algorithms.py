@@ -339,9 +339,8 @@ class _Doubling:
         return work, tag
 
     def step(self, kind: str, peer: int, outgoing: np.ndarray, tag: int) -> tuple[int, int]:
-        """One step's messages with peer. Returns the tag and bytes
-        of what arrived ((0, 0) after a send): its data is in the landing buffer, or in `followed` if it came
-        after an announcement."""
+        """One step's messages with peer. Returns the tag and bytes of what arrived ((0, 0) after a send): its
+        data is in the landing buffer, or in `followed` if it came after an announcement."""
         comm, status, follows = self.comm, self.status, tag & FOLLOWS
         first = np.array([outgoing.nbytes], dtype=np.int64) if follows else outgoing
         if kind == "send":
@@ -350,14 +349,14 @@ class _Doubling:
                 comm.Send(outgoing, dest=peer, tag=tag)
             return 0, 0
         if kind == "swap":
-            comm.Sendrecv(first, peer, tag, self.landing, peer, MPI.ANY_TAG, status)
+            comm.Sendrecv(first, peer, tag, self.landing, peer, _ANY_TAG, status)
         else:
-            comm.Recv(self.landing, peer, MPI.ANY_TAG, status)
+            comm.Recv(self.landing, peer, _ANY_TAG, status)
         their_tag = status.Get_tag()
         if not their_tag & FOLLOWS:
             if kind == "swap" and follows:
                 comm.Send(outgoing, dest=peer, tag=tag)
-            return their_tag, status.Get_count(MPI.BYTE)
+            return their_tag, status.Get_count(_BYTE)
         if kind == "swap" and follows:
             return their_tag, self.rest(peer, their_tag, outgoing, tag)
         return their_tag, self.rest(peer, their_tag)
