@@ -103,11 +103,12 @@ def test_empty_partition_and_account_leave_them_to_slurm(script) -> None:
 
 
 def test_engines_start_as_one_mpi_job(script) -> None:
-    launch = script(4, launcher="mpiexec").splitlines()[-1]
+    *_, clear, launch = script(4, launcher="mpiexec").splitlines()
+    assert clear.endswith(" -m ddlab.runtime.mpi --clear-stale")  # what killed jobs left on the node
     assert launch.startswith(f"exec {mpi.mpiexec_path()} -n 4 ")
     assert launch.endswith("-m ipyparallel.engine --mpi")
-    launch = script(4, launcher="srun", mpi="pmi2").splitlines()[-1]
-    assert launch.startswith("exec srun --mpi=pmi2 --kill-on-bad-exit=1 -n 4 ")
+    *_, before, launch = script(4, launcher="srun", mpi="pmi2").splitlines()
+    assert launch.startswith("exec srun --mpi=pmi2 --kill-on-bad-exit=1 -n 4 ") and "--clear-stale" not in before
 
 
 def test_inside_a_job_step_engines_share_the_jobs_cpus(monkeypatch: pytest.MonkeyPatch) -> None:

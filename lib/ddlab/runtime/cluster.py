@@ -80,6 +80,7 @@ def current() -> Running | None:
 def make_cluster(n: int, profile: str) -> ipp.Cluster:
     """An ipyparallel cluster of n MPI engines on the profile, not started (bring_up starts it)."""
     config = profile_config(profile)
+    mpi.clear_stale_sessions()
     config.MPILauncher.mpi_cmd = [mpi.mpiexec_path()]
     config.MPILauncher.mpi_args = mpi.launcher_args(n)
     config.MPILauncher.environment = mpi.rank_env(n)

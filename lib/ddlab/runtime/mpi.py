@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,10 +95,47 @@ def launcher_args(n: int) -> list[str]:
 
 
 def mpiexec_command(n: int) -> list[str]:
-    """The command prefix that starts n ranks: [mpiexec, -n, n, flags...]."""
+    """The command prefix that starts n ranks: [mpiexec, -n, n, flags...]; stale sessions are cleared first."""
     if n < 1:
         raise ValueError(f"need at least one rank, got n={n}")
+    clear_stale_sessions()
     return [mpiexec_path(), "-n", str(n), *launcher_args(n)]
+
+
+#: Seconds by which a process may seem to predate its own session directory (psutil's start times
+#: are computed from the boot time, which /proc gives in whole seconds).
+_CLOCK_SLACK = 2.0
+
+
+def clear_stale_sessions(base: str | None = None) -> list[Path]:
+    """Remove the session directories of Open MPI jobs that were killed; return them. Call before mpiexec.
+
+    Open MPI's mpiexec keeps its session in <tmp>/ompi.<its pid> and removes it when it ends.
+    Killed (a timed-out test, a dead kernel's engines, `kill -9`), it leaves the directory
+    behind, and a later mpiexec that is given the same pid (pids wrap at pid_max) finds the
+    old rendezvous files there and refuses to start: "The PMIx server's listener thread
+    failed to start". A directory of this user's is stale when no process has its pid, or
+    the process that has it started after the directory last changed (the pid was reused).
+    Other MPIs keep no such directory: nothing is removed for them.
+    """
+    import psutil
+
+    root = Path(base or os.environ.get("PRTE_MCA_prte_tmpdir_base") or tempfile.gettempdir())
+    removed = []
+    for path in root.glob("ompi.*"):
+        pid = path.name.removeprefix("ompi.")
+        try:
+            status = path.stat()
+            if not pid.isdigit() or status.st_uid != os.geteuid():
+                continue
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(int(pid)).create_time() <= status.st_ctime + _CLOCK_SLACK:
+                    continue  # its mpiexec is running
+        except (OSError, psutil.Error):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def kill_session(proc: subprocess.Popen, grace: float = 5.0) -> None:
@@ -182,8 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddlab.runtime.mpi", description=main.__doc__)
     parser.add_argument("-n", type=int, default=4, help="number of ranks")
     parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
+    parser.add_argument(
+        "--clear-stale", action="store_true", help="only remove what killed Open MPI jobs left (clear_stale_sessions)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.clear_stale and not args.command:
+        clear_stale_sessions()
+        return 0
     if not args.command:
         parser.error("give a command to run, e.g. python -m ddlab.runtime.mpi -n 4 python script.py")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed launcher leaves no ranks behind

@@ -295,6 +295,8 @@ class SlurmEngines(SlurmEngineSetLauncher):
         lines += [f"#SBATCH {option}" for option in s.sbatch_options]
         command, env = launch_command(s, n, _engine_command(self))
         lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
+        if command[0] == mpi.mpiexec_path():  # on the job's first node, where mpiexec runs
+            lines.append(shlex.join([s.engine_python(), "-m", "ddlab.runtime.mpi", "--clear-stale"]))
         lines.append("exec " + shlex.join(command))
         return "\n".join(lines) + "\n"
 
@@ -363,6 +365,7 @@ class AllocationEngines(MPIEngineSetLauncher):
                 "notebook does not run in one ($SLURM_JOB_ID is not set). Use profile='slurm' to "
                 "submit the engines as a job, or profile='local'."
             )
+        mpi.clear_stale_sessions()  # mpiexec runs here, in the notebook's job
         return launch_command(self.settings, self.n, _engine_command(self), in_step=True)[0]
 
     def get_env(self) -> dict[str, str]:
