@@ -146,3 +146,10 @@ def test_slurm_messages_map_to_the_setting_to_change(message: str, words: str) -
 def test_the_command_line_rejects_zero_engines() -> None:
     with pytest.raises(SystemExit):
         cli.main(["doctor", "-n", "0"])
+
+
+def test_a_stale_session_is_named_with_the_way_out() -> None:
+    """What Open MPI prints when a killed mpiexec of the same pid left its session (tests/test_mpi_env.py makes it happen)."""
+    out = "The PMIx server's listener thread failed to start. We cannot\ncontinue.\n"
+    what, fix = doctor._classify_mpiexec_output(out, 2, "mpiexec")
+    assert "killed mpiexec" in what and "python -m ddlab.runtime.mpi --clear-stale" in fix

@@ -200,6 +200,12 @@ def _classify_mpiexec_output(out: str, n: int, exe: str) -> tuple[str, str] | No
             "ddlab sets OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 for its own launches; for "
             "mpiexec typed by hand export both (e.g. in a container's environment), or work as a normal user.",
         )
+    if "listener thread failed to start" in low:
+        return (
+            "Open MPI found the session a killed mpiexec with the same pid left in the temporary folder",
+            "ddlab clears such sessions before its own launches; before typing mpiexec, run "
+            "`python -m ddlab.runtime.mpi --clear-stale`.",
+        )
     if "not enough slots" in low:
         cores = os.cpu_count() or 1
         return (
@@ -244,6 +250,7 @@ def check_mpiexec_by_hand(n: int = 2, timeout: float = 120) -> Finding:
     exe = mpi.mpiexec_path()
     in_step = bool(os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"))
     timeout = min(timeout, 30) if in_step else timeout
+    mpi.clear_stale_sessions()  # as ddlab does before its own launches: what killed jobs left is no setup fault
     code, out = _run([exe, "-n", str(n), sys.executable, "-c", _HELLO], env=dict(os.environ), timeout=timeout)
     sizes = hello_sizes(out)
     if code == 0 and sizes == [n] * n:
