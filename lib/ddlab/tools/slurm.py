@@ -295,7 +295,7 @@ class SlurmEngines(SlurmEngineSetLauncher):
         lines += [f"#SBATCH {option}" for option in s.sbatch_options]
         command, env = launch_command(s, n, _engine_command(self))
         lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
-        if command[0] == mpi.mpiexec_path():  # on the job's first node, where mpiexec runs
+        if s.resolved_launcher() == "mpiexec":  # on the job's first node, where mpiexec runs
             lines.append(shlex.join([s.engine_python(), "-m", "ddlab.runtime.mpi", "--clear-stale"]))
         lines.append("exec " + shlex.join(command))
         return "\n".join(lines) + "\n"
