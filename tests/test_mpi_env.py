@@ -134,3 +134,13 @@ def test_a_session_left_by_a_killed_mpiexec_is_cleared_before_the_next_one_start
             break
     assert got == pid, "could not start mpiexec with a chosen pid"
     assert status == 0, out
+
+
+def test_ranks_skip_the_fabric_probe_unless_the_user_chose_transports(monkeypatch):
+    """Open MPI's libfabric transport probes for a fabric in every MPI_Init (about 1 s); ranks on one machine skip it."""
+    if mpi.implementation() != "openmpi":
+        pytest.skip("MPICH has no such transport to skip")
+    monkeypatch.delenv("OMPI_MCA_btl", raising=False)
+    assert mpi.rank_env(4)["OMPI_MCA_btl"] == "^ofi"
+    monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
+    assert mpi.rank_env(4)["OMPI_MCA_btl"] == "self,tcp"

@@ -78,6 +78,9 @@ def rank_env(n: int) -> dict[str, str]:
         # Open MPI's UCX one-sided component prints an error on every rank that opens an MPI.Win
         # on a machine without UCX devices (lab 11's slow link), then falls back; skip it.
         env["OMPI_MCA_osc"] = os.environ.get("OMPI_MCA_osc", "^ucx")
+        # Its libfabric transport spends about 1 s of every MPI_Init probing for a network fabric, on
+        # every rank; ranks on one machine talk through shared memory, so skip it.
+        env["OMPI_MCA_btl"] = os.environ.get("OMPI_MCA_btl", "^ofi")
     return {**env, **root_env()}
 
 
