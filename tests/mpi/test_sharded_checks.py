@@ -467,7 +467,7 @@ def test_sharded_optimizer_check_accepts(fn) -> None:
 )
 def test_sharded_optimizer_check_fails(fn, message) -> None:
     with pytest.raises(CheckFailed, match=message):
-        check_sharded_optimizer(fn)
+        check_sharded_optimizer(fn, timeout=3.0 if fn is WaitsForever else 10.0)
 
 
 def zero2_hooks_with(
@@ -546,7 +546,9 @@ def test_zero2_hooks_check_accepts(options) -> None:
 )
 def test_zero2_hooks_check_fails(options, message) -> None:
     with pytest.raises(CheckFailed, match=message):
-        check_zero2_hooks(functools.partial(zero2_hooks_with, **options))
+        check_zero2_hooks(
+            functools.partial(zero2_hooks_with, **options), timeout=3.0 if "waits_forever" in options else 10.0
+        )
 
 
 def zero3_hooks_in_a_closure(unit, gather, free, reduce):

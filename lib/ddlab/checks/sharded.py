@@ -180,6 +180,7 @@ def _optimizer_problem(
     optimizer_class: type[torch.optim.Optimizer],
     kwargs: dict[str, Any],
     dtype: torch.dtype,
+    timeout: float,
 ) -> str | None:
     rank, size = sub.Get_rank(), sub.Get_size()
     batches = _optimizer_batches(size, dtype)
@@ -211,7 +212,7 @@ def _optimizer_problem(
 
     context = f"ShardedOptimizer with {name} in {str(dtype).removeprefix('torch.')}"
     optimizer, traffic = run_counted(
-        sub, train, (), context, timeout=10.0, allow=("Allgather", "Allgatherv", "Reduce_scatter")
+        sub, train, (), context, timeout=timeout, allow=("Allgather", "Allgatherv", "Reduce_scatter")
     )
     numel = sum(p.numel() for p in params)
     shard = -(-numel // size)
@@ -258,7 +259,7 @@ def _optimizer_problem(
     return None
 
 
-def check_sharded_optimizer(fn: Callable[..., Any]) -> None:
+def check_sharded_optimizer(fn: Callable[..., Any], timeout: float = 10.0) -> None:
     """fn(params, optimizer_class, comm, **kwargs) -> an object with zero_grad() and step(): ZeRO-1.
 
     `params` are alike on every rank; each rank builds `optimizer_class` (kept as `.optimizer`) over its
@@ -267,14 +268,15 @@ def check_sharded_optimizer(fn: Callable[..., Any]) -> None:
     float32, on comm's size first then 1, 2, ...: equal to one process on the global batch (float64
     1e-10), the gradients left alone, the inner optimizer over at most ceil(N/P) items in the
     parameters' dtype, messages on the communicator given (MPI's Reduce_scatter and
-    Allgather(v) allowed, within one ring reduce-scatter and allgather per step), done within 10 s.
+    Allgather(v) allowed, within one ring reduce-scatter and allgather per step), each run done within
+    `timeout` seconds.
     """
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
         for name, optimizer_class, kwargs in OPTIMIZERS:
             for dtype in (torch.float64, torch.float32):
-                problem = _optimizer_problem(fn, sub, name, optimizer_class, kwargs, dtype)
+                problem = _optimizer_problem(fn, sub, name, optimizer_class, kwargs, dtype, timeout)
                 fail_together(
                     sub, problem and f"{name}, {str(dtype).removeprefix('torch.')}: {problem}", "ShardedOptimizer"
                 )
@@ -299,7 +301,7 @@ def _zero2_model(dtype: torch.dtype) -> nn.Sequential:
     return model
 
 
-def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype) -> str | None:
+def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, timeout: float) -> str | None:
     rank, size = sub.Get_rank(), sub.Get_size()
     generator = torch.Generator().manual_seed(1000 * size + rank)
     batches = [
@@ -340,7 +342,12 @@ def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype) ->
             (model(x) - y).square().mean().backward()
 
     _, traffic = run_counted(
-        sub, train, (), f"zero2_hooks in {str(dtype).removeprefix('torch.')}", timeout=10.0, allow=("Reduce_scatter",)
+        sub,
+        train,
+        (),
+        f"zero2_hooks in {str(dtype).removeprefix('torch.')}",
+        timeout=timeout,
+        allow=("Reduce_scatter",),
     )
     if problems:
         return problems[0]
@@ -390,20 +397,20 @@ def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype) ->
     return None
 
 
-def check_zero2_hooks(fn: Callable[..., Any]) -> None:
+def check_zero2_hooks(fn: Callable[..., Any], timeout: float = 10.0) -> None:
     """fn(unit, comm, keep) installs post-accumulate-grad hooks on `unit` (an nn.Module): when the last of the
     unit's gradients of a backward has arrived, its flat zero-padded gradient is reduce-scattered over
     `comm` (P equal shards), keep(mean shard) is called with a new tensor in the gradients' dtype, and
     every parameter's .grad is set to None before the next unit's backward.
 
     Three Linear units, two backward passes, float64 and float32, on comm's size then 1, 2, ...;
-    MPI's Reduce_scatter or point-to-point on the comm given; within 10 s.
+    MPI's Reduce_scatter or point-to-point on the comm given; each run within `timeout` seconds.
     """
     comm = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
         for dtype in (torch.float64, torch.float32):
-            problem = _zero2_problem(fn, sub, dtype)
+            problem = _zero2_problem(fn, sub, dtype, timeout)
             fail_together(sub, problem and f"{str(dtype).removeprefix('torch.')}: {problem}", "zero2_hooks")
         return None
 

@@ -58,13 +58,14 @@ def _bytes_problem(traffic: list[Traffic], group_size: int, nbytes: int) -> str 
     return None
 
 
-def check_hybrid_reduce_scatter(fn: Callable[[Any, np.ndarray, int], np.ndarray]) -> None:
+def check_hybrid_reduce_scatter(fn: Callable[[Any, np.ndarray, int], np.ndarray], timeout: float = 20.0) -> None:
     """fn(comm, x, group_size) -> new array: shard (rank % G) of the sum over all ranks of x.
 
     Ranks form groups of G = group_size consecutive ranks; x (float64 or float32, the same
     length on every rank) is G equal shards. Point-to-point messages, MPI's Reduce_scatter and
     Allgatherv (counted) and Split (each communicator freed); no more bytes between groups than the shard's allreduce
-    across them, no more inside a group than one reduce-scatter. x is left alone.
+    across them, no more inside a group than one reduce-scatter. x is left alone. Each call is done
+    within `timeout` seconds.
     """
     comm = MPI.COMM_WORLD
 
@@ -78,7 +79,7 @@ def check_hybrid_reduce_scatter(fn: Callable[[Any, np.ndarray, int], np.ndarray]
                     context = f"hybrid_reduce_scatter (groups of {g}, {g} shards of {shard}, {np.dtype(dtype).name})"
                     x = np.random.default_rng([n, sub.Get_rank(), g]).standard_normal(n).astype(dtype)
                     kept = x.copy()
-                    got, traffic = run_counted(sub, fn, (x, g), context, allow=ALLOWED)
+                    got, traffic = run_counted(sub, fn, (x, g), context, timeout=timeout, allow=ALLOWED)
                     want = _reference(sub, kept, g)
                     rtol = 1e-5 if dtype == np.float32 else 1e-10
                     problem = array_problem(got, want, "the summed shard", rtol=rtol, atol=rtol)
