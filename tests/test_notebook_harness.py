@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,9 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_notebook(tmp_path: Path, folder: str, cells: list[tuple[str, list[str]]], *args: str) -> str:
+def run_notebook(
+    tmp_path: Path, folder: str, cells: list[tuple[str, list[str]]], *args: str, env: dict[str, str] | None = None
+) -> str:
     """Run one generated notebook under nbval with the project's conftest; return the report."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -31,6 +34,7 @@ def run_notebook(tmp_path: Path, folder: str, cells: list[tuple[str, list[str]]]
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     return done.stdout + done.stderr
 
@@ -62,3 +66,16 @@ def test_a_cell_timeout_fails_the_run(tmp_path):
         tmp_path, "solutions", [("import time\ntime.sleep(60)", []), ("y = 2", [])], "--nbval-cell-timeout=3"
     )
     assert "2 failed in" in report and "Timeout" in report, report
+
+
+def test_a_run_removes_the_private_ipython_directory_it_made(tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k != "DDLAB_TEST_IPYTHONDIR"}, "TMPDIR": str(scratch)}
+    seen = tmp_path / "ipythondir.txt"
+    cell = f"import os\nopen({str(seen)!r}, 'w').write(os.environ['IPYTHONDIR'])"
+    report = run_notebook(tmp_path, "solutions", [(cell, [])], env=env)
+    assert "1 passed" in report, report
+    used = Path(seen.read_text())
+    assert used.parent == scratch and used.name.startswith("ddlab-ipython-"), used
+    assert not used.exists(), f"the run left its IPython directory {used}"
