@@ -67,7 +67,7 @@ def root_env() -> dict[str, str]:
 
 
 def rank_env(n: int) -> dict[str, str]:
-    """Variables for n ranks on this machine: root permission, threads per rank, and Open MPI quiet.
+    """Variables for n ranks on this machine: root permission, threads per rank, Open MPI quiet and quick to start.
 
     Math libraries (OpenMP, torch) default to one thread per core in every rank, so
     4 ranks on 2 cores would run 8 threads fighting for 2 cores; give each rank its share.
