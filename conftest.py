@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -23,22 +24,16 @@ import psutil
 import pytest
 
 STUB_ERROR = "NotImplementedError"
-_MADE_IPYTHONDIR = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if "DDLAB_TEST_IPYTHONDIR" not in os.environ:  # the outermost run makes it; ranks under mpiexec inherit it
-        os.environ["DDLAB_TEST_IPYTHONDIR"] = tempfile.mkdtemp(prefix="ddlab-ipython-")
-        config.stash[_MADE_IPYTHONDIR] = os.environ["DDLAB_TEST_IPYTHONDIR"]
+        made = tempfile.mkdtemp(prefix="ddlab-ipython-")
+        os.environ["DDLAB_TEST_IPYTHONDIR"] = made
+        # Removed at exit, after an IPython shell a test made in this process has saved its history there
+        # (exit functions run last registered first, and the shell registers its own later than this).
+        atexit.register(shutil.rmtree, made, ignore_errors=True)
     os.environ["IPYTHONDIR"] = os.environ["DDLAB_TEST_IPYTHONDIR"]
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """The run that made the private IPython directory removes it (its processes are gone by now)."""
-    made = config.stash.get(_MADE_IPYTHONDIR, None)
-    if made is not None:
-        shutil.rmtree(made, ignore_errors=True)
-        del os.environ["DDLAB_TEST_IPYTHONDIR"]
     os.environ.setdefault("MPLBACKEND", "Agg")
     os.environ.setdefault("DDLAB_PROGRESS", "0")  # no progress bars in executed notebooks
 
