@@ -5,9 +5,10 @@ tests run again in one on 3 (a rank count that is not a power of two: padded sha
 splits, folds): one job pays the start-up of MPI, pytest and torch once instead of once per
 file. The checks' wrong-answer tests (test_*_checks.py) run on the labs' 4 ranks only, but
 for the allreduce checks, whose answers must fold a rank count that is not a power of two.
-Every rank runs the same tests. A test that hangs is stopped by its own timeout, and the job is killed if it outlives its own, so a deadlock
-fails the run instead of hanging it. To run one file: `python -m ddlab.runtime.mpi -n 4 python -m
-pytest tests/mpi/test_<topic>.py --mpi-suite`.
+Every rank runs the same tests. A test that hangs is stopped by its own timeout, and the job
+is killed if it outlives its own, so a deadlock fails the run instead of hanging it. To run
+one file: `python -m ddlab.runtime.mpi -n 4 python -m pytest tests/mpi/test_<topic>.py
+--mpi-suite`.
 """
 
 from __future__ import annotations
