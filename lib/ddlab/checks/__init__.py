@@ -11,8 +11,12 @@ for torch, which the data-parallel checks import).
 
 from __future__ import annotations
 
+import functools
 import importlib
-from typing import Any
+from typing import Any, Callable
+
+from ..runtime.reference import ReferenceCalled, answering, refusal
+from .errors import CheckFailed
 
 # name -> the module of this package that defines it
 _WHERE = {
@@ -99,7 +103,27 @@ __all__ = list(_WHERE)
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"ddlab.checks has no {name!r}; the checks are: {', '.join(sorted(_WHERE))}")
-    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    found = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    return found if not name.startswith("check_") else _refusing_the_reference(found, name.removeprefix("check_"))
+
+
+def _refusing_the_reference(check: Callable[..., None], exercise: str) -> Callable[..., None]:
+    """`check`, run so that the student's code cannot run the library's own answer to `exercise`.
+
+    The one place the course refuses it (see ddlab.runtime.reference): a reference marked for the
+    exercise raises inside the answer, and the check fails with its name even if the answer caught it."""
+
+    @functools.wraps(check)
+    def checked(*args: Any, **kwargs: Any) -> None:
+        with answering(exercise) as called:
+            try:
+                check(*args, **kwargs)
+            except ReferenceCalled as err:
+                raise CheckFailed(str(err)) from None
+        if called:
+            raise CheckFailed(refusal(called[0]))
+
+    return checked
 
 
 def __dir__() -> list[str]:

@@ -2,49 +2,84 @@
 
 Every function (or class) of ddlab that implements an exercise's mechanism is decorated with
 `@reference("exercise")`, where "exercise" is its check's name without `check_` (for example
-`@reference("allreduce_ring")` on `ddlab.allreduce.allreduce_ring`). A check runs the student's
-answer inside `answering("exercise")`; while it does, a call to a reference marked for that
-exercise raises `ReferenceCalled`, and is remembered, so an answer that catches the error fails
-all the same when the answer returns. A reference marked for another exercise (a building block
-the lab allows, such as lab 03's allreduce inside lab 04's averaging) runs as usual.
+`@reference("allreduce_ring")` on `ddlab.allreduce.allreduce_ring`). Every check runs inside
+`answering("exercise")` (`ddlab.checks` wraps them all). While it does, a reference marked for
+that exercise refuses to run (raises `ReferenceCalled`) when the student's code is what reached
+it: directly, through an alias or subclass, or through any helper of the library. The check's own
+calls of the reference (to compute what to expect) run as usual, and so does a reference marked
+for another exercise (a building block the lab allows, such as lab 03's allreduce in lab 04).
 
-The mark costs one set lookup per call; nothing is refused outside a check.
+Who reached it is read off the call stack: going outward from the reference, the first frame that
+belongs neither to the library (ddlab outside `ddlab.checks`, the standard library, installed
+packages) nor to a check is the student's code. A refusal is remembered, so an answer that
+catches the error fails all the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import sysconfig
 import threading
+from pathlib import Path
+from types import FrameType
 from typing import Any, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
-#: How the refusal ends: what to do instead (the lab's text lists the building blocks it allows).
+#: How a refusal ends: what to do instead (the lab's text lists the building blocks it allows).
 WRITE_IT = "write this exercise's mechanism yourself; the text before the exercise lists what you may call"
 
+_DDLAB = str(Path(__file__).resolve().parents[1])
+_CHECKS = str(Path(_DDLAB) / "checks")
+_LIBRARIES = tuple(
+    {str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_path(key))}
+)
+
 _lock = threading.Lock()
-#: exercise being answered now -> the references of it that the answer called (qualified names)
+#: exercise being checked now -> the references of it that the student's code called (qualified names)
 _answering: dict[str, list[str]] = {}
 
 
 class ReferenceCalled(RuntimeError):
-    """An answer ran the library's own implementation of the exercise it answers."""
+    """A student's answer ran the library's own implementation of the exercise it answers."""
+
+
+def refusal(name: str) -> str:
+    """The message of a refusal of the reference `name`."""
+    return f"your answer called {name}, the library's own answer to this exercise: {WRITE_IT}"
+
+
+def _reached_by_student(frame: FrameType | None) -> bool:
+    """Whether, going outward from `frame`, student code comes before a check (see the module's doc)."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_CHECKS):
+            return False
+        if not (path.startswith(_DDLAB) or path.startswith(_LIBRARIES) or path.startswith("<frozen")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _refuse(name: str, exercises: tuple[str, ...]) -> None:
+    if not _answering:  # the common case: no check running
+        return
     with _lock:
         hit = [e for e in exercises if e in _answering]
-        for exercise in hit:
-            _answering[exercise].append(name)
-    if hit:
-        raise ReferenceCalled(f"your answer called {name}, the library's own answer to this exercise: {WRITE_IT}")
+    if hit and _reached_by_student(sys._getframe(2)):
+        with _lock:
+            for exercise in hit:
+                _answering[exercise].append(name)
+        raise ReferenceCalled(refusal(name))
 
 
 def reference(*exercises: str) -> Callable[[T], T]:
     """Mark a function or class as the library's answer to `exercises` (check names without `check_`).
 
-    A class is marked by its constructor: building one is running the reference."""
+    A class is marked by its constructor: building one is running the reference. (A class whose
+    instances are never built, such as a torch.autograd.Function, marks its methods instead.)"""
     if not exercises:
         raise ValueError("reference() needs the exercise(s) it answers, e.g. @reference('allreduce_ring')")
 
@@ -80,18 +115,17 @@ def references_of(obj: Any) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def answering(exercise: str) -> Iterator[None]:
-    """Run a student's answer to `exercise`: a reference marked for it refuses to run, and if one was
-    called (even if the answer caught the refusal), ReferenceCalled is raised when the block ends."""
+def answering(exercise: str) -> Iterator[list[str]]:
+    """Check an answer to `exercise`: inside, a reference marked for it refuses the student's code.
+
+    Yields the list of references the student's code called (filled as it runs), for the check
+    to fail on even when the answer caught the refusal."""
     with _lock:
         outer = exercise in _answering
-        _answering.setdefault(exercise, [])
+        called = _answering.setdefault(exercise, [])
     try:
-        yield
+        yield called
     finally:
-        with _lock:
-            called = _answering.get(exercise, []) if not outer else []
-            if not outer:
+        if not outer:
+            with _lock:
                 _answering.pop(exercise, None)
-    if called:
-        raise ReferenceCalled(f"your answer called {called[0]}, the library's own answer to this exercise: {WRITE_IT}")
