@@ -63,6 +63,37 @@ def _is_lab_notebook(item: pytest.Item) -> bool:
     return Path(str(item.path)).parent.name == "labs"
 
 
+#: Set to "all" to run every cell of the lab notebooks, not only those ddlab.tools.cellflow picks.
+LAB_CELLS = "DDLAB_LAB_CELLS"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In labs/, run only the cells that can differ from the solution's run (ddlab.tools.cellflow):
+    the exercises, the checks, what they read, and every cell that may read an exercise's result."""
+    if os.environ.get(LAB_CELLS) == "all":
+        return
+    import nbformat
+    from ddlab.tools.cellflow import cells_the_lab_runs
+
+    ordinals: dict[Path, set[int]] = {}
+    kept, dropped = [], []
+    for item in items:
+        cell_num = getattr(item, "cell_num", None)
+        path = Path(str(item.path))
+        if cell_num is None or not _is_lab_notebook(item):
+            kept.append(item)
+            continue
+        if path not in ordinals:
+            solution = nbformat.read(path.parent.parent / "solutions" / path.name, as_version=4)
+            code = [i for i, cell in enumerate(solution.cells) if cell.cell_type == "code"]
+            runs = cells_the_lab_runs(solution)
+            ordinals[path] = {k for k, i in enumerate(code) if i in runs}
+        (kept if cell_num in ordinals[path] else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def _cell_error(item: pytest.Item) -> str:
     outputs = getattr(item, "test_outputs", None) or []
     errors = [o for o in outputs if o.get("output_type") == "error"]
