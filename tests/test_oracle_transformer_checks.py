@@ -77,14 +77,19 @@ def attention_not_split(psi, s, b, h, a, layers, t, d, zero, recompute, sp=False
 # ---- Exercise 16.5: step_time
 
 
-def valid_time(gpt, layout, platform):
-    """From the lab's statement: closed-form FLOPs, the collectives counted per micro-batch and layer."""
+def gpt3_flops(gpt, layout):
+    """Narayanan et al.'s closed form: right for GPT-3's block only (heads = key/value heads, a 4h MLP)."""
     B, s, h, v, L = layout.batch, gpt.seq, gpt.hidden, gpt.vocab, gpt.layers
     if layout.recompute == "full":
-        flops = 96 * B * s * L * h**2 * (1 + s / (6 * h) + v / (16 * L * h))
-    else:
-        flops = 72 * B * s * L * h**2 * (1 + s / (6 * h) + v / (12 * L * h))
-        flops += 4 * B * s**2 * h * L * (layout.recompute == "selective")
+        return 96 * B * s * L * h**2 * (1 + s / (6 * h) + v / (16 * L * h))
+    flops = 72 * B * s * L * h**2 * (1 + s / (6 * h) + v / (12 * L * h))
+    return flops + 4 * B * s**2 * h * L * (layout.recompute == "selective")
+
+
+def valid_time(gpt, layout, platform, flops_of=lambda gpt, lay: iteration_flops(gpt, lay.batch, lay.recompute)):
+    """From the lab's statement: iteration_flops, the collectives counted per micro-batch and layer."""
+    B, s, h, L = layout.batch, gpt.seq, gpt.hidden, gpt.layers
+    flops = flops_of(gpt, layout)
     d, t, p, c = layout.data, layout.tensor, layout.pipeline, layout.context
     m = B // (d * layout.micro_batch)
     compute = (
@@ -109,6 +114,19 @@ def valid_time(gpt, layout, platform):
         "bubble": compute * (p - 1) / m,
         "compute": compute,
     }
+
+
+def assumes_gpt3s_block(gpt, layout, platform):  # 24 s h^2 + 4 s^2 h per layer: wrong for GQA and SwiGLU
+    return valid_time(gpt, layout, platform, gpt3_flops)
+
+
+def assumes_gpt3s_parameters(gpt, layout, platform):  # 12 h^2 + 13 h per layer: wrong for GQA and SwiGLU
+    out = step_time(gpt, layout, platform)
+    h, d, c, t = gpt.hidden, layout.data, layout.context, layout.tensor
+    grads = 2 * (gpt.layers // layout.pipeline * (12 * h * h + 13 * h) + gpt.vocab * h + gpt.seq * h) / t
+    if layout.zero != 3:
+        out["data"] = platform.comm("allreduce", grads, d * c, t)
+    return out
 
 
 def bubble_over_m_plus_p(gpt, layout, platform):
@@ -249,6 +267,8 @@ def listed_twice(*args):
         (check_memory_per_rank, attention_not_split, "activations"),
         (check_memory_per_rank, lambda *a: [1, 2], "dict"),
         (check_memory_per_rank, lambda *a: {"parameters": 1}, "keys"),
+        (check_step_time, assumes_gpt3s_block, "small GQA \\+ SwiGLU.*compute"),
+        (check_step_time, assumes_gpt3s_parameters, "small GQA \\+ SwiGLU.*data"),
         (check_step_time, bubble_over_m_plus_p, "bubble"),
         (check_step_time, tensor_forgets_recompute, "tensor"),
         (check_step_time, pipeline_sends_whole_activation, "pipeline"),
