@@ -58,6 +58,19 @@ Memory of the busiest rank (the first or the last stage):
   first stage holds min(p, m) micro-batches of its l/p layers; the last stage also keeps
   the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes.
 
+The models of 2024-26 (`GPT`'s options, GPT-3's block by default): grouped- and multi-query attention,
+gated MLPs of any width, RMSNorm, rotary positions, untied embeddings, mixtures of experts; their
+parameters, FLOPs (`GPT.layer_flops`) and activation bytes per layer (`layer_activations`) derived term by
+term and equal, within 1%, to what torch counts on a small model of each shape
+(tests/test_oracle_transformer_models.py). Under context parallelism a rank keeps no (s/c) x (s/c) softmax
+block: ring attention (lab 15) keeps its output and a float32 log-sum-exp per row and head, as the "flash"
+kernel does (`Layout.kernel`). Recipes (`Layout.precision`, a name of `RECIPES` or a `Precision`): bytes of
+weights, gradients, Adam's state, activations, all-gathered parameters and reduced gradients, and the
+format the linear layers compute in (`Platform.rate`: float8 at its own rate, the attention's scores and the
+output layer in 16 bits). `layout_time` adds to `step_time` what the exercise leaves out: expert
+parallelism (`Layout.expert`, carved from the d c ranks of the same weights) with its all-to-alls, and
+the data collectives overlapped with the compute (`Layout.overlap`: ZeRO-3/FSDP gathers layer by layer).
+
 Signatures (lab 16's exercises):
 - Exercise 16.4 `memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute,
   sequence_parallel=False) -> dict` with keys "parameters", "gradients", "optimizer",
