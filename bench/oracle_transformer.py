@@ -74,8 +74,9 @@ def main() -> None:
             f"{'':11} with the paper's options (full recomputation, no ZeRO, no SP, b = 1): {same.layout.label}, "
             f"{same.model_flops_per_device() / 1e12:.1f} TFLOP/s; {explain(same, published)}"
         )
-        rank = [p.layout for p in plan.ranked].index(run.layout) + 1
-        print(f"{'':11} the published layout ranks {rank} of {len(plan.ranked)}; rejected: {plan.reasons()}")
+        layouts = [p.layout for p in plan.ranked]
+        rank = f"ranks {layouts.index(run.layout) + 1} of" if run.layout in layouts else "is not among"
+        print(f"{'':11} the published layout {rank} {len(plan.ranked)} (plain 1F1B); rejected: {plan.reasons()}")
 
 
 def modern(efficiency: float | None) -> None:
