@@ -90,6 +90,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..pipeline.interleaved import warmup_forwards
+from ..runtime.reference import reference
 from ..tensor_parallel.formulas import activation_bytes_per_layer
 from .platform import Platform
 
@@ -458,6 +459,7 @@ def stage_parameters(gpt: GPT, layout: Layout) -> float:
     return sum(stage_split(gpt, layout))
 
 
+@reference("memory_per_rank")
 def memory_per_rank(
     psi: float,
     s: int,
@@ -577,6 +579,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     return max(first, last, key=lambda m: sum(m.values()))
 
 
+@reference("step_time")
 def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     """Seconds of one iteration by part (Exercise 16.5): compute, bubble, tensor, context, pipeline, data."""
     lay = layout

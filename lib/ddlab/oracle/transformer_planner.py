@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from ..runtime.reference import reference
 from .planner import divisors
 from .platform import Platform
 from .transformer import GPT, RECOMPUTE, Layout, Precision, TransformerPrediction, predict, problem
@@ -44,6 +45,7 @@ def meshes(devices: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
+@reference("layout_search")
 def search(
     gpt: GPT, devices: int, template: Layout, platform: Platform, budget: float | None = None
 ) -> tuple[list[TransformerPrediction], list[tuple[Layout, str]]]:
