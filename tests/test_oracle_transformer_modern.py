@@ -149,3 +149,17 @@ def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256_in_under_10
         assert all(pred.time >= best.time for pred in plan.ranked)
         assert (best.layout.expert > 1) == (gpt.experts > 0)  # the MoE's answer uses expert parallelism
         assert any("memory" in why for _, why in plan.rejected)
+
+
+def test_routed_experts_are_not_cut_by_the_tensor_ranks_unless_said():
+    """Megatron-Bridge#3744: an estimator that divided the routed experts by the tensor-parallel size under-reported
+    a MoE's memory. Here they are whole on their rank (expert_tensor = 1) unless cut by t (expert_tensor = t)."""
+    lay = Layout(data=4, tensor=2, batch=8, expert=4, sequence_parallel=True)
+    whole, cut = stage_split(MOE, lay)[1], stage_split(MOE, lay.with_(expert_tensor=2))[1]
+    assert whole == pytest.approx(MOE.moe_layers * 8 * MOE.mlp_parameters(1536) / 4) and cut == pytest.approx(whole / 2)
+    assert rank_memory(MOE, lay)["parameters"] > rank_memory(MOE, lay.with_(expert_tensor=2))["parameters"]
+    assert "expert_tensor 3" in problem(MOE, lay.with_(expert_tensor=3))
+    assert problem(MOE, lay.with_(expert=8)) is None  # 8 experts over the 8 data x tensor ranks
+    assert "expert 8 does not divide" in problem(MOE, lay.with_(expert=8, expert_tensor=2))
+    no_sp = [layer_activations(MOE, 1024, 1, 2, False, 2, "none", True, "local", etp) for etp in (1, 2)]
+    assert no_sp[0] > no_sp[1]  # without sequence parallelism whole experts keep their whole activations

@@ -315,7 +315,10 @@ class Layout:
     precision: str | Precision = "mixed"  # a name of RECIPES, or a Precision
     sequence_parallel: bool = False
     interleave: int = 1  # v: model chunks per pipeline rank (the interleaved 1F1B schedule; 1: plain 1F1B)
-    expert: int = 1  # expert parallelism: the experts split over this many of the d c ranks of the same weights
+    expert: int = 1  # expert parallelism: the routed experts split over this many ranks of the same dense weights
+    # tensor parallelism inside a routed expert: 1, each expert whole on its rank (its weights not cut by t; a
+    # memory estimate that divides them by t as well under-reports a MoE, NVIDIA-NeMo/Megatron-Bridge#3744), or t
+    expert_tensor: int = 1
     kernel: str = "local"  # attention: "local" keeps its s x s softmax, "flash" only a log-sum-exp per row
     overlap: bool = False  # the data collectives run under the compute (ZeRO-3/FSDP: layer by layer)
 
@@ -336,6 +339,7 @@ class Layout:
         extras += [f"v{self.interleave}"] if self.interleave > 1 else []
         extras += [] if self.precision == "mixed" else [str(self.precision)]
         extras += [f"ep{self.expert}"] if self.expert > 1 else []
+        extras += [f"etp{self.expert_tensor}"] if self.expert_tensor > 1 else []
         extras += [] if self.kernel == "local" else [self.kernel]
         extras += ["overlap"] if self.overlap else []
         return f"d{self.data} t{self.tensor} p{self.pipeline} c{self.context} b{self.micro_batch}" + (
@@ -415,10 +419,13 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
             f"pipeline {lay.pipeline} does not divide the {lay.micro_batches} micro-batches, "
             "which the interleaved schedule takes in groups of p"
         )
-    if lay.expert > 1 and (gpt.experts % lay.expert or (lay.data * lay.context) % lay.expert):
+    if lay.expert_tensor not in (1, lay.tensor):
+        return f"expert_tensor {lay.expert_tensor}: an expert is cut by the tensor ranks ({lay.tensor}) or not (1)"
+    holders = lay.data * lay.context * lay.tensor // lay.expert_tensor  # ranks that could hold an expert whole
+    if lay.expert > 1 and (gpt.experts % lay.expert or holders % lay.expert):
         return (
-            f"expert {lay.expert} does not divide the {gpt.experts} experts and the {lay.data * lay.context} "
-            "data x context ranks it is carved from"
+            f"expert {lay.expert} does not divide the {gpt.experts} experts and the {holders} ranks "
+            "(data x context x tensor / expert_tensor) it is carved from"
         )
     return None
 
@@ -439,7 +446,7 @@ def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str) -> float:
 
 def stage_split(gpt: GPT, layout: Layout) -> tuple[float, float]:
     """(dense, expert) parameters a rank of the busiest stage holds: its l/p layers (the MoE layers' share of them
-    at their average) and the embeddings, / t; the routed experts also / the expert ranks."""
+    at their average) and the embeddings, / t; the routed experts / (expert ranks x expert_tensor) instead."""
     h, layers = gpt.hidden, gpt.layers // layout.pipeline
     share = gpt.moe_layers / gpt.layers
     routed = gpt.experts * gpt.mlp_parameters(gpt.expert_ffn_)
@@ -450,7 +457,7 @@ def stage_split(gpt: GPT, layout: Layout) -> tuple[float, float]:
     if layout.pipeline == 1 and not gpt.tied:
         embedding += gpt.vocab * h
     dense = (layers * per_layer + embedding) / layout.tensor
-    return dense, layers * share * routed / (layout.tensor * layout.expert)
+    return dense, layers * share * routed / (layout.expert_tensor * layout.expert)
 
 
 def stage_parameters(gpt: GPT, layout: Layout) -> float:
@@ -496,7 +503,16 @@ def memory_per_rank(
 
 
 def layer_activations(
-    gpt: GPT, s: int, b: int, t: int, sequence_parallel: bool, e: float, recompute: str, moe: bool, kernel: str
+    gpt: GPT,
+    s: int,
+    b: int,
+    t: int,
+    sequence_parallel: bool,
+    e: float,
+    recompute: str,
+    moe: bool,
+    kernel: str,
+    expert_tensor: int | None = None,
 ) -> float:
     """Bytes one block keeps for backward per micro-batch on a rank, Korthikanti et al.'s terms (section 4) for
     any block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms'
@@ -508,15 +524,19 @@ def layer_activations(
     selective recomputation). A MoE layer keeps, whole, its router's float32 probabilities and top-k choices
     (4E + 8k bytes per token) and per expert slot the token sent and the expert's output (2h elements) and the
     routing's bookkeeping (the token's and its gate's int64 indices, the float32 gate: 20 bytes), and split
-    each slot's and shared expert's MLP. Norm statistics (a few floats per token) are not counted, as Korthikanti et al. do not.
+    each slot's and shared expert's MLP (the routed experts' over `expert_tensor` ranks, t if None, without
+    sequence parallelism; with it every rank routes its own s/t tokens). Norm statistics (a few floats per token) are not counted, as Korthikanti et al. do not.
     With GPT-3's defaults: sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`)."""
     h, a, kv = gpt.hidden, gpt.heads, gpt.kv_width
     acts = 4 if gpt.gated else 2
     whole = 4 * e * h + (2 * h if gpt.dropout else 0)
     split = e * (2 * h + 2 * kv)
+    routed = 0.0  # the routed experts' MLP activations, on this rank
     if moe:
         whole += 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * (2 * e * h + 20)
-        split += (gpt.slots + gpt.shared_experts) * acts * e * gpt.expert_ffn_
+        split += gpt.shared_experts * acts * e * gpt.expert_ffn_
+        cut = t if sequence_parallel or expert_tensor is None else expert_tensor
+        routed = s * b * gpt.slots * acts * e * gpt.expert_ffn_ / cut
     else:
         split += acts * e * gpt.ffn_
     if recompute == "selective":
@@ -526,8 +546,8 @@ def layer_activations(
     else:
         scores = ((2 * e + 1) if gpt.dropout else e) * a * s
     if sequence_parallel:
-        return s * b * (whole + split + scores) / t
-    return s * b * (whole + (split + scores) / t)
+        return s * b * (whole + split + scores) / t + routed
+    return s * b * (whole + (split + scores) / t) + routed
 
 
 def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
@@ -535,8 +555,8 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (the logits).
 
     The state is split as ZeRO splits it over the d c ranks of the same weights (the routed experts over
-    d c / expert of them); activations as `layer_activations` counts them, the MoE layers at their share of a
-    stage's layers. Under context parallelism the rank's s/c rows keep no (s/c) x (s/c) softmax block: ring
+    the d c t / (expert x expert_tensor) ranks that hold the same experts); activations as `layer_activations`
+    counts them, the MoE layers at their share of a stage's layers. Under context parallelism the rank's s/c rows keep no (s/c) x (s/c) softmax block: ring
     attention (lab 15) keeps its output and a log-sum-exp per row and head, as the "flash" kernel does."""
     lay = layout
     prec = recipe(lay.precision)
@@ -546,7 +566,8 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     dense, expert = stage_split(gpt, lay)
     replicas = lay.data * lay.context
     shard = {0: (1, 1, 1), 1: (1, 1, replicas), 2: (1, replicas, replicas), 3: (replicas,) * 3}[lay.zero]
-    expert_shard = [n if n == 1 else n // lay.expert for n in shard]
+    expert_holders = replicas * lay.tensor // (lay.expert * lay.expert_tensor)
+    expert_shard = [n if n == 1 else expert_holders for n in shard]
     state = {
         part: size * (dense / shard[i] + expert / expert_shard[i])
         for i, (part, size) in enumerate(
@@ -558,7 +579,16 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
 
     def layer(moe: bool, recompute: str) -> float:
         return layer_activations(
-            gpt, s_local, lay.micro_batch, lay.tensor, lay.sequence_parallel, e, recompute, moe, kernel
+            gpt,
+            s_local,
+            lay.micro_batch,
+            lay.tensor,
+            lay.sequence_parallel,
+            e,
+            recompute,
+            moe,
+            kernel,
+            lay.expert_tensor,
         )
 
     share = gpt.moe_layers / gpt.layers
@@ -637,9 +667,10 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
 
     - expert: per MoE layer of a stage and micro-batch, the tokens' trip to their experts and back forward
       (lab 15's dispatch and combine), and again backward (twice more when full recomputation reruns the
-      forward): all-to-alls over the expert ranks (d c ranks apart... stride t c) of the rank's tokens
+      forward): all-to-alls over the expert ranks (expert_tensor apart) of the rank's tokens
       (b s/c, / t with sequence parallelism) times their slots, h elements each;
-    - data with expert ranks: the dense gradients over the d c ranks, the routed experts' over d c / expert;
+    - data with expert ranks: the dense gradients over the d c ranks, the routed experts' over the
+      d c t / (expert x expert_tensor) ranks that hold the same experts;
     - data with `overlap`: ZeRO-3 (FSDP) gathers layer i + 1's parameters while layer i computes and
       reduce-scatters layer i's gradients under layer i - 1's backward: per micro-batch the first layer's
       gather and the last reduce-scatter are exposed, and each layer only what its collectives take beyond
@@ -654,12 +685,15 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
     tokens = lay.micro_batch * (gpt.seq // lay.context) / (lay.tensor if lay.sequence_parallel else 1)
     trips = 4 + (2 if lay.recompute == "full" else 0)
     send = tokens * gpt.slots * gpt.hidden * prec.activations
-    parts["expert"] = m * moe_layers * trips * platform.comm("alltoall", send, lay.expert, lay.tensor)
+    parts["expert"] = m * moe_layers * trips * platform.comm("alltoall", send, lay.expert, lay.expert_tensor)
     replicas, stride = lay.data * lay.context, lay.tensor
     dense, expert = stage_split(gpt, lay)
     if lay.expert > 1 and lay.zero != 3:
         parts["data"] = platform.comm("allreduce", dense * prec.reduce, replicas, stride) + platform.comm(
-            "allreduce", expert * prec.reduce, replicas // lay.expert, stride * lay.expert
+            "allreduce",
+            expert * prec.reduce,
+            replicas * lay.tensor // (lay.expert * lay.expert_tensor),
+            lay.expert * lay.expert_tensor,
         )
     if lay.overlap:
         forward = parts["compute"] / (3 + (1 if lay.recompute == "full" else 0)) / (m * stage_layers)
