@@ -8,9 +8,12 @@ planner's fastest layout under the 80 GB budget (every mesh d x t x p x c, ZeRO 
 micro-batches 1-8, the three recomputations, sequence parallelism or not), its predicted
 throughput (counted as Narayanan et al. count it, with the recomputation's FLOPs, so the two
 compare) and why it is faster, and the fastest mesh with the paper's own options; then the mean accuracy, and how much the table moves with the
-one assumed figure (the message latency alpha) set to 0. One process; no MPI.
+one assumed figure (the message latency alpha) set to 0. Then the runs of 2024-26 (`ddlab.oracle.published.MODERN`:
+Llama 3 models on H100 and B200 nodes, each row's source cited) predicted on the platforms of their datasheets at
+the default efficiency, never fitted to them: published and predicted tokens per second per GPU, and memory where
+published, with the accuracies and their mean. One process; no MPI.
 
-    .venv/bin/python bench/oracle_transformer.py [--rows 10] [--no-plan]
+    .venv/bin/python bench/oracle_transformer.py [--rows 10] [--no-plan] [--efficiency 0.43]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10, help="how many rows of Table 1 (from the smallest)")
     parser.add_argument("--no-plan", action="store_true", help="skip the planner (about 20 s a row)")
+    parser.add_argument("--efficiency", type=float, default=None, help="share of the peaks (default: the oracle's)")
     args = parser.parse_args()
 
     from ddlab.oracle import a100_cluster, plan_transformer, reproduce
@@ -49,6 +53,7 @@ def main() -> None:
         for (r, p, _), (_, _, acc) in zip(reproduce(no_alpha), rows)
     ]
     print(f"with alpha = 0 instead of 5 us, accuracy moves by at most {max(moved):.4f}")
+    modern(args.efficiency)
 
     if args.no_plan:
         return
@@ -69,8 +74,32 @@ def main() -> None:
             f"{'':11} with the paper's options (full recomputation, no ZeRO, no SP, b = 1): {same.layout.label}, "
             f"{same.model_flops_per_device() / 1e12:.1f} TFLOP/s; {explain(same, published)}"
         )
-        rank = [p.layout for p in plan.ranked].index(run.layout) + 1
-        print(f"{'':11} the published layout ranks {rank} of {len(plan.ranked)}; rejected: {plan.reasons()}")
+        layouts = [p.layout for p in plan.ranked]
+        rank = f"ranks {layouts.index(run.layout) + 1} of" if run.layout in layouts else "is not among"
+        print(f"{'':11} the published layout {rank} {len(plan.ranked)} (plain 1F1B); rejected: {plan.reasons()}")
+
+
+def modern(efficiency: float | None) -> None:
+    """The runs of 2024-26: published and predicted tokens/s per GPU (and memory), accuracies, their mean."""
+    from ddlab.oracle.published import EFFICIENCY, validate_modern
+
+    rows = validate_modern(EFFICIENCY if efficiency is None else efficiency)
+    print(f"\nruns of 2024-26 at {EFFICIENCY if efficiency is None else efficiency:.0%} of the datasheets' peaks:")
+    print(
+        f"{'model':12} {'seq':>6} {'GPUs':>5} {'hardware':10} {'layout':52} {'tok/s pub':>9} {'pred':>7} {'acc':>6}  memory"
+    )
+    for run, pred, acc, mem in rows:
+        memory = "" if mem is None else f"{run.memory / 2**30:.1f} GiB pub, {pred.peak / 2**30:.1f} pred, acc {mem:.3f}"
+        print(
+            f"{run.gpt.name:12} {run.gpt.seq:6d} {run.layout.devices:5d} {run.hardware.name.split()[0]:10} "
+            f"{run.layout.label:52} {run.tokens_per_gpu:9.0f} {pred.tokens_per_device():7.0f} {acc:6.3f}  {memory}"
+        )
+    print(
+        f"mean accuracy {statistics.mean(acc for _, _, acc, _ in rows):.3f} (tokens/s per GPU), worst "
+        f"{min(acc for _, _, acc, _ in rows):.3f}; memory {statistics.mean(m for *_, m in rows if m is not None):.3f}"
+    )
+    for source in sorted({run.source for run, *_ in rows}):
+        print(f"  source: {source}")
 
 
 if __name__ == "__main__":

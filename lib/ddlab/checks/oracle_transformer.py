@@ -3,8 +3,9 @@
 The student's function is compared with the reference (`ddlab.oracle.transformer`,
 `ddlab.oracle.transformer_planner`) on generated cases: every ZeRO stage and recomputation,
 tensor parallelism with and without sequence parallelism, pipelines with fewer and more
-micro-batches than stages, context parallelism, small and published GPTs, the A100 platform
-and a flat one, budgets that cut some layouts. The functions are pure, so every rank runs all
+micro-batches than stages, context parallelism, small and published GPTs, a small GPT of 2024-26's
+shape (grouped-query attention, a SwiGLU MLP of width 688, not 4h: a step time that assumes heads = key/value
+heads or a 4h GELU MLP fails on it), the A100 platform and a flat one, budgets that cut some layouts. The functions are pure, so every rank runs all
 cases; `each_size` gathers one verdict. Each call of the student's function has `DEADLINE` seconds:
 a loop that never ends fails the check, naming the case, instead of hanging it.
 """
@@ -31,7 +32,8 @@ HINTS = {
     "too; a layer keeps sbh(10 + 24/t + 5as/(ht)) bytes (sbh(34/t + 5as/(ht)) with sequence parallelism); "
     "selective recomputation drops the attention term; full keeps 2sbh per layer (/t with sequence parallelism) "
     "plus one layer's activations.",
-    "step_time": "the compute is slowed by platform.slowdown(devices of a node computing at once); count per micro-batch and per layer of a stage: 4 tensor allreduces (6 with full recomputation), "
+    "step_time": "the compute is iteration_flops(gpt, B, recompute) / N / platform.flops (it counts grouped-query "
+    "attention and any MLP width), slowed by platform.slowdown(devices of a node computing at once); count per micro-batch and per layer of a stage: 4 tensor allreduces (6 with full recomputation), "
     "2 context allgathers and a reduce-scatter (one allgather more with full recomputation); 2 pipeline messages "
     "per micro-batch; the bubble is (p-1)/m of the compute.",
     "search": "try every (d, t, p, c) whose product is the device count; a layout that does not run or does not fit "
@@ -90,6 +92,31 @@ def time_cases() -> list[tuple[GPT, Layout, Platform]]:
         Layout(data=2, tensor=8, batch=6, micro_batch=3, zero=1),
     ]
     cases = [(small, lay, pf) for lay in layouts for pf in (a100, flat)]
+    # 2024-26's block: 2 key/value heads for 8 query heads, SwiGLU of width 688 (not 4h = 1024)
+    modern = GPT(
+        layers=8,
+        hidden=256,
+        heads=8,
+        seq=512,
+        vocab=1000,
+        name="small GQA + SwiGLU",
+        kv_heads=2,
+        ffn=688,
+        gated=True,
+        norm="rmsnorm",
+        rotary=True,
+        tied=False,
+        bias=False,
+        dropout=False,
+    )
+    cases += [
+        (modern, lay, pf)
+        for lay in (
+            Layout(data=2, tensor=2, pipeline=2, batch=16, zero=1, recompute="selective"),
+            Layout(data=4, pipeline=2, batch=16, zero=3, recompute="full"),
+        )
+        for pf in (a100, flat)
+    ]
     # the published layouts with plain 1F1B (exercise 16.5 has no interleaved chunks)
     cases += [(run.gpt, run.layout.with_(interleave=1), a100) for run in (TABLE1[0], TABLE1[6], TABLE1[9])]
     return cases

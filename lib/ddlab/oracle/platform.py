@@ -11,6 +11,7 @@ doubling; Thakur, Rabenseifner & Gropp, IJHPCA 2005), with L = ceil(log2 P) step
     allgather       L alpha + (P-1)/P n beta       (n: bytes of the whole result)
     reduce_scatter  L alpha + (P-1)/P n beta       (n: bytes of the whole input)
     p2p             alpha + n beta
+    alltoall        (P-1) alpha + (P-1)/P n beta   (pairwise; n: bytes a rank sends to all)
 
 A collective whose ranks all sit in one node uses the intra-node link, one that spans
 nodes the inter-node link (the slowest edge of the ring sets its pace). `sharing`
@@ -37,7 +38,7 @@ import numpy as np
 from ..allreduce.cost import Link, collective_seconds
 
 #: The collectives the oracle measures and prices (`ddlab.allreduce.cost.COLLECTIVES` has their formulas).
-OPS = ("allreduce", "allgather", "reduce_scatter", "p2p")
+OPS = ("allreduce", "allgather", "reduce_scatter", "p2p", "alltoall")
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Platform:
     overheads: dict[str, float] = field(default_factory=dict)  # an implementation's own work per exchange and sample
     sources: dict[str, str] = field(default_factory=dict)
     crossings: int = 1  # times each of `sharing` flows crosses the node's shared path to the network
+    rates: dict[str, float] = field(default_factory=dict)  # achieved FLOP/s by number format ("fp8"); else `flops`
 
     def link(self, ranks: int) -> Link:
         return self.intra if ranks <= self.devices_per_node else self.inter
@@ -105,6 +107,11 @@ class Platform:
         if sharing > 1 and ranks * stride > self.devices_per_node:
             link = replace(link, beta=link.beta * sharing * self.crossings)
         return float(collective_seconds(op, ranks, nbytes, link))
+
+    def rate(self, compute: str) -> float:
+        """Achieved FLOP/s of a device's matrix multiplications in number format `compute` ("bf16", "fp8", ...):
+        `rates[compute]`, else `flops` (the 16-bit rate, or the only one measured)."""
+        return self.rates.get(compute, self.flops)
 
     def slowdown(self, busy: float) -> float:
         """Compute slowdown with `busy` devices of a node computing at once (fractions interpolate)."""

@@ -19,7 +19,7 @@ hardware 57.0%). Nothing is fitted to the rows of Table 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..allreduce.cost import Link
 from .platform import Platform
@@ -98,6 +98,104 @@ def a100_cluster(achieved: float = ACHIEVED) -> Platform:
     )
 
 
+#: Llama 3's measured model FLOPs utilisation in bfloat16 on 8,192 H100s (Dubey et al., "The Llama 3 Herd of
+#: Models", 2024, Table 4: 430 TFLOP/s per GPU, 43% of the dense peak), the default share of a format's dense
+#: peak the H100, H200 and B200 platforms achieve (its runs are therefore not among the validation rows).
+EFFICIENCY = 0.43
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU of an 8-GPU node as its vendor's datasheet gives it: dense peaks, memory, links (bytes/s per way)."""
+
+    name: str
+    bf16: float  # dense FLOP/s, bfloat16 tensor cores
+    fp8: float  # dense FLOP/s, float8 tensor cores
+    memory: int  # bytes of HBM
+    hbm: float  # bytes/s of HBM bandwidth (not used by the oracle's time yet: it prices FLOPs and messages)
+    nvlink: float  # bytes/s each way between two GPUs of a node (half the datasheet's bidirectional figure)
+    network: float  # bytes/s each way per GPU across nodes (its own adapter)
+    sources: tuple[tuple[str, str], ...]
+
+
+#: The datasheets' tensor-core peaks are printed with 2:4 sparsity; dense is half (the datasheets' footnotes).
+H100_SXM = Hardware(
+    "H100 SXM 80 GB",
+    bf16=989.5e12,
+    fp8=1979e12,
+    memory=80 * 10**9,
+    hbm=3.35e12,
+    nvlink=450e9,
+    network=50e9,
+    sources=(
+        ("compute", "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 1,979 and FP8 3,958 TFLOPS with sparsity"),
+        ("memory", "NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s"),
+        ("intra", "NVIDIA H100 datasheet: NVLink 900 GB/s (both directions), every pair through NVSwitch (DGX H100)"),
+        ("inter", "NVIDIA DGX H100 datasheet: 8 ConnectX-7 400 Gb/s adapters, one per GPU: 50 GB/s"),
+    ),
+)
+H200_SXM = Hardware(
+    "H200 SXM 141 GB",
+    bf16=989.5e12,
+    fp8=1979e12,
+    memory=141 * 10**9,
+    hbm=4.8e12,
+    nvlink=450e9,
+    network=50e9,
+    sources=(
+        ("compute", "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16 1,979 and FP8 3,958 TFLOPS with sparsity"),
+        ("memory", "NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e, 4.8 TB/s"),
+        ("intra", "NVIDIA H200 datasheet: NVLink 900 GB/s (both directions); HGX H200 8 GPUs through NVSwitch"),
+        ("inter", "NVIDIA DGX H200 datasheet: 8 ConnectX-7 400 Gb/s adapters, one per GPU: 50 GB/s"),
+    ),
+)
+B200 = Hardware(
+    "B200 180 GB (DGX/HGX B200)",
+    bf16=2.25e15,
+    fp8=4.5e15,
+    memory=180 * 10**9,
+    hbm=7.7e12,
+    nvlink=900e9,
+    network=50e9,
+    sources=(
+        (
+            "compute",
+            "NVIDIA HGX B200 specifications, per GPU: FP16/BF16 4.5 and FP8 9 PFLOPS with sparsity",
+        ),
+        ("memory", "NVIDIA HGX B200 specifications, per GPU: 180 GB HBM3e, 7.7 TB/s"),
+        ("intra", "NVIDIA HGX B200 specifications: fifth-generation NVLink 1.8 TB/s per GPU (both directions)"),
+        ("inter", "NVIDIA DGX B200 datasheet: 8 ConnectX-7 400 Gb/s adapters for the compute fabric: 50 GB/s per GPU"),
+    ),
+)
+
+
+def gpu_platform(hardware: Hardware, efficiency: float = EFFICIENCY, nodes_of: int = 8) -> Platform:
+    """8-GPU nodes of `hardware` (`H100_SXM`, `H200_SXM`, `B200`): every format computes at `efficiency` of its
+    dense peak (`EFFICIENCY` by default: set your own measured share), bfloat16 as `flops`, float8 as
+    `rates["fp8"]`; NVLink inside a node, one network adapter per GPU between nodes, alpha 5 us (assumed)."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency is the share of the dense peak a GPU achieves, in (0, 1]: got {efficiency}")
+    return Platform(
+        name=f"{nodes_of} x {hardware.name} nodes at {efficiency:.0%} of peak",
+        devices_per_node=nodes_of,
+        flops=efficiency * hardware.bf16,
+        memory=hardware.memory,
+        intra=Link(alpha=ALPHA, beta=1 / hardware.nvlink),
+        inter=Link(alpha=ALPHA, beta=1 / hardware.network),
+        contention=(1.0,) * nodes_of,
+        rates={"fp8": efficiency * hardware.fp8},
+        sources={
+            **dict(hardware.sources),
+            "flops": (
+                f"{efficiency:.0%} of the dense peaks ({hardware.bf16 / 1e12:.0f} BF16, {hardware.fp8 / 1e12:.0f} FP8 "
+                "TFLOP/s); default 43%: Llama 3's bfloat16 model FLOPs utilisation on 8,192 H100s "
+                "(Dubey et al., 2024, Table 4)"
+            ),
+            "contention": "one process per GPU (1.0)",
+        },
+    )
+
+
 def accuracy(predicted: float, measured: float) -> float:
     """1 - |predicted - measured| / measured (ParaDL's accuracy, Kahira et al., HPDC 2021)."""
     return 1 - abs(predicted - measured) / measured
@@ -110,4 +208,122 @@ def reproduce(platform: Platform | None = None) -> list[tuple[PublishedRun, Tran
     for run in TABLE1:
         pred = predict(run.gpt, run.layout, platform)
         out.append((run, pred, accuracy(pred.model_flops_per_device() / 1e12, run.measured_tflops)))
+    return out
+
+
+def _llama(layers: int, hidden: int, heads: int, ffn: int, seq: int, name: str) -> GPT:
+    """A Llama 3 model (Dubey et al., 2024, Table 3: layers, width, FFN width, heads, 8 key/value heads; SwiGLU,
+    RMSNorm, rotary positions, no biases or dropout, untied output layer; vocabulary 128,256 in its released
+    configuration), for sequences of `seq` tokens."""
+    return GPT(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        seq=seq,
+        vocab=128256,
+        name=name,
+        kv_heads=8,
+        ffn=ffn,
+        gated=True,
+        norm="rmsnorm",
+        rotary=True,
+        tied=False,
+        bias=False,
+        dropout=False,
+    )
+
+
+@dataclass(frozen=True)
+class ModernRun:
+    """A published run of 2024-26 that states its whole layout: tokens per second per GPU, and the peak memory per
+    GPU when published (bytes), on `hardware`, with the row's source."""
+
+    gpt: GPT
+    layout: Layout
+    hardware: Hardware
+    tokens_per_gpu: float
+    memory: float | None
+    source: str
+
+
+_BRIDGE = "Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, pre-training"
+_TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2 (FSDP + CP + torch.compile + Float8)"
+#: torchtitan's H100s: 96 GB HBM2e at 500 W, a peak "between SXM and NVL" (their note): the SXM's peaks taken.
+H100_96GB = Hardware(
+    "H100 96 GB HBM2e (Grand Teton, 500 W)",
+    bf16=H100_SXM.bf16,
+    fp8=H100_SXM.fp8,
+    memory=96 * 2**30,
+    hbm=2.4e12,
+    nvlink=H100_SXM.nvlink,
+    network=50e9,
+    sources=(("hardware", "torchtitan's benchmark file: 96 GB HBM2e, 2.4 TB/s, NVLink, 400 Gb/s per GPU"),),
+)
+
+
+def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, zero: int) -> Layout:
+    """A Megatron-Bridge recipe: FP8 (current scaling), flash attention, sequence parallelism with TP, the data
+    collectives overlapped (its recipes' defaults), no recomputation (none listed)."""
+    return Layout(
+        data=gpus // (t * p),
+        tensor=t,
+        pipeline=p,
+        batch=batch,
+        micro_batch=micro,
+        interleave=v,
+        zero=zero,
+        precision="fp8",
+        kernel="flash",
+        sequence_parallel=t > 1,
+        overlap=True,
+    )
+
+
+def _titan(seq: int, fsdp: int, cp: int) -> Layout:
+    """torchtitan's Table 2: FSDP (ZeRO-3 with per-layer overlap) x CP, local batch 1, full recomputation, float8."""
+    return Layout(
+        data=fsdp,
+        context=cp,
+        batch=fsdp,
+        zero=3,
+        recompute="full",
+        precision="fp8",
+        kernel="flash",
+        overlap=True,
+    )
+
+
+LLAMA3_8B = _llama(32, 4096, 32, 14336, 8192, "Llama 3 8B")
+LLAMA3_70B = _llama(80, 8192, 64, 28672, 8192, "Llama 3 70B")
+
+#: The validation rows: never used to set a figure of the oracle or its platforms. Left out: the 405B rows (126
+#: layers do not split evenly into their pipeline stages, which Megatron and torchtitan balance by hand),
+#: models whose heads are not h / heads wide or whose attention is not the oracle's (GPT-OSS, Qwen3, DeepSeek-V3),
+#: GB200/GB300 (NVL72 domains), and torchtitan's rows that do not state their sequence length.
+MODERN = (
+    ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 3), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"),
+    ModernRun(LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, 1602, None, _BRIDGE + ", DGX-H100"),
+    ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 2, 1, 1, 1, 0), B200, 30624, None, _BRIDGE + ", DGX-B200"),
+    *(
+        ModernRun(replace(LLAMA3_8B, seq=seq), _titan(seq, fsdp, cp), H100_96GB, tps, gib * 2**30, _TITAN)
+        for seq, fsdp, cp, tps, gib in (
+            (32768, 8, 1, 3890, 83.9),
+            (65536, 4, 2, 2540, 84.2),
+            (131072, 2, 4, 1071, 84.0),
+            (262144, 1, 8, 548, 84.5),
+        )
+    ),
+)
+
+
+def validate_modern(
+    efficiency: float = EFFICIENCY,
+) -> list[tuple[ModernRun, TransformerPrediction, float, float | None]]:
+    """(row, prediction of its published layout, accuracy of tokens per second per GPU, accuracy of the peak
+    memory or None) for each of `MODERN`, every platform at `efficiency` of its peaks."""
+    out = []
+    for run in MODERN:
+        pred = predict(run.gpt, run.layout, gpu_platform(run.hardware, efficiency))
+        memory = None if run.memory is None else accuracy(pred.peak, run.memory)
+        out.append((run, pred, accuracy(pred.tokens_per_device(), run.tokens_per_gpu), memory))
     return out

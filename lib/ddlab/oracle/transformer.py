@@ -58,6 +58,19 @@ Memory of the busiest rank (the first or the last stage):
   first stage holds min(p, m) micro-batches of its l/p layers; the last stage also keeps
   the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes.
 
+The models of 2024-26 (`GPT`'s options, GPT-3's block by default): grouped- and multi-query attention,
+gated MLPs of any width, RMSNorm, rotary positions, untied embeddings, mixtures of experts; their
+parameters, FLOPs (`GPT.layer_flops`) and activation bytes per layer (`layer_activations`) derived term by
+term and equal, within 1%, to what torch counts on a small model of each shape
+(tests/test_oracle_transformer_models.py). Under context parallelism a rank keeps no (s/c) x (s/c) softmax
+block: ring attention (lab 15) keeps its output and a float32 log-sum-exp per row and head, as the "flash"
+kernel does (`Layout.kernel`). Recipes (`Layout.precision`, a name of `RECIPES` or a `Precision`): bytes of
+weights, gradients, Adam's state, activations, all-gathered parameters and reduced gradients, and the
+format the linear layers compute in (`Platform.rate`: float8 at its own rate, the attention's scores and the
+output layer in 16 bits). `layout_time` adds to `step_time` what the exercise leaves out: expert
+parallelism (`Layout.expert`, carved from the d c ranks of the same weights) with its all-to-alls, and
+the data collectives overlapped with the compute (`Layout.overlap`: ZeRO-3/FSDP gathers layer by layer).
+
 Signatures (lab 16's exercises):
 - Exercise 16.4 `memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute,
   sequence_parallel=False) -> dict` with keys "parameters", "gradients", "optimizer",
@@ -77,19 +90,73 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..pipeline.interleaved import warmup_forwards
+from ..runtime.reference import reference
 from ..tensor_parallel.formulas import activation_bytes_per_layer
 from .platform import Platform
 
 RECOMPUTE = ("none", "selective", "full")
+NORMS = ("layernorm", "rmsnorm")
 #: Bytes per parameter (weights, gradients, Adam's state); activations take the weights' size.
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A training recipe's bytes per element of what a rank keeps and sends, and the rate its layers compute at.
+
+    weights: the copy of a parameter the layers compute with; gradients: a parameter's gradient as it is kept;
+    optimizer: Adam's state per parameter (a float32 master copy, momentum and variance: 12); activations:
+    what a layer keeps for backward and what tensor, context, pipeline and expert parallelism send;
+    allgather: a parameter as ZeRO-3 (FSDP) all-gathers it (1 when the all-gather sends float8 with its
+    scales cast per tensor, as torchao's float8 FSDP does); reduce: a gradient as it is reduced;
+    compute: which of the platform's rates the linear layers run at ("bf16", "fp8"; "fp32" and "fp64" take
+    `platform.flops`); the attention's scores and the output layer stay in 16 bits (`Platform.rate`).
+    """
+
+    weights: float = 2
+    gradients: float = 2
+    optimizer: float = 12
+    activations: float = 2
+    allgather: float = 2
+    reduce: float = 2
+    compute: str = "bf16"
+
+
+#: The named recipes `Layout.precision` takes (or a `Precision` of your own): "mixed" and "bf16" are
+#: bfloat16 mixed precision with float32 Adam state (Rajbhandari et al.'s 2 + 2 + 12 bytes); "fp8" the same
+#: state with float8 matrix multiplications and float8 all-gathers (activations kept in 16 bits);
+#: "fp32" and "fp64" everything in that type, 8 and 16 bytes of Adam state.
+RECIPES = {
+    "mixed": Precision(),
+    "bf16": Precision(),
+    "fp8": Precision(allgather=1, compute="fp8"),
+    "fp32": Precision(4, 4, 8, 4, 4, 4, "fp32"),
+    "fp64": Precision(8, 8, 16, 8, 8, 8, "fp64"),
+}
+KERNELS = ("local", "flash")
 TIME_PARTS = ("compute", "bubble", "tensor", "context", "pipeline", "data")
+#: The parts `layout_time` adds to `step_time`'s: the experts' all-to-alls.
+EXTRA_PARTS = ("expert",)
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations")
 
 
 @dataclass(frozen=True)
 class GPT:
-    """A GPT as Narayanan et al. describe it: layers, hidden size, heads, sequence, vocabulary."""
+    """A GPT as Narayanan et al. describe it (layers, hidden size, heads, sequence, vocabulary), and the options of
+    the models of 2024-26; the defaults are GPT-3's block, so `GPT(layers, hidden, heads)` is Narayanan et al.'s.
+
+    - `kv_heads`: heads of keys and values (0: as many as `heads`; 1: multi-query; between: grouped-query);
+    - `ffn`: the MLP's width (0: 4h); `gated`: a gated MLP (SwiGLU: gate and up projections of width `ffn`,
+      their product into the down projection) instead of GELU's two layers;
+    - `norm`: "layernorm" (a scale and a shift) or "rmsnorm" (a scale); `rotary`: rotary position embedding,
+      no position parameters (else learned positions, s h of them); `tied`: the output layer is the word
+      embedding (else a second V h matrix); `bias`: the linear layers have biases; `dropout`: dropout after
+      the attention's softmax and on both residual branches (its masks kept for backward);
+    - a mixture of experts (`experts` E > 0): every `moe_every`-th layer's MLP is a router (h x E) and E
+      routed experts of width `expert_ffn` (0: `ffn`), each token sent to `top_k` of them, plus
+      `shared_experts` that every token passes; `capacity`: the capacity factor (each expert computes
+      capacity k T / E token slots, padded or dropped; 0: dropless, exactly k T slots).
+    """
 
     layers: int
     hidden: int
@@ -97,6 +164,38 @@ class GPT:
     seq: int = 2048
     vocab: int = 51200
     name: str = ""
+    kv_heads: int = 0
+    ffn: int = 0
+    gated: bool = False
+    norm: str = "layernorm"
+    rotary: bool = False
+    tied: bool = True
+    bias: bool = True
+    dropout: bool = True
+    experts: int = 0
+    top_k: int = 1
+    shared_experts: int = 0
+    expert_ffn: int = 0
+    capacity: float = 0.0
+    moe_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORMS:
+            raise ValueError(f"norm {self.norm!r}: choose one of {', '.join(NORMS)}")
+        if min(self.layers, self.hidden, self.heads, self.seq, self.vocab) < 1:
+            raise ValueError(f"layers, hidden, heads, seq and vocab must be at least 1: {self}")
+        if self.hidden % self.heads or self.heads % self.kv_heads_:
+            raise ValueError(
+                f"{self.heads} heads must divide the hidden size {self.hidden}, and {self.kv_heads_} key/value "
+                "heads the heads: choose kv_heads among the divisors of heads"
+            )
+        if self.experts and not (1 <= self.top_k <= self.experts and 1 <= self.moe_every <= self.layers):
+            raise ValueError(
+                f"a mixture of {self.experts} experts routes each token to 1 to {self.experts} of them (top_k = "
+                f"{self.top_k}) on every n-th layer, 1 <= n <= {self.layers} (moe_every = {self.moe_every})"
+            )
+        if self.capacity < 0 or self.experts < 0 or self.shared_experts < 0:
+            raise ValueError("experts, shared_experts and capacity are 0 or more")
 
     @classmethod
     def from_config(cls, config: Any, seq: int | None = None, name: str = "") -> GPT:
@@ -110,15 +209,100 @@ class GPT:
             name=name,
         )
 
+    @property
+    def kv_heads_(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values): key/value heads times the head size."""
+        return self.kv_heads_ * (self.hidden // self.heads)
+
+    @property
+    def ffn_(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def expert_ffn_(self) -> int:
+        return self.expert_ffn or self.ffn_
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are mixtures of experts: every `moe_every`-th (0 for a dense GPT)."""
+        return self.layers // self.moe_every if self.experts else 0
+
+    @property
+    def slots(self) -> float:
+        """Expert slots a token takes in a MoE layer: top_k (dropless), times the capacity factor if one is set."""
+        return self.top_k * (self.capacity or 1.0)
+
+    def attention_parameters(self) -> int:
+        """q and the output projection h x h each, k and v h x kv_width each, and their biases."""
+        h, kv = self.hidden, self.kv_width
+        return 2 * h * h + 2 * h * kv + self.bias * (2 * h + 2 * kv)
+
+    def mlp_parameters(self, width: int) -> int:
+        """An MLP of `width`: 2 (GELU) or 3 (SwiGLU) matrices of h x width, and their biases."""
+        h = self.hidden
+        return (3 if self.gated else 2) * h * width + self.bias * ((2 if self.gated else 1) * width + h)
+
+    def norm_parameters(self) -> int:
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    def layer_parameters(self, moe: bool = False) -> int:
+        """A block's parameters: attention, 2 norms, and its MLP (dense, or router, E routed and the shared experts)."""
+        mlp = self.mlp_parameters(self.ffn_)
+        if moe:
+            mlp = self.hidden * self.experts + (self.experts + self.shared_experts) * self.mlp_parameters(
+                self.expert_ffn_
+            )
+        return self.attention_parameters() + 2 * self.norm_parameters() + mlp
+
+    def embedding_parameters(self) -> int:
+        """Word embedding, learned positions (none with rotary), the untied output layer, the final norm."""
+        h = self.hidden
+        return self.vocab * h * (1 if self.tied else 2) + (0 if self.rotary else self.seq * h) + self.norm_parameters()
+
     def parameters(self) -> float:
-        """12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)): Narayanan et al.'s count (their equation 2)."""
-        layers, h = self.layers, self.hidden
-        return 12 * layers * h**2 * (1 + 13 / (12 * h) + (self.vocab + self.seq) / (12 * layers * h))
+        """Every parameter: with GPT-3's defaults 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)), Narayanan et al.'s
+        count (their equation 2), plus the final LayerNorm's 2h."""
+        moe = self.moe_layers
+        return float(
+            (self.layers - moe) * self.layer_parameters()
+            + moe * self.layer_parameters(True)
+            + self.embedding_parameters()
+        )
+
+    def layer_flops(self, moe: bool = False) -> float:
+        """Forward FLOPs of a block per sequence: 2 per multiply-add of its matrices (q, k, v, projection: 2 s h (2h +
+        2 kv_width)), the attention's scores and weighted values (4 s^2 h, every query against every key as
+        Narayanan et al. count them), and its MLP (2 s h ffn times 2 or 3 matrices; a MoE layer: the router's
+        2 s h E and the slots' and shared experts' MLPs). With GPT-3's defaults 24 s h^2 + 4 s^2 h."""
+        s, h = self.seq, self.hidden
+        attention = 2 * s * (2 * h * h + 2 * h * self.kv_width) + 4 * s * s * h
+        matrices = 3 if self.gated else 2
+        if moe:
+            mlp = (
+                2 * s * h * self.experts + (self.slots + self.shared_experts) * 2 * s * matrices * h * self.expert_ffn_
+            )
+        else:
+            mlp = 2 * s * matrices * h * self.ffn_
+        return float(attention + mlp)
+
+    def forward_flops(self) -> float:
+        """Forward FLOPs of every block for one sequence."""
+        moe = self.moe_layers
+        return (self.layers - moe) * self.layer_flops() + moe * self.layer_flops(True)
+
+    def attention_score_flops(self) -> float:
+        """The attention's 4 s^2 h forward FLOPs per layer and sequence (what selective recomputation reruns)."""
+        return 4.0 * self.seq**2 * self.hidden
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How a step is cut: data x tensor x pipeline x context ranks, ZeRO stage, micro-batches, recomputation."""
+    """How a step is cut: data x tensor x pipeline x context ranks (expert ranks among the data ranks), ZeRO
+    stage, micro-batches, recomputation, precision, the attention kernel, overlap of the data collectives."""
 
     data: int = 1
     tensor: int = 1
@@ -128,9 +312,15 @@ class Layout:
     micro_batch: int = 1
     batch: int = 1  # the global batch, in sequences
     recompute: str = "none"
-    precision: str = "mixed"
+    precision: str | Precision = "mixed"  # a name of RECIPES, or a Precision
     sequence_parallel: bool = False
     interleave: int = 1  # v: model chunks per pipeline rank (the interleaved 1F1B schedule; 1: plain 1F1B)
+    expert: int = 1  # expert parallelism: the routed experts split over this many ranks of the same dense weights
+    # tensor parallelism inside a routed expert: 1, each expert whole on its rank (its weights not cut by t; a
+    # memory estimate that divides them by t as well under-reports a MoE, NVIDIA-NeMo/Megatron-Bridge#3744), or t
+    expert_tensor: int = 1
+    kernel: str = "local"  # attention: "local" keeps its s x s softmax, "flash" only a log-sum-exp per row
+    overlap: bool = False  # the data collectives run under the compute (ZeRO-3/FSDP: layer by layer)
 
     @property
     def devices(self) -> int:
@@ -147,7 +337,11 @@ class Layout:
         extras += [] if self.recompute == "none" else [f"{self.recompute} recompute"]
         extras += ["SP"] if self.sequence_parallel else []
         extras += [f"v{self.interleave}"] if self.interleave > 1 else []
-        extras += [] if self.precision == "mixed" else [self.precision]
+        extras += [] if self.precision == "mixed" else [str(self.precision)]
+        extras += [f"ep{self.expert}"] if self.expert > 1 else []
+        extras += [f"etp{self.expert_tensor}"] if self.expert_tensor > 1 else []
+        extras += [] if self.kernel == "local" else [self.kernel]
+        extras += ["overlap"] if self.overlap else []
         return f"d{self.data} t{self.tensor} p{self.pipeline} c{self.context} b{self.micro_batch}" + (
             " " + ", ".join(extras) if extras else ""
         )
@@ -156,9 +350,18 @@ class Layout:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
+def recipe(precision: str | Precision) -> Precision:
+    """The Precision of a layout's `precision` (a name of `RECIPES`, or a Precision)."""
+    if isinstance(precision, Precision):
+        return precision
+    if precision not in RECIPES:
+        raise ValueError(f"precision {precision!r}: choose one of {', '.join(RECIPES)}, or give a Precision")
+    return RECIPES[precision]
+
+
 @dataclass(frozen=True)
 class TransformerPrediction:
-    """One layout's predicted step: seconds by part (`TIME_PARTS`), bytes of the busiest rank by part."""
+    """One layout's predicted step: seconds by part (`TIME_PARTS`, `EXTRA_PARTS`), bytes of the busiest rank by part."""
 
     gpt: GPT
     layout: Layout
@@ -177,21 +380,31 @@ class TransformerPrediction:
         """FLOP/s per device as Narayanan et al. count them (full recomputation's FLOPs, whatever was run)."""
         return iteration_flops(self.gpt, self.layout.batch, "full") / self.time / self.layout.devices
 
+    def tokens_per_device(self) -> float:
+        """Tokens per second per device."""
+        return self.layout.batch * self.gpt.seq / self.time / self.layout.devices
+
 
 def problem(gpt: GPT, layout: Layout) -> str | None:
     """Why the layout cannot run this GPT (the first reason found), or None."""
     lay = layout
     for name, value in asdict(lay).items():
-        if name in ("data", "tensor", "pipeline", "context", "micro_batch", "batch", "interleave") and value < 1:
+        if name in ("data", "tensor", "pipeline", "context", "micro_batch", "batch", "interleave", "expert") and (
+            value < 1
+        ):
             return f"{name} = {value}: every dimension needs at least 1"
     if lay.zero not in (0, 1, 2, 3):
         return f"ZeRO stage {lay.zero} does not exist: choose 0, 1, 2 or 3"
     if lay.recompute not in RECOMPUTE:
         return f"recompute {lay.recompute!r}: choose one of {', '.join(RECOMPUTE)}"
-    if lay.precision not in PRECISIONS:
-        return f"precision {lay.precision!r}: choose one of {', '.join(PRECISIONS)}"
+    if not isinstance(lay.precision, Precision) and lay.precision not in RECIPES:
+        return f"precision {lay.precision!r}: choose one of {', '.join(RECIPES)}, or give a Precision"
+    if lay.kernel not in KERNELS:
+        return f"kernel {lay.kernel!r}: choose one of {', '.join(KERNELS)}"
     if gpt.heads % lay.tensor or gpt.hidden % lay.tensor:
         return f"tensor {lay.tensor} does not divide the {gpt.heads} heads and the hidden size {gpt.hidden}"
+    if gpt.kv_heads_ % lay.tensor and lay.tensor % gpt.kv_heads_:
+        return f"tensor {lay.tensor} does not divide the {gpt.kv_heads_} key/value heads, nor they the tensor ranks"
     if gpt.layers % (lay.pipeline * lay.interleave):
         chunks = f" x {lay.interleave} chunks" if lay.interleave > 1 else ""
         return f"pipeline {lay.pipeline}{chunks} does not divide the {gpt.layers} layers"
@@ -206,25 +419,54 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
             f"pipeline {lay.pipeline} does not divide the {lay.micro_batches} micro-batches, "
             "which the interleaved schedule takes in groups of p"
         )
+    if lay.expert_tensor not in (1, lay.tensor):
+        return f"expert_tensor {lay.expert_tensor}: an expert is cut by the tensor ranks ({lay.tensor}) or not (1)"
+    holders = lay.data * lay.context * lay.tensor // lay.expert_tensor  # ranks that could hold an expert whole
+    if lay.expert > 1 and (gpt.experts % lay.expert or holders % lay.expert):
+        return (
+            f"expert {lay.expert} does not divide the {gpt.experts} experts and the {holders} ranks "
+            "(data x context x tensor / expert_tensor) it is carved from"
+        )
     return None
 
 
 def iteration_flops(gpt: GPT, batch: int, recompute: str) -> float:
     """FLOPs of one iteration of `batch` sequences (full recomputation: Narayanan et al.'s 96 B s l h^2 (...))."""
-    s, h, v = gpt.seq, gpt.hidden, gpt.vocab
-    layer_forward = 24 * s * h**2 + 4 * s**2 * h
-    rerun = {"none": 0.0, "selective": 4 * s**2 * h, "full": layer_forward}[recompute]
-    return batch * (gpt.layers * (3 * layer_forward + rerun) + 3 * 2 * s * h * v)
+    forward = gpt.forward_flops()
+    rerun = {"none": 0.0, "selective": gpt.layers * gpt.attention_score_flops(), "full": forward}[recompute]
+    return batch * (3 * forward + rerun + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
+
+
+def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str) -> float:
+    """The part of `iteration_flops` that stays in 16 bits under a float8 recipe: the attention's scores and
+    weighted values (with their rerun under recomputation) and the output layer."""
+    reruns = 0 if recompute == "none" else 1
+    return batch * (gpt.layers * (3 + reruns) * gpt.attention_score_flops() + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
+
+
+def stage_split(gpt: GPT, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters a rank of the busiest stage holds: its l/p layers (the MoE layers' share of them
+    at their average) and the embeddings, / t; the routed experts / (expert ranks x expert_tensor) instead."""
+    h, layers = gpt.hidden, gpt.layers // layout.pipeline
+    share = gpt.moe_layers / gpt.layers
+    routed = gpt.experts * gpt.mlp_parameters(gpt.expert_ffn_)
+    per_layer = gpt.layer_parameters() * (1 - share) + (gpt.layer_parameters(True) - routed) * share
+    # the first stage: word (and learned position) embedding; the last keeps its copy of the word embedding,
+    # or the untied output layer, both on one stage when p = 1
+    embedding = gpt.vocab * h + (0 if gpt.rotary else gpt.seq * h)
+    if layout.pipeline == 1 and not gpt.tied:
+        embedding += gpt.vocab * h
+    dense = (layers * per_layer + embedding) / layout.tensor
+    return dense, layers * share * routed / (layout.expert_tensor * layout.expert)
 
 
 def stage_parameters(gpt: GPT, layout: Layout) -> float:
-    """Parameters a rank of the busiest stage holds: its l/p layers and the word (and position) embeddings, / t."""
-    h = gpt.hidden
-    layer = 12 * h**2 + 13 * h
-    embedding = gpt.vocab * h + gpt.seq * h  # the first stage; the last keeps its copy of the word embedding
-    return (gpt.layers // layout.pipeline * layer + embedding) / layout.tensor
+    """Parameters a rank of the busiest stage holds: its l/p layers and the word (and position) embeddings, / t
+    (the routed experts / the expert ranks too)."""
+    return sum(stage_split(gpt, layout))
 
 
+@reference("memory_per_rank")
 def memory_per_rank(
     psi: float,
     s: int,
@@ -260,51 +502,135 @@ def memory_per_rank(
     }
 
 
+def layer_activations(
+    gpt: GPT,
+    s: int,
+    b: int,
+    t: int,
+    sequence_parallel: bool,
+    e: float,
+    recompute: str,
+    moe: bool,
+    kernel: str,
+    expert_tensor: int | None = None,
+) -> float:
+    """Bytes one block keeps for backward per micro-batch on a rank, Korthikanti et al.'s terms (section 4) for
+    any block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms'
+    inputs and the attention's and MLP's inputs (4h elements of e bytes) and the residual dropout masks
+    (2h bytes); split over t: q (h), k and v (2 kv_width), the projection's input (h), the MLP's 2 ffn
+    (GELU: its input and output) or 4 ffn (SwiGLU: gate, up, silu(gate), their product), and the attention's
+    (2e + 1) a s (softmax, dropped probabilities, their mask; e a s without dropout; with the "flash" kernel,
+    and always under context parallelism's ring, only a float32 log-sum-exp per head, 4a bytes; none under
+    selective recomputation). A MoE layer keeps, whole, its router's float32 probabilities and top-k choices
+    (4E + 8k bytes per token) and per expert slot the token sent and the expert's output (2h elements) and the
+    routing's bookkeeping (the token's and its gate's int64 indices, the float32 gate: 20 bytes), and split
+    each slot's and shared expert's MLP (the routed experts' over `expert_tensor` ranks, t if None, without
+    sequence parallelism; with it every rank routes its own s/t tokens). Norm statistics (a few floats per token) are not counted, as Korthikanti et al. do not.
+    With GPT-3's defaults: sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`)."""
+    h, a, kv = gpt.hidden, gpt.heads, gpt.kv_width
+    acts = 4 if gpt.gated else 2
+    whole = 4 * e * h + (2 * h if gpt.dropout else 0)
+    split = e * (2 * h + 2 * kv)
+    routed = 0.0  # the routed experts' MLP activations, on this rank
+    if moe:
+        whole += 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * (2 * e * h + 20)
+        split += gpt.shared_experts * acts * e * gpt.expert_ffn_
+        cut = t if sequence_parallel or expert_tensor is None else expert_tensor
+        routed = s * b * gpt.slots * acts * e * gpt.expert_ffn_ / cut
+    else:
+        split += acts * e * gpt.ffn_
+    if recompute == "selective":
+        scores = 0.0
+    elif kernel == "flash":
+        scores = 4.0 * a
+    else:
+        scores = ((2 * e + 1) if gpt.dropout else e) * a * s
+    if sequence_parallel:
+        return s * b * (whole + split + scores) / t + routed
+    return s * b * (whole + (split + scores) / t) + routed
+
+
 def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     """Bytes of the busiest rank: the first stage (min(p, m) micro-batches in flight under 1F1B; with v chunks,
-    min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (the logits)."""
+    min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (the logits).
+
+    The state is split as ZeRO splits it over the d c ranks of the same weights (the routed experts over
+    the d c t / (expert x expert_tensor) ranks that hold the same experts); activations as `layer_activations`
+    counts them, the MoE layers at their share of a stage's layers. Under context parallelism the rank's s/c rows keep no (s/c) x (s/c) softmax block: ring
+    attention (lab 15) keeps its output and a log-sum-exp per row and head, as the "flash" kernel does."""
     lay = layout
+    prec = recipe(lay.precision)
     s_local = gpt.seq // lay.context
     v = lay.interleave
     chunks = min(warmup_forwards(lay.pipeline, lay.micro_batches, 0, v) + 1, v * lay.micro_batches)
-    psi = stage_parameters(gpt, lay)
+    dense, expert = stage_split(gpt, lay)
+    replicas = lay.data * lay.context
+    shard = {0: (1, 1, 1), 1: (1, 1, replicas), 2: (1, replicas, replicas), 3: (replicas,) * 3}[lay.zero]
+    expert_holders = replicas * lay.tensor // (lay.expert * lay.expert_tensor)
+    expert_shard = [n if n == 1 else expert_holders for n in shard]
+    state = {
+        part: size * (dense / shard[i] + expert / expert_shard[i])
+        for i, (part, size) in enumerate(
+            (("parameters", prec.weights), ("gradients", prec.gradients), ("optimizer", prec.optimizer))
+        )
+    }
+    kernel = "flash" if lay.context > 1 else lay.kernel
+    e = prec.activations
 
-    def held(layers: float) -> dict[str, float]:
-        return memory_per_rank(
-            psi,
+    def layer(moe: bool, recompute: str) -> float:
+        return layer_activations(
+            gpt,
             s_local,
             lay.micro_batch,
-            gpt.hidden,
-            gpt.heads,
-            layers,
             lay.tensor,
-            lay.data * lay.context,
-            lay.zero,
-            lay.recompute,
             lay.sequence_parallel,
-            lay.precision,
+            e,
+            recompute,
+            moe,
+            kernel,
+            lay.expert_tensor,
         )
+
+    share = gpt.moe_layers / gpt.layers
+    if lay.recompute == "full":
+        kept = s_local * lay.micro_batch * gpt.hidden * e / (lay.tensor if lay.sequence_parallel else 1)
+        working = max(layer(False, "none"), layer(True, "none") if share else 0.0)
+    else:
+        kept = layer(False, lay.recompute) * (1 - share) + (layer(True, lay.recompute) * share if share else 0.0)
+        working = 0.0
+
+    def held(layers: float) -> dict[str, float]:
+        return {**state, "activations": layers * kept + working}
 
     first = held(gpt.layers // (lay.pipeline * v) * chunks)
     last = held(gpt.layers // lay.pipeline)
-    logits = max(4, PRECISIONS[lay.precision][0])  # the loss's logits in float32 at least
+    logits = max(4, e)  # the loss's logits in float32 at least
     last["activations"] += logits * lay.micro_batch * s_local * gpt.vocab / lay.tensor
     return max(first, last, key=lambda m: sum(m.values()))
 
 
+@reference("step_time")
 def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     """Seconds of one iteration by part (Exercise 16.5): compute, bubble, tensor, context, pipeline, data."""
     lay = layout
-    e = PRECISIONS[lay.precision][0]
+    prec = recipe(lay.precision)
+    e = prec.activations
     m, b, h, s = lay.micro_batches, lay.micro_batch, gpt.hidden, gpt.seq
     stage_layers = gpt.layers // lay.pipeline
     reruns = 1 if lay.recompute == "full" else 0
     busy = min(lay.devices, platform.devices_per_node)
-    compute = iteration_flops(gpt, lay.batch, lay.recompute) / lay.devices / platform.flops * platform.slowdown(busy)
+    flops = iteration_flops(gpt, lay.batch, lay.recompute)
+    rate = platform.rate(prec.compute)
+    if rate == platform.flops:
+        seconds = flops / lay.devices / platform.flops
+    else:  # the linear layers at the recipe's rate, the attention's scores and the output layer in 16 bits
+        wide = sixteen_bit_flops(gpt, lay.batch, lay.recompute)
+        seconds = ((flops - wide) / rate + wide / platform.flops) / lay.devices
+    compute = seconds * platform.slowdown(busy)
     bubble = (lay.pipeline - 1) / (lay.interleave * m) * compute  # (p-1)/(v m) of the compute
     tokens = b * (s // lay.context) * h  # elements of one micro-batch's activation on a rank
     tensor = m * stage_layers * (4 + 2 * reruns) * platform.comm("allreduce", tokens * e, lay.tensor)
-    kv = 2 * b * s * h / lay.tensor * e  # keys and values of the whole sequence, this rank's heads
+    kv = 2 * b * s * gpt.kv_width / lay.tensor * e  # keys and values of the whole sequence, this rank's heads
     ring = lay.context, lay.tensor
     context = (
         m
@@ -316,16 +642,16 @@ def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
         stride = lay.tensor * lay.context * lay.data
         pipeline = 2 * lay.interleave * m * platform.comm("p2p", tokens / lay.tensor * e, 2, stride=stride)
     replicas, stride = lay.data * lay.context, lay.tensor
-    grads = stage_parameters(gpt, lay) * e
+    params = stage_parameters(gpt, lay)
     if lay.zero == 3:
         # lab 13's engine: each unit's parameters allgathered before its forward and its backward, and its
         # gradient reduce-scattered after every backward, so once per micro-batch
         data = m * (
-            2 * platform.comm("allgather", grads, replicas, stride)
-            + platform.comm("reduce_scatter", grads, replicas, stride)
+            2 * platform.comm("allgather", params * prec.allgather, replicas, stride)
+            + platform.comm("reduce_scatter", params * prec.reduce, replicas, stride)
         )
     else:
-        data = platform.comm("allreduce", grads, replicas, stride)
+        data = platform.comm("allreduce", params * prec.reduce, replicas, stride)
     return {
         "compute": compute,
         "bubble": bubble,
@@ -336,12 +662,62 @@ def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     }
 
 
+def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
+    """`step_time`'s parts, with what it leaves to this: expert parallelism and the overlap of the data collectives.
+
+    - expert: per MoE layer of a stage and micro-batch, the tokens' trip to their experts and back forward
+      (lab 15's dispatch and combine), and again backward (twice more when full recomputation reruns the
+      forward): all-to-alls over the expert ranks (expert_tensor apart) of the rank's tokens
+      (b s/c, / t with sequence parallelism) times their slots, h elements each;
+    - data with expert ranks: the dense gradients over the d c ranks, the routed experts' over the
+      d c t / (expert x expert_tensor) ranks that hold the same experts;
+    - data with `overlap`: ZeRO-3 (FSDP) gathers layer i + 1's parameters while layer i computes and
+      reduce-scatters layer i's gradients under layer i - 1's backward: per micro-batch the first layer's
+      gather and the last reduce-scatter are exposed, and each layer only what its collectives take beyond
+      its own forward (gather) and backward (gather and reduce-scatter) compute; ZeRO 0-2 reduce the
+      gradients in buckets under the backward (PyTorch DDP), all but the last layer's share hidden as far as
+      the backward lasts."""
+    parts = step_time(gpt, layout, platform)
+    lay, prec = layout, recipe(layout.precision)
+    m = lay.micro_batches
+    stage_layers = gpt.layers // lay.pipeline
+    moe_layers = stage_layers * gpt.moe_layers / gpt.layers
+    tokens = lay.micro_batch * (gpt.seq // lay.context) / (lay.tensor if lay.sequence_parallel else 1)
+    trips = 4 + (2 if lay.recompute == "full" else 0)
+    send = tokens * gpt.slots * gpt.hidden * prec.activations
+    parts["expert"] = m * moe_layers * trips * platform.comm("alltoall", send, lay.expert, lay.expert_tensor)
+    replicas, stride = lay.data * lay.context, lay.tensor
+    dense, expert = stage_split(gpt, lay)
+    if lay.expert > 1 and lay.zero != 3:
+        parts["data"] = platform.comm("allreduce", dense * prec.reduce, replicas, stride) + platform.comm(
+            "allreduce",
+            expert * prec.reduce,
+            replicas * lay.tensor // (lay.expert * lay.expert_tensor),
+            lay.expert * lay.expert_tensor,
+        )
+    if lay.overlap:
+        forward = parts["compute"] / (3 + (1 if lay.recompute == "full" else 0)) / (m * stage_layers)
+        backward = parts["compute"] / (m * stage_layers) - forward
+        if lay.zero == 3:
+            units = stage_layers + 1  # the layers and the embeddings
+            gather = platform.comm("allgather", (dense + expert) * prec.allgather / units, replicas, stride)
+            scatter = platform.comm("reduce_scatter", (dense + expert) * prec.reduce / units, replicas, stride)
+            exposed = (
+                gather + scatter + stage_layers * (max(0.0, gather - forward) + max(0.0, gather + scatter - backward))
+            )
+            parts["data"] = m * exposed
+        else:
+            hidden = backward * m * stage_layers * (1 - 1 / stage_layers) if stage_layers > 1 else 0.0
+            parts["data"] = max(parts["data"] / max(stage_layers, 1), parts["data"] - hidden)
+    return parts
+
+
 def predict(gpt: GPT, layout: Layout, platform: Platform) -> TransformerPrediction:
     """Time by part and memory of the busiest rank of one iteration; ValueError if the layout cannot run."""
     reason = problem(gpt, layout)
     if reason:
         raise ValueError(f"{layout.label} cannot run {gpt.name or 'this GPT'}: {reason}")
-    return TransformerPrediction(gpt, layout, step_time(gpt, layout, platform), rank_memory(gpt, layout))
+    return TransformerPrediction(gpt, layout, layout_time(gpt, layout, platform), rank_memory(gpt, layout))
 
 
 def predict_step(layout: Layout, model: GPT, platform: Platform) -> tuple[float, float]:

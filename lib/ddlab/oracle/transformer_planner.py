@@ -22,9 +22,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from ..runtime.reference import reference
 from .planner import divisors
 from .platform import Platform
-from .transformer import GPT, RECOMPUTE, TIME_PARTS, Layout, TransformerPrediction, predict, problem
+from .transformer import GPT, RECOMPUTE, Layout, Precision, TransformerPrediction, predict, problem
 
 GIB = 2**30
 
@@ -44,6 +45,7 @@ def meshes(devices: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
+@reference("layout_search")
 def search(
     gpt: GPT, devices: int, template: Layout, platform: Platform, budget: float | None = None
 ) -> tuple[list[TransformerPrediction], list[tuple[Layout, str]]]:
@@ -105,13 +107,33 @@ class TransformerPlan:
 
 
 def plan_transformer(
-    gpt: GPT, devices: int, batch: int, platform: Platform, budget: float | None = None, precision: str = "mixed"
+    gpt: GPT,
+    devices: int,
+    batch: int,
+    platform: Platform,
+    budget: float | None = None,
+    precision: str | Precision = "mixed",
+    base: Layout | None = None,
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
+    micro_batches: tuple[int, ...] = MICRO_BATCHES,
 ) -> TransformerPlan:
-    """Every layout of `devices` devices for a global batch of `batch` sequences, fastest first (ZeRO stages, micro-batches, recomputations, sequence parallelism or not)."""
+    """Every layout of `devices` devices for a global batch of `batch` sequences, fastest first (ZeRO stages,
+    micro-batches, recomputations, sequence parallelism or not, and for a mixture of experts every expert
+    parallelism that divides its experts). `base` gives the choices it keeps fixed (kernel, overlap, interleave;
+    its precision unless `precision` is given otherwise)."""
     plan = TransformerPlan(gpt, devices)
-    for zero, b, recompute, sp in itertools.product(ZERO_STAGES, MICRO_BATCHES, RECOMPUTE, (False, True)):
-        template = Layout(
-            zero=zero, micro_batch=b, batch=batch, recompute=recompute, precision=precision, sequence_parallel=sp
+    base = base or Layout()
+    precision = base.precision if precision == "mixed" else precision
+    experts = [e for e in divisors(gpt.experts) if devices % e == 0] if gpt.experts else [1]
+    for zero, b, recompute, sp, ep in itertools.product(zero_stages, micro_batches, RECOMPUTE, (False, True), experts):
+        template = base.with_(
+            zero=zero,
+            micro_batch=b,
+            batch=batch,
+            recompute=recompute,
+            precision=precision,
+            sequence_parallel=sp,
+            expert=ep,
         )
         ranked, rejected = search(gpt, devices, template, platform, budget)
         plan.ranked += [pred for pred in ranked if pred.layout.tensor > 1 or not sp]  # SP on t = 1: the same layout
@@ -124,10 +146,20 @@ def explain(chosen: TransformerPrediction, other: TransformerPrediction) -> str:
     """Why `chosen` is faster (or not) than `other`: the parts that differ, largest first, and the layouts' changes."""
     changes = [
         f"{name} {getattr(other.layout, name)} -> {getattr(chosen.layout, name)}"
-        for name in ("data", "tensor", "pipeline", "context", "zero", "micro_batch", "recompute", "sequence_parallel")
+        for name in (
+            "data",
+            "tensor",
+            "pipeline",
+            "context",
+            "expert",
+            "zero",
+            "micro_batch",
+            "recompute",
+            "sequence_parallel",
+        )
         if getattr(other.layout, name) != getattr(chosen.layout, name)
     ]
-    deltas = sorted(((chosen.seconds[k] - other.seconds[k], k) for k in TIME_PARTS), key=lambda x: x[0])
+    deltas = sorted(((chosen.seconds[k] - other.seconds[k], k) for k in chosen.seconds), key=lambda x: x[0])
     parts = [f"{k} {'-' if dt < 0 else '+'}{abs(dt):.2f} s" for dt, k in deltas if abs(dt) >= 0.005 * other.time]
     if not changes:
         return "the same layout"

@@ -1,0 +1,328 @@
+"""The transformer oracle's model options against real torch models of the same shape.
+
+For each option (grouped- and multi-query attention, SwiGLU of any width, RMSNorm, rotary positions, untied
+embeddings, no biases, no dropout, mixtures of experts with top-k routing, shared experts, a capacity factor or
+none, every n-th layer) a small torch GPT is built to that shape, and its parameters (counted by torch), the
+FLOPs of a training step (torch's `FlopCounterMode`, forward and backward) and the bytes one block saves for
+backward (`ddlab.runtime.memory.Ledger`) must equal the oracle's `GPT.parameters`, `iteration_flops` and
+`layer_activations` to within 1%. The torch models use the kernels the oracle assumes: a fused RMSNorm that keeps
+its input and statistics, rotary embedding by multiplying with constant tables, grouped-query attention that
+multiplies each key/value head with its group of query heads without copying it, dense expert buffers of the
+capacity's slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ddlab.oracle.transformer import (
+    GPT,
+    Layout,
+    iteration_flops,
+    layer_activations,
+    memory_per_rank,
+    rank_memory,
+    stage_parameters,
+)
+from ddlab.runtime.memory import Ledger
+from ddlab.tensor_parallel.formulas import activation_bytes_per_layer
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread (two threads on two shared cores are a hundred times slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as fused kernels run it: keeps its input and one reciprocal root mean square per token."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[override]
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return x * rstd * weight
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, rstd, weight = ctx.saved_tensors
+        normed = x * rstd
+        grad_normed = grad * weight
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x, (grad * normed).sum(dim=tuple(range(grad.dim() - 1))), None
+
+
+class _Dropout(torch.autograd.Function):
+    """Dropout as GPU kernels run it: keeps a 1-byte mask (torch's CPU kernel keeps it in the input's type)."""
+
+    @staticmethod
+    def forward(ctx, x, p):  # type: ignore[override]
+        mask = torch.rand_like(x) >= p
+        ctx.save_for_backward(mask)
+        ctx.scale = 1 / (1 - p)
+        return x * mask * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * mask * ctx.scale, None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedRMSNorm.apply(x, self.weight, 1e-6)
+
+
+def _norm(gpt: GPT) -> nn.Module:
+    return nn.LayerNorm(gpt.hidden) if gpt.norm == "layernorm" else RMSNorm(gpt.hidden)
+
+
+class MLP(nn.Module):
+    def __init__(self, gpt: GPT, width: int):
+        super().__init__()
+        h, bias = gpt.hidden, gpt.bias
+        self.gated = gpt.gated
+        self.up = nn.Linear(h, width, bias=bias)
+        self.gate = nn.Linear(h, width, bias=bias) if gpt.gated else None
+        self.down = nn.Linear(width, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x)))
+
+
+class Experts(nn.Module):
+    """Router, E routed experts (weights stacked), shared experts: top-k routing; each expert computes on its
+    slots (with a capacity factor: capacity k T / E slots each, padded with a zero token or dropped)."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        h, f, e = gpt.hidden, gpt.expert_ffn_, gpt.experts
+        self.gpt = gpt
+        self.router = nn.Linear(h, e, bias=False)
+        mats = 3 if gpt.gated else 2
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(e, h, f) / math.sqrt(h)) for _ in range(mats - 1)])
+        self.wd = nn.Parameter(torch.randn(e, f, h) / math.sqrt(f))
+        self.bias = nn.ParameterList(
+            [nn.Parameter(torch.zeros(e, f)) for _ in range(mats - 1)] + [nn.Parameter(torch.zeros(e, h))]
+            if gpt.bias
+            else []
+        )
+        self.shared = nn.ModuleList([MLP(gpt, f) for _ in range(gpt.shared_experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gpt, shape = self.gpt, x.shape
+        flat = x.reshape(-1, shape[-1])
+        tokens = flat.shape[0]
+        probs = torch.softmax(self.router(flat), dim=-1)
+        weight, chosen = probs.topk(gpt.top_k, dim=-1)
+        with torch.no_grad():
+            order = chosen.reshape(-1)
+            slots = []
+            capacity = int(gpt.capacity * gpt.top_k * tokens / gpt.experts) if gpt.capacity else None
+            for expert in range(gpt.experts):
+                mine = (order == expert).nonzero().reshape(-1)  # entries (token * k + choice) routed here
+                if capacity is not None:
+                    mine = torch.cat([mine[:capacity], torch.full((capacity - len(mine[:capacity]),), -1)])
+                slots.append(mine)
+        padded = torch.cat([flat, flat.new_zeros(1, shape[-1])])
+        gates = torch.cat([weight.reshape(-1), weight.new_zeros(1)])
+        entries = torch.cat(slots)
+        token = torch.where(entries >= 0, entries // gpt.top_k, tokens)  # one int64 index per slot
+        sent = padded[token]  # every slot's token, expert by expert
+        outputs, start = [], 0
+        for expert, mine in enumerate(slots):
+            part = sent[start : start + len(mine)]
+            start += len(mine)
+            hidden = [part @ w[expert] + (self.bias[i][expert] if self.bias else 0) for i, w in enumerate(self.w)]
+            act = F.silu(hidden[0]) * hidden[1] if gpt.gated else F.gelu(hidden[0])
+            outputs.append(act @ self.wd[expert] + (self.bias[-1][expert] if self.bias else 0))
+        scale = gates[torch.where(entries >= 0, entries, len(gates) - 1)]  # the gate's int64 index and value
+        routed = torch.cat(outputs) * scale[:, None]
+        out = padded.new_zeros(padded.shape).index_put((token,), routed, accumulate=True)[:tokens].reshape(shape)
+        for mlp in self.shared:
+            out = out + mlp(x)
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, gpt: GPT, moe: bool = False):
+        super().__init__()
+        h, kv, bias = gpt.hidden, gpt.kv_width, gpt.bias
+        self.gpt = gpt
+        self.norm1, self.norm2 = _norm(gpt), _norm(gpt)
+        self.q, self.k, self.v = nn.Linear(h, h, bias=bias), nn.Linear(h, kv, bias=bias), nn.Linear(h, kv, bias=bias)
+        self.proj = nn.Linear(h, h, bias=bias)
+        self.mlp = Experts(gpt) if moe else MLP(gpt, gpt.ffn_)
+        s, d = gpt.seq, h // gpt.heads
+        self.register_buffer("causal", torch.full((s, s), float("-inf")).triu(1))
+        angle = torch.arange(s)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+        # constant tables, shared by the layers in a real model: frozen, so the ledger does not count them
+        self.cos = nn.Parameter(torch.cos(angle).repeat(1, 2)[:, None, :], requires_grad=False)  # (s, 1, d)
+        self.sin = nn.Parameter(torch.sin(angle).repeat(1, 2)[:, None, :], requires_grad=False)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * self.cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * self.sin
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return _Dropout.apply(x, 0.1) if self.gpt.dropout else x
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        gpt = self.gpt
+        b, s, h = x.shape
+        kv, d = gpt.kv_heads_, h // gpt.heads
+        group = gpt.heads // kv
+        q = self.q(x).view(b, s, gpt.heads, d)
+        k = self.k(x).view(b, s, kv, d)
+        if gpt.rotary:
+            q, k = self._rotate(q), self._rotate(k)
+        # each key/value head meets its group of query heads, stacked along the rows: no copy of k or v
+        q = (q / math.sqrt(d)).view(b, s, kv, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv, group * s, d)
+        scores = (q @ k.permute(0, 2, 3, 1)).view(b, kv, group, s, s) + self.causal
+        probs = self._dropout(torch.softmax(scores, dim=-1)).view(b, kv, group * s, s)
+        out = probs @ self.v(x).view(b, s, kv, d).transpose(1, 2)
+        return self.proj(out.view(b, kv, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.norm1(x)))
+        return x + self._dropout(self.mlp(self.norm2(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+        self.wte = nn.Embedding(gpt.vocab, gpt.hidden)
+        self.wpe = None if gpt.rotary else nn.Embedding(gpt.seq, gpt.hidden)
+        moe = [gpt.experts > 0 and (i + 1) % gpt.moe_every == 0 for i in range(gpt.layers)]
+        self.blocks = nn.ModuleList([Block(gpt, m) for m in moe])
+        self.norm = _norm(gpt)
+        self.head = nn.Linear(gpt.hidden, gpt.vocab, bias=False)
+        if gpt.tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+BASE = GPT(layers=2, hidden=128, heads=4, seq=32, vocab=256, name="GPT-3's block")
+LLAMA = replace(
+    BASE, kv_heads=2, ffn=344, gated=True, norm="rmsnorm", rotary=True, tied=False, bias=False, dropout=False
+)
+OPTIONS = {
+    "gpt3": BASE,
+    "gqa": replace(BASE, kv_heads=2),
+    "mqa": replace(BASE, kv_heads=1, dropout=False),
+    "swiglu": replace(BASE, gated=True, ffn=344),
+    "rmsnorm rotary untied": replace(BASE, norm="rmsnorm", rotary=True, tied=False),
+    "llama": LLAMA,
+    "moe top-2 dropless": replace(LLAMA, experts=4, top_k=2, expert_ffn=64),
+    "moe capacity shared every 2nd": replace(
+        LLAMA, experts=8, top_k=2, expert_ffn=48, shared_experts=1, capacity=1.25, moe_every=2
+    ),
+    "moe gelu biases capacity 0.5": replace(BASE, experts=4, top_k=1, capacity=0.5, dropout=False),
+}
+
+
+def _model(gpt: GPT) -> Model:
+    torch.manual_seed(0)
+    return Model(gpt)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_parameters_are_torchs_count(option):
+    gpt = OPTIONS[option]
+    counted = sum(p.numel() for p in _model(gpt).parameters() if p.requires_grad)
+    assert gpt.parameters() == pytest.approx(counted, rel=0.01)
+    assert gpt.parameters() == counted  # and in fact to the parameter
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_flops_of_a_step_are_torchs_count(option):
+    gpt, batch = OPTIONS[option], 2
+    model = _model(gpt)
+    idx = torch.randint(0, gpt.vocab, (batch, gpt.seq))
+    with FlopCounterMode(display=False) as counter:
+        model(idx).float().logsumexp(-1).sum().backward()
+    assert iteration_flops(gpt, batch, "none") == pytest.approx(counter.get_total_flops(), rel=0.01)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_activation_bytes_of_a_block_are_the_ledgers_count(option):
+    gpt, batch = OPTIONS[option], 2
+    model = _model(gpt)
+    for block in model.blocks:
+        ledger = Ledger()
+        ledger.ignore(model)
+        x = torch.randn(batch, gpt.seq, gpt.hidden, requires_grad=True)
+        with ledger.activations():
+            y = block(x)
+        moe = isinstance(block.mlp, Experts)
+        want = layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, "local")
+        assert want == pytest.approx(ledger.used["activations"], rel=0.01), f"moe={moe}"
+        y.sum().backward()  # and backward releases every byte the ledger counted
+        assert ledger.used["activations"] == 0
+
+
+def test_gpt3s_defaults_keep_narayanans_and_korthikanis_counts():
+    gpt = GPT(layers=24, hidden=2304, heads=24)
+    h, s = gpt.hidden, gpt.seq
+    assert gpt.layer_parameters() == 12 * h * h + 13 * h
+    assert gpt.layer_flops() == 24 * s * h * h + 4 * s * s * h
+    for t, sp in ((1, False), (8, False), (8, True)):
+        assert layer_activations(gpt, s, 2, t, sp, 2, "none", False, "local") == pytest.approx(
+            activation_bytes_per_layer(s, 2, h, gpt.heads, t, sp, 2), rel=1e-12
+        )
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(data=4, tensor=2, pipeline=2, batch=32),
+        Layout(data=2, tensor=8, pipeline=4, batch=64, zero=1, recompute="selective", sequence_parallel=True),
+        Layout(data=8, tensor=1, pipeline=2, batch=16, zero=3, recompute="full", micro_batch=2),
+        Layout(data=2, tensor=4, batch=8, zero=2, precision="fp32"),
+    ],
+)
+def test_rank_memory_of_a_gpt3_is_exercise_16_4s_formula(layout):
+    gpt = GPT(layers=24, hidden=2304, heads=24)
+    got = rank_memory(gpt, layout)
+    layers = gpt.layers // layout.pipeline
+    want = memory_per_rank(
+        stage_parameters(gpt, layout),
+        gpt.seq,
+        layout.micro_batch,
+        gpt.hidden,
+        gpt.heads,
+        layers * min(layout.pipeline, layout.micro_batches),
+        layout.tensor,
+        layout.data,
+        layout.zero,
+        layout.recompute,
+        layout.sequence_parallel,
+        str(layout.precision),
+    )
+    for part in ("parameters", "gradients", "optimizer"):
+        assert got[part] == pytest.approx(want[part], rel=1e-12)
+    # the first stage, or the last with its logits: at least the first's activations
+    assert got["activations"] >= want["activations"] * (1 - 1e-12)

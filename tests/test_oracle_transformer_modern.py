@@ -1,0 +1,165 @@
+"""Lab 16's oracle for 2024-26 machines and recipes: the platforms, float8, expert parallelism, FSDP's overlap,
+ring attention's memory, and the published runs it is validated against (never fitted to)."""
+
+from __future__ import annotations
+
+import pytest
+from ddlab.allreduce.cost import Link
+from ddlab.oracle.platform import Platform
+from ddlab.oracle.published import (
+    B200,
+    EFFICIENCY,
+    H100_SXM,
+    H200_SXM,
+    LLAMA3_70B,
+    MODERN,
+    a100_cluster,
+    gpu_platform,
+    validate_modern,
+)
+from ddlab.oracle.transformer import (
+    GPT,
+    Layout,
+    Precision,
+    iteration_flops,
+    layer_activations,
+    layout_time,
+    predict,
+    problem,
+    rank_memory,
+    sixteen_bit_flops,
+    stage_split,
+    step_time,
+)
+
+
+def _flat() -> Platform:
+    link = Link(alpha=1e-5, beta=1 / 1e10)
+    return Platform("flat", 8, 1e14, 10**12, link, link, contention=(1.0,) * 8, rates={"fp8": 2e14})
+
+
+def test_platforms_are_the_datasheets_at_the_efficiency_the_user_sets():
+    h100 = gpu_platform(H100_SXM)
+    assert h100.flops == EFFICIENCY * 989.5e12 and h100.rate("fp8") == EFFICIENCY * 1979e12
+    assert h100.memory == 80 * 10**9 and gpu_platform(H200_SXM).memory == 141 * 10**9
+    assert gpu_platform(B200, efficiency=0.5).rate("bf16") == 0.5 * 2.25e15  # no "bf16" rate: flops
+    assert 1 / h100.intra.beta == 450e9 and 1 / h100.inter.beta == 50e9 and 1 / gpu_platform(B200).intra.beta == 900e9
+    assert all(key in h100.sources for key in ("compute", "memory", "intra", "inter", "flops"))
+    with pytest.raises(ValueError, match="share of the dense peak"):
+        gpu_platform(H100_SXM, efficiency=1.5)
+    a100 = a100_cluster()  # unchanged
+    assert a100.flops == 0.570 * 312e12 and a100.rates == {} and a100.memory == 80 * 10**9
+
+
+def test_float8_runs_the_linear_layers_at_its_rate_and_gathers_one_byte():
+    gpt, platform = GPT(layers=4, hidden=1024, heads=16, seq=2048, vocab=32000), _flat()
+    bf16, fp8 = Layout(data=8, batch=8, zero=3), Layout(data=8, batch=8, zero=3, precision="fp8")
+    flops, wide = iteration_flops(gpt, 8, "none"), sixteen_bit_flops(gpt, 8, "none")
+    assert step_time(gpt, bf16, platform)["compute"] == pytest.approx(flops / 8 / 1e14)
+    assert step_time(gpt, fp8, platform)["compute"] == pytest.approx(((flops - wide) / 2e14 + wide / 1e14) / 8)
+    gathers = step_time(gpt, fp8, platform)["data"], step_time(gpt, bf16, platform)["data"]
+    assert gathers[0] < gathers[1]  # the all-gathers send 1 byte per parameter instead of 2
+    own = Precision(weights=2, gradients=4, optimizer=12, activations=2, allgather=2, reduce=4)
+    memory = rank_memory(gpt, bf16.with_(precision=own))
+    assert memory["gradients"] == pytest.approx(2 * rank_memory(gpt, bf16)["gradients"])
+    assert "choose one of" in problem(gpt, bf16.with_(precision="fp4"))
+
+
+MOE = GPT(layers=4, hidden=512, heads=8, seq=1024, vocab=1000, experts=8, top_k=2, moe_every=2, gated=True, ffn=1536)
+
+
+def test_expert_parallelism_splits_the_experts_and_prices_the_all_to_alls():
+    platform = _flat()
+    lay = Layout(data=8, batch=16, expert=4)
+    dense, routed = stage_split(MOE, lay)
+    assert routed == pytest.approx(MOE.moe_layers * 8 * MOE.mlp_parameters(1536) / 4)
+    assert dense + routed * 4 == pytest.approx(MOE.parameters() - MOE.norm_parameters())  # all but the final norm
+    send = 1 * 1024 * 2 * 512 * 2  # b s tokens, 2 slots each, h elements of 2 bytes
+    want = 2 * 2 * 4 * platform.comm("alltoall", send, 4, 1)  # m = 2 micro-batches, 2 MoE layers, 4 trips
+    assert layout_time(MOE, lay, platform)["expert"] == pytest.approx(want)
+    assert layout_time(MOE, lay.with_(expert=1), platform)["expert"] == 0.0
+    assert "expert 3 does not divide" in problem(MOE, lay.with_(expert=3))
+    state = rank_memory(MOE, lay)["optimizer"], rank_memory(MOE, lay.with_(expert=1))["optimizer"]
+    assert state[0] < state[1]
+
+
+def test_fsdp_overlap_hides_the_gathers_under_the_layers():
+    gpt = GPT(layers=8, hidden=2048, heads=16, seq=4096, vocab=32000)
+    slow = Platform("slow", 8, 1e12, 10**12, Link(1e-5, 1e-10), Link(1e-5, 1e-10), contention=(1.0,) * 8)
+    lay = Layout(data=8, batch=8, zero=3)
+    plain, hidden = layout_time(gpt, lay, slow)["data"], layout_time(gpt, lay.with_(overlap=True), slow)["data"]
+    assert hidden < plain / 5  # the layers compute far longer than their collectives take
+    units = gpt.layers + 1
+    params = sum(stage_split(gpt, lay)) * 2 / units
+    first_and_last = slow.comm("allgather", params, 8) + slow.comm("reduce_scatter", params, 8)
+    assert hidden == pytest.approx(first_and_last)  # one micro-batch: only the first gather and last scatter show
+
+
+def test_under_context_parallelism_no_softmax_block_is_kept():
+    gpt = GPT(layers=8, hidden=1024, heads=16, seq=4096, vocab=32000)
+    lay = Layout(context=4, batch=1)
+    rows = gpt.seq // 4
+    want = layer_activations(gpt, rows, 1, 1, False, 2, "none", False, "flash")
+    assert want == pytest.approx(rows * (34 * 1024 + 4 * 16))  # Korthikanti's 34 sbh + a float32 lse per head
+    logits = 4 * rows * gpt.vocab
+    assert rank_memory(gpt, lay)["activations"] == pytest.approx(8 * want + logits)
+
+
+def test_the_published_rows_are_whole_layouts_predicted_without_a_factor_per_row(capsys):
+    rows = validate_modern()
+    assert len(rows) == len(MODERN) >= 7 and len({run.source for run in MODERN}) >= 2
+    for run, pred, acc, mem in rows:
+        assert problem(run.gpt, run.layout) is None and pred.layout == run.layout
+        assert 0.6 < acc <= 1 and (mem is None) == (run.memory is None)
+    assert predict(LLAMA3_70B, MODERN[1].layout, gpu_platform(H100_SXM)).time == pytest.approx(
+        MODERN[1].layout.batch * LLAMA3_70B.seq / 64 / rows[1][1].tokens_per_device()
+    )
+
+
+def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256_in_under_10_s():
+    """Lab 16's last cells: the layout search's answer, with its memory per GPU, in under 10 s each."""
+    import time
+
+    from ddlab.oracle import plan_transformer
+
+    h100, recipe = gpu_platform(H100_SXM), Layout(precision="fp8", kernel="flash", overlap=True)
+    moe = GPT(
+        layers=56,
+        hidden=6144,
+        heads=48,
+        seq=4096,
+        vocab=32768,
+        kv_heads=8,
+        ffn=16384,
+        gated=True,
+        norm="rmsnorm",
+        rotary=True,
+        tied=False,
+        bias=False,
+        dropout=False,
+        experts=8,
+        top_k=2,
+    )
+    for gpt, devices, batch, zero, micro in ((LLAMA3_70B, 64, 128, (1, 3), (1, 2)), (moe, 256, 512, (1,), (1,))):
+        start = time.perf_counter()
+        plan = plan_transformer(gpt, devices, batch, h100, base=recipe, zero_stages=zero, micro_batches=micro)
+        assert time.perf_counter() - start < 10
+        best = plan.best
+        assert best is not None and best.peak <= h100.memory and best.layout.precision == "fp8"
+        assert all(pred.time >= best.time for pred in plan.ranked)
+        assert (best.layout.expert > 1) == (gpt.experts > 0)  # the MoE's answer uses expert parallelism
+        assert any("memory" in why for _, why in plan.rejected)
+
+
+def test_routed_experts_are_not_cut_by_the_tensor_ranks_unless_said():
+    """Megatron-Bridge#3744: an estimator that divided the routed experts by the tensor-parallel size under-reported
+    a MoE's memory. Here they are whole on their rank (expert_tensor = 1) unless cut by t (expert_tensor = t)."""
+    lay = Layout(data=4, tensor=2, batch=8, expert=4, sequence_parallel=True)
+    whole, cut = stage_split(MOE, lay)[1], stage_split(MOE, lay.with_(expert_tensor=2))[1]
+    assert whole == pytest.approx(MOE.moe_layers * 8 * MOE.mlp_parameters(1536) / 4) and cut == pytest.approx(whole / 2)
+    assert rank_memory(MOE, lay)["parameters"] > rank_memory(MOE, lay.with_(expert_tensor=2))["parameters"]
+    assert "expert_tensor 3" in problem(MOE, lay.with_(expert_tensor=3))
+    assert problem(MOE, lay.with_(expert=8)) is None  # 8 experts over the 8 data x tensor ranks
+    assert "expert 8 does not divide" in problem(MOE, lay.with_(expert=8, expert_tensor=2))
+    no_sp = [layer_activations(MOE, 1024, 1, 2, False, 2, "none", True, "local", etp) for etp in (1, 2)]
+    assert no_sp[0] > no_sp[1]  # without sequence parallelism whole experts keep their whole activations
