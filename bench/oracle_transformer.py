@@ -54,6 +54,8 @@ def main() -> None:
     ]
     print(f"with alpha = 0 instead of 5 us, accuracy moves by at most {max(moved):.4f}")
     modern(args.efficiency)
+    if not args.no_plan:
+        lab_searches()
 
     if args.no_plan:
         return
@@ -77,6 +79,26 @@ def main() -> None:
         layouts = [p.layout for p in plan.ranked]
         rank = f"ranks {layouts.index(run.layout) + 1} of" if run.layout in layouts else "is not among"
         print(f"{'':11} the published layout {rank} {len(plan.ranked)} (plain 1F1B); rejected: {plan.reasons()}")
+
+
+def lab_searches() -> None:
+    """Lab 16's two searches of a modern model on H100s (fp8, flash attention, FSDP overlap), timed."""
+    from ddlab.oracle import Layout, plan_transformer
+    from ddlab.oracle.published import H100_SXM, LLAMA3_70B, gpu_platform
+
+    h100, recipe = gpu_platform(H100_SXM), Layout(precision="fp8", kernel="flash", overlap=True)
+    moe = replace(LLAMA3_70B, name="MoE 8x", layers=56, hidden=6144, heads=48, seq=4096, vocab=32768, ffn=16384)
+    moe = replace(moe, experts=8, top_k=2)
+    print("\nlab 16's searches on H100s (the answer must come within 10 s):")
+    for gpt, devices, batch, zero, micro in ((LLAMA3_70B, 64, 128, (1, 3), (1, 2)), (moe, 256, 512, (1,), (1,))):
+        start = time.perf_counter()
+        plan = plan_transformer(gpt, devices, batch, h100, base=recipe, zero_stages=zero, micro_batches=micro)
+        took = time.perf_counter() - start
+        best = plan.best
+        assert best is not None
+        print(
+            f"  {gpt.name:12} on {devices} GPUs: {best.layout.label}, {best.peak / 2**30:.1f} GiB per GPU, {took:.1f} s"
+        )
 
 
 def modern(efficiency: float | None) -> None:

@@ -116,10 +116,9 @@ def test_the_published_rows_are_whole_layouts_predicted_without_a_factor_per_row
     )
 
 
-def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256_in_under_10_s():
-    """Lab 16's last cells: the layout search's answer, with its memory per GPU, in under 10 s each."""
-    import time
-
+def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256():
+    """Lab 16's last cells: the layout search's answer, with its memory per GPU (bench/oracle_transformer.py
+    times them)."""
     from ddlab.oracle import plan_transformer
 
     h100, recipe = gpu_platform(H100_SXM), Layout(precision="fp8", kernel="flash", overlap=True)
@@ -141,9 +140,7 @@ def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256_in_under_10
         top_k=2,
     )
     for gpt, devices, batch, zero, micro in ((LLAMA3_70B, 64, 128, (1, 3), (1, 2)), (moe, 256, 512, (1,), (1,))):
-        start = time.perf_counter()
         plan = plan_transformer(gpt, devices, batch, h100, base=recipe, zero_stages=zero, micro_batches=micro)
-        assert time.perf_counter() - start < 10
         best = plan.best
         assert best is not None and best.peak <= h100.memory and best.layout.precision == "fp8"
         assert all(pred.time >= best.time for pred in plan.ranked)
