@@ -14,7 +14,8 @@ gradient g of its output, nothing else of the graph.
   backward, the gradient sent after W),
   `zb_h1` (exercise 17.2's reference), `zb_h2`; with two chunks per rank in a V, ("F", chunk, i),
   ...: `zb_v` (exercise 17.4's reference).
-- `replay_split`: replay per-rank op lists with F, B, W times (messages free); `split_bubble`,
+- `replay_split`: replay per-rank op lists with F, B, W times (messages free), `split_spans` for its
+  Gantt chart; `split_bubble`,
   `split_peak`: a replay's idle share and a rank's most activations alive; the closed forms
   `bubble_1f1b`, `bubble_zb_h1`, `bubble_zb_h2`.
 - `run_split` (exercise 17.3's reference on a chain): run the op lists on real ranks.
@@ -39,6 +40,7 @@ from ..model_parallel import Mailbox, Timeline
 from ..runtime.comm import Comm
 from ..runtime.memory import Ledger
 from ..runtime.reference import reference
+from ..runtime.trace import Span
 from .executor import micro_batch_loss
 from .schedules import one_f_one_b
 
@@ -157,6 +159,24 @@ def v_stage(p: int, rank: int, chunk: int) -> int:
     return rank if chunk == 0 else 2 * p - 1 - rank
 
 
+SHAPES = ("chain", "V", "interleaved")
+
+
+def placed(shape: str, p: int, rank: int, chunk: int) -> int:
+    """The virtual stage of chunk `chunk` of `rank`: on a chain rank r is stage r; in a V see `v_stage`;
+    interleaved (lab 16, two chunks) chunk c of rank r is stage c p + r."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape is one of {SHAPES}, got {shape!r}")
+    if shape == "V":
+        return v_stage(p, rank, chunk)
+    return chunk * p + rank
+
+
+def owner(shape: str, p: int, q: int) -> int:
+    """The rank holding virtual stage q."""
+    return (q if q < p else 2 * p - 1 - q) if shape == "V" else q % p
+
+
 @reference("zb_v")
 def zb_v(p: int, m: int, rank: int) -> list[SplitOp]:
     """A V-shaped zero-bubble schedule (the placement of ZB-V, Qi et al., "Pipeline Parallelism with
@@ -171,7 +191,7 @@ def zb_v(p: int, m: int, rank: int) -> list[SplitOp]:
 
 def _greedy_v(p: int, m: int) -> list[list[SplitOp]]:
     n, limit = 2 * p, 2 * p
-    owner = [(q, 0) if q < p else (n - 1 - q, 1) for q in range(n)]
+    where = [(q, 0) if q < p else (n - 1 - q, 1) for q in range(n)]
     end: dict[tuple[str, int, int], int] = {}
     free_at, alive = [0] * p, [0] * p
     next_f = [0] * n
@@ -182,7 +202,7 @@ def _greedy_v(p: int, m: int) -> list[list[SplitOp]]:
         for r in range(p):
             if free_at[r] > t:
                 continue
-            mine = sorted((q for q in range(n) if owner[q][0] == r), reverse=True)  # chunk 1 first
+            mine = sorted((q for q in range(n) if where[q][0] == r), reverse=True)  # chunk 1 first
             choice: tuple[str, int, int] | None = None
             for i in range(m):
                 for q in mine:
@@ -200,7 +220,7 @@ def _greedy_v(p: int, m: int) -> list[list[SplitOp]]:
                 continue
             kind, q, i = choice
             end[choice], free_at[r], left = t + 1, t + 1, left - 1
-            ops[r].append((kind, owner[q][1], i))
+            ops[r].append((kind, where[q][1], i))
             if kind == "F":
                 next_f[q] += 1
                 alive[r] += 1
@@ -224,13 +244,15 @@ def replay_split(
 ) -> list[list[tuple[SplitOp, float, float]]]:
     """Per rank, (op, start, end) of op lists run with op times f, b, w (messages free).
 
-    shape "chain": rank r is stage r (ops ("F", i)); "V": chunk c of rank r is `v_stage(p, r, c)`.
+    shape "chain": rank r is stage r (ops ("F", i)); "V" and "interleaved": ops ("F", chunk, i), chunk c
+    of rank r being virtual stage `placed(shape, p, r, c)`.
     F(q, i) needs F(q - 1, i); B(q, i) needs F(q, i) and B(q + 1, i); W(q, i) needs B(q, i); BW(q, i),
     B and W in one op of b + w, needs what B needs.
     ValueError on a deadlock, naming each stuck rank and the op it waits at."""
     p = len(schedules)
     n = p if shape == "chain" else 2 * p
     times = {"F": f, "B": b, "W": w, "BW": b + w}
+    placed(shape, p, 0, 0)
     done: dict[tuple[str, int, int], float] = {}
     cursor, clock = [0] * p, [0.0] * p
     out: list[list[tuple[SplitOp, float, float]]] = [[] for _ in range(p)]
@@ -241,7 +263,7 @@ def replay_split(
             while cursor[r] < len(schedules[r]):
                 op = schedules[r][cursor[r]]
                 kind, chunk, i = _parts(op)
-                q = r if shape == "chain" else v_stage(p, r, chunk)
+                q = placed(shape, p, r, chunk)
                 needs = {
                     "F": [("F", q - 1, i)] if q > 0 else [],
                     "B": [("F", q, i)] + ([("B", q + 1, i)] if q < n - 1 else []),
@@ -259,6 +281,15 @@ def replay_split(
         waiting = ", ".join(f"rank {r} at {tuple(schedules[r][cursor[r]])}" for r in stuck)
         raise ValueError(f"the op lists deadlock: {waiting} wait for ops that never run")
     return out
+
+
+def split_spans(timeline: Sequence[Sequence[tuple[SplitOp, float, float]]]) -> list[list[Span]]:
+    """A replayed timeline as spans (forward, backward, weight; numbered by micro-batch) for `ddlab.plots.gantt`."""
+    names = {"F": "forward", "B": "backward", "W": "weight", "BW": "backward"}
+    return [
+        [Span(names[op[0]], start, end, rank=r, number=op[-1]) for op, start, end in ops]
+        for r, ops in enumerate(timeline)
+    ]
 
 
 def split_bubble(timeline: Sequence[Sequence[tuple[SplitOp, float, float]]]) -> float:
@@ -316,24 +347,20 @@ def run_split(
     clock: Timeline | None = None,
     ledger: Ledger | None = None,
 ) -> list[float]:
-    """Run this rank's split ops on its chunks (one on a chain, two in a V); gradients add up in .grad.
+    """Run this rank's split ops on its chunks (one on a chain, two in a V or interleaved); gradients add up in .grad.
 
     Every activation has inputs[i]'s shape and dtype. The first virtual stage takes inputs[i], the
     last computes `loss` against targets[i] and its rank returns the losses in micro-batch order ([]
     elsewhere). Messages are posted without waiting and tagged by receiving stage, micro-batch and
-    direction; in a V the middle hand-over (chunk 0 to chunk 1 of the last rank) stays on the rank.
+    direction; a hand-over between two chunks of one rank (the middle of a V) stays on the rank.
     With a `clock`, F, B, W are forward, backward and weight spans; with a `ledger`, the forwards'
     saved tensors and what W keeps alive are charged as activations."""
-    if shape not in ("chain", "V"):
-        raise ValueError(f"shape is 'chain' (one chunk per rank) or 'V' (two), got {shape!r}")
+    placed(shape, 1, 0, 0)  # a known shape
     mailbox = Mailbox(comm, clock=clock)
     r, p, m = mailbox.rank, mailbox.size, len(inputs)
     n = p if shape == "chain" else 2 * p
     if len(chunks) != n // p:
         raise ValueError(f"a {shape} needs {n // p} chunk(s) per rank, got {len(chunks)}")
-
-    def owner(q: int) -> int:
-        return q if q < p else n - 1 - q
 
     def tag(q: int, i: int, backward: bool) -> int:  # q: the stage that receives
         return 2 * (q * m + i) + int(backward)
@@ -344,15 +371,15 @@ def run_split(
     local: dict[tuple[int, int, bool], torch.Tensor] = {}
 
     def send(t: torch.Tensor, q: int, i: int, backward: bool) -> None:
-        if owner(q) == r:
+        if owner(shape, p, q) == r:
             local[(q, i, backward)] = t.detach().clone()
         else:
-            mailbox.post(t, owner(q), tag(q, i, backward))
+            mailbox.post(t, owner(shape, p, q), tag(q, i, backward))
 
     def take(shape_: tuple[int, ...], dtype: torch.dtype, q_from: int, q: int, i: int, backward: bool) -> torch.Tensor:
-        if owner(q_from) == r:
+        if owner(shape, p, q_from) == r:
             return local.pop((q, i, backward))
-        return mailbox.take(shape_, dtype, owner(q_from), tag(q, i, backward))
+        return mailbox.take(shape_, dtype, owner(shape, p, q_from), tag(q, i, backward))
 
     kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[Record]]] = {}
     waiting_w: dict[tuple[int, int], list[Pending]] = {}
@@ -364,7 +391,7 @@ def run_split(
             raise ValueError(
                 f"unknown op {tuple(op)!r}: ops are ('F', i), ('B', i), ('W', i), ('BW', i) (with a chunk in a V)"
             )
-        q = r if shape == "chain" else v_stage(p, r, c)
+        q = placed(shape, p, r, c)
         with mailbox.clock.span(names[kind[0]], i):
             if kind == "F":
                 like = inputs[i]
