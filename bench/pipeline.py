@@ -32,6 +32,15 @@ same spans and 1 - ideal / step (the ideal each rank's own ops back to back, mea
 
     .venv/bin/python bench/pipeline.py --interleaved [--ranks 2] [--rounds 5]
 
+With `--zero-bubble` (lab 17) it measures on 4 ranks, for m = 4, 8, 12, 16, the bubble of 1F1B, the
+interleaved schedule, ZB-H1, ZB-H2 and ZB-V (Qi et al., ICLR 2024, section 3.1; Qi et al. 2024,
+"Pipeline Parallelism with Controllable Memory") on stages of linear layers (medians of `--rounds`
+runs, the schedules taking turns), beside each schedule's replay and formula from the run's own F, B
+and W times, and each schedule's peak activation memory from the ledger over 1F1B's; at m = 8 it
+prints ZB-H1's bubble over 1F1B's, measured and from the formulas.
+
+    .venv/bin/python bench/pipeline.py --zero-bubble [--rounds 5]
+
 It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
 
@@ -312,19 +321,67 @@ def interleaved_child(rounds: int) -> None:
         print(f"{m:3} | " + " | ".join(cells) + f" | {ideal[1] / ideal[0]:6.2f} {1 / v:5.2f}")
 
 
+def zero_bubble_child(rounds: int) -> None:
+    from ddlab.pipeline.zero_bubble_runs import SCHEDULES, closed_form, measure_split, predicted
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    names = list(SCHEDULES)
+    found: dict[tuple[str, int], list] = {}
+    for m in (4, 8, 12, 16):
+        for turn in range(rounds):
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                found.setdefault((name, m), []).append(measure_split(comm, name, m, repeats=1))
+    if comm.Get_rank() != 0:
+        return
+    print("bubble (idle share of the step, busy clock; median of rounds) | replayed with the run's F, B, W | formula")
+    print("peak: largest rank's peak activation bytes over 1F1B's (ledger)")
+    ratios = {}
+    for m in (4, 8, 12, 16):
+        print(f"\nm = {m}")
+        base = statistics.median(max(r.peaks) for r in found[("1F1B", m)])
+        split = tuple(statistics.median(r.times[k] for r in found[("ZB-H1", m)]) for k in range(3))
+        for name in names:
+            runs = found[(name, m)]
+            measured = statistics.median(r.bubble for r in runs)
+            replayed = statistics.median(predicted(r) for r in runs)
+            forms = [closed_form(r, split if r.times[2] == 0.0 else None) for r in runs]
+            formula = None if forms[0] is None else statistics.median(f for f in forms if f is not None)
+            peak = statistics.median(max(r.peaks) for r in runs) / base
+            ratios[(name, m)] = (measured, formula)
+            shown = "     -" if formula is None else f"{formula:6.3f}"
+            print(f"  {name:12} {measured:6.3f} | {replayed:6.3f} | {shown} | peak {peak:5.2f}x")
+    (h1, h1f), (base_b, base_f) = ratios[("ZB-H1", 8)], ratios[("1F1B", 8)]
+    print(
+        f"\nm = 8: ZB-H1 / 1F1B bubble measured {h1 / base_b:.3f}, from the formulas {h1f / base_f:.3f} "
+        f"(difference {abs(h1 / base_b - h1f / base_f):.3f})"
+    )
+
+
 def main() -> int:
     from ddlab.runtime.mpi import bench_main
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--interleaved", action="store_true", help="bubble against M, 1F1B and interleaved")
+    parser.add_argument("--zero-bubble", action="store_true", help="lab 17: 1F1B, interleaved, ZB-H1, ZB-H2, ZB-V")
     parser.add_argument(
         "--ranks", type=int, nargs="+", default=None, help="rank counts (default 4; 2 with --interleaved)"
     )
     args, _ = parser.parse_known_args()
     if args.interleaved and args.ranks is None:
         parser.set_defaults(ranks=[2])
-    return bench_main(parser, lambda a: interleaved_child(a.rounds) if a.interleaved else child(a.rounds), TIMEOUT)
+
+    def run(a: argparse.Namespace) -> None:
+        if a.zero_bubble:
+            zero_bubble_child(a.rounds)
+        elif a.interleaved:
+            interleaved_child(a.rounds)
+        else:
+            child(a.rounds)
+
+    return bench_main(parser, run, TIMEOUT)
 
 
 if __name__ == "__main__":

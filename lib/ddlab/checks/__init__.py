@@ -95,6 +95,10 @@ _WHERE = {
     "check_split_mesh": "mesh",
     "check_mesh_trainer": "mesh",
     "check_interleaved": "mesh",
+    "check_split_backward": "zero_bubble",
+    "check_zb_h1": "zero_bubble",
+    "check_run_zero_bubble": "zero_bubble",
+    "check_zb_v": "zero_bubble",
 }
 
 __all__ = list(_WHERE)

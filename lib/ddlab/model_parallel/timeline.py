@@ -26,8 +26,8 @@ from ..runtime.comm import Comm
 from ..runtime.counting import underlying
 from ..runtime.trace import Span, Tracer
 
-KINDS = ("forward", "backward", "send", "recv", "idle", "other")
-BUSY_KINDS = ("forward", "backward", "send", "recv")
+KINDS = ("forward", "backward", "weight", "send", "recv", "idle", "other")
+BUSY_KINDS = ("forward", "backward", "weight", "send", "recv")
 
 
 def polite_barrier(comm: Comm, pause: float = 1e-3) -> None:

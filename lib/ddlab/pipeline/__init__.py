@@ -13,6 +13,11 @@
 - `measure_pipeline`, `PipelineRun`: per-rank timelines on the busy and wall clocks,
   bubble, stage times and peak activation memory of one step; `hidden_share`: the work a
   lone micro-batch's ops do off the critical path, which `theory_bubble(k, m, hidden)` accounts for.
+- `zero_bubble` (lab 17): the backward split into B (`backward_input`) and W (`backward_weight`) after
+  `forward_recorded`; op lists with W ops: `one_f_one_b_whole`, `zb_h1`, `zb_h2`, `zb_v` (two chunks per
+  rank in a V, `v_stage`); `replay_split`, `split_spans`, `split_bubble`, `split_peak` and the closed forms `bubble_1f1b`,
+  `bubble_zb_h1`, `bubble_zb_h2`; `run_split`, which runs them on real ranks; `zero_bubble_runs`:
+  `measure_split` runs each on real ranks (bubble, F/B/W times, peak activations from the ledger).
 - `TorchPipeline`, `RelayStage`, `forward_bytes`: the same stages in torch.distributed.pipelining,
   which relays skip connections through the stages in between.
 """
@@ -33,3 +38,21 @@ from .runner import PipelineRun, expected_bubble, hidden_share, measure_pipeline
 from .schedules import Op, Schedule, as_spans, bubble, gpipe, in_flight, one_f_one_b, simulate, theory_bubble
 from .stashing import weight_versions
 from .torch_pipelining import RelayStage, TorchPipeline, alternate_wall_times, forward_bytes
+from .zero_bubble import (
+    backward_input,
+    backward_weight,
+    bubble_1f1b,
+    bubble_zb_h1,
+    bubble_zb_h2,
+    forward_recorded,
+    one_f_one_b_whole,
+    replay_split,
+    run_split,
+    split_bubble,
+    split_peak,
+    split_spans,
+    v_stage,
+    zb_h1,
+    zb_h2,
+    zb_v,
+)

@@ -14,6 +14,7 @@ COLOURS = {
     "data": "#8c8c8c",
     "forward": "#4c72b0",
     "backward": "#55a868",
+    "weight": "#ccb974",
     "allreduce": "#c44e52",
     "optimizer": "#dd8452",
     "bucket": "#e6a0a2",
