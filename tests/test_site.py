@@ -3,20 +3,15 @@
 No solution code on any page (every line of every solution block that the labs and docs do not
 also show is searched for in every built file); every internal link and anchor resolves, every
 image exists and has a text alternative; every lab has its page with the launch link, and the
-home page lists every lab with its time from docs/teaching.md. Set-up installs the site's pinned
-tools (docs/site/requirements-site.txt) with pip where they are missing; where that fails the
-tests skip saying why, and with CI=true they fail. The browser's view of the same site is in
+home page lists every lab with its time from docs/teaching.md. The site is built once per session
+(the `course_site` fixture of tests/conftest.py); the browser's view of it is in
 tests/browser/test_site.py.
 """
 
 from __future__ import annotations
 
 import html
-import importlib.util
-import os
 import re
-import subprocess
-import sys
 import urllib.parse
 from html.parser import HTMLParser
 from pathlib import Path
@@ -25,39 +20,15 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIREMENTS = ROOT / "docs" / "site" / "requirements-site.txt"
-IN_CI = os.environ.get("CI", "").lower() == "true"
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 #: Solution lines shorter than this ("return None", "continue") say nothing and occur anywhere: not searched.
 MIN_LINE = 12
 
 
-def install_site_tools() -> None:
-    """pip install the site's pinned tools unless present; skip (fail in CI) saying why if that fails."""
-    if importlib.util.find_spec("myst_nb") is not None:
-        return
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "-r", str(REQUIREMENTS)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if done.returncode != 0:
-        message = f"the site's tools could not be installed (pip install -r {REQUIREMENTS}): {done.stderr[-1500:]}"
-        if IN_CI:
-            pytest.fail(f"CI=true, so the site must build, but {message}")
-        pytest.skip(f"site tests skipped: {message}")
-
-
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """The site built as `make site` builds it: (html folder, settings)."""
-    install_site_tools()
-    from ddlab.tools.site import build, load_settings
-
-    settings = load_settings()
-    index = build(tmp_path_factory.mktemp("site"), settings)
-    return index.parent, settings
+def site(course_site):
+    """The site built as `make site` builds it (tests/conftest.py): (html folder, settings)."""
+    return course_site
 
 
 class Page(HTMLParser):
