@@ -31,6 +31,7 @@ import subprocess
 import sys
 import urllib.parse
 from base64 import b64encode
+from collections.abc import Sequence
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
@@ -203,7 +204,11 @@ def _rewrite_links(text: str, here: str, settings: Settings, pages: set[str]) ->
 
 
 def lab_map(found: list[Lab]) -> tuple[bytes, str]:
-    """The labs as boxes in rows of what they build on, arrows from each prerequisite; PNG and its text alternative."""
+    """The labs as boxes in rows of what they build on, arrows from each direct prerequisite; PNG and its alt text.
+
+    An arrow a -> c is left out when another prerequisite of c builds on a already; the text
+    alternative names every prerequisite the lab states.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,11 +226,17 @@ def lab_map(found: list[Lab]) -> tuple[bytes, str]:
             place[lab.number] = (i - (len(row) - 1) / 2, -depth)
     width = max(len(r) for r in rows.values())
     fig, ax = plt.subplots(figsize=(max(6, 2.1 * width), 1.2 * len(rows) + 0.6))
+    ancestors: dict[str, set[str]] = {}
+    for lab in found:  # in order: a lab's prerequisites come before it
+        ancestors[lab.number] = set(lab.needs).union(*(ancestors.get(n, set()) for n in lab.needs))
     for lab in found:
-        for need in lab.needs:
-            if need in place:
+        for need in lab.needs:  # an arrow only from a prerequisite no other prerequisite builds on
+            if need in place and not any(need in ancestors.get(other, set()) for other in lab.needs):
                 ax.annotate(
-                    "", place[lab.number], place[need], arrowprops={"arrowstyle": "->", "color": "#555555", "lw": 0.8}
+                    "",
+                    place[lab.number],
+                    place[need],
+                    arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 0.8, "shrinkA": 11, "shrinkB": 11},
                 )
     for lab in found:
         x, y = place[lab.number]
@@ -340,14 +351,17 @@ def accessible(page: str) -> str:
     return re.sub(r"<pre(?![^>]*tabindex)", '<pre tabindex="0"', page)
 
 
-def stage(source: Path, settings: Settings, repo: Path = REPO) -> list[Lab]:
-    """Write the Sphinx project to `source`: conf.py, the home page, the labs with figures, the docs."""
+def stage(source: Path, settings: Settings, repo: Path = REPO, only: Sequence[str] | None = None) -> list[Lab]:
+    """Write the Sphinx project to `source`: conf.py, the home page, the labs with figures, the docs.
+
+    `only` names the labs to give pages (02_collectives, ...): all of them if None.
+    """
     if source.exists():
         shutil.rmtree(source)
     (source / "labs").mkdir(parents=True)
     (source / "docs").mkdir()
     (source / "_static").mkdir()
-    found = labs(repo / "labs", repo / "docs" / "teaching.md")
+    found = [lab for lab in labs(repo / "labs", repo / "docs" / "teaching.md") if only is None or lab.name in only]
     pages = {f"labs/{lab.name}.ipynb" for lab in found} | {"index.md", "contributing.md"}
     pages |= {f"docs/{p.name}" for p in (repo / "docs").glob("*.md")}
     pages |= {f"docs/img/{p.name}" for p in (repo / "docs" / "img").glob("*")}
@@ -388,9 +402,12 @@ def page_of_lab(
     return page
 
 
-def build(out: Path, settings: Settings, repo: Path = REPO) -> Path:
-    """Stage the site under out/src and build it with Sphinx into out/html; the home page's path."""
-    stage(out / "src", settings, repo)
+def build(out: Path, settings: Settings, repo: Path = REPO, only: Sequence[str] | None = None) -> Path:
+    """Stage the site under out/src (`only` these labs, if given) and build it with Sphinx into out/html.
+
+    Returns the home page's path.
+    """
+    stage(out / "src", settings, repo, only)
     html = out / "html"
     done = subprocess.run(
         [
