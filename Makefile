@@ -12,7 +12,7 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ddlab-setup-$(MPI)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test test-lib test-mpi test-notebooks labs bench clean
+.PHONY: setup lab test test-lib test-mpi test-notebooks labs bench site clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ labs: setup
 
 bench: setup
 	for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
+
+# The course site (Sphinx + MyST-NB, pinned in docs/site/requirements-site.txt) in build/site/html.
+site: setup
+	$(BIN)/python -m pip install --quiet -r docs/site/requirements-site.txt
+	$(BIN)/python -m ddlab.tools.site build/site
 
 clean:
 	rm -rf $(VENV)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +56,29 @@ def slurm(slurm_node):
         # ranks share cores: make them yield while they wait, as it does when oversubscribed.
         env.setenv("OMPI_MCA_mpi_yield_when_idle", "1")
         yield slurm_node
+
+
+@pytest.fixture(scope="session")
+def course_site(tmp_path_factory):
+    """The course site, built once as `make site` builds it: (its html folder, its settings).
+
+    Set-up installs the site's pinned tools (docs/site/requirements-site.txt) with pip where
+    they are missing; where that fails the tests skip saying why, and with CI=true they fail.
+    """
+    if importlib.util.find_spec("myst_nb") is None:
+        requirements = HERE.parent / "docs" / "site" / "requirements-site.txt"
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "-r", str(requirements)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            message = f"the site's tools could not be installed (pip install -r {requirements}): {done.stderr[-1500:]}"
+            if IN_CI:
+                pytest.fail(f"CI=true, so the site must build, but {message}")
+            pytest.skip(f"site tests skipped: {message}")
+    from ddlab.tools.site import build, load_settings
+
+    settings = load_settings()
+    return build(tmp_path_factory.mktemp("site"), settings).parent, settings

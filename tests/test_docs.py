@@ -56,6 +56,13 @@ NOT_IN_REPOSITORY = {
     "grades/feedback/<student>.html": "written by `ddlab grade --out grades`",
     "submitted/<student>/<assignment>/03_allreduce.ipynb": "nbgrader's layout of submissions",
     "out/browser/": "written by a failed browser test",
+    "build/site": "written by `make site`",
+    "build/site/html/": "written by `make site`",
+    "canvas-export.csv": "the gradebook an instructor exports from Canvas",
+    "grades/canvas-03.csv": "written by `ddlab grade --canvas`",
+    "setup.sh": "in the Gradescope autograder that `ddlab grade --gradescope` writes",
+    "submission/": "Gradescope's folder of a student's upload",
+    "results/results.json": "written by the Gradescope autograder",
 }
 #: Extensions that make a bare word (no slash) a file name to look for.
 FILE_EXTENSIONS = (".py", ".md", ".ipynb", ".yml", ".yaml", ".toml", ".txt", ".sh", ".png", ".csv", ".html", ".ini")

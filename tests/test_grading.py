@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import copy
 import csv
+import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import nbformat
@@ -141,6 +145,67 @@ def processes_under(folder: Path) -> list[str]:
     return found
 
 
+#: Canvas's gradebook export for the four, as an instructor downloads it (Grades, Export): a test student too.
+ROSTER = (
+    ("Lovelace, Ada", "1001", "solution"),
+    ("Hopper, Grace", "1002", "reference"),
+    ("Turing, Alan", "1003", "deadlock_then_kill"),
+    ("Liskov, Barbara", "1004", "faked_checks"),
+)
+CANVAS_EXPORT = "Student,ID,SIS User ID,SIS Login ID,Section,Lab 02 (77)\n" + "\n".join(
+    [
+        "    Points Possible,,,,,4",
+        *(f'"{n}",{i},S{i},{login},MPI 101,4' for n, i, login in ROSTER),
+        '"Student, Test",9,,,,',
+    ]
+)
+#: The student columns Canvas's gradebook import reads, in order, before one column per assignment.
+CANVAS_STUDENT_COLUMNS = ["Student", "ID", "SIS User ID", "SIS Login ID", "Section"]
+
+
+def parse_canvas_import(text: str) -> tuple[dict[str, float], list[dict]]:
+    """Read a CSV as Canvas's gradebook import documents it: ({assignment: points possible}, student rows).
+
+    The header starts with the five student columns; a row whose Student is "Points Possible" gives
+    the maxima; every other row is a student, identified by ID, SIS User ID or SIS Login ID, with a
+    number (or nothing) per assignment.
+    """
+    header, *rows = list(csv.reader(io.StringIO(text)))
+    assert header[:5] == CANVAS_STUDENT_COLUMNS, header
+    assignments = header[5:]
+    assert assignments and all(assignments), "one named column per assignment"
+    possible, students = {}, []
+    for row in rows:
+        assert len(row) == len(header), row
+        record = dict(zip(header, row))
+        if record["Student"].strip() == "Points Possible":
+            possible = {a: float(record[a]) for a in assignments}
+            continue
+        assert record["ID"] or record["SIS User ID"] or record["SIS Login ID"], f"Canvas cannot match {row}"
+        students.append({**record, **{a: float(record[a]) if record[a] else None for a in assignments}})
+    return possible, students
+
+
+def test_the_canvas_file_without_a_roster_names_students_by_login_and_refuses_unknown_ones(tmp_path):
+    from ddlab.tools.grading.canvas import read_roster, write_canvas
+    from ddlab.tools.grading.run import Result
+
+    lab_checks = checks(LAB)
+    results = [Result("alice", c, P if i == 0 else F, c.points if i == 0 else 0, "") for i, c in enumerate(lab_checks)]
+    write_canvas(results, "Lab 3: allreduce", tmp_path / "canvas.csv", roster=None)
+    possible, rows = parse_canvas_import((tmp_path / "canvas.csv").read_text())
+    assert possible == {"Lab 3: allreduce": 3.0}
+    assert [(r["Student"], r["SIS Login ID"], r["Lab 3: allreduce"]) for r in rows] == [("alice", "alice", 1.0)]
+    (tmp_path / "export.csv").write_text(CANVAS_EXPORT)
+    roster = read_roster(tmp_path / "export.csv")
+    assert [r["SIS Login ID"] for r in roster] == [login for _, _, login in ROSTER]
+    with pytest.raises(SystemExit, match="no student 'alice' in the roster"):
+        write_canvas(results, "Lab 3", tmp_path / "again.csv", roster)
+    (tmp_path / "other.csv").write_text("name,score\nalice,3\n")
+    with pytest.raises(SystemExit, match="is not a Canvas gradebook export"):
+        read_roster(tmp_path / "other.csv")
+
+
 def test_grade_four_submissions_of_lab_03(tmp_path):
     folder = tmp_path / "collected"
     folder.mkdir()
@@ -151,8 +216,25 @@ def test_grade_four_submissions_of_lab_03(tmp_path):
     ddlab = Path(sys.executable).parent / "ddlab"
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the grader's private IPython directory goes here
     started = time.monotonic()
+    roster = tmp_path / "canvas_export.csv"
+    roster.write_text(CANVAS_EXPORT)
+    canvas = tmp_path / "canvas.csv"
     done = subprocess.run(
-        [str(ddlab), "grade", "--lab", "03", "--timeout", str(TIMEOUT), "--out", str(tmp_path / "grades"), *paths],
+        [
+            str(ddlab),
+            "grade",
+            "--lab",
+            "03",
+            "--timeout",
+            str(TIMEOUT),
+            "--out",
+            str(tmp_path / "grades"),
+            "--canvas",
+            str(canvas),
+            "--roster",
+            str(roster),
+            *paths,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -171,6 +253,13 @@ def test_grade_four_submissions_of_lab_03(tmp_path):
     assert sheet == expected, done.stdout + done.stderr
     assert elapsed < 600, f"grading took {elapsed:.0f} s"
     assert not processes_under(tmp_path), processes_under(tmp_path)
+
+    points_possible, rows = parse_canvas_import(canvas.read_text())
+    assert points_possible == {"03_allreduce": 3.0}
+    assert [(r["Student"], r["ID"], r["SIS Login ID"], r["Section"], r["03_allreduce"]) for r in rows] == [
+        (name, canvas_id, login, "MPI 101", float(sum(s == P for s in EXPECTED[login])))
+        for name, canvas_id, login in ROSTER
+    ]
 
     feedback = {student: (tmp_path / "grades" / "feedback" / f"{student}.html").read_text() for student in EXPECTED}
     assert "3 of 3 points" in feedback["solution"] and "sums correctly" in feedback["solution"]
@@ -249,3 +338,74 @@ def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
     feedback = (course / "feedback" / "alice" / "lab03" / "03_allreduce.html").read_text()
     assert "Score: 1.0 / 3.0" in feedback and "Exercise 3.2 (allreduce_ring) is not done yet" in feedback
     assert not processes_under(tmp_path), processes_under(tmp_path)
+
+
+def gradescope_run(autograder: zipfile.ZipFile, root: Path, notebook: nbformat.NotebookNode) -> dict:
+    """Run the autograder as Gradescope does, in `root` laid out as /autograder: its results.json.
+
+    source/ is the unpacked archive, run_autograder its copy at the top, submission/ the upload,
+    venv/ what setup.sh builds (here: this suite's environment, where ddlab is installed already).
+    """
+    autograder.extractall(root / "source")
+    for name in ("run_autograder", "setup.sh"):
+        (root / "source" / name).chmod(0o755)  # zipfile does not restore modes: Gradescope's unzip does
+    shutil.copy(root / "source" / "run_autograder", root / "run_autograder")
+    (root / "venv").symlink_to(Path(sys.prefix))
+    (root / "submission").mkdir()
+    nbformat.write(notebook, root / "submission" / "03_allreduce.ipynb")
+    env = {**os.environ, "TMPDIR": str(root)}  # the grader's private IPython directory goes here
+    done = subprocess.run(
+        [str(root / "run_autograder")], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not processes_under(root), processes_under(root)
+    return json.loads((root / "results" / "results.json").read_text())
+
+
+def test_the_gradescope_autograder_gives_full_zero_and_partial_marks(tmp_path):
+    ddlab = Path(sys.executable).parent / "ddlab"
+    archive = tmp_path / "autograder.zip"
+    done = subprocess.run(
+        [str(ddlab), "grade", "--lab", "03", "--timeout", str(TIMEOUT), "--gradescope", str(archive)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    with zipfile.ZipFile(archive) as autograder:
+        names = set(autograder.namelist())
+        assert {"setup.sh", "run_autograder", "labs/03_allreduce.ipynb", "lib/pyproject.toml"} <= names
+        assert {"lib/ddlab/checks/allreduce.py", "clusters/local/ipcluster_config.py"} <= names
+        assert not [n for n in names if "__pycache__" in n or ".egg-info" in n]
+        assert autograder.getinfo("run_autograder").external_attr >> 16 & 0o111, "run_autograder is executable"
+        assert autograder.read("labs/03_allreduce.ipynb") == (ROOT / "labs" / "03_allreduce.ipynb").read_bytes()
+        for script in ("setup.sh", "run_autograder"):
+            syntax = subprocess.run(["bash", "-n"], input=autograder.read(script), capture_output=True)
+            assert syntax.returncode == 0, syntax.stderr
+        graded = {
+            name: gradescope_run(autograder, tmp_path / name, make())
+            for name, make in (
+                ("solution", lambda: copy.deepcopy(SOLUTION)),
+                ("stub", lambda: copy.deepcopy(LAB)),
+                ("half_done", lambda: lab_with(("allreduce_recursive_doubling",))),
+            )
+        }
+    names = [t["name"] for t in graded["solution"]["tests"]]
+    assert names == list(EXERCISES), "one test per check, in the lab's order"
+    assert [t["max_score"] for t in graded["solution"]["tests"]] == [c.points for c in checks(LAB)]
+    assert {name: results["score"] for name, results in graded.items()} == {"solution": 3, "stub": 0, "half_done": 1}
+    assert [t["status"] for t in graded["half_done"]["tests"]] == ["passed", "failed", "failed"]
+    assert "is not done yet" in graded["stub"]["tests"][0]["output"]
+
+
+def test_the_gradescope_autograder_says_what_to_upload_when_no_notebook_came(tmp_path):
+    from ddlab.tools.grading.gradescope import main
+
+    (tmp_path / "submission").mkdir()
+    (tmp_path / "submission" / "notes.txt").write_text("forgot the notebook")
+    results = tmp_path / "results" / "results.json"
+    args = ["--lab", str(ROOT / "labs" / "03_allreduce.ipynb"), "--submission", str(tmp_path / "submission")]
+    assert main([*args, "--results", str(results)]) == 0
+    graded = json.loads(results.read_text())
+    assert graded["score"] == 0 and [t["score"] for t in graded["tests"]] == [0, 0, 0]
+    assert "upload exactly one notebook, 03_allreduce.ipynb" in graded["output"]

@@ -5,8 +5,9 @@ The hub runs clusters/jupyterhub/jupyterhub_config_example.py, changing only por
 addresses (loopback), paths (state, the course folder, the private Slurm's configuration)
 and the authenticator (one user, one password). In Chromium a student logs in, picks the
 4-engine profile, waits for the Slurm job, runs lab 02's solution with the `jupyterhub`
-profile (engines as a step of the server's own job) and stops the server from the hub's
-control panel; then no job, process or listening port may be left.
+profile (engines as a step of the server's own job), follows the course site's launch link
+for lab 00 (nbgitpuller pulls the course and JupyterLab opens the lab), and stops the server from the
+hub's control panel; then no job, process or listening port may be left.
 
 Set-up installs what is missing: clusters/jupyterhub/requirements-hub.txt with pip into
 this environment (hub and course environment at once), configurable-http-proxy with npm
@@ -59,7 +60,7 @@ def npm_cache() -> Path:
 
 def install_hub() -> Path:
     """JupyterHub, batchspawner, wrapspawner (pip), the proxy (npm), sudo (apt); the proxy's path."""
-    if any(importlib.util.find_spec(name) is None for name in ("jupyterhub", "batchspawner", "wrapspawner")):
+    if any(importlib.util.find_spec(n) is None for n in ("jupyterhub", "batchspawner", "wrapspawner", "nbgitpuller")):
         pip_install("-r", str(REQUIREMENTS))
     proxy = npm_cache() / "node_modules" / ".bin" / "configurable-http-proxy"
     if not proxy.exists():
@@ -165,7 +166,7 @@ def spawner_jobs(node) -> list[dict[str, str]]:
 
 
 @pytest.mark.timeout(900)
-def test_student_runs_lab_02_on_a_hub_spawning_into_slurm(page, hub) -> None:
+def test_student_runs_lab_02_on_a_hub_spawning_into_slurm(page, hub, course_site) -> None:
     url, user, password, node, folder = hub
     known = {job["JobId"] for job in spawner_jobs(node)}
 
@@ -191,6 +192,8 @@ def test_student_runs_lab_02_on_a_hub_spawning_into_slurm(page, hub) -> None:
     assert not problems, f"{NOTEBOOK} on the hub:\n" + "\n".join(problems)
     assert "4 engines up (MPI ranks 0..3), profile 'jupyterhub'" in cells[2].text(), str(cells[2])
 
+    follow_the_sites_launch_link(page, url, user, folder)
+
     page.goto(f"{url}/hub/home")
     page.click("#stop")
     page.locator("#stop").wait_for(state="hidden", timeout=120_000)  # the hub answered the stop
@@ -208,6 +211,31 @@ def test_student_runs_lab_02_on_a_hub_spawning_into_slurm(page, hub) -> None:
     assert not left, f"processes of job {job['JobId']} outlived it: {left}"
     [port] = re.findall(rf"job {job['JobId']} started at \S+:(\d+)", (folder / "jupyterhub.log").read_text())
     assert not listening(int(port)), f"the server's port {port} still listens"
+
+
+LAUNCHED = "00_cluster"
+
+
+def follow_the_sites_launch_link(page, url: str, user: str, folder: Path) -> None:
+    """The course site's page of lab 00, built with this hub as the class's: its launch link pulls the
+    course (a clone of this repository's HEAD) into the student's folder and opens the lab in JupyterLab."""
+    from ddlab.tools.site import build, load_settings
+
+    course = folder / "course.git"
+    subprocess.run(["git", "init", "--quiet", "--bare", str(course)], check=True, timeout=60)
+    subprocess.run(
+        ["git", "-C", str(ROOT), "push", "--quiet", str(course), "HEAD:refs/heads/main"], check=True, timeout=120
+    )
+    settings = load_settings(hub=url, repository=str(course), branch="main")
+    home = build(folder / "site", settings, only=[LAUNCHED])
+    page.goto((home.parent / "labs" / f"{LAUNCHED}.html").as_uri())
+    page.locator('a[href*="/hub/user-redirect/git-pull?"]').first.click()
+    opened = f"{settings.folder}/labs/{LAUNCHED}.ipynb"
+    page.wait_for_url(re.compile(rf"/user/{user}/lab/tree/{re.escape(opened)}"), timeout=180_000)
+    page.locator(f'.lm-TabBar-tab[title*="{opened}"]').wait_for(state="visible", timeout=120_000)
+    page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.wait_for(state="visible", timeout=120_000)
+    pulled = folder / "course" / opened
+    assert pulled.read_bytes() == (ROOT / "labs" / f"{LAUNCHED}.ipynb").read_bytes(), "the pulled lab is not HEAD's"
 
 
 def job_processes(job_id: str) -> list[str]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.colors import to_rgba
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 
@@ -50,5 +51,10 @@ def finish_panels(fig: plt.Figure, axes: Sequence[plt.Axes], xlabel: str, title:
     return fig
 
 
+#: A colour per rank: Okabe and Ito's, and a dark grey, told apart with any common colour-vision deficiency.
+RANK_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#555555")
+
+
 def rank_colour(rank: int) -> tuple[float, float, float, float]:
-    return plt.get_cmap("tab10")(rank % 10)
+    """The colour of a rank (cycling after 8), as RGBA."""
+    return to_rgba(RANK_COLOURS[rank % len(RANK_COLOURS)])

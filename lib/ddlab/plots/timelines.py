@@ -9,21 +9,23 @@ import matplotlib.pyplot as plt
 
 from ..runtime.trace import MAIN, Span
 
-#: A colour per kind of span: training phases (labs 04-05) and pipeline ops (labs 06-07).
+#: A colour per kind of span: training phases (labs 04-05) and pipeline ops (labs 06-07). Okabe and Ito's
+#: colours (and greys), told apart by readers with any common colour-vision deficiency
+#: (tests/test_plots_colours.py checks every pair under simulated protanopia, deuteranopia, tritanopia).
 COLOURS = {
-    "data": "#8c8c8c",
-    "forward": "#4c72b0",
-    "backward": "#55a868",
-    "weight": "#ccb974",
-    "allreduce": "#c44e52",
-    "optimizer": "#dd8452",
-    "bucket": "#e6a0a2",
-    "send": "#dd8452",
-    "recv": "#8172b3",
+    "data": "#555555",
+    "forward": "#0072B2",
+    "backward": "#D55E00",
+    "weight": "#000000",
+    "allreduce": "#CC79A7",
+    "optimizer": "#E69F00",
+    "bucket": "#F0E442",
+    "send": "#56B4E9",
+    "recv": "#009E73",
     "idle": "#eeeeee",
     "other": "#bbbbbb",
 }
-_DARK = ("forward", "backward", "allreduce", "recv")  # kinds whose numbers are written in white
+_DARK = ("data", "forward", "backward", "recv")  # kinds whose numbers are written in white
 
 
 def gantt(

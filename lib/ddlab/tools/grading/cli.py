@@ -1,4 +1,9 @@
-"""`ddlab grade --lab 03 SUBMISSIONS...`: grade collected notebooks into a CSV sheet and HTML feedback."""
+"""`ddlab grade --lab 03 SUBMISSIONS...`: grade collected notebooks into a CSV sheet and HTML feedback.
+
+`--canvas FILE` also writes the grades as a CSV that Canvas's gradebook imports (`canvas`);
+`ddlab grade --lab 03 --gradescope autograder.zip` writes the lab's Gradescope autograder
+instead of grading (`gradescope`).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from pathlib import Path
 import nbformat
 
 from ...runtime.cluster import CLUSTERS_DIR
+from .canvas import identity, read_roster, write_canvas
+from .gradescope import write_autograder
 from .report import feedback_html, write_sheet
 from .run import clean_up, grade, private_ipython_dir
 from .submission import student_name
@@ -21,7 +28,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """The `grade` subcommand of `ddlab`."""
     parser = commands.add_parser("grade", help="grade submitted lab notebooks: a CSV grade sheet and HTML feedback")
     parser.add_argument("--lab", required=True, help="the lab's number, e.g. 03")
-    parser.add_argument("submissions", nargs="+", type=Path, help="the students' notebooks (.ipynb)")
+    parser.add_argument("submissions", nargs="*", type=Path, help="the students' notebooks (.ipynb)")
     parser.add_argument("--labs", type=Path, default=LABS_DIR, help=f"where the labs are (default {LABS_DIR})")
     parser.add_argument(
         "--out",
@@ -34,6 +41,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=float,
         default=300.0,
         help="seconds a cell may run before it counts as timed out (default 300)",
+    )
+    parser.add_argument(
+        "--canvas", type=Path, help="also write the points as a CSV for Canvas's gradebook import (Grades, Import)"
+    )
+    parser.add_argument(
+        "--roster", type=Path, help="Canvas's gradebook export, whose IDs and sections the --canvas file takes"
+    )
+    parser.add_argument("--assignment", help="the Canvas assignment's column (default: the lab, e.g. 03_allreduce)")
+    parser.add_argument(
+        "--gradescope",
+        type=Path,
+        help="write the lab's Gradescope autograder (a zip to upload) to this path instead of grading",
     )
 
 
@@ -51,6 +70,17 @@ def find_lab(labs: Path, number: str) -> Path:
 def main(args: argparse.Namespace) -> int:
     """Grade every submission in turn, each on a clean cluster; exit status 1 if processes had to be killed."""
     lab_path = find_lab(args.labs, args.lab)
+    if args.gradescope is not None:
+        names = write_autograder(lab_path, args.gradescope, args.timeout)
+        print(f"wrote {args.gradescope} ({len(names)} files): upload it as the assignment's autograder in Gradescope")
+        return 0
+    if not args.submissions:
+        raise SystemExit(
+            "ddlab grade: give the submitted notebooks to grade, or --gradescope ZIP to export the autograder"
+        )
+    roster = read_roster(args.roster) if args.roster is not None else None
+    for path in args.submissions if args.canvas is not None else []:
+        identity(student_name(path, lab_path.name), roster)  # refuse an unknown student before grading
     lab = nbformat.read(lab_path, as_version=4)
     missing = [str(p) for p in args.submissions if not p.is_file()]
     if missing:
@@ -73,6 +103,9 @@ def main(args: argparse.Namespace) -> int:
             )
     write_sheet(results, args.out / "grades.csv")
     print(f"wrote {args.out / 'grades.csv'} and {feedback}/")
+    if args.canvas is not None:
+        write_canvas(results, args.assignment or lab_path.stem, args.canvas, roster)
+        print(f"wrote {args.canvas}: import it in Canvas (Grades, Import)")
     for line in survivors:
         print(f"killed a leftover process: {line}", file=sys.stderr)
     return 1 if survivors else 0
