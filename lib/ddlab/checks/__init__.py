@@ -95,6 +95,10 @@ _WHERE = {
     "check_split_mesh": "mesh",
     "check_mesh_trainer": "mesh",
     "check_interleaved": "mesh",
+    "check_loss_scale_step": "precision",
+    "check_quantize_float8": "precision",
+    "check_float8_allgather": "precision",
+    "check_reduce_scatter_rounded": "precision",
 }
 
 __all__ = list(_WHERE)

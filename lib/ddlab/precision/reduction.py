@@ -12,7 +12,11 @@ bfloat16's u is 65536 times float32's, so a gradient summed in bfloat16 over 8 r
 about 3% of its size while float32 loses nothing visible. That is why recipes reduce gradients
 in float32 (or sum scaled values), even when they compute in bfloat16.
 
-`reduce_scatter_rounded(comm, x, bounds, dtype)`: lab 13's ring reduce-scatter with every
+Exercise 18.4's signature (`reduce_scatter_rounded` is the reference):
+
+    reduce_scatter_rounded(comm, x, bounds, dtype) -> np.ndarray
+
+lab 13's ring reduce-scatter with every
 partial sum rounded to `dtype` (torch.bfloat16 or torch.float32) and sent in it. `x` a float32
 1-D NumPy array, the same length on every rank; returns a new float32 array, rank r's chunk of
 the sum (values representable in `dtype`); `x` unchanged.
@@ -25,6 +29,7 @@ import torch
 from mpi4py import MPI
 
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 
 #: Unit roundoff of each format: 2^-(significand bits, the implicit one included).
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -36,6 +41,7 @@ def _round(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
 
 
+@reference("reduce_scatter_rounded")
 def reduce_scatter_rounded(comm: Comm, x: np.ndarray, bounds: list[int], dtype: torch.dtype) -> np.ndarray:
     """The ring reduce-scatter, each partial sum rounded to `dtype` and sent as its bits."""
     if dtype not in UNIT_ROUNDOFF:

@@ -13,10 +13,10 @@ Exercise 18.1's signature (`loss_scale_step` is the reference):
 
     loss_scale_step(comm, grads, state) -> (unscaled, new_state)
 
-`grads` a list of this rank's float32 gradient tensors, computed from a loss multiplied by
-`state.scale`; `state` a `LossScale`. If any rank's gradients hold an inf or a NaN, every rank
+`grads` a list of this rank's gradient tensors (float32, or float16 straight from a float16
+backward), computed from a loss multiplied by `state.scale`; `state` a `LossScale`. If any rank's gradients hold an inf or a NaN, every rank
 returns (None, state with scale / factor, good_steps 0, skipped + 1). Otherwise every rank
-returns (a new list of new tensors, each grad / scale, and the state with good_steps + 1, or,
+returns (a new list of new float32 tensors, each grad / scale computed in float32, and the state with good_steps + 1, or,
 when that reaches `interval`, scale * factor and good_steps 0). `grads` and `state` are unchanged.
 """
 
@@ -65,7 +65,7 @@ def loss_scale_step(
     comm.Allreduce(finite, everywhere, op=MPI.LAND)
     if not everywhere[0]:
         return None, replace(state, scale=state.scale / state.factor, good_steps=0, skipped=state.skipped + 1)
-    unscaled = [g / state.scale for g in grads]
+    unscaled = [g.float() / state.scale for g in grads]
     if state.good_steps + 1 == state.interval:
         return unscaled, replace(state, scale=state.scale * state.factor, good_steps=0)
     return unscaled, replace(state, good_steps=state.good_steps + 1)
