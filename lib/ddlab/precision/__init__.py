@@ -10,16 +10,20 @@ in the sharded optimizer, float8 casts with scales, the float8 all-gather, a red
   rounded to bfloat16 or float32 at every hop, against Higham's bound.
 - `MixedShardedOptimizer`, `train_mixed`, `predicted_bytes_per_parameter` (mixed.py): bfloat16
   mixed precision with float32 masters in lab 13's ZeRO-1.
+- `RECIPES`, `train_recipe` (recipes.py): the lab's GPT trained in float32, bfloat16, float16 (with and
+  without loss scaling) and emulated float8 (per tensor, delayed, per block).
 """
 
 from .float8 import FORMATS, AmaxHistory, block_amax, cast_error, dequantize, fmax, quantize_float8
 from .gather import bfloat16_allgather, float8_allgather
 from .mixed import MixedShardedOptimizer, predicted_bytes_per_parameter, train_mixed
+from .recipes import RECIPES, train_recipe
 from .reduction import UNIT_ROUNDOFF, reduce_scatter_rounded, reduction_bound, relative_error
 from .scaling import LossScale, loss_scale_step, train_float16, train_float16_one_process
 
 __all__ = [
     "FORMATS",
+    "RECIPES",
     "AmaxHistory",
     "LossScale",
     "MixedShardedOptimizer",
@@ -39,4 +43,5 @@ __all__ = [
     "train_float16",
     "train_float16_one_process",
     "train_mixed",
+    "train_recipe",
 ]

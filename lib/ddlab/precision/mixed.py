@@ -85,11 +85,11 @@ class MixedShardedOptimizer:
 
 
 def predicted_bytes_per_parameter(recipe: str, size: int) -> dict[str, float]:
-    """Bytes per parameter with Adam, ZeRO-1 over `size` ranks: parameters, gradients, optimizer (masters + moments).
+    """Bytes per parameter one rank holds with Adam in lab 13's ZeRO-1 over `size` ranks, per part.
 
-    "float32": 4 + 4 + 8 / P; "bfloat16": 2 + 2 + 12 / P (ZeRO's 2 + 2 + K, K = 12);
-    "float8": the bfloat16 recipe whose weights are also kept as float8 for the gather, 1 more byte."""
-    table = {"float32": (4.0, 4.0, 8.0), "bfloat16": (2.0, 2.0, 12.0), "float8": (3.0, 2.0, 12.0)}
+    "bfloat16": 2 + 2 + 12 / P (ZeRO's 2 + 2 + K with K = 12: the float32 master and two moments, sharded);
+    "float32": 4 + 4 + 12 / P (the inner optimizer steps a float32 copy of the shard, and its two moments)."""
+    table = {"float32": (4.0, 4.0, 12.0), "bfloat16": (2.0, 2.0, 12.0)}
     if recipe not in table:
         raise ValueError(f"no recipe {recipe!r}: use one of {sorted(table)}")
     params, grads, optimizer = table[recipe]
