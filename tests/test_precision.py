@@ -64,5 +64,7 @@ def test_every_recipe_trains_the_gpt_a_few_steps():
         assert len(run["losses"]) == 10 and all(torch.isfinite(torch.tensor(run["losses"])))
         assert max(run["losses"][-3:]) < run["losses"][0] - 0.5, (recipe, run["losses"])
         if recipe == "float16":
-            assert run["skipped"] >= 1, "2^17 times the loss (about 5.5) overflows float16: the first step must be skipped"
+            assert run["skipped"] >= 1, (
+                "2^17 times the loss (about 5.5) overflows float16: the first step must be skipped"
+            )
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "train_recipe changed its model"
