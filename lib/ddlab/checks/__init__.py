@@ -99,6 +99,10 @@ _WHERE = {
     "check_zb_h1": "zero_bubble",
     "check_run_zero_bubble": "zero_bubble",
     "check_zb_v": "zero_bubble",
+    "check_loss_scale_step": "precision",
+    "check_quantize_float8": "precision",
+    "check_float8_allgather": "precision",
+    "check_reduce_scatter_rounded": "precision",
 }
 
 __all__ = list(_WHERE)

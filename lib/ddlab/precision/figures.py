@@ -1,0 +1,36 @@
+"""Lab 18's figures: loss curves per recipe, a reduction's error against P beside its bound."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+
+
+def loss_curves(curves: Mapping[str, Sequence[float]], title: str = "The lab's GPT under each recipe") -> plt.Figure:
+    """One training-loss curve per recipe, on one axis."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, (name, losses) in enumerate(curves.items()):
+        ax.plot(range(len(losses)), losses, color=f"C{i}", label=name, linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def error_vs_ranks(measured: Mapping[str, Mapping[int, float]], bound: Mapping[str, Mapping[int, float]]) -> plt.Figure:
+    """Largest relative error of a rounded reduction against P per format (dots), its bound (dashed)."""
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for i, name in enumerate(measured):
+        ranks = sorted(measured[name])
+        ax.plot(ranks, [measured[name][p] for p in ranks], "o-", color=f"C{i}", label=f"{name}, measured")
+        ax.plot(ranks, [bound[name][p] for p in ranks], "--", color=f"C{i}", label=f"{name}, bound P u / (1 - P u)")
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks P adding into each element")
+    ax.set_ylabel("max |error| / sum |x_i|")
+    ax.set_title("A ring reduce-scatter rounded at every hop")
+    ax.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
