@@ -95,6 +95,11 @@ _WHERE = {
     "check_split_mesh": "mesh",
     "check_mesh_trainer": "mesh",
     "check_interleaved": "mesh",
+    "check_detect": "resilience",
+    "check_recover": "resilience",
+    "check_train_resilient": "resilience",
+    "check_rebuild_shards": "resilience",
+    "check_simulate_goodput": "resilience",
 }
 
 __all__ = list(_WHERE)

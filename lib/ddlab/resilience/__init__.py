@@ -26,7 +26,7 @@ from .interval import (
 )
 from .job import Failure, JobResult, Outcome, probe, run_job
 from .problem import Regression
-from .recovery import recover, train_resilient
+from .recovery import attempt, recover, train_resilient
 
 __all__ = [
     "FAILURE_CLASSES",
@@ -34,6 +34,7 @@ __all__ = [
     "JobResult",
     "Outcome",
     "Regression",
+    "attempt",
     "bandwidth_for",
     "checkpoint_cost",
     "daly_interval",

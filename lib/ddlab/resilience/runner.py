@@ -29,11 +29,14 @@ def main(folder: Path) -> None:
     MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
     comm = MPI.COMM_WORLD.Dup()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
-    target = cloudpickle.loads((folder / "target.pkl").read_bytes())
     try:
+        target = cloudpickle.loads((folder / "target.pkl").read_bytes())
         outcome = Outcome(value=target(comm))
     except MPI.Exception as err:
-        outcome = Outcome(error=f"{type(err).__name__}: {err.Get_error_string()}", error_class=err.Get_error_class())
+        outcome = Outcome(
+            error=f"MPI.Exception: {err.Get_error_string()}\n{traceback.format_exc(limit=-3)}",
+            error_class=err.Get_error_class(),
+        )
     except BaseException as err:  # the student's error, reported by the check
         outcome = Outcome(error=f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-3)}")
     part = folder / f"result.{rank}.part"
