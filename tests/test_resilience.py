@@ -41,9 +41,8 @@ def _run(trainer: str, ranks: int, failures: list[Failure]) -> resilience.JobRes
     return run_job(target, ranks, DEADLINE)
 
 
-@pytest.mark.parametrize("ranks", [4, 3])
+@pytest.mark.parametrize(("ranks", "deaths"), [(4, 1), (4, 2), (3, 2)])  # on 3 ranks the first death is covered too
 @pytest.mark.parametrize("trainer", sorted(TRAINERS))
-@pytest.mark.parametrize("deaths", [1, 2])
 def test_survivors_train_as_one_process(trainer: str, ranks: int, deaths: int) -> None:
     failures = _random_failures(random.randrange(10**6), ranks, deaths)  # named in every assertion's message
     result = _run(trainer, ranks, failures)
@@ -166,3 +165,15 @@ def test_the_launcher_knows_ulfm() -> None:
     assert mpi.ulfm_problem() is None
     assert mpi.launcher_args(4, fault_tolerant=True)[-2:] == ["--with-ft", "ulfm"]
     assert "--with-ft" not in mpi.launcher_args(4)
+
+
+def test_the_doctor_says_whether_the_mpi_has_ulfm() -> None:
+    from ddlab.runtime import mpi
+    from ddlab.tools import doctor
+
+    finding = doctor.check_fault_tolerance()
+    assert finding.check == "fault tolerance (ULFM)"
+    if mpi.implementation() == "openmpi":
+        assert finding.status == doctor.OK, finding
+    else:
+        assert finding.status == doctor.WARN and "Open MPI" in finding.fix

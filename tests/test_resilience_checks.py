@@ -18,7 +18,7 @@ from ddlab.checks import CheckFailed
 from ddlab.runtime.blocks import block_range
 from mpi4py import MPI
 
-SHORT = 10.0  # seconds: the deadline given to the answers that never complete (the others get the default)
+SHORT = 5.0  # seconds: the deadline given to the answers that never complete (the others get the default)
 HANGS = {"detect_blocking", "recover_retrying", "train_retrying_revoked"}
 
 # ------------------------------------------------------------------ valid answers, written another way
