@@ -129,7 +129,7 @@ def _run_with_failures(
     begin = time.perf_counter()
     next_failure = begin + rng.exponential(mtbf)
     since = 0.0  # work since the last checkpoint
-    path = folder / "checkpoint.npz"
+    path, partial = folder / "checkpoint.npz", folder / "checkpoint.partial"
     while done_saved < work:
         t0 = time.perf_counter()
         _, grad = problem.loss_and_grad(params, problem.batch_ids(step))
@@ -147,11 +147,21 @@ def _run_with_failures(
             continue
         if since >= interval or done_saved + since >= work:
             t1 = time.perf_counter()
-            with path.open("wb") as out:
+            with partial.open("wb") as out:
                 np.savez(out, params=params, step=step, state=state)
                 out.flush()
                 os.fsync(out.fileno())
             costs.append(time.perf_counter() - t1)
+            if time.perf_counter() >= next_failure:  # the failure struck during the checkpoint: it is lost too
+                partial.unlink()
+                params, step = problem.initial(), 0
+                if path.exists():
+                    with np.load(path) as saved:
+                        params, step = saved["params"], int(saved["step"])
+                since = 0.0
+                next_failure = time.perf_counter() + rng.exponential(mtbf)
+                continue
+            partial.rename(path)
             done_saved += since
             since = 0.0
     return work / (time.perf_counter() - begin), costs
