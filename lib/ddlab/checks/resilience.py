@@ -139,6 +139,8 @@ def check_detect(fn: Callable[[Any, int, float], str], timeout: float = 60.0) ->
         ),
         "detect, on 4 ranks: rank 1 sends, rank 2 is SIGKILLed, rank 3 sends only after the timeout",
     )
+    if 0 not in result.outcomes:
+        _fail(f"rank 0 left no result: it died (did your code exit or kill it?)\n{result.output[-1500:]}", "detect")
     (verdicts, times, late), _ = result.outcomes[0].value
     want = ["arrived", "dead", "slow"]
     for source, got, expected, took in zip((1, 2, 3), verdicts, want, times):
@@ -373,6 +375,8 @@ def check_rebuild_shards(fn: Callable[..., np.ndarray], timeout: float = 60.0) -
     result = run_job(functools.partial(_rebuild_scenario, fn=fn, victim=victim), 4, timeout)
     context = f"rebuild_shards on 4 -> 3 ranks, rank {victim} SIGKILLed"
     _fail(_job_problem(result, "rebuild_shards", timeout, "Exchange on the survivors' communicator only"), context)
+    if missing := [r for r in range(4) if r != victim and r not in result.outcomes]:
+        _fail(f"old ranks {missing} left no result: they died (did your code exit or kill them?)", context)
     for rank in sorted(result.outcomes):
         for (numel, dtype), (got, want, untouched, shares) in zip(REBUILD_CASES, result.outcomes[rank].value[0]):
             problem = array_problem(got, want, "the new shard", rtol=0, atol=0)
