@@ -103,6 +103,11 @@ _WHERE = {
     "check_quantize_float8": "precision",
     "check_float8_allgather": "precision",
     "check_reduce_scatter_rounded": "precision",
+    "check_detect": "resilience",
+    "check_recover": "resilience",
+    "check_train_resilient": "resilience",
+    "check_rebuild_shards": "resilience",
+    "check_simulate_goodput": "resilience",
 }
 
 __all__ = list(_WHERE)

@@ -89,20 +89,52 @@ def launch_env(n: int = 1) -> dict[str, str]:
     return {**os.environ, **rank_env(n)}
 
 
-def launcher_args(n: int) -> list[str]:
-    """Flags mpiexec needs to start n ranks on this machine, whatever its core count."""
+def launcher_args(n: int, fault_tolerant: bool = False) -> list[str]:
+    """Flags mpiexec needs to start n ranks on this machine, whatever its core count.
+
+    fault_tolerant: launch with User-Level Failure Mitigation (ULFM), so that a rank's death is an
+    error the others can handle (revoke, shrink, agree) instead of the end of the job; Open MPI 5
+    only (`ulfm_problem()` says what to do elsewhere)."""
+    if fault_tolerant and (problem := ulfm_problem()):
+        raise MPISetupError(problem)
     if implementation() == "openmpi":
         # Open MPI refuses more ranks than cores unless told; it then yields when idle.
-        return ["--oversubscribe"] if n > (os.cpu_count() or 1) else []
+        flags = ["--oversubscribe"] if n > (os.cpu_count() or 1) else []
+        return [*flags, "--with-ft", "ulfm"] if fault_tolerant else flags
     return []
 
 
-def mpiexec_command(n: int) -> list[str]:
+@functools.cache
+def ulfm_problem(mpiexec: str | None = None) -> str | None:
+    """None if this MPI can run fault-tolerant jobs (ULFM), else why not and what to do."""
+    exe = mpiexec or mpiexec_path()
+    if implementation(exe) != "openmpi":
+        return (
+            f"{exe} is MPICH's: ddlab's fault-tolerant jobs (ULFM: Comm.Revoke, Shrink, Agree) need Open MPI 5. "
+            "Set up with Open MPI (`make clean && make setup MPI=openmpi`), or on a cluster load an Open MPI 5 "
+            "module built with ULFM (`ompi_info` says 'FT MPI support: yes')."
+        )
+    info = Path(exe).with_name("ompi_info")
+    try:
+        out = subprocess.run(
+            [str(info)], capture_output=True, text=True, timeout=60, env={**os.environ, **root_env()}
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"`{info}` failed ({err}), so ULFM support is unknown: reinstall with `make setup`."
+    if "FT MPI support: yes" not in out:
+        return (
+            f"this Open MPI ({info}) was built without ULFM ('FT MPI support' is not 'yes'): use Open MPI 5 "
+            "from `make setup` (its wheel has it), or a site module built with --with-ft=ulfm."
+        )
+    return None
+
+
+def mpiexec_command(n: int, fault_tolerant: bool = False) -> list[str]:
     """The command prefix that starts n ranks: [mpiexec, -n, n, flags...]; stale sessions are cleared first."""
     if n < 1:
         raise ValueError(f"need at least one rank, got n={n}")
     clear_stale_sessions()
-    return [mpiexec_path(), "-n", str(n), *launcher_args(n)]
+    return [mpiexec_path(), "-n", str(n), *launcher_args(n, fault_tolerant)]
 
 
 #: Seconds by which a process may seem to predate its own session directory (psutil's start times
@@ -160,16 +192,19 @@ def kill_session(proc: subprocess.Popen, grace: float = 5.0) -> None:
                 other.kill()
 
 
-def run_ranks(n: int, command: list[str], timeout: float | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+def run_ranks(
+    n: int, command: list[str], timeout: float | None = None, fault_tolerant: bool = False, **kwargs: Any
+) -> subprocess.CompletedProcess:
     """Run `command` on n ranks; on timeout kill mpiexec and every rank it started.
 
+    fault_tolerant: launch with ULFM (see launcher_args), so ranks survive another rank's death.
     Output is captured (text) unless `stdout`/`stderr` are given. Raises
     subprocess.TimeoutExpired, with whatever was printed, after killing the job.
     """
     kwargs.setdefault("stdout", subprocess.PIPE)
     kwargs.setdefault("stderr", subprocess.STDOUT)
     proc = subprocess.Popen(
-        mpiexec_command(n) + command, env=launch_env(n), text=True, start_new_session=True, **kwargs
+        mpiexec_command(n, fault_tolerant) + command, env=launch_env(n), text=True, start_new_session=True, **kwargs
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -224,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=4, help="number of ranks")
     parser.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
     parser.add_argument(
+        "--fault-tolerant", action="store_true", help="launch with ULFM: ranks survive another's death (Open MPI 5)"
+    )
+    parser.add_argument(
         "--clear-stale", action="store_true", help="only remove what killed Open MPI jobs left (clear_stale_sessions)"
     )
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -235,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a command to run, e.g. python -m ddlab.runtime.mpi -n 4 python script.py")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed launcher leaves no ranks behind
     try:
-        return run_ranks(args.n, args.command, args.timeout, stdout=None, stderr=None).returncode
+        return run_ranks(args.n, args.command, args.timeout, args.fault_tolerant, stdout=None, stderr=None).returncode
     except subprocess.TimeoutExpired:
         print(f"ddlab.runtime.mpi: killed after {args.timeout} s", file=sys.stderr)
         return 124

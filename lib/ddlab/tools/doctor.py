@@ -175,6 +175,17 @@ def check_mpi_library() -> list[Finding]:
     return found
 
 
+def check_fault_tolerance() -> Finding:
+    """Whether the MPI can run lab 19's fault-tolerant jobs (ULFM); a warning only: the other labs do not need it."""
+    try:
+        problem = mpi.ulfm_problem()
+    except mpi.MPISetupError as err:
+        return Finding("fault tolerance (ULFM)", WARN, f"unknown: {err}", REPO_HINT + ".")
+    if problem:
+        return Finding("fault tolerance (ULFM)", WARN, "not supported: lab 19's checks cannot run", problem)
+    return Finding("fault tolerance (ULFM)", OK, "supported: lab 19 launches its jobs with --with-ft ulfm")
+
+
 def check_ipyparallel() -> Finding:
     """ipyparallel new enough for ddlab's cluster API."""
     import ipyparallel
@@ -665,6 +676,7 @@ def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: b
         # On a cluster's login node, try a small local job; on a laptop, the labs' own size.
         report.findings.append(check_mpiexec_by_hand(n if profile == "local" else 2))
         report.findings += check_engines(profile, n, timeout)
+    report.findings.append(check_fault_tolerance())
     if not quiet:
         print(report, flush=True)
     return report
