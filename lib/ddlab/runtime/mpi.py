@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,21 +67,73 @@ def root_env() -> dict[str, str]:
 
 
 def rank_env(n: int) -> dict[str, str]:
-    """Variables for n ranks on this machine: root permission, threads per rank, Open MPI quiet and quick to start.
+    """Variables for n ranks on this machine (the single-host MPI environment): root permission, threads
+    per rank, Open MPI quiet and quick to start, and no rank listening on the network.
 
     Math libraries (OpenMP, torch) default to one thread per core in every rank, so
     4 ranks on 2 cores would run 8 threads fighting for 2 cores; give each rank its share.
+    Ranks on one host talk through shared memory; a TCP transport would only open a port on
+    every interface of every rank, which anyone on the network (a campus's, a café's) may
+    connect to unauthenticated. A variable the user set already wins over each of these.
+    Multi-host runs (the Slurm and JupyterHub profiles) use network_env instead.
     """
     threads = str(max(1, (os.cpu_count() or 1) // n))
-    env = {name: os.environ.get(name, threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     if implementation() == "openmpi":
         # Open MPI's UCX one-sided component prints an error on every rank that opens an MPI.Win
         # on a machine without UCX devices (lab 11's slow link), then falls back; skip it.
-        env["OMPI_MCA_osc"] = os.environ.get("OMPI_MCA_osc", "^ucx")
-        # Its libfabric transport spends about 1 s of every MPI_Init probing for a network fabric, on
-        # every rank; ranks on one machine talk through shared memory, so skip it.
-        env["OMPI_MCA_btl"] = os.environ.get("OMPI_MCA_btl", "^ofi")
-    return {**env, **root_env()}
+        env["OMPI_MCA_osc"] = "^ucx"
+        # Shared memory (and self) only: no TCP listener per rank, and no libfabric probing for a
+        # network fabric (about 1 s of every MPI_Init on every rank).
+        env["OMPI_MCA_btl"] = "self,sm"
+    else:
+        # MPICH's UCX netmod (the wheel's default) on shared memory and self only; its OFI netmod on
+        # libfabric's shared-memory provider. Either way no rank listens on TCP.
+        env["UCX_TLS"] = "self,sm"
+        env["FI_PROVIDER"] = "shm"
+    return {**{name: os.environ.get(name, value) for name, value in env.items()}, **root_env()}
+
+
+#: The variables that choose where MPI's TCP traffic goes, per implementation (network_env sets them).
+INTERFACE_VARIABLES = {
+    "openmpi": ("OMPI_MCA_btl_tcp_if_include", "PRTE_MCA_prte_if_include"),
+    "mpich": ("UCX_NET_DEVICES", "FI_TCP_IFACE", "HYDRA_IFACE"),
+}
+
+
+def network_env(interface: str) -> dict[str, str]:
+    """Variables for ranks on several hosts: MPI's TCP traffic on `interface` (e.g. "ib0", "eth1"), or
+    on every interface when it is "" (the Slurm settings' `network_interface`, see clusters/slurm/settings.py).
+
+    Open MPI: its TCP transport (btl tcp) kept, without libfabric's probing, on that interface
+    (btl_tcp_if_include) and its launcher's out-of-band messages too (prte_if_include, formerly
+    oob_tcp_if_include). MPICH: UCX_NET_DEVICES, libfabric's FI_TCP_IFACE and Hydra's HYDRA_IFACE.
+    A variable the user set already wins.
+    """
+    impl = implementation()
+    env: dict[str, str] = {}
+    if impl == "openmpi":
+        env = {"OMPI_MCA_osc": "^ucx", "OMPI_MCA_btl": "^ofi"}
+    if interface:
+        env.update({name: interface for name in INTERFACE_VARIABLES[impl]})
+    return {name: os.environ.get(name, value) for name, value in env.items()}
+
+
+def rank_interfaces(env: Mapping[str, str]) -> str | None:
+    """Where ranks started with `env` listen for TCP: None (shared memory only, no listener), "" (every
+    interface) or the interfaces MPI was told to use (e.g. "ib0", or "every interface but ..." for an exclusion)."""
+    if implementation() == "openmpi":
+        btl = env.get("OMPI_MCA_btl", "").replace(" ", "")
+        named = btl.lstrip("^").split(",")
+        if (btl.startswith("^") and "tcp" in named) or (btl and not btl.startswith("^") and "tcp" not in named):
+            return None
+        include, exclude = env.get("OMPI_MCA_btl_tcp_if_include", ""), env.get("OMPI_MCA_btl_tcp_if_exclude", "")
+    else:
+        tls = env.get("UCX_TLS", "").replace(" ", "")
+        if tls and not tls.startswith("^") and not {"tcp", "all"} & set(tls.split(",")):
+            return None
+        include, exclude = env.get("UCX_NET_DEVICES", ""), ""
+    return include or (f"every interface but {exclude}" if exclude else "")
 
 
 def launch_env(n: int = 1) -> dict[str, str]:
