@@ -87,7 +87,7 @@ def make_cluster(n: int, profile: str) -> ipp.Cluster:
     """An ipyparallel cluster of n MPI engines on the profile, not started (bring_up starts it)."""
     config = profile_config(profile)
     mpi.clear_stale_sessions()
-    config.MPILauncher.mpi_cmd = [mpi.mpiexec_path()]
+    config.MPILauncher.mpi_cmd = [mpi.launcher_path()]
     config.MPILauncher.mpi_args = mpi.launcher_args(n)
     if config.Cluster.get("engine_launcher_class") == "mpi":  # every engine on this host (the local profile)
         config.MPILauncher.environment = mpi.rank_env(n)

@@ -41,6 +41,19 @@ def mpiexec_path() -> str:
     )
 
 
+def launcher_path() -> str:
+    """What starts ranks on this machine: mpiexec_path(), but for MPICH its mpiexec.gforker when beside it.
+
+    MPICH's usual mpiexec (Hydra) listens for its proxies on every interface, a port anyone on the
+    network may connect to; gforker forks the ranks itself and listens on nothing. $DDLAB_MPIEXEC wins.
+    """
+    exe = mpiexec_path()
+    if os.environ.get("DDLAB_MPIEXEC") or implementation(exe) != "mpich":
+        return exe
+    gforker = Path(exe).with_name("mpiexec.gforker")
+    return str(gforker) if gforker.exists() else exe
+
+
 @functools.cache
 def implementation(mpiexec: str | None = None) -> str:
     """'openmpi' or 'mpich', read from `mpiexec --version` without initialising MPI here."""
@@ -154,7 +167,7 @@ def mpiexec_command(n: int) -> list[str]:
     if n < 1:
         raise ValueError(f"need at least one rank, got n={n}")
     clear_stale_sessions()
-    return [mpiexec_path(), "-n", str(n), *launcher_args(n)]
+    return [launcher_path(), "-n", str(n), *launcher_args(n)]
 
 
 #: Seconds by which a process may seem to predate its own session directory (psutil's start times

@@ -304,6 +304,8 @@ def check_network(profile: str, n: int) -> Finding:
         "openmpi": "mpiexec's out-of-band port: every interface (Open MPI's PRRTE binds it so, whatever the settings)",
         "mpich": "mpiexec's control port: every interface (MPICH's Hydra binds it so)",
     }[mpi.implementation()]
+    if profile == "local" and Path(mpi.launcher_path()).name == "mpiexec.gforker":
+        launcher = "mpiexec.gforker starts the ranks and listens on nothing"
     if profile == "local":
         env = {**os.environ, **mpi.rank_env(n)}
         fix = "unset the transport variable you exported (OMPI_MCA_btl or UCX_TLS): ranks on one host need no TCP."
