@@ -317,7 +317,7 @@ def check_network(profile: str, n: int) -> Finding:
         env = {**os.environ, **mpi.network_env(settings.network_interface)}
         fix = (
             f"set network_interface in {slurm.settings_file()} (or $DDLAB_SLURM_NETWORK_INTERFACE) to the "
-            "cluster-internal network's interface or subnet, e.g. ib0 or 10.1.0.0/16 (see docs/hpc.md)."
+            "cluster-internal network's interface (e.g. ib0) or its subnet in CIDR notation (see docs/hpc.md)."
         )
         if settings.resolved_launcher() == "srun":
             launcher = "started by srun (Slurm's own daemons)"
