@@ -100,9 +100,10 @@ def rank_env(n: int) -> dict[str, str]:
         # network fabric (about 1 s of every MPI_Init on every rank).
         env["OMPI_MCA_btl"] = "self,sm"
     else:
-        # MPICH's UCX netmod (the wheel's default) on shared memory and self only; its OFI netmod on
-        # libfabric's shared-memory provider. Either way no rank listens on TCP.
-        env["UCX_TLS"] = "self,sm"
+        # MPICH's UCX netmod (the wheel's default): every transport UCX would pick but TCP, so the ranks
+        # keep its shared-memory and copy transports; its OFI netmod on libfabric's shared-memory provider.
+        # Either way no rank listens on TCP.
+        env["UCX_TLS"] = "^tcp"
         env["FI_PROVIDER"] = "shm"
     return {**{name: os.environ.get(name, value) for name, value in env.items()}, **root_env()}
 
@@ -136,17 +137,23 @@ def rank_interfaces(env: Mapping[str, str]) -> str | None:
     """Where ranks started with `env` listen for TCP: None (shared memory only, no listener), "" (every
     interface) or the interfaces MPI was told to use (e.g. "ib0", or "every interface but ..." for an exclusion)."""
     if implementation() == "openmpi":
-        btl = env.get("OMPI_MCA_btl", "").replace(" ", "")
-        named = btl.lstrip("^").split(",")
-        if (btl.startswith("^") and "tcp" in named) or (btl and not btl.startswith("^") and "tcp" not in named):
+        if _leaves_out_tcp(env.get("OMPI_MCA_btl", "")):
             return None
         include, exclude = env.get("OMPI_MCA_btl_tcp_if_include", ""), env.get("OMPI_MCA_btl_tcp_if_exclude", "")
     else:
-        tls = env.get("UCX_TLS", "").replace(" ", "")
-        if tls and not tls.startswith("^") and not {"tcp", "all"} & set(tls.split(",")):
+        if _leaves_out_tcp(env.get("UCX_TLS", "")):
             return None
         include, exclude = env.get("UCX_NET_DEVICES", ""), ""
     return include or (f"every interface but {exclude}" if exclude else "")
+
+
+def _leaves_out_tcp(transports: str) -> bool:
+    """True when a transport list (Open MPI's btl, UCX's TLS: "a,b" chooses, "^a,b" excludes) has no TCP."""
+    value = transports.replace(" ", "")
+    named = set(value.lstrip("^").split(","))
+    if value.startswith("^"):
+        return "tcp" in named
+    return bool(value) and not named & {"tcp", "all"}
 
 
 def launch_env(n: int = 1) -> dict[str, str]:
