@@ -78,31 +78,51 @@ while MPI.COMM_WORLD.rank == 0 and not os.path.exists(sys.argv[1]) and time.mono
 MPI.COMM_WORLD.Barrier()
 """
 
+#: Before _RANK: torch's gloo on the MPI ranks, as labs 04-16 start it to compare with torch, and one allreduce.
+_GLOO = """
+import torch, torch.distributed
+from mpi4py import MPI
+from ddlab.data_parallel import init_gloo
+init_gloo(MPI.COMM_WORLD)
+torch.distributed.all_reduce(torch.ones(1))
+"""
 
-def test_nothing_an_mpi_job_started_listens_beyond_loopback(tmp_path: Path) -> None:
-    """`python -m ddlab.runtime.mpi -n 4`, the launcher of the benches and multi-rank tests: the same."""
+
+def _listening_of_a_job(tmp_path: Path, n: int, setup: str = "") -> list[str]:
+    """Run `setup`, a collective, then wait, on n ranks of `python -m ddlab.runtime.mpi`; what they listen on."""
     looked = tmp_path / "looked"
-    command = [sys.executable, "-c", _RANK, str(looked)]
+    command = [sys.executable, "-c", setup + _RANK, str(looked)]
     job = subprocess.Popen(
-        [sys.executable, "-m", "ddlab.runtime.mpi", "-n", "4", "--timeout", "120", *command],
+        [sys.executable, "-m", "ddlab.runtime.mpi", "-n", str(n), "--timeout", "120", *command],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert job.stdout is not None
     try:
-        seen = ""  # MPICH's gforker may interleave the ranks' lines
-        while seen.count("ready 4") < 4 and (line := job.stdout.readline()):  # the launcher's --timeout bounds it
+        seen, ready = "", f"ready {n}"  # MPICH's gforker may interleave the ranks' lines
+        while seen.count(ready) < n and (line := job.stdout.readline()):  # the launcher's --timeout bounds it
             seen += line
-        assert seen.count("ready 4") == 4, seen
+        assert seen.count(ready) == n, seen
         launcher = psutil.Process(job.pid)
         mpiexec = launcher.children()
-        assert len(launcher.children(recursive=True)) >= 5, "no ranks found under mpiexec"
-        assert beyond_loopback(mpiexec) == [], "listening beyond loopback"
+        assert len(launcher.children(recursive=True)) >= n + 1, "no ranks found under mpiexec"
+        found = beyond_loopback(mpiexec)
         looked.touch()
         assert job.wait(60) == 0
+        return found
     finally:
         job.kill()
         job.wait(30)
+
+
+def test_nothing_an_mpi_job_started_listens_beyond_loopback(tmp_path: Path) -> None:
+    """`python -m ddlab.runtime.mpi -n 4`, the launcher of the benches and multi-rank tests: the same."""
+    assert _listening_of_a_job(tmp_path, 4) == [], "listening beyond loopback"
+
+
+def test_torch_gloo_on_one_host_listens_on_loopback_only(tmp_path: Path) -> None:
+    """init_gloo's rendezvous and gloo's connections (2 ranks: importing torch is the slow part)."""
+    assert _listening_of_a_job(tmp_path, 2, _GLOO) == [], "listening beyond loopback"
 
 
 def _security_dir(cluster) -> Path:
