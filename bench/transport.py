@@ -18,7 +18,7 @@ is slower by more than the noise is marked SLOWER.
 (`--largest`: the largest message and vector, in MiB.)
 
 Open MPI: shared memory is `OMPI_MCA_btl=self,sm`, before is `^ofi`. MPICH: shared memory is
-`UCX_TLS=self,sm` (and libfabric's shm provider), before is UCX's default (every transport).
+`UCX_TLS=^tcp` (and libfabric's shm provider), before is UCX's default (every transport).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def child(largest: int, parts: list[str]) -> None:
         for name, values in seconds.items():
             allreduce[name].append(float(np.median(values)))
     if comm.Get_rank() == 0:
-        library = MPI.Get_library_version().split(",")[0].strip()
+        library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0].strip()
         print("RESULT " + json.dumps({"library": library, "ping-pong": ping.tolist(), **allreduce}), flush=True)
 
 
