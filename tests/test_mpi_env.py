@@ -157,6 +157,4 @@ def test_ranks_on_several_hosts_keep_tcp_on_the_chosen_interface(monkeypatch):
     assert not set(names) & set(mpi.network_env(""))
     monkeypatch.setenv(names[0], "eth1")
     assert mpi.network_env("ib0")[names[0]] == "eth1"
-    if mpi.implementation() == "openmpi":
-        monkeypatch.delenv("OMPI_MCA_btl", raising=False)
-        assert mpi.network_env("")["OMPI_MCA_btl"] == "^ofi"  # TCP stays, across hosts it is the transport
+    assert mpi.network_env("") == {}  # the transports stay the site's: across hosts TCP or a fabric carries them

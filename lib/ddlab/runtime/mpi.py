@@ -119,18 +119,13 @@ def network_env(interface: str) -> dict[str, str]:
     """Variables for ranks on several hosts: MPI's TCP traffic on `interface` (e.g. "ib0", "eth1"), or
     on every interface when it is "" (the Slurm settings' `network_interface`, see clusters/slurm/settings.py).
 
-    Open MPI: its TCP transport (btl tcp) kept, without libfabric's probing, on that interface
-    (btl_tcp_if_include) and its launcher's out-of-band messages too (prte_if_include, formerly
-    oob_tcp_if_include). MPICH: UCX_NET_DEVICES, libfabric's FI_TCP_IFACE and Hydra's HYDRA_IFACE.
-    A variable the user set already wins.
+    Open MPI: its TCP transport on that interface (btl_tcp_if_include) and its launcher's
+    out-of-band messages too (prte_if_include, formerly oob_tcp_if_include). MPICH: UCX_NET_DEVICES,
+    libfabric's FI_TCP_IFACE and Hydra's HYDRA_IFACE. The transports themselves stay the site's
+    (a cluster's fabric is its business). A variable the user set already wins.
     """
-    impl = implementation()
-    env: dict[str, str] = {}
-    if impl == "openmpi":
-        env = {"OMPI_MCA_osc": "^ucx", "OMPI_MCA_btl": "^ofi"}
-    if interface:
-        env.update({name: interface for name in INTERFACE_VARIABLES[impl]})
-    return {name: os.environ.get(name, value) for name, value in env.items()}
+    names = INTERFACE_VARIABLES[implementation()] if interface else ()
+    return {name: os.environ.get(name, interface) for name in names}
 
 
 def rank_interfaces(env: Mapping[str, str]) -> str | None:
