@@ -153,3 +153,24 @@ def test_a_stale_session_is_named_with_the_way_out() -> None:
     out = "The PMIx server's listener thread failed to start. We cannot\ncontinue.\n"
     what, fix = doctor._classify_mpiexec_output(out, 2, "mpiexec")
     assert "killed mpiexec" in what and "python -m ddlab.runtime.mpi --clear-stale" in fix
+
+
+def test_the_network_check_names_where_ranks_listen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local: shared memory, nothing to warn about; a user's own TCP transport, or Slurm without an interface: a
+    warning naming the way out; Slurm with network_interface: that interface."""
+    transport, tcp = {"openmpi": ("OMPI_MCA_btl", "self,sm,tcp"), "mpich": ("UCX_TLS", "self,sm,tcp")}[
+        mpi.implementation()
+    ]
+    for name in (transport, "DDLAB_SLURM_NETWORK_INTERFACE", *mpi.INTERFACE_VARIABLES[mpi.implementation()]):
+        monkeypatch.delenv(name, raising=False)
+    local = doctor.check_network("local", 4)
+    assert local.status == doctor.OK and "shared memory only" in local.detail, local
+    monkeypatch.setenv(transport, tcp)
+    mine = doctor.check_network("local", 4)
+    assert mine.status == doctor.WARN and "every interface" in mine.detail and transport in mine.fix, mine
+    monkeypatch.delenv(transport)
+    everywhere = doctor.check_network("slurm", 4)
+    assert everywhere.status == doctor.WARN and "network_interface" in everywhere.fix, everywhere
+    monkeypatch.setenv("DDLAB_SLURM_NETWORK_INTERFACE", "ib0")
+    chosen = doctor.check_network("slurm", 4)
+    assert chosen.status == doctor.OK and "on ib0 only" in chosen.detail, chosen

@@ -136,11 +136,25 @@ def test_a_session_left_by_a_killed_mpiexec_is_cleared_before_the_next_one_start
     assert status == 0, out
 
 
-def test_ranks_skip_the_fabric_probe_unless_the_user_chose_transports(monkeypatch):
-    """Open MPI's libfabric transport probes for a fabric in every MPI_Init (about 1 s); ranks on one machine skip it."""
-    if mpi.implementation() != "openmpi":
-        pytest.skip("MPICH has no such transport to skip")
-    monkeypatch.delenv("OMPI_MCA_btl", raising=False)
-    assert mpi.rank_env(4)["OMPI_MCA_btl"] == "^ofi"
-    monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
-    assert mpi.rank_env(4)["OMPI_MCA_btl"] == "self,tcp"
+def test_ranks_on_one_host_use_shared_memory_unless_the_user_chose_transports(monkeypatch):
+    """Ranks on one machine skip libfabric's probe (about 1 s of every MPI_Init) and TCP's listener (a port on
+    every interface): shared memory only. A user's own choice wins."""
+    transports = {"openmpi": ("OMPI_MCA_btl", "self,sm"), "mpich": ("UCX_TLS", "^tcp")}
+    name, ours = transports[mpi.implementation()]
+    monkeypatch.delenv(name, raising=False)
+    assert mpi.rank_env(4)[name] == ours
+    monkeypatch.setenv(name, "self,tcp")
+    assert mpi.rank_env(4)[name] == "self,tcp"
+
+
+def test_ranks_on_several_hosts_keep_tcp_on_the_chosen_interface(monkeypatch):
+    """network_env (the Slurm and JupyterHub profiles): every interface variable of this MPI names the one
+    interface, none is set when no interface is chosen, and a user's own value wins."""
+    names = mpi.INTERFACE_VARIABLES[mpi.implementation()]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    assert {name: mpi.network_env("ib0")[name] for name in names} == dict.fromkeys(names, "ib0")
+    assert not set(names) & set(mpi.network_env(""))
+    monkeypatch.setenv(names[0], "eth1")
+    assert mpi.network_env("ib0")[names[0]] == "eth1"
+    assert mpi.network_env("") == {}  # the transports stay the site's: across hosts TCP or a fabric carries them

@@ -19,6 +19,7 @@ import psutil
 import pytest
 from ddlab.runtime import mpi
 from ddlab.tools import doctor
+from ddlab.tools import slurm as slurm_tools
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -82,8 +83,16 @@ def test_solution_runs_on_engines_started_by_slurm(slurm, lab: Path) -> None:
     assert jobs and {job["NumTasks"] for job in jobs} == {"4"}, jobs  # the notebook's 4 engines, as Slurm jobs
 
 
+def _interface_of(address: str) -> str:
+    """The name of this machine's interface that holds address."""
+    return next(name for name, found in psutil.net_if_addrs().items() if address in {a.address for a in found})
+
+
 @pytest.mark.timeout(600)
-def test_doctor_reports_clean_on_slurm(slurm, as_set_up: None) -> None:
+def test_doctor_reports_clean_on_slurm(slurm, as_set_up: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With network_interface naming the controller's interface: clean, and the engines' MPI still works there."""
+    interface = _interface_of(slurm_tools.controller_address(slurm_tools.load_settings()))
+    monkeypatch.setenv("DDLAB_SLURM_NETWORK_INTERFACE", interface)
     done = subprocess.run(
         [str(Path(sys.executable).parent / "ddlab"), "doctor", "--profile", "slurm", "-n", "2", "--timeout", "300"],
         capture_output=True,
@@ -93,6 +102,7 @@ def test_doctor_reports_clean_on_slurm(slurm, as_set_up: None) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.rstrip().endswith("All checks passed."), done.stdout
     assert "ok    engines: 2 engines on profile 'slurm'" in done.stdout
+    assert f"ok    MPI network: ranks listen for MPI's TCP traffic on {interface} only" in done.stdout
 
 
 @pytest.mark.timeout(600)

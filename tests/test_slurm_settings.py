@@ -102,6 +102,17 @@ def test_empty_partition_and_account_leave_them_to_slurm(script) -> None:
     assert "#SBATCH --ntasks-per-node=2" in text
 
 
+def test_the_network_interface_setting_reaches_the_job(script, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One setting names the interface of every node's MPI traffic; unset, nothing narrows it (the doctor warns)."""
+    names = mpi.INTERFACE_VARIABLES[mpi.implementation()]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    lines = script(8, network_interface="ib0").splitlines()
+    assert all(f"export {name}=ib0" in lines for name in names), lines
+    monkeypatch.delenv("DDLAB_SLURM_NETWORK_INTERFACE")
+    assert not any(name in script(8) for name in names)
+
+
 def test_engines_start_as_one_mpi_job(script) -> None:
     *_, clear, launch = script(4, launcher="mpiexec").splitlines()
     assert clear.endswith(" -m ddlab.runtime.mpi --clear-stale")  # what killed jobs left on the node

@@ -1,6 +1,6 @@
 # Engines for a notebook that already runs inside a Slurm job (JupyterHub with
 # batchspawner): they start as a new step of that job, sharing its CPUs (srun --overlap).
-# The launcher, PMI, cores per engine and controller address come from
+# The launcher, PMI, cores per engine, controller address and network interface come from
 # clusters/slurm/settings.py; partition, account and time are the spawner's (see README.md here).
 from ddlab.tools import slurm
 

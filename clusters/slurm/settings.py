@@ -36,6 +36,14 @@ mpi = "auto"
 # networks, put the cluster-internal one here (`hostname -I` lists them).
 controller_address = ""
 
+# The network interface the ranks' MPI traffic may use between nodes, e.g. "ib0" or "eth1" (Open MPI
+# also takes a subnet, "10.1.0.0/16"): the ranks' TCP transport listens there alone, and the launcher
+# sends there (Open MPI: btl_tcp_if_include and prte_if_include, though PRRTE's daemons still listen
+# on every interface; MPICH: UCX_NET_DEVICES, FI_TCP_IFACE, HYDRA_IFACE). "" = every interface,
+# reachable from every network the nodes are on (`ddlab doctor` warns). Variables you export
+# yourself (e.g. OMPI_MCA_btl_tcp_if_include) win over this. docs/hpc.md, "Where MPI listens".
+network_interface = ""
+
 # Python that runs the engines on compute nodes; "" = the notebook's own (so the course
 # environment must live on a file system the compute nodes see, e.g. your home).
 python = ""

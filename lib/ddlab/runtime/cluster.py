@@ -87,9 +87,10 @@ def make_cluster(n: int, profile: str) -> ipp.Cluster:
     """An ipyparallel cluster of n MPI engines on the profile, not started (bring_up starts it)."""
     config = profile_config(profile)
     mpi.clear_stale_sessions()
-    config.MPILauncher.mpi_cmd = [mpi.mpiexec_path()]
+    config.MPILauncher.mpi_cmd = [mpi.launcher_path()]
     config.MPILauncher.mpi_args = mpi.launcher_args(n)
-    config.MPILauncher.environment = mpi.rank_env(n)
+    if config.Cluster.get("engine_launcher_class") == "mpi":  # every engine on this host (the local profile)
+        config.MPILauncher.environment = mpi.rank_env(n)
     config.Cluster.controller_args = [*config.Cluster.get("controller_args", []), *HEARTBEAT]
     return ipp.Cluster(
         profile=f"ddlab-{profile}",

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,19 @@ def mpiexec_path() -> str:
         "folder to install the MPI wheel, or set DDLAB_MPIEXEC to the mpiexec that "
         "matches mpi4py."
     )
+
+
+def launcher_path() -> str:
+    """What starts ranks on this machine: mpiexec_path(), but for MPICH its mpiexec.gforker when beside it.
+
+    MPICH's usual mpiexec (Hydra) listens for its proxies on every interface, a port anyone on the
+    network may connect to; gforker forks the ranks itself and listens on nothing. $DDLAB_MPIEXEC wins.
+    """
+    exe = mpiexec_path()
+    if os.environ.get("DDLAB_MPIEXEC") or implementation(exe) != "mpich":
+        return exe
+    gforker = Path(exe).with_name("mpiexec.gforker")
+    return str(gforker) if gforker.exists() else exe
 
 
 @functools.cache
@@ -67,21 +80,75 @@ def root_env() -> dict[str, str]:
 
 
 def rank_env(n: int) -> dict[str, str]:
-    """Variables for n ranks on this machine: root permission, threads per rank, Open MPI quiet and quick to start.
+    """Variables for n ranks on this machine (the single-host MPI environment): root permission, threads
+    per rank, Open MPI quiet and quick to start, and no rank listening on the network.
 
     Math libraries (OpenMP, torch) default to one thread per core in every rank, so
     4 ranks on 2 cores would run 8 threads fighting for 2 cores; give each rank its share.
+    Ranks on one host talk through shared memory; a TCP transport would only open a port on
+    every interface of every rank, which anyone on the network (a campus's, a café's) may
+    connect to unauthenticated. A variable the user set already wins over each of these.
+    Multi-host runs (the Slurm and JupyterHub profiles) use network_env instead.
     """
     threads = str(max(1, (os.cpu_count() or 1) // n))
-    env = {name: os.environ.get(name, threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     if implementation() == "openmpi":
         # Open MPI's UCX one-sided component prints an error on every rank that opens an MPI.Win
         # on a machine without UCX devices (lab 11's slow link), then falls back; skip it.
-        env["OMPI_MCA_osc"] = os.environ.get("OMPI_MCA_osc", "^ucx")
-        # Its libfabric transport spends about 1 s of every MPI_Init probing for a network fabric, on
-        # every rank; ranks on one machine talk through shared memory, so skip it.
-        env["OMPI_MCA_btl"] = os.environ.get("OMPI_MCA_btl", "^ofi")
-    return {**env, **root_env()}
+        env["OMPI_MCA_osc"] = "^ucx"
+        # Shared memory (and self) only: no TCP listener per rank, and no libfabric probing for a
+        # network fabric (about 1 s of every MPI_Init on every rank).
+        env["OMPI_MCA_btl"] = "self,sm"
+    else:
+        # MPICH's UCX netmod (the wheel's default): every transport UCX would pick but TCP, so the ranks
+        # keep its shared-memory and copy transports; its OFI netmod on libfabric's shared-memory provider.
+        # Either way no rank listens on TCP.
+        env["UCX_TLS"] = "^tcp"
+        env["FI_PROVIDER"] = "shm"
+    return {**{name: os.environ.get(name, value) for name, value in env.items()}, **root_env()}
+
+
+#: The variables that choose where MPI's TCP traffic goes, per implementation (network_env sets them).
+INTERFACE_VARIABLES = {
+    "openmpi": ("OMPI_MCA_btl_tcp_if_include", "PRTE_MCA_prte_if_include"),
+    "mpich": ("UCX_NET_DEVICES", "FI_TCP_IFACE", "HYDRA_IFACE"),
+}
+
+
+def network_env(interface: str) -> dict[str, str]:
+    """Variables for ranks on several hosts: MPI's TCP traffic on `interface` (e.g. "ib0", "eth1"), or
+    on every interface when it is "" (the Slurm settings' `network_interface`, see clusters/slurm/settings.py).
+
+    Open MPI: its TCP transport on that interface (btl_tcp_if_include) and its launcher's
+    out-of-band messages too (prte_if_include, formerly oob_tcp_if_include). MPICH: UCX_NET_DEVICES,
+    libfabric's FI_TCP_IFACE and Hydra's HYDRA_IFACE. The transports themselves stay the site's
+    (a cluster's fabric is its business). A variable the user set already wins.
+    """
+    names = INTERFACE_VARIABLES[implementation()] if interface else ()
+    return {name: os.environ.get(name, interface) for name in names}
+
+
+def rank_interfaces(env: Mapping[str, str]) -> str | None:
+    """Where ranks started with `env` listen for TCP: None (shared memory only, no listener), "" (every
+    interface) or the interfaces MPI was told to use (e.g. "ib0", or "every interface but ..." for an exclusion)."""
+    if implementation() == "openmpi":
+        if _leaves_out_tcp(env.get("OMPI_MCA_btl", "")):
+            return None
+        include, exclude = env.get("OMPI_MCA_btl_tcp_if_include", ""), env.get("OMPI_MCA_btl_tcp_if_exclude", "")
+    else:
+        if _leaves_out_tcp(env.get("UCX_TLS", "")):
+            return None
+        include, exclude = env.get("UCX_NET_DEVICES", ""), ""
+    return include or (f"every interface but {exclude}" if exclude else "")
+
+
+def _leaves_out_tcp(transports: str) -> bool:
+    """True when a transport list (Open MPI's btl, UCX's TLS: "a,b" chooses, "^a,b" excludes) has no TCP."""
+    value = transports.replace(" ", "")
+    named = set(value.lstrip("^").split(","))
+    if value.startswith("^"):
+        return "tcp" in named
+    return bool(value) and not named & {"tcp", "all"}
 
 
 def launch_env(n: int = 1) -> dict[str, str]:
@@ -134,7 +201,7 @@ def mpiexec_command(n: int, fault_tolerant: bool = False) -> list[str]:
     if n < 1:
         raise ValueError(f"need at least one rank, got n={n}")
     clear_stale_sessions()
-    return [mpiexec_path(), "-n", str(n), *launcher_args(n, fault_tolerant)]
+    return [launcher_path(), "-n", str(n), *launcher_args(n, fault_tolerant)]
 
 
 #: Seconds by which a process may seem to predate its own session directory (psutil's start times

@@ -306,6 +306,40 @@ def check_mpiexec_by_hand(n: int = 2, timeout: float = 120) -> Finding:
     return Finding(name, FAIL, f"`{exe} -n {n} python` failed (exit {code}):\n{out.strip()[-1500:]}", REPO_HINT + ".")
 
 
+def check_network(profile: str, n: int) -> Finding:
+    """Which interfaces the profile's ranks will listen on for MPI's TCP traffic; a warning when it is every one."""
+    from . import slurm
+
+    name = "MPI network"
+    launcher = {
+        "openmpi": "mpiexec's out-of-band port: every interface (Open MPI's PRRTE binds it so, whatever the settings)",
+        "mpich": "mpiexec's control port: every interface (MPICH's Hydra binds it so)",
+    }[mpi.implementation()]
+    if profile == "local" and Path(mpi.launcher_path()).name == "mpiexec.gforker":
+        launcher = "mpiexec.gforker starts the ranks and listens on nothing"
+    if profile == "local":
+        env = {**os.environ, **mpi.rank_env(n)}
+        fix = "unset the transport variable you exported (OMPI_MCA_btl or UCX_TLS): ranks on one host need no TCP."
+    else:
+        try:
+            settings = slurm.load_settings()
+        except (slurm.SettingsError, SyntaxError, OSError) as err:
+            return Finding(name, FAIL, str(err), f"correct {slurm.settings_file()}.")
+        env = {**os.environ, **mpi.network_env(settings.network_interface)}
+        fix = (
+            f"set network_interface in {slurm.settings_file()} (or $DDLAB_SLURM_NETWORK_INTERFACE) to the "
+            "cluster-internal network's interface (e.g. ib0) or its subnet in CIDR notation (see docs/hpc.md)."
+        )
+        if settings.resolved_launcher() == "srun":
+            launcher = "started by srun (Slurm's own daemons)"
+    where = mpi.rank_interfaces(env)
+    if where is None:
+        return Finding(name, OK, f"ranks: shared memory only, no TCP listener; {launcher}")
+    if where == "":
+        return Finding(name, WARN, f"ranks listen for MPI's TCP traffic on every interface; {launcher}", fix)
+    return Finding(name, OK, f"ranks listen for MPI's TCP traffic on {where} only; {launcher}")
+
+
 # --- the engines --------------------------------------------------------------------
 
 
@@ -675,6 +709,7 @@ def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: b
         report.findings.append(check_path_mpiexec(n))
         # On a cluster's login node, try a small local job; on a laptop, the labs' own size.
         report.findings.append(check_mpiexec_by_hand(n if profile == "local" else 2))
+        report.findings.append(check_network(profile, n))
         report.findings += check_engines(profile, n, timeout)
     report.findings.append(check_fault_tolerance())
     if not quiet:

