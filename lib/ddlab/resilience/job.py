@@ -65,10 +65,14 @@ class JobResult:
 
 
 class Probe:
-    """A Regression that kills its rank as planned and logs each call's samples (to `log`, one JSON line each)."""
+    """A Regression that kills its rank as planned and logs each call's samples (to `log`, one JSON line each).
+
+    The kill comes `delay` s into the planned call, from a timer, so it lands in the gradient, the
+    collectives or the update; a rank that reaches its next call first waits there to be killed."""
 
     def __init__(self, problem: Regression, failures: list[Failure], rank: int, log: Path):
         self.problem, self.rank, self.log, self.calls = problem, rank, log, 0
+        self.doomed = False  # a kill is armed: the rank must not outrun its timer (a fast step could finish the run)
         self.failures = [f for f in failures if f.rank == rank]
         self.batch, self.lr = problem.batch, problem.lr
 
@@ -79,6 +83,8 @@ class Probe:
         return self.problem.batch_ids(step)
 
     def loss_and_grad(self, params: np.ndarray, ids: np.ndarray) -> tuple[float, np.ndarray]:
+        if self.doomed:  # the kill armed at an earlier call has not landed yet: it lands here at the latest
+            threading.Event().wait()
         self.calls += 1
         with self.log.open("a") as out:
             out.write(json.dumps([int(i) for i in np.asarray(ids).ravel()]) + "\n")
@@ -89,6 +95,7 @@ class Probe:
                 timer = threading.Timer(failure.delay, os.kill, (os.getpid(), signal.SIGKILL))
                 timer.daemon = True
                 timer.start()
+                self.doomed = True
         return self.problem.loss_and_grad(params, ids)
 
 
