@@ -8,7 +8,13 @@ import torch
 from ddlab import checks
 from ddlab import data_parallel as dp
 from ddlab.allreduce import allreduce_ring
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+allreduce_ring = unguarded(allreduce_ring)
 
 
 def fails(check, fn, *words):
@@ -446,3 +452,32 @@ def test_average_gradients_check_names_a_float32_round_trip(comm):
             offset += p.numel()
 
     fails(checks.check_average_gradients, through_float32, "float32 precision", "torch.float64")
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("broadcast_parameters", "ddlab.data_parallel.broadcast_parameters", ()),
+        ("average_gradients", "ddlab.data_parallel.average_gradients", ()),
+        ("train_step", "ddlab.data_parallel.DataParallel", ()),
+        ("overlapped_averaging", "ddlab.data_parallel.DataParallel", ()),
+        ("trains_with_allreduce", "ddlab.allreduce.allreduce_ring", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

@@ -30,9 +30,15 @@ from ddlab.mesh import (
 from ddlab.models.gpt import GPTConfig, make_gpt, train_gpt
 from ddlab.pipeline import interleaved_1f1b, one_f_one_b, run_schedule
 from ddlab.runtime.blocks import block_range
+from ddlab.runtime.reference import unguarded
 from ddlab.sharded import Sharded
 from ddlab.tensor_parallel import ParallelBlock
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+MeshTrainer = unguarded(MeshTrainer)
 
 STEPS = 10
 
@@ -272,3 +278,29 @@ def test_an_interleaved_stub_raises_not_implemented(comm) -> None:
 
     with pytest.raises(NotImplementedError, match="16.3"):
         check_interleaved(stub)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("mesh_trainer", "ddlab.mesh.train_on_mesh", ()),
+        ("interleaved", "ddlab.pipeline.interleaved_1f1b", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)
