@@ -15,6 +15,8 @@ from mpi4py import MPI
 # test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
 # the bases of wrong ones.
 allreduce_ring = unguarded(allreduce_ring)
+broadcast_parameters = unguarded(dp.broadcast_parameters)
+average_gradients = unguarded(dp.average_gradients)
 
 
 def fails(check, fn, *words):
@@ -43,11 +45,11 @@ def broadcast_into_new_tensors(model, comm, root=0):
 
 
 def broadcast_from_rank_0_always(model, comm, root=0):
-    dp.broadcast_parameters(model, comm, root=0)
+    broadcast_parameters(model, comm, root=0)
 
 
 def test_broadcast_check_passes_the_reference(comm):
-    checks.check_broadcast_parameters(dp.broadcast_parameters)
+    checks.check_broadcast_parameters(broadcast_parameters)
 
 
 def test_broadcast_check_fails_without_buffers(comm):
@@ -73,7 +75,7 @@ def broadcast_objects(model, comm, root=0):
 
 def broadcast_by_the_root_only(model, comm, root=0):
     if comm.Get_rank() == root:
-        dp.broadcast_parameters(model, comm, root)
+        broadcast_parameters(model, comm, root)
 
 
 def test_broadcast_check_passes_the_object_broadcast(comm):
@@ -89,7 +91,7 @@ def test_broadcast_check_fails_when_only_the_root_broadcasts_and_does_not_hang(c
 
 
 def broadcast_then_barrier(model, comm, root=0):
-    dp.broadcast_parameters(model, comm, root)
+    broadcast_parameters(model, comm, root)
     comm.Barrier()
 
 
@@ -123,7 +125,7 @@ def per_parameter(model, comm, allreduce):
 
 
 def ignores_the_allreduce_given(model, comm, allreduce):
-    dp.average_gradients(model, comm, None)
+    average_gradients(model, comm, None)
 
 
 def nothing(model, comm, allreduce):
@@ -131,7 +133,7 @@ def nothing(model, comm, allreduce):
 
 
 def test_average_check_passes_the_reference(comm):
-    checks.check_average_gradients(dp.average_gradients)
+    checks.check_average_gradients(average_gradients)
 
 
 def test_average_check_fails_on_sums(comm):
@@ -156,7 +158,7 @@ def test_average_check_fails_when_nothing_is_averaged(comm):
 
 def averaged_on_rank_0_only(model, comm, allreduce):
     if comm.Get_rank() == 0:
-        dp.average_gradients(model, comm, allreduce)
+        average_gradients(model, comm, allreduce)
 
 
 def test_average_check_fails_when_a_rank_skips_the_allreduce_and_does_not_hang(comm):
@@ -172,7 +174,7 @@ def reference_step(model, optimizer, x, y, comm, allreduce=None):
     optimizer.zero_grad()
     loss = dp.squared_error(model(x), y).mean()
     loss.backward()
-    dp.average_gradients(model, comm, allreduce)
+    average_gradients(model, comm, allreduce)
     optimizer.step()
     return loss.item()
 
@@ -189,7 +191,7 @@ def step_with_sums(model, optimizer, x, y, comm, allreduce=None):
     optimizer.zero_grad()
     loss = dp.squared_error(model(x), y).mean() * comm.Get_size()
     loss.backward()
-    dp.average_gradients(model, comm, allreduce)
+    average_gradients(model, comm, allreduce)
     optimizer.step()
     return loss.item() / comm.Get_size()
 
@@ -199,7 +201,7 @@ def step_before_averaging(model, optimizer, x, y, comm, allreduce=None):
     loss = dp.squared_error(model(x), y).mean()
     loss.backward()
     optimizer.step()
-    dp.average_gradients(model, comm, allreduce)
+    average_gradients(model, comm, allreduce)
     return loss.item()
 
 
@@ -227,7 +229,7 @@ def step_averaging_on_the_last_rank_only(model, optimizer, x, y, comm, allreduce
     loss = dp.squared_error(model(x), y).mean()
     loss.backward()
     if comm.Get_rank() == comm.Get_size() - 1:
-        dp.average_gradients(model, comm, allreduce)
+        average_gradients(model, comm, allreduce)
     optimizer.step()
     return loss.item()
 

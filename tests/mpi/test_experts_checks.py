@@ -3,6 +3,7 @@ and accept valid answers written differently. Every rank runs the same tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -275,9 +276,21 @@ def router_with(capacity_k=True, served="choice", renormalise=True, loss="switch
     return answer
 
 
+def route_softmax_of_the_top_two(logits, k, capacity_factor):
+    """GShard's renormalised top-2 gates as a softmax of the two top logits: the same values, and a gradient by
+    the other logits that is exactly 0 where the library's is a rounding residue."""
+    got = route(logits, k, capacity_factor)
+    if k != 2:
+        return got
+    top = logits.topk(2, dim=-1).values
+    weight = torch.exp(logits[got.token, got.expert] - torch.logsumexp(top[got.token], dim=-1))
+    return dataclasses.replace(got, weight=weight)
+
+
 def test_route_check_accepts_the_library_and_a_running_count(comm):
     check_route(route)
     check_route(router_with())
+    check_route(route_softmax_of_the_top_two)
 
 
 @pytest.mark.parametrize(

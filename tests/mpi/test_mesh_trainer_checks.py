@@ -234,6 +234,31 @@ def never_refuses(p, m, rank, v):
     return interleaved_1f1b(p, m, rank, 1) if m % p else interleaved_1f1b(p, m, rank, v)
 
 
+def half_warmup(p, m, rank, v):
+    """The interleaved order with a warm-up of (p - r - 1) + (v - 1)p forwards, not the text's 2(p - r - 1) + (v - 1)p."""
+    if v > 1 and m % p:
+        raise ValueError("m must be a multiple of p")
+    total = v * m
+
+    def op(kind, k):
+        chunk = (k // p) % v
+        micro = (k // (p * v)) * p + k % p if v > 1 else k
+        return (kind, chunk if kind == "F" else v - 1 - chunk, micro)
+
+    warmup = min((p - rank - 1) + (v - 1) * p, total)
+    ops = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [op("F", warmup + k), op("B", k)]
+    return ops + [op("B", k) for k in range(total - warmup, total)]
+
+
+def refuses_any_m_not_a_multiple(p, m, rank, v):
+    """Raises for v = 1 too when p does not divide m, where the text asks for lab 07's 1F1B."""
+    if m % p:
+        raise ValueError("m must be a multiple of p")
+    return interleaved_1f1b(p, m, rank, v)
+
+
 def expect_schedule_failure(fn, *words: str) -> None:
     with pytest.raises(CheckFailed) as info:
         check_interleaved(fn, timeout=5.0)
@@ -251,6 +276,8 @@ def test_wrong_interleaved_schedules_fail(comm) -> None:
     expect_schedule_failure(backwards_in_forward_chunk_order, "deadlock")
     expect_schedule_failure(one_chunk_at_a_time, "deadlock")
     expect_schedule_failure(never_refuses, "raise ValueError")
+    expect_schedule_failure(half_warmup, "forwards before its first backward", "2(p - r - 1) + (v - 1)p")
+    expect_schedule_failure(refuses_any_m_not_a_multiple, "v = 1", "m must be a multiple")
 
 
 def forward_count_never_advances(p, m, rank, v):

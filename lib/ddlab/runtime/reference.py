@@ -28,7 +28,7 @@ import sysconfig
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -60,11 +60,24 @@ def refusal(name: str) -> str:
     return f"your answer called {name}, the library's own answer to this exercise: {WRITE_IT}"
 
 
+def _unguarded_call(raw: Callable[..., Any]) -> Callable[..., Any]:
+    """`raw`, called so that the references it reaches run as for a check (see `unguarded`)."""
+
+    @functools.wraps(raw)
+    def run_unguarded(*args: Any, **kwargs: Any) -> Any:
+        return raw(*args, **kwargs)
+
+    return run_unguarded
+
+
+_UNGUARDED = _unguarded_call(print).__code__  # the code of every run_unguarded
+
+
 def _reached_by_student(frame: FrameType | None) -> bool:
     """Whether, going outward from `frame`, student code comes before a check (see the module's doc)."""
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(_CHECKS):
+        if path.startswith(_CHECKS) or frame.f_code is _UNGUARDED:
             return False
         if not (path.startswith(_DDLAB) or path.startswith(_LIBRARIES) or path.startswith("<frozen")):
             return True
@@ -123,21 +136,24 @@ def unguarded(obj: T) -> T:
     """A reference without its mark, for the library's own tests of the checks (a valid answer, or the
     base of a wrong one, that the refusal would otherwise stop before the check looks at it).
 
-    A function gives the function it wraps; a class, a subclass whose constructor, forward and
-    backward are the unmarked ones. An answer that digs the reference out like this is not one the
-    refusal can see: it is there to be read, by the instructor."""
+    A function gives the function it wraps, run as a check runs it (the references it reaches in
+    turn run too); a class, a subclass whose constructor, forward and backward are the unmarked ones,
+    run the same way. An answer that digs the reference out like this is not one the refusal can
+    see: it is there to be read, by the instructor."""
     if not isinstance(obj, type):
-        return getattr(obj, "__wrapped__", obj)  # type: ignore[no-any-return]
+        function: Callable[..., Any] = getattr(obj, "__wrapped__", cast(Callable[..., Any], obj))
+        return cast(T, _unguarded_call(function))
     plain: dict[str, Any] = {"__reference_of__": (), "__module__": obj.__module__, "__qualname__": obj.__qualname__}
     for attribute in _RUN_BY_CHECKS:
-        home = next((vars(c) for c in obj.__mro__ if attribute in vars(c)), {})
+        home: Mapping[str, Any] = next((vars(c) for c in obj.__mro__ if attribute in vars(c)), {})
         found = home.get(attribute)
         inner = found.__func__ if isinstance(found, staticmethod) else found
         marked_here = attribute == "__init__" and "__reference_of__" in home
         if hasattr(inner, "__wrapped__") and (references_of(inner) or marked_here):
-            raw = inner.__wrapped__  # type: ignore[union-attr]
+            raw = _unguarded_call(getattr(inner, "__wrapped__"))  # noqa: B009 (inner is typed Optional)
             plain[attribute] = staticmethod(raw) if isinstance(found, staticmethod) else raw
-    return type(obj)(obj.__name__, (obj,), plain)  # type: ignore[no-any-return]
+    plain_class: T = type(obj)(obj.__name__, (obj,), plain)
+    return plain_class
 
 
 def references_of(obj: Any) -> tuple[str, ...]:
