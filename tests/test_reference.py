@@ -141,3 +141,17 @@ def test_unguarded_gives_the_library_s_tests_the_reference_without_its_mark():
         assert unguarded(double)(2) == 4 and unguarded(Built)(3).n == 3
         assert unguarded(Function).apply(torch.zeros(1)).item() == 1.0
     assert called == [] and marked([unguarded(Built), unguarded(Function)], "build") is None
+
+
+def test_an_answer_written_in_a_notebook_cell_is_the_student_s(capsys):
+    """A cell's code runs from a file IPython names (as each engine's under %%px): not the library's."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell(
+        "import ddlab.checks\nfrom ddlab.runtime.blocks import block_range\n"
+        "def mine(n, rank, size):\n    return block_range(n, rank, size)\n"
+        "ddlab.checks.check_block_range(mine)"
+    )
+    shown = capsys.readouterr().out
+    assert "your answer called ddlab.runtime.blocks.block_range, the library's own answer" in shown
