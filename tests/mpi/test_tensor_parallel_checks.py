@@ -231,6 +231,18 @@ def test_wrong_cross_entropies_fail(wrong, message):
         check_vocab_parallel_cross_entropy(_cross_entropy_with(wrong))
 
 
+def start_from_the_rank(logits, targets, comm, start):
+    """Wrong: takes this rank's first column as rank x its width, as if every rank held V/t columns."""
+    return vocab_parallel_cross_entropy(logits, targets, comm, comm.Get_rank() * logits.shape[1])
+
+
+def test_a_cross_entropy_that_ignores_start_fails():
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("one rank's start is 0 whatever it computes")
+    with pytest.raises(CheckFailed, match="the loss differs|gradient of this rank's logits differs"):
+        check_vocab_parallel_cross_entropy(start_from_the_rank)
+
+
 def cross_entropy_stub(logits, targets, comm, start):
     raise NotImplementedError("Exercise 14.4 (the vocabulary-parallel loss) is not done yet: write it here.")
 
