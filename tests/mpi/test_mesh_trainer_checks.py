@@ -328,6 +328,8 @@ def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others)
 
     module, name = reference.rsplit(".", 1)
     reference = getattr(importlib.import_module(module), name)
-    for answer in (reference, _calling(reference)):
+    # check_mesh_trainer trains one process's GPT before it calls an answer (half a minute under load): the answer that is
+    # the reference fails before that; the rows above show an answer calling one fails too
+    for answer in (reference,) if exercise == "mesh_trainer" else (reference, _calling(reference)):
         with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
             getattr(ddlab.checks, f"check_{exercise}")(answer, *others)
