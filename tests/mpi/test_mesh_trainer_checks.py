@@ -39,6 +39,7 @@ from mpi4py import MPI
 # test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
 # the bases of wrong ones.
 MeshTrainer = unguarded(MeshTrainer)
+interleaved_1f1b = unguarded(interleaved_1f1b)
 
 STEPS = 10
 
