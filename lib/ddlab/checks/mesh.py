@@ -317,12 +317,6 @@ def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
             return f"rank {rank}: a backward comes before its own forward: {ops}"
         most = min(warmup_forwards(p, m, rank, v) + 1, v * m)
         formula = "p - r - 1, lab 07's, with v = 1" if v == 1 else "2(p - r - 1) + (v - 1)p"
-        before = next(i for i, op in enumerate(ops) if op[0] == "B")  # forwards before the first backward
-        if before != most:
-            return (
-                f"rank {rank} runs {before} forwards before its first backward, not {most}: the warm-up's "
-                f"{warmup_forwards(p, m, rank, v)} ({formula}, at most v m), then the steady state's first forward"
-            )
         if chunk_in_flight(ops) > most:
             return (
                 f"rank {rank} keeps {chunk_in_flight(ops)} activations at once, more than 1F1B's warm-up "
@@ -337,6 +331,15 @@ def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
     got, want_bubble = bubble(timeline), interleaved_bubble(p, m, v)
     if abs(got - want_bubble) > 1e-9:
         return f"the bubble is {got:.4f} of the step, not (p - 1)/(v m + p - 1) = {want_bubble:.4f}"
+    for rank, ops in enumerate(schedules):  # runs and has the bubble: now the warm-up the text gives
+        most = min(warmup_forwards(p, m, rank, v) + 1, v * m)
+        formula = "p - r - 1, lab 07's, with v = 1" if v == 1 else "2(p - r - 1) + (v - 1)p"
+        before = next(i for i, op in enumerate(ops) if op[0] == "B")  # forwards before the first backward
+        if before != most:
+            return (
+                f"rank {rank} runs {before} forwards before its first backward, not {most}: the warm-up's "
+                f"{warmup_forwards(p, m, rank, v)} ({formula}, at most v m), then the steady state's first forward"
+            )
     return None
 
 
