@@ -7,6 +7,12 @@ from ddlab import checks
 from ddlab.runtime.blocks import block_range
 
 
+def lab_answer(n: int, rank: int, size: int) -> range:  # the lab's: the first n % size ranks take one more
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
 def by_offsets(n: int, rank: int, size: int) -> range:  # another right answer: starts from a cumulative sum
     sizes = [n // size + (r < n % size) for r in range(size)]
     start = sum(sizes[:rank])
@@ -14,11 +20,11 @@ def by_offsets(n: int, rank: int, size: int) -> range:  # another right answer: 
 
 
 def as_list(n: int, rank: int, size: int) -> list[int]:
-    return list(block_range(n, rank, size))
+    return list(lab_answer(n, rank, size))
 
 
 def extra_at_the_end(n: int, rank: int, size: int) -> range:  # the last ranks take the larger blocks
-    reverse = block_range(n, size - 1 - rank, size)
+    reverse = lab_answer(n, size - 1 - rank, size)
     return range(n - reverse.stop, n - reverse.start)
 
 
@@ -27,7 +33,7 @@ def floor_blocks(n: int, rank: int, size: int) -> range:  # the remainder is los
 
 
 def test_block_range_check_passes_the_lab_answer_and_another(capsys):
-    checks.check_block_range(block_range)
+    checks.check_block_range(lab_answer)
     checks.check_block_range(by_offsets)
     assert capsys.readouterr().out.count("passed") == 2
 
@@ -44,3 +50,9 @@ def test_block_range_check_passes_the_lab_answer_and_another(capsys):
 def test_block_range_check_fails_wrong_answers(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_block_range(wrong)
+
+
+def test_block_range_check_refuses_the_library_s_own():
+    for answer in (block_range, lambda n, rank, size: block_range(n, rank, size)):  # as it is, and called
+        with pytest.raises(checks.CheckFailed, match="the library's own answer"):
+            checks.check_block_range(answer)

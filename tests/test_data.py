@@ -15,6 +15,12 @@ from ddlab.data import (
     physical_targets,
     shard_indices,
 )
+from ddlab.runtime.reference import unguarded
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+shard_indices = unguarded(shard_indices)
 
 
 def test_samples_depend_only_on_seed_and_index():
@@ -178,3 +184,28 @@ def as_list(n, rank, size, epoch, seed=0):
 def test_shard_check_fails_on_wrong_shards(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_shard_indices(wrong)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("shard_indices", "ddlab.data.shard_indices", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

@@ -53,12 +53,17 @@ def test_time_pieces_and_fit_on_one_process():
 # The checks of exercises 5.1 and 5.3 -------------------------------------------------
 
 
-def reference_efficiency(times, weak=False):
-    return {p: scaling.efficiency(times[1], t, p, weak) for p, t in times.items()}
+def lab_efficiency(times, weak=False):  # the lab's answer, written out (the library's own is refused)
+    return {p: times[1] / t if weak else times[1] / (p * t) for p, t in times.items()}
+
+
+def lab_lr_factor(step, k, rule="linear", warmup_steps=0):
+    target = {"none": 1.0, "linear": float(k), "sqrt": k**0.5}[rule]
+    return 1.0 + (target - 1.0) * step / warmup_steps if step < warmup_steps else target
 
 
 def test_efficiency_check_passes_the_reference():
-    checks.check_scaling_efficiency(reference_efficiency)
+    checks.check_scaling_efficiency(lab_efficiency)
 
 
 @pytest.mark.parametrize(
@@ -76,22 +81,22 @@ def test_efficiency_check_fails_on_wrong_formulas(wrong, words):
 
 
 def test_lr_check_passes_the_reference():
-    checks.check_lr_factor(scaling.lr_factor)
-    checks.check_lr_factor(lambda *args: np.float64(scaling.lr_factor(*args)))  # a NumPy float is a float
+    checks.check_lr_factor(lab_lr_factor)
+    checks.check_lr_factor(lambda *args: np.float64(lab_lr_factor(*args)))  # a NumPy float is a float
 
 
 @pytest.mark.parametrize(
     "wrong, words",
     [
-        (lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(step, k, rule, 0), "ramping up"),
+        (lambda step, k, rule="linear", warmup_steps=0: lab_lr_factor(step, k, rule, 0), "ramping up"),
         (
-            lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(
+            lambda step, k, rule="linear", warmup_steps=0: lab_lr_factor(
                 step, k * k if rule == "sqrt" else k, rule, warmup_steps
             ),
             "sqrt",
         ),
         (
-            lambda step, k, rule="linear", warmup_steps=0: scaling.lr_factor(
+            lambda step, k, rule="linear", warmup_steps=0: lab_lr_factor(
                 step, k, "none" if rule == "linear" else rule, warmup_steps
             ),
             "rule='linear'",
@@ -101,6 +106,16 @@ def test_lr_check_passes_the_reference():
 def test_lr_check_fails_on_wrong_rules(wrong, words):
     with pytest.raises(checks.CheckFailed, match=words):
         checks.check_lr_factor(wrong)
+
+
+@pytest.mark.parametrize(
+    "check, reference",
+    [(checks.check_scaling_efficiency, scaling.efficiency), (checks.check_lr_factor, scaling.lr_factor)],
+    ids=["scaling_efficiency", "lr_factor"],
+)
+def test_the_checks_refuse_the_library_s_own_answer(check, reference):
+    with pytest.raises(checks.CheckFailed, match="the library's own answer"):
+        check(lambda *args, **kwargs: reference(*args, **kwargs))
 
 
 # Equal wall-clock, synchronisations per epoch, MPI against gloo ---------------------

@@ -251,6 +251,11 @@ def vague_reasons(*args):
     return ranked, [(layout, "not possible") for layout, _ in rejected]
 
 
+def memory_without_the_amount(*args):
+    ranked, rejected = search(*args)
+    return ranked, [(layout, "out of memory" if "memory" in why else why) for layout, why in rejected]
+
+
 def listed_twice(*args):
     ranked, rejected = valid_search(*args)
     return ranked + ranked[:1], rejected
@@ -283,6 +288,7 @@ def listed_twice(*args):
         (check_layout_search, ignores_the_budget, "should be rejected"),
         (check_layout_search, no_context, "not in ranked"),
         (check_layout_search, vague_reasons, "should say 'divide'"),
+        (check_layout_search, memory_without_the_amount, "should say by how much"),
         (check_layout_search, listed_twice, "twice"),
         (check_layout_search, lambda *a: valid_search(*a)[0], "return \\(ranked, rejected\\)"),
         (check_memory_per_rank, lambda *a: memory_per_rank(*a), "the library's own answer"),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from ddlab import p2p
 from ddlab.checks import CheckFailed, check_fit_alpha_beta
+from ddlab.runtime.reference import unguarded
 
 
 def test_default_sizes_double_from_8_bytes_to_64_mib():
@@ -78,7 +79,7 @@ def test_fit_rejects_bad_input_with_a_reason(nbytes, seconds, words):
 
 # The fit check ------------------------------------------------------------------------
 def test_fit_check_passes_the_reference(capsys):
-    check_fit_alpha_beta(p2p.fit_alpha_beta)
+    check_fit_alpha_beta(unguarded(p2p.fit_alpha_beta))
     assert capsys.readouterr().out.startswith("passed:")
 
 
@@ -101,7 +102,7 @@ def test_fit_check_catches_fits_that_are_not_the_relative_least_squares(wrong):
 def test_fit_check_catches_a_fit_blind_to_an_outlier_in_the_middle():
     def ignores_the_middle(nbytes, seconds):
         keep = np.r_[: len(nbytes) // 2, len(nbytes) // 2 + 1 : len(nbytes)]
-        return p2p.fit_alpha_beta(np.asarray(nbytes)[keep], np.asarray(seconds)[keep])
+        return unguarded(p2p.fit_alpha_beta)(np.asarray(nbytes)[keep], np.asarray(seconds)[keep])
 
     with pytest.raises(CheckFailed, match="least-squares fit"):
         check_fit_alpha_beta(ignores_the_middle)
@@ -119,3 +120,28 @@ def test_fit_check_lets_the_stub_through():
 
     with pytest.raises(NotImplementedError):
         check_fit_alpha_beta(stub)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("fit_alpha_beta", "ddlab.p2p.fit_alpha_beta", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

@@ -6,6 +6,13 @@ import numpy as np
 import pytest
 from ddlab.checks import CheckFailed, check_qsgd
 from ddlab.compression import qsgd, unqsgd
+from ddlab.runtime.reference import unguarded
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+qsgd = unguarded(qsgd)
+unqsgd = unguarded(unqsgd)
 
 
 def qsgd_by_comparison(x, s, rng):
@@ -131,3 +138,28 @@ def test_stub_raises_not_implemented():
 
     with pytest.raises(NotImplementedError, match="11.4"):
         check_qsgd(stub, unqsgd)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("qsgd", "ddlab.compression.qsgd", (unqsgd,)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

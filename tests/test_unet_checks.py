@@ -7,6 +7,15 @@ import pytest
 from ddlab.checks import CheckFailed, check_balanced_split, check_gpipe, check_one_f_one_b, check_pipedream_partition
 from ddlab.model_parallel import balanced_split, naive_split
 from ddlab.pipeline import gpipe, one_f_one_b, pipedream_partition
+from ddlab.runtime.reference import unguarded
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+balanced_split = unguarded(balanced_split)
+gpipe = unguarded(gpipe)
+one_f_one_b = unguarded(one_f_one_b)
+pipedream_partition = unguarded(pipedream_partition)
 
 
 def greedy_without_search(costs, k):
@@ -107,3 +116,31 @@ def test_partition_check_does_not_show_the_answer_for_malformed_bounds():
     with pytest.raises(CheckFailed, match="are not") as failure:
         check_pipedream_partition(drops_the_end)
     assert str(pipedream_partition(n, k, stage_time)) not in str(failure.value)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("balanced_split", "ddlab.model_parallel.balanced_split", ()),
+        ("gpipe", "ddlab.pipeline.gpipe", ()),
+        ("one_f_one_b", "ddlab.pipeline.one_f_one_b", ()),
+        ("pipedream_partition", "ddlab.pipeline.pipedream_partition", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

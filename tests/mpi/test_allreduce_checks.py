@@ -24,7 +24,14 @@ from ddlab.checks import (
     check_allreduce_ring,
 )
 from ddlab.runtime.blocks import block_bounds
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+allreduce_recursive_doubling = unguarded(allreduce_recursive_doubling)
+allreduce_ring = unguarded(allreduce_ring)
 
 WORLD = MPI.COMM_WORLD
 
@@ -194,3 +201,30 @@ def test_a_deadlock_fails_instead_of_hanging() -> None:
 def test_a_stub_raises_not_implemented_on_every_rank(check: Callable) -> None:
     with pytest.raises(NotImplementedError, match="Exercise 3.2"):
         check(stub)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("allreduce_recursive_doubling", "ddlab.allreduce.allreduce_recursive_doubling", ()),
+        ("allreduce_ring", "ddlab.allreduce.allreduce_ring", ()),
+        ("allreduce_rabenseifner", "ddlab.allreduce.allreduce_rabenseifner", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

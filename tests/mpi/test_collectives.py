@@ -7,14 +7,26 @@ checks raise the same CheckFailed on all ranks, so the assertions agree everywhe
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from ddlab import collectives
+from ddlab import collectives as library
 from ddlab.checks import CheckFailed, check_bcast_linear, check_bcast_tree, check_reduce_linear, check_reduce_tree
 from ddlab.checks._core import run_counted
 from ddlab.runtime.counting import CountingComm, ForbiddenCollective, gather_traffic, rounds
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer); these tests use them as valid answers and as the bases of
+# wrong ones.
+collectives = SimpleNamespace(
+    **{
+        name: unguarded(getattr(library, name))
+        for name in ("bcast_linear", "bcast_tree", "reduce_linear", "reduce_tree", "bcast_mpi", "reduce_mpi")
+    }
+)
 
 STALL = 3.0  # seconds a check waits for a message that never comes, in tests that provoke one
 
@@ -434,3 +446,31 @@ def test_layouts(comm):
     message = _fails(check_bcast_linear, bcast_mixed_layouts)
     assert "transposed view" in message and "rank 1: the result is wrong at" in message
     assert "not C-contiguous" in message
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("bcast_linear", "ddlab.collectives.bcast_linear", ()),
+        ("bcast_tree", "ddlab.collectives.bcast_tree", ()),
+        ("reduce_linear", "ddlab.collectives.reduce_linear", ()),
+        ("reduce_tree", "ddlab.collectives.reduce_tree", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

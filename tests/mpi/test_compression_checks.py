@@ -11,7 +11,18 @@ from ddlab.allreduce import allgather_ring, allreduce_ring, reduce_scatter_ring
 from ddlab.checks import CheckFailed, check_hierarchical_allreduce, check_sparse_allreduce, check_top_k_with_feedback
 from ddlab.compression import held_blocks, hierarchical_allreduce, sparse_allreduce, top_k_with_feedback
 from ddlab.runtime.blocks import block_bounds
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+allgather_ring = unguarded(allgather_ring)
+allreduce_ring = unguarded(allreduce_ring)
+reduce_scatter_ring = unguarded(reduce_scatter_ring)
+hierarchical_allreduce = unguarded(hierarchical_allreduce)
+sparse_allreduce = unguarded(sparse_allreduce)
+top_k_with_feedback = unguarded(top_k_with_feedback)
 
 
 def feedback_in_place(gradient, residual, k):
@@ -390,3 +401,30 @@ def test_hierarchical_check_accepts(fn) -> None:
 def test_hierarchical_check_fails(fn, says: str) -> None:
     with pytest.raises(CheckFailed, match=says):
         check_hierarchical_allreduce(fn)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("top_k_with_feedback", "ddlab.compression.top_k_with_feedback", ()),
+        ("sparse_allreduce", "ddlab.compression.sparse_allreduce", ()),
+        ("hierarchical_allreduce", "ddlab.compression.hierarchical_allreduce", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

@@ -21,7 +21,15 @@ from ddlab.context_parallel import (
     ring_attention_backward,
     ulysses_attention,
 )
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+merge_partials = unguarded(merge_partials)
+ring_attention_backward = unguarded(ring_attention_backward)
+ulysses_attention = unguarded(ulysses_attention)
 
 TAG = 15
 
@@ -346,3 +354,32 @@ def test_ulysses_check_fails_rows_gathered_out_of_rank_order(comm, deadline):
         pytest.skip("one rank: one block, no order to get wrong")
     with deadline(120), pytest.raises(CheckFailed, match="output"):
         check_ulysses(ulysses_by(reorder=True), timeout=3.0)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("merge_partials", "ddlab.context_parallel.merge_partials", ()),
+        ("ring_attention", "ddlab.context_parallel.ring_attention", ()),
+        ("ring_attention_backward", "ddlab.context_parallel.ring_attention_backward", ()),
+        ("zigzag", "ddlab.context_parallel.zigzag_positions", (unsplit_reference,)),
+        ("ulysses", "ddlab.context_parallel.ulysses_attention", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

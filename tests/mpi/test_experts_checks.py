@@ -3,6 +3,7 @@ and accept valid answers written differently. Every rank runs the same tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,6 +11,14 @@ import pytest
 import torch
 from ddlab.checks import CheckFailed, check_combine, check_dispatch, check_route
 from ddlab.experts import Routing, combine, dispatch, route
+from ddlab.runtime.reference import unguarded
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+combine = unguarded(combine)
+dispatch = unguarded(dispatch)
+route = unguarded(route)
 
 
 def _displacements(counts):
@@ -267,9 +276,21 @@ def router_with(capacity_k=True, served="choice", renormalise=True, loss="switch
     return answer
 
 
+def route_softmax_of_the_top_two(logits, k, capacity_factor):
+    """GShard's renormalised top-2 gates as a softmax of the two top logits: the same values, and a gradient by
+    the other logits that is exactly 0 where the library's is a rounding residue."""
+    got = route(logits, k, capacity_factor)
+    if k != 2:
+        return got
+    top = logits.topk(2, dim=-1).values
+    weight = torch.exp(logits[got.token, got.expert] - torch.logsumexp(top[got.token], dim=-1))
+    return dataclasses.replace(got, weight=weight)
+
+
 def test_route_check_accepts_the_library_and_a_running_count(comm):
     check_route(route)
     check_route(router_with())
+    check_route(route_softmax_of_the_top_two)
 
 
 @pytest.mark.parametrize(
@@ -292,3 +313,30 @@ def test_route_check_fails_its_stub(comm):
 
     with pytest.raises(NotImplementedError):
         check_route(stub)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("route", "ddlab.experts.route", ()),
+        ("dispatch", "ddlab.experts.dispatch", ()),
+        ("combine", "ddlab.experts.combine", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

@@ -16,7 +16,17 @@ from ddlab.checks import (
 from ddlab.intra_layer import FilterParallelConv, HaloExchange, SpatialMaxPool, pool_halos, slab_bounds
 from ddlab.intra_layer.halo import exchange_rows
 from ddlab.runtime.blocks import block_bounds
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+FilterParallelConv = unguarded(FilterParallelConv)
+HaloExchange = unguarded(HaloExchange)
+SpatialMaxPool = unguarded(SpatialMaxPool)
+slab_bounds = unguarded(slab_bounds)
+exchange_rows = unguarded(exchange_rows)
 
 WORLD = MPI.COMM_WORLD
 
@@ -660,3 +670,40 @@ def test_filter_in_the_wrong_dtype_fails():
         match="(?s)float32.*(dtype torch.float64, expected torch.float32|expected scalar type Double but found Float)",
     ):
         check_filter_parallel_conv(FilterFloat64Output)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`: a function, a class, or an autograd Function's forward and backward."""
+    if isinstance(reference, type) and issubclass(reference, torch.autograd.Function):
+        return type(
+            "Calling",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(lambda ctx, *args: reference.forward(ctx, *args)),
+                "backward": staticmethod(lambda ctx, *grads: reference.backward(ctx, *grads)),
+            },
+        )
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("halo_exchange", "ddlab.intra_layer.HaloExchange", ()),
+        ("filter_parallel_conv", "ddlab.intra_layer.FilterParallelConv", ()),
+        ("slab_bounds", "ddlab.intra_layer.slab_bounds", ()),
+        ("spatial_max_pool", "ddlab.intra_layer.SpatialMaxPool", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

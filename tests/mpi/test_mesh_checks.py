@@ -8,7 +8,13 @@ import time
 import pytest
 from ddlab.checks import CheckFailed, check_split_mesh
 from ddlab.mesh import DIMS, coordinates, split_mesh, validate_sizes
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+split_mesh = unguarded(split_mesh)
 
 SHORT = 3.0
 
@@ -156,3 +162,28 @@ def test_a_stub_raises_not_implemented(comm) -> None:
 
     with pytest.raises(NotImplementedError, match="16.1"):
         check_split_mesh(stub, timeout=SHORT)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("split_mesh", "ddlab.mesh.split_mesh", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

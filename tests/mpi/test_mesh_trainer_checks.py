@@ -30,9 +30,16 @@ from ddlab.mesh import (
 from ddlab.models.gpt import GPTConfig, make_gpt, train_gpt
 from ddlab.pipeline import interleaved_1f1b, one_f_one_b, run_schedule
 from ddlab.runtime.blocks import block_range
+from ddlab.runtime.reference import unguarded
 from ddlab.sharded import Sharded
 from ddlab.tensor_parallel import ParallelBlock
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+MeshTrainer = unguarded(MeshTrainer)
+interleaved_1f1b = unguarded(interleaved_1f1b)
 
 STEPS = 10
 
@@ -228,6 +235,31 @@ def never_refuses(p, m, rank, v):
     return interleaved_1f1b(p, m, rank, 1) if m % p else interleaved_1f1b(p, m, rank, v)
 
 
+def half_warmup(p, m, rank, v):
+    """The interleaved order with a warm-up of (p - r - 1) + (v - 1)p forwards, not the text's 2(p - r - 1) + (v - 1)p."""
+    if v > 1 and m % p:
+        raise ValueError("m must be a multiple of p")
+    total = v * m
+
+    def op(kind, k):
+        chunk = (k // p) % v
+        micro = (k // (p * v)) * p + k % p if v > 1 else k
+        return (kind, chunk if kind == "F" else v - 1 - chunk, micro)
+
+    warmup = min((p - rank - 1) + (v - 1) * p, total)
+    ops = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [op("F", warmup + k), op("B", k)]
+    return ops + [op("B", k) for k in range(total - warmup, total)]
+
+
+def refuses_any_m_not_a_multiple(p, m, rank, v):
+    """Raises for v = 1 too when p does not divide m, where the text asks for lab 07's 1F1B."""
+    if m % p:
+        raise ValueError("m must be a multiple of p")
+    return interleaved_1f1b(p, m, rank, v)
+
+
 def expect_schedule_failure(fn, *words: str) -> None:
     with pytest.raises(CheckFailed) as info:
         check_interleaved(fn, timeout=5.0)
@@ -245,6 +277,8 @@ def test_wrong_interleaved_schedules_fail(comm) -> None:
     expect_schedule_failure(backwards_in_forward_chunk_order, "deadlock")
     expect_schedule_failure(one_chunk_at_a_time, "deadlock")
     expect_schedule_failure(never_refuses, "raise ValueError")
+    expect_schedule_failure(half_warmup, "forwards before its first backward", "2(p - r - 1) + (v - 1)p")
+    expect_schedule_failure(refuses_any_m_not_a_multiple, "v = 1", "m must be a multiple")
 
 
 def forward_count_never_advances(p, m, rank, v):
@@ -272,3 +306,31 @@ def test_an_interleaved_stub_raises_not_implemented(comm) -> None:
 
     with pytest.raises(NotImplementedError, match="16.3"):
         check_interleaved(stub)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("mesh_trainer", "ddlab.mesh.train_on_mesh", ()),
+        ("interleaved", "ddlab.pipeline.interleaved_1f1b", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    # check_mesh_trainer trains one process's GPT before it calls an answer (half a minute under load): the answer that is
+    # the reference fails before that; the rows above show an answer calling one fails too
+    for answer in (reference,) if exercise == "mesh_trainer" else (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

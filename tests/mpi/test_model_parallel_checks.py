@@ -10,6 +10,13 @@ import pytest
 import torch
 from ddlab.checks import CheckFailed, check_recv_tensor, check_send_tensor
 from ddlab.model_parallel import RecvTensor, SendTensor
+from ddlab.runtime.reference import unguarded
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+RecvTensor = unguarded(RecvTensor)
+SendTensor = unguarded(SendTensor)
 
 
 class SendKeepsGradient(SendTensor):
@@ -140,3 +147,38 @@ def test_stub_raises_not_implemented_on_every_rank():
     with pytest.raises(NotImplementedError, match="Exercise 6.1"):
         check_send_tensor(SendStub)
     check_send_tensor(SendTensor)  # and the ranks are still in step afterwards
+
+
+def _calling(reference):
+    """An answer that only calls `reference`: a function, a class, or an autograd Function's forward and backward."""
+    if isinstance(reference, type) and issubclass(reference, torch.autograd.Function):
+        return type(
+            "Calling",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(lambda ctx, *args: reference.forward(ctx, *args)),
+                "backward": staticmethod(lambda ctx, *grads: reference.backward(ctx, *grads)),
+            },
+        )
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("send_tensor", "ddlab.model_parallel.SendTensor", ()),
+        ("recv_tensor", "ddlab.model_parallel.RecvTensor", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

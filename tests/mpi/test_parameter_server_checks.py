@@ -10,7 +10,16 @@ from ddlab.parameter_server import Consistency, gossip_step, may_start
 from ddlab.parameter_server.messages import GRADIENT, GRADIENT_HEADER, PARAMETERS, PARAMETERS_HEADER
 from ddlab.parameter_server.server import Server
 from ddlab.parameter_server.worker import work
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+gossip_step = unguarded(gossip_step)
+may_start = unguarded(may_start)
+Server = unguarded(Server)
+work = unguarded(work)
 
 
 def gate_off_by_one(clocks, step, bound):
@@ -401,3 +410,31 @@ def test_a_worker_stub_fails_as_not_done(comm, repeat):
     buffer of the receive the watch gave up, failed otherwise, and waited in a collective the others had left)."""
     with pytest.raises(NotImplementedError, match="async_worker"):
         check_async_worker(worker_stub)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("ssp_gate", "ddlab.parameter_server.may_start", ()),
+        ("async_worker", "ddlab.parameter_server.worker.work", ()),
+        ("ssp_server", "ddlab.parameter_server.server.Server", ()),
+        ("gossip_step", "ddlab.parameter_server.gossip_step", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

@@ -13,7 +13,13 @@ import pytest
 import torch
 from ddlab.checks import CheckFailed, check_run_schedule
 from ddlab.pipeline import micro_batch_loss, run_schedule
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+run_schedule = unguarded(run_schedule)
 
 WORLD = MPI.COMM_WORLD
 
@@ -143,3 +149,28 @@ def test_stub_error_passes_through():
 
     with pytest.raises(NotImplementedError, match="7.3"):
         check_run_schedule(stub)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("run_schedule", "ddlab.pipeline.run_schedule", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from ddlab import p2p
 from ddlab.checks import CheckFailed, check_collect, check_exchange, check_ping_pong
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
 
 SHORT = 3.0  # seconds a wrong implementation may block before the check gives up
@@ -69,9 +70,9 @@ def test_ping_pong_alone_is_an_error():
 
 # The checks pass on the references ----------------------------------------------------
 def test_checks_pass_on_references(comm):
-    check_collect(p2p.collect)
-    check_exchange(p2p.exchange)
-    check_ping_pong(p2p.ping_pong)
+    check_collect(unguarded(p2p.collect))
+    check_exchange(unguarded(p2p.exchange))
+    check_ping_pong(unguarded(p2p.ping_pong))
 
 
 def test_checks_let_stubs_through_on_every_rank(comm):
@@ -580,3 +581,30 @@ def test_a_matched_probe_no_message_ends_fails_within_the_timeout(comm):
     with pytest.raises(CheckFailed, match="Mprobe for a message from any rank"):
         check_collect(one_too_many, timeout=1.0)
     assert time.monotonic() - start < 4.0
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("collect", "ddlab.p2p.collect", ()),
+        ("exchange", "ddlab.p2p.exchange", ()),
+        ("ping_pong", "ddlab.p2p.ping_pong", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

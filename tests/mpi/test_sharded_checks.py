@@ -18,7 +18,14 @@ from ddlab.checks import (
     check_zero2_hooks,
     check_zero3_unit,
 )
+from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+allgather_ring = unguarded(allgather_ring)
+reduce_scatter_ring = unguarded(reduce_scatter_ring)
 
 TAG = 13
 #: The deadline given to an answer that never completes; the others get the check's own default.
@@ -444,10 +451,10 @@ class ShardAliasesParameters(RingShardedOptimizer):
 
 def library_with_ring(params, optimizer_class, comm, **kwargs):
     """A valid answer: ddlab's reference, on lab 03's ring halves."""
-    return sharded.ShardedOptimizer(params, optimizer_class, comm, collectives="ring", **kwargs)
+    return unguarded(sharded.ShardedOptimizer)(params, optimizer_class, comm, collectives="ring", **kwargs)
 
 
-@pytest.mark.parametrize("fn", [RingShardedOptimizer, sharded.ShardedOptimizer, library_with_ring], ids=str)
+@pytest.mark.parametrize("fn", [RingShardedOptimizer, unguarded(sharded.ShardedOptimizer), library_with_ring], ids=str)
 def test_sharded_optimizer_check_accepts(fn) -> None:
     check_sharded_optimizer(fn)
 
@@ -585,3 +592,32 @@ def test_the_one_process_checks_say_passed_once_from_rank_0(capsys) -> None:
     lines = printed.count("passed: ")
     want = 2 if MPI.COMM_WORLD.Get_rank() == 0 else 0
     assert MPI.COMM_WORLD.allreduce(int(lines == want), op=MPI.MIN) == 1, printed
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("reduce_scatter", "ddlab.allreduce.reduce_scatter_ring", ()),
+        ("allgather", "ddlab.allreduce.allgather_ring", ()),
+        ("sharded_optimizer", "ddlab.sharded.ShardedOptimizer", ()),
+        ("zero2_hooks", "ddlab.sharded.Sharded", ()),
+        ("zero3_unit", "ddlab.sharded.Sharded", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

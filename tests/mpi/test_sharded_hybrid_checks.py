@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 from ddlab.allreduce import allgather_ring, allreduce_ring, reduce_scatter_ring
 from ddlab.checks import CheckFailed, check_hybrid_reduce_scatter
+from ddlab.runtime.reference import unguarded
 from ddlab.sharded import allgather_mpi, reduce_scatter_mpi
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+allgather_ring = unguarded(allgather_ring)
+allreduce_ring = unguarded(allreduce_ring)
+reduce_scatter_ring = unguarded(reduce_scatter_ring)
 
 #: The deadline given to an answer that never completes; the others get the check's own default.
 SHORT_DEADLINE = {"timeout": 3.0}
@@ -197,3 +205,28 @@ def test_the_notebooks_world_fails(comm):
 def test_the_stub_is_not_implemented(comm):
     with pytest.raises(NotImplementedError):
         check_hybrid_reduce_scatter(stub)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("hybrid_reduce_scatter", "ddlab.sharded.two_stage", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

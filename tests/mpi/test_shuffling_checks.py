@@ -8,8 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from ddlab.checks import CheckFailed, check_exchange_plan, check_exchange_samples, check_redistribute
+from ddlab.runtime.reference import unguarded
 from ddlab.shuffling import exchange_plan, exchange_samples, redistribute
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+exchange_plan = unguarded(exchange_plan)
+exchange_samples = unguarded(exchange_samples)
+redistribute = unguarded(redistribute)
 
 
 def plan_with_replacement(counts, rank, q, epoch, seed=0):
@@ -357,3 +365,30 @@ def test_redistribute_refuses_a_bad_diagram(comm):
     holds = [np.arange(3)] * comm.Get_size()  # every rank claims ids 0..2
     with pytest.raises(ValueError, match="every sample id"):
         redistribute(comm, np.zeros(3), holds, holds)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`."""
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("exchange_plan", "ddlab.shuffling.exchange_plan", ()),
+        ("exchange_samples", "ddlab.shuffling.exchange_samples", ()),
+        ("redistribute", "ddlab.shuffling.redistribute", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

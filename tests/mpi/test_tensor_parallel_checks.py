@@ -20,6 +20,7 @@ from ddlab.checks import (
 )
 from ddlab.models.gpt import dropout_mask, seeded_dropout
 from ddlab.runtime.blocks import block_range
+from ddlab.runtime.reference import unguarded
 from ddlab.tensor_parallel import (
     ColumnParallelLinear,
     Copy,
@@ -38,6 +39,18 @@ from ddlab.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from mpi4py import MPI
+
+# The library's own answers without their mark: the checks refuse them to an answer (see
+# test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
+# the bases of wrong ones.
+block_range = unguarded(block_range)
+ColumnParallelLinear = unguarded(ColumnParallelLinear)
+Copy = unguarded(Copy)
+Reduce = unguarded(Reduce)
+RowParallelLinear = unguarded(RowParallelLinear)
+parallelize = unguarded(parallelize)
+sequence_parallel_block = unguarded(sequence_parallel_block)
+vocab_parallel_cross_entropy = unguarded(vocab_parallel_cross_entropy)
 
 
 class CopyAllreducesForward(torch.autograd.Function):
@@ -216,6 +229,18 @@ def _cross_entropy_with(wrong):
 def test_wrong_cross_entropies_fail(wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check_vocab_parallel_cross_entropy(_cross_entropy_with(wrong))
+
+
+def start_from_the_rank(logits, targets, comm, start):
+    """Wrong: takes this rank's first column as rank x its width, as if every rank held V/t columns."""
+    return vocab_parallel_cross_entropy(logits, targets, comm, comm.Get_rank() * logits.shape[1])
+
+
+def test_a_cross_entropy_that_ignores_start_fails():
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("one rank's start is 0 whatever it computes")
+    with pytest.raises(CheckFailed, match="the loss differs|gradient of this rank's logits differs"):
+        check_vocab_parallel_cross_entropy(start_from_the_rank)
 
 
 def cross_entropy_stub(logits, targets, comm, start):
@@ -803,3 +828,41 @@ def test_a_sequence_parallel_block_with_a_float64_buffer_fails_in_float32():
     fn = _block_with(linear=lambda x, w, b, comm, length: _GatherIntoFloat64.apply(x, w, b, comm, length))
     with pytest.raises(CheckFailed, match=r"(?s)sequence-parallel block \(float32\).*(dtype|Double|Float)"):
         check_sequence_parallel_block(fn)
+
+
+def _calling(reference):
+    """An answer that only calls `reference`: a function, a class, or an autograd Function's forward and backward."""
+    if isinstance(reference, type) and issubclass(reference, torch.autograd.Function):
+        return type(
+            "Calling",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(lambda ctx, *args: reference.forward(ctx, *args)),
+                "backward": staticmethod(lambda ctx, *grads: reference.backward(ctx, *grads)),
+            },
+        )
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "exercise, reference, others",
+    [
+        ("conjugates", "ddlab.tensor_parallel.Copy", (Reduce,)),
+        ("parallel_linear", "ddlab.tensor_parallel.ColumnParallelLinear", (RowParallelLinear,)),
+        ("vocab_parallel_cross_entropy", "ddlab.tensor_parallel.vocab_parallel_cross_entropy", ()),
+        ("parallelize", "ddlab.tensor_parallel.parallelize", ()),
+        ("sequence_parallel_block", "ddlab.tensor_parallel.sequence_parallel_block", ()),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
+    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
+    import importlib
+
+    import ddlab.checks
+
+    module, name = reference.rsplit(".", 1)
+    reference = getattr(importlib.import_module(module), name)
+    for answer in (reference, _calling(reference)):
+        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)

@@ -37,6 +37,7 @@ from mpi4py import MPI
 from ..runtime.blocks import block_bounds
 from ..runtime.comm import Comm
 from ..runtime.counting import underlying
+from ..runtime.reference import reference
 
 #: An allreduce as every lab plugs one in: (comm, x) -> a new array of the sums over ranks, x left alone.
 #: The communicator is any `Comm`: an mpi4py one, or a CountingComm that counts what the allreduce sends.
@@ -171,6 +172,7 @@ def fold_out(comm: Comm, work: np.ndarray, group_rank: int | None) -> None:
 # The algorithms -------------------------------------------------------------------
 
 
+@reference("trains_with_allreduce")
 def allreduce_naive(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Linear reduce to rank 0, then linear broadcast: 2(P-1) messages through rank 0."""
     from ..collectives import bcast_linear, reduce_linear
@@ -180,6 +182,7 @@ def allreduce_naive(comm: Comm, x: np.ndarray) -> np.ndarray:
     return bcast_linear(comm, x if total is None else total, root=0)
 
 
+@reference("trains_with_allreduce")
 def allreduce_tree(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Binomial-tree reduce to rank 0, then binomial-tree broadcast: 2 ceil(log2 P) rounds."""
     from ..collectives import bcast_tree, reduce_tree
@@ -283,6 +286,7 @@ class _Doubling:
         comm.Set_attr(_FORGET, comm.handle)
         return kept
 
+    @reference("allreduce_recursive_doubling", "trains_with_allreduce")
     def allreduce(self, comm: MPI.Comm, x: Any) -> np.ndarray:
         dtype, shape, nbytes, tag, arrived = self.last
         if x.__class__ is not np.ndarray or x.dtype is not dtype or x.shape != shape or not x.flags.c_contiguous:
@@ -372,6 +376,7 @@ class _Doubling:
         return their_bytes
 
 
+@reference("allreduce_recursive_doubling", "trains_with_allreduce")
 def allreduce_recursive_doubling(comm: Comm, x: np.ndarray) -> np.ndarray:
     """In step k, swap whole vectors with the rank 2^k away and add: log2 P steps.
 
@@ -384,6 +389,7 @@ def allreduce_recursive_doubling(comm: Comm, x: np.ndarray) -> np.ndarray:
     return _doubling_textbook(comm, x)
 
 
+@reference("allreduce_ring", "trains_with_allreduce")
 def allreduce_ring(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Reduce-scatter then allgather around a ring: 2(P-1) steps, each passing one chunk right.
 
@@ -418,6 +424,7 @@ def allreduce_ring(comm: Comm, x: np.ndarray) -> np.ndarray:
     return work
 
 
+@reference("allreduce_ring", "reduce_scatter")
 def reduce_scatter_ring(comm: Comm, x: np.ndarray, bounds: list[int]) -> np.ndarray:
     """Ring reduce-scatter: rank r returns the sum over ranks of x[bounds[r]:bounds[r+1]].
 
@@ -444,6 +451,7 @@ def reduce_scatter_ring(comm: Comm, x: np.ndarray, bounds: list[int]) -> np.ndar
     return sending
 
 
+@reference("allreduce_ring", "allgather")
 def allgather_ring(comm: Comm, mine: np.ndarray, bounds: list[int]) -> np.ndarray:
     """Ring allgather: every rank's piece (rank r's is bounds[r]:bounds[r+1]) into one new array."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -463,6 +471,7 @@ def allgather_ring(comm: Comm, mine: np.ndarray, bounds: list[int]) -> np.ndarra
     return out
 
 
+@reference("allreduce_rabenseifner", "trains_with_allreduce")
 def allreduce_rabenseifner(comm: Comm, x: np.ndarray) -> np.ndarray:
     """Reduce-scatter by recursive halving, then allgather by recursive doubling.
 

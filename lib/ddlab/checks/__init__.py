@@ -15,7 +15,7 @@ import functools
 import importlib
 from typing import Any, Callable
 
-from ..runtime.reference import ReferenceCalled, answering, refusal
+from ..runtime.reference import ReferenceCalled, answering, marked, refusal
 from .errors import CheckFailed
 
 # name -> the module of this package that defines it
@@ -123,16 +123,23 @@ def __getattr__(name: str) -> Any:
 def _refusing_the_reference(check: Callable[..., None], exercise: str) -> Callable[..., None]:
     """`check`, run so that the student's code cannot run the library's own answer to `exercise`.
 
-    The one place the course refuses it (see ddlab.runtime.reference): a reference marked for the
-    exercise raises inside the answer, and the check fails with its name even if the answer caught it."""
+    The one place the course refuses it (see ddlab.runtime.reference): an answer that is a reference
+    marked for the exercise fails at once; one that runs it fails with its name, even if it caught
+    the refusal."""
 
     @functools.wraps(check)
     def checked(*args: Any, **kwargs: Any) -> None:
+        if (name := marked([*args, *kwargs.values()], exercise)) is not None:  # the same on every rank
+            raise CheckFailed(refusal(name))
         with answering(exercise) as called:
             try:
                 check(*args, **kwargs)
             except ReferenceCalled as err:
                 raise CheckFailed(str(err)) from None
+            except CheckFailed:  # the check's own message, when the answer caught the refusal and went wrong
+                if called:
+                    raise CheckFailed(refusal(called[0])) from None
+                raise
         if called:
             raise CheckFailed(refusal(called[0]))
 

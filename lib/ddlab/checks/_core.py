@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from ..runtime.comm import drain, first_ranks
 from ..runtime.counting import CountingComm, Traffic, gather_traffic
+from ..runtime.reference import ReferenceCalled
 from .errors import CheckFailed
 
 MPI_ERROR_HINT = (
@@ -65,7 +66,8 @@ def each_size(
 
     The one loop every check uses. body runs on the ranks of each sub-communicator
     and either returns this rank's problem (a string) or None, or raises CheckFailed
-    (already the same on every rank of sub) or the lab stub's NotImplementedError.
+    (already the same on every rank of sub), the lab stub's NotImplementedError, or the refusal of
+    the library's own answer (ddlab.runtime.reference), which may reach a few ranks only.
     After each size, every rank of comm raises the same error: the stub's first,
     then a CheckFailed, then the ranks' problems listed under `context`. Ranks
     outside a sub-communicator wait for its verdict, so none is left behind.
@@ -87,7 +89,7 @@ def each_size(
                     problem = body(sub)
                 except NotImplementedError as err:
                     stub = str(err) or "not implemented"
-                except CheckFailed as err:
+                except (CheckFailed, ReferenceCalled) as err:  # a refusal, too, raised on some ranks only
                     failed = str(err)
             outcomes = comm.allgather((stub, failed, problem))
             stubs = [s for s, _, _ in outcomes if s]

@@ -293,14 +293,20 @@ def _losses_problem(got: Any, want: list[float]) -> str | None:
 #: Seconds to build and simulate one (p, v, m)'s op lists: milliseconds when right.
 SCHEDULE_DEADLINE = 10.0
 SCHEDULE_CAUSE = "a loop that never ends? (a counter of forwards or backwards that never advances)"
-INTERLEAVED_SIZES = [(p, v, m) for p in (1, 2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
+INTERLEAVED_SIZES = [(p, v, m) for p in (1, 2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)] + [
+    (p, 1, m)
+    for p, m in ((2, 3), (3, 4), (4, 5))  # v = 1 takes any m (lab 07's 1F1B)
+]
 
 
 def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
     """What is wrong with fn's op lists for p ranks, v chunks, m micro-batches (simulated), else None."""
     schedules = []
     for rank in range(p):
-        ops = fn(p, m, rank, v)
+        try:
+            ops = fn(p, m, rank, v)
+        except ValueError as err:  # every size tried is valid: m a multiple of p, or v = 1
+            return f"rank {rank}: raised ValueError on valid sizes (with v = 1 any m is valid): {err}"
         if not isinstance(ops, list) or not all(isinstance(op, tuple) and len(op) == 3 for op in ops):
             return f"rank {rank}: should return a list of (kind, chunk, micro-batch) tuples, got {ops!r}"
         ops = [(kind, int(j), int(i)) for kind, j, i in ops]
@@ -310,8 +316,8 @@ def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
         if any(ops.index(("B", j, i)) < ops.index(("F", j, i)) for _, j, i in ops):
             return f"rank {rank}: a backward comes before its own forward: {ops}"
         most = min(warmup_forwards(p, m, rank, v) + 1, v * m)
+        formula = "p - r - 1, lab 07's, with v = 1" if v == 1 else "2(p - r - 1) + (v - 1)p"
         if chunk_in_flight(ops) > most:
-            formula = "p - r - 1, lab 07's, with v = 1" if v == 1 else "2(p - r - 1) + (v - 1)p"
             return (
                 f"rank {rank} keeps {chunk_in_flight(ops)} activations at once, more than 1F1B's warm-up "
                 f"{warmup_forwards(p, m, rank, v)} ({formula}, at most v m) + 1: start the backwards as soon as "
@@ -325,6 +331,15 @@ def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
     got, want_bubble = bubble(timeline), interleaved_bubble(p, m, v)
     if abs(got - want_bubble) > 1e-9:
         return f"the bubble is {got:.4f} of the step, not (p - 1)/(v m + p - 1) = {want_bubble:.4f}"
+    for rank, ops in enumerate(schedules):  # runs and has the bubble: now the warm-up the text gives
+        most = min(warmup_forwards(p, m, rank, v) + 1, v * m)
+        formula = "p - r - 1, lab 07's, with v = 1" if v == 1 else "2(p - r - 1) + (v - 1)p"
+        before = next(i for i, op in enumerate(ops) if op[0] == "B")  # forwards before the first backward
+        if before != most:
+            return (
+                f"rank {rank} runs {before} forwards before its first backward, not {most}: the warm-up's "
+                f"{warmup_forwards(p, m, rank, v)} ({formula}, at most v m), then the steady state's first forward"
+            )
     return None
 
 
@@ -332,7 +347,8 @@ def check_interleaved(fn: Interleaved, timeout: float = TIMEOUT) -> None:
     """fn(p, m, rank, v) -> rank's ops [(kind, chunk, micro-batch)], as ddlab.pipeline.interleaved_1f1b.
 
     Simulated on every (p, v, m) of INTERLEAVED_SIZES (every op once, none before its forward, at most
-    1F1B's warm-up + 1 activations kept, no deadlock, the bubble (p - 1)/(v m + p - 1)); m not a multiple
+    1F1B's warm-up + 1 activations kept, exactly the warm-up's forwards before the first backward, no
+    deadlock, the bubble (p - 1)/(v m + p - 1); with v = 1, m need not be a multiple of p); m not a multiple
     of p with v > 1 refused (ValueError); then run on the world's ranks, 2 chunks each of a chain of
     linear layers, in float64 and float32: every gradient one process's."""
     world = MPI.COMM_WORLD

@@ -14,13 +14,24 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Any, Callable
 
 from mpi4py import MPI
 
 from ..oracle.platform import Platform
 from ..oracle.published import TABLE1, a100_cluster
-from ..oracle.transformer import GPT, MEMORY_PARTS, RECOMPUTE, TIME_PARTS, Layout, memory_per_rank, problem, step_time
+from ..oracle.transformer import (
+    GPT,
+    MEMORY_PARTS,
+    RECOMPUTE,
+    TIME_PARTS,
+    Layout,
+    memory_per_rank,
+    predict,
+    problem,
+    step_time,
+)
 from ..oracle.transformer_planner import search
 from ._core import deadline, each_size, is_number, passed
 from .errors import CheckFailed
@@ -223,7 +234,24 @@ def _search_problem(fn: Callable) -> str | None:
             word = "divide" if problem(gpt, lay) else "memory"
             if word not in reasons[lay]:
                 return f"{where}: the reason for {lay.label}, {reasons[lay]!r}, should say {word!r}"
+            peak = predict(gpt, lay, platform).peak if word == "memory" else 0.0
+            if word == "memory" and not _states_amount(reasons[lay], (peak - budget, peak)):
+                return (
+                    f"{where}: the reason for {lay.label}, {reasons[lay]!r}, should say by how much: it needs "
+                    f"{peak:.4g} B, {peak - budget:.4g} B over the budget (in any unit: B, MB, MiB, GB, GiB)"
+                )
     return None
+
+
+def _states_amount(reason: str, amounts: tuple[float, ...]) -> bool:
+    """Whether `reason` writes one of `amounts` (bytes) in some unit, to the digits it shows."""
+    for match in re.finditer(r"\d+(?:\.(\d*))?(?:[eE][-+]?\d+)?", reason):
+        written, decimals = float(match.group(0)), len(match.group(1) or "")
+        for amount in amounts:
+            for unit in (1, 1e3, 2**10, 1e6, 2**20, 1e9, 2**30):
+                if abs(written - amount / unit) <= 0.5 * 10**-decimals + 0.01 * abs(amount / unit):
+                    return True
+    return False
 
 
 def _check(name: str, body: Callable[[], str | None], count: int, comm: MPI.Comm | None) -> None:

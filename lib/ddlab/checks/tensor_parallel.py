@@ -159,7 +159,7 @@ def check_conjugates(copy: type[torch.autograd.Function], reduce: type[torch.aut
 #: position a loss that never gathers the logits may send, so gathering them breaks the byte limit; and
 #: logits of a few hundred, so a softmax without the largest logit subtracted overflows (e^710 > float64's max,
 #: e^89 > float32's).
-N, VOCAB, SCALE = 30, 96, 300.0
+N, VOCAB, SCALE = 30, 97, 300.0  # a prime vocabulary: no rank count but 1 divides it, so `start` is not rank x V/t
 
 
 def _logits(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 
 #: The tag of every message these collectives send.
 TAG = 20
@@ -28,6 +29,7 @@ def _buffer(x: np.ndarray) -> np.ndarray:
     return np.array(x, order="C", copy=True)
 
 
+@reference("bcast_linear")
 def bcast_linear(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
     """The root sends x to every other rank in turn: P-1 messages, P-1 rounds."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -41,6 +43,7 @@ def bcast_linear(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
     return out
 
 
+@reference("bcast_tree")
 def bcast_tree(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
     """Binomial tree: each rank receives once from its parent, then forwards to its children."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -60,6 +63,7 @@ def bcast_tree(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray:
     return out
 
 
+@reference("reduce_linear")
 def reduce_linear(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray | None:
     """Every other rank sends x to the root, which adds them up: P-1 messages, all into the root."""
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -74,6 +78,7 @@ def reduce_linear(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray | None
     return total
 
 
+@reference("reduce_tree")
 def reduce_tree(comm: Comm, x: np.ndarray, root: int = 0) -> np.ndarray | None:
     """Binomial tree run backwards: add the children's partial sums, then send to the parent."""
     rank, size = comm.Get_rank(), comm.Get_size()

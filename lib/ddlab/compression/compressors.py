@@ -36,6 +36,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..runtime.reference import reference
+
 #: The dtype of the indices a sparse message carries (4 bytes each).
 INDEX = np.int32
 #: Quantization levels per sign of the 8-bit quantizer.
@@ -130,6 +132,7 @@ def stochastic_round(ratio: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.floor(ratio + rng.random(ratio.size))
 
 
+@reference("qsgd")
 def qsgd(x: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """QSGD with s levels per sign: (norm, levels), norm = [||x||_2] in x's dtype, levels int8 in -s..s.
 
@@ -147,6 +150,7 @@ def qsgd(x: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.ndarray, n
     return norm, (np.sign(x) * level).astype(np.int8)
 
 
+@reference("qsgd")
 def unqsgd(norm: np.ndarray, levels: np.ndarray, s: int) -> np.ndarray:
     """The vector QSGD's message stands for, in the norm's dtype: norm * levels / s."""
     return levels.astype(norm.dtype) * (norm[0] / norm.dtype.type(s))
@@ -178,6 +182,7 @@ def unsign_1bit(message: Signs) -> np.ndarray:
     return (2 * signs - 1) * message.scale[0]
 
 
+@reference("top_k_with_feedback")
 def top_k_with_feedback(
     gradient: np.ndarray, residual: np.ndarray, k: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -187,6 +192,7 @@ def top_k_with_feedback(
     return message.indices, message.values, fed - densify(message)
 
 
+@reference("top_k_with_feedback")
 class ErrorFeedback:
     """The residual of one gradient vector: what was computed but not yet sent.
 

@@ -39,6 +39,7 @@ from mpi4py import MPI
 from ..allreduce import agree_on_input, allgather_ring, allreduce_ring, reduce_scatter_ring
 from ..allreduce.cost import Link, collective_terms, terms
 from ..runtime.blocks import block_bounds
+from ..runtime.reference import reference
 
 
 def node_of(rank: int, group_size: int) -> int:
@@ -53,6 +54,7 @@ def held_blocks(local_rank: int, members: int, group_size: int) -> range:
     return range(mine[0], mine[-1] + 1)
 
 
+@reference("hierarchical_allreduce")
 def hierarchical_allreduce(comm: MPI.Comm, x: np.ndarray, group_size: int) -> np.ndarray:
     """Two-level allreduce: ring reduce-scatter in each group, ring allreduce per block across, ring allgather."""
     if group_size < 1:

@@ -24,9 +24,11 @@ from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..allreduce.cost import Link, Terms, collective_terms, terms
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .compressors import INDEX
 
 
+@reference("sparse_allreduce")
 def sparse_allreduce(comm: Comm, indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     """Sum over ranks of the sparse vectors (indices, values) of length n, as a dense array."""
     if indices.shape != values.shape or indices.ndim != 1:

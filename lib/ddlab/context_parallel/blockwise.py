@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.reference import reference
 from .layout import visible
 
 #: A partial attention result: (out, m, l) as the module's docstring defines them.
@@ -67,6 +68,7 @@ def attend_block(
     return result
 
 
+@reference("merge_partials")
 def merge_partials(a: Partial, b: Partial) -> Partial:
     """The partial over the keys of a and b together: both rescaled to the larger maximum, then added."""
     (out_a, m_a, l_a), (out_b, m_b, l_b) = a, b

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.reference import reference
+
 
 def padded_length(length: int, size: int) -> int:
     """length rounded up to a multiple of 2 * size (at least 2 * size)."""
@@ -22,6 +24,7 @@ def padded_length(length: int, size: int) -> int:
     return 2 * size * max(1, -(-length // (2 * size)))
 
 
+@reference("zigzag")
 def zigzag_positions(length: int, size: int, rank: int) -> np.ndarray:
     """Global positions rank holds in the zig-zag split: chunk rank, then chunk 2*size-1-rank."""
     c = padded_length(length, size) // (2 * size)

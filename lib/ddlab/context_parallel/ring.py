@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm, underlying
+from ..runtime.reference import reference
 from ..runtime.waiting import Stalled, Watch
 from .blockwise import Partial, attend_block, attend_block_backward, empty_partial, finish, merge_partials
 from .layout import all_positions
@@ -35,6 +36,7 @@ from .layout import all_positions
 TAG_KV, TAG_GRAD = 150, 151
 
 
+@reference("ring_attention", "ring_attention_backward")
 class Ring:
     """One rank's view of the ring: its neighbours, and a deadline for every wait (a collective to create)."""
 
@@ -80,6 +82,7 @@ def _check(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, s
     return positions
 
 
+@reference("ring_attention")
 def ring_attention(
     comm: Comm,
     q: np.ndarray,
@@ -115,6 +118,7 @@ def ring_attention(
         ring.free()
 
 
+@reference("ring_attention_backward")
 def ring_attention_backward(
     comm: Comm,
     q: np.ndarray,

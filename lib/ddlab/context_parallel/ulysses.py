@@ -16,9 +16,11 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..runtime.reference import reference
 from .blockwise import reference_attention
 
 
+@reference("ulysses")
 def heads_to_ranks(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
     """(H, n, d), n rows of every head -> (H/P, P n, d), every rank's rows of this rank's heads: one Alltoall."""
     size = comm.Get_size()
@@ -31,6 +33,7 @@ def heads_to_ranks(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
     return np.concatenate(list(incoming), axis=-2)
 
 
+@reference("ulysses")
 def ranks_to_heads(comm: MPI.Comm, y: np.ndarray) -> np.ndarray:
     """The inverse of heads_to_ranks: (H/P, P n, d) -> (H, n, d), this rank's rows of every head."""
     size = comm.Get_size()
@@ -42,6 +45,7 @@ def ranks_to_heads(comm: MPI.Comm, y: np.ndarray) -> np.ndarray:
     return incoming.reshape(size * local, rows, width)
 
 
+@reference("ulysses")
 def ulysses_attention(comm: MPI.Comm, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Causal attention of this rank's rows (H, n, d) over every rank's, by a head split: this rank's output.
 

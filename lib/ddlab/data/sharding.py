@@ -26,6 +26,7 @@ from typing import Iterator
 import numpy as np
 
 from ..runtime.blocks import block_range
+from ..runtime.reference import reference
 
 REMAINDERS = ("pad", "drop")
 
@@ -42,6 +43,7 @@ def shard_length(n: int, size: int, remainder: str = "pad") -> int:
     return -(-n // size) if remainder == "pad" else n // size
 
 
+@reference("shard_indices")
 def shard_indices(
     n: int, rank: int, size: int, epoch: int, seed: int = 0, remainder: str = "pad", shuffle: bool = True
 ) -> np.ndarray:

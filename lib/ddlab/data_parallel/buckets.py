@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..runtime.reference import reference
+
 #: PyTorch DDP's default bucket cap, in MiB.
 DEFAULT_CAP_MB = 25.0
 
@@ -45,6 +47,7 @@ class RequestInFlight:
         return self.now()
 
 
+@reference("overlapped_averaging")
 @dataclass
 class Bucket:
     """Parameters whose gradients travel in one allreduce, and the flat buffer they travel in.

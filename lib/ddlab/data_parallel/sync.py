@@ -19,6 +19,7 @@ from torch import nn
 
 from ..allreduce import ALGORITHMS, Allreduce, allreduce_mpi
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 
 #: What callers may pass as an allreduce: None or "mpi" (the MPI library's),
 #: a name of lab 03's algorithms ("ring", "tree", ...), or a function.
@@ -54,6 +55,7 @@ def _by_dtype(tensors: Iterable[torch.Tensor]) -> dict[torch.dtype, list[torch.T
     return groups
 
 
+@reference("broadcast_parameters")
 def broadcast_parameters(module: nn.Module, comm: MPI.Comm, root: int = 0) -> None:
     """Overwrite every rank's parameters and buffers, in place, with root's: one Bcast per dtype."""
     with torch.no_grad():
@@ -71,6 +73,7 @@ def _scatter_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += tensor.numel()
 
 
+@reference("average_gradients")
 def average_gradients(module: nn.Module, comm: Comm, allreduce: AllreduceChoice = None) -> None:
     """Replace each gradient by its mean over ranks: all gradients flattened, one allreduce per dtype.
 

@@ -36,6 +36,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..runtime.reference import reference
 from ..runtime.trace import Tracer
 from .buckets import DEFAULT_CAP_MB, Bucket, InFlight, RequestInFlight, make_buckets
 from .sync import AllreduceChoice, broadcast_parameters, resolve_allreduce
@@ -44,6 +45,7 @@ from .sync import AllreduceChoice, broadcast_parameters, resolve_allreduce
 IN_FLIGHT = "allreduce in flight"
 
 
+@reference("train_step", "overlapped_averaging")
 class DataParallel(nn.Module):
     """Wraps `module` so that backward averages its gradients over the ranks of `comm`.
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..runtime.reference import reference
 from ..shuffling.shuffler import exchange_samples
 
 
@@ -96,6 +97,7 @@ def dispatch_plan(comm: MPI.Comm, expert: np.ndarray, n_experts: int) -> Dispatc
     return DispatchPlan(order, np.split(order, np.cumsum(counts.sum(1))[:-1]), received)
 
 
+@reference("dispatch")
 def dispatch(comm: MPI.Comm, x: np.ndarray, expert: np.ndarray, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows to the ranks of their experts: counts by Alltoall, then rows by Alltoallv (see the module)."""
     if len(x) != len(expert):
@@ -104,6 +106,7 @@ def dispatch(comm: MPI.Comm, x: np.ndarray, expert: np.ndarray, n_experts: int) 
     return exchange_samples(comm, x, plan.send, plan.received), plan.counts
 
 
+@reference("combine")
 def combine(comm: MPI.Comm, y: np.ndarray, counts: np.ndarray, expert: np.ndarray, n_experts: int) -> np.ndarray:
     """The experts' results back to their rows' ranks (one Alltoallv), then back in the rows' order."""
     size = comm.Get_size()

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..runtime.reference import reference
+
 
 @dataclass
 class Routing:
@@ -55,6 +57,7 @@ def balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Ten
     return experts * torch.sum(fraction * probs.mean(0))
 
 
+@reference("route")
 def route(logits: torch.Tensor, k: int, capacity_factor: float) -> Routing:
     """Top-k routing of tokens (logits: (tokens, experts)) with a capacity; see the module's docstring."""
     tokens, experts = logits.shape

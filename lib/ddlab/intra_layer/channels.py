@@ -47,6 +47,7 @@ from torch.nn.grad import conv2d_input, conv2d_weight
 
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 
 
 def allreduce_sum(comm: Comm, t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,7 @@ class FilterParallelConv(torch.autograd.Function):
     """Forward: my output channels, allgathered. Backward: my weights' gradient; x's gradient summed."""
 
     @staticmethod
+    @reference("filter_parallel_conv")
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm, padding: int
     ) -> torch.Tensor:
@@ -86,6 +88,7 @@ class FilterParallelConv(torch.autograd.Function):
         return whole
 
     @staticmethod
+    @reference("filter_parallel_conv")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
         mine = grad[:, ctx.start : ctx.start + weight.shape[0]]

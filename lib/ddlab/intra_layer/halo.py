@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm
+from ..runtime.reference import reference
 
 TIMEOUT = 60.0
 FORWARD_TAGS, BACKWARD_TAGS = (81, 82), (83, 84)  # (going up, going down)
@@ -44,6 +45,7 @@ def wait_all(comm: Comm, requests: list[MPI.Request], what: str, timeout: float 
             time.sleep(1e-4)
 
 
+@reference("halo_exchange")
 def exchange_rows(
     comm: Comm,
     to_above: torch.Tensor,
@@ -81,6 +83,7 @@ class HaloExchange(torch.autograd.Function):
     """Forward: the neighbours' boundary rows (above, below). Backward: their gradients go home."""
 
     @staticmethod
+    @reference("halo_exchange")
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, halo: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 1 <= halo <= x.shape[2]:
             raise ValueError(f"a halo of {halo} rows needs 1 <= halo <= the slab's {x.shape[2]} rows")
@@ -90,6 +93,7 @@ class HaloExchange(torch.autograd.Function):
         return (zeros if above is None else above), (zeros.clone() if below is None else below)
 
     @staticmethod
+    @reference("halo_exchange")
     def backward(ctx: Any, grad_above: torch.Tensor, grad_below: torch.Tensor) -> tuple:
         halo = ctx.halo
         from_above, from_below = exchange_rows(ctx.comm, grad_above, grad_below, BACKWARD_TAGS)

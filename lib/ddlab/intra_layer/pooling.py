@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .halo import exchange_rows
 
 FORWARD_TAGS, BACKWARD_TAGS = (85, 86), (87, 88)  # (going up, going down)
@@ -53,6 +54,7 @@ class SpatialMaxPool(torch.autograd.Function):
     """Forward: my output rows, with the halo rows my windows read. Backward: the halos' gradients go home."""
 
     @staticmethod
+    @reference("spatial_max_pool")
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, kernel: int, stride: int) -> torch.Tensor:
         p, q = pool_halos(kernel, stride)
         rank, size, h = comm.Get_rank(), comm.Get_size(), x.shape[2]
@@ -71,6 +73,7 @@ class SpatialMaxPool(torch.autograd.Function):
         return y
 
     @staticmethod
+    @reference("spatial_max_pool")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (p, q), h, (n, c, rows, w) = ctx.halos, ctx.rows, ctx.padded
         # each output's gradient onto the element its window took (windows overlap: add)

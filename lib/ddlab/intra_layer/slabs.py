@@ -17,8 +17,10 @@ than `size` blocks of 2**levels rows.
 from __future__ import annotations
 
 from ..runtime.blocks import block_bounds
+from ..runtime.reference import reference
 
 
+@reference("slab_bounds")
 def slab_bounds(height: int, size: int, levels: int = 0) -> list[int]:
     """Row bounds of `size` slabs of an image `height` rows high that survive `levels` halvings."""
     unit = 2**levels

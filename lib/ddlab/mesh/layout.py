@@ -34,6 +34,8 @@ from typing import Callable
 
 from mpi4py import MPI
 
+from ..runtime.reference import reference
+
 #: The mesh's dimensions, slowest-varying first: the rank order of the mesh (tensor fastest).
 DIMS = ("pipeline", "data", "context", "tensor")
 
@@ -65,6 +67,7 @@ def coordinates(rank: int, sizes: Sizes) -> dict[str, int]:
     return {name: coords[name] for name in DIMS}
 
 
+@reference("split_mesh")
 def split_mesh(comm: MPI.Comm, sizes: Sizes) -> tuple[dict[str, int], dict[str, MPI.Comm]]:
     """Exercise 16.1's reference: this rank's coordinates, and one sub-communicator per dimension (by Split)."""
     validate_sizes(sizes, comm.Get_size())

@@ -59,6 +59,7 @@ from ..pipeline import Schedule, interleaved_1f1b, one_f_one_b, run_interleaved,
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from ..runtime.memory import Ledger
+from ..runtime.reference import reference
 from ..sharded import Sharded
 from ..tensor_parallel import (
     Copy,
@@ -270,6 +271,7 @@ def _block(model: GPT, index: int) -> Block:
     return block
 
 
+@reference("mesh_trainer")
 @dataclass
 class MeshTrainer:
     """This rank's stage of a GPT on a mesh, its optimizer (AdamW, as `train_gpt`), and optionally ZeRO on data.
@@ -402,6 +404,7 @@ class MeshRun:
     virtual: int = 1
 
 
+@reference("mesh_trainer")
 def train_on_mesh(
     comm: MPI.Comm,
     model: GPT,

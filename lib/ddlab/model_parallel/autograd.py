@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.reference import reference
 from .messages import Mailbox
 
 
@@ -20,6 +21,7 @@ class SendTensor(torch.autograd.Function):
     """Forward: post x to rank `peer`, return a placeholder. Backward: receive x's gradient from `peer`."""
 
     @staticmethod
+    @reference("send_tensor")
     def forward(ctx, x: torch.Tensor, mailbox: Mailbox, peer: int, tag: int) -> torch.Tensor:
         mailbox.post(x, peer, tag)
         ctx.mailbox, ctx.peer, ctx.tag = mailbox, peer, tag
@@ -27,6 +29,7 @@ class SendTensor(torch.autograd.Function):
         return x.new_zeros(())
 
     @staticmethod
+    @reference("send_tensor")
     def backward(ctx, _placeholder_grad: torch.Tensor):
         grad = ctx.mailbox.take(ctx.shape, ctx.dtype, ctx.peer, ctx.tag)
         return grad, None, None, None
@@ -40,6 +43,7 @@ class RecvTensor(torch.autograd.Function):
     """
 
     @staticmethod
+    @reference("recv_tensor")
     def forward(
         ctx, anchor: torch.Tensor, mailbox: Mailbox, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
@@ -47,6 +51,7 @@ class RecvTensor(torch.autograd.Function):
         return mailbox.take(shape, dtype, peer, tag)
 
     @staticmethod
+    @reference("recv_tensor")
     def backward(ctx, grad: torch.Tensor):
         ctx.mailbox.post(grad, ctx.peer, ctx.tag)
         return None, None, None, None, None, None

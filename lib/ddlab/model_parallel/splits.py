@@ -17,6 +17,7 @@ import torch
 
 from ..models.unet import UNet
 from ..runtime.blocks import block_bounds
+from ..runtime.reference import reference
 
 
 def check_bounds(bounds: list[int], n_layers: int, k: int | None = None) -> None:
@@ -52,6 +53,7 @@ def _pack(prefix: list[float], k: int, limit: float) -> list[int] | None:
     return bounds + [n]
 
 
+@reference("balanced_split")
 def balanced_split(costs: Sequence[float], k: int) -> list[int]:
     """Bounds of k contiguous non-empty stages whose largest total cost is as small as possible."""
     n = len(costs)

@@ -15,10 +15,13 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from ..runtime.reference import reference
+
 #: Ping-pong buffers from 8 bytes to 64 MiB, doubling.
 SMALLEST, LARGEST = 8, 64 * 2**20
 
 
+@reference("collect")
 def collect(comm: MPI.Comm, data: np.ndarray) -> list[np.ndarray] | None:
     """Rank 0 receives every other rank's 1-D float64 array, of any length, in arrival order.
 
@@ -40,6 +43,7 @@ def collect(comm: MPI.Comm, data: np.ndarray) -> list[np.ndarray] | None:
     return arrays
 
 
+@reference("exchange")
 def exchange(comm: MPI.Comm, data: np.ndarray) -> np.ndarray:
     """Swap data with partner rank ^ 1 and return the partner's array (a new one).
 
@@ -55,6 +59,7 @@ def exchange(comm: MPI.Comm, data: np.ndarray) -> np.ndarray:
     return received
 
 
+@reference("ping_pong")
 def ping_pong(comm: MPI.Comm, buf: np.ndarray, repeats: int) -> float | None:
     """Bounce buf between ranks 0 and 1 `repeats` times; the mean one-way time in seconds.
 
@@ -124,6 +129,7 @@ def sweep(comm: MPI.Comm, sizes: Sequence[int], repeats: int | None = None, tria
     return times
 
 
+@reference("fit_alpha_beta")
 def fit_alpha_beta(nbytes: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray) -> tuple[float, float]:
     """Fit T(n) = alpha + beta * n by least squares on relative errors; return (alpha, beta).
 

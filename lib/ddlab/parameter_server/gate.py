@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runtime.reference import reference
+
 
 @dataclass(frozen=True)
 class Consistency:
@@ -31,6 +33,7 @@ class Consistency:
         raise ValueError(f"unknown consistency mode {mode!r}: use 'sync', 'async' or 'ssp<k>' such as 'ssp2'")
 
 
+@reference("ssp_gate")
 def may_start(clocks: np.ndarray, step: int, bound: float) -> bool:
     """Exercise 10.1: may a worker start `step` when the running workers have finished `clocks` steps?
 

@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from ..runtime.waiting import PeerFailed, Stalled, Watch
 from .gate import Consistency, may_start
 from .messages import GRADIENT, GRADIENT_HEADER, PARAMETERS
@@ -42,6 +43,7 @@ class ServerLog:
     problem: str | None = None
 
 
+@reference("ssp_server")
 class Server:
     """One server's state: its slice, the workers' clocks, who waits for parameters."""
 

@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from ..runtime.waiting import Watch
 from .messages import GRADIENT, PARAMETERS, PARAMETERS_HEADER
 
@@ -52,6 +53,7 @@ def push(
     return sends
 
 
+@reference("async_worker")
 def work(
     comm: Comm,
     bounds: list[tuple[int, int]],

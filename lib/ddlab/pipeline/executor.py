@@ -22,6 +22,7 @@ from torch import nn
 
 from ..model_parallel import Mailbox
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .schedules import Op
 
 
@@ -30,6 +31,7 @@ def micro_batch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return ((output - target) ** 2).sum()
 
 
+@reference("run_schedule")
 def run_schedule(
     comm: Comm,
     layers: nn.Module,

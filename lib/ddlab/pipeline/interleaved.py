@@ -34,6 +34,7 @@ from torch import nn
 
 from ..model_parallel import Mailbox, Timeline
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .schedules import replay, virtual_stage
 
 ChunkOp = tuple[str, int, int]
@@ -58,6 +59,7 @@ def warmup_forwards(p: int, m: int, rank: int, v: int) -> int:
     return min(2 * (p - rank - 1) + (v - 1) * p, v * m)
 
 
+@reference("interleaved")
 def interleaved_1f1b(p: int, m: int, rank: int, v: int) -> list[ChunkOp]:
     """Exercise 16.3's reference: rank's ops under the interleaved 1F1B schedule (see the module's docstring)."""
     check_sizes(p, m, rank, v)

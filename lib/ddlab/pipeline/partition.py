@@ -35,10 +35,12 @@ from ..model_parallel import Crossings, Mailbox, profile_layers
 from ..models.unet import UNet
 from ..runtime.comm import Comm
 from ..runtime.counting import underlying
+from ..runtime.reference import reference
 
 StageTime = Callable[[int, int], float]
 
 
+@reference("pipedream_partition")
 def pipedream_partition(n: int, k: int, stage_time: StageTime) -> list[int]:
     """Bounds of k contiguous non-empty stages of n layers minimising the largest stage_time(a, b)."""
     if not 1 <= k <= n:

@@ -22,18 +22,21 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from ..runtime.reference import reference
 from ..runtime.trace import Span
 
 Op = tuple[str, int]
 Schedule = Callable[[int, int, int], list[Op]]
 
 
+@reference("gpipe")
 def gpipe(k: int, m: int, stage: int) -> list[Op]:
     """All forwards, then all backwards (in micro-batch order)."""
     _check(k, m, stage)
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
 
 
+@reference("one_f_one_b")
 def one_f_one_b(k: int, m: int, stage: int) -> list[Op]:
     """Warm-up forwards, then one forward one backward, then the remaining backwards."""
     _check(k, m, stage)

@@ -5,7 +5,10 @@ Used wherever work is divided: data shards, allreduce chunks, pipeline stages.
 
 from __future__ import annotations
 
+from .reference import reference
 
+
+@reference("block_range")
 def block_range(n: int, rank: int, size: int) -> range:
     """The indices rank owns when n items are split over size ranks."""
     if size < 1 or not 0 <= rank < size or n < 0:

@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from ..runtime.reference import reference
+
 RULES = ("none", "linear", "sqrt")
 
 
@@ -29,6 +31,7 @@ def speedup(t1: float, tp: float) -> float:
     return t1 / tp
 
 
+@reference("scaling_efficiency")
 def efficiency(t1: float, tp: float, p: int, weak: bool = False) -> float:
     """Share of ideal: T(1)/(P T(P)) for strong scaling, T(1)/T(P) for weak scaling."""
     return t1 / tp if weak else t1 / (p * tp)
@@ -39,6 +42,7 @@ def fused_ratio(k: float | np.ndarray, nbytes: float, alpha: float, beta: float)
     return (k * alpha + nbytes * beta) / (alpha + nbytes * beta)
 
 
+@reference("lr_factor")
 def lr_factor(step: int, k: float, rule: str = "linear", warmup_steps: int = 0) -> float:
     """Multiplier of the base learning rate at `step` when the batch grows k times.
 

@@ -42,6 +42,7 @@ from torch import nn
 from ..data_parallel.sync import broadcast_parameters
 from ..runtime.comm import Comm
 from ..runtime.counting import CountingComm, underlying
+from ..runtime.reference import reference
 from .collectives import Allgather, CollectivesChoice, ReduceScatter, resolve_collectives
 from .zero import Sharded
 
@@ -51,6 +52,7 @@ def even_bounds(n: int, parts: int) -> list[int]:
     return [k * n // parts for k in range(parts + 1)]
 
 
+@reference("hybrid_reduce_scatter")
 def two_stage(replicate: Comm, reduce_scatter: ReduceScatter, allgather: Allgather) -> tuple[ReduceScatter, Allgather]:
     """The (reduce_scatter, allgather) pair of a hybrid model's group.
 

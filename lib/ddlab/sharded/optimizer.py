@@ -27,10 +27,12 @@ import torch
 from torch import nn
 
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .collectives import CollectivesChoice, resolve_collectives
 from .flat import FlatSpace
 
 
+@reference("sharded_optimizer")
 class ShardedOptimizer:
     """`optimizer_class(shard, **kwargs)` over this rank's shard of `params`, which are alike on every rank of `comm`.
 

@@ -86,6 +86,7 @@ from torch import nn
 from ..data_parallel.sync import broadcast_parameters
 from ..runtime.counting import underlying
 from ..runtime.memory import AgreedOutOfMemory, Ledger, OutOfMemory
+from ..runtime.reference import reference
 from ..runtime.trace import Tracer
 from .collectives import Collectives, CollectivesChoice, InFlight
 from .flat import FlatSpace
@@ -142,6 +143,7 @@ class Unit:
         return self.full.numel() * self.full.element_size()
 
 
+@reference("sharded_optimizer", "zero2_hooks", "zero3_unit")
 class Sharded(nn.Module):
     """`module` trained by ZeRO stage 1, 2 or 3 over the ranks of `comm`; see the module's docstring.
 

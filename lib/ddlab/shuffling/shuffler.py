@@ -48,6 +48,7 @@ from mpi4py import MPI
 
 from ..data.sharding import epoch_permutation
 from ..runtime.blocks import block_bounds, block_range
+from ..runtime.reference import reference
 from .storage import SampleFiles
 
 STRATEGIES = ("global", "local", "partial")
@@ -60,6 +61,7 @@ def exchanged_count(m: int, q: float) -> int:
     return int(np.floor(q * m + 0.5))
 
 
+@reference("exchange_plan")
 def exchange_plan(
     counts: list[int], rank: int, q: float, epoch: int, seed: int = 0
 ) -> tuple[list[np.ndarray], list[int]]:
@@ -85,6 +87,7 @@ def exchange_plan(
     return send, recv_counts
 
 
+@reference("exchange_samples")
 def exchange_samples(comm: MPI.Comm, x: np.ndarray, send: list[np.ndarray], recv_counts: list[int]) -> np.ndarray:
     """Rows x[send[d]] to rank d, all in one Alltoallv; the rows received, grouped by source."""
     row = int(np.prod(x.shape[1:], dtype=np.int64))  # elements per sample
@@ -98,6 +101,7 @@ def exchange_samples(comm: MPI.Comm, x: np.ndarray, send: list[np.ndarray], recv
     return incoming
 
 
+@reference("redistribute")
 def redistribute(comm: MPI.Comm, x: np.ndarray, holds: list[np.ndarray], needs: list[np.ndarray]) -> np.ndarray:
     """The rows of the samples this rank needs, in the order it needs them, fetched from their holders.
 

@@ -43,6 +43,7 @@ from torch import nn
 from ..models.gpt import MLP, Block, CausalSelfAttention, GPTConfig, causal_attention, seeded_dropout
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .conjugates import Copy, ReduceScatter
 from .layers import ColumnParallelLinear, GatherLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 
@@ -251,6 +252,7 @@ def _summed_grad(p: torch.Tensor | None, comm: Comm) -> torch.Tensor | None:
     return None if p is None else Copy.apply(p, comm)
 
 
+@reference("sequence_parallel_block")
 def sequence_parallel_block(
     x: torch.Tensor, parts: BlockParts, comm: Comm, seed: int | None, length: int
 ) -> torch.Tensor:

@@ -45,6 +45,7 @@ import torch
 
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .collectives import allgather, allreduce, reduce_scatter
 
 SEQUENCE = 1  # the sequence dimension of (batch, sequence, features)
@@ -54,11 +55,13 @@ class Copy(torch.autograd.Function):
     """f: identity forward, allreduce backward."""
 
     @staticmethod
+    @reference("conjugates")
     def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
         ctx.comm = comm
         return x.view_as(x)
 
     @staticmethod
+    @reference("conjugates")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return allreduce(ctx.comm, grad), None
 
@@ -67,10 +70,12 @@ class Reduce(torch.autograd.Function):
     """g: allreduce forward, identity backward."""
 
     @staticmethod
+    @reference("conjugates")
     def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
         return allreduce(comm, x)
 
     @staticmethod
+    @reference("conjugates")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 

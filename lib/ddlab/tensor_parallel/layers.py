@@ -36,10 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .collectives import allgather, reduce_scatter
 from .conjugates import SEQUENCE, Copy, Reduce, ReduceScatter
 
 
+@reference("parallel_linear")
 def column_parallel_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm
 ) -> torch.Tensor:
@@ -47,6 +49,7 @@ def column_parallel_linear(
     return F.linear(Copy.apply(x, comm), weight, bias)
 
 
+@reference("parallel_linear")
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm) -> torch.Tensor:
     """The whole output of a linear layer whose columns of W this rank holds (x: those input features)."""
     y = Reduce.apply(F.linear(x, weight), comm)
@@ -74,6 +77,7 @@ class GatherLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
+@reference("parallel_linear")
 class ColumnParallelLinear(nn.Module):
     """Output features `rows` (an index tensor) of a whole linear layer; copies of its weights."""
 
@@ -92,6 +96,7 @@ class ColumnParallelLinear(nn.Module):
         return GatherLinear.apply(x, self.weight, self.bias, self.comm, length)
 
 
+@reference("parallel_linear")
 class RowParallelLinear(nn.Module):
     """Input features `cols` (an index tensor) of a whole linear layer, and its whole bias; copies."""
 

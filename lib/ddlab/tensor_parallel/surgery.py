@@ -42,6 +42,7 @@ from torch import nn
 from ..models.gpt import GPT, Block
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .block import BlockParts, head_range, qkv_rows
 from .conjugates import Gather, Scatter
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -75,6 +76,7 @@ def check_plan(plan: Mapping[str, str]) -> None:
             )
 
 
+@reference("parallelize")
 def parallelize(block: Block, comm: Comm, plan: Mapping[str, str] = PLAN) -> Block:
     """A copy of block whose layers named in plan hold only this rank's shard (see the module's docstring)."""
     check_plan(plan)

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
+from ..runtime.reference import reference
 from .collectives import allgather, allreduce
 from .conjugates import Reduce, ReduceScatter
 
@@ -65,6 +66,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits split by vocabulary: one allgather of maxima, one allreduce of sums."""
 
     @staticmethod
+    @reference("vocab_parallel_cross_entropy")
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, comm: Comm, start: int) -> torch.Tensor:
         n, mine = logits.shape
         local_max = logits.detach().max(dim=1).values
@@ -79,6 +81,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return (sums[0].log() - sums[1]).mean()
 
     @staticmethod
+    @reference("vocab_parallel_cross_entropy")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         softmax, rows, columns = ctx.saved_tensors
         grad_logits = softmax.clone()
@@ -86,6 +89,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * (grad / softmax.shape[0]), None, None, None
 
 
+@reference("vocab_parallel_cross_entropy")
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm, start: int) -> torch.Tensor:
     """Mean cross-entropy over N positions of logits (N, V_r) holding vocabulary entries start .. start + V_r - 1."""
     return VocabParallelCrossEntropy.apply(logits, targets, comm, start)
