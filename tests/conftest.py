@@ -82,3 +82,37 @@ def course_site(tmp_path_factory):
 
     settings = load_settings()
     return build(tmp_path_factory.mktemp("site"), settings).parent, settings
+
+
+def _calling(reference):
+    """An answer that only calls `reference`: a function or class, or an autograd Function's forward and backward."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(reference, type) and issubclass(reference, torch.autograd.Function):
+        return type(
+            "Calling",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(lambda ctx, *args: reference.forward(ctx, *args)),
+                "backward": staticmethod(lambda ctx, *grads: reference.backward(ctx, *grads)),
+            },
+        )
+    return lambda *args, **kwargs: reference(*args, **kwargs)
+
+
+@pytest.fixture
+def refuses_the_reference():
+    """refuses(exercise, "module.name", *others): check_<exercise>(answer, *others) fails with the refusal when the
+    answer is the library's own (as it is, an alias) and when it only calls it, on every rank at its first call."""
+
+    def refuses(exercise: str, reference: str, *others) -> None:
+        import importlib
+
+        import ddlab.checks
+
+        module, name = reference.rsplit(".", 1)
+        found = getattr(importlib.import_module(module), name)
+        for answer in (found, _calling(found)):
+            with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
+                getattr(ddlab.checks, f"check_{exercise}")(answer, *others)
+
+    return refuses

@@ -830,20 +830,6 @@ def test_a_sequence_parallel_block_with_a_float64_buffer_fails_in_float32():
         check_sequence_parallel_block(fn)
 
 
-def _calling(reference):
-    """An answer that only calls `reference`: a function, a class, or an autograd Function's forward and backward."""
-    if isinstance(reference, type) and issubclass(reference, torch.autograd.Function):
-        return type(
-            "Calling",
-            (torch.autograd.Function,),
-            {
-                "forward": staticmethod(lambda ctx, *args: reference.forward(ctx, *args)),
-                "backward": staticmethod(lambda ctx, *grads: reference.backward(ctx, *grads)),
-            },
-        )
-    return lambda *args, **kwargs: reference(*args, **kwargs)
-
-
 @pytest.mark.parametrize(
     "exercise, reference, others",
     [
@@ -855,14 +841,5 @@ def _calling(reference):
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
-def test_the_checks_refuse_the_library_s_own_answer(exercise, reference, others):
-    """The library's own answer, as it is (an alias) and called from an answer, fails with the refusal, on every rank at its first call."""
-    import importlib
-
-    import ddlab.checks
-
-    module, name = reference.rsplit(".", 1)
-    reference = getattr(importlib.import_module(module), name)
-    for answer in (reference, _calling(reference)):
-        with pytest.raises(ddlab.checks.CheckFailed, match="the library's own answer"):
-            getattr(ddlab.checks, f"check_{exercise}")(answer, *others)
+def test_the_checks_refuse_the_library_s_own_answer(refuses_the_reference, exercise, reference, others):
+    refuses_the_reference(exercise, reference, *others)
