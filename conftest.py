@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import nbformat
     from ddlab.tools.cellflow import cells_the_lab_runs
 
-    ordinals: dict[Path, set[int]] = {}
+    ordinals: dict[Path, set[int] | None] = {}
     kept, dropped = [], []
     for item in items:
         cell_num = getattr(item, "cell_num", None)
@@ -84,11 +84,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kept.append(item)
             continue
         if path not in ordinals:
-            solution = nbformat.read(path.parent.parent / "solutions" / path.name, as_version=4)
-            code = [i for i, cell in enumerate(solution.cells) if cell.cell_type == "code"]
-            runs = cells_the_lab_runs(solution)
-            ordinals[path] = {k for k, i in enumerate(code) if i in runs}
-        (kept if cell_num in ordinals[path] else dropped).append(item)
+            source = path.parent.parent / "solutions" / path.name
+            if not source.exists():  # a lab without its solution beside it: every cell runs
+                ordinals[path] = None
+            else:
+                solution = nbformat.read(str(source), as_version=4)
+                code = [i for i, cell in enumerate(solution.cells) if cell.cell_type == "code"]
+                runs = cells_the_lab_runs(solution)
+                ordinals[path] = {k for k, i in enumerate(code) if i in runs}
+        selected = ordinals[path]
+        (kept if selected is None or cell_num in selected else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

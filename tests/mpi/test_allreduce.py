@@ -18,6 +18,7 @@ from ddlab.allreduce.algorithms import doubling_steps
 from ddlab.checks import check_allreduce_rabenseifner, check_allreduce_recursive_doubling, check_allreduce_ring
 from ddlab.checks._core import run_counted
 from ddlab.runtime.counting import rounds
+from ddlab.runtime.reference import unguarded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
@@ -168,7 +169,7 @@ def test_critical_path_matches_the_cost_model(name: str) -> None:
     ],
 )
 def test_checks_pass_the_references(check: Callable, reference: Callable, capsys: pytest.CaptureFixture) -> None:
-    check(reference)
+    check(unguarded(reference))  # the library's answer as a student's would run (the checks refuse it marked)
     out = capsys.readouterr().out
     assert ("passed:" in out) == (WORLD.rank == 0)
 
