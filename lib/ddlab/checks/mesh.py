@@ -254,7 +254,7 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS, timeout: float = TRA
     of TRAINER_CASES on the whole world; then the split case: the world cut into meshes of fewer ranks
     (`_split_case`), each training on batches of its own at the same time, where an answer that averages or
     broadcasts over MPI.COMM_WORLD instead of the mesh's communicators mixes the meshes. Every rank's
-    losses must be one process's (on its mesh's batches) to 1e-8, every step's: `steps` is 3 or more, so
+    losses must be one process's (on its mesh's batches) to 1e-8, every step's: with TRAINER_STEPS (3) steps,
     gradients never zeroed show."""
     from ..data.text import BatchSampler, make_corpus
     from ..models.gpt import GPTConfig
