@@ -42,7 +42,7 @@ from ..runtime.memory import Ledger
 from ..runtime.reference import reference
 from ..runtime.trace import Span
 from .executor import micro_batch_loss
-from .schedules import one_f_one_b
+from .schedules import one_f_one_b, replay
 
 Record = tuple[nn.Linear, torch.Tensor, torch.Tensor]  # a linear layer, its input a, its output z
 Pending = tuple[nn.Linear, torch.Tensor, torch.Tensor]  # a linear layer, its input a, the gradient g of z
@@ -247,40 +247,20 @@ def replay_split(
     shape "chain": rank r is stage r (ops ("F", i)); "V" and "interleaved": ops ("F", chunk, i), chunk c
     of rank r being virtual stage `placed(shape, p, r, c)`.
     F(q, i) needs F(q - 1, i); B(q, i) needs F(q, i) and B(q + 1, i); W(q, i) needs B(q, i); BW(q, i),
-    B and W in one op of b + w, needs what B needs.
+    B and W in one op of b + w, needs what B needs. Lab 07's `schedules.replay` with W ops.
     ValueError on a deadlock, naming each stuck rank and the op it waits at."""
     p = len(schedules)
-    n = p if shape == "chain" else 2 * p
-    times = {"F": f, "B": b, "W": w, "BW": b + w}
-    placed(shape, p, 0, 0)
-    done: dict[tuple[str, int, int], float] = {}
-    cursor, clock = [0] * p, [0.0] * p
-    out: list[list[tuple[SplitOp, float, float]]] = [[] for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while cursor[r] < len(schedules[r]):
-                op = schedules[r][cursor[r]]
-                kind, chunk, i = _parts(op)
-                q = placed(shape, p, r, chunk)
-                needs = {
-                    "F": [("F", q - 1, i)] if q > 0 else [],
-                    "B": [("F", q, i)] + ([("B", q + 1, i)] if q < n - 1 else []),
-                    "W": [("B", q, i)],
-                }[kind[0]]
-                if any(need not in done for need in needs):
-                    break
-                start = max([clock[r]] + [done[need] for need in needs])
-                done[(kind[0], q, i)] = clock[r] = start + times[kind]
-                out[r].append((op, start, clock[r]))
-                cursor[r] += 1
-                progress = True
-    stuck = [r for r in range(p) if cursor[r] < len(schedules[r])]
-    if stuck:
-        waiting = ", ".join(f"rank {r} at {tuple(schedules[r][cursor[r]])}" for r in stuck)
-        raise ValueError(f"the op lists deadlock: {waiting} wait for ops that never run")
-    return out
+    placed(shape, p, 0, 0)  # a known shape
+    return replay(
+        [[tuple(op) for op in ops] for ops in schedules],
+        [f] * p,
+        [b] * p,
+        v=1 if shape == "chain" else 2,
+        unit="rank",
+        weight=[w] * p,
+        place=lambda p_, r, c: placed(shape, p_, r, c),
+        what="op lists",
+    )
 
 
 def split_spans(timeline: Sequence[Sequence[tuple[SplitOp, float, float]]]) -> list[list[Span]]:
