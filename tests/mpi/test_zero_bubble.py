@@ -22,11 +22,13 @@ from ddlab.pipeline.zero_bubble import (
     placed,
     run_split,
     split_peak,
+    split_peak_bytes,
     zb_h1,
     zb_h2,
     zb_v,
 )
-from ddlab.pipeline.zero_bubble_runs import interleaved_whole
+from ddlab.pipeline.zero_bubble_runs import SCHEDULES as RUNS
+from ddlab.pipeline.zero_bubble_runs import held_bytes, interleaved_whole, stages
 from ddlab.runtime.memory import Ledger
 from mpi4py import MPI
 from torch import nn
@@ -123,3 +125,30 @@ def test_zb_h1_keeps_1f1b_peak_micro_batches():
         assert max(split_peak(zb_h1(P, m, s)) for s in range(P)) == max(
             split_peak(one_f_one_b_whole(P, m, s)) for s in range(P)
         )
+
+
+@pytest.mark.parametrize("block", ["tanh", "post_norm"])
+def test_the_ledger_s_peak_is_the_op_list_s_and_w_frees_what_it_kept(block):
+    """Each rank's ledger peak is exactly its op list's count of micro-batches waiting for B (M_B each) and
+    for W (M_W each): what W keeps is freed when W runs, not at the next B. With a post-norm block
+    (M_W <= M_B, as Qi et al.'s Table 1 has for a transformer layer) ZB-H1's peak is 1F1B's; with the
+    tanh block W keeps twice what F saved, and the last stage's p late W's pay it."""
+    m_b, m_w = held_bytes(block, WIDTH, 5, ROWS, torch.float64)
+    m = 2 * P
+    inputs, targets = _data(m)
+    peaks = {}
+    for name in ("1F1B", "ZB-H1", "ZB-H2", "ZB-V"):
+        schedule, shape = RUNS[name]
+        n = P if shape == "chain" else 2 * P
+        models = stages(n, WIDTH, 5, torch.float64, block)
+        chunks = [copy.deepcopy(models[placed(shape, P, RANK, c)]) for c in range(n // P)]
+        ledger = Ledger()
+        ops = schedule(P, m, RANK)
+        run_split(WORLD, chunks, ops, inputs, targets, shape=shape, ledger=ledger)
+        assert ledger.used["activations"] == 0, f"{name}: activations left after the step"
+        assert ledger.peak["activations"] == split_peak_bytes(ops, m_b, m_w), f"{name}, rank {RANK}"
+        peaks[name] = max(WORLD.allgather(ledger.peak["activations"]))
+    if block == "post_norm":
+        assert m_w <= m_b and peaks["ZB-H1"] == peaks["1F1B"]
+    else:
+        assert m_w == 2 * m_b and peaks["ZB-H1"] == 2 * peaks["1F1B"]

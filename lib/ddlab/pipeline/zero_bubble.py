@@ -288,6 +288,23 @@ def split_peak(ops: Sequence[SplitOp]) -> int:
     return most
 
 
+def split_peak_bytes(ops: Sequence[SplitOp], m_b: float, m_w: float) -> float:
+    """A rank's peak activation bytes from its op list: m_b for each micro-batch (or chunk) whose F ran and
+    B not yet, m_w for each whose B ran and W not yet (a whole backward "BW" frees it at once).
+
+    ZB-H1 keeps at most p micro-batches alive, as 1F1B does, so its peak is 1F1B's when m_w <= m_b
+    (Qi et al. 2024, Table 1: M_W = 32sbh < M_B = 34sbh + 5as^2b for a transformer layer); when m_w > m_b
+    the stages that hold W's late pay the difference."""
+    waiting_b = waiting_w = 0
+    most = 0.0
+    for op in ops:
+        kind = op[0]
+        waiting_b += {"F": 1, "B": -1, "W": 0, "BW": -1}[kind]
+        waiting_w += {"F": 0, "B": 1, "W": -1, "BW": 0}[kind]
+        most = max(most, waiting_b * m_b + waiting_w * m_w)
+    return most
+
+
 def _share(p: int, m: int, f: float, b: float, w: float, idle: float) -> float:
     """Idle share when each rank works m (f + b + w) and idles `idle` in a step."""
     return idle / (m * (f + b + w) + idle)
@@ -313,6 +330,16 @@ def bubble_zb_h2(p: int, m: int, f: float, b: float, w: float) -> float:
 
 
 # Running on real ranks ---------------------------------------------------------------
+
+
+def hold_for_w(ledger: Ledger, pending: list[Pending]) -> None:
+    """Charge what W keeps alive (each layer's input a and output gradient g) until W drops it.
+
+    A function, not a loop in the executor: a loop's variables would keep the last a and g alive
+    after W ran (and the ledger would rightly count them)."""
+    for _, a, g in pending:
+        ledger.hold(a, "an input W keeps")
+        ledger.hold(g, "a gradient W keeps")
 
 
 @reference("run_zero_bubble")
@@ -390,15 +417,14 @@ def run_split(
                 grad_x, pending = backward_input(y, grad, x, records)
                 del x, y, records
                 if ledger is not None and kind == "B":
-                    for _, a, g in pending:
-                        ledger.hold(a, "an input W keeps")
-                        ledger.hold(g, "a gradient W keeps")
+                    hold_for_w(ledger, pending)
                 if kind == "BW":
                     backward_weight(pending)
                 else:
                     waiting_w[(q, i)] = pending
                 if grad_x is not None:
                     send(grad_x, q - 1, i, True)
+                del pending  # from here only waiting_w keeps W's inputs, so W frees them when it runs
             else:
                 backward_weight(waiting_w.pop((q, i)))
     if kept or waiting_w:
