@@ -152,3 +152,46 @@ def test_the_ledger_s_peak_is_the_op_list_s_and_w_frees_what_it_kept(block):
         assert m_w <= m_b and peaks["ZB-H1"] == peaks["1F1B"]
     else:
         assert m_w == 2 * m_b and peaks["ZB-H1"] == 2 * peaks["1F1B"]
+
+
+@pytest.mark.parametrize("schedule", ["ZBV", "interleaved"])
+def test_torch_s_zero_bubble_schedule_gives_ddlab_s_gradients(schedule):
+    """torch.distributed.pipelining's ScheduleZBVZeroBubble (the V, beside ddlab's zb_v) and
+    ScheduleInterleavedZeroBubble (beside lab 16's interleaved schedule) over gloo: the same losses and
+    gradients as ddlab's run of the same stages, and as one process's (float64)."""
+    import os
+
+    import torch.distributed.pipelining as pipelining
+    from ddlab.data_parallel import close_gloo
+    from ddlab.pipeline.torch_zero_bubble import TORCH_SCHEDULES, TorchZeroBubble
+
+    name, shape = TORCH_SCHEDULES[schedule]
+    if not hasattr(pipelining, name):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"this torch ({torch.__version__}) has no torch.distributed.pipelining.{name}")
+        pytest.skip(f"this torch ({torch.__version__}) has no torch.distributed.pipelining.{name}")
+    m = 2 * P
+    models = _stages(2 * P)
+    inputs, targets = _data(m)
+    want, want_loss = _one_process(models, inputs, targets)
+    ours = [copy.deepcopy(models[placed(shape, P, RANK, c)]) for c in range(2)]
+    ops = zb_v(P, m, RANK) if shape == "V" else interleaved_whole(P, m, RANK)
+    our_losses = run_split(WORLD, ours, ops, inputs, targets, shape=shape)
+    try:
+        theirs = TorchZeroBubble(WORLD, models, m, schedule)
+        their_losses = theirs.step(inputs, targets)
+    finally:
+        close_gloo()
+    errors = [
+        max(float((a.grad - b.grad).abs().max()) for a, b in zip(mine.parameters(), other.parameters()))
+        for mine, other in zip(theirs.chunks, ours)
+    ]
+    to_one = [
+        max(float((a.grad - b).abs().max()) for a, b in zip(chunk.parameters(), want[q]))
+        for chunk, q in zip(theirs.chunks, theirs.indices)
+    ]
+    errors, to_one = WORLD.allgather(max(errors)), WORLD.allgather(max(to_one))
+    assert max(errors) < 1e-10 and max(to_one) < 1e-10, f"{schedule}: vs ddlab {errors}, vs one process {to_one}"
+    assert their_losses == pytest.approx(our_losses, rel=1e-12)
+    if their_losses:
+        assert sum(their_losses) == pytest.approx(want_loss, rel=1e-10)

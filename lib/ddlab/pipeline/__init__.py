@@ -20,6 +20,8 @@
   `measure_split` runs each on real ranks (bubble, F/B/W times, peak activations from the ledger).
 - `TorchPipeline`, `RelayStage`, `forward_bytes`: the same stages in torch.distributed.pipelining,
   which relays skip connections through the stages in between.
+- `torch_zero_bubble.TorchZeroBubble`: torch's ScheduleZBVZeroBubble and ScheduleInterleavedZeroBubble
+  on lab 17's stages over gloo, beside ddlab's `zb_v` and interleaved runs.
 """
 
 from .balance import Calibration, calibrate
