@@ -195,3 +195,32 @@ def test_torch_s_zero_bubble_schedule_gives_ddlab_s_gradients(schedule):
     assert their_losses == pytest.approx(our_losses, rel=1e-12)
     if their_losses:
         assert sum(their_losses) == pytest.approx(want_loss, rel=1e-10)
+
+
+def test_zb_v_on_a_mesh_of_pipeline_2_and_data_2_gives_one_process_s_gradients():
+    """Lab 16's mesh, pipeline 2 x data 2: each replica's pipeline runs ZB-V (4 virtual stages in a V) on
+    its half of 10 micro-batches (5 each, not a multiple of its 2 stages); the gradients summed over the
+    data dimension equal one process's on the whole batch (float64)."""
+    if P != 4:
+        pytest.skip("pipeline 2 x data 2 needs 4 ranks")
+    from ddlab.mesh import Mesh
+    from ddlab.pipeline.zero_bubble import run_split_data_parallel
+
+    mesh = Mesh.build(WORLD, data=2, pipeline=2)
+    stage = mesh.coords["pipeline"]
+    models = _stages(4)
+    inputs, targets = _data(10)
+    want, want_loss = _one_process(models, inputs, targets)
+    mine = [copy.deepcopy(models[placed("V", 2, stage, c)]) for c in range(2)]
+    try:
+        losses = run_split_data_parallel(mesh.pipeline, mesh.data, mine, zb_v, inputs, targets)
+        everyone = WORLD.allgather(losses)
+    finally:
+        mesh.free()
+    errors = [
+        max(float((a.grad - b).abs().max()) for a, b in zip(chunk.parameters(), want[placed("V", 2, stage, c)]))
+        for c, chunk in enumerate(mine)
+    ]
+    assert max(WORLD.allgather(max(errors))) < 1e-10
+    assert sorted(len(x) for x in everyone) == [0, 0, 5, 5]
+    assert sum(sum(x) for x in everyone) == pytest.approx(want_loss, rel=1e-10)

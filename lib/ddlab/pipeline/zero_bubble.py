@@ -18,7 +18,8 @@ gradient g of its output, nothing else of the graph.
   Gantt chart; `split_bubble`,
   `split_peak`: a replay's idle share and a rank's most activations alive; the closed forms
   `bubble_1f1b`, `bubble_zb_h1`, `bubble_zb_h2`.
-- `run_split` (exercise 17.3's reference on a chain): run the op lists on real ranks.
+- `run_split` (exercise 17.3's reference on a chain): run the op lists on real ranks;
+  `run_split_data_parallel`: a schedule on a mesh's pipeline dimension, data parallel over its data one.
 
 Exercise 17.1 signatures: `backward_input(y, grad_y, x, records) -> (grad_x, pending)` with
 records the list of (linear, a, z) that `forward_recorded` returns, grad_x None when x does not
@@ -34,6 +35,7 @@ import contextlib
 from typing import Callable, Sequence
 
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from ..model_parallel import Mailbox, Timeline
@@ -433,3 +435,38 @@ def run_split(
         )
     mailbox.free()
     return [losses[i] for i in sorted(losses)]
+
+
+def run_split_data_parallel(
+    pipeline: Comm,
+    data: Comm,
+    chunks: list[nn.Module],
+    schedule: Callable[[int, int, int], Sequence[SplitOp]],
+    inputs: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    shape: str = "V",
+) -> list[float]:
+    """One step of a schedule on a mesh's pipeline dimension, data parallel over its data dimension.
+
+    The D data replicas share the m micro-batches (replica d takes micro-batches d, d + D, ...); each runs
+    `schedule(P, its count, pipeline rank)` on its pipeline of P ranks (`run_split`, `shape` as there: "V"
+    for `zb_v`), then every gradient is summed over `data` (the loss of lab 07 is a sum over
+    micro-batches), so that each rank's chunks hold one process's gradients of the whole batch. Returns
+    the losses of this replica's micro-batches on the rank holding the last stage ([] elsewhere)."""
+    d, replicas = data.Get_rank(), data.Get_size()
+    if len(inputs) < replicas or len(targets) != len(inputs):
+        raise ValueError(
+            f"need as many targets as inputs and at least one micro-batch per data replica: "
+            f"{len(inputs)} inputs, {len(targets)} targets, {replicas} replicas"
+        )
+    mine, theirs = inputs[d::replicas], targets[d::replicas]
+    ops = schedule(pipeline.Get_size(), len(mine), pipeline.Get_rank())
+    losses = run_split(pipeline, chunks, ops, mine, theirs, shape=shape)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param.grad is None:
+                raise ValueError("a chunk's parameter got no gradient: its stage never ran a backward")
+            grad = param.grad.contiguous()
+            data.Allreduce(MPI.IN_PLACE, grad.numpy(), op=MPI.SUM)
+            param.grad = grad
+    return losses
