@@ -16,9 +16,11 @@ gradient g of its output, nothing else of the graph.
   ...: `zb_v` (exercise 17.4's reference).
 - `replay_split`: replay per-rank op lists with F, B, W times (messages free), `split_spans` for its
   Gantt chart; `split_bubble`,
-  `split_peak`: a replay's idle share and a rank's most activations alive; the closed forms
+  `split_peak`, `split_peak_bytes`: a replay's idle share, a rank's most activations alive and their
+  bytes from M_B and M_W; the closed forms
   `bubble_1f1b`, `bubble_zb_h1`, `bubble_zb_h2`.
-- `run_split` (exercise 17.3's reference on a chain): run the op lists on real ranks;
+- `run_split` (exercise 17.3's reference on a chain): run the op lists on real ranks (with a ledger,
+  `hold_for_w` charges what W keeps from its B until it runs);
   `run_split_data_parallel`: a schedule on a mesh's pipeline dimension, data parallel over its data one.
 
 Exercise 17.1 signatures: `backward_input(y, grad_y, x, records) -> (grad_x, pending)` with
