@@ -46,7 +46,7 @@ results equal to ddlab's. The full run (5 rounds, 4 values of m) takes about 6 m
 2-core machine (an estimate: `--rounds 1 --ms 4 8` took 100 s at a load average of 16); it prints its
 own time at the end. Run it on a quiet machine.
 
-    .venv/bin/python bench/pipeline.py --zero-bubble [--rounds 5] [--ms 4 8 12 16]
+    .venv/bin/python bench/pipeline.py --zero-bubble [--rounds 5] [--ms 4 8 12 16] [--size 64 256 32]
 
 It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
@@ -338,7 +338,7 @@ def verdict(target: str, ok: bool, measured: str) -> None:
     print(f"verdict {'PASS' if ok else 'FAIL'}: {target}: {measured}")
 
 
-def zero_bubble_child(rounds: int, ms: tuple[int, ...]) -> None:
+def zero_bubble_child(rounds: int, ms: tuple[int, ...], size: tuple[int, int, int] = (64, 256, 32)) -> None:
     from ddlab.pipeline.torch_pipelining import alternate_wall_times
     from ddlab.pipeline.torch_zero_bubble import TorchZeroBubble
     from ddlab.pipeline.zero_bubble import placed, run_split, zb_v
@@ -348,20 +348,25 @@ def zero_bubble_child(rounds: int, ms: tuple[int, ...]) -> None:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()
+    width, hidden, rows = size
     started = time.perf_counter()
     names = list(SCHEDULES)
     found: dict[tuple[str, int], list] = {}
     for m in ms:
         for turn in range(rounds):
             for name in names[turn % len(names) :] + names[: turn % len(names)]:
-                found.setdefault((name, m), []).append(measure_split(comm, name, m, repeats=1, block="post_norm"))
-    tanh = {name: measure_split(comm, name, 8, repeats=1, block="tanh") for name in ("1F1B", "ZB-H1")}
+                found.setdefault((name, m), []).append(
+                    measure_split(comm, name, m, width, hidden, rows, repeats=1, block="post_norm")
+                )
+    tanh = {
+        name: measure_split(comm, name, 8, width, hidden, rows, repeats=1, block="tanh") for name in ("1F1B", "ZB-H1")
+    }
     # torch's ZB-V beside ddlab's, same stages (two a rank in a V), same micro-batches
     m = 8
-    models = stages(2 * p, 64, 256, block="post_norm")
+    models = stages(2 * p, width, hidden, block="post_norm")
     gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(32, 64, generator=gen) for _ in range(m)]
-    targets = [torch.randn(32, 64, generator=gen) for _ in range(m)]
+    inputs = [torch.randn(rows, width, generator=gen) for _ in range(m)]
+    targets = [torch.randn(rows, width, generator=gen) for _ in range(m)]
     ours = [copy.deepcopy(models[placed("V", p, rank, c)]) for c in range(2)]
     theirs = TorchZeroBubble(comm, models, m, "ZBV")
     ops = zb_v(p, m, rank)
@@ -389,9 +394,12 @@ def zero_bubble_child(rounds: int, ms: tuple[int, ...]) -> None:
     loss_gap = comm.allreduce(loss_gap, op=MPI.MAX)
     if rank != 0:
         return
-    m_b, m_w = held_bytes("post_norm")
-    t_b, t_w = held_bytes("tanh")
-    print(f"p = {p}; stages: linear 64 -> 256, GELU, linear 256 -> 64, layer norm (no weights); 32 rows, float32")
+    m_b, m_w = held_bytes("post_norm", width, hidden, rows)
+    t_b, t_w = held_bytes("tanh", width, hidden, rows)
+    print(
+        f"p = {p}; stages: linear {width} -> {hidden}, GELU, linear {hidden} -> {width}, layer norm (no weights); "
+        f"{rows} rows, float32"
+    )
     print(f"M_B = {m_b} bytes held from F to B, M_W = {m_w} from B to W (ledger; M_W / M_B = {m_w / m_b:.3f})")
     print("bubble (idle share of the step, busy clock; median of rounds) | replayed with the run's F, B, W | formula")
     print("peak: largest rank's peak activation bytes over 1F1B's (ledger); per rank in units of M_B")
@@ -456,6 +464,14 @@ def main() -> int:
     parser.add_argument("--zero-bubble", action="store_true", help="lab 17: 1F1B, interleaved, ZB-H1, ZB-H2, ZB-V")
     parser.add_argument("--ms", type=int, nargs="+", default=list(ZB_MS), help="with --zero-bubble: micro-batch counts")
     parser.add_argument(
+        "--size",
+        type=int,
+        nargs=3,
+        default=[64, 256, 32],
+        metavar=("WIDTH", "HIDDEN", "ROWS"),
+        help="with --zero-bubble: a block's width and hidden width, a micro-batch's rows (larger: W nearer F and B)",
+    )
+    parser.add_argument(
         "--ranks", type=int, nargs="+", default=None, help="rank counts (default 4; 2 with --interleaved)"
     )
     args, _ = parser.parse_known_args()
@@ -464,7 +480,7 @@ def main() -> int:
 
     def run(a: argparse.Namespace) -> None:
         if a.zero_bubble:
-            zero_bubble_child(a.rounds, tuple(a.ms))
+            zero_bubble_child(a.rounds, tuple(a.ms), tuple(a.size))
         elif a.interleaved:
             interleaved_child(a.rounds)
         else:
