@@ -32,14 +32,21 @@ same spans and 1 - ideal / step (the ideal each rank's own ops back to back, mea
 
     .venv/bin/python bench/pipeline.py --interleaved [--ranks 2] [--rounds 5]
 
-With `--zero-bubble` (lab 17) it measures on 4 ranks, for m = 4, 8, 12, 16, the bubble of 1F1B, the
-interleaved schedule, ZB-H1, ZB-H2 and ZB-V (Qi et al., ICLR 2024, section 3.1; Qi et al. 2024,
-"Pipeline Parallelism with Controllable Memory") on stages of linear layers (medians of `--rounds`
-runs, the schedules taking turns), beside each schedule's replay and formula from the run's own F, B
-and W times, and each schedule's peak activation memory from the ledger over 1F1B's; at m = 8 it
-prints ZB-H1's bubble over 1F1B's, measured and from the formulas.
+With `--zero-bubble` (lab 17) it measures on 4 ranks, for m = 4, 8, 12, 16 (`--ms`), the bubble of 1F1B,
+the interleaved schedule, ZB-H1, ZB-H2 and ZB-V (Qi et al., ICLR 2024, section 3.1; Qi et al. 2024,
+"Pipeline Parallelism with Controllable Memory") on post-norm blocks (linear, GELU, linear, a layer
+norm without weights; medians of `--rounds` runs, the schedules taking turns), beside each schedule's
+replay and formula from the run's own F, B and W times, and each schedule's peak activation memory from
+the ledger over 1F1B's (and per rank, in units of M_B; interleaved and ZB-V hold two blocks a rank, twice
+the layers). Then the tanh block's (linear, tanh, linear) ZB-H1 peak, whose W keeps twice what F saved,
+and torch's ScheduleZBVZeroBubble beside ddlab's zb_v on the same stages over gloo: wall time per step
+and the results. A verdict line (PASS or FAIL, the measured figure beside the target) per target: at
+m = 8 ZB-H1's bubble over 1F1B's within 0.1 of the formulas', its peak within 5% of 1F1B's, torch's
+results equal to ddlab's. The full run (5 rounds, 4 values of m) takes about 6 minutes on a quiet
+2-core machine (an estimate: `--rounds 1 --ms 4 8` took 100 s at a load average of 16); it prints its
+own time at the end. Run it on a quiet machine.
 
-    .venv/bin/python bench/pipeline.py --zero-bubble [--rounds 5]
+    .venv/bin/python bench/pipeline.py --zero-bubble [--rounds 5] [--ms 4 8 12 16] [--size 64 256 32]
 
 It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 """
@@ -47,8 +54,10 @@ It relaunches itself under mpiexec (ddlab.runtime.mpi.bench_main).
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
+import time
 
 import torch
 from torch import nn
@@ -321,27 +330,86 @@ def interleaved_child(rounds: int) -> None:
         print(f"{m:3} | " + " | ".join(cells) + f" | {ideal[1] / ideal[0]:6.2f} {1 / v:5.2f}")
 
 
-def zero_bubble_child(rounds: int) -> None:
-    from ddlab.pipeline.zero_bubble_runs import SCHEDULES, closed_form, measure_split, predicted
+ZB_MS = (4, 8, 12, 16)
+
+
+def verdict(target: str, ok: bool, measured: str) -> None:
+    """One line per target: PASS or FAIL, the target, and what was measured beside it."""
+    print(f"verdict {'PASS' if ok else 'FAIL'}: {target}: {measured}")
+
+
+def zero_bubble_child(rounds: int, ms: tuple[int, ...], size: tuple[int, int, int] = (64, 256, 32)) -> None:
+    from ddlab.pipeline.torch_pipelining import alternate_wall_times
+    from ddlab.pipeline.torch_zero_bubble import TorchZeroBubble
+    from ddlab.pipeline.zero_bubble import placed, run_split, zb_v
+    from ddlab.pipeline.zero_bubble_runs import SCHEDULES, closed_form, held_bytes, measure_split, predicted, stages
     from mpi4py import MPI
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
+    rank, p = comm.Get_rank(), comm.Get_size()
+    width, hidden, rows = size
+    started = time.perf_counter()
     names = list(SCHEDULES)
     found: dict[tuple[str, int], list] = {}
-    for m in (4, 8, 12, 16):
+    for m in ms:
         for turn in range(rounds):
             for name in names[turn % len(names) :] + names[: turn % len(names)]:
-                found.setdefault((name, m), []).append(measure_split(comm, name, m, repeats=1))
-    if comm.Get_rank() != 0:
+                found.setdefault((name, m), []).append(
+                    measure_split(comm, name, m, width, hidden, rows, repeats=1, block="post_norm")
+                )
+    tanh = {
+        name: measure_split(comm, name, 8, width, hidden, rows, repeats=1, block="tanh") for name in ("1F1B", "ZB-H1")
+    }
+    # torch's ZB-V beside ddlab's, same stages (two a rank in a V), same micro-batches
+    m = 8
+    models = stages(2 * p, width, hidden, block="post_norm")
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(rows, width, generator=gen) for _ in range(m)]
+    targets = [torch.randn(rows, width, generator=gen) for _ in range(m)]
+    ours = [copy.deepcopy(models[placed("V", p, rank, c)]) for c in range(2)]
+    theirs = TorchZeroBubble(comm, models, m, "ZBV")
+    ops = zb_v(p, m, rank)
+    results: dict[str, list[float]] = {}
+
+    def ddlab_step() -> None:
+        for chunk in ours:
+            chunk.zero_grad(set_to_none=True)
+        results["ddlab"] = run_split(comm, ours, ops, inputs, targets, shape="V")
+
+    def torch_step() -> None:
+        for chunk in theirs.chunks:
+            chunk.zero_grad(set_to_none=True)
+        results["torch"] = theirs.step(inputs, targets)
+
+    times = alternate_wall_times(comm, {"ddlab ZB-V": ddlab_step, "torch ZBV": torch_step}, repeats=rounds + 1)
+    scale = max(float(q.grad.abs().max()) for chunk in ours for q in chunk.parameters())
+    grad_gap = max(
+        float((a.grad - b.grad).abs().max())
+        for x, y in zip(ours, theirs.chunks)
+        for a, b in zip(x.parameters(), y.parameters())
+    )
+    grad_gap = comm.allreduce(grad_gap, op=MPI.MAX) / comm.allreduce(scale, op=MPI.MAX)
+    loss_gap = max((abs(a - b) / abs(a) for a, b in zip(results["ddlab"], results["torch"])), default=0.0)
+    loss_gap = comm.allreduce(loss_gap, op=MPI.MAX)
+    if rank != 0:
         return
+    m_b, m_w = held_bytes("post_norm", width, hidden, rows)
+    t_b, t_w = held_bytes("tanh", width, hidden, rows)
+    print(
+        f"p = {p}; stages: linear {width} -> {hidden}, GELU, linear {hidden} -> {width}, layer norm (no weights); "
+        f"{rows} rows, float32"
+    )
+    print(f"M_B = {m_b} bytes held from F to B, M_W = {m_w} from B to W (ledger; M_W / M_B = {m_w / m_b:.3f})")
     print("bubble (idle share of the step, busy clock; median of rounds) | replayed with the run's F, B, W | formula")
-    print("peak: largest rank's peak activation bytes over 1F1B's (ledger)")
+    print("peak: largest rank's peak activation bytes over 1F1B's (ledger); per rank in units of M_B")
     ratios = {}
-    for m in (4, 8, 12, 16):
+    for m in ms:
         print(f"\nm = {m}")
         base = statistics.median(max(r.peaks) for r in found[("1F1B", m)])
         split = tuple(statistics.median(r.times[k] for r in found[("ZB-H1", m)]) for k in range(3))
+        f, b, w = (1e3 * t for t in split)
+        print(f"  F, B, W = {f:.3f}, {b:.3f}, {w:.3f} ms (ZB-H1's runs, median)")
         for name in names:
             runs = found[(name, m)]
             measured = statistics.median(r.bubble for r in runs)
@@ -349,14 +417,42 @@ def zero_bubble_child(rounds: int) -> None:
             forms = [closed_form(r, split if r.times[2] == 0.0 else None) for r in runs]
             formula = None if forms[0] is None else statistics.median(f for f in forms if f is not None)
             peak = statistics.median(max(r.peaks) for r in runs) / base
-            ratios[(name, m)] = (measured, formula)
+            per_rank = " ".join(f"{x / m_b:.2f}" for x in runs[0].peaks)
+            ratios[(name, m)] = (measured, formula, peak)
             shown = "     -" if formula is None else f"{formula:6.3f}"
-            print(f"  {name:12} {measured:6.3f} | {replayed:6.3f} | {shown} | peak {peak:5.2f}x")
-    (h1, h1f), (base_b, base_f) = ratios[("ZB-H1", 8)], ratios[("1F1B", 8)]
+            print(f"  {name:12} {measured:6.3f} | {replayed:6.3f} | {shown} | peak {peak:5.2f}x  ({per_rank})")
+    print()
+    if 8 in ms:
+        (h1, h1f, h1_peak), (base_b, base_f, _) = ratios[("ZB-H1", 8)], ratios[("1F1B", 8)]
+        gap = abs(h1 / base_b - h1f / base_f)
+        verdict(
+            "m = 8: ZB-H1's bubble over 1F1B's within 0.1 of the formulas' from the run's own F, B, W",
+            gap <= 0.1,
+            f"measured {h1 / base_b:.3f}, formulas {h1f / base_f:.3f}, difference {gap:.3f}",
+        )
+        verdict(
+            "m = 8: ZB-H1's peak activation memory within 5% of 1F1B's (post-norm block, M_W <= M_B)",
+            abs(h1_peak - 1) <= 0.05,
+            f"{h1_peak:.3f}x",
+        )
+    tanh_ratio = max(tanh["ZB-H1"].peaks) / max(tanh["1F1B"].peaks)
     print(
-        f"\nm = 8: ZB-H1 / 1F1B bubble measured {h1 / base_b:.3f}, from the formulas {h1f / base_f:.3f} "
-        f"(difference {abs(h1 / base_b - h1f / base_f):.3f})"
+        f"(tanh block, linear, tanh, linear: M_W / M_B = {t_w / t_b:.2f}, ZB-H1's peak {tanh_ratio:.2f}x 1F1B's, "
+        f"per rank {' '.join(f'{x / t_b:.0f}' for x in tanh['ZB-H1'].peaks)} M_B against 1F1B's "
+        f"{' '.join(f'{x / t_b:.0f}' for x in tanh['1F1B'].peaks)}: the last stage holds p micro-batches "
+        "waiting for W, each M_W = 2 M_B)"
     )
+    ours_t, theirs_t = statistics.median(times["ddlab ZB-V"]), statistics.median(times["torch ZBV"])
+    print(
+        f"torch ScheduleZBVZeroBubble beside ddlab's zb_v, m = 8, wall seconds per step (median of {rounds + 1}): "
+        f"ddlab {ours_t * 1e3:.1f} ms, torch {theirs_t * 1e3:.1f} ms (torch / ddlab {theirs_t / ours_t:.2f})"
+    )
+    verdict(
+        "torch's ZBV and ddlab's ZB-V give the same results (float32: losses and gradients within 1e-5 relative)",
+        grad_gap <= 1e-5 and loss_gap <= 1e-5,
+        f"largest gradient difference {grad_gap:.1e} of the largest gradient, loss {loss_gap:.1e}",
+    )
+    print(f"ran {time.perf_counter() - started:.0f} s")
 
 
 def main() -> int:
@@ -366,6 +462,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--interleaved", action="store_true", help="bubble against M, 1F1B and interleaved")
     parser.add_argument("--zero-bubble", action="store_true", help="lab 17: 1F1B, interleaved, ZB-H1, ZB-H2, ZB-V")
+    parser.add_argument("--ms", type=int, nargs="+", default=list(ZB_MS), help="with --zero-bubble: micro-batch counts")
+    parser.add_argument(
+        "--size",
+        type=int,
+        nargs=3,
+        default=[64, 256, 32],
+        metavar=("WIDTH", "HIDDEN", "ROWS"),
+        help="with --zero-bubble: a block's width and hidden width, a micro-batch's rows (larger: W nearer F and B)",
+    )
     parser.add_argument(
         "--ranks", type=int, nargs="+", default=None, help="rank counts (default 4; 2 with --interleaved)"
     )
@@ -375,7 +480,7 @@ def main() -> int:
 
     def run(a: argparse.Namespace) -> None:
         if a.zero_bubble:
-            zero_bubble_child(a.rounds)
+            zero_bubble_child(a.rounds, tuple(a.ms), tuple(a.size))
         elif a.interleaved:
             interleaved_child(a.rounds)
         else:

@@ -22,11 +22,13 @@ from ddlab.pipeline.zero_bubble import (
     placed,
     run_split,
     split_peak,
+    split_peak_bytes,
     zb_h1,
     zb_h2,
     zb_v,
 )
-from ddlab.pipeline.zero_bubble_runs import interleaved_whole
+from ddlab.pipeline.zero_bubble_runs import SCHEDULES as RUNS
+from ddlab.pipeline.zero_bubble_runs import held_bytes, interleaved_whole, stages
 from ddlab.runtime.memory import Ledger
 from mpi4py import MPI
 from torch import nn
@@ -123,3 +125,102 @@ def test_zb_h1_keeps_1f1b_peak_micro_batches():
         assert max(split_peak(zb_h1(P, m, s)) for s in range(P)) == max(
             split_peak(one_f_one_b_whole(P, m, s)) for s in range(P)
         )
+
+
+@pytest.mark.parametrize("block", ["tanh", "post_norm"])
+def test_the_ledger_s_peak_is_the_op_list_s_and_w_frees_what_it_kept(block):
+    """Each rank's ledger peak is exactly its op list's count of micro-batches waiting for B (M_B each) and
+    for W (M_W each): what W keeps is freed when W runs, not at the next B. With a post-norm block
+    (M_W <= M_B, as Qi et al.'s Table 1 has for a transformer layer) ZB-H1's peak is 1F1B's; with the
+    tanh block W keeps twice what F saved, and the last stage's p late W's pay it."""
+    m_b, m_w = held_bytes(block, WIDTH, 5, ROWS, torch.float64)
+    m = 2 * P
+    inputs, targets = _data(m)
+    peaks = {}
+    for name in ("1F1B", "ZB-H1", "ZB-H2", "ZB-V"):
+        schedule, shape = RUNS[name]
+        n = P if shape == "chain" else 2 * P
+        models = stages(n, WIDTH, 5, torch.float64, block)
+        chunks = [copy.deepcopy(models[placed(shape, P, RANK, c)]) for c in range(n // P)]
+        ledger = Ledger()
+        ops = schedule(P, m, RANK)
+        run_split(WORLD, chunks, ops, inputs, targets, shape=shape, ledger=ledger)
+        assert ledger.used["activations"] == 0, f"{name}: activations left after the step"
+        assert ledger.peak["activations"] == split_peak_bytes(ops, m_b, m_w), f"{name}, rank {RANK}"
+        peaks[name] = max(WORLD.allgather(ledger.peak["activations"]))
+    if block == "post_norm":
+        assert m_w <= m_b and peaks["ZB-H1"] == peaks["1F1B"]
+    else:
+        assert m_w == 2 * m_b and peaks["ZB-H1"] == 2 * peaks["1F1B"]
+
+
+@pytest.mark.parametrize("schedule", ["ZBV", "interleaved"])
+def test_torch_s_zero_bubble_schedule_gives_ddlab_s_gradients(schedule):
+    """torch.distributed.pipelining's ScheduleZBVZeroBubble (the V, beside ddlab's zb_v) and
+    ScheduleInterleavedZeroBubble (beside lab 16's interleaved schedule) over gloo: the same losses and
+    gradients as ddlab's run of the same stages, and as one process's (float64)."""
+    import os
+
+    import torch.distributed.pipelining as pipelining
+    from ddlab.data_parallel import close_gloo
+    from ddlab.pipeline.torch_zero_bubble import TORCH_SCHEDULES, TorchZeroBubble
+
+    name, shape = TORCH_SCHEDULES[schedule]
+    if not hasattr(pipelining, name):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"this torch ({torch.__version__}) has no torch.distributed.pipelining.{name}")
+        pytest.skip(f"this torch ({torch.__version__}) has no torch.distributed.pipelining.{name}")
+    m = 2 * P
+    models = _stages(2 * P)
+    inputs, targets = _data(m)
+    want, want_loss = _one_process(models, inputs, targets)
+    ours = [copy.deepcopy(models[placed(shape, P, RANK, c)]) for c in range(2)]
+    ops = zb_v(P, m, RANK) if shape == "V" else interleaved_whole(P, m, RANK)
+    our_losses = run_split(WORLD, ours, ops, inputs, targets, shape=shape)
+    try:
+        theirs = TorchZeroBubble(WORLD, models, m, schedule)
+        their_losses = theirs.step(inputs, targets)
+    finally:
+        close_gloo()
+    errors = [
+        max(float((a.grad - b.grad).abs().max()) for a, b in zip(mine.parameters(), other.parameters()))
+        for mine, other in zip(theirs.chunks, ours)
+    ]
+    to_one = [
+        max(float((a.grad - b).abs().max()) for a, b in zip(chunk.parameters(), want[q]))
+        for chunk, q in zip(theirs.chunks, theirs.indices)
+    ]
+    errors, to_one = WORLD.allgather(max(errors)), WORLD.allgather(max(to_one))
+    assert max(errors) < 1e-10 and max(to_one) < 1e-10, f"{schedule}: vs ddlab {errors}, vs one process {to_one}"
+    assert their_losses == pytest.approx(our_losses, rel=1e-12)
+    if their_losses:
+        assert sum(their_losses) == pytest.approx(want_loss, rel=1e-10)
+
+
+def test_zb_v_on_a_mesh_of_pipeline_2_and_data_2_gives_one_process_s_gradients():
+    """Lab 16's mesh, pipeline 2 x data 2: each replica's pipeline runs ZB-V (4 virtual stages in a V) on
+    its half of 10 micro-batches (5 each, not a multiple of its 2 stages); the gradients summed over the
+    data dimension equal one process's on the whole batch (float64)."""
+    if P != 4:
+        pytest.skip("pipeline 2 x data 2 needs 4 ranks")
+    from ddlab.mesh import Mesh
+    from ddlab.pipeline.zero_bubble import run_split_data_parallel
+
+    mesh = Mesh.build(WORLD, data=2, pipeline=2)
+    stage = mesh.coords["pipeline"]
+    models = _stages(4)
+    inputs, targets = _data(10)
+    want, want_loss = _one_process(models, inputs, targets)
+    mine = [copy.deepcopy(models[placed("V", 2, stage, c)]) for c in range(2)]
+    try:
+        losses = run_split_data_parallel(mesh.pipeline, mesh.data, mine, zb_v, inputs, targets)
+        everyone = WORLD.allgather(losses)
+    finally:
+        mesh.free()
+    errors = [
+        max(float((a.grad - b).abs().max()) for a, b in zip(chunk.parameters(), want[placed("V", 2, stage, c)]))
+        for c, chunk in enumerate(mine)
+    ]
+    assert max(WORLD.allgather(max(errors))) < 1e-10
+    assert sorted(len(x) for x in everyone) == [0, 0, 5, 5]
+    assert sum(sum(x) for x in everyone) == pytest.approx(want_loss, rel=1e-10)

@@ -15,11 +15,13 @@
   lone micro-batch's ops do off the critical path, which `theory_bubble(k, m, hidden)` accounts for.
 - `zero_bubble` (lab 17): the backward split into B (`backward_input`) and W (`backward_weight`) after
   `forward_recorded`; op lists with W ops: `one_f_one_b_whole`, `zb_h1`, `zb_h2`, `zb_v` (two chunks per
-  rank in a V, `v_stage`); `replay_split`, `split_spans`, `split_bubble`, `split_peak` and the closed forms `bubble_1f1b`,
+  rank in a V, `v_stage`); `replay_split`, `split_spans`, `split_bubble`, `split_peak`, `split_peak_bytes` and the closed forms `bubble_1f1b`,
   `bubble_zb_h1`, `bubble_zb_h2`; `run_split`, which runs them on real ranks; `zero_bubble_runs`:
   `measure_split` runs each on real ranks (bubble, F/B/W times, peak activations from the ledger).
 - `TorchPipeline`, `RelayStage`, `forward_bytes`: the same stages in torch.distributed.pipelining,
   which relays skip connections through the stages in between.
+- `torch_zero_bubble.TorchZeroBubble`: torch's ScheduleZBVZeroBubble and ScheduleInterleavedZeroBubble
+  on lab 17's stages over gloo, beside ddlab's `zb_v` and interleaved runs.
 """
 
 from .balance import Calibration, calibrate
@@ -50,6 +52,7 @@ from .zero_bubble import (
     run_split,
     split_bubble,
     split_peak,
+    split_peak_bytes,
     split_spans,
     v_stage,
     zb_h1,

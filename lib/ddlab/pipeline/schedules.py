@@ -15,7 +15,8 @@ Both take the same time: (M+K-1) forward-and-backward slots, of which each stage
 idle for K-1, a bubble of (K-1)/(M+K-1). They differ in memory.
 
 `simulate` replays per-stage op lists with given op times; it is `replay`, which also
-replays lab 16's interleaved schedule (v chunks per rank, `simulate_interleaved`), with v = 1.
+replays lab 16's interleaved schedule (v chunks per rank, `simulate_interleaved`), with v = 1, and
+lab 17's op lists with W ops (`zero_bubble.replay_split`).
 """
 
 from __future__ import annotations
@@ -84,15 +85,25 @@ def virtual_stage(p: int, rank: int, chunk: int) -> int:
 
 
 def replay(
-    schedules: Sequence[Sequence[Any]], forward: list[float], backward: list[float], v: int = 1, unit: str = "stage"
+    schedules: Sequence[Sequence[Any]],
+    forward: list[float],
+    backward: list[float],
+    v: int = 1,
+    unit: str = "stage",
+    weight: list[float] | None = None,
+    place: Callable[[int, int, int], int] = virtual_stage,
+    what: str = "schedules",
 ) -> list[list[tuple[Any, float, float]]]:
-    """The one replay behind `simulate` (lab 07) and `simulate_interleaved` (lab 16); messages are free.
+    """The one replay behind `simulate` (lab 07), `simulate_interleaved` (lab 16) and lab 17's `replay_split`.
 
-    schedules[r] lists rank r's ops: ("F", i) and ("B", i), or with v chunks per rank ("F", j, i) and
-    ("B", j, i), chunk j of rank r being virtual stage j p + r (a plain op is chunk 0's). forward[r],
-    backward[r]: the time of one op on rank r. F of virtual stage q needs F of q - 1; B of q needs F of
-    q and B of q + 1. Returns, per rank, (op, start, end); raises ValueError naming each stuck `unit`
-    (stage or rank) on a deadlock, a rank waiting for an op that never runs.
+    Messages are free. schedules[r] lists rank r's ops: ("F", i) and ("B", i), or with v chunks per rank
+    ("F", j, i) and ("B", j, i), chunk j of rank r being virtual stage place(p, r, j) (by default
+    j p + r; a plain op is chunk 0's). forward[r], backward[r]: the time of one op on rank r. F of
+    virtual stage q needs F of q - 1; B of q needs F of q and B of q + 1. With `weight` (lab 17's split
+    backward) ("W", ...) takes weight[r] and needs B of its stage, and ("BW", ...) is B and W in one op
+    (backward[r] + weight[r]); without it every op but F is a B. Returns, per rank, (op, start, end);
+    raises ValueError naming each stuck `unit` (stage or rank) on a deadlock, a rank waiting for an op
+    that never runs.
     """
     p = len(schedules)
     last = v * p - 1
@@ -106,15 +117,18 @@ def replay(
             while cursor[r] < len(schedules[r]):
                 op = schedules[r][cursor[r]]
                 kind, chunk, i = (op[0], 0, op[1]) if len(op) == 2 else op
-                q = virtual_stage(p, r, chunk)
+                q = place(p, r, chunk)
                 if kind == "F":
-                    needs = [("F", q - 1, i)] if q > 0 else []
+                    needs, seconds = [("F", q - 1, i)] if q > 0 else [], forward[r]
+                elif weight is not None and kind == "W":
+                    needs, seconds = [("B", q, i)], weight[r]
                 else:
+                    kind, seconds = "B", backward[r] + (weight[r] if weight is not None and kind == "BW" else 0.0)
                     needs = [("F", q, i)] + ([("B", q + 1, i)] if q < last else [])
                 if any(need not in done for need in needs):
                     break
                 start = max([clock[r]] + [done[need] for need in needs])
-                end = start + (forward[r] if kind == "F" else backward[r])
+                end = start + seconds
                 done[(kind, q, i)], clock[r] = end, end
                 out[r].append((op, start, end))
                 cursor[r] += 1
@@ -122,7 +136,7 @@ def replay(
     stuck = [r for r in range(p) if cursor[r] < len(schedules[r])]
     if stuck:
         waiting = ", ".join(f"{unit} {r} at {schedules[r][cursor[r]]}" for r in stuck)
-        raise ValueError(f"the schedules deadlock: {waiting} wait for ops that never run")
+        raise ValueError(f"the {what} deadlock: {waiting} wait for ops that never run")
     return out
 
 

@@ -16,9 +16,12 @@ gradient g of its output, nothing else of the graph.
   ...: `zb_v` (exercise 17.4's reference).
 - `replay_split`: replay per-rank op lists with F, B, W times (messages free), `split_spans` for its
   Gantt chart; `split_bubble`,
-  `split_peak`: a replay's idle share and a rank's most activations alive; the closed forms
+  `split_peak`, `split_peak_bytes`: a replay's idle share, a rank's most activations alive and their
+  bytes from M_B and M_W; the closed forms
   `bubble_1f1b`, `bubble_zb_h1`, `bubble_zb_h2`.
-- `run_split` (exercise 17.3's reference on a chain): run the op lists on real ranks.
+- `run_split` (exercise 17.3's reference on a chain): run the op lists on real ranks (with a ledger,
+  `hold_for_w` charges what W keeps from its B until it runs);
+  `run_split_data_parallel`: a schedule on a mesh's pipeline dimension, data parallel over its data one.
 
 Exercise 17.1 signatures: `backward_input(y, grad_y, x, records) -> (grad_x, pending)` with
 records the list of (linear, a, z) that `forward_recorded` returns, grad_x None when x does not
@@ -34,6 +37,7 @@ import contextlib
 from typing import Callable, Sequence
 
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from ..model_parallel import Mailbox, Timeline
@@ -42,7 +46,7 @@ from ..runtime.memory import Ledger
 from ..runtime.reference import reference
 from ..runtime.trace import Span
 from .executor import micro_batch_loss
-from .schedules import one_f_one_b
+from .schedules import one_f_one_b, replay
 
 Record = tuple[nn.Linear, torch.Tensor, torch.Tensor]  # a linear layer, its input a, its output z
 Pending = tuple[nn.Linear, torch.Tensor, torch.Tensor]  # a linear layer, its input a, the gradient g of z
@@ -247,40 +251,20 @@ def replay_split(
     shape "chain": rank r is stage r (ops ("F", i)); "V" and "interleaved": ops ("F", chunk, i), chunk c
     of rank r being virtual stage `placed(shape, p, r, c)`.
     F(q, i) needs F(q - 1, i); B(q, i) needs F(q, i) and B(q + 1, i); W(q, i) needs B(q, i); BW(q, i),
-    B and W in one op of b + w, needs what B needs.
+    B and W in one op of b + w, needs what B needs. Lab 07's `schedules.replay` with W ops.
     ValueError on a deadlock, naming each stuck rank and the op it waits at."""
     p = len(schedules)
-    n = p if shape == "chain" else 2 * p
-    times = {"F": f, "B": b, "W": w, "BW": b + w}
-    placed(shape, p, 0, 0)
-    done: dict[tuple[str, int, int], float] = {}
-    cursor, clock = [0] * p, [0.0] * p
-    out: list[list[tuple[SplitOp, float, float]]] = [[] for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while cursor[r] < len(schedules[r]):
-                op = schedules[r][cursor[r]]
-                kind, chunk, i = _parts(op)
-                q = placed(shape, p, r, chunk)
-                needs = {
-                    "F": [("F", q - 1, i)] if q > 0 else [],
-                    "B": [("F", q, i)] + ([("B", q + 1, i)] if q < n - 1 else []),
-                    "W": [("B", q, i)],
-                }[kind[0]]
-                if any(need not in done for need in needs):
-                    break
-                start = max([clock[r]] + [done[need] for need in needs])
-                done[(kind[0], q, i)] = clock[r] = start + times[kind]
-                out[r].append((op, start, clock[r]))
-                cursor[r] += 1
-                progress = True
-    stuck = [r for r in range(p) if cursor[r] < len(schedules[r])]
-    if stuck:
-        waiting = ", ".join(f"rank {r} at {tuple(schedules[r][cursor[r]])}" for r in stuck)
-        raise ValueError(f"the op lists deadlock: {waiting} wait for ops that never run")
-    return out
+    placed(shape, p, 0, 0)  # a known shape
+    return replay(
+        [[tuple(op) for op in ops] for ops in schedules],
+        [f] * p,
+        [b] * p,
+        v=1 if shape == "chain" else 2,
+        unit="rank",
+        weight=[w] * p,
+        place=lambda p_, r, c: placed(shape, p_, r, c),
+        what="op lists",
+    )
 
 
 def split_spans(timeline: Sequence[Sequence[tuple[SplitOp, float, float]]]) -> list[list[Span]]:
@@ -305,6 +289,23 @@ def split_peak(ops: Sequence[SplitOp]) -> int:
     for op in ops:
         alive += {"F": 1, "B": 0, "W": -1, "BW": -1}[op[0]]
         most = max(most, alive)
+    return most
+
+
+def split_peak_bytes(ops: Sequence[SplitOp], m_b: float, m_w: float) -> float:
+    """A rank's peak activation bytes from its op list: m_b for each micro-batch (or chunk) whose F ran and
+    B not yet, m_w for each whose B ran and W not yet (a whole backward "BW" frees it at once).
+
+    ZB-H1 keeps at most p micro-batches alive, as 1F1B does, so its peak is 1F1B's when m_w <= m_b
+    (Qi et al. 2024, Table 1: M_W = 32sbh < M_B = 34sbh + 5as^2b for a transformer layer); when m_w > m_b
+    the stages that hold W's late pay the difference."""
+    waiting_b = waiting_w = 0
+    most = 0.0
+    for op in ops:
+        kind = op[0]
+        waiting_b += {"F": 1, "B": -1, "W": 0, "BW": -1}[kind]
+        waiting_w += {"F": 0, "B": 1, "W": -1, "BW": 0}[kind]
+        most = max(most, waiting_b * m_b + waiting_w * m_w)
     return most
 
 
@@ -333,6 +334,16 @@ def bubble_zb_h2(p: int, m: int, f: float, b: float, w: float) -> float:
 
 
 # Running on real ranks ---------------------------------------------------------------
+
+
+def hold_for_w(ledger: Ledger, pending: list[Pending]) -> None:
+    """Charge what W keeps alive (each layer's input a and output gradient g) until W drops it.
+
+    A function, not a loop in the executor: a loop's variables would keep the last a and g alive
+    after W ran (and the ledger would rightly count them)."""
+    for _, a, g in pending:
+        ledger.hold(a, "an input W keeps")
+        ledger.hold(g, "a gradient W keeps")
 
 
 @reference("run_zero_bubble")
@@ -410,15 +421,14 @@ def run_split(
                 grad_x, pending = backward_input(y, grad, x, records)
                 del x, y, records
                 if ledger is not None and kind == "B":
-                    for _, a, g in pending:
-                        ledger.hold(a, "an input W keeps")
-                        ledger.hold(g, "a gradient W keeps")
+                    hold_for_w(ledger, pending)
                 if kind == "BW":
                     backward_weight(pending)
                 else:
                     waiting_w[(q, i)] = pending
                 if grad_x is not None:
                     send(grad_x, q - 1, i, True)
+                del pending  # from here only waiting_w keeps W's inputs, so W frees them when it runs
             else:
                 backward_weight(waiting_w.pop((q, i)))
     if kept or waiting_w:
@@ -427,3 +437,38 @@ def run_split(
         )
     mailbox.free()
     return [losses[i] for i in sorted(losses)]
+
+
+def run_split_data_parallel(
+    pipeline: Comm,
+    data: Comm,
+    chunks: list[nn.Module],
+    schedule: Callable[[int, int, int], Sequence[SplitOp]],
+    inputs: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    shape: str = "V",
+) -> list[float]:
+    """One step of a schedule on a mesh's pipeline dimension, data parallel over its data dimension.
+
+    The D data replicas share the m micro-batches (replica d takes micro-batches d, d + D, ...); each runs
+    `schedule(P, its count, pipeline rank)` on its pipeline of P ranks (`run_split`, `shape` as there: "V"
+    for `zb_v`), then every gradient is summed over `data` (the loss of lab 07 is a sum over
+    micro-batches), so that each rank's chunks hold one process's gradients of the whole batch. Returns
+    the losses of this replica's micro-batches on the rank holding the last stage ([] elsewhere)."""
+    d, replicas = data.Get_rank(), data.Get_size()
+    if len(inputs) < replicas or len(targets) != len(inputs):
+        raise ValueError(
+            f"need as many targets as inputs and at least one micro-batch per data replica: "
+            f"{len(inputs)} inputs, {len(targets)} targets, {replicas} replicas"
+        )
+    mine, theirs = inputs[d::replicas], targets[d::replicas]
+    ops = schedule(pipeline.Get_size(), len(mine), pipeline.Get_rank())
+    losses = run_split(pipeline, chunks, ops, mine, theirs, shape=shape)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param.grad is None:
+                raise ValueError("a chunk's parameter got no gradient: its stage never ran a backward")
+            grad = param.grad.contiguous()
+            data.Allreduce(MPI.IN_PLACE, grad.numpy(), op=MPI.SUM)
+            param.grad = grad
+    return losses

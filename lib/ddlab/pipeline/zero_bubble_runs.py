@@ -26,9 +26,12 @@ from ..runtime.trace import Span, gather_spans
 from .interleaved import interleaved_1f1b
 from .zero_bubble import (
     SplitOp,
+    backward_input,
     bubble_1f1b,
     bubble_zb_h1,
     bubble_zb_h2,
+    forward_recorded,
+    hold_for_w,
     one_f_one_b_whole,
     placed,
     replay_split,
@@ -55,13 +58,46 @@ SCHEDULES: dict[str, tuple[Callable[[int, int, int], list[SplitOp]], str]] = {
 }
 
 
-def stages(n: int, width: int, hidden: int, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
-    """n stages (linear, tanh, linear), the same on every rank (seeded)."""
+#: name -> a stage's layers of (width, hidden): "tanh" (linear, tanh, linear), W keeping twice what the
+#: forward saved; "post_norm" (linear, GELU, linear, a layer norm without weights: a transformer's MLP
+#: block and its norm), W keeping no more than the forward saved, as in Qi et al.'s Table 1.
+BLOCKS: dict[str, Callable[[int, int], list[nn.Module]]] = {
+    "tanh": lambda width, hidden: [nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width)],
+    "post_norm": lambda width, hidden: [
+        nn.Linear(width, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, width),
+        nn.LayerNorm(width, elementwise_affine=False),
+    ],
+}
+
+
+def stages(n: int, width: int, hidden: int, dtype: torch.dtype = torch.float32, block: str = "tanh") -> list[nn.Module]:
+    """n stages of `block` (one of BLOCKS), the same on every rank (seeded)."""
+    if block not in BLOCKS:
+        raise ValueError(f"unknown block {block!r}: one of {', '.join(BLOCKS)}")
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return [
-            nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width)).to(dtype) for _ in range(n)
-        ]
+        return [nn.Sequential(*BLOCKS[block](width, hidden)).to(dtype) for _ in range(n)]
+
+
+def held_bytes(
+    block: str, width: int = 64, hidden: int = 256, rows: int = 32, dtype: torch.dtype = torch.float32
+) -> tuple[int, int]:
+    """(M_B, M_W) of one stage of `block` on `rows` rows of `dtype`, from the ledger: the activation bytes
+    a micro-batch holds from its F until its B (what autograd saved), and from its B until its W (each
+    linear layer's input a and output gradient g). One process."""
+    stage = stages(1, width, hidden, dtype, block)[0]
+    ledger = Ledger()
+    ledger.ignore(stage)
+    x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+    with ledger.activations():
+        y, records = forward_recorded(stage, x)
+    saved = ledger.used["activations"]
+    _, pending = backward_input(y, torch.ones_like(y), x, records)
+    del y, records
+    hold_for_w(ledger, pending)
+    return saved, ledger.used["activations"]
 
 
 @dataclass
@@ -75,6 +111,7 @@ class SplitRun:
     times: tuple[float, float, float]
     peaks: list[int]
     makespans: list[float]
+    block: str = "tanh"
 
     @property
     def bubble(self) -> float:
@@ -112,8 +149,10 @@ def measure_split(
     rows: int = 32,
     warmup: int = 1,
     repeats: int = 3,
+    block: str = "tanh",
 ) -> SplitRun:
-    """Run schedule `name` of SCHEDULES for warmup + repeats steps of m micro-batches; a collective.
+    """Run schedule `name` of SCHEDULES for warmup + repeats steps of m micro-batches on stages of `block`
+    (one of BLOCKS); a collective.
 
     Per op times are per chunk (two chunks a rank hold a stage's layers each in the V and interleaved
     runs, so the model has twice the layers there: compare bubbles, which are shares, not makespans)."""
@@ -123,7 +162,7 @@ def measure_split(
     raw = underlying(comm)
     p, rank = raw.Get_size(), raw.Get_rank()
     chunks_per_rank = 1 if shape == "chain" else 2
-    models = stages(p * chunks_per_rank, width, hidden)
+    models = stages(p * chunks_per_rank, width, hidden, block=block)
     mine = [copy.deepcopy(models[placed(shape, p, rank, c)]) for c in range(chunks_per_rank)]
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randn(rows, width, generator=gen) for _ in range(m)]
@@ -146,7 +185,7 @@ def measure_split(
         if best is None or makespans[-1] <= min(makespans):
             best = busy
     assert best is not None, "repeats must be at least 1"
-    return SplitRun(name, p, m, best, _op_times(best), raw.allgather(peak), makespans)
+    return SplitRun(name, p, m, best, _op_times(best), raw.allgather(peak), makespans, block)
 
 
 def predicted(run: SplitRun) -> float:
