@@ -1,6 +1,7 @@
 """Bytes per parameter and per activation of each of lab 18's recipes: counted by the ledger, predicted by the oracle.
 
-`measured_bytes` runs steps of a recipe exactly as `train_recipe` does (`recipe_models`, `recipe_step`) with a
+`measured_bytes` runs steps of a recipe as `train_recipe` does (`recipe_models`, `recipe_step`; float16's loss
+scale starting lower, so that its steps are taken and Adam's state exists) with a
 `ddlab.runtime.memory.Ledger` watching the module that computes, and returns per parameter the bytes of
 
 - weights: the copy the layers compute with (the worker's parameters);
@@ -19,8 +20,8 @@ terms (`layer_activations`, MLSys 2023, section 4, no dropout here), and for the
 activations (the blocks' and the loss's logits, kept in float32 or wider).
 
 What the two leave apart, and why (`tests/test_precision.py` holds each to it):
-- every block also saves its two LayerNorms' mean and reciprocal deviation, float32 for every recipe (4 per
-  token each: 16 bytes), which Korthikanti et al. do not count;
+- every block also saves its two LayerNorms' mean and reciprocal deviation, in the compute type (4 elements per
+  token: 16 bytes in float32, 8 in bfloat16 or float16), which Korthikanti et al. do not count;
 - the float8 recipes are emulated: each linear layer saves the float32 cast of its input (4 bytes an element,
   as the oracle's float32 activations predict) and also the float32 cast of its weight (4 bytes per weight of
   every linear layer, a copy the oracle does not know of);
