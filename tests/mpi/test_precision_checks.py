@@ -98,6 +98,15 @@ def test_scaler_that_grows_late_fails():
     expect_failure(check_loss_scale_step, lambda c, g, s: scaler(c, g, s, grow_at=1), "new state")
 
 
+def test_scaler_that_agrees_by_another_collective_fails():
+    def by_allgather(comm, grads, state):
+        if all(comm.allgather(all(bool(torch.isfinite(g).all()) for g in grads))):
+            return scaler(MPI.COMM_SELF, grads, state)
+        return None, LossScale(state.scale / state.factor, state.factor, state.interval, 0, state.skipped + 1)
+
+    expect_failure(check_loss_scale_step, by_allgather, "comm.allgather", "Allreduce")
+
+
 def test_scaler_on_the_notebooks_world_fails():
     expect_failure(check_loss_scale_step, lambda c, g, s: scaler(MPI.COMM_WORLD, g, s), "global")
 
@@ -248,6 +257,12 @@ def test_gather_that_drops_the_scales_fails_on_values():
     expect_failure(check_float8_allgather, lambda *a: gather(*a, scales=False), "scale travel")
 
 
+def test_gather_with_mpis_own_allgather_fails():
+    from ddlab.sharded import allgather_mpi
+
+    expect_failure(check_float8_allgather, lambda c, m, b, d, _: gather(c, m, b, d, allgather_mpi), "comm.Allgatherv")
+
+
 def test_gather_that_changes_mine_fails():
     expect_failure(check_float8_allgather, lambda *a: gather(*a, in_place=True), "`mine` was changed")
 
@@ -316,6 +331,10 @@ def test_rounded_reduce_scatter_accepts_the_ring_turning_the_other_way():
 
 def test_rounded_reduce_scatter_in_float32_on_the_wire_fails_on_bytes():
     expect_failure(check_reduce_scatter_rounded, lambda *a: rounded(*a, wire=torch.float32), "bytes")
+
+
+def test_rounded_reduce_scatter_on_the_notebooks_world_fails():
+    expect_failure(check_reduce_scatter_rounded, lambda c, *a: rounded(MPI.COMM_WORLD, *a), "global")
 
 
 def test_rounded_reduce_scatter_that_changes_x_fails():
