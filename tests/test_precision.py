@@ -95,6 +95,8 @@ def test_each_recipes_bytes_are_the_oracles_and_the_gaps_are_what_lab_18_says():
         assert got["states"] == want["states"] + 4 * tensors / n, recipe
         casts = 12 * h * h * 4 if recipe.startswith("float8") else 0
         assert got["block"] == want["block"] + 4 * e + casts / tokens, recipe
+        assert got["per element"] == got["block"] * tokens / footprint.block_elements(config, len(x)), recipe
+        assert want["per element"] == e
         outside = tokens * (16 + (2 * h + 2) * e + (e - max(4, e)) * vocab) + 8 * s + e
         assert got["activations"] == want["activations"] + layers * (4 * e * tokens + casts) + outside, recipe
     fp8 = footprint.predicted_bytes(oracle.RECIPES["fp8"], config, len(x))

@@ -10,7 +10,9 @@ scale starting lower, so that its steps are taken and Adam's state exists) with 
 - states: AdamW's state (two float32 moments per parameter, and a step count per tensor);
 
 and the bytes autograd saves for backward: per token of one block (`block`, the mean over the blocks, each
-measured around its own forward) and for the whole forward of the batch (`activations`).
+measured around its own forward), the same per activation element of a block as Korthikanti et al. count
+them (`per element`: `block` over the elements `layer_activations` counts at one byte each), and for the
+whole forward of the batch (`activations`).
 
 `predicted_bytes` gives the same from the transformer oracle (`ddlab.oracle.transformer`) for the same GPT and
 recipe, the recipe given as a `Precision` (`PRECISIONS`): per parameter its weights, gradients and optimizer
@@ -71,9 +73,16 @@ def oracle_gpt(config: GPTConfig) -> OracleGPT:
     )
 
 
+def block_elements(config: GPTConfig, batch: int) -> float:
+    """The activation elements one block keeps for backward, as Korthikanti et al. count them (1 byte each)."""
+    gpt = oracle_gpt(config)
+    return layer_activations(gpt, gpt.seq, batch, 1, False, 1, "none", False, "local")
+
+
 def predicted_bytes(recipe: str | Precision, config: GPTConfig, batch: int) -> dict[str, float]:
     """The oracle's bytes for a batch of `batch` sequences of config.block_size tokens on one process (see the
-    module's docstring): per parameter "weights", "gradients", "masters", "states"; "block" per token; "activations"."""
+    module's docstring): per parameter "weights", "gradients", "masters", "states"; "block" per token, "per element";
+    "activations"."""
     prec = recipe if isinstance(recipe, Precision) else PRECISIONS[recipe]
     gpt = oracle_gpt(config)
     layout = Layout(batch=batch, micro_batch=batch, precision=prec)
@@ -84,6 +93,7 @@ def predicted_bytes(recipe: str | Precision, config: GPTConfig, batch: int) -> d
         "masters": prec.optimizer - ADAM_STATE,
         "states": ADAM_STATE,
         "block": block / (gpt.seq * batch),
+        "per element": prec.activations,
         "activations": rank_memory(gpt, layout)["activations"],
     }
 
@@ -134,5 +144,6 @@ def measured_bytes(
         "masters": masters / n,
         "states": tensor_bytes(list(optimizer.state.values())) / n,
         "block": sum(saved) / len(saved) / x.numel(),
+        "per element": sum(saved) / len(saved) / block_elements(model.config, len(x)),
         "activations": float(ledger.peak["activations"]),
     }
