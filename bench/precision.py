@@ -37,7 +37,14 @@ import argparse
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+if TYPE_CHECKING:
+    from ddlab.sharded.collectives import Allgather
+    from mpi4py import MPI
+
+#: One way of gathering: run(comm, allgather).
+Run = Callable[[Any, Any], Any]
 TIMEOUT = 1800
 
 
@@ -114,7 +121,7 @@ def child(args: argparse.Namespace) -> None:
             verdict(what, ratio, 1.0)
 
 
-def timed(comm, runs, gather, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def timed(comm: MPI.Comm, runs: Mapping[str, Run], gather: Allgather, rounds: int) -> dict[str, float]:
     """Per name, the median over `rounds` (after one to warm up) of the slowest rank's seconds for
     runs[name](comm, gather), the runs taking turns so that a change of load falls on all of them."""
     from mpi4py import MPI
