@@ -13,6 +13,10 @@ Recipes (each AdamW on float32 master weights; what differs is what the forward 
   1 x 128 tiles and 128 x 128 blocks, shrunk to the small model's width: `tile` and `block`). The backward
   passes gradients straight through the casts (the straight-through estimator); the tied output layer
   and the embeddings stay in float32.
+
+`train_recipe` is `recipe_models` (the float32 masters, and the module that computes: the masters themselves for
+float32 and float8, a 16-bit copy for bfloat16 and float16) and `recipe_step` per step; `footprint.measured_bytes`
+runs the same two under the memory ledger.
 """
 
 from __future__ import annotations
