@@ -1,5 +1,6 @@
 """ddlab.precision on one process: float8 casts saturate, scale per block, follow a delayed history; the recipes
-train; bad input is refused with what to do."""
+train, and what each keeps is the oracle's to the byte, beside the gaps lab 18 names; bad input is refused with
+what to do."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from ddlab import precision
 from ddlab.data.text import BatchSampler, make_corpus
 from ddlab.models.gpt import GPTConfig, make_gpt
+from ddlab.oracle import transformer as oracle
+from ddlab.precision import footprint
 
 
 @pytest.mark.parametrize("dtype", precision.FORMATS)
@@ -68,3 +71,35 @@ def test_every_recipe_trains_the_gpt_a_few_steps():
                 "2^17 times the loss (about 5.5) overflows float16: the first step must be skipped"
             )
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "train_recipe changed its model"
+
+
+def test_each_recipes_bytes_are_the_oracles_and_the_gaps_are_what_lab_18_says():
+    """The ledger against the oracle, to the byte: per parameter equal (AdamW's 4-byte step count per tensor
+    apart); per token of a block the oracle's bytes plus the LayerNorms' statistics (4 elements), and for emulated
+    float8 the float32 casts of the linear layers' weights (12 h^2 per block); the whole forward also the token
+    ids, positions and targets (int64), the final LayerNorm's input, statistics and output, the loss, and the
+    logits' softmax in the compute type where the oracle keeps it in float32 (or wider)."""
+    torch.set_num_threads(1)
+    config = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16)
+    x, y = BatchSampler(make_corpus(seed=0).train, 4, config.block_size, seed=1).batch_at(0)
+    model = make_gpt(config, seed=0)
+    n = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    h, s, vocab, layers, tokens = config.n_embd, config.block_size, config.vocab_size, config.n_layer, x.numel()
+    for recipe in precision.RECIPES:
+        got = footprint.measured_bytes(recipe, model, x, y)
+        want = footprint.predicted_bytes(recipe, config, len(x))
+        e = footprint.PRECISIONS[recipe].activations
+        for part in ("weights", "gradients", "masters"):
+            assert got[part] == want[part], (recipe, part)
+        assert got["states"] == want["states"] + 4 * tensors / n, recipe
+        casts = 12 * h * h * 4 if recipe.startswith("float8") else 0
+        assert got["block"] == want["block"] + 4 * e + casts / tokens, recipe
+        assert got["per element"] == got["block"] * tokens / footprint.block_elements(config, len(x)), recipe
+        assert want["per element"] == e
+        outside = tokens * (16 + (2 * h + 2) * e + (e - max(4, e)) * vocab) + 8 * s + e
+        assert got["activations"] == want["activations"] + layers * (4 * e * tokens + casts) + outside, recipe
+    fp8 = footprint.predicted_bytes(oracle.RECIPES["fp8"], config, len(x))
+    assert [fp8[p] for p in footprint.PARTS] == [2, 2, 4, 8]
+    with pytest.raises(ValueError, match="recipe"):
+        footprint.measured_bytes("float4", model, x, y)

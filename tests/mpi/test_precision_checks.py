@@ -82,12 +82,29 @@ def test_scaler_that_unscales_in_float16_fails():
     expect_failure(check_loss_scale_step, lambda c, g, s: scaler(c, g, s, float32=False), "float16", "float32")
 
 
+def test_scaler_that_applies_the_scale_the_wrong_way_fails():
+    def multiplies(comm, grads, state):
+        unscaled, new = scaler(comm, grads, state)
+        return (None if unscaled is None else [u * state.scale * state.scale for u in unscaled]), new
+
+    expect_failure(check_loss_scale_step, multiplies, "grad / scale")
+
+
 def test_scaler_that_unscales_in_place_fails():
     expect_failure(check_loss_scale_step, lambda c, g, s: scaler(c, g, s, in_place=True), "changed")
 
 
 def test_scaler_that_grows_late_fails():
     expect_failure(check_loss_scale_step, lambda c, g, s: scaler(c, g, s, grow_at=1), "new state")
+
+
+def test_scaler_that_agrees_by_another_collective_fails():
+    def by_allgather(comm, grads, state):
+        if all(comm.allgather(all(bool(torch.isfinite(g).all()) for g in grads))):
+            return scaler(MPI.COMM_SELF, grads, state)
+        return None, LossScale(state.scale / state.factor, state.factor, state.interval, 0, state.skipped + 1)
+
+    expect_failure(check_loss_scale_step, by_allgather, "comm.allgather", "Allreduce")
 
 
 def test_scaler_on_the_notebooks_world_fails():
@@ -202,12 +219,48 @@ def test_gather_accepts_valid_answers():
     check_float8_allgather(gather)
 
 
+def gather_scales_in_front(comm, mine, bounds, dtype, allgather):
+    """Valid too: each rank's scale travels as 4 bytes in front of its float8 bytes, in one gather."""
+    size = comm.Get_size()
+    top = torch.finfo(dtype).max
+    amax = float(np.abs(mine).max()) if len(mine) else 0.0
+    scale = np.array([amax / top if amax > 0 else 1.0], dtype=np.float32)
+    q = (torch.from_numpy(mine) * float(1.0 / scale[0])).clamp(-top, top).to(dtype)
+    piece = np.concatenate([scale.view(np.uint8), q.view(torch.uint8).numpy()])
+    packed = [b + 4 * r for r, b in enumerate(bounds)]
+    everything = allgather(comm, piece, packed)
+    out = np.empty(bounds[-1], dtype=np.float32)
+    for r in range(size):
+        at = packed[r]
+        theirs = everything[at : at + 4].copy().view(np.float32)[0]
+        codes = torch.from_numpy(everything[at + 4 : packed[r + 1]].copy()).view(dtype).float().numpy()
+        out[bounds[r] : bounds[r + 1]] = codes * theirs
+    return out
+
+
+def test_gather_accepts_the_scales_sent_with_the_bytes():
+    check_float8_allgather(gather_scales_in_front)
+
+
+def test_gather_that_sends_bfloat16_fails_on_bytes():
+    def bfloat16(comm, mine, bounds, dtype, allgather):
+        return precision.bfloat16_allgather(comm, mine, bounds, allgather)
+
+    expect_failure(check_float8_allgather, bfloat16, "bytes")
+
+
 def test_gather_that_sends_the_float32_shard_fails_on_bytes():
     expect_failure(check_float8_allgather, lambda *a: gather(*a, send="float32"), "bytes")
 
 
 def test_gather_that_drops_the_scales_fails_on_values():
     expect_failure(check_float8_allgather, lambda *a: gather(*a, scales=False), "scale travel")
+
+
+def test_gather_with_mpis_own_allgather_fails():
+    from ddlab.sharded import allgather_mpi
+
+    expect_failure(check_float8_allgather, lambda c, m, b, d, _: gather(c, m, b, d, allgather_mpi), "comm.Allgatherv")
 
 
 def test_gather_that_changes_mine_fails():
@@ -252,8 +305,36 @@ def test_rounded_reduce_scatter_accepts_valid_answers():
     check_reduce_scatter_rounded(rounded)
 
 
+def rounded_the_other_way(comm, x, bounds, dtype):
+    """Valid too: the ring turning the other way (each partial sum sent left), so the sums add in another order."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    wire = WIRE[dtype]
+
+    def own(c):
+        c %= size
+        return torch.from_numpy(x[bounds[c] : bounds[c + 1]].copy()).to(dtype)
+
+    partial = own(rank + 1)
+    for step in range(size - 1):
+        c = (rank + step + 2) % size
+        got = torch.empty(bounds[c + 1] - bounds[c], dtype=dtype)
+        comm.Sendrecv(
+            partial.view(wire).numpy(), dest=(rank - 1) % size, recvbuf=got.view(wire).numpy(), source=(rank + 1) % size
+        )
+        partial = (own(c).float() + got.float()).to(dtype)
+    return partial.float().numpy()
+
+
+def test_rounded_reduce_scatter_accepts_the_ring_turning_the_other_way():
+    check_reduce_scatter_rounded(rounded_the_other_way)
+
+
 def test_rounded_reduce_scatter_in_float32_on_the_wire_fails_on_bytes():
     expect_failure(check_reduce_scatter_rounded, lambda *a: rounded(*a, wire=torch.float32), "bytes")
+
+
+def test_rounded_reduce_scatter_on_the_notebooks_world_fails():
+    expect_failure(check_reduce_scatter_rounded, lambda c, *a: rounded(MPI.COMM_WORLD, *a), "global")
 
 
 def test_rounded_reduce_scatter_that_changes_x_fails():

@@ -12,9 +12,12 @@ in the sharded optimizer, float8 casts with scales, the float8 all-gather, a red
   mixed precision with float32 masters in lab 13's ZeRO-1.
 - `RECIPES`, `train_recipe` (recipes.py): the lab's GPT trained in float32, bfloat16, float16 (with and
   without loss scaling) and emulated float8 (per tensor, delayed, per block).
+- `measured_bytes`, `predicted_bytes`, `PRECISIONS` (footprint.py): each recipe's bytes per parameter and per
+  activation, counted by the ledger and predicted by the transformer oracle (the recipe as a `Precision`).
 """
 
 from .float8 import FORMATS, AmaxHistory, block_amax, cast_error, dequantize, fmax, quantize_float8
+from .footprint import PRECISIONS, measured_bytes, predicted_bytes
 from .gather import bfloat16_allgather, float8_allgather
 from .mixed import MixedShardedOptimizer, predicted_bytes_per_parameter, train_mixed
 from .recipes import RECIPES, train_recipe
@@ -23,6 +26,7 @@ from .scaling import LossScale, loss_scale_step, train_float16, train_float16_on
 
 __all__ = [
     "FORMATS",
+    "PRECISIONS",
     "RECIPES",
     "AmaxHistory",
     "LossScale",
@@ -35,6 +39,8 @@ __all__ = [
     "float8_allgather",
     "fmax",
     "loss_scale_step",
+    "measured_bytes",
+    "predicted_bytes",
     "predicted_bytes_per_parameter",
     "quantize_float8",
     "reduce_scatter_rounded",

@@ -26,14 +26,16 @@ import torch
 from torch import nn
 
 from ..runtime.comm import Comm
-from ..sharded.collectives import CollectivesChoice, resolve_collectives
-from ..sharded.flat import FlatSpace
+from ..sharded.collectives import CollectivesChoice
+from ..sharded.optimizer import ShardedOptimizer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class MixedShardedOptimizer:
-    """ZeRO-1 for bfloat16 parameters: float32 master shard and optimizer state, float32 reduction, bfloat16 gather."""
+class MixedShardedOptimizer(ShardedOptimizer):
+    """ZeRO-1 for bfloat16 parameters: float32 master shard and optimizer state, float32 reduction, bfloat16 gather.
+
+    Its constructor is lab 13's `ShardedOptimizer`'s with a float32 master shard (`shard`); only the step differs."""
 
     def __init__(
         self,
@@ -43,28 +45,19 @@ class MixedShardedOptimizer:
         collectives: CollectivesChoice = "mpi",
         **kwargs: Any,
     ):
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params or any(p.dtype != torch.bfloat16 for p in self.params):
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable or any(p.dtype != torch.bfloat16 for p in trainable):
             raise ValueError("MixedShardedOptimizer needs bfloat16 parameters: call model.to(torch.bfloat16) first")
-        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
-        self.reduce_scatter, self.allgather = resolve_collectives(collectives)
-        self.space = FlatSpace.of(self.params, self.size)
-        flat = self.space.flatten([p.detach() for p in self.params], torch.float32)
-        self.master = nn.Parameter(self.space.shard(flat, self.rank).clone())
-        self.optimizer = optimizer_class([self.master], **kwargs)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        super().__init__(trainable, optimizer_class, comm, collectives, master_dtype=torch.float32, **kwargs)
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor] | None = None) -> None:
         """One step from `grads` (float32, one per parameter; default: the parameters' bfloat16 .grad)."""
         flat = self.space.flatten(grads if grads is not None else [p.grad for p in self.params], torch.float32)
         summed = self.reduce_scatter(self.comm, flat.numpy(), self.space.bounds)
-        self.master.grad = torch.from_numpy(summed).div_(self.size)
+        self.shard.grad = torch.from_numpy(summed).div_(self.size)
         self.optimizer.step()
-        bits = self.master.detach().to(torch.bfloat16).view(torch.int16).numpy()
+        bits = self.shard.detach().to(torch.bfloat16).view(torch.int16).numpy()
         gathered = torch.from_numpy(self.allgather(self.comm, bits, self.space.bounds)).view(torch.bfloat16)
         for p, view in zip(self.params, self.space.views(gathered)):
             p.copy_(view)
@@ -80,7 +73,7 @@ class MixedShardedOptimizer:
         return {
             "parameters": sum(p.numel() * p.element_size() for p in self.params),
             "gradients": sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None),
-            "optimizer": self.master.numel() * 4 + state,
+            "optimizer": self.shard.numel() * 4 + state,
         }
 
 

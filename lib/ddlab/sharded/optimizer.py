@@ -16,7 +16,9 @@ reach exactly what one process reaches on the global batch; one that looks acros
 tensor (LBFGS, or gradient clipping by global norm) would see only a shard.
 
 This is the reference for lab 13's exercise 13.3; `Sharded` (zero.py) does the same per
-unit, with the gradients and parameters sharded too.
+unit, with the gradients and parameters sharded too. `master_dtype` keeps the master shard in
+another dtype than the parameters' (lab 18's `ddlab.precision.MixedShardedOptimizer`: bfloat16
+parameters, a float32 master shard); by default it is the parameters' own.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from .flat import FlatSpace
 class ShardedOptimizer:
     """`optimizer_class(shard, **kwargs)` over this rank's shard of `params`, which are alike on every rank of `comm`.
 
-    collectives: "mpi", "ring" or a (reduce_scatter, allgather) pair (see collectives.py).
+    collectives: "mpi", "ring" or a (reduce_scatter, allgather) pair (see collectives.py); master_dtype: the
+    master shard's dtype (None: the parameters').
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class ShardedOptimizer:
         optimizer_class: type[torch.optim.Optimizer],
         comm: Comm,
         collectives: CollectivesChoice = "mpi",
+        master_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ):
         self.params = [p for p in params if p.requires_grad]
@@ -56,7 +60,7 @@ class ShardedOptimizer:
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
         self.reduce_scatter, self.allgather = resolve_collectives(collectives)
         self.space = FlatSpace.of(self.params, self.size)
-        flat = self.space.flatten([p.detach() for p in self.params], self.params[0].dtype)
+        flat = self.space.flatten([p.detach() for p in self.params], master_dtype or self.params[0].dtype)
         self.shard = nn.Parameter(self.space.shard(flat, self.rank).clone())
         self.optimizer = optimizer_class([self.shard], **kwargs)
 
