@@ -343,6 +343,30 @@ def restart(timeout: float = 120.0) -> ipp.Client:
     return client
 
 
+def kill_engine(engine: int, timeout: float = 30.0) -> None:
+    """SIGKILL one engine of the running cluster, as a hardware fault would; return once the controller knows.
+
+    The engine's nanny sends the signal, so this works wherever the engine runs (a compute node
+    too). On a fault-tolerant cluster (lab 19) the other engines go on and the active view names
+    the dead one; on any other, MPI ends the whole job. `restart()` brings the engines back.
+    """
+    if _current is None:
+        raise ClusterError("No cluster is running: start one with ddlab.runtime.cluster.start(n=4).")
+    client = _current.client
+    if engine not in client.ids:
+        raise ValueError(f"No engine {engine!r} is up: the engines up are {sorted(client.ids)}.")
+    client.send_signal("SIGKILL", targets=[engine], block=True)
+    deadline = time.monotonic() + timeout
+    while engine in client.ids:  # its nanny tells the controller
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"Engine {engine} was sent SIGKILL but is still registered after {timeout:.0f} s: "
+                "run ddlab.runtime.cluster.restart()."
+            )
+        time.sleep(0.1)  # engine (un)registrations arrive on the client's IO thread
+    _current.reported_up = len(client.ids)  # this death was asked for: the cell after it need not report it
+
+
 @contextlib.contextmanager
 def running(
     n: int = 4, profile: str | None = None, timeout: float = 120.0, fault_tolerant: bool = False
