@@ -6,9 +6,12 @@
    survivors (the slowest one): **detect**, from the kill to the Allreduce's ERR_PROC_FAILED;
    **shrink**, `recover` (revoke, shrink, agree on the step); **rebuild**, `rebuild_shards` (every
    shard from its owner or its buddy, resharded 4 -> 3) plus the new buddy exchange. Against it,
-   **a whole-job restart from disk**, torchrun's way: each of the 4 ranks writes its shard to a file
-   (fsync'd; that is the checkpoint's cost C), then a new 3-rank job is launched that reads the files
-   and reshards them (the relaunch: mpiexec, Python, MPI_Init, the read). Medians of --rounds rounds.
+   **a whole-job restart from disk**, torchrun's way: each of the 4 ranks writes its shard with
+   `torch.distributed.checkpoint` (DCP's files, fsync'd; that is the checkpoint's cost C), then a new
+   3-rank job is launched that reads back with DCP the old shards its new ones overlap and reshards
+   them (the relaunch: mpiexec, Python, torch, MPI_Init, the read). Each rank saves and loads its own
+   files without a process group (`no_dist=True`): a gloo group across a job about to lose a rank
+   would be one more thing to tear down. Medians of --rounds rounds.
 2. Goodput against the checkpoint interval, in one process, with failures injected: SGD steps of
    `resilience.Regression` for --work seconds of work; every `interval` seconds of work the state
    (--state-mb MB) is written to disk and fsync'd (the measured cost C); failures arrive at
@@ -41,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,13 +52,24 @@ from ddlab import resilience
 from ddlab.runtime import mpi
 
 RESTART_JOB = """
-import sys, numpy as np
+import sys, warnings
+import numpy as np, torch, torch.distributed.checkpoint as dcp
 from mpi4py import MPI
 from ddlab.resilience import reshard
 comm = MPI.COMM_WORLD
 folder, numel, old = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-shards = [np.load(f"{folder}/shard.{q}.npy") for q in range(old)]
+shard, new = -(-numel // old), -(-numel // comm.Get_size())
+lo, hi = comm.Get_rank() * new, min(numel, (comm.Get_rank() + 1) * new)
+shards = []
+for q in range(old):  # read back only the old shards this rank's new one overlaps
+    piece = torch.zeros(shard, dtype=torch.float64)
+    if q * shard < hi and lo < (q + 1) * shard:
+        with warnings.catch_warnings():  # DCP warns that it reads without a process group: each rank its own files
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"shard": piece}, checkpoint_id=f"{folder}/shard.{q}", no_dist=True)
+    shards.append(piece.numpy())
 mine = reshard(shards, numel, comm.Get_size(), comm.Get_rank())
+assert np.all(mine[: max(0, hi - lo)] == np.arange(lo, hi) // shard), "the shards read back are not the ones saved"
 comm.Barrier()
 """
 
@@ -67,12 +82,13 @@ def _recovery_round(comm, items: int, folder: str):  # one rank of the fault-tol
     mine = np.full(shard, float(rank))
     buddy = np.empty_like(mine)
     comm.Sendrecv(mine, dest=(rank - 1) % size, recvbuf=buddy, source=(rank + 1) % size)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     start = time.perf_counter()
-    path = Path(folder) / f"shard.{rank}.npy"
-    with path.open("wb") as out:  # the disk checkpoint: each rank its shard
-        np.save(out, mine)
-        out.flush()
-        os.fsync(out.fileno())
+    with warnings.catch_warnings():  # the disk checkpoint: each rank its shard, in DCP's format (fsync'd)
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"shard": torch.from_numpy(mine)}, checkpoint_id=f"{folder}/shard.{rank}", no_dist=True)
     saved = time.perf_counter() - start
     comm.Barrier()
     if rank == 2:
