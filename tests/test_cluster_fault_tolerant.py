@@ -91,6 +91,8 @@ def _lose_one_and_come_back(profile: str, timeout: float, where: Callable[[], No
         with pytest.raises(cluster.ClusterError, match=r"Engine 2 \(MPI rank 2\) died.*rc\[\[0, 1, 3\]\].*restart"):
             view.apply_sync(os.getpid)
         assert "Engine 2 died; the survivors [0, 1, 3] still run" in cluster.status()
+        view.execute("alive = True", targets=[0, 1, 3])  # %px --targets 0,1,3: the survivors alone still run
+        assert rc[[0, 1, 3]].pull("alive") == [True] * 3
 
         # No orphan: the dead engine's nanny goes too; the survivors' processes are the ones from before.
         gone, alive = psutil.wait_procs(family, timeout=DEADLINE)
@@ -105,6 +107,8 @@ def _lose_one_and_come_back(profile: str, timeout: float, where: Callable[[], No
         where()
         assert sorted(rc.ids) == [0, 1, 2, 3]
         assert cluster.current().view.apply_async(_world_sum).get(timeout=60) == [(4, 6)] * 4
+        with pytest.raises(ValueError, match=r"No engine 7 is up: the engines up are \[0, 1, 2, 3\]"):
+            cluster.kill_engine(7)
     finally:
         running = cluster.current()
         cluster.stop()
@@ -155,6 +159,12 @@ def test_a_killed_engine_is_named_survived_and_replaced_on_the_jupyterhub_profil
     report = output.read_text() if output.exists() else "(no output)"
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), f"{job}\n{report}"
     assert "survived and replaced" in report, report
+
+
+def test_kill_engine_needs_a_cluster() -> None:
+    assert cluster.current() is None
+    with pytest.raises(cluster.ClusterError, match="No cluster is running"):
+        cluster.kill_engine(2)
 
 
 def test_without_ulfm_the_request_is_refused_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
