@@ -5,8 +5,9 @@ Then: that call ends within a deadline (engine 2 dead, the survivors' MPI calls 
 cell); the next call of the notebook's view fails at once naming the dead engine; the engine leaves
 no process behind; the three survivors' MPI calls return errors, and they revoke, shrink and sum
 over three; `restart()` brings back four engines whose COMM_WORLD holds four ranks again; `stop()`
-leaves nothing. The same on the slurm profile (a batch job of the private single-node Slurm of
-tests/conftest.py) and the jupyterhub one (engines as a new step of the notebook's own job). The
+leaves nothing. The same but the restart on the slurm profile (a batch job of the private
+single-node Slurm of tests/conftest.py) and the jupyterhub one (engines as a new step of the
+notebook's own job); tests/test_slurm.py restarts engines on Slurm (lab 00). The
 launch commands are checked too, and on an MPI without ULFM, asking for a fault-tolerant cluster
 is a clear error.
 """
@@ -67,8 +68,12 @@ def _world_sum() -> tuple[int, int]:
     return MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.allreduce(MPI.COMM_WORLD.Get_rank())
 
 
-def _lose_one_and_come_back(profile: str, timeout: float, where: Callable[[], None] = lambda: None) -> None:
-    """The scenario of this file's docstring on one profile; `where()` checks where the engines run."""
+def _lose_one_and_come_back(
+    profile: str, timeout: float, where: Callable[[], None] = lambda: None, restart: bool = True
+) -> None:
+    """The scenario of this file's docstring on one profile; `where()` checks where the engines run.
+
+    restart=False leaves out the restart (on Slurm's profiles tests/test_slurm.py restarts lab 00's engines)."""
     rc = cluster.start(n=4, profile=profile, timeout=timeout, fault_tolerant=True)
     try:
         where()
@@ -103,12 +108,13 @@ def _lose_one_and_come_back(profile: str, timeout: float, where: Callable[[], No
         assert [o[1:] for o in outcomes] == [(3, 4)] * 3, outcomes
         assert any(o[0] != "nothing" for o in outcomes), f"no survivor's allreduce failed: {outcomes}"
 
-        rc = cluster.restart(timeout=timeout)
-        where()
-        assert sorted(rc.ids) == [0, 1, 2, 3]
-        assert cluster.current().view.apply_async(_world_sum).get(timeout=60) == [(4, 6)] * 4
-        with pytest.raises(ValueError, match=r"No engine 7 is up: the engines up are \[0, 1, 2, 3\]"):
-            cluster.kill_engine(7)
+        if restart:
+            rc = cluster.restart(timeout=timeout)
+            where()
+            assert sorted(rc.ids) == [0, 1, 2, 3]
+            assert cluster.current().view.apply_async(_world_sum).get(timeout=60) == [(4, 6)] * 4
+            with pytest.raises(ValueError, match=r"No engine 7 is up: the engines up are \[0, 1, 2, 3\]"):
+                cluster.kill_engine(7)
     finally:
         running = cluster.current()
         cluster.stop()
@@ -134,7 +140,7 @@ def test_a_killed_engine_is_named_survived_and_replaced_on_slurm(slurm, monkeypa
         jobs = [job for job in slurm.job_records() if job.get("JobName") == "ddlab-engines"]
         assert [job["JobState"] for job in jobs].count("RUNNING") == 1, jobs
 
-    _lose_one_and_come_back("slurm", timeout=300, where=in_a_slurm_job)
+    _lose_one_and_come_back("slurm", timeout=300, where=in_a_slurm_job, restart=False)
     deadline = time.monotonic() + 60
     while (left := slurm.jobs() or slurm.job_processes()) and time.monotonic() < deadline:
         time.sleep(0.5)  # a cancelled job completes within KillWait
@@ -149,7 +155,7 @@ def test_a_killed_engine_is_named_survived_and_replaced_on_the_jupyterhub_profil
     script = tmp_path / "spawner.sh"
     # this file's helpers in the job's __main__, so the engines get them by value
     notebook = f"exec(compile(open({__file__!r}).read(), {__file__!r}, 'exec')); "
-    notebook += "_lose_one_and_come_back('jupyterhub', 300); print('survived and replaced')"
+    notebook += "_lose_one_and_come_back('jupyterhub', 300, restart=False); print('survived')"
     script.write_text(
         "#!/bin/sh\n#SBATCH --ntasks=1\n#SBATCH --cpus-per-task=5\n"
         f"#SBATCH --output={output}\nexport DDLAB_SLURM_LAUNCHER=mpiexec\n"
@@ -158,7 +164,7 @@ def test_a_killed_engine_is_named_survived_and_replaced_on_the_jupyterhub_profil
     job = slurm.run_job(script, timeout=540)
     report = output.read_text() if output.exists() else "(no output)"
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), f"{job}\n{report}"
-    assert "survived and replaced" in report, report
+    assert "survived" in report, report
 
 
 def test_kill_engine_needs_a_cluster() -> None:
