@@ -330,7 +330,7 @@ def check_train_resilient(fn: Callable[[Any, Any, int], list[float]], timeout: f
                 if problem:
                     break
         _fail(problem, context)
-    passed(MPI.COMM_WORLD, "train_resilient survives a SIGKILLed rank on 4 and 3 ranks with one process's losses")
+    passed(MPI.COMM_WORLD, "train_resilient survives a rank SIGKILLed mid-step on 4 ranks with one process's losses")
 
 
 # ---------------------------------------------------------------- exercise 19.4: rebuild_shards

@@ -4,6 +4,8 @@
     ddlab.runtime.cluster.restart()            # after a hang or a crashed engine
     ddlab.runtime.cluster.stop()
 
+    rc = ddlab.runtime.cluster.start(n=4, fault_tolerant=True)  # ULFM: a dead engine leaves the others running
+
 A profile is a folder of `clusters/` (local, slurm, jupyterhub) holding an
 `ipcluster_config.py`. Runtime files (connection files, logs) live in the user's
 IPython directory under `profile_ddlab-<profile>`, never in the course folder.
@@ -20,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import ipyparallel as ipp
 import psutil
@@ -48,6 +50,7 @@ class Running:
     n: int
     profile: str
     reaper: subprocess.Popen  # stops the cluster if this process dies without stop()
+    fault_tolerant: bool = False  # launched with ULFM: the survivors of a dead engine keep running
     reported_up: int = -1  # engine count at the last crash report, so each crash is told once
 
 
@@ -83,12 +86,21 @@ def current() -> Running | None:
 HEARTBEAT = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"]
 
 
-def make_cluster(n: int, profile: str) -> ipp.Cluster:
-    """An ipyparallel cluster of n MPI engines on the profile, not started (bring_up starts it)."""
+def make_cluster(n: int, profile: str, fault_tolerant: bool = False) -> ipp.Cluster:
+    """An ipyparallel cluster of n MPI engines on the profile, not started (bring_up starts it).
+
+    fault_tolerant: the engines' mpiexec runs with ULFM (`--with-ft ulfm`, Open MPI 5), so an engine's
+    death is an error the others' MPI calls return, not the end of them all. Every profile honours it:
+    the local one through `mpi.launcher_args`, the Slurm and JupyterHub launchers through their
+    `fault_tolerant` setting (`ddlab.tools.slurm`). On an MPI without ULFM it raises ClusterError.
+    """
+    if fault_tolerant and (problem := mpi.ulfm_problem()):
+        raise ClusterError(f"A fault-tolerant cluster cannot start: {problem}")
     config = profile_config(profile)
     mpi.clear_stale_sessions()
     config.MPILauncher.mpi_cmd = [mpi.launcher_path()]
-    config.MPILauncher.mpi_args = mpi.launcher_args(n)
+    config.MPILauncher.mpi_args = mpi.launcher_args(n, fault_tolerant)
+    config.SlurmEngines.fault_tolerant = config.AllocationEngines.fault_tolerant = fault_tolerant
     if config.Cluster.get("engine_launcher_class") == "mpi":  # every engine on this host (the local profile)
         config.MPILauncher.environment = mpi.rank_env(n)
     config.Cluster.controller_args = [*config.Cluster.get("controller_args", []), *HEARTBEAT]
@@ -151,9 +163,44 @@ def _engines_alive(cluster: ipp.Cluster) -> bool:
     return False
 
 
-def _activate(client: ipp.Client) -> ipp.DirectView:
+class EnginesView(ipp.DirectView):
+    """A blocking view on engines 0..n-1 that refuses to run once one of them has died, naming it.
+
+    A view on "all" would quietly run on the survivors of a fault-tolerant cluster, whose
+    COMM_WORLD still holds the dead rank. This one raises ClusterError instead, at once, saying
+    which engine died and the two ways on: the survivors' own view, or `restart()`.
+    """
+
+    def _refuse_dead(self, targets: Any) -> None:
+        """Raise ClusterError if an engine of `targets` (a call's own, else the view's) has died."""
+        targets = self.targets if targets is None else targets
+        targets = [targets] if isinstance(targets, int) else targets
+        if not isinstance(targets, (list, tuple, range)):
+            return  # "all" or a slice: ipyparallel resolves them among the engines that are up
+        gone = sorted(set(targets) - set(self.client.ids))
+        if gone:
+            alive = sorted(set(self.targets) - set(gone))
+            raise ClusterError(
+                f"Engine {', '.join(map(str, gone))} (MPI rank {', '.join(map(str, gone))}) died: "
+                f"this view runs on all {len(self.targets)} engines. The survivors {alive} still run "
+                f"(fault-tolerant MPI): use rc[{alive}] on them, and shrink their COMM_WORLD "
+                "(lab 19); or bring all engines back with ddlab.runtime.cluster.restart()."
+            )
+
+    def _really_apply(self, f: Any, args: Any = None, kwargs: Any = None, targets: Any = None, **options: Any) -> Any:
+        self._refuse_dead(targets)
+        return super()._really_apply(f, args, kwargs, targets=targets, **options)
+
+    def execute(self, code: str, silent: bool = True, targets: Any = None, **options: Any) -> Any:
+        self._refuse_dead(targets)
+        return super().execute(code, silent, targets=targets, **options)
+
+
+def _activate(client: ipp.Client, n: int, fault_tolerant: bool) -> ipp.DirectView:
     """A blocking view on all engines, registered for %px/%%px when running in IPython.
 
+    fault_tolerant: the view is an EnginesView on engines 0..n-1 (an engine's id is its MPI rank),
+    which names a dead engine instead of running on the survivors alone.
     No progress bars in %px cells: they make notebook output change from run to run.
     The magic shows one only after `progress_after_seconds`; a value of -1 would also
     skip its wait for the engines' last output, so use a wait longer than any cell.
@@ -161,7 +208,10 @@ def _activate(client: ipp.Client) -> ipp.DirectView:
     from ipyparallel.client.magics import ParallelMagics
     from IPython import get_ipython
 
-    view = client.direct_view("all")  # blocking, as every view of the client
+    if fault_tolerant:
+        view: ipp.DirectView = EnginesView(client=client, socket=client._mux_stream, targets=list(range(n)))
+    else:
+        view = client.direct_view("all")  # blocking, as every view of the client
     if get_ipython() is not None:
         ParallelMagics.progress_after_seconds = 1e6
         view.activate()
@@ -210,11 +260,13 @@ def bring_up(cluster: ipp.Cluster, n: int, timeout: float) -> ipp.Client:
     return client
 
 
-def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp.Client:
+def start(n: int = 4, profile: str | None = None, timeout: float = 120.0, fault_tolerant: bool = False) -> ipp.Client:
     """Start n MPI engines and return a client (its views block) whose view is active for %px and %%px.
 
     The profile is a folder of clusters/ (default: $DDLAB_PROFILE, else local).
-    Running it again with the same n and profile returns the running cluster; with
+    fault_tolerant: launch the engines' MPI with ULFM (lab 19): an engine killed leaves the others
+    running, their MPI calls return errors, and the active view names the dead engine (EnginesView).
+    Running it again with the same n, profile and fault_tolerant returns the running cluster; with
     other values it stops the old one first. Orphans of killed kernels are stopped.
     """
     global _current
@@ -222,18 +274,19 @@ def start(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> ipp
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive number of engines, got {n!r}")
     if _current is not None:
-        if (_current.n, _current.profile) == (n, profile) and len(_current.client.ids) == n:
+        same = (_current.n, _current.profile, _current.fault_tolerant) == (n, profile, fault_tolerant)
+        if same and len(_current.client.ids) == n:
             return _current.client
         stop()
     cleanup_orphans(profile)
-    cluster = make_cluster(n, profile)
+    cluster = make_cluster(n, profile, fault_tolerant)
     watcher = reaper.start_watching(cluster.profile_dir, cluster.cluster_id)
     try:
         client = bring_up(cluster, n, timeout)
     except BaseException:
         _shut_down(cluster, watcher)
         raise
-    _current = Running(cluster, client, _activate(client), n, profile, watcher)
+    _current = Running(cluster, client, _activate(client, n, fault_tolerant), n, profile, watcher, fault_tolerant)
     _watch_engines()
     return client
 
@@ -286,14 +339,40 @@ def restart(timeout: float = 120.0) -> ipp.Client:
     except ClusterError:
         stop()
         raise
-    running.view = _activate(client)
+    running.view = _activate(client, n, running.fault_tolerant)
     return client
 
 
+def kill_engine(engine: int, timeout: float = 30.0) -> None:
+    """SIGKILL one engine of the running cluster, as a hardware fault would; return once the controller knows.
+
+    The engine's nanny sends the signal, so this works wherever the engine runs (a compute node
+    too). On a fault-tolerant cluster (lab 19) the other engines go on and the active view names
+    the dead one; on any other, MPI ends the whole job. `restart()` brings the engines back.
+    """
+    if _current is None:
+        raise ClusterError("No cluster is running: start one with ddlab.runtime.cluster.start(n=4).")
+    client = _current.client
+    if engine not in client.ids:
+        raise ValueError(f"No engine {engine!r} is up: the engines up are {sorted(client.ids)}.")
+    client.send_signal("SIGKILL", targets=[engine], block=True)
+    deadline = time.monotonic() + timeout
+    while engine in client.ids:  # its nanny tells the controller
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"Engine {engine} was sent SIGKILL but is still registered after {timeout:.0f} s: "
+                "run ddlab.runtime.cluster.restart()."
+            )
+        time.sleep(0.1)  # engine (un)registrations arrive on the client's IO thread
+    _current.reported_up = len(client.ids)  # this death was asked for: the cell after it need not report it
+
+
 @contextlib.contextmanager
-def running(n: int = 4, profile: str | None = None, timeout: float = 120.0) -> Iterator[ipp.Client]:
+def running(
+    n: int = 4, profile: str | None = None, timeout: float = 120.0, fault_tolerant: bool = False
+) -> Iterator[ipp.Client]:
     """`with ddlab.runtime.cluster.running(4) as rc:` starts a cluster and always stops it."""
-    client = start(n, profile, timeout)
+    client = start(n, profile, timeout, fault_tolerant)
     try:
         yield client
     finally:
@@ -306,7 +385,16 @@ def status() -> str:
         return "No cluster is running: start one with ddlab.runtime.cluster.start(n=4)."
     up, n = len(_current.client.ids), _current.n
     if up == n:
-        return f"{n} engines up (MPI ranks 0..{n - 1}), profile {_current.profile!r}."
+        ft = ", fault-tolerant (ULFM)" if _current.fault_tolerant else ""
+        return f"{n} engines up (MPI ranks 0..{n - 1}), profile {_current.profile!r}{ft}."
+    if _current.fault_tolerant and up:
+        alive = sorted(_current.client.ids)
+        gone = sorted(set(range(n)) - set(alive))
+        return (
+            f"Engine {', '.join(map(str, gone))} died; the survivors {alive} still run (fault-tolerant MPI). "
+            f"Run on them with rc[{alive}] and shrink their COMM_WORLD (lab 19), or run "
+            "ddlab.runtime.cluster.restart() to start all engines afresh (the notebook's variables stay)."
+        )
     return (
         f"Only {up} of {n} engines are up: an engine crashed and MPI ended the job. "
         f"Last engine output:\n{_engine_output(_current.cluster)}\n"

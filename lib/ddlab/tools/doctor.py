@@ -175,15 +175,30 @@ def check_mpi_library() -> list[Finding]:
     return found
 
 
-def check_fault_tolerance() -> Finding:
-    """Whether the MPI can run lab 19's fault-tolerant jobs (ULFM); a warning only: the other labs do not need it."""
+def check_fault_tolerance(profile: str = "local") -> Finding:
+    """Whether the MPI can run fault-tolerant jobs (ULFM): lab 19's, and `cluster.start(n, fault_tolerant=True)`
+    on the profile (on Slurm, only Open MPI's own mpiexec launches ULFM). A warning only: the other labs do
+    not need it."""
+    name = "fault tolerance (ULFM)"
     try:
         problem = mpi.ulfm_problem()
     except mpi.MPISetupError as err:
-        return Finding("fault tolerance (ULFM)", WARN, f"unknown: {err}", REPO_HINT + ".")
+        return Finding(name, WARN, f"unknown: {err}", REPO_HINT + ".")
     if problem:
-        return Finding("fault tolerance (ULFM)", WARN, "not supported: lab 19's checks cannot run", problem)
-    return Finding("fault tolerance (ULFM)", OK, "supported: lab 19 launches its jobs with --with-ft ulfm")
+        return Finding(name, WARN, "not supported: lab 19's checks cannot run", problem)
+    if profile in ("slurm", "jupyterhub"):
+        from . import slurm
+
+        with contextlib.suppress(slurm.SettingsError, SyntaxError, OSError):  # check_network names those
+            if slurm.load_settings().resolved_launcher() != "mpiexec":
+                return Finding(
+                    name,
+                    WARN,
+                    f"supported by this MPI, but profile {profile!r} launches engines with srun",
+                    f'for cluster.start(n, profile={profile!r}, fault_tolerant=True) set launcher = "mpiexec" '
+                    f"in {slurm.settings_file()}: ULFM needs Open MPI's own mpiexec.",
+                )
+    return Finding(name, OK, "supported: lab 19's jobs and cluster.start(n, fault_tolerant=True) use --with-ft ulfm")
 
 
 def check_ipyparallel() -> Finding:
@@ -711,7 +726,7 @@ def run(profile: str | None = None, n: int = 2, timeout: float = 120.0, quiet: b
         report.findings.append(check_mpiexec_by_hand(n if profile == "local" else 2))
         report.findings.append(check_network(profile, n))
         report.findings += check_engines(profile, n, timeout)
-    report.findings.append(check_fault_tolerance())
+    report.findings.append(check_fault_tolerance(profile))
     if not quiet:
         print(report, flush=True)
     return report

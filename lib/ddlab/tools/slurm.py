@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import psutil
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
-from traitlets import CRegExp, Integer
+from traitlets import Bool, CRegExp, Integer
 
 from ..runtime import mpi
 
@@ -159,13 +159,23 @@ def controller_address(settings: Settings) -> str:
 
 
 def launch_command(
-    settings: Settings, n: int, engine: list[str], *, in_step: bool = False
+    settings: Settings, n: int, engine: list[str], *, in_step: bool = False, fault_tolerant: bool = False
 ) -> tuple[list[str], dict[str, str]]:
     """The command that starts `engine` as n MPI ranks inside a Slurm allocation, and its variables.
 
     in_step: the caller itself runs inside a job step (a notebook under batchspawner), so a
     new step must share its CPUs (`srun --overlap`).
+    fault_tolerant: the ranks' MPI runs with ULFM (`--with-ft ulfm`), so a rank's death is an error
+    the others handle (lab 19); only Open MPI's own mpiexec launches that, not srun.
     """
+    if fault_tolerant:
+        if settings.resolved_launcher() != "mpiexec":
+            raise SettingsError(
+                f"Fault-tolerant engines (ULFM) are launched by Open MPI's mpiexec, not {settings.resolved_launcher()}: "
+                f'set launcher = "mpiexec" in {settings_file()} (or DDLAB_SLURM_LAUNCHER=mpiexec).'
+            )
+        if problem := mpi.ulfm_problem():
+            raise mpi.MPISetupError(problem)
     cpus = str(settings.cpus_per_engine)
     env = {"OMP_NUM_THREADS": cpus, "MKL_NUM_THREADS": cpus, **mpi.network_env(settings.network_interface)}
     if mpi.implementation() == "openmpi":
@@ -179,6 +189,7 @@ def launch_command(
             # Slurm places the job; binding each rank to one core would squeeze an engine's
             # math threads (cpus_per_engine) onto a single core.
             command += ["--bind-to", "none"]
+        command += ["--with-ft", "ulfm"] if fault_tolerant else []
         if in_step:
             # Inside a step, Slurm's variables describe that step (1 task: the notebook), so
             # mpiexec would see one slot: give it the job's CPUs instead, one slot per engine.
@@ -263,6 +274,10 @@ ENDED = {
 class SlurmEngines(SlurmEngineSetLauncher):
     """n engines as one Slurm batch job; see clusters/slurm/settings.py."""
 
+    fault_tolerant = Bool(
+        False, config=True, help="launch the engines' MPI with ULFM (cluster.start(fault_tolerant=True))"
+    )
+
     # sbatch may print warnings first: take the id from its "Submitted batch job N".
     job_id_regexp = CRegExp(r"Submitted batch job (\d+)")
     job_id_regexp_group = Integer(1)
@@ -294,7 +309,7 @@ class SlurmEngines(SlurmEngineSetLauncher):
         lines += [f"#SBATCH --partition={s.partition}"] if s.partition else []
         lines += [f"#SBATCH --account={s.account}"] if s.account else []
         lines += [f"#SBATCH {option}" for option in s.sbatch_options]
-        command, env = launch_command(s, n, _engine_command(self))
+        command, env = launch_command(s, n, _engine_command(self), fault_tolerant=self.fault_tolerant)
         lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
         if s.resolved_launcher() == "mpiexec":  # on the job's first node, where mpiexec runs
             lines.append(shlex.join([s.engine_python(), "-m", "ddlab.runtime.mpi", "--clear-stale"]))
@@ -355,6 +370,10 @@ class SlurmEngines(SlurmEngineSetLauncher):
 class AllocationEngines(MPIEngineSetLauncher):
     """n engines as a new step of the Slurm job this notebook runs in (JupyterHub + batchspawner)."""
 
+    fault_tolerant = Bool(
+        False, config=True, help="launch the engines' MPI with ULFM (cluster.start(fault_tolerant=True))"
+    )
+
     @property
     def settings(self) -> Settings:
         return load_settings()
@@ -367,11 +386,12 @@ class AllocationEngines(MPIEngineSetLauncher):
                 "submit the engines as a job, or profile='local'."
             )
         mpi.clear_stale_sessions()  # mpiexec runs here, in the notebook's job
-        return launch_command(self.settings, self.n, _engine_command(self), in_step=True)[0]
+        engine = _engine_command(self)
+        return launch_command(self.settings, self.n, engine, in_step=True, fault_tolerant=self.fault_tolerant)[0]
 
     def get_env(self) -> dict[str, str]:
         env = super().get_env()
-        env.update(launch_command(self.settings, self.n, [], in_step=True)[1])
+        env.update(launch_command(self.settings, self.n, [], in_step=True, fault_tolerant=self.fault_tolerant)[1])
         return env
 
     async def stop(self) -> None:
