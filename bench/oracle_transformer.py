@@ -84,11 +84,10 @@ def main() -> None:
 def lab_searches() -> None:
     """Lab 16's two searches of a modern model on H100s (fp8, flash attention, FSDP overlap), timed."""
     from ddlab.oracle import Layout, plan_transformer
-    from ddlab.oracle.published import H100_SXM, LLAMA3_70B, gpu_platform
+    from ddlab.oracle.published import H100_SXM, LLAMA3_70B, MIXTRAL_8X22B, gpu_platform
 
     h100, recipe = gpu_platform(H100_SXM), Layout(precision="fp8", kernel="flash", overlap=True)
-    moe = replace(LLAMA3_70B, name="MoE 8x", layers=56, hidden=6144, heads=48, seq=4096, vocab=32768, ffn=16384)
-    moe = replace(moe, experts=8, top_k=2)
+    moe = MIXTRAL_8X22B
     print("\nlab 16's searches on H100s (the answer must come within 10 s):")
     for gpt, devices, batch, zero, micro in ((LLAMA3_70B, 64, 128, (1, 3), (1, 2)), (moe, 256, 512, (1,), (1,))):
         start = time.perf_counter()

@@ -12,6 +12,7 @@ from ddlab.oracle.published import (
     H100_SXM,
     H200_SXM,
     LLAMA3_70B,
+    MIXTRAL_8X22B,
     MODERN,
     a100_cluster,
     gpu_platform,
@@ -122,24 +123,10 @@ def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256():
     from ddlab.oracle import plan_transformer
 
     h100, recipe = gpu_platform(H100_SXM), Layout(precision="fp8", kernel="flash", overlap=True)
-    moe = GPT(
-        layers=56,
-        hidden=6144,
-        heads=48,
-        seq=4096,
-        vocab=32768,
-        kv_heads=8,
-        ffn=16384,
-        gated=True,
-        norm="rmsnorm",
-        rotary=True,
-        tied=False,
-        bias=False,
-        dropout=False,
-        experts=8,
-        top_k=2,
-    )
-    for gpt, devices, batch, zero, micro in ((LLAMA3_70B, 64, 128, (1, 3), (1, 2)), (moe, 256, 512, (1,), (1,))):
+    for gpt, devices, batch, zero, micro in (
+        (LLAMA3_70B, 64, 128, (1, 3), (1, 2)),
+        (MIXTRAL_8X22B, 256, 512, (1,), (1,)),
+    ):
         plan = plan_transformer(gpt, devices, batch, h100, base=recipe, zero_stages=zero, micro_batches=micro)
         best = plan.best
         assert best is not None and best.peak <= h100.memory and best.layout.precision == "fp8"

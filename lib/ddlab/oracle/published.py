@@ -295,6 +295,11 @@ def _titan(seq: int, fsdp: int, cp: int) -> Layout:
 
 LLAMA3_8B = _llama(32, 4096, 32, 14336, 8192, "Llama 3 8B")
 LLAMA3_70B = _llama(80, 8192, 64, 28672, 8192, "Llama 3 70B")
+#: A mixture of experts of Mixtral 8x22B's shape (Mistral AI's released configuration: 56 layers of width 6144, 48
+#: heads sharing 8 key/value heads, 8 SwiGLU experts of width 16,384 on every layer, each token routed to 2, a
+#: vocabulary of 32,768; RMSNorm, rotary positions, no biases, untied output layer), on sequences of 4096 tokens:
+#: lab 16's search on 256 H100s, its test and `bench/oracle_transformer.py`.
+MIXTRAL_8X22B = replace(_llama(56, 6144, 48, 16384, 4096, "Mixtral-8x22B-like"), vocab=32768, experts=8, top_k=2)
 
 #: The validation rows: never used to set a figure of the oracle or its platforms. Left out: the 405B rows (126
 #: layers do not split evenly into their pipeline stages, which Megatron and torchtitan balance by hand),
