@@ -261,9 +261,11 @@ H100_96GB = Hardware(
 )
 
 
-def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, zero: int) -> Layout:
-    """A Megatron-Bridge recipe: FP8 (current scaling), flash attention, sequence parallelism with TP, the data
-    collectives overlapped (its recipes' defaults), no recomputation (none listed)."""
+def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, fsdp: int) -> Layout:
+    """A Megatron-Bridge recipe: FP8 (current scaling), flash attention (causal, `transformer.CAUSAL_SHARE`),
+    sequence parallelism with TP, the data collectives overlapped, no recomputation (none listed); FSDP = 1 is
+    ZeRO-3, FSDP = 0 the distributed optimizer, ZeRO-1 (its Llama 3 recipes, src/megatron/bridge/recipes/llama/
+    llama3.py: `ddp.use_distributed_optimizer = True`, `overlap_grad_reduce` and `overlap_param_gather` on)."""
     return Layout(
         data=gpus // (t * p),
         tensor=t,
@@ -271,7 +273,7 @@ def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: in
         batch=batch,
         micro_batch=micro,
         interleave=v,
-        zero=zero,
+        zero=3 if fsdp else 1,
         precision="fp8",
         kernel="flash",
         sequence_parallel=t > 1,
@@ -306,7 +308,7 @@ MIXTRAL_8X22B = replace(_llama(56, 6144, 48, 16384, 4096, "Mixtral-8x22B-like"),
 #: models whose heads are not h / heads wide or whose attention is not the oracle's (GPT-OSS, Qwen3, DeepSeek-V3),
 #: GB200/GB300 (NVL72 domains), and torchtitan's rows that do not state their sequence length.
 MODERN = (
-    ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 3), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"),
+    ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"),
     ModernRun(LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, 1602, None, _BRIDGE + ", DGX-H100"),
     ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 2, 1, 1, 1, 0), B200, 30624, None, _BRIDGE + ", DGX-B200"),
     *(

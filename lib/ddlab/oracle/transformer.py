@@ -135,6 +135,12 @@ RECIPES = {
     "fp64": Precision(8, 8, 16, 8, 8, 8, "fp64"),
 }
 KERNELS = ("local", "flash")
+#: The share of a causal model's score blocks a "flash" kernel computes: it skips the blocks above the diagonal,
+#: every key after every query (Dao, "FlashAttention-2", 2023, section 3.1: about half), so it does half the
+#: attention's 4 s^2 h; Megatron-Bridge's model FLOPs count halves that term too (its llama3_flops:
+#: 12 s/h x 0.5 for causal self-attention). The "local" kernel (lab 14's, Narayanan et al.'s count) computes the
+#: whole s x s block and masks it.
+CAUSAL_SHARE = 0.5
 TIME_PARTS = ("compute", "bubble", "tensor", "context", "pipeline", "data")
 #: The parts `layout_time` adds to `step_time`'s: the experts' all-to-alls.
 EXTRA_PARTS = ("expert",)
@@ -451,6 +457,13 @@ def iteration_flops(gpt: GPT, batch: int, recompute: str) -> float:
     return batch * (3 * forward + rerun + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
 
 
+def attention_flops(gpt: GPT, batch: int, recompute: str) -> float:
+    """The attention's scores and weighted values in an iteration of `batch` sequences: 4 s^2 h per layer and
+    sequence forward, twice that backward, once more when recomputation reruns them (full or selective)."""
+    reruns = 0 if recompute == "none" else 1
+    return batch * gpt.layers * (3 + reruns) * gpt.attention_score_flops()
+
+
 def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str) -> float:
     """The part of `iteration_flops` that stays in 16 bits under a float8 recipe: the attention's scores and
     weighted values (with their rerun under recomputation) and the output layer."""
@@ -702,11 +715,17 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
       its own forward (gather) and backward (gather and reduce-scatter) compute; ZeRO 0-2 reduce the
       gradients in buckets under the backward (PyTorch DDP), all but the last layer's share hidden as far as
       the backward lasts;
+    - compute with the "flash" kernel: the attention's score blocks above the diagonal are skipped
+      (`CAUSAL_SHARE`), their FLOPs (at the 16-bit rate) taken off;
     - bubble and pipeline, for every schedule (`Layout.schedule`): the compute of a micro-batch on a
       stage split into F, B and W (`schedules.split_flops`, each part at its rate: the linear layers at the
       recipe's, the attention and the output layer at 16 bits), and the idle time of the schedule's op list
       (`schedules.idle_per_rank`); zb-v sends twice 1F1B's pipeline messages (two chunks per rank)."""
     parts = step_time(gpt, layout, platform)
+    if layout.kernel == "flash":  # the masked half of every score block is skipped, not computed
+        busy = min(layout.devices, platform.devices_per_node)
+        skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute)
+        parts["compute"] -= skipped / layout.devices / platform.flops * platform.slowdown(busy)
     if layout.pipeline > 1:
         f, b, w = stage_op_times(gpt, layout, platform, parts["compute"])
         p, m, v = layout.pipeline, layout.micro_batches, layout.interleave
@@ -753,6 +772,7 @@ def stage_op_times(gpt: GPT, layout: Layout, platform: Platform, compute: float)
     prec = recipe(layout.precision)
     attention = gpt.layers * gpt.attention_score_flops()
     linear = gpt.forward_flops() - attention
+    attention *= CAUSAL_SHARE if layout.kernel == "flash" else 1.0
     output = 2.0 * gpt.seq * gpt.hidden * gpt.vocab
     fast = platform.rate(prec.compute) / platform.flops  # the linear layers' speed-up (float8), 1 in 16 bits
     parts = split_flops(linear / fast, attention, output, layout.recompute)
