@@ -8,7 +8,6 @@ import pytest
 from ddlab.oracle.published import H100_SXM, LLAMA3_70B, gpu_platform
 from ddlab.oracle.schedules import (
     ZB_V_LIMIT,
-    bubble_share,
     idle_per_rank,
     in_flight,
     op_lists,
@@ -41,7 +40,8 @@ def test_the_interleaved_bubble_is_its_replay(p, v):
     for m in (p, 2 * p, 3 * p):
         for f, b, w in TIMES[:3]:
             replay = simulate_interleaved([interleaved_1f1b(p, m, r, v) for r in range(p)], v, f, b + w)
-            assert bubble_share("1f1b", p, m, f, b, w, v) == pytest.approx(bubble(replay))
+            idle = idle_per_rank("1f1b", p, m, f, b, w, v)
+            assert idle / (m * (f + b + w) + idle) == pytest.approx(bubble(replay))
 
 
 def test_the_papers_figures_at_equal_times():

@@ -108,12 +108,6 @@ def idle_per_rank(schedule: str, p: int, m: int, f: float, b: float, w: float, v
     return replayed_idle(schedule, p, m, f, b, w)
 
 
-def bubble_share(schedule: str, p: int, m: int, f: float, b: float, w: float, v: int = 1) -> float:
-    """The idle share of the step: idle / (m (f + b + w) + idle)."""
-    idle = idle_per_rank(schedule, p, m, f, b, w, v)
-    return idle / (m * (f + b + w) + idle)
-
-
 @lru_cache(maxsize=1024)
 def in_flight(schedule: str, p: int, m: int, stage: int) -> int:
     """The most micro-batches (chunk activations for zb-v) stage `stage` keeps alive at once in the op list."""
