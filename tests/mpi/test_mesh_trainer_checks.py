@@ -44,13 +44,25 @@ interleaved_1f1b = unguarded(interleaved_1f1b)
 STEPS = 10
 
 
-def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b, last_broadcasts=True):
+def assembled(
+    plane="replicas",
+    sum_sp=True,
+    scale=True,
+    schedule=one_f_one_b,
+    last_broadcasts=True,
+    zero_grad="before",
+    loss_over="replicas",
+):
     """Exercise 16.2's solution as the notebook writes it; the arguments make the wrong answers.
 
     plane: "replicas" (right), "data" (every rank averages over its data ranks only), or "mixed" (context rank 1
     averages, shards and sums the loss over mesh.data, the others over mesh.replicas: ranks of one plane
     meet different collectives). last_broadcasts=False: the last stage keeps its loss instead of joining the
-    pipeline's broadcast of it, so the other stages wait for it."""
+    pipeline's broadcast of it, so the other stages wait for it. zero_grad: "before" each step's backward (right),
+    "after" its optimizer step (right too), or "never" (the gradients add up from step to step). loss_over:
+    "replicas" (right), "data, then context" (two allreduces, right too), or "world": the loss summed over
+    MPI.COMM_WORLD on every rank (the last stages' losses, the others' 0) and divided by the world's ranks per
+    stage, with no broadcast: one process's loss wherever the mesh spans the whole world."""
 
     def train(model, mesh, batch_at, steps, micro_batches=1, zero=0, sequence_parallel=False):
         p, s = mesh.sizes["pipeline"], mesh.coords["pipeline"]
@@ -80,7 +92,8 @@ def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b, l
             shape = (idx.shape[0] // micro_batches, length, model.config.n_embd)
             dtype = next(model.parameters()).dtype
             ops = schedule(p, micro_batches, s)
-            optimizer.zero_grad()
+            if zero_grad == "before":
+                optimizer.zero_grad()
             done = run_schedule(
                 mesh.pipeline,
                 module,
@@ -95,7 +108,17 @@ def assembled(plane="replicas", sum_sp=True, scale=True, schedule=one_f_one_b, l
             if not zero:
                 average_gradients(stage, replicas)
             optimizer.step()
-            mean = replicas.allreduce(sum(done)) / replicas.Get_size() if s == p - 1 else 0.0
+            if zero_grad == "after":
+                optimizer.zero_grad(set_to_none=False)
+            if loss_over == "world":
+                world = MPI.COMM_WORLD
+                losses.append(world.allreduce(sum(done) if s == p - 1 else 0.0) / (world.Get_size() // p))
+                continue
+            if loss_over == "replicas":
+                mean = replicas.allreduce(sum(done)) / replicas.Get_size() if s == p - 1 else 0.0
+            else:
+                total = mesh.context.allreduce(mesh.data.allreduce(sum(done))) if s == p - 1 else 0.0
+                mean = total / (mesh.data.Get_size() * mesh.context.Get_size())
             if last_broadcasts or s < p - 1:
                 losses.append(mesh.pipeline.bcast(mean, root=p - 1))
             else:
@@ -155,8 +178,12 @@ def expect_trainer_failure(fn, *words: str, timeout: float = 20.0) -> None:
     assert len(set(MPI.COMM_WORLD.allgather(str(info.value)))) == 1, "the ranks disagree on the failure"
 
 
-def test_the_assembled_trainer_and_the_library_s_pass(comm) -> None:
-    check_mesh_trainer(assembled())
+def test_valid_trainers_pass(comm) -> None:
+    """The library's trainer, and the notebook's with the gradients zeroed after the step instead of before it and
+    the loss averaged over the data ranks and then the context ranks instead of mesh.replicas at once: one process's
+    steps, on the meshes of part of the world too. (The notebook's own answer passes at the end of
+    test_trainers_whose_ranks_meet_different_collectives_fail_within_the_deadline.)"""
+    check_mesh_trainer(assembled(zero_grad="after", loss_over="data, then context"))
     check_mesh_trainer(the_library_trainer)
 
 
@@ -165,6 +192,20 @@ def test_wrong_trainers_fail(comm) -> None:
         expect_trainer_failure(assembled(plane="data"), "differ from one process's", "context")
     expect_trainer_failure(assembled(sum_sp=False), "differ from one process's", "sequence parallel")
     expect_trainer_failure(assembled(scale=False), "differ from one process's", "micro-batches")
+
+
+def test_a_trainer_whose_gradients_are_never_zeroed_fails(comm) -> None:
+    """Its first two losses are one process's (step 2's update is the first the leftover gradients change)."""
+    expect_trainer_failure(assembled(zero_grad="never"), "step 3's is not", "zero_grad")
+
+
+def test_a_loss_averaged_over_the_world_fails_on_meshes_of_part_of_it(comm) -> None:
+    """One process's loss on every layout that spans the whole world; on meshes of half of it, a mix of theirs."""
+    if comm.Get_size() == 1:
+        pytest.skip("one rank has no mesh of part of the world")
+    expect_trainer_failure(
+        assembled(loss_over="world"), "layouts before it spanned the whole world", "MPI.COMM_WORLD", "mesh.replicas"
+    )
 
 
 #: The check's deadline per wait in the tests of answers that used to hang it.

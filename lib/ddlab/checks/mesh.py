@@ -28,7 +28,7 @@ from ..pipeline.interleaved import (
 )
 from ..pipeline.schedules import bubble
 from ..runtime.counting import ALLOWABLE, CountingComm, MismatchedCollective, underlying
-from ._core import deadline, each_size, fail_together, passed, run_counted
+from ._core import count, deadline, each_size, fail_together, passed, run_counted
 from .errors import CheckFailed
 
 TIMEOUT = 10.0
@@ -185,7 +185,11 @@ TRAINER_CASES = {
         (1, 2, 1, 2, 1, 0, True),
     ],
 }
-TRAINER_STEPS = 2
+#: Steps per case: step 3's loss is the first that gradients never zeroed change (step 2's update then adds
+#: step 1's gradients to its own; the losses of steps 1 and 2 come before it).
+TRAINER_STEPS = 3
+#: The split case: the k-th mesh's batches are the sampler's from step k x SPLIT_OFFSET on, unlike the others'.
+SPLIT_OFFSET = 100
 #: Seconds a rank of the trainer waits at any one call (a message, a collective) before the check fails.
 TRAINER_TIMEOUT = 20.0
 #: The MPI collectives the trainer's communicators offer, each under the deadline (what the library's parts
@@ -196,71 +200,148 @@ TRAINER_HINT = (
     "order. Is a call made on some ranks only (the loss's broadcast left out on the last stage?), or over "
     "another communicator on some ranks (mesh.data on some, mesh.replicas on others)?"
 )
+ZERO_GRAD_HINT = (
+    "the first {same} steps' losses are one process's and step {step}'s is not: are the gradients zeroed "
+    "before every step's backward (optimizer.zero_grad())? Gradients left from step 1 first change step 2's "
+    "update, which step 3's loss shows"
+)
+SPLIT_HINT = (
+    "In this case every mesh spans {ranks} of the world's {world}, and each trains on batches of its own, "
+    "all at the same time (the layouts before it spanned the whole world). A loss or a "
+    "gradient averaged, summed or broadcast over MPI.COMM_WORLD (the notebook's `comm`) mixes in the other "
+    "meshes' ranks: use the mesh's communicators, mesh.replicas for the loss's mean and the gradients, "
+    "mesh.pipeline for the loss's broadcast, and their sizes and ranks"
+)
+
+Case = tuple[int, int, int, int, int, int, bool]
 
 
-def _trainer_cases(world: int) -> list[tuple[int, int, int, int, int, int, bool]]:
+def _trainer_cases(world: int) -> list[Case]:
     if world in TRAINER_CASES:
         return TRAINER_CASES[world]
     return [(world, 1, 1, 1, 1, 0, False), (1, world, 1, 1, 1, 0, True), (1, 1, world, 1, 2, 0, False)]
+
+
+def _split_case(world: int) -> tuple[int, Case] | None:
+    """(ranks per mesh, its case) of the case whose meshes span part of the world: half of an even world, one
+    rank of an odd one, every mesh pure data parallelism (the ranks of every mesh make the same calls, so an
+    answer calling MPI.COMM_WORLD's collectives completes, and mixes the meshes); None on one rank."""
+    if world == 1:
+        return None
+    ranks = world // 2 if world % 2 == 0 else 1
+    return ranks, (ranks, 1, 1, 1, 1, 0, False)
+
+
+def _described(case: Case) -> str:
+    data, tensor, pipeline, context, micro, zero, sp = case
+    what = f"{data} data x {tensor} tensor x {pipeline} pipeline x {context} context"
+    return (
+        what
+        + f", {micro} micro-batch"
+        + "es" * (micro != 1)
+        + (f", ZeRO-{zero}" if zero else "")
+        + (", sequence parallel" if sp else "")
+    )
 
 
 def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS, timeout: float = TRAINER_TIMEOUT) -> None:
     """fn(model, mesh, batch_at, steps, micro_batches, zero, sequence_parallel) -> the losses of `steps` steps.
 
     Each case trains lab 16's 4-block GPT (float64, block size 8, batch 12) from the same weights as one
-    process, on a mesh of the world's ranks built here on the check's counting communicator: every wait
-    gives up after `timeout` seconds (or as soon as another rank fails), and only the collectives of
-    TRAINER_COLLECTIVES are offered, so ranks that make different collective calls fail the check instead
-    of hanging it. Every rank's losses must be one process's to 1e-8."""
+    process, on a mesh built here on the check's counting communicator: every wait gives up after `timeout`
+    seconds (or as soon as another rank fails), and only the collectives of TRAINER_COLLECTIVES are offered,
+    so ranks that make different collective calls fail the check instead of hanging it. First the layouts
+    of TRAINER_CASES on the whole world; then the split case: the world cut into meshes of fewer ranks
+    (`_split_case`), each training on batches of its own at the same time, where an answer that averages or
+    broadcasts over MPI.COMM_WORLD instead of the mesh's communicators mixes the meshes. Every rank's
+    losses must be one process's (on its mesh's batches) to 1e-8, every step's: with TRAINER_STEPS (3) steps,
+    gradients never zeroed show."""
     from ..data.text import BatchSampler, make_corpus
-    from ..models.gpt import GPTConfig, make_gpt, train_gpt
+    from ..models.gpt import GPTConfig
 
     world = MPI.COMM_WORLD
-    block = 8 if 8 % world.Get_size() == 0 else 2 * world.Get_size()  # the rows split over the tensor ranks
+    size, rank = world.Get_size(), world.Get_rank()
+    block = 8 if 8 % size == 0 else 2 * size  # the rows split over the tensor ranks
     config = GPTConfig(vocab_size=256, block_size=block, n_layer=4, n_head=4, n_embd=16, tied=False)
     sampler = BatchSampler(make_corpus().train, batch=12, block=config.block_size)
-    want: list[float] | None = None  # one process's losses, computed once fn has returned (a stub fails first)
     comm = world.Dup()
     try:
-        for case in _trainer_cases(world.Get_size()):
-            data, tensor, pipeline, context, micro, zero, sp = case
-            what = f"{data} data x {tensor} tensor x {pipeline} pipeline x {context} context"
-            what += (
-                f", {micro} micro-batches" + (f", ZeRO-{zero}" if zero else "") + (", sequence parallel" if sp else "")
-            )
+        want: list[float] | None = None  # one process's losses, computed once fn has returned (a stub fails first)
+        for case in _trainer_cases(size):
+            got = _run_trainer(comm, fn, config, sampler.batch_at, steps, case, timeout)
+            want = want if want is not None else _one_process(comm, config, sampler.batch_at, steps)
+            fail_together(comm, _losses_problem(got, want), f"the mesh trainer is wrong on {_described(case)}")
+        split = _split_case(size)
+        if split is not None:
+            ranks, case = split
+            mesh_index = rank // ranks
+            group = comm.Split(mesh_index, rank)
             try:
-                got, _ = run_counted(
-                    comm,
-                    _train_case,
-                    (fn, config, sampler.batch_at, steps, case),
-                    f"the mesh trainer on {what}",
-                    timeout=timeout,
-                    allow=TRAINER_COLLECTIVES,
-                )
-            except CheckFailed as err:  # the advice on collectives only where a rank waited in vain
-                waited = any(word in str(err) for word in ("Stalled", "PeerFailed", "MismatchedCollective"))
-                raise CheckFailed(f"{err}\n{TRAINER_HINT}" if waited else str(err)) from None
-            if want is None:
-                one = (
-                    train_gpt(make_gpt(config, dtype=torch.float64), sampler.batch_at, steps)
-                    if comm.Get_rank() == 0
-                    else None
-                )
-                want = comm.bcast(one)
-            fail_together(comm, _losses_problem(got, want), f"the mesh trainer is wrong on {what}")
+                _check_split(comm, group, fn, config, _shifted(sampler.batch_at, mesh_index), steps, case, timeout)
+            finally:
+                group.Free()
     finally:
         comm.Free()
-    passed(world, f"the mesh trainer takes one process's steps (float64, 1e-8, {steps} steps) on every layout tried")
+    passed(
+        world,
+        f"the mesh trainer takes one process's steps (float64, 1e-8, {steps} steps) on every layout tried, "
+        "on the whole world and on meshes of part of it",
+    )
 
 
-def _train_case(
-    counting: CountingComm,
-    fn: Any,
-    config: Any,
-    batch_at: Any,
-    steps: int,
-    case: tuple[int, int, int, int, int, int, bool],
-) -> Any:
+def _shifted(batch_at: Any, mesh_index: int) -> Any:
+    """The batches of the split case's mesh `mesh_index`: batch_at(step + mesh_index x SPLIT_OFFSET)."""
+    return lambda step: batch_at(step + mesh_index * SPLIT_OFFSET)
+
+
+def _check_split(
+    comm: MPI.Comm, group: MPI.Comm, fn: Any, config: Any, batch_at: Any, steps: int, case: Case, timeout: float
+) -> None:
+    """The split case: every mesh (group) trains at once; one verdict on every rank of comm, with SPLIT_HINT."""
+    what = _described(case)
+    first, last = comm.Get_rank() - group.Get_rank(), comm.Get_rank() - group.Get_rank() + group.Get_size() - 1
+    ranks = f"world ranks {first} to {last}" if last > first else f"world rank {first} alone"
+    hint = SPLIT_HINT.format(ranks=count(group.Get_size(), "rank"), world=comm.Get_size())
+    problem = None
+    try:
+        got = _run_trainer(group, fn, config, batch_at, steps, case, timeout)
+        want = _one_process(group, config, batch_at, steps)
+        found = _losses_problem(got, want)
+        problem = f"the mesh trainer is wrong on a mesh of {what} ({ranks}): {found}" if found else None
+    except (CheckFailed, NotImplementedError) as err:  # the same on every rank of the group; another may pass
+        problem = str(err)
+    problems = [p for p in comm.allgather(problem) if p]
+    if problems:
+        raise CheckFailed(f"{problems[0]}\n{hint}")
+
+
+def _run_trainer(comm: MPI.Comm, fn: Any, config: Any, batch_at: Any, steps: int, case: Case, timeout: float) -> Any:
+    """fn's losses on the mesh of `case` over comm's ranks, run under the counting communicator's deadlines."""
+    what = _described(case)
+    try:
+        got, _ = run_counted(
+            comm,
+            _train_case,
+            (fn, config, batch_at, steps, case),
+            f"the mesh trainer on {what}",
+            timeout=timeout,
+            allow=TRAINER_COLLECTIVES,
+        )
+    except CheckFailed as err:  # the advice on collectives only where a rank waited in vain
+        waited = any(word in str(err) for word in ("Stalled", "PeerFailed", "MismatchedCollective"))
+        raise CheckFailed(f"{err}\n{TRAINER_HINT}" if waited else str(err)) from None
+    return got
+
+
+def _one_process(comm: MPI.Comm, config: Any, batch_at: Any, steps: int) -> list[float]:
+    """One process's losses of `steps` steps on batch_at's batches: trained on comm's rank 0, sent to the others."""
+    from ..models.gpt import make_gpt, train_gpt
+
+    one = train_gpt(make_gpt(config, dtype=torch.float64), batch_at, steps) if comm.Get_rank() == 0 else None
+    return cast(list[float], comm.bcast(one))
+
+
+def _train_case(counting: CountingComm, fn: Any, config: Any, batch_at: Any, steps: int, case: Case) -> Any:
     """fn's losses on the mesh of one case, built on the check's counting communicator (and freed after)."""
     from ..models.gpt import make_gpt
 
@@ -277,15 +358,20 @@ def _losses_problem(got: Any, want: list[float]) -> str | None:
         return f"should return a list of {len(want)} losses (one per step), got {got!r}"
     if not all(isinstance(x, float) for x in got):
         return f"the losses should be floats (the step's mean loss), got {[type(x).__name__ for x in got]}"
-    error = max(abs(a - b) for a, b in zip(got, want))
-    if error > 1e-8:
-        shown = " ".join(f"{x:.6f}" for x in got)
-        return (
-            f"losses {shown} differ from one process's {' '.join(f'{x:.6f}' for x in want)} by up to {error:.2e}: "
-            "check which rows of the batch this rank takes, the loss's scale per micro-batch, and which gradients "
-            "are summed or averaged over which communicator"
-        )
-    return None
+    errors = [abs(a - b) for a, b in zip(got, want)]
+    wrong = [step for step, error in enumerate(errors) if not error <= 1e-8]  # a nan is wrong too
+    if not wrong:
+        return None
+    shown = " ".join(f"{x:.6f}" for x in got)
+    problem = (
+        f"losses {shown} differ from one process's {' '.join(f'{x:.6f}' for x in want)} by up to {max(errors):.2e}"
+    )
+    if wrong[0] >= 2:
+        return f"{problem}: {ZERO_GRAD_HINT.format(same=wrong[0], step=wrong[0] + 1)}"
+    return (
+        f"{problem}: check which rows of the batch this rank takes, the loss's scale per micro-batch, and which "
+        "gradients are summed or averaged over which communicator"
+    )
 
 
 # Exercise 16.3: the interleaved 1F1B schedule ---------------------------------------------------------------
