@@ -11,7 +11,9 @@ compare) and why it is faster, and the fastest mesh with the paper's own options
 one assumed figure (the message latency alpha) set to 0. Then the runs of 2024-26 (`ddlab.oracle.published.MODERN`:
 Llama 3 models on H100 and B200 nodes, each row's source cited) predicted on the platforms of their datasheets at
 the default efficiency, never fitted to them: published and predicted tokens per second per GPU, and memory where
-published, with the accuracies and their mean. One process; no MPI.
+published, with the accuracies and their mean; lab 16's two searches (every mesh, ZeRO stage, recomputation and
+pipeline schedule), timed. One process; no MPI. Each target ends in a line "verdict: ..." with the figure beside
+it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet), 5-15 minutes with the planner.
 
     .venv/bin/python bench/oracle_transformer.py [--rows 10] [--no-plan] [--efficiency 0.43]
 """
@@ -46,6 +48,7 @@ def main() -> None:
         )
     mean = statistics.mean(acc for _, _, acc in rows)
     print(f"mean accuracy {mean:.3f} (target >= 0.85), worst {min(acc for _, _, acc in rows):.3f}")
+    print(f"verdict: Table 1's mean accuracy {mean:.3f} against >= 0.92: {_met(mean >= 0.92)}")
 
     no_alpha = replace(platform, intra=replace(platform.intra, alpha=0.0), inter=replace(platform.inter, alpha=0.0))
     moved = [
@@ -54,8 +57,7 @@ def main() -> None:
     ]
     print(f"with alpha = 0 instead of 5 us, accuracy moves by at most {max(moved):.4f}")
     modern(args.efficiency)
-    if not args.no_plan:
-        lab_searches()
+    lab_searches()
 
     if args.no_plan:
         return
@@ -84,21 +86,22 @@ def main() -> None:
 def lab_searches() -> None:
     """Lab 16's two searches of a modern model on H100s (fp8, flash attention, FSDP overlap), timed."""
     from ddlab.oracle import Layout, plan_transformer
-    from ddlab.oracle.published import H100_SXM, LLAMA3_70B, gpu_platform
+    from ddlab.oracle.published import H100_SXM, LLAMA3_70B, MIXTRAL_8X22B, gpu_platform
 
     h100, recipe = gpu_platform(H100_SXM), Layout(precision="fp8", kernel="flash", overlap=True)
-    moe = replace(LLAMA3_70B, name="MoE 8x", layers=56, hidden=6144, heads=48, seq=4096, vocab=32768, ffn=16384)
-    moe = replace(moe, experts=8, top_k=2)
+    moe = MIXTRAL_8X22B
     print("\nlab 16's searches on H100s (the answer must come within 10 s):")
     for gpt, devices, batch, zero, micro in ((LLAMA3_70B, 64, 128, (1, 3), (1, 2)), (moe, 256, 512, (1,), (1,))):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         plan = plan_transformer(gpt, devices, batch, h100, base=recipe, zero_stages=zero, micro_batches=micro)
-        took = time.perf_counter() - start
+        took, cpu = time.perf_counter() - start, time.process_time() - cpu
         best = plan.best
         assert best is not None
         print(
-            f"  {gpt.name:12} on {devices} GPUs: {best.layout.label}, {best.peak / 2**30:.1f} GiB per GPU, {took:.1f} s"
+            f"  {gpt.name:12} on {devices} GPUs: {best.layout.label}, {best.peak / 2**30:.1f} GiB per GPU, {took:.1f} s "
+            f"({cpu:.1f} s of CPU: the wall time on an idle core)"
         )
+        print(f"verdict: {gpt.name} on {devices} GPUs answered in {took:.1f} s against < 10 s: {_met(took < 10)}")
 
 
 def modern(efficiency: float | None) -> None:
@@ -122,6 +125,17 @@ def modern(efficiency: float | None) -> None:
     )
     for source in sorted({run.source for run, *_ in rows}):
         print(f"  source: {source}")
+    close = sum(acc >= 0.85 for _, _, acc, _ in rows)
+    print(
+        f"verdict: tokens/s per GPU within 15% on {close} of {len(rows)} rows against all: {_met(close == len(rows))}"
+    )
+    memory = [mem for *_, mem in rows if mem is not None]
+    near = sum(mem >= 0.9 for mem in memory)
+    print(f"verdict: memory within 10% on {near} of {len(memory)} published against all: {_met(near == len(memory))}")
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
 if __name__ == "__main__":

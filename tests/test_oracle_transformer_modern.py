@@ -12,6 +12,7 @@ from ddlab.oracle.published import (
     H100_SXM,
     H200_SXM,
     LLAMA3_70B,
+    MIXTRAL_8X22B,
     MODERN,
     a100_cluster,
     gpu_platform,
@@ -110,7 +111,9 @@ def test_the_published_rows_are_whole_layouts_predicted_without_a_factor_per_row
     assert len(rows) == len(MODERN) >= 7 and len({run.source for run in MODERN}) >= 2
     for run, pred, acc, mem in rows:
         assert problem(run.gpt, run.layout) is None and pred.layout == run.layout
-        assert 0.6 < acc <= 1 and (mem is None) == (run.memory is None)
+        assert acc <= 1 and (mem is None) == (run.memory is None)
+    # Megatron-Bridge's rows (cuDNN/TE attention, causal blocks skipped): within the 15%
+    assert all(acc >= 0.85 for run, _, acc, _ in rows if run.source.startswith("Megatron-Bridge"))
     assert predict(LLAMA3_70B, MODERN[1].layout, gpu_platform(H100_SXM)).time == pytest.approx(
         MODERN[1].layout.batch * LLAMA3_70B.seq / 64 / rows[1][1].tokens_per_device()
     )
@@ -122,24 +125,10 @@ def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256():
     from ddlab.oracle import plan_transformer
 
     h100, recipe = gpu_platform(H100_SXM), Layout(precision="fp8", kernel="flash", overlap=True)
-    moe = GPT(
-        layers=56,
-        hidden=6144,
-        heads=48,
-        seq=4096,
-        vocab=32768,
-        kv_heads=8,
-        ffn=16384,
-        gated=True,
-        norm="rmsnorm",
-        rotary=True,
-        tied=False,
-        bias=False,
-        dropout=False,
-        experts=8,
-        top_k=2,
-    )
-    for gpt, devices, batch, zero, micro in ((LLAMA3_70B, 64, 128, (1, 3), (1, 2)), (moe, 256, 512, (1,), (1,))):
+    for gpt, devices, batch, zero, micro in (
+        (LLAMA3_70B, 64, 128, (1, 3), (1, 2)),
+        (MIXTRAL_8X22B, 256, 512, (1,), (1,)),
+    ):
         plan = plan_transformer(gpt, devices, batch, h100, base=recipe, zero_stages=zero, micro_batches=micro)
         best = plan.best
         assert best is not None and best.peak <= h100.memory and best.layout.precision == "fp8"

@@ -261,9 +261,11 @@ H100_96GB = Hardware(
 )
 
 
-def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, zero: int) -> Layout:
-    """A Megatron-Bridge recipe: FP8 (current scaling), flash attention, sequence parallelism with TP, the data
-    collectives overlapped (its recipes' defaults), no recomputation (none listed)."""
+def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, fsdp: int) -> Layout:
+    """A Megatron-Bridge recipe: FP8 (current scaling), flash attention (causal, `transformer.CAUSAL_SHARE`),
+    sequence parallelism with TP, the data collectives overlapped, no recomputation (none listed); FSDP = 1 is
+    ZeRO-3, FSDP = 0 the distributed optimizer, ZeRO-1 (its Llama 3 recipes, src/megatron/bridge/recipes/llama/
+    llama3.py: `ddp.use_distributed_optimizer = True`, `overlap_grad_reduce` and `overlap_param_gather` on)."""
     return Layout(
         data=gpus // (t * p),
         tensor=t,
@@ -271,7 +273,7 @@ def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: in
         batch=batch,
         micro_batch=micro,
         interleave=v,
-        zero=zero,
+        zero=3 if fsdp else 1,
         precision="fp8",
         kernel="flash",
         sequence_parallel=t > 1,
@@ -295,13 +297,18 @@ def _titan(seq: int, fsdp: int, cp: int) -> Layout:
 
 LLAMA3_8B = _llama(32, 4096, 32, 14336, 8192, "Llama 3 8B")
 LLAMA3_70B = _llama(80, 8192, 64, 28672, 8192, "Llama 3 70B")
+#: A mixture of experts of Mixtral 8x22B's shape (Mistral AI's released configuration: 56 layers of width 6144, 48
+#: heads sharing 8 key/value heads, 8 SwiGLU experts of width 16,384 on every layer, each token routed to 2, a
+#: vocabulary of 32,768; RMSNorm, rotary positions, no biases, untied output layer), on sequences of 4096 tokens:
+#: lab 16's search on 256 H100s, its test and `bench/oracle_transformer.py`.
+MIXTRAL_8X22B = replace(_llama(56, 6144, 48, 16384, 4096, "Mixtral-8x22B-like"), vocab=32768, experts=8, top_k=2)
 
 #: The validation rows: never used to set a figure of the oracle or its platforms. Left out: the 405B rows (126
 #: layers do not split evenly into their pipeline stages, which Megatron and torchtitan balance by hand),
 #: models whose heads are not h / heads wide or whose attention is not the oracle's (GPT-OSS, Qwen3, DeepSeek-V3),
 #: GB200/GB300 (NVL72 domains), and torchtitan's rows that do not state their sequence length.
 MODERN = (
-    ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 3), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"),
+    ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"),
     ModernRun(LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, 1602, None, _BRIDGE + ", DGX-H100"),
     ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 2, 1, 1, 1, 0), B200, 30624, None, _BRIDGE + ", DGX-B200"),
     *(

@@ -86,13 +86,14 @@ Signatures (lab 16's exercises):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..pipeline.interleaved import warmup_forwards
 from ..runtime.reference import reference
 from ..tensor_parallel.formulas import activation_bytes_per_layer
 from .platform import Platform
+from .schedules import SCHEDULES, check_schedule, idle_per_rank, in_flight, split_flops
 
 RECOMPUTE = ("none", "selective", "full")
 NORMS = ("layernorm", "rmsnorm")
@@ -134,6 +135,12 @@ RECIPES = {
     "fp64": Precision(8, 8, 16, 8, 8, 8, "fp64"),
 }
 KERNELS = ("local", "flash")
+#: The share of a causal model's score blocks a "flash" kernel computes: it skips the blocks above the diagonal,
+#: every key after every query (Dao, "FlashAttention-2", 2023, section 3.1: about half), so it does half the
+#: attention's 4 s^2 h; Megatron-Bridge's model FLOPs count halves that term too (its llama3_flops:
+#: 12 s/h x 0.5 for causal self-attention). The "local" kernel (lab 14's, Narayanan et al.'s count) computes the
+#: whole s x s block and masks it.
+CAUSAL_SHARE = 0.5
 TIME_PARTS = ("compute", "bubble", "tensor", "context", "pipeline", "data")
 #: The parts `layout_time` adds to `step_time`'s: the experts' all-to-alls.
 EXTRA_PARTS = ("expert",)
@@ -321,6 +328,9 @@ class Layout:
     expert_tensor: int = 1
     kernel: str = "local"  # attention: "local" keeps its s x s softmax, "flash" only a log-sum-exp per row
     overlap: bool = False  # the data collectives run under the compute (ZeRO-3/FSDP: layer by layer)
+    # the pipeline schedule (`schedules.SCHEDULES`): "1f1b" (with `interleave` v > 1 the interleaved 1F1B),
+    # or a zero-bubble one, "zb-h1", "zb-h2", "zb-v" (lab 17's op lists, priced by `layout_time`)
+    schedule: str = "1f1b"
 
     @property
     def devices(self) -> int:
@@ -342,6 +352,7 @@ class Layout:
         extras += [f"etp{self.expert_tensor}"] if self.expert_tensor > 1 else []
         extras += [] if self.kernel == "local" else [self.kernel]
         extras += ["overlap"] if self.overlap else []
+        extras += [] if self.schedule == "1f1b" else [self.schedule]
         return f"d{self.data} t{self.tensor} p{self.pipeline} c{self.context} b{self.micro_batch}" + (
             " " + ", ".join(extras) if extras else ""
         )
@@ -388,10 +399,9 @@ class TransformerPrediction:
 def problem(gpt: GPT, layout: Layout) -> str | None:
     """Why the layout cannot run this GPT (the first reason found), or None."""
     lay = layout
-    for name, value in asdict(lay).items():
-        if name in ("data", "tensor", "pipeline", "context", "micro_batch", "batch", "interleave", "expert") and (
-            value < 1
-        ):
+    for name in ("data", "tensor", "pipeline", "context", "micro_batch", "batch", "interleave", "expert"):
+        value = getattr(lay, name)
+        if value < 1:
             return f"{name} = {value}: every dimension needs at least 1"
     if lay.zero not in (0, 1, 2, 3):
         return f"ZeRO stage {lay.zero} does not exist: choose 0, 1, 2 or 3"
@@ -405,6 +415,12 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
         return f"tensor {lay.tensor} does not divide the {gpt.heads} heads and the hidden size {gpt.hidden}"
     if gpt.kv_heads_ % lay.tensor and lay.tensor % gpt.kv_heads_:
         return f"tensor {lay.tensor} does not divide the {gpt.kv_heads_} key/value heads, nor they the tensor ranks"
+    if lay.schedule not in SCHEDULES:
+        return f"schedule {lay.schedule!r}: choose one of {', '.join(SCHEDULES)}"
+    if lay.schedule != "1f1b" and lay.interleave > 1:
+        return f"schedule {lay.schedule} has its own chunks (zb-v two in a V, the others one): use interleave 1"
+    if lay.schedule == "zb-v" and gpt.layers % (2 * lay.pipeline):
+        return f"pipeline {lay.pipeline} x 2 chunks of zb-v's V does not divide the {gpt.layers} layers"
     if gpt.layers % (lay.pipeline * lay.interleave):
         chunks = f" x {lay.interleave} chunks" if lay.interleave > 1 else ""
         return f"pipeline {lay.pipeline}{chunks} does not divide the {gpt.layers} layers"
@@ -419,6 +435,10 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
             f"pipeline {lay.pipeline} does not divide the {lay.micro_batches} micro-batches, "
             "which the interleaved schedule takes in groups of p"
         )
+    if lay.schedule != "1f1b" and lay.pipeline > 1:
+        reason = check_schedule(lay.schedule, lay.pipeline, lay.micro_batches)
+        if reason:
+            return reason
     if lay.expert_tensor not in (1, lay.tensor):
         return f"expert_tensor {lay.expert_tensor}: an expert is cut by the tensor ranks ({lay.tensor}) or not (1)"
     holders = lay.data * lay.context * lay.tensor // lay.expert_tensor  # ranks that could hold an expert whole
@@ -435,6 +455,13 @@ def iteration_flops(gpt: GPT, batch: int, recompute: str) -> float:
     forward = gpt.forward_flops()
     rerun = {"none": 0.0, "selective": gpt.layers * gpt.attention_score_flops(), "full": forward}[recompute]
     return batch * (3 * forward + rerun + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
+
+
+def attention_flops(gpt: GPT, batch: int, recompute: str) -> float:
+    """The attention's scores and weighted values in an iteration of `batch` sequences: 4 s^2 h per layer and
+    sequence forward, twice that backward, once more when recomputation reruns them (full or selective)."""
+    reruns = 0 if recompute == "none" else 1
+    return batch * gpt.layers * (3 + reruns) * gpt.attention_score_flops()
 
 
 def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str) -> float:
@@ -454,7 +481,7 @@ def stage_split(gpt: GPT, layout: Layout) -> tuple[float, float]:
     # the first stage: word (and learned position) embedding; the last keeps its copy of the word embedding,
     # or the untied output layer, both on one stage when p = 1
     embedding = gpt.vocab * h + (0 if gpt.rotary else gpt.seq * h)
-    if layout.pipeline == 1 and not gpt.tied:
+    if (layout.pipeline == 1 or layout.schedule == "zb-v") and not gpt.tied:  # zb-v: rank 0 ends the V too
         embedding += gpt.vocab * h
     dense = (layers * per_layer + embedding) / layout.tensor
     return dense, layers * share * routed / (layout.expert_tensor * layout.expert)
@@ -552,7 +579,9 @@ def layer_activations(
 
 def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     """Bytes of the busiest rank: the first stage (min(p, m) micro-batches in flight under 1F1B; with v chunks,
-    min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (the logits).
+    min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (the logits). A zero-bubble schedule
+    keeps what its op list keeps alive (`schedules.in_flight`: F done, W not yet) on the first and the last
+    stage; under zb-v rank 0 holds the V's first and last chunk (l/(2p) layers each), and the logits.
 
     The state is split as ZeRO splits it over the d c ranks of the same weights (the routed experts over
     the d c t / (expert x expert_tensor) ranks that hold the same experts); activations as `layer_activations`
@@ -602,10 +631,19 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     def held(layers: float) -> dict[str, float]:
         return {**state, "activations": layers * kept + working}
 
-    first = held(gpt.layers // (lay.pipeline * v) * chunks)
-    last = held(gpt.layers // lay.pipeline)
-    logits = max(4, e)  # the loss's logits in float32 at least
-    last["activations"] += logits * lay.micro_batch * s_local * gpt.vocab / lay.tensor
+    p, m = lay.pipeline, lay.micro_batches
+    logits = max(4, e) * lay.micro_batch * s_local * gpt.vocab / lay.tensor  # the loss's, in float32 at least
+    if lay.schedule == "zb-v" and p > 1:
+        only = held(gpt.layers // (2 * p) * in_flight("zb-v", p, m, 0))
+        only["activations"] += logits
+        return only
+    if lay.schedule != "1f1b" and p > 1:
+        first = held(gpt.layers // p * in_flight(lay.schedule, p, m, 0))
+        last = held(gpt.layers // p * in_flight(lay.schedule, p, m, p - 1))
+    else:
+        first = held(gpt.layers // (p * v) * chunks)
+        last = held(gpt.layers // p)
+    last["activations"] += logits
     return max(first, last, key=lambda m: sum(m.values()))
 
 
@@ -676,8 +714,23 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
       gather and the last reduce-scatter are exposed, and each layer only what its collectives take beyond
       its own forward (gather) and backward (gather and reduce-scatter) compute; ZeRO 0-2 reduce the
       gradients in buckets under the backward (PyTorch DDP), all but the last layer's share hidden as far as
-      the backward lasts."""
+      the backward lasts;
+    - compute with the "flash" kernel: the attention's score blocks above the diagonal are skipped
+      (`CAUSAL_SHARE`), their FLOPs (at the 16-bit rate) taken off;
+    - bubble and pipeline, for every schedule (`Layout.schedule`): the compute of a micro-batch on a
+      stage split into F, B and W (`schedules.split_flops`, each part at its rate: the linear layers at the
+      recipe's, the attention and the output layer at 16 bits), and the idle time of the schedule's op list
+      (`schedules.idle_per_rank`); zb-v sends twice 1F1B's pipeline messages (two chunks per rank)."""
     parts = step_time(gpt, layout, platform)
+    if layout.kernel == "flash":  # the masked half of every score block is skipped, not computed
+        busy = min(layout.devices, platform.devices_per_node)
+        skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute)
+        parts["compute"] -= skipped / layout.devices / platform.flops * platform.slowdown(busy)
+    if layout.pipeline > 1:
+        f, b, w = stage_op_times(gpt, layout, platform, parts["compute"])
+        p, m, v = layout.pipeline, layout.micro_batches, layout.interleave
+        parts["bubble"] = idle_per_rank(layout.schedule, p, m, f, b, w, v)
+        parts["pipeline"] *= 2 if layout.schedule == "zb-v" else 1
     lay, prec = layout, recipe(layout.precision)
     m = lay.micro_batches
     stage_layers = gpt.layers // lay.pipeline
@@ -710,6 +763,22 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
             hidden = backward * m * stage_layers * (1 - 1 / stage_layers) if stage_layers > 1 else 0.0
             parts["data"] = max(parts["data"] / max(stage_layers, 1), parts["data"] - hidden)
     return parts
+
+
+def stage_op_times(gpt: GPT, layout: Layout, platform: Platform, compute: float) -> tuple[float, float, float]:
+    """(f, b, w): seconds of one micro-batch's F, B and W on a stage, `compute` (a rank's seconds of compute in a
+    step) split as their FLOPs split (`schedules.split_flops`), the linear layers at the recipe's rate and the
+    attention's scores and the output layer at the 16-bit rate."""
+    prec = recipe(layout.precision)
+    attention = gpt.layers * gpt.attention_score_flops()
+    linear = gpt.forward_flops() - attention
+    attention *= CAUSAL_SHARE if layout.kernel == "flash" else 1.0
+    output = 2.0 * gpt.seq * gpt.hidden * gpt.vocab
+    fast = platform.rate(prec.compute) / platform.flops  # the linear layers' speed-up (float8), 1 in 16 bits
+    parts = split_flops(linear / fast, attention, output, layout.recompute)
+    total, per_micro = sum(parts), compute / layout.micro_batches
+    f, b, w = (per_micro * part / total for part in parts)
+    return f, b, w
 
 
 def predict(gpt: GPT, layout: Layout, platform: Platform) -> TransformerPrediction:

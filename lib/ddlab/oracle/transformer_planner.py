@@ -6,7 +6,8 @@ feasible predictions, fastest first (ties: less memory first), and each rejected
 with its reason: a dimension that does not divide what it cuts (`transformer.problem`), or
 out of memory on the busiest rank, by how much. `plan_transformer` runs `search` for every
 template of the options (`ZERO_STAGES` 0-3, `MICRO_BATCHES` 1-8, the three recomputations, sequence
-parallelism on or off) and merges them. `explain` says, part by part, why one prediction
+parallelism on or off, the pipeline schedule: `PLAN_SCHEDULES`, 1F1B, interleaved, ZB-H1, ZB-H2, ZB-V) and
+merges them. `explain` says, part by part, why one prediction
 is faster than another.
 
 Exercise 16.6 signature: `search(gpt, devices, template, platform, budget) -> (ranked,
@@ -32,6 +33,9 @@ GIB = 2**30
 #: The choices `plan_transformer` tries beside the mesh.
 ZERO_STAGES = (0, 1, 2, 3)
 MICRO_BATCHES = (1, 2, 4, 8)
+#: The pipeline schedules `plan_transformer` tries: (Layout.schedule, Layout.interleave); ("1f1b", 2) is the
+#: interleaved 1F1B with two chunks per rank (the base layout's v instead when it sets one above 1).
+PLAN_SCHEDULES = (("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 1))
 
 
 def meshes(devices: int) -> list[tuple[int, int, int, int]]:
@@ -50,10 +54,17 @@ def search(
     gpt: GPT, devices: int, template: Layout, platform: Platform, budget: float | None = None
 ) -> tuple[list[TransformerPrediction], list[tuple[Layout, str]]]:
     """Feasible predictions of every mesh of `devices` (template's other choices), fastest first; rejected, why."""
+    return _search(gpt, meshes(devices), template, platform, budget)
+
+
+def _search(
+    gpt: GPT, grid: list[tuple[int, int, int, int]], template: Layout, platform: Platform, budget: float | None
+) -> tuple[list[TransformerPrediction], list[tuple[Layout, str]]]:
+    """`search` over the meshes (d, t, p, c) of `grid`."""
     budget = platform.memory if budget is None else budget
     ranked: list[TransformerPrediction] = []
     rejected: list[tuple[Layout, str]] = []
-    for d, t, p, c in meshes(devices):
+    for d, t, p, c in grid:
         layout = template.with_(data=d, tensor=t, pipeline=p, context=c)
         reason = problem(gpt, layout)
         if reason:
@@ -91,7 +102,12 @@ class TransformerPlan:
         """How many layouts each kind of reason rejected (the reason up to its first colon or figure)."""
         counts: dict[str, int] = {}
         for _, reason in self.rejected:
-            kind = "out of memory" if reason.startswith("out of memory") else reason.split(" ")[0] + " does not divide"
+            if reason.startswith("out of memory"):
+                kind = "out of memory"
+            elif "does not divide" in reason:
+                kind = reason.split(" ")[0] + " does not divide"
+            else:
+                kind = reason.split(":")[0]
             counts[kind] = counts.get(kind, 0) + 1
         return counts
 
@@ -116,17 +132,27 @@ def plan_transformer(
     base: Layout | None = None,
     zero_stages: tuple[int, ...] = ZERO_STAGES,
     micro_batches: tuple[int, ...] = MICRO_BATCHES,
+    schedules: tuple[tuple[str, int], ...] = PLAN_SCHEDULES,
 ) -> TransformerPlan:
     """Every layout of `devices` devices for a global batch of `batch` sequences, fastest first (ZeRO stages,
     micro-batches, recomputations, sequence parallelism or not, and for a mixture of experts every expert
-    parallelism that divides its experts). `base` gives the choices it keeps fixed (kernel, overlap, interleave;
-    its precision unless `precision` is given otherwise)."""
+    parallelism that divides its experts, every pipeline schedule of `schedules`: (schedule, chunks per rank)).
+    `base` gives the choices it keeps fixed (kernel, overlap; its precision unless `precision` is given
+    otherwise; its interleave for the interleaved schedule, when above 1). A layout without a pipeline (p = 1)
+    is kept under "1f1b" only, as one without tensor parallelism is kept without SP: the same layout."""
     plan = TransformerPlan(gpt, devices)
     base = base or Layout()
     precision = base.precision if precision == "mixed" else precision
     experts = [e for e in divisors(gpt.experts) if devices % e == 0] if gpt.experts else [1]
-    for zero, b, recompute, sp, ep in itertools.product(zero_stages, micro_batches, RECOMPUTE, (False, True), experts):
+    chosen = {(name, base.interleave if v > 1 and base.interleave > 1 else v) for name, v in schedules}
+    every = meshes(devices)
+    piped = [mesh for mesh in every if mesh[2] > 1]  # a schedule other than the first changes only these
+    for zero, b, recompute, sp, ep, (schedule, v) in itertools.product(
+        zero_stages, micro_batches, RECOMPUTE, (False, True), experts, sorted(chosen)
+    ):
         template = base.with_(
+            schedule=schedule,
+            interleave=v,
             zero=zero,
             micro_batch=b,
             batch=batch,
@@ -135,11 +161,17 @@ def plan_transformer(
             sequence_parallel=sp,
             expert=ep,
         )
-        ranked, rejected = search(gpt, devices, template, platform, budget)
-        plan.ranked += [pred for pred in ranked if pred.layout.tensor > 1 or not sp]  # SP on t = 1: the same layout
-        plan.rejected += [(lay, why) for lay, why in rejected if lay.tensor > 1 or not sp]
+        alone = (schedule, v) == min(chosen)  # the one schedule a layout without a pipeline keeps
+        ranked, rejected = _search(gpt, every if alone else piped, template, platform, budget)
+        plan.ranked += [pred for pred in ranked if _distinct(pred.layout, sp)]
+        plan.rejected += [(lay, why) for lay, why in rejected if _distinct(lay, sp)]
     plan.ranked.sort(key=lambda pred: (pred.time, pred.peak))
     return plan
+
+
+def _distinct(layout: Layout, sp: bool) -> bool:
+    """False for a layout another template gives too: SP on t = 1."""
+    return layout.tensor > 1 or not sp
 
 
 def explain(chosen: TransformerPrediction, other: TransformerPrediction) -> str:
@@ -156,6 +188,8 @@ def explain(chosen: TransformerPrediction, other: TransformerPrediction) -> str:
             "micro_batch",
             "recompute",
             "sequence_parallel",
+            "schedule",
+            "interleave",
         )
         if getattr(other.layout, name) != getattr(chosen.layout, name)
     ]
