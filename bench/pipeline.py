@@ -33,7 +33,7 @@ same spans and 1 - ideal / step (the ideal each rank's own ops back to back, mea
     .venv/bin/python bench/pipeline.py --interleaved [--ranks 2] [--rounds 5]
 
 With `--zero-bubble` (lab 17) it measures on 4 ranks, for m = 4, 8, 12, 16 (`--ms`), the bubble of 1F1B,
-the interleaved schedule, ZB-H1, ZB-H2 and ZB-V (Qi et al., ICLR 2024, section 3.1; Qi et al. 2024,
+the interleaved schedule, ZB-H1, ZB-H2 and ZB-V (Qi et al., ICLR 2024, sections 2.1-2.2; Qi et al. 2024,
 "Pipeline Parallelism with Controllable Memory") on post-norm blocks (linear, GELU, linear, a layer
 norm without weights; medians of `--rounds` runs, the schedules taking turns), beside each schedule's
 replay and formula from the run's own F, B and W times, and each schedule's peak activation memory from

@@ -45,7 +45,7 @@ def test_the_interleaved_bubble_is_its_replay(p, v):
 
 
 def test_the_papers_figures_at_equal_times():
-    """Qi et al. 2024 (section 3.1): at F = B = W, ZB-H1 idles a third of 1F1B; ZB-H2 and ZB-V only the start-up
+    """Qi et al. 2024 (sections 2.1-2.2): at F = B = W, ZB-H1 idles a third of 1F1B; ZB-H2 and ZB-V only the start-up
     (p - 1 forwards, half as long in a V's chunks) with every rank's step ending together."""
     p, m = 4, 16
     assert idle_per_rank("zb-h1", p, m, 1, 1, 1) == pytest.approx(idle_per_rank("1f1b", p, m, 1, 1, 1) / 3)

@@ -138,7 +138,7 @@ def one_f_one_b_whole(p: int, m: int, stage: int) -> list[SplitOp]:
 
 @reference("zb_h1")
 def zb_h1(p: int, m: int, stage: int) -> list[SplitOp]:
-    """ZB-H1 (Qi et al. 2024, section 3.1, figure 3): 1F1B's forwards and B's, stage s running each W
+    """ZB-H1 (Qi et al. 2024, section 2.1, figure 3): 1F1B's forwards and B's, stage s running each W
     s B's late (the rest at the end). At most p micro-batches alive (F done, W not) on any stage,
     1F1B's peak; with m >= p the step lasts m (F + B + W) + (p - 1)(F + B - W)."""
     _sizes(p, m, stage)
@@ -146,9 +146,10 @@ def zb_h1(p: int, m: int, stage: int) -> list[SplitOp]:
 
 
 def zb_h2(p: int, m: int, stage: int) -> list[SplitOp]:
-    """ZB-H2 (Qi et al. 2024, section 3.1, figure 3): 2(p - s) - 1 warm-up forwards fill the start,
-    then F and B in turn with each W 2s B's late, the W's left filling the end. Up to 2p - 1
-    micro-batches alive on a stage."""
+    """ZB-H2 (Qi et al. 2024, section 2.2, figure 3): 2(p - s) - 1 warm-up forwards fill the start,
+    then F and B in turn with each W 2s B's late, the W's left filling the end. Up to 2p micro-batches
+    alive (F done, W not) on a stage, counting the forward that runs just before each stage's first B:
+    twice 1F1B's p."""
     _sizes(p, m, stage)
     warmup = min(2 * (p - stage) - 1, m)
     ops = [("F", i) for i in range(warmup)]
@@ -297,7 +298,7 @@ def split_peak_bytes(ops: Sequence[SplitOp], m_b: float, m_w: float) -> float:
     B not yet, m_w for each whose B ran and W not yet (a whole backward "BW" frees it at once).
 
     ZB-H1 keeps at most p micro-batches alive, as 1F1B does, so its peak is 1F1B's when m_w <= m_b
-    (Qi et al. 2024, Table 1: M_W = 32sbh < M_B = 34sbh + 5as^2b for a transformer layer); when m_w > m_b
+    (Qi et al. 2024, Table 1: W needs less activation memory than B for a transformer layer); when m_w > m_b
     the stages that hold W's late pay the difference."""
     waiting_b = waiting_w = 0
     most = 0.0
@@ -320,14 +321,14 @@ def bubble_1f1b(p: int, m: int, f: float, b: float, w: float) -> float:
 
 
 def bubble_zb_h1(p: int, m: int, f: float, b: float, w: float) -> float:
-    """ZB-H1 (Qi et al. 2024, section 3.1): idle (p - 1)(F + B - W) per rank, for m >= p and W <= F + B."""
+    """ZB-H1 (Qi et al. 2024, section 2.1): idle (p - 1)(F + B - W) per rank, for m >= p and W <= F + B."""
     return _share(p, m, f, b, w, (p - 1) * (f + b - w))
 
 
 def bubble_zb_h2(p: int, m: int, f: float, b: float, w: float) -> float:
     """ZB-H2: idle (p - 1) max(F, F + B - 2W) per rank, for m >= 2p - 1.
 
-    Qi et al. (section 3.1) give (p - 1)(F + B - 2W) counting the parallelogram their figure 3 draws;
+    Qi et al. (section 2.2) give (p - 1)(F + B - 2W) counting the parallelogram their figure 3 draws;
     with every rank finishing the step together (the optimizer step here), the last stage cannot start
     before p - 1 forwards have run, hence the max."""
     return _share(p, m, f, b, w, (p - 1) * max(f, f + b - 2 * w))
