@@ -560,37 +560,156 @@ def test_zero2_hooks_check_fails(options, message) -> None:
         )
 
 
-def zero3_hooks_in_a_closure(unit, gather, free, reduce):
-    """A valid answer written tersely: the ids of the gradients still to come, in a set."""
+def zero3_unit_with(
+    unit,
+    comm,
+    *,
+    mpi=False,
+    backward_pre_hook=False,
+    free_storage=True,
+    new_tensors=False,
+    shard_view=False,
+    fixed_dtype=None,
+    stale=False,
+    regather=True,
+    mean=True,
+    reduce_early=False,
+    keep_grads=False,
+    reuse_grad=False,
+    world=False,
+    waits_forever=False,
+):
+    """The lab's answer (exercise 13.5) with lab 03's ring halves, or MPI's Allgather and Reduce_scatter
+    (mpi=True), regathering in a full backward pre-hook (backward_pre_hook=True); each other keyword makes
+    one mistake."""
     params = list(unit.parameters())
-    waiting: set[int] = set()
-
-    def output_grad(grad):
-        gather()
-        waiting.update(id(p) for p in params)
-
-    def forward(module, args, output):
-        free()
-        output.register_hook(output_grad)
-
-    def gradient(param):
-        waiting.discard(id(param))
-        if not waiting:
-            reduce()
-            free()
-
-    unit.register_forward_pre_hook(lambda module, args: gather())
-    unit.register_forward_hook(forward)
+    shapes = [p.shape for p in params]
+    comm = MPI.COMM_WORLD if world else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    s = -(-sum(p.numel() for p in params) // size)
+    bounds = [q * s for q in range(size + 1)]
+    full = torch.zeros(size * s, dtype=fixed_dtype or params[0].dtype)
+    offset = 0
     for p in params:
-        p.register_post_accumulate_grad_hook(gradient)
+        full[offset : offset + p.numel()] = p.detach().reshape(-1)
+        p.data = full[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    mine = full[rank * s : (rank + 1) * s]
+    shard = torch.nn.Parameter(mine if shard_view else mine.clone())
+    first = shard.detach().clone()  # what a stale gather reads
+    nbytes = full.numel() * full.element_size()
+    left = [len(params)]
+    kept = []
+
+    def gathered():
+        if waits_forever:
+            comm.Recv(np.empty(1), source=0, tag=TAG + 3)
+        source = (first if stale else shard.detach()).numpy()
+        if mpi:
+            out = np.empty(size * s, dtype=source.dtype)
+            comm.Allgather(source, out)
+            return torch.from_numpy(out)
+        return torch.from_numpy(allgather_ring(comm, source, bounds))
+
+    def gather(*_):
+        if new_tensors:  # each gather a new buffer: autograd's saved views keep the old ones alive
+            values = gathered()
+            at = 0
+            for p, shape in zip(params, shapes):
+                p.data = values[at : at + shape.numel()].view(shape)
+                at += shape.numel()
+            return
+        full.untyped_storage().resize_(nbytes)
+        with torch.no_grad():
+            full.copy_(gathered())
+
+    def free(*_):
+        if new_tensors:
+            for p in params:
+                p.data = torch.empty(0, dtype=p.dtype)
+        elif free_storage:
+            full.untyped_storage().resize_(0)
+
+    def before_backward(*_):
+        if regather:
+            gather()
+        left[0] = len(params)
+
+    def after_forward(module, args, output):
+        free()
+        if not backward_pre_hook:
+            output.register_hook(before_backward)
+
+    def on_gradient(param):
+        left[0] -= 1
+        if left[0] > 0 and not (reduce_early and left[0] == len(params) - 1):
+            return
+        flat = torch.zeros(size * s, dtype=full.dtype)
+        at = 0
+        for p in params:
+            if p.grad is not None:
+                flat[at : at + p.numel()] = p.grad.reshape(-1)
+            at += p.numel()
+            if not keep_grads:
+                p.grad = None
+        if mpi:
+            summed = np.empty(s, dtype=flat.numpy().dtype)
+            comm.Reduce_scatter(flat.numpy(), summed, recvcounts=[s] * size, op=MPI.SUM)
+        else:
+            summed = reduce_scatter_ring(comm, flat.numpy(), bounds)
+        grad = torch.from_numpy(summed) / (size if mean else 1)
+        if reuse_grad:
+            if not kept:
+                kept.append(grad)
+            grad = kept[0].copy_(grad)
+        shard.grad = grad
+        free()
+
+    free()
+    unit.register_forward_pre_hook(gather)
+    unit.register_forward_hook(after_forward)
+    if backward_pre_hook:
+        unit.register_full_backward_pre_hook(lambda module, grad_output: before_backward())
+    for p in params:
+        p.register_post_accumulate_grad_hook(on_gradient)
+    return shard
+
+
+@pytest.mark.parametrize("options", [{}, {"mpi": True}, {"backward_pre_hook": True}], ids=str)
+def test_zero3_unit_check_accepts(options) -> None:
+    check_zero3_unit(functools.partial(zero3_unit_with, **options))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"free_storage": False}, "hold memory once zero3_unit has returned"),
+        ({"new_tensors": True}, "autograd saved for backward still hold"),
+        ({"shard_view": True}, "the shard has no memory of its own"),
+        ({"fixed_dtype": torch.float32}, "(?s)in float64 .*the shard has shape .* and dtype torch.float32"),
+        ({"stale": True}, "step 1, unit 0: the parameters its forward computed with are not the shards' current"),
+        ({"regather": False}, "backward failed .*gather the unit again before its backward"),
+        ({"mean": False}, "the shard's .grad is wrong"),
+        ({"reduce_early": True}, "the shard's .grad is wrong|sent .* bytes"),
+        ({"keep_grads": True}, "its full gradient is still held after backward"),
+        ({"reuse_grad": True}, "step 1, unit 0: the shard's .grad is the previous step's tensor"),
+        ({"world": True}, "nothing went through the communicator"),
+        ({"waits_forever": True}, "never completed"),
+    ],
+    ids=str,
+)
+def test_zero3_unit_check_fails(options, message) -> None:
+    with pytest.raises(CheckFailed, match=message):
+        check_zero3_unit(
+            functools.partial(zero3_unit_with, **options), **(SHORT_DEADLINE if "waits_forever" in options else {})
+        )
 
 
 def test_the_one_process_checks_say_passed_once_from_rank_0(capsys) -> None:
     check_reshard(reshard_by_overlaps)
-    check_zero3_unit(zero3_hooks_in_a_closure)
     printed = capsys.readouterr().out
     lines = printed.count("passed: ")
-    want = 2 if MPI.COMM_WORLD.Get_rank() == 0 else 0
+    want = 1 if MPI.COMM_WORLD.Get_rank() == 0 else 0
     assert MPI.COMM_WORLD.allreduce(int(lines == want), op=MPI.MIN) == 1, printed
 
 
@@ -602,6 +721,7 @@ def test_the_one_process_checks_say_passed_once_from_rank_0(capsys) -> None:
         ("sharded_optimizer", "ddlab.sharded.ShardedOptimizer", ()),
         ("zero2_hooks", "ddlab.sharded.Sharded", ()),
         ("zero3_unit", "ddlab.sharded.Sharded", ()),
+        ("zero3_unit", "ddlab.sharded.FlatSpace", ()),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

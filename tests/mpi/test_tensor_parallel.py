@@ -473,30 +473,33 @@ def _one_process_curve(model, batches):
 
 
 def _solution_answers() -> dict:
-    """The solution notebook's imports cell and exercises 14.1, 14.2, 14.3 and 14.5 run here as they run on the
-    engines (as bench/tensor_parallel.py does): its MyCopy, its layers, my_parallelize, my_sequence_parallel_block."""
-    return run_cells(SOLUTION, exercises("14.1", "14.2", "14.3", "14.5", setup="%%px\nimport torch"))
+    """The solution notebook's imports cell and exercises 14.1-14.5 run here as they run on the engines (as
+    bench/tensor_parallel.py does): its MyCopy, its layers, my_parallelize, my_vocab_parallel_cross_entropy,
+    my_sequence_parallel_block."""
+    return run_cells(SOLUTION, exercises("14.1", "14.2", "14.3", "14.4", "14.5", setup="%%px\nimport torch"))
 
 
 SOLUTION = Path(__file__).parents[2] / "solutions" / "14_tensor_parallel.ipynb"
 
 
 @pytest.mark.parametrize(
-    "answer, sequence_parallel",
-    [("library", False), ("solution", False), ("solution", True)],
-    ids=["library", "solution", "solution-sequence-parallel"],
+    "answer, sequence_parallel, vocabulary",
+    [("library", False, False), ("solution", False, False), ("solution", True, False), ("solution", True, True)],
+    ids=["library", "solution", "solution-sequence-parallel", "solution-sequence-and-vocabulary-parallel"],
 )
-def test_a_gpt_made_tensor_parallel_by_parallelize_trains_as_one_process(answer, sequence_parallel):
+def test_a_gpt_made_tensor_parallel_by_parallelize_trains_as_one_process(answer, sequence_parallel, vocabulary):
     """6 AdamW steps of one process's GPT and of its blocks replaced by parallelize (dropout 0.1, float64): the
     library's, or the solution notebook's own my_parallelize (exercise 14.3, with its layers of 14.1-14.2); with
     sequence parallelism the split blocks run by the notebook's my_sequence_parallel_block (14.5) through
     parallelize_gpt's SequenceParallelBlocks. The training curves agree within 1e-8 on every rank count (a sequence
-    of 11: uneven rows on 2, 3 and 4 ranks); the embeddings, the last LayerNorm and the loss stay whole."""
+    of 11: uneven rows on 2, 3 and 4 ranks); the embeddings, the last LayerNorm and the loss stay whole, or with
+    `vocabulary` the embedding and the loss are split by the vocabulary, the loss the notebook's own (14.4)."""
     if answer == "library":
         surgery, block_forward = parallelize, None
     else:
         found = _solution_answers()
         surgery, block_forward = found["my_parallelize"], found["my_sequence_parallel_block"]
+    loss = _solution_answers()["my_vocab_parallel_cross_entropy"] if vocabulary else None
     config = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.1})
     generator = torch.Generator().manual_seed(8)
     batches = [
@@ -507,7 +510,7 @@ def test_a_gpt_made_tensor_parallel_by_parallelize_trains_as_one_process(answer,
 
     def body(sub):
         model = make_gpt(config, seed=3, dtype=torch.float64)
-        split = parallelize_gpt(model, sub, PLAN, surgery, block_forward if sequence_parallel else None)
+        split = parallelize_gpt(model, sub, PLAN, surgery, block_forward if sequence_parallel else None, loss)
         return max(abs(a - b) for a, b in zip(one, _one_process_curve(split, batches))) / 100  # 1e-8 on the losses
 
     _each_sub(body)

@@ -231,6 +231,20 @@ def test_wrong_cross_entropies_fail(wrong, message):
         check_vocab_parallel_cross_entropy(_cross_entropy_with(wrong))
 
 
+def shifts_the_targets_in_place(logits, targets, comm, start):
+    """Wrong: makes the targets this rank's columns in place, changing the caller's tensor (not on rank 0,
+    whose start is 0: the ranks disagree, and the check must still fail on all of them, not hang)."""
+    targets -= start
+    return vocab_parallel_cross_entropy(logits, targets + start, comm, start)
+
+
+def test_a_cross_entropy_that_shifts_the_targets_in_place_fails_without_hanging():
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("one rank's start is 0: nothing shifts")
+    with pytest.raises(CheckFailed, match="the logits or targets passed in were changed"):
+        check_vocab_parallel_cross_entropy(shifts_the_targets_in_place)
+
+
 def start_from_the_rank(logits, targets, comm, start):
     """Wrong: takes this rank's first column as rank x its width, as if every rank held V/t columns."""
     return vocab_parallel_cross_entropy(logits, targets, comm, comm.Get_rank() * logits.shape[1])
@@ -365,7 +379,7 @@ def _parallelize_with(features=None, copy_block=True, check=True, set_heads=True
             layer = ColumnParallelLinear if kind == "column" else RowParallelLinear
             built = layer(getattr(parent, child), index, comm)
             setattr(parent, child, built if layer_dtype is None else built.to(layer_dtype))
-        if set_heads:
+        if set_heads == "always" or (set_heads and "attn.qkv" in plan):  # "always": wrong when attention stays whole
             split.attn.heads = heads
         return split
 
@@ -436,6 +450,14 @@ def tells_the_block_given_its_heads(block, comm, plan):
     return split
 
 
+def splits_all_four_layers(block, comm, plan):
+    """Wrong: checks the plan, then splits attention and MLP whatever it names."""
+    from ddlab.tensor_parallel.surgery import PLAN, check_plan
+
+    check_plan(plan)
+    return parallelize(block, comm, PLAN)
+
+
 def parallelize_stub(block, comm, plan):
     raise NotImplementedError("Exercise 14.3 (parallelize) is not done yet: write it where this line is.")
 
@@ -461,6 +483,14 @@ def test_a_parallelize_written_differently_passes():
         (checks_attention_pairs_only, r"\(the MLP's first layer alone\) should raise ValueError"),
         (refuses_lone_layers_only, r"\(the MLP the wrong way round\) should raise ValueError"),
         (tells_the_block_given_its_heads, "the block passed in was changed.*attn.heads"),
+        (
+            splits_all_four_layers,
+            r"(?s)the plan \{'attn.qkv': 'column', 'attn.proj': 'row'\} .*leaves this layer whole",
+        ),
+        (
+            _parallelize_with(set_heads="always"),
+            r"(?s)the plan \{'mlp.fc': 'column', 'mlp.proj': 'row'\}.*set attn.heads only when the attention is split",
+        ),
     ],
     ids=[
         "heads-split-across-features",
@@ -473,13 +503,15 @@ def test_a_parallelize_written_differently_passes():
         "refuses-wrong-attention-pairs-only",
         "accepts-the-mlp-the-wrong-way-round",
         "changes-the-heads-of-the-block-passed-in",
+        "splits-all-four-layers-whatever-the-plan",
+        "tells-a-whole-attention-its-heads",
     ],
 )
 def test_wrong_parallelizes_fail(fn, message):
     if MPI.COMM_WORLD.Get_size() < 2 and message == "global communicator":
         pytest.skip("on one rank the global communicator sends nothing either way")
     if MPI.COMM_WORLD.Get_size() < 2 and (
-        message.startswith("the output differs") or fn is tells_the_block_given_its_heads
+        message.startswith("the output differs") or fn is tells_the_block_given_its_heads or "(?s)" in message
     ):
         pytest.skip("on one rank every split is the whole block")
     with pytest.raises(CheckFailed, match=message):

@@ -11,9 +11,10 @@
   gradients, the inner step, an allgather; equal to one process with SGD-momentum and Adam.
 - `check_zero2_hooks(fn)`: fn(unit, comm, keep) makes ZeRO-2's difference: a unit's gradient
   reduce-scattered in its last post-accumulate-grad hook, keep(mean shard) called, the full gradient freed.
-- `check_zero3_unit(fn)`: fn(unit, gather, free, reduce) places a ZeRO-3 unit's hooks: gather
-  before forward, free after, gather before backward, reduce and free once its gradients are all there;
-  in float64, float32 and bfloat16, the hooks leaving the units' inputs, outputs and dtypes alone.
+- `check_zero3_unit(fn)`: fn(unit, comm) -> shard builds a ZeRO-3 unit: the flat buffer its parameters
+  view, this rank's master shard, its storage freed; gather before forward, free after, gather before
+  backward, reduce-scatter the mean gradient into shard.grad and free once its gradients are all there;
+  in float64 and float32, the freed bytes counted (autograd's saved tensors too).
 - `check_reshard(fn)`: fn(shards, numel, size, rank) -> rank's shard of the flat buffer cut
   for `size` ranks, from the shards another rank count wrote (padding is zeros); float64, float32
   and bfloat16 bits, a new array in the shards' dtype on every call, the old shards left alone.
@@ -496,12 +497,16 @@ def check_reshard(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray]) -
     )
 
 
-#: The dtypes the trainer runs a ZeRO-3 unit in: float64 and float32 (its master dtype) and bfloat16 (the
-#: compute dtype of mixed precision); the gradients' relative tolerance against autograd's, per dtype.
-ZERO3_DTYPES = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}
+#: The dtypes exercise 13.5's unit runs in (the master dtypes: mixed precision's bfloat16 copies are the library's
+#: `Sharded(param_dtype=...)`), and the relative tolerance of its gradient shards against one process's.
+ZERO3_DTYPES = {torch.float64: 1e-10, torch.float32: 1e-5}
+ZERO3_STEPS = 2
+#: The check's own optimizer step on the shards (plain SGD: element-wise, so a shard steps as the whole would).
+ZERO3_LR = 0.1
 
 
 def _zero3_model(dtype: torch.dtype) -> nn.Sequential:
+    """Three Linear units (5 -> 4 -> 4 -> 2, ReLU between): 24, 20 and 10 parameters (3 ranks need padding)."""
     generator = torch.Generator().manual_seed(13)
     model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).to(dtype)
     with torch.no_grad():
@@ -510,171 +515,253 @@ def _zero3_model(dtype: torch.dtype) -> nn.Sequential:
     return model
 
 
-class _UnitLog:
-    """What happened to one unit during a check of exercise 13.5: its gathers, frees and reductions."""
-
-    def __init__(self, index: int, module: nn.Module, problems: list[str]):
-        self.index, self.module, self.problems = index, module, problems
-        self.params = list(module.parameters())
-        self.values = [p.detach().clone() for p in self.params]
-        self.gathered, self.reduced = True, 0
-        self.calls: list[str] = []
-        self.grads: list[torch.Tensor] = []
-
-    def gather(self) -> None:
-        self.calls.append("gather")
-        if not self.gathered:
-            with torch.no_grad():
-                for p, value in zip(self.params, self.values):
-                    p.untyped_storage().resize_(value.numel() * value.element_size())
-                    p.data.copy_(value)  # .data: not a change autograd tracks (its saved views stay valid)
-            self.gathered = True
-
-    def free(self) -> None:
-        self.calls.append("free")
-        for p in self.params:
-            p.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def reduce(self) -> None:
-        self.calls.append("reduce")
-        missing = [tuple(p.shape) for p in self.params if p.grad is None]
-        if missing and not self.problems:
-            self.problems.append(
-                f"unit {self.index}'s gradients were reduce-scattered before its backward ended "
-                f"(no gradient yet for its {missing} parameters): reduce once every parameter of "
-                "the unit has its gradient (count them in post-accumulate-grad hooks)"
-            )
-        self.reduced += 1
-        self.grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        for p in self.params:
-            p.grad = None
-
-
-def _zero3_problem(
-    fn: Callable[[nn.Module, Callable[[], None], Callable[[], None], Callable[[], None]], Any], dtype: torch.dtype
-) -> str | None:
-    """Two steps of a three-unit model in `dtype` with fn's hooks, against autograd on a plain copy: the first problem."""
-    name = str(dtype).removeprefix("torch.")
-    inputs = [
-        torch.linspace(-1, 1, 15, dtype=torch.float64).reshape(3, 5).to(dtype),
-        torch.linspace(2, -0.5, 15, dtype=torch.float64).reshape(3, 5).to(dtype),
+def _zero3_batches(size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global batch of 3 samples per rank for each step."""
+    generator = torch.Generator().manual_seed(130 + size)
+    return [
+        (
+            torch.randn(3 * size, 5, generator=generator, dtype=torch.float64).to(dtype),
+            torch.randn(3 * size, 2, generator=generator, dtype=torch.float64).to(dtype),
+        )
+        for _ in range(ZERO3_STEPS)
     ]
-    reference = _zero3_model(dtype)
-    outputs, gradients = [], []
-    for x in inputs:
-        reference.zero_grad()
-        out = reference(x)
-        out.square().sum().backward()
-        outputs.append(out.detach().clone())
-        gradients.append(
-            [
-                [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in reference[2 * i].parameters()]
-                for i in range(3)
-            ]
-        )
-    problems: list[str] = []
+
+
+def _zero3_reference(size: int, dtype: torch.dtype) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """One process on the global batch: per step, each unit's flat parameters before it and flat mean gradient."""
     model = _zero3_model(dtype)
-    units = [_UnitLog(i, model[2 * i], problems) for i in range(3)]
-    for unit in units:
-        unit.free()
-        unit.calls.clear()
-        fn(unit.module, unit.gather, unit.free, unit.reduce)
-        unit.module.register_forward_pre_hook(
-            lambda m, a, unit=unit: (
-                None
-                if unit.gathered or problems
-                else problems.append(
-                    f"unit {unit.index} computed its forward with its parameters freed: gather() in a forward pre-hook"
+    units = [model[0], model[2], model[4]]
+    steps = []
+    for x, y in _zero3_batches(size, dtype):
+        values = [torch.cat([p.detach().reshape(-1) for p in unit.parameters()]) for unit in units]
+        model.zero_grad()
+        (model(x) - y).square().mean().backward()
+        grads = [torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.grad is not None]) for unit in units]
+        with torch.no_grad():
+            for p in model.parameters():
+                assert p.grad is not None
+                p.sub_(ZERO3_LR * p.grad)
+        steps.append((values, grads))
+    return steps
+
+
+def _held(tensor: torch.Tensor) -> int:
+    """The bytes of a tensor's storage (0 once freed); reading a freed tensor's values would crash."""
+    return int(tensor.untyped_storage().nbytes())
+
+
+class _Zero3Watch:
+    """The check's own hooks on one unit of exercise 13.5, placed after the answer's: what it holds, when."""
+
+    def __init__(
+        self, index: int, module: nn.Module, shapes: list[torch.Size], shard: Any, shard_numel: int, dtype: torch.dtype
+    ):
+        self.index, self.module, self.shard = index, module, shard
+        self.params, self.shapes = list(module.parameters()), shapes
+        self.shard_numel, self.dtype = shard_numel, dtype
+        self.want: torch.Tensor | None = None  # this step's flat parameters, one process's
+        self.saved: list[torch.Tensor] = []  # what autograd saved that viewed the gathered parameters
+        self.step = 0
+
+    def fail(self, text: str) -> None:
+        raise CheckFailed(f"step {self.step}, unit {self.index}: {text}")
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        if any(
+            p.shape != shape or _held(p) < p.numel() * p.element_size() for p, shape in zip(self.params, self.shapes)
+        ):
+            self.fail(
+                "it computed its forward with its parameters freed: gather them into the flat buffer in a forward "
+                "pre-hook (its storage back to full size first)"
+            )
+        got = torch.cat([p.detach().reshape(-1) for p in self.params])
+        assert self.want is not None
+        if got.dtype != self.dtype or not torch.allclose(got, self.want, rtol=ZERO3_DTYPES[self.dtype], atol=0):
+            self.fail(
+                "the parameters its forward computed with are not the shards' current values: gather every "
+                "rank's shard (after the optimizer's step changed them) into the flat buffer the parameters view"
+            )
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if any(_held(p) for p in self.params):
+            self.fail(
+                "its parameters still hold memory after its forward: free the flat buffer's storage "
+                "(`untyped_storage().resize_(0)`) in a forward hook, so only the unit computing holds its parameters"
+            )
+        if any(_held(t) for t in self.saved):
+            self.fail(
+                "the tensors autograd saved for backward still hold the parameters' old memory after free: make "
+                "the parameters views of one flat buffer (`p.data = view`) and shrink that buffer's storage, "
+                "rather than giving the parameters new tensors"
+            )
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A saved-tensors pack hook: keep the tensors that share the gathered parameters' storage."""
+        if _held(tensor) and any(
+            _held(p) and tensor.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in self.params
+        ):
+            self.saved.append(tensor)
+        return tensor
+
+    def after_backward(self, want_grad: torch.Tensor, size: int, rank: int, earlier: list[torch.Tensor]) -> None:
+        if any(_held(p) for p in self.params):
+            self.fail(
+                "its parameters still hold memory after backward: free the flat buffer once the gradient is reduced"
+            )
+        if any(p.grad is not None for p in self.params):
+            self.fail(
+                "its full gradient is still held after backward: set each parameter's .grad to None after the reduce-scatter"
+            )
+        grad = getattr(self.shard, "grad", None)
+        if not isinstance(grad, torch.Tensor):
+            self.fail("the shard's .grad is not set after backward: set it to this rank's shard of the mean gradient")
+        assert isinstance(grad, torch.Tensor)
+        if grad.shape != (self.shard_numel,) or grad.dtype != self.dtype:
+            self.fail(
+                f"the shard's .grad has shape {tuple(grad.shape)} and dtype {grad.dtype}, expected "
+                f"({self.shard_numel},) and {self.dtype} (make the flat gradient buffer in the parameters' dtype)"
+            )
+        padded = torch.zeros(self.shard_numel * size, dtype=want_grad.dtype)
+        padded[: want_grad.numel()] = want_grad
+        want = padded[rank * self.shard_numel : (rank + 1) * self.shard_numel]
+        scale = max(1.0, float(want.abs().max()))
+        if float((grad.detach().double() - want.double()).abs().max()) > ZERO3_DTYPES[self.dtype] * scale:
+            self.fail(
+                "the shard's .grad is wrong: it must be this rank's shard of the mean over ranks of the unit's flat, "
+                "zero-padded gradient (reduce-scatter the sum, then divide by P), made once the unit's last gradient "
+                "has arrived"
+            )
+        if any(grad.untyped_storage().data_ptr() == e.untyped_storage().data_ptr() for e in earlier):
+            self.fail(
+                "the shard's .grad is the previous step's tensor, overwritten: make a new tensor each backward "
+                "(the optimizer or the caller may still hold the last one)"
+            )
+
+
+def _zero3_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, timeout: float) -> str | None:
+    rank, size = sub.Get_rank(), sub.Get_size()
+    batches = _zero3_batches(size, dtype)
+    reference = _zero3_reference(size, dtype)
+    model = _zero3_model(dtype)
+    modules = [model[0], model[2], model[4]]
+    numels = [sum(p.numel() for p in m.parameters()) for m in modules]
+    shard_numels = [-(-n // size) for n in numels]
+
+    def train(comm: Comm) -> None:
+        watches = []
+        for index, module in enumerate(modules):
+            shapes = [p.shape for p in module.parameters()]
+            shard = fn(module, comm)
+            watches.append(_Zero3Watch(index, module, shapes, shard, shard_numels[index], dtype))
+        problem = None
+        for w in watches:
+            if not isinstance(w.shard, torch.Tensor) or not w.shard.requires_grad:
+                problem = f"unit {w.index}: return this rank's shard as an nn.Parameter (the optimizer steps it), got {type(w.shard).__name__}"
+            elif w.shard.shape != (w.shard_numel,) or w.shard.dtype != dtype:
+                problem = (
+                    f"unit {w.index}: the shard has shape {tuple(w.shard.shape)} and dtype {w.shard.dtype}; a shard "
+                    f"of {numels[w.index]} items over {size} ranks is ceil(N/P) = ({w.shard_numel},) items in the "
+                    f"parameters' dtype {dtype} (pad the flat buffer with zeros to P equal shards)"
                 )
-            )
-        )
-        unit.module.register_forward_hook(
-            lambda m, a, o, unit=unit: (
-                None
-                if not unit.gathered or problems
-                else problems.append(
-                    f"unit {unit.index}'s parameters were not freed after its forward: free() in a forward hook, so "
-                    "only the unit that computes holds its full parameters"
+            elif _held(w.shard) < w.shard_numel * w.shard.element_size():
+                problem = (
+                    f"unit {w.index}: the shard has no memory of its own: it views the flat buffer, whose storage "
+                    "free() empties; keep a copy (`.clone()`) of this rank's slice"
                 )
-            )
-        )
-    rtol = ZERO3_DTYPES[dtype]
-    for step, x in enumerate(inputs):
-        for unit in units:
-            unit.reduced = 0
-        given = x.clone()
-        try:
-            output = model(given)
-        except RuntimeError as err:
-            return (
-                f"{name}, step {step}: the forward failed ({err}): the hooks must leave the units' inputs and "
-                "outputs as they are (in the units' dtype), returning nothing or what they were given"
-            )
-        if problems:
-            return f"{name}: {problems[0]}"
-        if not torch.equal(given, x):
-            return f"{name}, step {step}: the model's input was changed in place by a hook: leave it alone"
-        if not isinstance(output, torch.Tensor) or output.dtype != dtype:
-            got = output.dtype if isinstance(output, torch.Tensor) else type(output).__name__
-            return (
-                f"{name}, step {step}: the model's output is {got}, its units compute in {dtype}: a hook made or "
-                "cast a tensor in a fixed dtype; return nothing from the hooks (or what they were given)"
-            )
-        if not torch.allclose(output.detach(), outputs[step], rtol=rtol, atol=0):
-            return f"{name}, step {step}: the model's output differs from the same model's without hooks"
-        try:
-            output.square().sum().backward()
-        except RuntimeError as err:
-            return (
-                f"{name}, step {step}: backward failed ({err}): gather() the unit again before its backward needs "
-                "its parameters, e.g. in a hook on its output's gradient, and return nothing from that hook (or "
-                "the gradient it was given, in its dtype); a hook must not keep a tensor from one step to the "
-                "next (a buffer reused across steps ties this step's graph to the last one's)"
-            )
-        for unit in units:
-            if problems:
+            elif any(_held(p) for p in w.params):
+                problem = (
+                    f"unit {w.index}: its parameters hold memory once zero3_unit has returned: free the flat buffer "
+                    "(its storage resized to 0) until its forward gathers it"
+                )
+            if problem:
                 break
-            if unit.reduced != 1:
-                problems.append(
-                    f"step {step}: unit {unit.index}'s gradients were reduced {unit.reduced} times: "
-                    "once per backward, when the last of its gradients has arrived"
-                )
-            elif unit.gathered:
-                problems.append(
-                    f"unit {unit.index} still holds its parameters after backward: free() it once its "
-                    "gradients are reduced"
-                )
-            elif not all(
-                g.dtype == dtype and torch.allclose(g, w, rtol=rtol, atol=0)
-                for g, w in zip(unit.grads, gradients[step][unit.index])
-            ):
-                problems.append(f"step {step}: unit {unit.index}: the gradients reduce() saw differ from autograd's")
-        if problems:
-            return f"{name}: {problems[0]}"
+        if any(sub.allgather(problem)):  # the same decision on every rank before any message of the answer's
+            raise CheckFailed(problem or "another rank's shard is wrong (see its message)")
+        for w in watches:
+            w.module.register_forward_pre_hook(w.before_forward)
+            w.module.register_forward_hook(w.after_forward)
+        earlier: list[list[torch.Tensor]] = [[] for _ in watches]
+        for step, (x, y) in enumerate(batches):
+            for w, want in zip(watches, reference[step][0]):
+                w.want, w.saved, w.step = want, [], step
+
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                for w in watches:
+                    w.pack(tensor)
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                out = model(x[3 * rank : 3 * rank + 3])
+            try:
+                (out - y[3 * rank : 3 * rank + 3]).square().mean().backward()
+            except RuntimeError as err:
+                raise CheckFailed(
+                    f"step {step}: backward failed ({err}): gather the unit again before its backward needs its "
+                    "parameters (a hook on its output's gradient)"
+                ) from None
+            for index, w in enumerate(watches):
+                w.after_backward(reference[step][1][index], size, rank, earlier[index])
+            with torch.no_grad():
+                for index, w in enumerate(watches):
+                    earlier[index].append(w.shard.grad)
+                    w.shard -= ZERO3_LR * w.shard.grad
+                    w.shard.grad = None
+
+    _, traffic = run_counted(
+        sub,
+        train,
+        (),
+        f"zero3_unit in {str(dtype).removeprefix('torch.')}",
+        timeout=timeout,
+        allow=("Allgather", "Allgatherv", "Reduce_scatter"),
+    )
+    sent = _sent(traffic)
+    if size > 1 and sent == 0:
+        return (
+            "nothing went through the communicator the check gave: gather and reduce-scatter on the `comm` "
+            "argument, not the notebook's MPI.COMM_WORLD"
+        )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    limit = ZERO3_STEPS * 3 * size * (size - 1) * sum(shard_numels) * itemsize  # 2 allgathers, 1 reduce-scatter
+    if sent > limit * BYTES_SLACK + 64 * ZERO3_STEPS * size:
+        return (
+            f"the ranks sent {sent} bytes in {ZERO3_STEPS} steps; two allgathers and one reduce-scatter of each "
+            f"unit's shards per step send {limit}: gather once before forward and once before backward, "
+            "reduce once per backward, and send shards, not whole buffers"
+        )
     return None
 
 
-def check_zero3_unit(
-    fn: Callable[[nn.Module, Callable[[], None], Callable[[], None], Callable[[], None]], Any],
-) -> None:
-    """fn(unit, gather, free, reduce) installs hooks on `unit` (an nn.Module) so that, in every step,
-    gather() runs before the unit's forward, free() right after it, gather() again before the
-    unit's backward, and, once all of the unit's gradients exist, reduce() then free().
+def check_zero3_unit(fn: Callable[..., Any], timeout: float = 10.0) -> None:
+    """fn(unit, comm) -> shard: ZeRO-3's core for one unit (an nn.Module), built by the answer.
 
-    The check wraps three Linear layers of a small model as units (its gather and free fill and
-    empty the parameters' storage, its reduce records and clears the gradients), runs two steps
-    of forward and backward on different inputs, in every dtype the trainer runs a unit in (float64,
-    float32, bfloat16), and compares the output and the gradients reduce() saw with autograd's on a
-    plain copy: a hook that changes a tensor's dtype, changes the input in place, or returns a buffer
-    it reuses across steps fails.
+    fn lays the unit's parameters end to end in one flat buffer zero-padded to P equal shards of
+    s = ceil(N/P) items (the parameters' dtype), makes every parameter a view of it, keeps this rank's
+    slice as a new nn.Parameter `shard` (returned), frees the buffer's storage, and installs hooks:
+    gather every rank's shard into the buffer (its storage back) before the unit's forward, free it
+    after; gather again before its backward; once all of its gradients have arrived, reduce-scatter the
+    flat zero-padded gradient over `comm`, set `shard.grad` to this rank's shard of the mean (a new tensor),
+    set every parameter's `.grad` to None and free the buffer.
+
+    Three Linear units, two steps of forward, backward and the check's SGD step on the shards, float64 and
+    float32, on comm's size first then 1, 2, ...: what each unit holds before, during and after its
+    forward and backward (the storage's bytes, and the tensors autograd saved), the values it computes
+    with, the gradient shards against one process on the global batch, messages on the comm given
+    (MPI's Allgather(v) and Reduce_scatter allowed) within two allgathers and one reduce-scatter
+    per unit and step, each run within `timeout` seconds.
     """
-    for dtype in ZERO3_DTYPES:
-        problem = _zero3_problem(fn, dtype)
-        if problem:
-            raise CheckFailed(problem)
+    comm = MPI.COMM_WORLD
+
+    def body(sub: MPI.Comm) -> str | None:
+        for dtype in ZERO3_DTYPES:
+            problem = _zero3_problem(fn, sub, dtype, timeout)
+            fail_together(sub, problem and f"{str(dtype).removeprefix('torch.')}: {problem}", "zero3_unit")
+        return None
+
+    size = comm.Get_size()
+    each_size(comm, body, "zero3_unit", sizes=[size, *range(1, size)])
     passed(
-        MPI.COMM_WORLD,
-        "zero3 hooks gather each unit before forward and backward, free it after, and reduce its "
-        "gradients once they are complete, in float64, float32 and bfloat16",
+        comm,
+        "zero3_unit: each unit holds its parameters only while it computes (autograd's saved tensors too), "
+        "and its shard's gradient is the mean of the ranks', in float64 and float32",
     )

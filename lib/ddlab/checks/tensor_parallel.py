@@ -90,18 +90,22 @@ def _conjugate_case(
 
 
 def _first_in_dtypes(
-    dtypes: tuple[torch.dtype, ...], problem_in: Callable[[torch.dtype], str | None], what: str
+    sub: MPI.Comm, dtypes: tuple[torch.dtype, ...], problem_in: Callable[[torch.dtype], str | None], what: str
 ) -> str | None:
-    """The first dtype's problem, named ("float32 logits: ..."), or None when every dtype passes."""
+    """The first dtype's problem, named ("float32 logits: ..."), or None when every dtype passes.
+
+    The ranks of `sub` agree after each dtype: when any rank found a problem, every rank stops there (a rank
+    whose own case passed returns None), so none starts the next dtype's collectives alone. An answer that
+    goes wrong on some ranks only (one that shifts the targets in place: rank 0's start is 0) fails, never hangs."""
     for dtype in dtypes:
         problem = problem_in(dtype)
-        if problem:
-            return f"{_name(dtype)} {what}: {problem}" if what else problem
+        if any(sub.allgather(problem)):
+            return (f"{_name(dtype)} {what}: {problem}" if what else problem) if problem else None
     return None
 
 
 def _check_conjugate(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str) -> str | None:
-    return _first_in_dtypes(DTYPES, lambda dtype: _conjugate_problem(sub, fn, name, dtype), "")
+    return _first_in_dtypes(sub, DTYPES, lambda dtype: _conjugate_problem(sub, fn, name, dtype), "")
 
 
 def _conjugate_problem(sub: MPI.Comm, fn: type[torch.autograd.Function], name: str, dtype: torch.dtype) -> str | None:
@@ -190,7 +194,7 @@ def check_vocab_parallel_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor,
     world = MPI.COMM_WORLD
 
     def body(sub: MPI.Comm) -> str | None:
-        return _first_in_dtypes(DTYPES, lambda dtype: _cross_entropy_problem(sub, fn, dtype), "logits")
+        return _first_in_dtypes(sub, DTYPES, lambda dtype: _cross_entropy_problem(sub, fn, dtype), "logits")
 
     each_size(world, body, "vocab_parallel_cross_entropy is wrong", _sizes(world))
     passed(
@@ -287,7 +291,7 @@ def check_parallel_linear(column: Callable[..., Any], row: Callable[..., Any]) -
     y.backward(g)
 
     def body(sub: MPI.Comm) -> str | None:
-        return _first_in_dtypes(DTYPES, lambda dtype: in_dtype(sub, dtype), "layers and input")
+        return _first_in_dtypes(sub, DTYPES, lambda dtype: in_dtype(sub, dtype), "layers and input")
 
     def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
         size = sub.Get_size()
@@ -391,6 +395,12 @@ def _grad(p: torch.Tensor | None) -> torch.Tensor | None:
 
 #: Exercise 14.3's plan, and plans it must refuse with a ValueError (with what is wrong with each).
 PLAN = {"attn.qkv": "column", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
+#: Plans that split one sub-layer and leave the other whole (tried in float64): an answer that splits all four
+#: layers whatever the plan, or tells a whole attention its heads, fails them.
+PARTIAL_PLANS = (
+    ({"attn.qkv": "column", "attn.proj": "row"}, "the attention alone split, the MLP whole"),
+    ({"mlp.fc": "column", "mlp.proj": "row"}, "the MLP alone split, the attention whole"),
+)
 BAD_PLANS = (
     ({"attn.qkv": "column"}, "attention's first layer alone"),
     ({"mlp.fc": "column"}, "the MLP's first layer alone"),
@@ -408,10 +418,12 @@ def _attributes(module: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(module).items() if not k.startswith("_")}
 
 
-def _parallelize_case(counting: CountingComm, fn: Callable[..., Any], block: Block, refusals: bool) -> tuple:
-    """block in the case's dtype; refusals: whether to try the bad plans too."""
+def _parallelize_case(
+    counting: CountingComm, fn: Callable[..., Any], block: Block, plan: dict[str, str], refusals: bool
+) -> tuple:
+    """block in the case's dtype split by `plan`; refusals: whether to try the bad plans too."""
     given = copy.deepcopy(block)
-    split = fn(given, counting, dict(PLAN))
+    split = fn(given, counting, dict(plan))
     if not isinstance(split, torch.nn.Module):
         raise TypeError(f"parallelize must return the new block (a module), got {type(split).__name__}")
     untouched = (
@@ -422,7 +434,13 @@ def _parallelize_case(counting: CountingComm, fn: Callable[..., Any], block: Blo
     held = sum(p.numel() for p in split.parameters())
     x, g = (t.to(block.ln_1.weight.dtype) for t in _inputs())
     mine = x.clone().requires_grad_()
-    y = split(mine, SEED)
+    try:
+        y = split(mine, SEED)
+    except Exception as err:  # the answer's block failed: say with which plan
+        raise RuntimeError(
+            f"the split block's forward failed with the plan {plan} ({type(err).__name__}: {err}): replace only the "
+            "layers the plan names, and set attn.heads only when the attention is split"
+        ) from None
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"the split block must return a tensor, got {type(y).__name__}")
     forward = counting.traffic.bytes_sent
@@ -461,8 +479,10 @@ _SPLIT_NAMES = (
 )
 
 
-def _shard_index(name: str, rank: int, size: int) -> tuple[torch.Tensor, int] | None:
-    """(index, dim) of this rank's shard of a Block's parameter `name`, or None if it stays whole."""
+def _shard_index(name: str, rank: int, size: int, plan: dict[str, str]) -> tuple[torch.Tensor, int] | None:
+    """(index, dim) of this rank's shard of a Block's parameter `name` under `plan`, or None if it stays whole."""
+    if name.rpartition(".")[0] not in plan:
+        return None
     heads = block_range(HEADS, rank, size)
     d = EMBD // HEADS
     hidden = block_range(4 * EMBD, rank, size)
@@ -482,8 +502,10 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
     replaced by ones holding this rank's shard (attention by heads block_range(n_head, r, t), the MLP by
     hidden features block_range(4 n_embd, r, t)), the block passed in left as it was, every parameter value
     held a shard's or a LayerNorm's or a row layer's whole bias; output and gradients equal one process's
-    with dropout on; one allreduce per sub-layer each way; a plan naming an unknown layer, a pair split the
-    wrong way round, or one layer of a pair alone raises ValueError."""
+    with dropout on; one allreduce per split sub-layer each way; run with Megatron's plan, and in float64 with
+    plans that split only the attention or only the MLP (the other stays whole, its attention without heads);
+    a plan naming an unknown layer, a pair split the wrong way round, or one layer of a pair alone raises
+    ValueError."""
     world = MPI.COMM_WORLD
     block = _random_block(DROPOUT)
     x, g = _inputs()
@@ -493,18 +515,27 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
     want_y.backward(g)
 
     def body(sub: MPI.Comm) -> str | None:
-        return _first_in_dtypes(DTYPES, lambda dtype: in_dtype(sub, dtype), "block and input")
+        return _first_in_dtypes(sub, DTYPES, lambda dtype: in_dtype(sub, dtype), "block and input")
 
     def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
+        plans = [(PLAN, "")] + [(plan, f"with the plan {plan} ({why})") for plan, why in PARTIAL_PLANS]
+        for plan, label in plans if dtype == DTYPES[0] else plans[:1]:
+            problem = in_plan(sub, dtype, plan)
+            if any(sub.allgather(problem)):  # every rank stops at the same plan
+                return f"{label}: {problem}" if label and problem else problem
+        return None
+
+    def in_plan(sub: MPI.Comm, dtype: torch.dtype, plan: dict[str, str]) -> str | None:
         size, rank = sub.Get_size(), sub.Get_rank()
         given = copy.deepcopy(block).to(dtype)
         (out, grad_x, grads, held, untouched, refused, forward, backward), _ = run_counted(
             sub,
-            lambda c: _parallelize_case(c, fn, given, dtype == DTYPES[0]),
+            lambda c: _parallelize_case(c, fn, given, plan, dtype == DTYPES[0] and plan is PLAN),
             (),
             f"parallelize ({_name(dtype)})",
             timeout=TIMEOUT,
         )
+        totals = sub.allgather((forward, backward))  # before any rank returns: every rank takes this collective
         if not untouched:
             return (
                 "the block passed in was changed (its layers, parameters or attributes such as attn.heads): "
@@ -520,18 +551,25 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
         by_heads = f"rank {rank} of {size} holds heads {heads.start}..{heads.stop - 1} (block_range) and hidden "
         by_heads += "features block_range(4 n_embd, rank, t): those rows of qkv (of q, k and v) and fc, those columns "
         by_heads += "of the projections"
+        output_hint = "each rank's heads drop with their part of the whole mask"
+        if "attn.qkv" not in plan:
+            output_hint = "the attention stays whole here: split only the layers the plan names, and leave attn.heads"
+        elif "mlp.fc" not in plan:
+            output_hint = "the MLP stays whole here: split only the layers the plan names"
         wants: list[tuple[str, Any, torch.Tensor | None, str]] = [
-            ("the output", out, want_y.detach(), "each rank's heads drop with their part of the whole mask"),
+            ("the output", out, want_y.detach(), output_hint),
             ("the input's gradient", grad_x, x.grad, ""),
         ]
         whole = 0
         for name, got in zip(_SPLIT_NAMES, grads):
             want = one.get_parameter(name).grad
-            shard = _shard_index(name, rank, size)
+            shard = _shard_index(name, rank, size, plan)
             if shard is not None and want is not None:
                 want = want.index_select(shard[1], shard[0])
             whole += 0 if want is None else want.numel()
-            wants.append((f"{name}'s gradient", got, want, by_heads if shard else ""))
+            whole_here = name.rpartition(".")[0] in PLAN and not shard
+            hint = by_heads if shard else "the plan leaves this layer whole: split only the layers it names"
+            wants.append((f"{name}'s gradient", got, want, hint if shard or whole_here else ""))
         problem = _first_problem(wants, dtype)
         if problem:
             return problem
@@ -540,15 +578,15 @@ def check_parallelize(fn: Callable[[Block, Comm, dict[str, str]], torch.nn.Modul
                 f"the new block holds {held} parameter values on this rank; its shards and whole LayerNorms and "
                 f"biases are {whole}: keep only the shards (not the whole layers)"
             )
-        totals = sub.allgather((forward, backward))
         sent = (sum(f for f, _ in totals), sum(b for _, b in totals))
         e = torch.tensor([], dtype=dtype).element_size()
-        want_sent = 2 * 2 * (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * e  # two allreduces, all ranks
+        pairs = sum(first in plan for first in ("attn.qkv", "mlp.fc"))
+        want_sent = pairs * 2 * (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * e  # an allreduce per pair, all ranks
         if sent != (want_sent, want_sent):
             return (
                 f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected "
-                f"{want_sent:.0f} each: one allreduce after attention and one after the MLP forward, one before "
-                f"each backward" + _fewer(sent, (want_sent, want_sent))
+                f"{want_sent:.0f} each: one allreduce after each split sub-layer forward, one before its "
+                f"backward, and none for a sub-layer the plan leaves whole" + _fewer(sent, (want_sent, want_sent))
             )
         return None
 
@@ -637,7 +675,7 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
     assert whole_grad is not None
 
     def body(sub: MPI.Comm) -> str | None:
-        return _first_in_dtypes(BLOCK_DTYPES, lambda dtype: in_dtype(sub, dtype), "block and input")
+        return _first_in_dtypes(sub, BLOCK_DTYPES, lambda dtype: in_dtype(sub, dtype), "block and input")
 
     def in_dtype(sub: MPI.Comm, dtype: torch.dtype) -> str | None:
         size, rank = sub.Get_size(), sub.Get_rank()
@@ -649,6 +687,7 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
             f"the sequence-parallel block ({_name(dtype)})",
             timeout=TIMEOUT,
         )
+        totals = sub.allgather((forward, backward))  # before any rank returns: every rank takes this collective
         e = torch.tensor([], dtype=dtype).element_size()
         rows = block_range(BLOCK_LENGTH, rank, size)
         heads = block_range(HEADS, rank, size)
@@ -687,7 +726,6 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
                 "allgather, and the column-parallel layers keep only this rank's block of their input (allgather "
                 "it again in backward)"
             )
-        totals = sub.allgather((forward, backward))
         half = (size - 1) * BLOCK_BATCH * BLOCK_LENGTH * EMBD * e  # one allgather or reduce-scatter, all ranks
         params = sum(p.numel() for _, p in _block_parameters(block)[:REPLICATED] if p is not None)
         want_sent = (4 * half, 6 * half + 2 * (size - 1) * params * e)

@@ -2,7 +2,7 @@
 
 - `FlatSpace` (flat.py): a unit's parameters in one padded flat buffer, P equal shards, views.
 - `Sharded` (zero.py): ZeRO-1, ZeRO-2, ZeRO-3 with prefetch, mixed precision and activation checkpointing.
-- `ShardedOptimizer` (optimizer.py): ZeRO-1 around any torch.optim class, its state for one shard.
+- `ShardedOptimizer` (optimizer.py): ZeRO-1 around any element-wise torch.optim class, its state for one shard.
 - `DynamicLossScale` (precision.py): float16 training without gradients underflowing.
 - `save_sharded`, `load_sharded` (checkpoint.py): each rank writes its shards; load on any rank count.
 - `to_dcp`, `from_dcp` (torch_checkpoint.py): a checkpoint to and from torch.distributed.checkpoint (FSDP2 reads it).

@@ -66,6 +66,15 @@ for collectives it never starts, and a communicator freed with requests in fligh
 MPI. So the ledger defers the error (`Ledger.defer`) through each phase (forward,
 backward, the optimizer's step); every rank finishes the phase's collectives, then all
 agree (one allgather) and raise the same `AgreedOutOfMemory`, naming the rank and its budget.
+
+Exercise 13.5 signature: `zero3_unit(unit, comm) -> shard`, stage 3's core for one unit (an `nn.Module`,
+alike on every rank), in the parameters' dtype: the parameters made views of one flat buffer zero-padded to P
+equal shards of s = ceil(N/P) items, this rank's slice copied into a new `nn.Parameter` (returned), the
+buffer's storage shrunk to nothing; the unit's hooks gather every rank's current shard into it before its
+forward and again before its backward, free it after its forward, and once its last gradient has arrived
+reduce-scatter the flat zero-padded gradient over `comm`, set `shard.grad` to this rank's piece of the mean
+(a new tensor), set the parameters' `.grad` to None and free it. `Sharded(stage=3)` and `FlatSpace` are the
+library's answers to it.
 """
 
 from __future__ import annotations

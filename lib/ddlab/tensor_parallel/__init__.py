@@ -9,7 +9,8 @@
   `sequence_parallel_block` (with `BlockParts`), the functional forms exercises 14.3 and 14.5 write.
 - `parallelize(block, comm, plan)`, `parallelize_gpt`, `PLAN`: the module surgery of exercise 14.3 (the idea of
   PyTorch's `parallelize_module`), one process's block made tensor parallel by replacing its layers; with a
-  sequence-parallel block forward (exercise 14.5's), `SequenceParallelBlocks` runs the split blocks by it.
+  sequence-parallel block forward (exercise 14.5's), `SequenceParallelBlocks` runs the split blocks by it; with a
+  vocabulary-parallel loss (exercise 14.4's), `VocabParallelGPT` splits the embedding and the loss too.
 - `VocabParallelEmbedding`, `vocab_parallel_cross_entropy`: the vocabulary split, logits never gathered.
 - `TensorParallelGPT`, `reduce_sequence_parallel_grads`, `make_data_tensor_grid`, `train_step`; `Samples`
   and `residual_part`: which part of the whole tensor a rank's dropout masks keep (samples, sequence rows).
@@ -39,5 +40,5 @@ from .conjugates import Copy, Gather, Reduce, ReduceScatter, Scatter
 from .formulas import activation_bytes_per_layer, bytes_sent_per_step, ring_bytes
 from .layers import ColumnParallelLinear, GatherLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 from .model import DataTensorGrid, TensorParallelGPT, make_data_tensor_grid, reduce_sequence_parallel_grads, train_step
-from .surgery import PLAN, SequenceParallelBlocks, parallelize, parallelize_gpt
+from .surgery import PLAN, SequenceParallelBlocks, VocabParallelGPT, parallelize, parallelize_gpt
 from .vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range

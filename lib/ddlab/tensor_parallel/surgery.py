@@ -17,6 +17,10 @@ second "row", or neither. The block returned is a new one; LayerNorms stay whole
 With the blocks of a GPT replaced this way (`parallelize_gpt`), the embeddings, the last
 LayerNorm and the loss stay whole on every rank and the model steps as one process does.
 
+`parallelize_gpt(..., vocab_loss=loss)` splits the vocabulary too (`VocabParallelGPT`): the token embedding's
+rows `vocab_range` (the tied output layer's too) and the loss by `loss` on this rank's logits, which are never
+gathered (exercise 14.4's `vocab_parallel_cross_entropy`, or the student's).
+
 `parallelize_gpt(..., sequence_parallel=block_forward)` runs the split blocks sequence parallel
 (Korthikanti et al., MLSys 2023, section 4.2.2) with a block forward such as exercise 14.5's
 (`sequence_parallel_block(x, parts, comm, seed, length)`, its parts taken from each split block by
@@ -37,15 +41,17 @@ import copy
 from typing import Callable, Mapping, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..models.gpt import GPT, Block
+from ..models.gpt import GPT, Block, seeded_dropout
 from ..runtime.blocks import block_range
 from ..runtime.comm import Comm
 from ..runtime.reference import reference
 from .block import BlockParts, head_range, qkv_rows
-from .conjugates import Gather, Scatter
+from .conjugates import Copy, Gather, Scatter
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .vocab import VocabParallelEmbedding
 
 #: Builds one rank's block from a whole one: `parallelize`, or the student's.
 Parallelize = Callable[[Block, Comm, Mapping[str, str]], nn.Module]
@@ -53,6 +59,9 @@ Parallelize = Callable[[Block, Comm, Mapping[str, str]], nn.Module]
 #: A block's sequence-parallel forward (exercise 14.5): (this rank's rows x, parts, comm, seed, the sequence's
 #: length) -> this rank's rows of the block's output; `sequence_parallel_block`, or the student's.
 SequenceBlock = Callable[[torch.Tensor, BlockParts, Comm, int | None, int], torch.Tensor]
+
+#: A vocabulary-parallel loss (exercise 14.4): (this rank's logits (N, V_r), targets (N,), comm, start) -> the mean.
+VocabLoss = Callable[[torch.Tensor, torch.Tensor, Comm, int], torch.Tensor]
 
 #: Megatron-LM's plan for a GPT block (Shoeybi et al., 2019, figure 3).
 PLAN: dict[str, str] = {"attn.qkv": "column", "attn.proj": "row", "mlp.fc": "column", "mlp.proj": "row"}
@@ -121,19 +130,51 @@ class SequenceParallelBlocks(nn.Module):
         return Gather.apply(rows, self.comm, length, True)
 
 
+class VocabParallelGPT(nn.Module):
+    """A GPT whose blocks are already split, with its vocabulary split too: this rank's rows of the token
+    embedding (`VocabParallelEmbedding`), which are also the tied output layer's, and the loss by `vocab_loss` on
+    this rank's logits (B, T, V_r), never gathered. The position embedding and the LayerNorms stay whole."""
+
+    def __init__(self, model: GPT, comm: Comm, vocab_loss: VocabLoss):
+        super().__init__()
+        if model.lm_head is not None:
+            raise ValueError("VocabParallelGPT splits a GPT with tied embeddings (GPTConfig(tied=True))")
+        self.config, self.comm, self.vocab_loss = model.config, comm, vocab_loss
+        self.wte = VocabParallelEmbedding(model.wte, comm)
+        self.wpe, self.blocks, self.ln_f = model.wpe, model.blocks, model.ln_f
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, seed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) whole on every rank -> this rank's logits (B, T, V_r), and the mean loss if targets."""
+        if self.training and self.config.dropout > 0 and seed is None:
+            raise ValueError("training with dropout needs seed= (e.g. the step number): the masks are drawn from it")
+        seed = seed if self.training else None
+        x = seeded_dropout(self.wte(idx) + self.wpe(torch.arange(idx.shape[1])), self.config.dropout, seed, 0)
+        for block in self.blocks:
+            x = block(x, seed)
+        # f: every rank's logits need the whole x; backward sums the parts of its gradient that each vocabulary block made
+        logits = F.linear(Copy.apply(self.ln_f(x), self.comm), self.wte.weight)
+        if targets is None:
+            return logits, None
+        return logits, self.vocab_loss(logits.flatten(0, 1), targets.flatten(), self.comm, self.wte.vocab.start)
+
+
 def parallelize_gpt(
     model: GPT,
     comm: Comm,
     plan: Mapping[str, str] = PLAN,
     parallelize_block: Parallelize = parallelize,
     sequence_parallel: SequenceBlock | None = None,
-) -> GPT:
+    vocab_loss: VocabLoss | None = None,
+) -> nn.Module:
     """A copy of model with every block replaced by parallelize_block(block, comm, plan) (yours or the library's);
     with `sequence_parallel` (`sequence_parallel_block`, or yours) the split blocks run sequence parallel by it,
-    as one module (`SequenceParallelBlocks`, the only entry of the copy's `blocks`)."""
+    as one module (`SequenceParallelBlocks`, the only entry of the copy's `blocks`); with `vocab_loss`
+    (`vocab_parallel_cross_entropy`, or yours) the vocabulary is split too (a `VocabParallelGPT`)."""
     split = copy.deepcopy(model)
     blocks = [parallelize_block(cast(Block, b), comm, plan) for b in model.blocks]
     split.blocks = nn.ModuleList(
         blocks if sequence_parallel is None else [SequenceParallelBlocks(blocks, comm, sequence_parallel)]
     )
-    return split
+    return split if vocab_loss is None else VocabParallelGPT(split, comm, vocab_loss)
