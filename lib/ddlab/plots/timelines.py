@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import matplotlib.pyplot as plt
 
@@ -54,12 +55,11 @@ def gantt(
     """
     fig, ax = subplots(figsize=(10, 0.5 * len(_rows(spans_by_rank)) + 1.4))
     _chart(ax, spans_by_rank, title, unit, unit_name)
-    fig.tight_layout()
     return describe(fig, alt)
 
 
 def _chart(ax: plt.Axes, spans_by_rank: Sequence[Sequence[Span]], title: str, unit: float, unit_name: str) -> None:
-    """Draw the Gantt chart of `gantt` into `ax`."""
+    """Draw the Gantt chart of `gantt` into `ax`, and lay out its figure."""
     rows = _rows(spans_by_rank)
     end = max((s.end for _, _, spans in rows for s in spans), default=1.0) * unit
     for row, (_, _, spans) in enumerate(rows):
@@ -99,6 +99,7 @@ def _chart(ax: plt.Axes, spans_by_rank: Sequence[Sequence[Span]], title: str, un
         frameon=False,
     )
     ax.set_title(title, fontsize=10)
+    cast(plt.Figure, ax.figure).tight_layout()
 
 
 def gantt_pair(
