@@ -34,7 +34,8 @@ def draw(out: Path = OUT, dpi: int = 80) -> Path:
         spans.append(as_spans(timeline))
         name = "GPipe" if schedule is gpipe else "1F1B"
         titles.append(f"{name}: {STAGES} stages, {MICRO_BATCHES} micro-batches, bubble {bubble(timeline):.2f}")
-    fig = gantt_pair(spans[0], spans[1], (titles[0], titles[1]))
+    alt = f"GPipe above 1F1B on {STAGES} stages: both idle the same share; 1F1B holds fewer micro-batches per stage"
+    fig = gantt_pair(spans[0], spans[1], (titles[0], titles[1]), alt=alt)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
     return out

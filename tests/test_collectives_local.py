@@ -99,7 +99,7 @@ def test_data_movement_figure():
     from ddlab.plots import data_movement
 
     before = [np.arange(4) + 10 * r for r in range(3)]
-    fig = data_movement(before, [sum(before), None, None], "Reduce", combined=True)
+    fig = data_movement(before, [sum(before), None, None], "Reduce", combined=True, alt="3 ranks reduce to rank 0")
     assert [ax.get_title() for ax in fig.axes] == ["before", "after"]
-    empty = data_movement([np.arange(2), np.full(2, -1)], [np.arange(2)] * 2, "Bcast")
+    empty = data_movement([np.arange(2), np.full(2, -1)], [np.arange(2)] * 2, "Bcast", alt="rank 0 broadcasts 2 values")
     assert len(empty.axes) == 2

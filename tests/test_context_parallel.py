@@ -245,9 +245,9 @@ def test_figures_draw_the_ring_and_the_layouts():
     import matplotlib.pyplot as plt
     from ddlab.context_parallel.figures import layouts, ring_steps
 
-    ring = ring_steps(3)
+    ring = ring_steps(3, alt="the ring of 3 ranks, step by step")
     assert sum(t.get_text().startswith("KV") for t in ring.axes[0].texts) == 9  # 3 ranks x 3 steps
-    both = layouts(12, 3)
+    both = layouts(12, 3, alt="contiguous and zig-zag rows on 3 ranks")
     assert [ax.get_title().split(":")[0] for ax in both.axes] == ["contiguous", "zig-zag"]
     assert "max/mean 1.00" in both.axes[1].get_title()
     plt.close("all")

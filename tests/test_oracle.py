@@ -219,7 +219,7 @@ def test_plan_maps_colour_a_strategy_the_same_in_every_map():
     from ddlab.oracle.figures import plot_plan_map
 
     def colour(best, key):
-        fig = plot_plan_map(best, [4, 16], [224], "t")
+        fig = plot_plan_map(best, [4, 16], [224], "t", alt="the planner's fastest strategy per cell")
         image = fig.axes[0].images[0].get_array()
         labels = [t.get_text() for t in fig.axes[0].texts]
         plt.close(fig)
@@ -229,7 +229,7 @@ def test_plan_maps_colour_a_strategy_the_same_in_every_map():
     two, _ = colour({(4, 224): "data", (16, 224): "data x pipeline"}, (16, 224))
     assert one == two and "data x\npipeline" in labels
     with pytest.raises(ValueError, match="no colour"):
-        plot_plan_map({(4, 224): "data x tensor"}, [4], [224], "t")
+        plot_plan_map({(4, 224): "data x tensor"}, [4], [224], "t", alt="a strategy without a colour")
 
 
 def test_an_accuracy_below_zero_shows_as_zero_with_the_ratio():

@@ -39,6 +39,7 @@ _READ_CELLS = """() => Array.from(document.querySelectorAll('.jp-NotebookPanel:n
       mime: out.getAttribute('data-mime-type') || '',
       text: out.innerText,
       images: out.querySelectorAll('img').length,
+      alts: Array.from(out.querySelectorAll('img')).map(img => img.getAttribute('alt') || ''),
       widgets: out.querySelectorAll('.jupyter-widgets, .widget-html, progress').length,
     })),
   }))"""
@@ -227,7 +228,8 @@ def student_view_problems(
     - errors and stderr only in cells tagged raises-exception, besides the `notices` expected;
     - in labs/, every check cell fails on the exercise stub (NotImplementedError); in
       solutions/, every check cell prints its `passed:` line;
-    - every cell that draws shows an image; no log lines, progress bars or widgets anywhere.
+    - every cell that draws shows an image, and every image its text alternative (`<img alt>`, from
+      ddlab.plots.alt's text/html); no log lines, progress bars or widgets anywhere.
     """
     problems = []
     expected_cells = len(json.loads(notebook.read_text())["cells"])
@@ -251,6 +253,8 @@ def student_view_problems(
                 problems.append(f"{where}: no 'passed:' line; it shows:\n{cell.text()[-1500:]}")
         if cell.index in draws and not (in_lab and "needs-solution" in cell.tags) and cell.images == 0:
             problems.append(f"{where} draws a figure but shows no image; it shows:\n{cell.text()[-800:]}")
+        if any(not alt.strip() for o in cell.outputs for alt in o.get("alts", [])):
+            problems.append(f"{where} shows an image without a text alternative (no alt): pass alt= to its figure")
         for what, pattern in NOISE.items():
             if pattern.search(cell.text()):
                 problems.append(f"{where} shows {what}:\n{cell.text()[-800:]}")

@@ -23,8 +23,10 @@ NOTEBOOK = {
 }
 
 
-def out(text: str, mime: str = "application/vnd.jupyter.stdout", images: int = 0, widgets: int = 0) -> dict:
-    return {"mime": mime, "text": text, "images": images, "widgets": widgets}
+def out(
+    text: str, mime: str = "application/vnd.jupyter.stdout", images: int = 0, widgets: int = 0, alts: tuple = ()
+) -> dict:
+    return {"mime": mime, "text": text, "images": images, "widgets": widgets, "alts": list(alts)}
 
 
 STDERR = "application/vnd.jupyter.stderr"
@@ -34,7 +36,7 @@ def page(**changes: list[dict]) -> list[Cell]:
     """The page of a good run of NOTEBOOK, with some cells' outputs replaced."""
     outputs = {
         0: [],
-        1: [out("", "image/png", images=1)],
+        1: [out("", "text/html", images=1, alts=["Bcast: every rank gets the root's array"])],
         2: [out("[stdout:0] passed: all ranks agree")],
         3: [out("[Engine Exception]", STDERR), out("Only 3 of 4 engines are up: an engine crashed", STDERR)],
         4: [out("1\n")],
@@ -64,6 +66,7 @@ def test_a_good_page_passes(notebook: Path) -> None:
     "changes,complaint",
     [
         ({"c1": [out("<Figure size 640x480 with 1 Axes>", "text/plain")]}, "draws a figure but shows no image"),
+        ({"c1": [out("", "image/png", images=1, alts=[""])]}, "an image without a text alternative"),
         ({"c2": [out("[stdout:0] all good")]}, "no 'passed:' line"),
         ({"c4": [out("1\n"), out("Traceback ... ValueError", STDERR)]}, "shows error output"),
         ({"c4": [out("Only 3 of 4 engines are up: an engine crashed", STDERR)]}, "shows error output"),

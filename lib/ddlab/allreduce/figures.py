@@ -8,6 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyArrowPatch
 
+from ..plots.alt import describe, subplots
 from ..plots.helpers import arrow, rank_colour, size_axis
 from .algorithms import largest_power_of_two, member_rank
 from .cost import bus_bandwidth
@@ -30,7 +31,7 @@ def _relative(offset: int) -> str:
     return "r" if offset == 0 else f"r{offset:+d}"
 
 
-def ring_allreduce_steps(p: int = 4) -> plt.Figure:
+def ring_allreduce_steps(p: int = 4, *, alt: str) -> plt.Figure:
     """The ring allreduce step by step: rows are ranks, columns chunks, stripes whose data a chunk holds.
 
     Reduce-scatter step s: rank r sends chunk r-s to rank r+1, which adds it to its own.
@@ -57,7 +58,7 @@ def ring_allreduce_steps(p: int = 4) -> plt.Figure:
             )
             held = new
     rows = -(-len(stages) // p)
-    fig, axes = plt.subplots(rows, p, figsize=(2.6 * p, 2.5 * rows), squeeze=False)
+    fig, axes = subplots(rows, p, figsize=(2.6 * p, 2.5 * rows), squeeze=False)
     for ax, (title, state, arrived) in zip(axes.flat, stages):
         for r in range(p):
             for c in range(p):
@@ -80,10 +81,10 @@ def ring_allreduce_steps(p: int = 4) -> plt.Figure:
         fontsize=9,
     )
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def exchange_pattern(p: int = 6, algorithm: str = "recursive_doubling") -> plt.Figure:
+def exchange_pattern(p: int = 6, algorithm: str = "recursive_doubling", *, alt: str) -> plt.Figure:
     """Who exchanges with whom, step by step, in recursive doubling or Rabenseifner's algorithm.
 
     With P not a power of two, the first 2r ranks (r = P - p') fold in first (even rank
@@ -105,7 +106,7 @@ def exchange_pattern(p: int = 6, algorithm: str = "recursive_doubling") -> plt.F
         + [(f"step {i + 1}\ndistance {d}", d, size) for i, (d, size) in enumerate(core)]
         + ([("fold out", None, "n")] if extra else [])
     )
-    fig, ax = plt.subplots(figsize=(1.25 * len(columns) + 1.5, 0.45 * p + 1.3))
+    fig, ax = subplots(figsize=(1.25 * len(columns) + 1.5, 0.45 * p + 1.3))
     out = {2 * i for i in range(extra)}
     for x, (label, distance, size) in enumerate(columns):
         if distance is None:  # the fold: one-way arrows between ranks 2i and 2i+1
@@ -141,7 +142,7 @@ def exchange_pattern(p: int = 6, algorithm: str = "recursive_doubling") -> plt.F
     name = "Recursive doubling" if algorithm == "recursive_doubling" else "Rabenseifner (halving, then doubling)"
     ax.set_title(f"{name} on {p} ranks" + (f" (p' = {pof2}; grey ranks sit out)" if extra else ""), fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def allreduce_sweep(
@@ -150,11 +151,13 @@ def allreduce_sweep(
     size: int,
     predicted: dict[str, Sequence[float]] | None = None,
     memcpy_bandwidth: float | None = None,
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Allreduce time against size (measured dots, predicted dashes) and bus bandwidth against memcpy's."""
 
     n = np.asarray(nbytes, dtype=float)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = subplots(1, 2, figsize=(11, 4))
     for i, (name, seconds) in enumerate(measured.items()):
         colour = plt.get_cmap("tab10")(i)
         left.loglog(n, np.asarray(seconds) * 1e6, "o-", ms=4, color=colour, label=name)
@@ -172,12 +175,12 @@ def allreduce_sweep(
     right.set_ylabel("bus bandwidth (GB/s)")
     right.set_title("Bus bandwidth = n / T * 2(P-1)/P", fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def bytes_against_lower_bound(sent: dict[str, float], lower_bound: float, title: str = "") -> plt.Figure:
+def bytes_against_lower_bound(sent: dict[str, float], lower_bound: float, title: str = "", *, alt: str) -> plt.Figure:
     """Bytes the busiest rank sent, per algorithm, against the lower bound 2(P-1)/P n."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    fig, ax = subplots(figsize=(6.5, 3.2))
     names = list(sent)
     ax.bar(range(len(names)), [sent[k] for k in names], color=[plt.get_cmap("tab10")(i) for i in range(len(names))])
     ax.axhline(lower_bound, color="black", ls="--", lw=1, label="lower bound 2(P-1)/P n")
@@ -187,13 +190,13 @@ def bytes_against_lower_bound(sent: dict[str, float], lower_bound: float, title:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def call_parts(microseconds: dict[str, float], baseline: str, title: str = "") -> plt.Figure:
+def call_parts(microseconds: dict[str, float], baseline: str, title: str = "", *, alt: str) -> plt.Figure:
     """What each part of a small allreduce call costs (horizontal bars, in us), the baseline's time dashed."""
     names = list(microseconds)[::-1]
-    fig, ax = plt.subplots(figsize=(7.5, 0.35 * len(names) + 1.2))
+    fig, ax = subplots(figsize=(7.5, 0.35 * len(names) + 1.2))
     colours = ["black" if name == baseline else plt.get_cmap("tab10")(i) for i, name in enumerate(names)]
     ax.barh(range(len(names)), [microseconds[k] for k in names], color=colours)
     ax.axvline(microseconds[baseline], color="black", ls="--", lw=1)
@@ -201,4 +204,4 @@ def call_parts(microseconds: dict[str, float], baseline: str, title: str = "") -
     ax.set_xlabel("microseconds per call (median, slowest rank)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

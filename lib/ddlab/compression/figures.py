@@ -8,19 +8,20 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from ..plots import size_axis
+from ..plots.alt import describe, subplots
 from ..plots.helpers import finish_panels
 from .experiment import TrainingRun
 
 MARKERS = {"dense": "*", "topk": "o", "randomk": "s", "qsgd8": "^", "sign": "D"}
 
 
-def bytes_and_loss(runs: Sequence[TrainingRun], steps: int) -> plt.Figure:
+def bytes_and_loss(runs: Sequence[TrainingRun], steps: int, *, alt: str) -> plt.Figure:
     """Left: test loss against bytes per step over the dense ring's; right: time per step over the dense ring's.
 
     Filled markers are runs with error feedback, hollow ones without.
     """
     dense = next(r for r in runs if r.method == "dense")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 3.8))
     for i, run in enumerate(runs):
         label = (
             run.method
@@ -40,14 +41,19 @@ def bytes_and_loss(runs: Sequence[TrainingRun], steps: int) -> plt.Figure:
         ax.set_xscale("log")
     finish_panels(fig, (left, right), "bytes sent per step / dense ring's", "Compressed gradients on lab 04's MLP")
     right.get_legend().remove()
-    return fig
+    return describe(fig, alt)
 
 
 def hierarchical_vs_flat(
-    sizes: Sequence[float], measured: dict[str, Sequence[float]], predicted: dict[str, Sequence[float]], title: str
+    sizes: Sequence[float],
+    measured: dict[str, Sequence[float]],
+    predicted: dict[str, Sequence[float]],
+    title: str,
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Seconds per allreduce against bytes, measured (solid) and predicted (dotted), one colour per method."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = subplots(figsize=(6.5, 3.8))
     for i, name in enumerate(measured):
         ax.loglog(sizes, np.asarray(measured[name]), "o-", color=f"C{i}", label=f"{name}, measured")
         ax.loglog(sizes, np.asarray(predicted[name]), ":", color=f"C{i}", label=f"{name}, model")
@@ -55,4 +61,4 @@ def hierarchical_vs_flat(
     ax.set_title(title, fontsize=10)
     size_axis(ax, sizes, "vector size")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

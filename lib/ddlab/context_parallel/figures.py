@@ -6,13 +6,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import to_hex
 
+from ..plots.alt import describe, subplots
 from ..plots.helpers import arrow, box, rank_colour
 from .layout import all_positions, causal_work
 
 
-def ring_steps(size: int = 4) -> plt.Figure:
+def ring_steps(size: int = 4, *, alt: str) -> plt.Figure:
     """One row per step: each rank's queries (its colour) meet the key/value block it holds (its owner's colour)."""
-    fig, ax = plt.subplots(figsize=(1.9 * size + 1, 1.0 * size + 0.6))
+    fig, ax = subplots(figsize=(1.9 * size + 1, 1.0 * size + 0.6))
     for step in range(size):
         y = size - 1 - step
         ax.text(-0.35, y + 0.35, f"step {step}", ha="right", va="center", fontsize=9)
@@ -34,12 +35,12 @@ def ring_steps(size: int = 4) -> plt.Figure:
     ax.axis("off")
     ax.set_title("Ring attention: each step a rank sends the K/V block it holds to the next rank while it computes")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def layouts(length: int = 16, size: int = 4) -> plt.Figure:
+def layouts(length: int = 16, size: int = 4, *, alt: str) -> plt.Figure:
     """The causal score matrix coloured by the rank that computes each row, contiguous vs zig-zag, with each rank's work."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    fig, axes = subplots(1, 2, figsize=(10, 4.6))
     for ax, zigzag in zip(axes, (False, True)):
         positions = all_positions(length, size, zigzag)
         picture = np.ones((length, length, 4))
@@ -56,4 +57,4 @@ def layouts(length: int = 16, size: int = 4) -> plt.Figure:
     fig.legend(handles, [f"rank {r}" for r in range(size)], loc="lower center", ncol=size, frameon=False)
     fig.suptitle(f"Who computes which scores under the causal mask ({length} positions, {size} ranks)")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    return fig
+    return describe(fig, alt)

@@ -8,12 +8,14 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
 
-def stress_strain_curves(data: Any, indices: Sequence[int]) -> plt.Figure:
+
+def stress_strain_curves(data: Any, indices: Sequence[int], *, alt: str) -> plt.Figure:
     """Tensile tests of a ddlab.data.StressStrainCurves set; x marks fracture, legend the targets."""
     strain, stress, flag = data.curves(indices)
     params = data.parameters(indices)
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    fig, ax = subplots(figsize=(7.5, 3.6))
     for i in range(len(strain)):
         intact = flag[i] == 1
         (line,) = ax.plot(
@@ -31,4 +33,4 @@ def stress_strain_curves(data: Any, indices: Sequence[int]) -> plt.Figure:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

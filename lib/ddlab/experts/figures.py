@@ -7,10 +7,13 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
 from ..plots.helpers import rank_colour
 
 
-def routing(expert: Sequence[np.ndarray], kept: Sequence[np.ndarray], n_experts: int, title: str = "") -> plt.Figure:
+def routing(
+    expert: Sequence[np.ndarray], kept: Sequence[np.ndarray], n_experts: int, title: str = "", *, alt: str
+) -> plt.Figure:
     """Each rank's tokens (left, a colour per rank) to their experts (right, grouped by the rank holding them).
 
     expert[r][i]: the expert token i of rank r chose (k = 1); kept[r][i]: False if it was dropped
@@ -19,7 +22,7 @@ def routing(expert: Sequence[np.ndarray], kept: Sequence[np.ndarray], n_experts:
     """
     size = len(expert)
     per_rank = n_experts // size
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = subplots(figsize=(7, 4.2))
     total = sum(len(e) for e in expert)
     token_y = np.linspace(0, 1, max(total, 2))
     expert_y = np.linspace(0.05, 0.95, n_experts)
@@ -45,12 +48,14 @@ def routing(expert: Sequence[np.ndarray], kept: Sequence[np.ndarray], n_experts:
     ax.axis("off")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def expert_load(loads: dict[str, np.ndarray], capacity: float | None = None, title: str = "") -> plt.Figure:
+def expert_load(
+    loads: dict[str, np.ndarray], capacity: float | None = None, title: str = "", *, alt: str
+) -> plt.Figure:
     """Assignments per expert for each labelled run, side by side, and the capacity as a line."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    fig, ax = subplots(figsize=(6.5, 3.2))
     width = 0.8 / max(len(loads), 1)
     for j, (label, load) in enumerate(loads.items()):
         load = np.asarray(load, dtype=float)
@@ -69,4 +74,4 @@ def expert_load(loads: dict[str, np.ndarray], capacity: float | None = None, tit
     ax.grid(alpha=0.3, axis="y")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

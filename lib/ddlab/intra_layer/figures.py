@@ -7,10 +7,12 @@ from typing import Any
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
+from ..plots.alt import describe, subplots
 
-def plot_slabs(bounds: list[int], halo: int, width: int = 16) -> Any:
+
+def plot_slabs(bounds: list[int], halo: int, width: int = 16, *, alt: str) -> Any:
     """Each rank's slab (bounds[r] to bounds[r+1]) in its colour, and beside it the slab with its halos hatched."""
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(9, 4), sharey=True)
     height, colours = bounds[-1], plt.get_cmap("tab10")
     for rank, (a, b) in enumerate(zip(bounds, bounds[1:])):
         colour = colours(rank % 10)
@@ -41,4 +43,4 @@ def plot_slabs(bounds: list[int], halo: int, width: int = 16) -> Any:
         ax.set_ylim(height, 0)
     axes[0].set_ylabel("row")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

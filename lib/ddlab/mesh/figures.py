@@ -6,15 +6,16 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
+from ..plots.alt import describe, subplots
 from ..runtime.memory import mib
 
 if TYPE_CHECKING:
     from .training import MeshRun
 
 
-def plot_layouts(runs: list[MeshRun]) -> plt.Figure:
+def plot_layouts(runs: list[MeshRun], *, alt: str) -> plt.Figure:
     """Two panels: the step time of each layout, and its peak memory per rank (the largest and smallest rank's)."""
-    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, (time_ax, memory_ax) = subplots(1, 2, figsize=(9, 3.2))
     labels = [run.label for run in runs]
     where = range(len(runs))
     time_ax.bar(where, [run.seconds * 1e3 for run in runs], color="tab:blue")
@@ -31,4 +32,4 @@ def plot_layouts(runs: list[MeshRun]) -> plt.Figure:
     time_ax.set_title("step time")
     memory_ax.set_title(f"memory (data parallel: {mib(max(runs[0].peak_bytes))})" if runs else "memory")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

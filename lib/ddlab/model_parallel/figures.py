@@ -7,15 +7,22 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
+
 
 def memory_fit(
-    sides: Sequence[int], peaks: dict[str, Sequence[Sequence[float]]], budget: float, fits: dict[str, Sequence[bool]]
+    sides: Sequence[int],
+    peaks: dict[str, Sequence[Sequence[float]]],
+    budget: float,
+    fits: dict[str, Sequence[bool]],
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Largest per-rank peak memory against image side, one line per split, the budget as a line; x marks OOM.
 
     peaks[split][i]: the ranks' peak bytes at sides[i].
     """
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig, ax = subplots(figsize=(6.5, 3.6))
     for split, per_side in peaks.items():
         worst = np.array([max(p) / 2**20 for p in per_side])
         (line,) = ax.plot(sides, worst, "o-", ms=4, label=split)
@@ -28,7 +35,7 @@ def memory_fit(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def per_layer_bars(
@@ -37,9 +44,11 @@ def per_layer_bars(
     ylabel: str,
     title: str = "",
     bounds: Sequence[int] | None = None,
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Stacked bars, one per layer (e.g. parameter and activation bytes); dashed lines at stage bounds."""
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.3 * len(names)), 3.4))
+    fig, ax = subplots(figsize=(max(7.0, 0.3 * len(names)), 3.4))
     bottom = np.zeros(len(names))
     for label, series in values.items():
         ax.bar(range(len(names)), series, bottom=bottom, label=label)
@@ -52,4 +61,4 @@ def per_layer_bars(
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

@@ -12,6 +12,7 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
 from .strategies import MEMORY
 
 TIME_PARTS = ("compute", "communication", "bubble", "overhead")
@@ -43,12 +44,12 @@ def _accuracy_label(accuracy: float, predicted: float, measured: float) -> str:
     return f"0%\n(pred {predicted / measured:.1f}x)"
 
 
-def plot_validation(results: Sequence) -> plt.Figure:
+def plot_validation(results: Sequence, *, alt: str) -> plt.Figure:
     """Per strategy: predicted time (stacked parts) beside measured, and the worst rank's memory likewise.
 
     The accuracy 1 - |pred - meas| / meas stands above each pair. `results`: `Validation`s.
     """
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
+    fig, (left, right) = subplots(1, 2, figsize=(13, 4.2))
     x = np.arange(len(results))
     w = 0.38
     for ax, kind in ((left, "time"), (right, "memory")):
@@ -74,11 +75,16 @@ def plot_validation(results: Sequence) -> plt.Figure:
         ax.set_title("time: predicted (left) vs measured" if kind == "time" else "peak memory per rank")
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def plot_plan_map(
-    best: dict[tuple[int, int], str], devices: Sequence[int], sides: Sequence[int], title: str
+    best: dict[tuple[int, int], str],
+    devices: Sequence[int],
+    sides: Sequence[int],
+    title: str,
+    *,
+    alt: str,
 ) -> plt.Figure:
     """A grid of devices x image sides, each cell named by the planner's fastest feasible strategy."""
     unknown = sorted(set(best.values()) - set(STRATEGY_COLOURS))
@@ -86,7 +92,7 @@ def plot_plan_map(
         raise ValueError(f"no colour for {unknown}: the map knows the planner's strategies {list(STRATEGY_COLOURS)}")
     blank = (1.0, 1.0, 1.0, 1.0)  # no feasible strategy
     grid = np.array([[STRATEGY_COLOURS.get(best.get((p, s), ""), blank) for p in devices] for s in sides])
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(sides) + 1.6))
+    fig, ax = subplots(figsize=(12, 0.6 * len(sides) + 1.6))
     ax.imshow(grid, aspect="auto")
     for r, s in enumerate(sides):
         for c, p in enumerate(devices):
@@ -98,16 +104,16 @@ def plot_plan_map(
     ax.set_ylabel("image side")
     ax.set_title(title)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def plot_published(rows: Sequence) -> plt.Figure:
+def plot_published(rows: Sequence, *, alt: str) -> plt.Figure:
     """ParaDL's published runs: predicted against measured epoch seconds, ParaDL's and this library's.
 
     One panel per model, log-log; on the diagonal a prediction is exact. `rows`: `paradl_abci.Row`s.
     """
     models = sorted({r.model for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.4), squeeze=False)
+    fig, axes = subplots(1, len(models), figsize=(6 * len(models), 4.4), squeeze=False)
     markers = {"data x spatial": "o", "data x filter": "s", "filter": "^", "channel": "v"}
     for ax, model in zip(axes[0], models):
         chosen = [r for r in rows if r.model == model]
@@ -128,4 +134,4 @@ def plot_published(rows: Sequence) -> plt.Figure:
     axes[0][-1].legend(fontsize=7, loc="upper left")
     fig.suptitle("ParaDL's ABCI runs (its technical report, Table VIII): predicted against measured")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

@@ -7,15 +7,18 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
 from ..plots.helpers import byte_label, size_axis
 
 
-def latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], alpha: float, beta: float) -> plt.Figure:
+def latency_bandwidth(
+    nbytes: Sequence[float], seconds: Sequence[float], alpha: float, beta: float, *, alt: str
+) -> plt.Figure:
     """Ping-pong times against the model T(n) = alpha + beta*n (log-log), and bandwidth n/T(n)."""
     n, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
     dense = np.geomspace(max(n.min(), 1), n.max(), 200)
     model = alpha + beta * dense
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 3.8))
     left.loglog(n, t * 1e6, "o", ms=4, label="measured (ping-pong)")
     left.loglog(
         dense, model * 1e6, "-", label=f"model: alpha = {alpha * 1e6:.3g} us, 1/beta = {1 / beta / 1e9:.3g} GB/s"
@@ -33,4 +36,4 @@ def latency_bandwidth(nbytes: Sequence[float], seconds: Sequence[float], alpha: 
     for ax in (left, right):
         size_axis(ax, n, "message size")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

@@ -7,16 +7,22 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
 from ..plots.helpers import finish_panels
 from .replay import Comparison
 from .run import Record
 
 
 def cost_against_workers(
-    workers: Sequence[int], measured: dict[str, Sequence[float]], predicted: dict[str, Sequence[float]], title: str
+    workers: Sequence[int],
+    measured: dict[str, Sequence[float]],
+    predicted: dict[str, Sequence[float]],
+    title: str,
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Milliseconds per step against the number of workers P: measured (left) and modelled (right), per method."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 3.6))
     for i, name in enumerate(measured):
         left.plot(workers, 1e3 * np.asarray(measured[name]), "o-", color=f"C{i}", label=f"{name}, measured")
         right.plot(workers, 1e3 * np.asarray(predicted[name]), "o:", color=f"C{i}", label=f"{name}, model")
@@ -25,12 +31,12 @@ def cost_against_workers(
         ax.set_ylim(bottom=0)
     left.set_ylabel("ms per step")
     right.set_ylabel("ms per step, transfers only")
-    return finish_panels(fig, (left, right), "workers P", title)
+    return describe(finish_panels(fig, (left, right), "workers P", title), alt)
 
 
-def loss_per_mode(runs: dict[float, Sequence[Record]]) -> plt.Figure:
+def loss_per_mode(runs: dict[float, Sequence[Record]], *, alt: str) -> plt.Figure:
     """Loss against wall-clock (left) and against steps (right), one row per straggler factor, one line per mode."""
-    fig, axes = plt.subplots(len(runs), 2, figsize=(10, 3.2 * len(runs)), squeeze=False)
+    fig, axes = subplots(len(runs), 2, figsize=(10, 3.2 * len(runs)), squeeze=False)
     for row, (factor, records) in zip(axes, runs.items()):
         for i, record in enumerate(records):
             seconds, steps, loss = np.array(record.curve).T
@@ -46,14 +52,18 @@ def loss_per_mode(runs: dict[float, Sequence[Record]]) -> plt.Figure:
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def staleness_and_divergence(
-    staleness: dict[str, Sequence[int]], divergence: Sequence[float], title: str
+    staleness: dict[str, Sequence[int]],
+    divergence: Sequence[float],
+    title: str,
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Left: how many updates were applied between a gradient's pull and its push, per mode; right: gossip's spread."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 3.6))
     most = max((max(values, default=0) for values in staleness.values()), default=0)
     edges = np.arange(most + 2) - 0.5
     for i, (mode, values) in enumerate(staleness.items()):
@@ -74,14 +84,14 @@ def staleness_and_divergence(
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def straggler_kinds(comparison: Comparison) -> plt.Figure:
+def straggler_kinds(comparison: Comparison, *, alt: str) -> plt.Figure:
     """Per staleness bound s (inf: asynchronous): time to a fixed number of updates (left), loss after them (right).
 
     One line per kind of straggler (steady, transient), each point a mean over seeds."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 3.4))
     where = np.arange(len(comparison.bounds))
     for i, kind in enumerate(comparison.time):
         left.plot(where, comparison.time[kind], "o-", color=f"C{i}", label=f"{kind} straggler")
@@ -97,4 +107,4 @@ def straggler_kinds(comparison: Comparison) -> plt.Figure:
     left.set_ylabel("time to the updates (1 = a normal step)")
     right.set_ylabel("loss after the updates")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

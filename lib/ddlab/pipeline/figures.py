@@ -7,10 +7,12 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
 
-def rank_bars(values: dict[str, Sequence[float]], ylabel: str, title: str = "") -> plt.Figure:
+
+def rank_bars(values: dict[str, Sequence[float]], ylabel: str, title: str = "", *, alt: str) -> plt.Figure:
     """Grouped bars: one group per rank, one bar per label (e.g. peak activations, GPipe vs 1F1B)."""
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = subplots(figsize=(6, 3.4))
     labels = list(values)
     ranks = len(next(iter(values.values())))
     width = 0.8 / len(labels)
@@ -22,12 +24,14 @@ def rank_bars(values: dict[str, Sequence[float]], ylabel: str, title: str = "") 
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def bubble_vs_theory(micro_batches: Sequence[int], measured: dict[str, Sequence[float]], stages: int) -> plt.Figure:
+def bubble_vs_theory(
+    micro_batches: Sequence[int], measured: dict[str, Sequence[float]], stages: int, *, alt: str
+) -> plt.Figure:
     """Measured bubble fraction against micro-batches, with the theory (K-1)/(M+K-1)."""
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = subplots(figsize=(6, 3.5))
     m = np.asarray(micro_batches, dtype=float)
     fine = np.linspace(m.min(), m.max(), 200)
     ax.plot(fine, (stages - 1) / (fine + stages - 1), "k--", lw=1, label=f"(K-1)/(M+K-1), K={stages}")
@@ -42,4 +46,4 @@ def bubble_vs_theory(micro_batches: Sequence[int], measured: dict[str, Sequence[
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from .alt import describe, subplots
 from .helpers import arrow, box
 
 
-def cluster_diagram(n_engines: int = 4) -> plt.Figure:
+def cluster_diagram(n_engines: int = 4, *, alt: str) -> plt.Figure:
     """Notebook -> controller -> engines, with the MPI messages between engines."""
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = subplots(figsize=(7, 3.2))
     width = 1.2 * n_engines
     box(ax, width / 2 - 0.7, 2.4, 1.4, 0.5, "notebook\n(kernel)", "#e8f0fe")
     box(ax, width / 2 - 0.7, 1.4, 1.4, 0.5, "controller", "#fde9d9")
@@ -25,4 +26,4 @@ def cluster_diagram(n_engines: int = 4) -> plt.Figure:
     ax.set_ylim(0, 3.0)
     ax.axis("off")
     ax.set_title(f"One MPI job of {n_engines} engines, driven from this notebook", fontsize=10)
-    return fig
+    return describe(fig, alt)

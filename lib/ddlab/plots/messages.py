@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from .alt import describe, subplots
 from .helpers import rank_colour, size_axis
 
 
@@ -57,7 +58,12 @@ def _draw_ranks(ax: plt.Axes, arrays: Sequence[np.ndarray | None], width: int, c
 
 
 def data_movement(
-    before: Sequence[np.ndarray | None], after: Sequence[np.ndarray | None], title: str, combined: bool = False
+    before: Sequence[np.ndarray | None],
+    after: Sequence[np.ndarray | None],
+    title: str,
+    combined: bool = False,
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Every rank's array before and after a collective, side by side.
 
@@ -67,7 +73,7 @@ def data_movement(
     over ranks (reduce, allreduce) and are drawn striped in every rank's colour.
     """
     widths = [max([np.size(a) for a in arrays if a is not None], default=1) for arrays in (before, after)]
-    fig, axes = plt.subplots(
+    fig, axes = subplots(
         1,
         2,
         figsize=(2.5 + 0.55 * sum(widths), 0.9 + 0.45 * len(before)),
@@ -78,12 +84,12 @@ def data_movement(
         ax.set_title(label, fontsize=9)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def time_vs_size(nbytes: Sequence[float], panels: dict[str, dict[str, Sequence[float]]]) -> plt.Figure:
+def time_vs_size(nbytes: Sequence[float], panels: dict[str, dict[str, Sequence[float]]], *, alt: str) -> plt.Figure:
     """Time against message size (log-log), one panel per title, one line per algorithm."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    fig, axes = subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, (title, lines) in zip(axes[0], panels.items()):
         for label, seconds in lines.items():
             ax.loglog(nbytes, np.asarray(seconds) * 1e6, "o-", ms=4, label=label)
@@ -91,4 +97,4 @@ def time_vs_size(nbytes: Sequence[float], panels: dict[str, dict[str, Sequence[f
         ax.set_ylabel("time (microseconds)")
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

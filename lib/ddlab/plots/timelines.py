@@ -8,6 +8,7 @@ from typing import cast
 import matplotlib.pyplot as plt
 
 from ..runtime.trace import MAIN, Span
+from .alt import describe, subplots
 
 #: A colour per kind of span: training phases (labs 04-05) and pipeline ops (labs 06-07). Okabe and Ito's
 #: colours (and greys), told apart by readers with any common colour-vision deficiency
@@ -28,27 +29,38 @@ COLOURS = {
 _DARK = ("data", "forward", "backward", "recv")  # kinds whose numbers are written in white
 
 
+def _rows(spans_by_rank: Sequence[Sequence[Span]]) -> list[tuple[int, str, list[Span]]]:
+    """(rank, track, its spans) per row of the chart: a rank's main track, then its other tracks."""
+    rows = []
+    for rank, spans in enumerate(spans_by_rank):
+        tracks = list(dict.fromkeys(s.track for s in spans)) or [MAIN]
+        rows += [(rank, track, [s for s in spans if s.track == track]) for track in tracks]
+    return rows
+
+
 def gantt(
     spans_by_rank: Sequence[Sequence[Span]],
     title: str = "",
-    ax: plt.Axes | None = None,
     unit: float = 1e3,
     unit_name: str = "ms",
+    *,
+    alt: str,
 ) -> plt.Figure:
     """One row per rank and track, one bar per span coloured by its kind, numbered (micro-batch, bucket).
 
     spans_by_rank: per rank, ddlab.runtime.trace.Spans. Nested spans are drawn over the ones
     that enclose them; spans on other tracks than the main one (an allreduce in flight)
-    get rows of their own. unit, unit_name: seconds per axis unit and its name.
+    get rows of their own. unit, unit_name: seconds per axis unit and its name. alt: what the
+    chart shows (its text alternative; the kinds of span and the time axis are added to it).
     """
-    rows = []
-    for rank, spans in enumerate(spans_by_rank):
-        tracks = list(dict.fromkeys(s.track for s in spans)) or [MAIN]
-        rows += [(rank, track, [s for s in spans if s.track == track]) for track in tracks]
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.4))
-    else:
-        fig = cast(plt.Figure, ax.figure)
+    fig, ax = subplots(figsize=(10, 0.5 * len(_rows(spans_by_rank)) + 1.4))
+    _chart(ax, spans_by_rank, title, unit, unit_name)
+    return describe(fig, alt)
+
+
+def _chart(ax: plt.Axes, spans_by_rank: Sequence[Sequence[Span]], title: str, unit: float, unit_name: str) -> None:
+    """Draw the Gantt chart of `gantt` into `ax`, and lay out its figure."""
+    rows = _rows(spans_by_rank)
     end = max((s.end for _, _, spans in rows for s in spans), default=1.0) * unit
     for row, (_, _, spans) in enumerate(rows):
         for span in sorted(spans, key=lambda s: (s.start, -s.end)):  # enclosing spans first, nested on top
@@ -87,14 +99,15 @@ def gantt(
         frameon=False,
     )
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+    cast(plt.Figure, ax.figure).tight_layout()
 
 
-def gantt_pair(top: Sequence[Sequence[Span]], bottom: Sequence[Sequence[Span]], titles: tuple[str, str]) -> plt.Figure:
-    """Two Gantt charts one above the other (e.g. the busy clock and the wall clock of one run)."""
-    fig, axes = plt.subplots(2, 1, figsize=(10, 1.1 * len(top) + 2.6))
-    gantt(top, titles[0], ax=axes[0])
-    gantt(bottom, titles[1], ax=axes[1])
+def gantt_pair(
+    top: Sequence[Sequence[Span]], bottom: Sequence[Sequence[Span]], titles: tuple[str, str], *, alt: str
+) -> plt.Figure:
+    """Two Gantt charts one above the other (e.g. the busy clock and the wall clock of one run); alt as gantt's."""
+    fig, axes = subplots(2, 1, figsize=(10, 1.1 * len(top) + 2.6))
+    _chart(axes[0], top, titles[0], 1e3, "ms")
+    _chart(axes[1], bottom, titles[1], 1e3, "ms")
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

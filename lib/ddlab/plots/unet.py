@@ -7,12 +7,13 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyArrowPatch
 
+from .alt import describe, subplots
 from .helpers import box
 
 _STAGE_COLOURS = ("#a6cee3", "#fdbf6f", "#b2df8a", "#fb9a99", "#cab2d6", "#ffff99", "#1f78b4", "#33a02c")
 
 
-def unet_diagram(names: Sequence[str], bounds: Sequence[int] | None = None, title: str = "") -> plt.Figure:
+def unet_diagram(names: Sequence[str], bounds: Sequence[int] | None = None, title: str = "", *, alt: str) -> plt.Figure:
     """The UNet's layers in a U (depth goes down), skip connections as arrows; coloured by stage if bounds given.
 
     names: layer names as ddlab.models.unet.layer_names gives them ('Conv', 'Down0', 'Up0', 'Head').
@@ -21,7 +22,7 @@ def unet_diagram(names: Sequence[str], bounds: Sequence[int] | None = None, titl
     for name in names:
         places.append(level)
         level += name.startswith("Down") - name.startswith("Up")
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.36 * len(names)), 3.4))
+    fig, ax = subplots(figsize=(max(7.0, 0.36 * len(names)), 3.4))
     stage_of = [0] * len(names)
     if bounds is not None:
         for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
@@ -62,4 +63,4 @@ def unet_diagram(names: Sequence[str], bounds: Sequence[int] | None = None, titl
     ax.set_ylim(-max(places) - 0.7, 1.4)
     ax.axis("off")
     ax.set_title(title or "UNet: encoder down, decoder up, skips across", fontsize=10)
-    return fig
+    return describe(fig, alt)

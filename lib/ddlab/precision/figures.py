@@ -6,10 +6,14 @@ from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 
+from ..plots.alt import describe, subplots
 
-def loss_curves(curves: Mapping[str, Sequence[float]], title: str = "The lab's GPT under each recipe") -> plt.Figure:
+
+def loss_curves(
+    curves: Mapping[str, Sequence[float]], title: str = "The lab's GPT under each recipe", *, alt: str
+) -> plt.Figure:
     """One training-loss curve per recipe, on one axis."""
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = subplots(figsize=(7, 3.8))
     for i, (name, losses) in enumerate(curves.items()):
         ax.plot(range(len(losses)), losses, color=f"C{i}", label=name, linewidth=1.2)
     ax.set_xlabel("step")
@@ -17,12 +21,14 @@ def loss_curves(curves: Mapping[str, Sequence[float]], title: str = "The lab's G
     ax.set_title(title)
     ax.legend(frameon=False, fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def error_vs_ranks(measured: Mapping[str, Mapping[int, float]], bound: Mapping[str, Mapping[int, float]]) -> plt.Figure:
+def error_vs_ranks(
+    measured: Mapping[str, Mapping[int, float]], bound: Mapping[str, Mapping[int, float]], *, alt: str
+) -> plt.Figure:
     """Largest relative error of a rounded reduction against P per format (dots), its bound (dashed)."""
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = subplots(figsize=(6, 3.6))
     for i, name in enumerate(measured):
         ranks = sorted(measured[name])
         ax.plot(ranks, [measured[name][p] for p in ranks], "o-", color=f"C{i}", label=f"{name}, measured")
@@ -33,4 +39,4 @@ def error_vs_ranks(measured: Mapping[str, Mapping[int, float]], bound: Mapping[s
     ax.set_title("A ring reduce-scatter rounded at every hop")
     ax.legend(frameon=False, fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

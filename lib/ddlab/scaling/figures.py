@@ -8,16 +8,22 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
 from ..plots.helpers import byte_label, finish_panels
 from ..plots.timelines import COLOURS
 
 
 def scaling_curves(
-    ranks: Sequence[int], strong: Sequence[float], weak: Sequence[float] | None = None, title: str = ""
+    ranks: Sequence[int],
+    strong: Sequence[float],
+    weak: Sequence[float] | None = None,
+    title: str = "",
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Speedup and efficiency from times per step (strong: fixed global work; weak: fixed work per rank)."""
     p, strong_t = np.asarray(ranks, dtype=float), np.asarray(strong, dtype=float)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 3.6))
     left.plot(p, p, "k--", lw=1, label="ideal: speedup = P")
     left.plot(p, strong_t[0] / strong_t, "o-", label="strong scaling: T(1) / T(P)")
     left.set_ylabel("speedup")
@@ -30,15 +36,21 @@ def scaling_curves(
     right.set_ylim(0, 1.15)
     for ax in (left, right):
         ax.set_xticks(p, [str(int(v)) for v in p])
-    return finish_panels(fig, (left, right), "ranks P", title)
+    return describe(finish_panels(fig, (left, right), "ranks P", title), alt)
 
 
 def time_breakdown(
-    rows: Sequence[dict[str, float]], labels: Sequence[str], title: str = "", unit: float = 1e3, unit_name: str = "ms"
+    rows: Sequence[dict[str, float]],
+    labels: Sequence[str],
+    title: str = "",
+    unit: float = 1e3,
+    unit_name: str = "ms",
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Stacked bars: one bar per row (a rank, a run), one segment per phase."""
     phases = list(dict.fromkeys(k for row in rows for k in row))
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 3), 3.6))
+    fig, ax = subplots(figsize=(max(5.0, 0.9 * len(rows) + 3), 3.6))
     bottom = np.zeros(len(rows))
     for phase in phases:
         values = np.array([row.get(phase, 0.0) for row in rows]) * unit
@@ -50,15 +62,20 @@ def time_breakdown(
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def batch_size_tradeoff(
-    batch_sizes: Sequence[int], epoch_times: Sequence[float], scores: Sequence[float], title: str = ""
+    batch_sizes: Sequence[int],
+    epoch_times: Sequence[float],
+    scores: Sequence[float],
+    title: str = "",
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Larger batches: shorter epochs (left), but fewer updates, so less learnt per epoch (right)."""
     b = np.asarray(batch_sizes, dtype=float)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, (left, right) = subplots(1, 2, figsize=(10, 3.4))
     left.plot(b, epoch_times, "o-")
     left.set_ylabel("seconds per epoch")
     right.plot(b, scores, "o-", color="tab:green")
@@ -71,12 +88,14 @@ def batch_size_tradeoff(
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def learning_curves(curves: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str = "") -> plt.Figure:
+def learning_curves(
+    curves: dict[str, Sequence[float]], xlabel: str, ylabel: str, title: str = "", *, alt: str
+) -> plt.Figure:
     """One line per label (e.g. R^2 after each epoch, per learning-rate rule)."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig, ax = subplots(figsize=(6.5, 3.6))
     for label, values in curves.items():
         ax.plot(np.arange(1, len(values) + 1), values, "o-", ms=4, label=label)
     ax.set_xticks(np.arange(1, max(map(len, curves.values()), default=0) + 1))
@@ -86,7 +105,7 @@ def learning_curves(curves: dict[str, Sequence[float]], xlabel: str, ylabel: str
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def fusion_costs(
@@ -96,11 +115,13 @@ def fusion_costs(
     beta: float,
     nbytes: float,
     marks: dict[str, int] | None = None,
+    *,
+    alt: str,
 ) -> plt.Figure:
     """k allreduces of n/k bytes against one of n: measured ratio and (k alpha + n beta)/(alpha + n beta)."""
     k = np.asarray(pieces, dtype=float)
     fine = np.geomspace(k.min(), k.max(), 200)
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig, ax = subplots(figsize=(6.5, 3.6))
     ax.plot(
         fine,
         (fine * alpha + nbytes * beta) / (alpha + nbytes * beta),
@@ -120,17 +141,21 @@ def fusion_costs(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def score_against_time(
-    runs: dict[str, tuple[Sequence[float], Sequence[float]]], target: float | None = None, title: str = ""
+    runs: dict[str, tuple[Sequence[float], Sequence[float]]],
+    target: float | None = None,
+    title: str = "",
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Held-out score against training wall-clock, one line per run (label: (times, scores)); a target as a line.
 
     Labels ending in "1 rank" are dashed, in the colour of the same setting on more ranks.
     """
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, ax = subplots(figsize=(7.5, 3.8))
     colours: dict[str, Any] = {}
     for label, (times, scores) in runs.items():
         setting, _, ranks = label.rpartition(", ")
@@ -153,4 +178,4 @@ def score_against_time(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

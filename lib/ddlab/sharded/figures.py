@@ -6,15 +6,19 @@ from typing import Mapping
 
 import matplotlib.pyplot as plt
 
+from ..plots.alt import describe, subplots
+
 PARTS = ("parameters", "gradients", "optimizer")
 
 
-def who_holds_what(measured: Mapping[str, Mapping[str, float]], paper: Mapping[str, float], ranks: int) -> plt.Figure:
+def who_holds_what(
+    measured: Mapping[str, Mapping[str, float]], paper: Mapping[str, float], ranks: int, *, alt: str
+) -> plt.Figure:
     """Stacked bars of bytes per parameter held by one rank (measured by the ledger), per stage; paper's totals as marks.
 
     measured: {stage name: {part: bytes per parameter}}; paper: {stage name: bytes per parameter}.
     """
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = subplots(figsize=(7, 3.8))
     names = list(measured)
     bottom = [0.0] * len(names)
     for i, part in enumerate(PARTS):
@@ -28,4 +32,4 @@ def who_holds_what(measured: Mapping[str, Mapping[str, float]], paper: Mapping[s
     ax.set_title(f"Model state per rank after a step, {ranks} ranks, Adam in mixed precision")
     ax.legend(frameon=False)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)

@@ -7,13 +7,14 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..plots.alt import describe, subplots
 from ..plots.helpers import finish_panels
 
 
-def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
+def exchange_matrix(sends: np.ndarray, title: str = "", *, alt: str) -> plt.Figure:
     """Samples rank r sends to rank d (row r, column d): the plan of one epoch."""
     sends = np.asarray(sends)
-    fig, ax = plt.subplots(figsize=(3.6, 3.2))
+    fig, ax = subplots(figsize=(3.6, 3.2))
     image = ax.imshow(sends, cmap="Blues")
     middle = (sends.min() + sends.max()) / 2  # of the colour scale, which runs from the least to the most
     for (r, d), value in np.ndenumerate(sends):
@@ -33,16 +34,16 @@ def exchange_matrix(sends: np.ndarray, title: str = "") -> plt.Figure:
     ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax, shrink=0.8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def diagram(holds: Sequence[np.ndarray], needs: Sequence[np.ndarray], title: str = "") -> plt.Figure:
+def diagram(holds: Sequence[np.ndarray], needs: Sequence[np.ndarray], title: str = "", *, alt: str) -> plt.Figure:
     """Which sample ids each rank holds (left) and needs, in order (right); a cell's colour is the rank holding it."""
     size = len(holds)
     owner = {int(i): r for r, ids in enumerate(holds) for i in ids}
     colours = plt.get_cmap("tab10")
     width = max(max((len(ids) for ids in layout), default=1) for layout in (holds, needs))
-    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 0.9 * width, 0.9 + 0.5 * size), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(2.2 + 0.9 * width, 0.9 + 0.5 * size), sharey=True)
     for ax, layout, label in zip(axes, (holds, needs), ("holds (row order of x)", "needs (in this order)")):
         for r, ids in enumerate(layout):
             for j, i in enumerate(ids):
@@ -57,14 +58,18 @@ def diagram(holds: Sequence[np.ndarray], needs: Sequence[np.ndarray], title: str
             ax.spines[side].set_visible(False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def loss_and_bytes(
-    losses: dict[str, Sequence[float]], moved: dict[str, dict[str, float]], title: str = ""
+    losses: dict[str, Sequence[float]],
+    moved: dict[str, dict[str, float]],
+    title: str = "",
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Left: validation loss per epoch per strategy. Right: bytes each strategy took from each source."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+    fig, (left, right) = subplots(1, 2, figsize=(11, 3.6))
     for label, values in losses.items():
         left.plot(np.arange(1, len(values) + 1), values, "o-", ms=3, label=label)
     left.set_yscale("log")
@@ -84,14 +89,20 @@ def loss_and_bytes(
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
 def io_model(
-    ranks: np.ndarray, times: dict[str, np.ndarray], compute: np.ndarray, crossover: float, title: str = ""
+    ranks: np.ndarray,
+    times: dict[str, np.ndarray],
+    compute: np.ndarray,
+    crossover: float,
+    title: str = "",
+    *,
+    alt: str,
 ) -> plt.Figure:
     """Seconds per epoch of reading, per strategy, and of computing, against ranks (log-log)."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = subplots(figsize=(6.5, 3.8))
     for label, values in times.items():
         ax.plot(ranks, values, label=label)
     ax.plot(ranks, compute, "k--", label="compute (perfect scaling)")
@@ -105,12 +116,12 @@ def io_model(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return describe(fig, alt)
 
 
-def equal_time(results: dict[str, list[dict]], title: str = "") -> plt.Figure:
+def equal_time(results: dict[str, list[dict]], title: str = "", *, alt: str) -> plt.Figure:
     """Left: seconds per epoch against the global batch. Right: validation loss after the same wall-clock, per rule."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+    fig, (left, right) = subplots(1, 2, figsize=(11, 3.6))
     for rule, runs in results.items():
         batches = [r["global_batch"] for r in runs]
         left.plot(batches, [r["epoch_time"] for r in runs], "o-", label=rule)
@@ -120,4 +131,4 @@ def equal_time(results: dict[str, list[dict]], title: str = "") -> plt.Figure:
     right.set_yscale("log")
     for ax in (left, right):
         ax.set_xscale("log")
-    return finish_panels(fig, (left, right), "global batch size", title)
+    return describe(finish_panels(fig, (left, right), "global batch size", title), alt)

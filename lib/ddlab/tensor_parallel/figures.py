@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import matplotlib.pyplot as plt
 from matplotlib.patches import Circle, Rectangle
 
+from ..plots.alt import describe, subplots
 from ..plots.helpers import arrow, rank_colour
 
 #: (caption, layout) along one sub-layer; a layout is a tensor's ("whole", "sequence", "features",
@@ -81,11 +81,11 @@ def _panel(ax: Any, stages: list[tuple[str, str]], t: int, title: str) -> None:
     ax.axis("off")
 
 
-def plot_split_block(t: int = 4) -> Any:
+def plot_split_block(t: int = 4, *, alt: str) -> Any:
     """One sub-layer (attention, or alike the MLP) of a block on t ranks: tensor parallel above, sequence below."""
     if t < 2:
         raise ValueError(f"a split needs at least 2 ranks, got t={t}")
-    fig, axes = plt.subplots(2, 1, figsize=(11, 5.6))
+    fig, axes = subplots(2, 1, figsize=(11, 5.6))
     _panel(axes[0], TENSOR_PARALLEL, t, "tensor parallel (Megatron-LM): one allreduce forward (g), one backward (f)")
     _panel(
         axes[1],
@@ -113,4 +113,4 @@ def plot_split_block(t: int = 4) -> Any:
         fontsize=8,
     )
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    return fig
+    return describe(fig, alt)

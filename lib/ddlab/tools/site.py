@@ -10,9 +10,9 @@ in docs/site/config.ini (or on the command line).
 Figures: the labs are committed without outputs, and most of their figures draw what the
 engines measured. The site shows the figures the library draws from the lab's own literal
 arguments (a cell that is one call of a `figures` or `plots` function, such as
-`ddlab.allreduce.figures.exchange_pattern(4, "rabenseifner")`): they are drawn here at build
-time by that call, with a text alternative, and stand where the lab's output would. A figure
-of measured data appears when the student runs the lab.
+`ddlab.allreduce.figures.exchange_pattern(4, "rabenseifner", alt=...)`): they are drawn here at
+build time by that call, with the text alternative it gives (`ddlab.plots.alt`), and stand where
+the lab's output would. A figure of measured data appears when the student runs the lab.
 
     .venv/bin/python -m ddlab.tools.site build/site            # writes build/site/html/index.html
 """
@@ -24,7 +24,6 @@ import ast
 import configparser
 import copy
 import importlib
-import inspect
 import re
 import shutil
 import subprocess
@@ -157,21 +156,22 @@ def _figure_call(source: str) -> tuple[str, list, dict] | None:
 
 
 def draw_figure(name: str, args: list, kwargs: dict) -> tuple[bytes, str]:
-    """Call the library's figure function; its PNG and a text alternative from its docstring and arguments."""
+    """Call the library's figure function as the lab calls it (with its `alt`); its PNG and text alternative."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..plots import Described
+
     module, function = name.rsplit(".", 1)
-    draw = getattr(importlib.import_module(module), function)
-    figure = draw(*args, **kwargs)
+    figure = getattr(importlib.import_module(module), function)(*args, **kwargs)
+    if not isinstance(figure, Described) or not figure.alt:
+        raise SystemExit(f"ddlab site: {name} returned a figure without a text alternative (ddlab.plots.describe)")
     buffer = BytesIO()
     figure.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
     plt.close(figure)
-    summary = (inspect.getdoc(draw) or function).split("\n\n")[0].replace("\n", " ")
-    shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
-    return buffer.getvalue(), f"{summary} (drawn by {function}({shown}))"
+    return buffer.getvalue(), figure.alt
 
 
 def _rewrite_links(text: str, here: str, settings: Settings, pages: set[str]) -> str:
@@ -214,6 +214,8 @@ def lab_map(found: list[Lab]) -> tuple[bytes, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..plots import describe, subplots
+
     level: dict[str, int] = {}
     for lab in found:
         level[lab.number] = 1 + max((level[n] for n in lab.needs if n in level), default=-1)
@@ -225,7 +227,7 @@ def lab_map(found: list[Lab]) -> tuple[bytes, str]:
         for i, lab in enumerate(row):
             place[lab.number] = (i - (len(row) - 1) / 2, -depth)
     width = max(len(r) for r in rows.values())
-    fig, ax = plt.subplots(figsize=(max(6, 2.1 * width), 1.2 * len(rows) + 0.6))
+    fig, ax = subplots(figsize=(max(6, 2.1 * width), 1.2 * len(rows) + 0.6))
     ancestors: dict[str, set[str]] = {}
     for lab in found:  # in order: a lab's prerequisites come before it
         ancestors[lab.number] = set(lab.needs).union(*(ancestors.get(n, set()) for n in lab.needs))
@@ -248,15 +250,16 @@ def lab_map(found: list[Lab]) -> tuple[bytes, str]:
     ax.set_xlim(-width / 2 - 0.2, width / 2 + 0.2)
     ax.set_ylim(-len(rows) + 0.4, 0.6)
     ax.axis("off")
-    buffer = BytesIO()
-    fig.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
-    plt.close(fig)
     edges = "; ".join(
         f"lab {lab.number} builds on "
         + (", ".join(f"lab {n}" for n in lab.needs) if lab.needs else "nothing before it")
         for lab in found
     )
-    return buffer.getvalue(), f"Map of the {len(found)} labs, each below the labs it builds on: {edges}."
+    alt = describe(fig, f"Map of the {len(found)} labs, each below the labs it builds on: {edges}.").alt or ""
+    buffer = BytesIO()
+    fig.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue(), alt
 
 
 def home_page(found: list[Lab], settings: Settings, map_alt: str) -> str:
