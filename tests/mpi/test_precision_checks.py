@@ -267,6 +267,17 @@ def test_gather_that_changes_mine_fails():
     expect_failure(check_float8_allgather, lambda *a: gather(*a, in_place=True), "`mine` was changed")
 
 
+def test_gather_that_cannot_cast_an_empty_shard_fails():
+    """The lab promises scale 1 for an empty shard; the uneven case gives the last rank one, so max() of it raises."""
+
+    def no_empty_guard(comm, mine, bounds, dtype, allgather):
+        if len(mine) == 0:
+            mine.max()  # what `t.abs().max()` without the lab's "1 for an empty shard" does: ValueError
+        return gather(comm, mine, bounds, dtype, allgather)
+
+    expect_failure(check_float8_allgather, no_empty_guard, "uneven shards", "ValueError")
+
+
 def test_gather_that_delegates_to_the_library_fails():
     expect_failure(check_float8_allgather, lambda *a: precision.float8_allgather(*a), "the library's own answer")
 
@@ -327,6 +338,30 @@ def rounded_the_other_way(comm, x, bounds, dtype):
 
 def test_rounded_reduce_scatter_accepts_the_ring_turning_the_other_way():
     check_reduce_scatter_rounded(rounded_the_other_way)
+
+
+def rounded_with_uncast_inputs(comm, x, bounds, dtype):
+    """Valid too (the lab says so): each float32 chunk of x added to the received sum uncast, the total rounded."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    wire = WIRE[dtype]
+
+    def own(c):
+        c %= size
+        return torch.from_numpy(x[bounds[c] : bounds[c + 1]].copy())
+
+    partial = own(rank - 1).to(dtype)
+    for step in range(size - 1):
+        c = (rank - step - 2) % size
+        got = torch.empty(bounds[c + 1] - bounds[c], dtype=dtype)
+        comm.Sendrecv(
+            partial.view(wire).numpy(), dest=(rank + 1) % size, recvbuf=got.view(wire).numpy(), source=(rank - 1) % size
+        )
+        partial = (got.float() + own(c)).to(dtype)
+    return partial.float().numpy()
+
+
+def test_rounded_reduce_scatter_accepts_uncast_inputs():
+    check_reduce_scatter_rounded(rounded_with_uncast_inputs)
 
 
 def test_rounded_reduce_scatter_in_float32_on_the_wire_fails_on_bytes():
