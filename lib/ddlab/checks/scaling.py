@@ -155,7 +155,9 @@ def check_lr_factor(fn: Callable[..., float]) -> None:
     for rule in ("none", "linear", "sqrt"):
         for k in ks:
             for warmup in warmups:
-                steps = (0, 1, 5, 9, 10, 50) if draw is None else sorted({0, 1, max(0, warmup - 1), warmup, 2 * warmup + 7})
+                steps = (
+                    (0, 1, 5, 9, 10, 50) if draw is None else sorted({0, 1, max(0, warmup - 1), warmup, 2 * warmup + 7})
+                )
                 for step in steps:
                     got, want = fn(step, k, rule, warmup), lr_factor(step, k, rule, warmup)
                     if not is_number(got) or not math.isclose(got, want, rel_tol=1e-9):
