@@ -299,3 +299,16 @@ def test_lab_07_s_right_answers_pass_on_drawn_schedules_and_ranks(comm, seed, ca
     if comm.Get_rank() == 0:
         said = capsys.readouterr().out
         assert said.count(f"seed {SEEDS[2]}") == 4, said
+
+
+def test_lab_12_s_right_answers_pass_on_drawn_sizes_dtypes_and_ranks(comm, seed, capsys):
+    from ddlab.checks import check_exchange_plan, check_exchange_samples, check_redistribute
+    from ddlab.shuffling.shuffler import exchange_plan, exchange_samples, redistribute
+
+    seed(SEEDS[0])
+    check_exchange_plan(unguarded(exchange_plan))
+    check_exchange_samples(unguarded(exchange_samples))
+    check_redistribute(unguarded(redistribute))
+    if comm.Get_rank() == 0:
+        said = capsys.readouterr().out
+        assert said.count(f"seed {SEEDS[0]}") == 3, said
