@@ -173,7 +173,7 @@ FITTED = [  # (check, the fitted answer, the right answer, words the failure nam
         ring_of_three_dtypes,
         ring,
         ["KeyError", "seed"],
-        lambda draw: set(draw.choose(DRAWN_DTYPES, 3, "dtypes")) - {np.float64, np.float32, np.int64},
+        None,  # every draw holds a dtype the notebook's check never runs
     ),
 ]
 
