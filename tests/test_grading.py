@@ -1,10 +1,12 @@
-"""`ddlab grade` on four submissions of lab 03 made here, and how a submission is put together for grading.
+"""`ddlab grade` on five submissions of lab 03 made here, and how a submission is put together for grading.
 
-The four: the solution; the lab's stub handing in the library's own ring; one that
+The five: the solution; the lab's stub handing in the library's own ring; one that
 deadlocks in one exercise and kills its engine in the next (the engines are restarted
 after each, and grading goes on); one that does one exercise, fakes a check and deletes
-another. Graded in one run of the console script, as an instructor would, to exactly the
-expected sheet, in under 10 minutes, with nothing left running.
+another; one whose ring is fitted to the dtypes the notebook's check runs. Graded in one run
+of the console script on the grader's draw (`--seed`), as an instructor would, to exactly the
+expected sheet, in under 10 minutes, with nothing left running; the solution graded on another
+seed here, and on a fresh one by the Gradescope autograder, gets full marks each time.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import zipfile
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import psutil
 import pytest
+from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks.allreduce import _drawn_dtypes
 from ddlab.tools.grading.submission import prepare, student_name
 from ddlab.tools.labgen import checks
 
@@ -53,6 +58,26 @@ REFERENCE = """%%px
 from ddlab.allreduce import allreduce_ring
 """
 FAKED = "%%px\nprint('passed: allreduce_ring sums correctly')"
+#: What a student who names each MPI datatype writes for the three dtypes the notebook's check prints.
+DATATYPES = '    datatype = {"float64": MPI.DOUBLE, "float32": MPI.FLOAT, "int64": MPI.INT64_T}[x.dtype.name]\n'
+
+
+def fitted(function: str) -> str:
+    """The solution of an exercise, fitted to the notebook's dtypes: it looks up the datatype of x's dtype
+    among float64, float32 and int64 (a KeyError for any other), as a student sending typed buffers would."""
+    source = SOLUTION.cells[exercise_cell(SOLUTION, function)].source
+    return source.replace("### BEGIN SOLUTION\n", "### BEGIN SOLUTION\n" + DATATYPES, 1)
+
+
+def catching_seed(function: str, skip: int = 0) -> int:
+    """A seed for the exercise's check: every draw holds a dtype the fitted answer lacks (allreduce's _drawn_dtypes)."""
+    drawn = {np.dtype(d) for d in _drawn_dtypes(Draw(80211 + skip, function))}
+    assert drawn - {np.dtype(d) for d in (np.float64, np.float32, np.int64)}, drawn
+    return 80211 + skip
+
+
+#: The seed of the graded run of the five (recorded in the sheet): one whose draw catches the fitted ring.
+SEED = catching_seed("allreduce_ring")
 
 
 def exercise_cell(notebook: nbformat.NotebookNode, function: str) -> int:
@@ -88,6 +113,9 @@ SUBMISSIONS = {
         ("allreduce_recursive_doubling",), allreduce_ring=DEADLOCK, allreduce_rabenseifner=KILL
     ),
     "faked_checks": faked_checks,
+    "fitted": lambda: lab_with(
+        ("allreduce_recursive_doubling", "allreduce_rabenseifner"), allreduce_ring=fitted("allreduce_ring")
+    ),
 }
 P, F, E, T = "passed", "failed", "error", "timed out"
 EXPECTED = {  # status of exercises 3.1, 3.2, 3.3
@@ -95,6 +123,11 @@ EXPECTED = {  # status of exercises 3.1, 3.2, 3.3
     "reference": (F, F, F),  # the stubs, and ddlab.allreduce.allreduce_ring: it passes the check, but earns nothing
     "deadlock_then_kill": (P, T, E),  # the engines are restarted after the timeout and after the kill
     "faked_checks": (P, F, F),  # one exercise done; the faked and deleted checks come back from the lab
+    "fitted": (
+        P,
+        F,
+        P,
+    ),  # the ring passes the notebook's check, not the grader's draw (tests/mpi/test_grading_draws.py)
 }
 EXERCISES = (
     "Exercise 3.1: allreduce_recursive_doubling",
@@ -145,12 +178,13 @@ def processes_under(folder: Path) -> list[str]:
     return found
 
 
-#: Canvas's gradebook export for the four, as an instructor downloads it (Grades, Export): a test student too.
+#: Canvas's gradebook export for the five, as an instructor downloads it (Grades, Export): a test student too.
 ROSTER = (
     ("Lovelace, Ada", "1001", "solution"),
     ("Hopper, Grace", "1002", "reference"),
     ("Turing, Alan", "1003", "deadlock_then_kill"),
     ("Liskov, Barbara", "1004", "faked_checks"),
+    ("Hamilton, Margaret", "1005", "fitted"),
 )
 CANVAS_EXPORT = "Student,ID,SIS User ID,SIS Login ID,Section,Lab 02 (77)\n" + "\n".join(
     [
@@ -206,7 +240,7 @@ def test_the_canvas_file_without_a_roster_names_students_by_login_and_refuses_un
         read_roster(tmp_path / "other.csv")
 
 
-def test_grade_four_submissions_of_lab_03(tmp_path):
+def test_grade_five_submissions_of_lab_03(tmp_path):
     folder = tmp_path / "collected"
     folder.mkdir()
     paths = []
@@ -225,6 +259,8 @@ def test_grade_four_submissions_of_lab_03(tmp_path):
             "grade",
             "--lab",
             "03",
+            "--seed",
+            str(SEED),
             "--timeout",
             str(TIMEOUT),
             "--out",
@@ -246,7 +282,14 @@ def test_grade_four_submissions_of_lab_03(tmp_path):
     with open(tmp_path / "grades" / "grades.csv", newline="") as file:
         sheet = list(csv.DictReader(file))
     expected = [
-        {"student": student, "exercise": exercise, "status": status, "points": str(int(status == P)), "max_points": "1"}
+        {
+            "student": student,
+            "exercise": exercise,
+            "status": status,
+            "points": str(int(status == P)),
+            "max_points": "1",
+            "seed": str(SEED),
+        }
         for student, statuses in EXPECTED.items()
         for exercise, status in zip(EXERCISES, statuses)
     ]
@@ -263,6 +306,9 @@ def test_grade_four_submissions_of_lab_03(tmp_path):
 
     feedback = {student: (tmp_path / "grades" / "feedback" / f"{student}.html").read_text() for student in EXPECTED}
     assert "3 of 3 points" in feedback["solution"] and "sums correctly" in feedback["solution"]
+    assert f"cases the grader drew (seed {SEED})" in feedback["solution"]
+    assert "KeyError" in feedback["fitted"] and "allreduce_ring on P=" in feedback["fitted"], "the drawn case named"
+    assert "(int32), data seed" in feedback["fitted"] or "(int16), data seed" in feedback["fitted"]
     assert "Exercise 3.1 (allreduce_recursive_doubling) is not done yet" in feedback["reference"]
     assert "ddlab.allreduce.allreduce_ring, the library&#x27;s reference" in feedback["reference"]
     assert f"did not finish within {TIMEOUT} s" in feedback["deadlock_then_kill"]
@@ -270,7 +316,45 @@ def test_grade_four_submissions_of_lab_03(tmp_path):
     assert "Exercise 3.2 (allreduce_ring) is not done yet" in feedback["faked_checks"]
 
 
-@pytest.mark.parametrize("args, message", [(["--lab", "99"], "no lab '99'"), (["--lab", "03"], "no such notebook")])
+def grade_with_seed(tmp_path: Path, seed: int, submissions: dict[str, nbformat.NotebookNode]) -> list[dict]:
+    """`ddlab grade --seed SEED` on the submissions, in a folder of tmp_path of their own: the sheet's rows."""
+    folder = tmp_path / f"seed-{seed}"
+    folder.mkdir()
+    for student, notebook in submissions.items():
+        nbformat.write(notebook, folder / f"{student}.ipynb")
+    command = [str(Path(sys.executable).parent / "ddlab"), "grade", "--lab", "03", "--seed", str(seed)]
+    command += [
+        "--timeout",
+        str(TIMEOUT),
+        "--out",
+        str(folder / "grades"),
+        *(str(folder / f"{s}.ipynb") for s in submissions),
+    ]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop(SEED_VARIABLE, None)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"grading on the cases drawn from seed {seed}" in done.stdout
+    with open(folder / "grades" / "grades.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_right_answer_gets_full_marks_under_another_seed(tmp_path):
+    """The solution graded on another seed's draw than test_grade_five_submissions_of_lab_03's (and the
+    Gradescope test's, drawn afresh each run): 3 of 3 each time."""
+    sheet = grade_with_seed(tmp_path, 31337, {"solution": copy.deepcopy(SOLUTION)})
+    assert [(row["status"], row["seed"]) for row in sheet] == [(P, "31337")] * 3, sheet
+    assert not processes_under(tmp_path), processes_under(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lab", "99"], "no lab '99'"),
+        (["--lab", "03"], "no such notebook"),
+        (["--lab", "03", "--seed", "-1"], "--seed -1 is negative"),
+    ],
+)
 def test_bad_arguments_are_refused_clearly(tmp_path, args, message):
     from ddlab.tools.cli import main
 
@@ -289,8 +373,9 @@ c.Execute.timeout = 300
 def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
     """nbgrader itself on lab 03: generate_assignment, autograde of one submission, generate_feedback.
 
-    The submission did exercise 3.1 and edited 3.2's check into a print of 'passed':
-    nbgrader puts the locked check back, so it earns 1 of 3 points.
+    The submission did exercise 3.1, edited 3.2's check into a print of 'passed', and fitted 3.3 to
+    the notebook's dtypes: nbgrader puts the locked check back, and autograde, run with the grader's
+    seed in its environment, reaches the engines with it: 3.3 fails on a drawn dtype, so 1 of 3 points.
     """
     if not NBGRADER.exists():
         if os.environ.get("CI", "").lower() == "true":
@@ -302,14 +387,18 @@ def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
     (course / "source" / "lab03").mkdir(parents=True)
     (course / "nbgrader_config.py").write_text(NBGRADER_CONFIG)
     nbformat.write(LAB, course / "source" / "lab03" / "03_allreduce.ipynb")
+    seed = catching_seed("allreduce_rabenseifner")
     env = {
         **os.environ,
         "PATH": f"{NBGRADER.parent}{os.pathsep}{os.environ['PATH']}",  # nbgrader runs alembic
-        "IPYTHONDIR": str(tmp_path / "ipython"),
-    }  # the kernel's clusters, told apart from the rest
+        "IPYTHONDIR": str(tmp_path / "ipython"),  # the kernel's clusters, told apart from the rest
+    }
 
     def nbgrader(*args: str) -> str:
-        done = subprocess.run([str(NBGRADER), *args], cwd=course, env=env, capture_output=True, text=True, timeout=600)
+        graded = {**env, SEED_VARIABLE: str(seed)} if args[0] == "autograde" else env
+        done = subprocess.run(
+            [str(NBGRADER), *args], cwd=course, env=graded, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, f"nbgrader {' '.join(args)}:\n{done.stdout}{done.stderr}"
         return done.stdout + done.stderr
 
@@ -320,6 +409,7 @@ def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
     done = exercise_cell(submission, "allreduce_recursive_doubling")
     submission.cells[done].source = SOLUTION.cells[exercise_cell(SOLUTION, "allreduce_recursive_doubling")].source
     submission.cells[check_cell(submission, "allreduce_ring")].source = FAKED
+    submission.cells[exercise_cell(submission, "allreduce_rabenseifner")].source = fitted("allreduce_rabenseifner")
     (course / "submitted" / "alice" / "lab03").mkdir(parents=True)
     nbformat.write(submission, course / "submitted" / "alice" / "lab03" / "03_allreduce.ipynb")
     nbgrader("autograde", "lab03", "--create", "--force")
@@ -337,6 +427,7 @@ def test_nbgrader_releases_autogrades_and_gives_feedback_on_a_lab(tmp_path):
     }
     feedback = (course / "feedback" / "alice" / "lab03" / "03_allreduce.html").read_text()
     assert "Score: 1.0 / 3.0" in feedback and "Exercise 3.2 (allreduce_ring) is not done yet" in feedback
+    assert "KeyError" in feedback and f"seed {seed}" in feedback, "3.3 failed on the grader's draw, named"
     assert not processes_under(tmp_path), processes_under(tmp_path)
 
 
@@ -394,6 +485,7 @@ def test_the_gradescope_autograder_gives_full_zero_and_partial_marks(tmp_path):
     assert names == list(EXERCISES), "one test per check, in the lab's order"
     assert [t["max_score"] for t in graded["solution"]["tests"]] == [c.points for c in checks(LAB)]
     assert {name: results["score"] for name, results in graded.items()} == {"solution": 3, "stub": 0, "half_done": 1}
+    assert "on cases the grader drew (seed " in graded["solution"]["output"], "each run draws a seed, recorded"
     assert [t["status"] for t in graded["half_done"]["tests"]] == ["passed", "failed", "failed"]
     assert "is not done yet" in graded["stub"]["tests"][0]["output"]
 

@@ -14,6 +14,7 @@ from mpi4py import MPI
 from ..runtime.comm import drain, first_ranks
 from ..runtime.counting import CountingComm, Traffic, gather_traffic
 from ..runtime.reference import ReferenceCalled
+from ._draw import Draw
 from .errors import CheckFailed
 
 MPI_ERROR_HINT = (
@@ -61,6 +62,7 @@ def each_size(
     context: str,
     sizes: Sequence[int] | None = None,
     reordered: bool = False,
+    draw: Draw | None = None,
 ) -> None:
     """Run body(sub) on the first P ranks of comm for each P in sizes (default 1..size); one verdict for all.
 
@@ -79,9 +81,11 @@ def each_size(
     `reordered` runs body once more on all of comm's ranks numbered differently (rank q of
     it is comm's rank q - 1): an answer using the notebook's world `rank` instead of its
     communicator's goes wrong there, as it cannot on the prefixes.
+    `draw` (the grader's, ddlab.checks._draw): each sub-communicator of P ranks is P of comm's ranks
+    drawn, in a drawn order, instead of the first P; every message names its ranks and the seed.
     """
     order = list(sizes) if sizes is not None else list(range(1, comm.Get_size() + 1))
-    with _sub_communicators(comm, order, reordered) as subs:
+    with _sub_communicators(comm, order, reordered, draw) as subs:
         for size, sub, where in subs:
             stub = failed = problem = None
             if sub is not None:
@@ -97,7 +101,9 @@ def each_size(
                 raise NotImplementedError(stubs[0])
             failures = [f for _, f, _ in outcomes if f]
             if failures:  # on the reordered run, with its hint (a ring by the world's `rank` may stall there)
-                hint = f"\n(this run's ranks are{where})" if where and where not in failures[0] else ""
+                hint = "" if not where or where in failures[0] else f"\n(this run's ranks are{where})"
+                if draw is not None and where and where != REORDERED:  # name the drawn ranks
+                    hint = f"\n(on {count(size, 'rank')}{where})"
                 raise CheckFailed(failures[0] + hint)
             _raise_found([p for _, _, p in outcomes], f"{context} on {count(size, 'rank')}{where}")
 
@@ -140,12 +146,13 @@ def reordered_hint(sub: MPI.Comm, comm: MPI.Comm) -> str:
 
 @contextlib.contextmanager
 def _sub_communicators(
-    comm: MPI.Comm, sizes: list[int], reordered: bool = False
+    comm: MPI.Comm, sizes: list[int], reordered: bool = False, draw: Draw | None = None
 ) -> Iterator[list[tuple[int, MPI.Comm | None, str]]]:
     """(P, the communicator of the first P ranks or None on ranks outside, "") for each P, then the
-    reordered one's (size, comm rotated by one, REORDERED) if asked; all freed after."""
+    reordered one's (size, comm rotated by one, REORDERED) if asked; all freed after. With a draw,
+    (P, the communicator of P drawn ranks in a drawn order, " (... the grader's draw ...)")."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    subs = [(p, first_ranks(comm, p), "") for p in sizes]
+    subs = [(p, first_ranks(comm, p), "") if draw is None else _drawn_ranks(comm, p, draw) for p in sizes]
     if reordered and size > 1:
         subs.append((size, comm.Split(0, (rank + 1) % size), REORDERED))
     try:
@@ -154,6 +161,16 @@ def _sub_communicators(
         for _, sub, _ in subs:
             if sub is not None:
                 sub.Free()
+
+
+def _drawn_ranks(comm: MPI.Comm, p: int, draw: Draw) -> tuple[int, MPI.Comm | None, str]:
+    """(p, the communicator of p of comm's ranks drawn, in the drawn order, or None outside, where)."""
+    members = draw.ranks(comm.Get_size(), p)
+    rank = comm.Get_rank()
+    sub = comm.Split(0 if rank in members else MPI.UNDEFINED, members.index(rank) if rank in members else 0)
+    listed = ", ".join(map(str, members))
+    where = f": {'ranks' if p > 1 else 'rank'} {listed} of the check's communicator, in that order ({draw})"
+    return p, None if sub == MPI.COMM_NULL else sub, where
 
 
 def run_counted(

@@ -18,22 +18,39 @@ from mpi4py import MPI
 from ..allreduce import largest_power_of_two, member_rank
 from ..runtime.counting import Traffic
 from ._core import CheckFailed, array_problem, count, each_size, fail_together, passed, run_counted
+from ._draw import Draw, grading_draw
 
 DTYPES = (np.float64, np.float32, np.int64)
+#: The dtypes the grader draws from (the contract: any dtype, the same on every rank); sums stay exact.
+DRAWN_DTYPES = (np.float64, np.float32, np.int64, np.int32, np.int16)
 #: Seconds a rank may stall inside the student's allreduce before the check calls it a deadlock.
 TIMEOUT = 20.0
 
 Rule = Callable[[list[Traffic], int, int, int], "str | None"]
 
 
-def _lengths(size: int) -> tuple[int, ...]:
-    """Empty, one item, fewer items than ranks, a multiple of P, and one that is not."""
-    return (0, 1, 7, 12 * size, 12 * size + 5)
+def _lengths(size: int, draw: Draw | None = None) -> tuple[int, ...]:
+    """Empty, one item, fewer items than ranks, a multiple of P, and one that is not.
+
+    The grader's draw keeps 0 and draws the others: one below P, a multiple of P and one that is not
+    (up to 40 P), and one more anywhere up to 40 P + 7."""
+    if draw is None:
+        return (0, 1, 7, 12 * size, 12 * size + 5)
+    multiple = size * draw.integer(2, 40, "multiple", size)
+    other = multiple + draw.integer(1, size - 1, "remainder", size) if size > 1 else multiple + 1
+    return (
+        0,
+        draw.integer(1, max(1, size - 1), "small", size),
+        multiple,
+        other,
+        draw.integer(1, 40 * size + 7, "any", size),
+    )
 
 
-def _inputs(n: int, dtype: type, size: int) -> list[np.ndarray]:
-    """Every rank's input: small integers, so sums are exact in float32 too."""
-    return [np.random.default_rng([n, size, rank]).integers(-50, 50, n).astype(dtype) for rank in range(size)]
+def _inputs(n: int, dtype: type, size: int, seed: int | None = None) -> list[np.ndarray]:
+    """Every rank's input: small integers, so sums are exact in float32 (and int16) too; `seed`: the grader's."""
+    keys = [n, size] if seed is None else [n, size, seed]
+    return [np.random.default_rng([*keys, rank]).integers(-50, 50, n).astype(dtype) for rank in range(size)]
 
 
 def value_problem(result: object, x: np.ndarray, before: np.ndarray, want: np.ndarray, rank: int) -> str | None:
@@ -188,13 +205,18 @@ def rabenseifner_problem(traffic: list[Traffic], size: int, n: int, itemsize: in
 # Running the cases -----------------------------------------------------------------
 
 
-def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype: type, timeout: float) -> None:
+def _one_case(
+    comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype: type, timeout: float, draw: Draw | None = None
+) -> None:
     """Run fn on comm for one length and dtype; raise CheckFailed (on every rank of comm) if wrong."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    inputs = _inputs(n, dtype, size)
+    seed = None if draw is None else draw.data_seed(n, size, np.dtype(dtype).name)
+    inputs = _inputs(n, dtype, size, seed)
     x = inputs[rank]
     before = x.copy()
     where = f"{name} on P={size} ranks, x of length {n} ({np.dtype(dtype).name})"
+    if draw is not None:
+        where += f", data seed {seed} ({draw})"
     result, traffic = run_counted(comm, fn, (x,), where, timeout)
     fail_together(
         comm, value_problem(result, x, before, sum(inputs[1:], inputs[0].copy()), rank), f"{where}: wrong result"
@@ -205,48 +227,61 @@ def _one_case(comm: MPI.Comm, fn: Callable, name: str, rule: Rule, n: int, dtype
             raise CheckFailed(f"{where}: right values, wrong messages:\n  {problem}")
 
 
-def _check(fn: Callable, name: str, rule: Rule, comm: MPI.Comm | None, timeout: float) -> int:
-    """Run every case on sub-communicators of 1..P ranks (a rank stalled `timeout` s fails); return P."""
+def _check(fn: Callable, name: str, rule: Rule, comm: MPI.Comm | None, timeout: float) -> str:
+    """Run every case on sub-communicators of 1..P ranks (a rank stalled `timeout` s fails); return the scope.
+
+    Under the grader's draw (ddlab.checks._draw): drawn ranks, lengths, three drawn dtypes and data."""
     world = comm or MPI.COMM_WORLD
+    draw = grading_draw(world, name)
+    dtypes = DTYPES if draw is None else _drawn_dtypes(draw)
 
     def every_case(sub: MPI.Comm) -> None:
-        for dtype in DTYPES:
-            for n in _lengths(sub.Get_size()):
-                _one_case(sub, fn, name, rule, n, dtype, timeout)
+        for dtype in dtypes:
+            for n in _lengths(sub.Get_size(), draw):
+                _one_case(sub, fn, name, rule, n, dtype, timeout, draw)
 
-    each_size(world, every_case, name)
-    return world.Get_size()
+    each_size(world, every_case, name, draw=draw)
+    return _scope(world.Get_size(), dtypes, draw)
 
 
-def _scope(size: int) -> str:
-    return f"on 1..{size} ranks, for lengths 0 to {12 * size + 5} and float64, float32, int64"
+def _drawn_dtypes(draw: Draw) -> tuple[type, ...]:
+    """Three dtypes: two of the notebook's and one it never shows, so an answer fitted to its dtypes always fails."""
+    shown = [d for d in DRAWN_DTYPES if d in DTYPES]
+    return tuple(draw.choose(shown, 2, "dtypes") + draw.choose([d for d in DRAWN_DTYPES if d not in DTYPES], 1, "new"))
+
+
+def _scope(size: int, dtypes: tuple[type, ...], draw: Draw | None) -> str:
+    names = ", ".join(np.dtype(d).name for d in dtypes)
+    if draw is None:
+        return f"on 1..{size} ranks, for lengths 0 to {12 * size + 5} and {names}"
+    return f"on 1..{size} drawn ranks, for drawn lengths and {names} ({draw})"
 
 
 def check_allreduce_recursive_doubling(fn: Callable, comm: MPI.Comm | None = None, timeout: float = TIMEOUT) -> None:
     """fn(comm, x) must sum like allreduce, swapping whole vectors with partner rank XOR 2^k."""
-    size = _check(fn, "allreduce_recursive_doubling", recursive_doubling_problem, comm, timeout)
+    scope = _check(fn, "allreduce_recursive_doubling", recursive_doubling_problem, comm, timeout)
     passed(
         comm or MPI.COMM_WORLD,
-        f"allreduce_recursive_doubling sums correctly {_scope(size)}; each rank "
+        f"allreduce_recursive_doubling sums correctly {scope}; each rank "
         "sends log2 P whole vectors to partners rank XOR 2^k (with the fold when P is not a power of two)",
     )
 
 
 def check_allreduce_ring(fn: Callable, comm: MPI.Comm | None = None, timeout: float = TIMEOUT) -> None:
     """fn(comm, x) must sum like allreduce, passing 2(P-1) chunks of n/P items around the ring."""
-    size = _check(fn, "allreduce_ring", ring_problem, comm, timeout)
+    scope = _check(fn, "allreduce_ring", ring_problem, comm, timeout)
     passed(
         comm or MPI.COMM_WORLD,
-        f"allreduce_ring sums correctly {_scope(size)}; each rank sends 2(P-1) "
+        f"allreduce_ring sums correctly {scope}; each rank sends 2(P-1) "
         "chunks to its right neighbour, 2(P-1)/P n items in all: the bandwidth lower bound",
     )
 
 
 def check_allreduce_rabenseifner(fn: Callable, comm: MPI.Comm | None = None, timeout: float = TIMEOUT) -> None:
     """fn(comm, x) must sum like allreduce by recursive halving, then recursive doubling."""
-    size = _check(fn, "allreduce_rabenseifner", rabenseifner_problem, comm, timeout)
+    scope = _check(fn, "allreduce_rabenseifner", rabenseifner_problem, comm, timeout)
     passed(
         comm or MPI.COMM_WORLD,
-        f"allreduce_rabenseifner sums correctly {_scope(size)}; each rank sends "
+        f"allreduce_rabenseifner sums correctly {scope}; each rank sends "
         "2 log2 P messages, 2(P-1)/P n items in all: the bandwidth lower bound in few messages",
     )

@@ -20,6 +20,7 @@ from mpi4py import MPI
 from .. import collectives as reference
 from ..runtime.counting import Traffic, rounds
 from ._core import CheckFailed, array_problem, each_size, fail_together, passed, run_counted
+from ._draw import Draw, grading_draw, named
 
 Collective = Callable[..., Any]
 
@@ -31,10 +32,15 @@ class Case:
     dtype: str
     shape: tuple[int, ...]
     layout: str = "contiguous"  # or "strided" (every other element), "transposed" (Fortran order)
+    seed: int | None = None  # the grader's: values drawn instead of counted
 
     def make(self, rank: int) -> np.ndarray:
         """This rank's x: small whole numbers (exact sums in any dtype), different on every rank."""
-        values = np.arange(math.prod(self.shape)) % 7 + 1 + 10 * rank
+        size = math.prod(self.shape)
+        counted = (
+            np.arange(size) % 7 if self.seed is None else np.random.default_rng([self.seed, rank]).integers(0, 7, size)
+        )
+        values = counted + 1 + 10 * rank
         if self.layout == "strided":
             return np.repeat(values, 2).astype(self.dtype)[::2].reshape(self.shape)
         if self.layout == "transposed":
@@ -48,7 +54,8 @@ class Case:
             "transposed": ", a transposed view (Fortran order)",
         }[self.layout]
         article = "an" if self.dtype[0] in "aeiou" else "a"
-        return f"{article} {self.dtype} array of shape {self.shape}{layout}"
+        drawn = "" if self.seed is None else f" (values from seed {self.seed})"
+        return f"{article} {self.dtype} array of shape {self.shape}{layout}{drawn}"
 
 
 CASES = (
@@ -59,6 +66,20 @@ CASES = (
     Case("float64", (6,), "strided"),
     Case("int64", (4, 3), "transposed"),
 )
+#: The dtypes the grader draws from: any the contract allows whose sums of the values stay exact.
+DRAWN_DTYPES = ("float64", "float32", "int64", "int32", "int16", "uint8")
+
+
+def drawn_cases(draw: Draw) -> tuple[Case, ...]:
+    """As many cases as CASES, with the same layouts, of drawn dtypes, shapes (1 to 3 dimensions of 0 to 9) and values."""
+    found = []
+    for index, case in enumerate(CASES):
+        dims = draw.integer(2 if case.layout == "transposed" else 1, 3, "ndim", index)
+        shape = tuple(draw.integer(0 if index == 1 else 1, 9, "dim", index, d) for d in range(dims))
+        dtype = draw.choose(DRAWN_DTYPES, 1, "dtype", index)[0]
+        found.append(Case(dtype, shape, case.layout, draw.data_seed("values", index)))
+    return tuple(found)
+
 
 _LAYOUT_HINT = (
     "This x is not C-contiguous. MPI sends the bytes as they lie in memory, so send a "
@@ -198,16 +219,22 @@ def _check_case(sub: MPI.Comm, fn: Collective, name: str, root: int, case: Case,
 
 
 def _check(fn: Collective, name: str, promise: str, timeout: float) -> None:
-    """Check fn on every rank count, root and case; every world rank raises or passes together."""
+    """Check fn on every rank count, root and case; every world rank raises or passes together.
+
+    Under the grader's draw (ddlab.checks._draw): drawn ranks, and drawn dtypes, shapes and values."""
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, name)
+    cases = CASES if draw is None else drawn_cases(draw)
 
     def every_root_and_case(sub: MPI.Comm) -> None:
         for root in range(sub.Get_size()):
-            for case in CASES:
+            for case in cases:
                 _check_case(sub, fn, name, root, case, timeout)
 
-    each_size(world, every_root_and_case, name)
-    passed(world, f"{name}: {promise} (1 to {world.Get_size()} ranks, every root, {len(CASES)} dtypes/shapes)")
+    each_size(world, every_root_and_case, name, draw=draw)
+    passed(
+        world, f"{name}: {promise} (1 to {world.Get_size()} ranks, every root, {len(cases)} dtypes/shapes){named(draw)}"
+    )
 
 
 def check_bcast_linear(fn: Collective, timeout: float = 20.0) -> None:

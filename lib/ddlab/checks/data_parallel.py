@@ -21,6 +21,7 @@ from ..data_parallel import DataParallel, plan_buckets, squared_error, train
 from ..models.mlp import make_mlp
 from ..runtime.comm import Comm
 from ._core import each_size, fail_together, is_number, passed, run_counted
+from ._draw import Draw, grading_draw, named
 from .allreduce import DTYPES, value_problem
 from .errors import CheckFailed
 
@@ -97,8 +98,11 @@ def _shard_problem(fn: Callable[..., np.ndarray], n: int, size: int, epoch: int,
 def check_shard_indices(fn: Callable[[int, int, int, int, int], np.ndarray]) -> None:
     """fn(n, rank, size, epoch, seed): disjoint shards of equal length covering all samples, padded
     with the order's first entries when size does not divide n, each rank taking every size-th entry
-    of one order (the one size=1 gives), the same on every call, reshuffled each epoch and seed."""
-    n, size = 64, 4
+    of one order (the one size=1 gives), the same on every call, reshuffled each epoch and seed.
+
+    The grader's draw: the sample counts (up to 500), rank counts (up to 16), epochs and seeds."""
+    draw = grading_draw(None, "shard_indices")
+    n, size = (64, 4) if draw is None else (draw.integer(32, 500, "n"), draw.integer(2, 16, "size"))
     first = [np.asarray(fn(n, r, size, 0, 0)) for r in range(size)]
     if any(not np.array_equal(a, np.asarray(fn(n, r, size, 0, 0))) for r, a in enumerate(first)):
         raise CheckFailed(
@@ -106,11 +110,11 @@ def check_shard_indices(fn: Callable[[int, int, int, int, int], np.ndarray]) -> 
             "every rank must compute the same order without talking, so draw it from a "
             "generator seeded with (seed, epoch), e.g. np.random.default_rng([seed, epoch])"
         )
-    for n_, size_ in [(12, 4), (10, 4), (13, 3), (1, 3), (100, 7), (64, 1), (0, 2)]:
-        for epoch, seed in [(0, 0), (1, 0), (0, 7)]:
+    for n_, size_ in _shard_cases(draw):
+        for epoch, seed in [(0, 0), (1, 0), (0, 7)] if draw is None else _epochs_and_seeds(draw, n_, size_):
             problem = _shard_problem(fn, n_, size_, epoch, seed)
             if problem:
-                raise CheckFailed(problem)
+                raise CheckFailed(problem + named(draw))
     if all(np.array_equal(a, fn(n, r, size, 1, 0)) for r, a in enumerate(first)):
         raise CheckFailed(
             "epoch 0 and epoch 1 give the same shards: reshuffle every epoch (seed the order "
@@ -118,7 +122,20 @@ def check_shard_indices(fn: Callable[[int, int, int, int, int], np.ndarray]) -> 
         )
     if all(np.array_equal(a, fn(n, r, size, 0, 1)) for r, a in enumerate(first)):
         raise CheckFailed("seeds 0 and 1 give the same shards: the order must depend on the seed")
-    print("passed: shard_indices gives equal, disjoint shards, padded, reshuffled each epoch")
+    print(f"passed: shard_indices gives equal, disjoint shards, padded, reshuffled each epoch{named(draw)}")
+
+
+def _shard_cases(draw: Draw | None) -> list[tuple[int, int]]:
+    """(n, size) pairs: the notebook's, or 7 drawn (n up to 500, 0 and 1 among them; size up to 16)."""
+    if draw is None:
+        return [(12, 4), (10, 4), (13, 3), (1, 3), (100, 7), (64, 1), (0, 2)]
+    counts = [0, 1, *draw.lengths(5, 2, 500, "counts")]
+    return [(n, draw.integer(1, 16, "size", n)) for n in counts]
+
+
+def _epochs_and_seeds(draw: Draw, n: int, size: int) -> list[tuple[int, int]]:
+    """Three drawn (epoch, seed) pairs for one case."""
+    return [(draw.integer(0, 50, "epoch", n, size, i), draw.integer(0, 10**6, "seed", n, size, i)) for i in range(3)]
 
 
 # Exercise 4.2 ---------------------------------------------------------------------
@@ -141,9 +158,11 @@ def _state(model: nn.Module) -> dict[str, np.ndarray]:
     return {name: t.detach().numpy().copy() for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
-def _broadcast_problem(fn: Callable[..., None], comm: MPI.Comm, root: int, timeout: float) -> str | None:
-    """What is wrong after fn(model, comm, root) on this rank of `comm`, or None."""
-    model = _tiny_model(seed=100 + comm.Get_rank())
+def _broadcast_problem(
+    fn: Callable[..., None], comm: MPI.Comm, root: int, timeout: float, seed: int = 100
+) -> str | None:
+    """What is wrong after fn(model, comm, root) on this rank of `comm`, or None (rank r's model: seed + r)."""
+    model = _tiny_model(seed=seed + comm.Get_rank())
     objects = [id(t) for t in [*model.parameters(), *model.buffers()]]
     _call(
         comm,
@@ -157,7 +176,7 @@ def _broadcast_problem(fn: Callable[..., None], comm: MPI.Comm, root: int, timeo
             "the model's parameters were replaced by new tensors: copy into them in place "
             "(the optimizer holds the old ones), e.g. comm.Bcast(p.detach().numpy(), root)"
         )
-    want, got, buffers = _state(_tiny_model(seed=100 + root)), _state(model), dict(model.named_buffers())
+    want, got, buffers = _state(_tiny_model(seed=seed + root)), _state(model), dict(model.named_buffers())
     for name in want:
         if not np.array_equal(got[name], want[name]):
             kind = "buffer" if name in buffers else "parameter"
@@ -176,16 +195,21 @@ def check_broadcast_parameters(fn: Callable[..., None], timeout: float = TIMEOUT
     world learns the outcome (a stub's NotImplementedError included), so none is left behind.
     """
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "broadcast_parameters")  # the grader's: ranks, a third root, the models' seeds
+    seed = 100 if draw is None else draw.data_seed("models")
 
     def every_root(sub: MPI.Comm) -> None:
         size = sub.Get_size()
-        for root in sorted({0, size - 1}):
+        roots = {0, size - 1} if draw is None else {0, size - 1, draw.integer(0, size - 1, "root", size)}
+        for root in sorted(roots):
             fail_together(
-                sub, _broadcast_problem(fn, sub, root, timeout), f"broadcast_parameters on {size} ranks, root {root}"
+                sub,
+                _broadcast_problem(fn, sub, root, timeout, seed),
+                f"broadcast_parameters on {size} ranks, root {root}{'' if draw is None else f', models of seed {seed}'}",
             )
 
-    each_size(world, every_root, "broadcast_parameters")
-    passed(world, "broadcast_parameters copies the root's parameters and buffers to every rank, in place")
+    each_size(world, every_root, "broadcast_parameters", draw=draw)
+    passed(world, f"broadcast_parameters copies the root's parameters and buffers to every rank, in place{named(draw)}")
 
 
 # Exercise 4.3 ---------------------------------------------------------------------
@@ -203,19 +227,19 @@ def _counting(log: list[int]) -> Allreduce:
     return allreduce
 
 
-def _set_gradients(model: nn.Module, rank: int) -> None:
+def _set_gradients(model: nn.Module, rank: int, seed: int = 1000) -> None:
     """Gradients that differ from rank to rank and are known to every rank."""
-    generator = torch.Generator().manual_seed(1000 + rank)
+    generator = torch.Generator().manual_seed(seed + rank)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
 
 
-def _average_problem(comm: MPI.Comm, fn: Callable[..., None], timeout: float) -> str | None:
+def _average_problem(comm: MPI.Comm, fn: Callable[..., None], timeout: float, seed: int = 1000) -> str | None:
     """What is wrong on this rank after fn(model, comm, allreduce) on the ranks of comm, or None."""
     rank, size = comm.Get_rank(), comm.Get_size()
     model = make_mlp(seed=3, dtype=torch.float64)
     before = _state(model)
-    _set_gradients(model, rank)
+    _set_gradients(model, rank, seed)
     log: list[int] = []
     _call(
         comm,
@@ -227,7 +251,7 @@ def _average_problem(comm: MPI.Comm, fn: Callable[..., None], timeout: float) ->
     references: list[list[torch.Tensor]] = []
     for r in range(size):
         other = make_mlp(seed=3, dtype=torch.float64)
-        _set_gradients(other, r)
+        _set_gradients(other, r, seed)
         references.append([p.grad for p in other.parameters() if p.grad is not None])
     numel = sum(p.numel() for p in model.parameters())
     if not log:
@@ -267,12 +291,15 @@ def check_average_gradients(fn: Callable[..., None], timeout: float = TIMEOUT) -
     on 3 ranks (not a power of two) and on all."""
     world = MPI.COMM_WORLD
     sizes = _small_and_all(world.Get_size())
-    each_size(world, lambda sub: _average_problem(sub, fn, timeout), "average_gradients", sizes)
+    draw = grading_draw(world, "average_gradients")  # the grader's: ranks and the gradients' seed
+    seed = 1000 if draw is None else draw.data_seed("gradients")
+    context = "average_gradients" if draw is None else f"average_gradients, gradients of seed {seed}"
+    each_size(world, lambda sub: _average_problem(sub, fn, timeout, seed), context, sizes, draw=draw)
     numel = sum(p.numel() for p in make_mlp().parameters())
     passed(
         world,
         f"average_gradients averages all {numel} gradient entries in one allreduce, "
-        f"on {' and '.join(map(str, sizes))} ranks",
+        f"on {' and '.join(map(str, sizes))} ranks{named(draw)}",
     )
 
 

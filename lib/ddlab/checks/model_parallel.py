@@ -23,6 +23,7 @@ from ..model_parallel.stage import gradient_error, reference_gradients
 from ..models.unet import UNet
 from ..runtime.counting import CountingComm, gather_traffic
 from ._core import CheckFailed, each_size, is_integer, passed
+from ._draw import Draw, grading_draw, named
 
 TIMEOUT = 15.0
 SIDE, BATCH = 8, 2
@@ -53,11 +54,18 @@ PARTS = {
 }
 
 
-def _toy() -> tuple[UNet, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
+def _toy(seed: int = 0) -> tuple[UNet, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
     model = UNet(in_channels=3, classes=3, width=2, depth=2).double()
-    images, masks = make_segmentation(BATCH, SIDE, seed=1, dtype=torch.float64)
+    images, masks = make_segmentation(BATCH, SIDE, seed=seed + 1, dtype=torch.float64)
     return model, images, masks
+
+
+def _split(size: int, draw: Draw | None) -> list[int]:
+    """The bounds of the toy UNet's 15 layers over `size` ranks: the notebook's, or drawn (any non-empty stages)."""
+    if draw is None:
+        return TOY_SPLITS[size]
+    return [0, *draw.lengths(size - 1, 1, 14, "split", size), 15]
 
 
 def _expected_sends(stage: Stage) -> Counter:
@@ -75,10 +83,10 @@ def _describe(sends: Counter) -> str:
     return ", ".join(f"{n} x {nbytes} B to rank {peer}" for (peer, nbytes), n in sorted(sends.items())) or "nothing"
 
 
-def _one_split(comm: MPI.Comm, which: str, fn: type) -> str | None:
+def _one_split(comm: MPI.Comm, which: str, fn: type, draw: Draw | None = None) -> str | None:
     """Train one step over comm's ranks with fn on the `which` side; this rank's problem, or None."""
-    model, images, masks = _toy()
-    bounds = TOY_SPLITS[comm.Get_size()]
+    model, images, masks = _toy(0 if draw is None else draw.data_seed("model") % 10**6)
+    bounds = _split(comm.Get_size(), draw)
     counting = CountingComm(comm, timeout=TIMEOUT)
     functions: dict[str, Any] = {"send_function": SendTensor, "recv_function": RecvTensor, f"{which}_function": fn}
     stage = Stage(model, bounds, counting, (3, SIDE, SIDE), timeout=TIMEOUT, **functions)
@@ -91,7 +99,7 @@ def _one_split(comm: MPI.Comm, which: str, fn: type) -> str | None:
     stub = next((p for p in problems if p and p.startswith("NotImplementedError")), None)
     if stub:
         raise NotImplementedError(stub.partition(": ")[2])
-    where = f"{comm.Get_size()} ranks, split {bounds}"
+    where = f"{comm.Get_size()} ranks, split {bounds}{named(draw)}"
     if problems[comm.Get_rank()]:
         return f"({where}) raised {problems[comm.Get_rank()]}\n{HINTS[which]}"
     if any(problems):
@@ -126,11 +134,12 @@ def _check_autograd(which: str, fn: type) -> None:
             "this check needs at least 2 engines: start the cluster with ddlab.runtime.cluster.start(n=4)"
         )
     sizes = [p for p in sorted(TOY_SPLITS) if p <= world.Get_size()]
-    each_size(world, lambda sub: _one_split(sub, which, fn), f"{fn.__name__} is wrong", sizes)
+    draw = grading_draw(world, f"{which}_tensor")  # the grader's: ranks, the split, the model and images
+    each_size(world, lambda sub: _one_split(sub, which, fn, draw), f"{fn.__name__} is wrong", sizes, draw=draw)
     passed(
         world,
         f"{fn.__name__}: the split UNet's gradients equal one process's; one message per tensor, "
-        "activations forward and gradients backward",
+        f"activations forward and gradients backward{named(draw)}",
     )
 
 
@@ -144,8 +153,9 @@ def check_recv_tensor(fn: type) -> None:
     _check_autograd("recv", fn)
 
 
-def _split_cases() -> list[tuple[list[float], int]]:
-    rng = random.Random(6)
+def _split_cases(draw: Draw | None = None) -> list[tuple[list[float], int]]:
+    """Hand-made cases and 40 random ones (the grader's draw: its own 40, of up to 30 layers)."""
+    rng = random.Random(6 if draw is None else draw.data_seed("costs"))
     cases = [
         ([5.0], 1),
         ([1.0, 1.0, 1.0, 1.0], 2),
@@ -157,7 +167,7 @@ def _split_cases() -> list[tuple[list[float], int]]:
         ([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], 4),
     ]
     for _ in range(40):
-        n = rng.randint(1, 14)
+        n = rng.randint(1, 14 if draw is None else 30)
         costs = [
             round(rng.choice([rng.uniform(0, 1), rng.uniform(0, 10), float(rng.randint(0, 3))]), 3) for _ in range(n)
         ]
@@ -167,11 +177,12 @@ def _split_cases() -> list[tuple[list[float], int]]:
 
 def check_balanced_split(fn: Callable[[list[float], int], Any]) -> None:
     """fn(costs, k) must return bounds of k contiguous non-empty stages with the smallest largest cost."""
-    for costs, k in _split_cases():
+    draw = grading_draw(None, "balanced_split")
+    for costs, k in _split_cases(draw):
         n = len(costs)
         got = fn(list(costs), k)
         want = balanced_split(costs, k)
-        case = f"costs={costs}, k={k}"
+        case = f"costs={costs}, k={k}{named(draw)}"
         if not isinstance(got, (list, tuple)) or not all(is_integer(b) for b in got):
             raise CheckFailed(f"{case}: got {got!r}; return a list of k+1 ints (the stage bounds)")
         got = list(got)
@@ -186,4 +197,4 @@ def check_balanced_split(fn: Callable[[list[float], int], Any]) -> None:
                 f"{case}: your bounds {got} give stage costs {stage_costs(costs, got)}, the largest {mine:g}; "
                 f"another split would get the largest down to {best:g}"
             )
-    print("passed: balanced_split finds contiguous stages with the smallest possible largest cost")
+    print(f"passed: balanced_split finds contiguous stages with the smallest possible largest cost{named(draw)}")

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..pipeline import gpipe, in_flight, micro_batch_loss, one_f_one_b, simulate
 from ._core import CheckFailed, count, each_size, fail_together, is_integer, is_number, passed, run_counted
+from ._draw import Draw, grading_draw, named
 
 HINTS = {
     "gpipe": "GPipe runs the forwards of micro-batches 0..M-1, then their backwards in the same order.",
@@ -43,32 +44,37 @@ def _show(ops: Any, limit: int = 12) -> str:
 
 def _check_schedule(fn: Callable[[int, int, int], list], reference: Callable[[int, int, int], list]) -> None:
     name = reference.__name__
-    for k in range(1, 7):
-        for m in range(1, 10):
-            got_all = []
-            for stage in range(k):
-                got = fn(k, m, stage)
-                want = reference(k, m, stage)
-                got_list = [tuple(op) for op in got] if isinstance(got, (list, tuple)) else got
-                if got_list != want:
-                    first = (
-                        next(
-                            (i for i, (a, b) in enumerate(zip(got_list, want)) if a != b), min(len(got_list), len(want))
-                        )
-                        if isinstance(got_list, list)
-                        else 0
-                    )
-                    raise CheckFailed(
-                        f"{name}(k={k}, m={m}, stage={stage}) returned {_show(got_list)}\n"
-                        f"expected                             {_show(want)}\n"
-                        f"(first difference at position {first}). {HINTS[name]}"
-                    )
-                got_all.append(got_list)
-            simulate(got_all)  # a deadlock here would be a bug in the reference
+    draw = grading_draw(None, name)
+    for k, m in _schedule_cases(draw):
+        got_all = []
+        for stage in range(k):
+            got = fn(k, m, stage)
+            want = reference(k, m, stage)
+            got_list = [tuple(op) for op in got] if isinstance(got, (list, tuple)) else got
+            if got_list != want:
+                first = (
+                    next((i for i, (a, b) in enumerate(zip(got_list, want)) if a != b), min(len(got_list), len(want)))
+                    if isinstance(got_list, list)
+                    else 0
+                )
+                raise CheckFailed(
+                    f"{name}(k={k}, m={m}, stage={stage}) returned {_show(got_list)}\n"
+                    f"expected                             {_show(want)}\n"
+                    f"(first difference at position {first}){named(draw)}. {HINTS[name]}"
+                )
+            got_all.append(got_list)
+        simulate(got_all)  # a deadlock here would be a bug in the reference
     print(
         f"passed: {name} gives every stage the reference order of forwards and backwards "
-        f"(at most {in_flight(reference(4, 8, 0))} micro-batches in flight on stage 0 of 4 with M=8)"
+        f"(at most {in_flight(reference(4, 8, 0))} micro-batches in flight on stage 0 of 4 with M=8){named(draw)}"
     )
+
+
+def _schedule_cases(draw: Draw | None) -> list[tuple[int, int]]:
+    """(k, m): every k from 1 to 6 with every m from 1 to 9, or the grader's: 1 and 1, and 20 drawn up to 16 and 48."""
+    if draw is None:
+        return [(k, m) for k in range(1, 7) for m in range(1, 10)]
+    return [(1, 1), *((draw.integer(1, 16, "k", i), draw.integer(1, 48, "m", i)) for i in range(20))]
 
 
 def check_gpipe(fn: Callable[[int, int, int], list]) -> None:
@@ -92,11 +98,12 @@ def _brute_force(n: int, k: int, stage_time: Callable[[int, int], float]) -> tup
     return best
 
 
-def _cases() -> list[tuple[int, int, Callable[[int, int], float], str]]:
-    rng = random.Random(7)
+def _cases(draw: Draw | None = None) -> list[tuple[int, int, Callable[[int, int], float], str]]:
+    """30 random cases of up to 9 layers (the grader's draw: its own, of up to 12)."""
+    rng = random.Random(7 if draw is None else draw.data_seed("layers"))
     cases: list[tuple[int, int, Callable[[int, int], float], str]] = []
     for trial in range(30):
-        n = rng.randint(1, 9)
+        n = rng.randint(1, 9 if draw is None else 12)
         k = rng.randint(1, n)
         compute = [round(rng.uniform(0.1, 5.0), 2) for _ in range(n)]
         cut = [0.0] * (n + 1)
@@ -114,10 +121,11 @@ def _cases() -> list[tuple[int, int, Callable[[int, int], float], str]]:
 
 def check_pipedream_partition(fn: Callable[[int, int, Callable[[int, int], float]], Any]) -> None:
     """fn(n, k, stage_time) must return bounds of k contiguous stages minimising the largest stage_time."""
-    for n, k, stage_time, label in _cases():
+    draw = grading_draw(None, "pipedream_partition")
+    for n, k, stage_time, label in _cases(draw):
         got = fn(n, k, stage_time)
         best, want = _brute_force(n, k, stage_time)
-        case = f"n={n}, k={k}, {label}"
+        case = f"n={n}, k={k}, {label}{named(draw)}"
         if not isinstance(got, (list, tuple)) or not all(is_integer(b) for b in got):
             raise CheckFailed(f"{case}: got {got!r}; return a list of k+1 ints (the stage bounds)")
         got = list(got)
@@ -133,7 +141,7 @@ def check_pipedream_partition(fn: Callable[[int, int, Callable[[int, int], float
                 f"bounds {want} make the slowest {best:g}. Every split of the first j layers on s stages "
                 f"must be considered (see the hint before the exercise), message costs included."
             )
-    print("passed: pipedream_partition finds the split with the fastest slowest stage, messages included")
+    print(f"passed: pipedream_partition finds the split with the fastest slowest stage, messages included{named(draw)}")
 
 
 # Exercise 7.3: the executor ----------------------------------------------------
@@ -174,11 +182,11 @@ def mixed_order(k: int, m: int, stage: int) -> list[tuple[str, int]]:
     return ops[:m] + (ops[m:][::-1] if stage % 2 == 0 else ops[m:])
 
 
-def _chain(k: int) -> tuple[list[nn.Module], list[torch.Tensor], list[torch.Tensor]]:
+def _chain(k: int, seed: int = 7) -> tuple[list[nn.Module], list[torch.Tensor], list[torch.Tensor]]:
     """k float64 stages (linear, tanh, linear) and MICRO micro-batches of inputs and targets."""
-    generator = torch.Generator().manual_seed(7)
+    generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():  # the same layers on every rank, the caller's random state untouched
-        torch.manual_seed(7)
+        torch.manual_seed(seed)
         stages: list[nn.Module] = [
             nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double() for _ in range(k)
         ]
@@ -237,14 +245,17 @@ def check_run_schedule(fn: Callable[..., Any]) -> None:
     neighbour (forward to rank+1, backward to rank-1), without deadlocking.
     """
 
+    draw = grading_draw(MPI.COMM_WORLD, "run_schedule")  # the grader's: ranks, layers and data
+    seed = 7 if draw is None else draw.data_seed("chain") % 10**6
+
     def body(sub: MPI.Comm) -> str | None:
         k, rank = sub.Get_size(), sub.Get_rank()
-        stages, inputs, targets = _chain(k)
+        stages, inputs, targets = _chain(k, seed)
         want, want_losses = _one_process(stages, inputs, targets)
         for schedule in (gpipe, one_f_one_b, mixed_order):
             layers = copy.deepcopy(stages[rank])
             args = (layers, schedule(k, MICRO, rank), [x.clone() for x in inputs], [t.clone() for t in targets])
-            context = f"run_schedule under {schedule.__name__} on {count(k, 'rank')}"
+            context = f"run_schedule under {schedule.__name__} on {count(k, 'rank')}{named(draw)}"
             try:
                 losses, traffic = run_counted(sub, fn, args, context, timeout=TIMEOUT)
             except CheckFailed as err:  # the deadlock advice only where a rank waited in vain
@@ -264,9 +275,9 @@ def check_run_schedule(fn: Callable[..., Any]) -> None:
             fail_together(sub, problem, f"{context}: wrong losses", EXECUTOR_HINTS["losses"])
         return None
 
-    each_size(MPI.COMM_WORLD, body, "run_schedule")
+    each_size(MPI.COMM_WORLD, body, "run_schedule", draw=draw)
     passed(
         MPI.COMM_WORLD,
         f"run_schedule gives one process's gradients under GPipe, 1F1B and a mixed order on 1 to "
-        f"{MPI.COMM_WORLD.Get_size()} stages, one message per micro-batch and direction",
+        f"{MPI.COMM_WORLD.Get_size()} stages, one message per micro-batch and direction{named(draw)}",
     )

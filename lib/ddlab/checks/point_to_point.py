@@ -19,6 +19,7 @@ from .. import p2p
 from ..runtime.comm import Comm
 from ..runtime.counting import Event, Traffic
 from ._core import CheckFailed, array_problem, count, each_size, passed, run_counted
+from ._draw import Draw, grading_draw, named
 
 DEADLOCK_HINT = (
     "If both ranks of a pair call a blocking Send before their Recv, each waits for the other "
@@ -52,17 +53,32 @@ def _describe(events: list[Event]) -> str:
 STAGGER = 0.1  # seconds between the ranks' first sends, highest rank first
 
 
-def _collect_data(rank: int) -> np.ndarray:
-    """Rank r's float64 array: its own length (0 for some), values r*100 + 0, 1, 2, ..."""
-    return np.arange((7 * rank + 5) % 13, dtype=np.float64) + 100.0 * rank
+def _collect_lengths(size: int, draw: Draw | None) -> list[int]:
+    """Every rank's length: (7r + 5) % 13 (0 for some), or under the grader's draw any from 0 to 2000."""
+    if draw is None:
+        return [(7 * rank + 5) % 13 for rank in range(size)]
+    return [draw.integer(0, 2000, "collect", size, rank) for rank in range(size)]
 
 
-def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
+def _collect_data(rank: int, lengths: list[int]) -> np.ndarray:
+    """Rank r's float64 array: its own length, values r*100 + 0, 1, 2, ..."""
+    return np.arange(lengths[rank], dtype=np.float64) + 100.0 * rank
+
+
+def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float, draw: Draw | None = None) -> str | None:
     rank, size = sub.Get_rank(), sub.Get_size()
-    data = _collect_data(rank)
+    lengths = _collect_lengths(size, draw)
+    data = _collect_data(rank, lengths)
     try:
         # Arrays arrive in reverse rank order: a list in arrival order is wrong on every run.
-        got, traffic = run_counted(sub, fn, (data,), f"collect on {count(size, 'rank')}", timeout, stagger=STAGGER)
+        got, traffic = run_counted(
+            sub,
+            fn,
+            (data,),
+            f"collect on {count(size, 'rank')}, lengths {lengths}{named(draw)}",
+            timeout,
+            stagger=STAGGER,
+        )
     except CheckFailed as err:
         if "MPI_ERR" in str(err):
             raise CheckFailed(f"{err}\n{SIZE_HINT}") from None
@@ -78,8 +94,8 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
         length = f" of length {len(got)}" if isinstance(got, (list, tuple)) else ""
         return f"returned {type(got).__name__}{length}, expected a list of {size} arrays, item r from rank r"
     for source in range(size):
-        problem = array_problem(got[source], _collect_data(source), f"item {source} (rank {source}'s array)")
-        if problem and any(array_problem(got[source], _collect_data(r), "") is None for r in range(size)):
+        problem = array_problem(got[source], _collect_data(source, lengths), f"item {source} (rank {source}'s array)")
+        if problem and any(array_problem(got[source], _collect_data(r, lengths), "") is None for r in range(size)):
             return (
                 f"{problem}: it is another rank's array. Messages may arrive in any order (here: the "
                 "highest rank's first); put each at its sender's index (status.Get_source())"
@@ -89,7 +105,7 @@ def _collect_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
     if got[0].size and np.shares_memory(got[0], data):
         return "item 0 is rank 0's data itself: return a copy of it (data.copy()), a new array like the others"
     recvs = traffic[0].recvs
-    expected = {source: _collect_data(source).nbytes for source in range(1, size)}
+    expected = {source: _collect_data(source, lengths).nbytes for source in range(1, size)}
     received = {e.peer: e.nbytes for e in recvs}
     if traffic[0].sends or len(recvs) != size - 1 or received != expected:
         hint = "" if all(e.nbytes == expected.get(e.peer) for e in recvs) else f" ({BUFFER_HINT})"
@@ -104,44 +120,67 @@ def check_collect(fn: Callable[[Any, np.ndarray], list | None], timeout: float =
     """Rank 0 gets every rank's array (of a length it does not know), in a list by rank."""
     comm = MPI.COMM_WORLD
     sizes = list(range(1, comm.Get_size() + 1))
-    each_size(comm, lambda sub: _collect_problem(sub, fn, timeout), "collect", sizes)
-    passed(comm, "collect receives every rank's array, whatever its length, on rank 0")
+    draw = grading_draw(comm, "collect")
+
+    def body(sub: MPI.Comm) -> str | None:
+        problem = _collect_problem(sub, fn, timeout, draw)
+        return (
+            problem
+            if problem is None or draw is None
+            else f"{problem} (lengths {_collect_lengths(sub.Get_size(), draw)})"
+        )
+
+    each_size(comm, body, "collect", sizes, draw=draw)
+    passed(comm, f"collect receives every rank's array, whatever its length, on rank 0{named(draw)}")
 
 
 # Exercise: exchange ------------------------------------------------------------
 EXCHANGE_LENGTH = 2**16 + 3  # about 512 KiB of int64: above every MPI's eager limit
+#: The grader's draw: a length from 2**14 (32 KiB of int16, still above the eager limits) to 2**17, a dtype of these.
+EXCHANGE_DTYPES = (np.int64, np.int32, np.int16, np.float64, np.float32)
 
 
-def _exchange_data(rank: int) -> np.ndarray:
-    """Rank r's array: 10**6 * (r + 1) + 0, 1, 2, ..., so its owner can be read off.
+def _exchange_case(draw: Draw | None) -> tuple[int, type]:
+    """(length, dtype) of the arrays: the notebook's, or the grader's draw."""
+    if draw is None:
+        return EXCHANGE_LENGTH, np.int64
+    return draw.integer(2**14, 2**17, "length"), draw.choose(EXCHANGE_DTYPES, 1, "dtype")[0]
+
+
+def _exchange_data(rank: int, case: tuple[int, type] = (EXCHANGE_LENGTH, np.int64)) -> np.ndarray:
+    """Rank r's array: 10**6 * (r + 1) + 0, 1, 2, ..., so its owner can be read off (wrapped in int16).
 
     Integers, not float64, so that a receive buffer made with NumPy's default dtype fails.
     """
-    return np.arange(EXCHANGE_LENGTH, dtype=np.int64) + 10**6 * (rank + 1)
+    length, dtype = case
+    return (np.arange(length, dtype=np.int64) + 10**6 * (rank + 1)).astype(dtype)
 
 
-def _owner(got: np.ndarray, size: int) -> int | None:
+def _owner(got: np.ndarray, size: int, case: tuple[int, type]) -> int | None:
     """Which rank's array got is, if any."""
     for rank in range(size):
-        if got.shape == (EXCHANGE_LENGTH,) and np.array_equal(got, _exchange_data(rank)):
+        if got.shape == (case[0],) and np.array_equal(got, _exchange_data(rank, case)):
             return rank
     return None
 
 
-def _exchange_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None:
+def _exchange_problem(sub: MPI.Comm, fn: Callable, timeout: float, draw: Draw | None = None) -> str | None:
     rank, size = sub.Get_rank(), sub.Get_size()
     partner = rank ^ 1 if rank ^ 1 < size else None
-    data = _exchange_data(rank)
+    case = _exchange_case(draw)
+    data = _exchange_data(rank, case)
     context = f"exchange on {count(size, 'rank')}"
+    if draw is not None:
+        context += f", arrays of {case[0]} {np.dtype(case[1]).name} ({draw})"
     try:
         got, traffic = run_counted(sub, fn, (data,), context, timeout)
     except CheckFailed as err:
         if "Stalled" in str(err) or "PeerFailed" in str(err):
             raise CheckFailed(f"{err}\n{DEADLOCK_HINT}") from None
         raise
-    if not np.array_equal(data, _exchange_data(rank)):
+    if not np.array_equal(data, _exchange_data(rank, case)):
         return "exchange changed its input array: receive into a new array (np.empty_like(data)) instead"
-    want = _exchange_data(rank if partner is None else partner)
+    want = _exchange_data(rank if partner is None else partner, case)
     whose = (
         "its own array (no partner: the last of an odd number of ranks)"
         if partner is None
@@ -149,7 +188,7 @@ def _exchange_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | None
     )
     problem = array_problem(got, want, f"the result (expected {whose})")
     if problem:
-        owner = _owner(got, size) if isinstance(got, np.ndarray) else None
+        owner = _owner(got, size, case) if isinstance(got, np.ndarray) else None
         return problem if owner is None else f"returned rank {owner}'s array, expected {whose}"
     if np.shares_memory(got, data):
         return "returned data itself (or a view of it): return a new array, e.g. data.copy() for a rank without partner"
@@ -173,8 +212,11 @@ def check_exchange(fn: Callable[[Any, np.ndarray], np.ndarray], timeout: float =
     """Pairs (0,1), (2,3), ... swap arrays of 512 KiB without deadlock; a last odd rank keeps its own."""
     comm = MPI.COMM_WORLD
     sizes = list(range(1, comm.Get_size() + 1))
-    each_size(comm, lambda sub: _exchange_problem(sub, fn, timeout), "exchange", sizes)
-    passed(comm, "exchange swaps arrays between rank pairs without deadlock, one message each way")
+    draw = grading_draw(comm, "exchange")
+    length, dtype = _exchange_case(draw)
+    context = "exchange" if draw is None else f"exchange of arrays of {length} {np.dtype(dtype).name}"
+    each_size(comm, lambda sub: _exchange_problem(sub, fn, timeout, draw), context, sizes, draw=draw)
+    passed(comm, f"exchange swaps arrays between rank pairs without deadlock, one message each way{named(draw)}")
 
 
 # Exercise: ping_pong -----------------------------------------------------------
@@ -275,15 +317,27 @@ def _plausibility_problem(sub: MPI.Comm, fn: Callable, timeout: float) -> str | 
     return next(filter(None, (_one_way_problem(g, t, repeats) for g, t in got)), None)
 
 
-def _ping_pong_problem(sub: MPI.Comm, fn: Callable, timeout: float, timing: bool) -> str | None:
+def _ping_pong_cases(draw: Draw | None) -> tuple[tuple[int, int], ...]:
+    """(bytes, repeats) of the counted runs: a small buffer and a large one, the notebook's or the grader's."""
+    if draw is None:
+        return ((8, 20), (2**20, 3))
+    return (
+        (8 * draw.integer(1, 512, "small"), draw.integer(5, 30, "small")),
+        (8 * draw.integer(2**15, 2**18, "large"), draw.integer(2, 4, "large")),
+    )
+
+
+def _ping_pong_problem(
+    sub: MPI.Comm, fn: Callable, timeout: float, timing: bool, draw: Draw | None = None
+) -> str | None:
     size = sub.Get_size()
-    for nbytes, repeats in ((8, 20), (2**20, 3)):
+    for nbytes, repeats in _ping_pong_cases(draw):
         buf = np.ones(nbytes // 8)
         result, traffic = run_counted(sub, fn, (buf, repeats), f"ping_pong on {count(size, 'rank')}", timeout)
         problem = _ping_pong_traffic_problem(traffic, buf.nbytes, repeats)
         if problem:
             raise CheckFailed(
-                f"ping_pong on {count(size, 'rank')}, buf of {nbytes} bytes, repeats={repeats}: {problem}"
+                f"ping_pong on {count(size, 'rank')}, buf of {nbytes} bytes, repeats={repeats}{named(draw)}: {problem}"
             )
         problem = _seconds_problem(sub.Get_rank(), result)
         if any(sub.allgather(problem)):  # agree before timing: it takes every rank
@@ -298,18 +352,27 @@ def check_ping_pong(fn: Callable[[Any, np.ndarray, int], float | None], timeout:
         raise CheckFailed("a ping-pong needs two ranks: start the cluster with at least 2 engines")
     sizes = sorted({2, comm.Get_size()})
     timed = sizes[-1]
-    each_size(comm, lambda sub: _ping_pong_problem(sub, fn, timeout, sub.Get_size() == timed), "ping_pong", sizes)
-    passed(comm, "ping_pong bounces 2 * repeats messages between ranks 0 and 1 and times one way")
+    draw = grading_draw(comm, "ping_pong")
+    each_size(
+        comm,
+        lambda sub: _ping_pong_problem(sub, fn, timeout, sub.Get_size() == timed, draw),
+        "ping_pong",
+        sizes,
+        draw=draw,
+    )
+    passed(comm, f"ping_pong bounces 2 * repeats messages between ranks 0 and 1 and times one way{named(draw)}")
 
 
 # Exercise: fit_alpha_beta (no MPI) -------------------------------------------------
 TRUE_ALPHA, TRUE_BETA = 2e-6, 1 / 5e9  # 2 microseconds, 5 GB/s
 
 
-def _synthetic(noise: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _synthetic(
+    noise: float, seed: int, alpha: float = TRUE_ALPHA, beta: float = TRUE_BETA
+) -> tuple[np.ndarray, np.ndarray]:
     """Sizes 8 B .. 64 MiB and times alpha + beta*n with relative noise."""
     n = np.array(p2p.default_sizes(), dtype=float)
-    t = (TRUE_ALPHA + TRUE_BETA * n) * (1 + noise * np.random.default_rng(seed).standard_normal(n.size))
+    t = (alpha + beta * n) * (1 + noise * np.random.default_rng(seed).standard_normal(n.size))
     return n, t
 
 
@@ -331,14 +394,33 @@ def _fit_problem(fn: Callable, n: np.ndarray, t: np.ndarray, what: str) -> str |
 
 
 def check_fit_alpha_beta(fn: Callable[[np.ndarray, np.ndarray], tuple[float, float]]) -> None:
-    """Runs in the notebook (no MPI): synthetic times with noise, with an outlier, and two points."""
-    n, t = _synthetic(noise=0.05, seed=1)
+    """Runs in the notebook (no MPI): synthetic times with noise, with an outlier, and two points.
+
+    The grader's draw: alpha from 0.5 to 20 microseconds, a bandwidth from 1 to 25 GB/s, the noise,
+    the slow point and the two points."""
+    draw = grading_draw(None, "fit_alpha_beta")
+    alpha, beta, seed, slow, pair = TRUE_ALPHA, TRUE_BETA, 1, None, [0, -1]
+    if draw is not None:
+        alpha, beta = draw.integer(5, 200, "alpha") * 1e-7, 1 / (draw.integer(1, 25, "bandwidth") * 1e9)
+        last = len(p2p.default_sizes()) - 1
+        seed, slow, pair = (
+            draw.data_seed("noise"),
+            draw.integer(1, last - 1, "slow"),
+            draw.lengths(2, 0, last, "pair"),
+        )
+    n, t = _synthetic(noise=0.05, seed=seed, alpha=alpha, beta=beta)
     outlier = t.copy()
-    outlier[n.size // 2] *= 5
+    where = "one point in the middle" if slow is None else f"point {slow}"
+    slow = n.size // 2 if slow is None else slow
+    outlier[slow] *= 5
     cases = [
-        (n, t, f"synthetic data (alpha = {TRUE_ALPHA:g} s, beta = {TRUE_BETA:g} s/byte, 5% noise)"),
-        (n, outlier, "the same data with one point in the middle five times too slow"),
-        (n[[0, -1]], t[[0, -1]], "two points only (the line through both)"),
+        (n, t, f"synthetic data (alpha = {alpha:g} s, beta = {beta:g} s/byte, 5% noise, seed {seed}){named(draw)}"),
+        (n, outlier, f"the same data with {where} five times too slow{named(draw)}"),
+        (
+            n[list(pair)],
+            t[list(pair)],
+            f"two points only{'' if draw is None else f', {pair[0]} and {pair[1]}'} (the line through both){named(draw)}",
+        ),
     ]
     for sizes, times, what in cases:
         problem = _fit_problem(fn, sizes, times, what)

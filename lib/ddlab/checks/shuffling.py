@@ -32,6 +32,7 @@ from ..runtime.blocks import block_bounds
 from ..runtime.counting import COLLECTIVE_TAG
 from ..shuffling.shuffler import exchange_plan
 from ._core import array_problem, count, each_size, fail_together, passed, run_counted
+from ._draw import Draw, grading_draw, named
 
 PLAN_CASES = [(n, q, epoch, seed) for n in (1, 37, 200) for q in (0.0, 0.3, 1.0) for epoch, seed in ((0, 0), (3, 11))]
 WIDE = 70_000  # samples a rank in the last plan case: positions past 16 bits (signed or not)
@@ -42,9 +43,19 @@ def _counts(n: int, size: int) -> list[int]:
     return np.diff(block_bounds(n, size)).tolist()
 
 
-def _plan_cases(size: int) -> list[tuple[list[int], float, int, int]]:
-    """(counts, q, epoch, seed): data sets of 1, 37 and 200 samples, then WIDE samples on every rank."""
-    return [(_counts(n, size), q, epoch, seed) for n, q, epoch, seed in PLAN_CASES] + [([WIDE] * size, 0.1, 1, 4)]
+def _plan_cases(size: int, draw: Draw | None = None) -> list[tuple[list[int], float, int, int]]:
+    """(counts, q, epoch, seed): data sets of 1, 37 and 200 samples, then WIDE samples on every rank.
+
+    The grader's draw: 3 data set sizes up to 400, q of 0, 1 and one drawn, epochs and seeds."""
+    wide = [([WIDE] * size, 0.1, 1, 4)]
+    if draw is None:
+        return [(_counts(n, size), q, epoch, seed) for n, q, epoch, seed in PLAN_CASES] + wide
+    cases = []
+    for i, n in enumerate(draw.lengths(3, 1, 400, "n", size)):
+        counts = _counts(n, size)
+        for q in (0.0, draw.integer(1, 99, "q", size, i) / 100, 1.0):
+            cases.append((counts, q, draw.integer(0, 99, "epoch", size, i), draw.integer(0, 10**6, "seed", size, i)))
+    return cases + wide
 
 
 def _plan_shape_problem(plan: Any, size: int, m: int) -> str | None:
@@ -115,12 +126,13 @@ def _replay_problem(plans: list[Any], counts: list[int]) -> str | None:
 def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -> None:
     """fn(counts, rank, q, epoch, seed) -> (send, recv_counts): a valid, agreed plan on every rank."""
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "exchange_plan")  # the grader's: ranks, counts, q, epochs and seeds
 
     def body(comm: MPI.Comm) -> str | None:
         rank, size = comm.Get_rank(), comm.Get_size()
-        for counts, q, epoch, seed in _plan_cases(size):
+        for counts, q, epoch, seed in _plan_cases(size, draw):
             n, wide = sum(counts), counts[0] == WIDE
-            case = f"counts={counts}, q={q}, epoch={epoch}, seed={seed}"
+            case = f"counts={counts}, q={q}, epoch={epoch}, seed={seed}{named(draw)}"
             plan = fn(list(counts), rank, q, epoch, seed)
             problem = _plan_shape_problem(plan, size, counts[rank])
             if problem is None:
@@ -155,8 +167,11 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
                     return f"{case}: the plan of epoch {epoch + 1} is the same as epoch {epoch}'s: draw it from the epoch too"
         return None
 
-    each_size(world, body, "exchange_plan")
-    passed(world, "exchange_plan: every rank agrees, keeps its count, sends round(Q m); no sample lost or duplicated")
+    each_size(world, body, "exchange_plan", draw=draw)
+    passed(
+        world,
+        f"exchange_plan: every rank agrees, keeps its count, sends round(Q m); no sample lost or duplicated{named(draw)}",
+    )
 
 
 def _samples(rank: int, m: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -166,29 +181,49 @@ def _samples(rank: int, m: int, dtype: str, shape: tuple[int, ...]) -> np.ndarra
     return (base + features).astype(dtype)
 
 
-def _unsorted(plan: tuple[list[np.ndarray], list[int]], rank: int) -> tuple[list[np.ndarray], list[int]]:
+def _unsorted(plan: tuple[list[np.ndarray], list[int]], rank: int, seed: int = 7) -> tuple[list[np.ndarray], list[int]]:
     """The plan with each send[d] in a seeded random order: the rows must go in the order listed, not sorted."""
     send, recv_counts = plan
-    rng = np.random.default_rng([7, rank])
+    rng = np.random.default_rng([seed, rank])
     return [rng.permutation(positions) for positions in send], recv_counts
 
 
 EXCHANGE_CASES = ((37, 0.3, "float64", (3,)), (20, 1.0, "int64", ()), (41, 0.5, "float32", (2, 2)))
+#: The dtypes the grader draws samples of.
+DRAWN_DTYPES = ("float64", "float32", "int64", "int32")
+
+
+def _drawn_samples(draw: Draw, what: str, count: int, most: int) -> list[tuple[int, str, tuple[int, ...]]]:
+    """`count` (samples, 1 to `most`; dtype; shape of a sample, 0 to 2 dimensions up to 4) the grader draws."""
+    return [
+        (
+            draw.integer(1, most, what, "n", i),
+            draw.choose(DRAWN_DTYPES, 1, what, "dtype", i)[0],
+            tuple(draw.integer(1, 4, what, "dim", i, d) for d in range(draw.integer(0, 2, what, "ndim", i))),
+        )
+        for i in range(count)
+    ]
 
 
 def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
     """fn(comm, x, send, recv_counts) -> rows received by source, carried by one Alltoallv of exactly the planned rows."""
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "exchange_samples")  # the grader's: ranks, sizes, q, dtypes, shapes, plans' seeds
+    cases: tuple[tuple[int, float, str, tuple[int, ...]], ...] = EXCHANGE_CASES
+    if draw is not None:
+        drawn = _drawn_samples(draw, "exchange", 3, 60)
+        cases = tuple((n, draw.integer(0, 100, "q", i) / 100, d, s) for i, (n, d, s) in enumerate(drawn))
+    seed = 2 if draw is None else draw.integer(0, 10**6, "plan")
 
     def body(comm: MPI.Comm) -> str | None:
         rank, size = comm.Get_rank(), comm.Get_size()
-        for n, q, dtype, shape in EXCHANGE_CASES:
+        for n, q, dtype, shape in cases:
             counts = _counts(n, size)
-            plans = [_unsorted(exchange_plan(counts, r, q, epoch=1, seed=2), r) for r in range(size)]
+            plans = [_unsorted(exchange_plan(counts, r, q, epoch=1, seed=seed), r, seed + 5) for r in range(size)]
             holdings = [_samples(r, counts[r], dtype, shape) for r in range(size)]
             x = holdings[rank]
             original = x.copy()
-            case = f"{np.dtype(dtype).name} samples of shape {shape}, counts={counts}, q={q}"
+            case = f"{np.dtype(dtype).name} samples of shape {shape}, counts={counts}, q={q}{named(draw)}"
             want = np.concatenate([holdings[s][plans[s][0][rank]] for s in range(size)])  # before fn can touch x
             got, traffic = run_counted(
                 comm, fn, (x, *plans[rank]), f"exchange_samples with {case}", allow=("Alltoallv",)
@@ -211,8 +246,11 @@ def check_exchange_samples(fn: Callable[..., np.ndarray]) -> None:
             fail_together(comm, problem and f"{case}: {problem}", f"exchange_samples on {count(size, 'rank')}")
         return None
 
-    each_size(world, body, "exchange_samples")
-    passed(world, "exchange_samples: one Alltoallv carries exactly the planned rows, received grouped by source")
+    each_size(world, body, "exchange_samples", draw=draw)
+    passed(
+        world,
+        f"exchange_samples: one Alltoallv carries exactly the planned rows, received grouped by source{named(draw)}",
+    )
 
 
 def _rows_for_elements(traffic: Any, want_bytes: list[int], x: np.ndarray) -> str:
@@ -246,7 +284,7 @@ def _traffic_problem(traffic: Any, want_bytes: list[int], local_copy: int | None
     return None
 
 
-def _diagram(n: int, size: int, kind: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _diagram(n: int, size: int, kind: str, seed: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(holds, needs) of one case, the same on every rank.
 
     "blocks": staged blocks of ids in order, needing blocks of global shuffling's epoch-1 permutation;
@@ -260,7 +298,7 @@ def _diagram(n: int, size: int, kind: str) -> tuple[list[np.ndarray], list[np.nd
         return blocks, [permutation[bounds[r] : bounds[r + 1]] for r in range(size)]
     if kind == "stay":
         return blocks, [ids[::-1].copy() for ids in blocks]
-    rng = np.random.default_rng([n, size])
+    rng = np.random.default_rng([n, size] if seed is None else [n, size, seed])
     layouts = []
     for _ in range(2):
         cuts = np.sort(rng.integers(0, n + 1, size - 1))
@@ -291,11 +329,17 @@ def check_redistribute(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> 
     timeout: seconds the check waits for a rank stuck in a call the others never make.
     """
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "redistribute")  # the grader's: ranks, sizes, dtypes, shapes, the uneven layout
+    cases: tuple[tuple[int, str, str, tuple[int, ...]], ...] = REDISTRIBUTE_CASES
+    if draw is not None:
+        drawn = _drawn_samples(draw, "redistribute", 3, 90)
+        cases = (*((n, kind, d, s) for kind, (n, d, s) in zip(("blocks", "uneven", "stay"), drawn)), cases[-1])
+    seed = None if draw is None else draw.data_seed("layout")
 
     def body(comm: MPI.Comm) -> str | None:
         rank, size = comm.Get_rank(), comm.Get_size()
-        for n, kind, dtype, shape in REDISTRIBUTE_CASES:
-            holds, needs = _diagram(n, size, kind)
+        for n, kind, dtype, shape in cases:
+            holds, needs = _diagram(n, size, kind, seed)
             x = _rows(holds[rank], dtype, shape)
             originals = (x.copy(), [h.copy() for h in holds], [w.copy() for w in needs])
             want = _rows(needs[rank], dtype, shape)
@@ -305,6 +349,7 @@ def check_redistribute(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> 
             want_bytes = [int(np.count_nonzero(owner[needs[d]] == rank)) * x[0:1].nbytes for d in range(size)]
             lengths = [len(ids) for ids in holds]
             case = f"{n} {np.dtype(dtype).name} samples of shape {shape}, held {lengths if n < 100 else 'in blocks'}"
+            case += named(draw)
             got, traffic = run_counted(
                 comm, fn, (x, holds, needs), f"redistribute with {case}", timeout=timeout, allow=("Alltoallv",)
             )
@@ -323,5 +368,5 @@ def check_redistribute(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> 
             fail_together(comm, problem and f"{case}: {problem}", f"redistribute on {count(size, 'rank')}")
         return None
 
-    each_size(world, body, "redistribute")
-    passed(world, "redistribute: one Alltoallv brings every rank the samples it needs, in its order")
+    each_size(world, body, "redistribute", draw=draw)
+    passed(world, f"redistribute: one Alltoallv brings every rank the samples it needs, in its order{named(draw)}")

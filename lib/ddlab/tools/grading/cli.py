@@ -8,6 +8,7 @@ instead of grading (`gradescope`).
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="seconds a cell may run before it counts as timed out (default 300)",
     )
     parser.add_argument(
+        "--seed",
+        type=int,
+        help="the seed of the checks' cases (sizes, dtypes, ranks, data), recorded in grades.csv; "
+        "default: a new one, printed (pass it again to grade the same cases)",
+    )
+    parser.add_argument(
         "--canvas", type=Path, help="also write the points as a CSV for Canvas's gradebook import (Grades, Import)"
     )
     parser.add_argument(
@@ -70,8 +77,10 @@ def find_lab(labs: Path, number: str) -> Path:
 def main(args: argparse.Namespace) -> int:
     """Grade every submission in turn, each on a clean cluster; exit status 1 if processes had to be killed."""
     lab_path = find_lab(args.labs, args.lab)
+    if args.seed is not None and args.seed < 0:
+        raise SystemExit(f"ddlab grade: --seed {args.seed} is negative: give a whole number of 0 or more")
     if args.gradescope is not None:
-        names = write_autograder(lab_path, args.gradescope, args.timeout)
+        names = write_autograder(lab_path, args.gradescope, args.timeout, args.seed)
         print(f"wrote {args.gradescope} ({len(names)} files): upload it as the assignment's autograder in Gradescope")
         return 0
     if not args.submissions:
@@ -85,13 +94,15 @@ def main(args: argparse.Namespace) -> int:
     missing = [str(p) for p in args.submissions if not p.is_file()]
     if missing:
         raise SystemExit(f"ddlab grade: no such notebook: {', '.join(missing)}")
+    seed = secrets.randbelow(2**31) if args.seed is None else args.seed
+    print(f"grading on the cases drawn from seed {seed} (ddlab grade --seed {seed} draws them again)", flush=True)
     feedback = args.out / "feedback"
     feedback.mkdir(parents=True, exist_ok=True)
     results, survivors = [], []
     with private_ipython_dir() as ipython_dir:
         for path in args.submissions:
             student, started = student_name(path, lab_path.name), time.monotonic()
-            graded = grade(lab, path, student, args.timeout)
+            graded = grade(lab, path, student, args.timeout, seed)
             survivors += clean_up(ipython_dir)
             results += graded
             (feedback / f"{student}.html").write_text(feedback_html(student, lab_path.stem, graded))

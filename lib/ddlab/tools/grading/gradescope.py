@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import zipfile
 from pathlib import Path
 
@@ -54,7 +55,7 @@ mkdir -p "$ROOT/results"
 cd "$ROOT/submission"
 exec "$ROOT/venv/bin/python" -m ddlab.tools.grading.gradescope \\
     --lab "$ROOT/source/labs/{lab}" --submission "$ROOT/submission" \\
-    --results "$ROOT/results/results.json" --timeout {timeout:g}
+    --results "$ROOT/results/results.json" --timeout {timeout:g}{seed}
 """
 
 #: What of the repository the archive carries, besides the lab: the library and the cluster profiles.
@@ -73,8 +74,12 @@ def _shipped_files(repo: Path) -> list[Path]:
     return files
 
 
-def write_autograder(lab_path: Path, out: Path, timeout: float, repo: Path = REPO) -> list[str]:
-    """Write the autograder archive for the lab at `lab_path` to `out`; return the names it holds."""
+def write_autograder(
+    lab_path: Path, out: Path, timeout: float, seed: int | None = None, repo: Path = REPO
+) -> list[str]:
+    """Write the autograder archive for the lab at `lab_path` to `out`; return the names it holds.
+
+    `seed`: every submission graded on the cases it draws; None: each on a seed of its own, in its results."""
 
     def add(archive: zipfile.ZipFile, name: str, data: bytes, executable: bool = False) -> None:
         info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
@@ -85,7 +90,14 @@ def write_autograder(lab_path: Path, out: Path, timeout: float, repo: Path = REP
     out.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(out, "w") as archive:
         add(archive, "setup.sh", SETUP_SH.encode(), executable=True)
-        add(archive, "run_autograder", RUN_AUTOGRADER.format(lab=lab_path.name, timeout=timeout).encode(), True)
+        add(
+            archive,
+            "run_autograder",
+            RUN_AUTOGRADER.format(
+                lab=lab_path.name, timeout=timeout, seed="" if seed is None else f" --seed {seed}"
+            ).encode(),
+            True,
+        )
         add(archive, f"labs/{lab_path.name}", lab_path.read_bytes())
         for path in _shipped_files(repo):
             add(
@@ -109,7 +121,7 @@ def find_submission(folder: Path, lab_name: str) -> Path | str:
     return f"upload exactly one notebook, {lab_name} (the upload held: {found}); nothing was graded"
 
 
-def results_json(results: list[Result], problem: str | None = None) -> dict:
+def results_json(results: list[Result], problem: str | None = None, seed: int | None = None) -> dict:
     """Gradescope's results.json: the total score and one test per check, with what the check said."""
     tests = [
         {
@@ -123,7 +135,10 @@ def results_json(results: list[Result], problem: str | None = None) -> dict:
         for r in results
     ]
     total, most = sum(r.points for r in results), sum(r.check.points for r in results)
-    output = problem or f"{total} of {most} points; each check ran on fresh MPI engines, as the lab's check cell."
+    drawn = "" if seed is None else f", on cases the grader drew (seed {seed})"
+    output = (
+        problem or f"{total} of {most} points; each check ran on fresh MPI engines, as the lab's check cell{drawn}."
+    )
     return {"score": total, "output": output, "tests": tests, "visibility": "visible"}
 
 
@@ -136,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--submission", type=Path, required=True, help="Gradescope's submission folder")
     parser.add_argument("--results", type=Path, required=True, help="where results.json goes")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a cell may run (default 300)")
+    parser.add_argument("--seed", type=int, help="the seed of the checks' cases (default: a new one, in results.json)")
     args = parser.parse_args(argv)
+    seed = secrets.randbelow(2**31) if args.seed is None else args.seed
     lab = nbformat.read(args.lab, as_version=4)
     found = find_submission(args.submission, args.lab.name)
     args.results.parent.mkdir(parents=True, exist_ok=True)
@@ -146,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         print(found)
         return 0
     with private_ipython_dir() as ipython_dir:
-        results = grade(lab, found, "submission", args.timeout)
+        results = grade(lab, found, "submission", args.timeout, seed)
         killed = clean_up(ipython_dir)
-    args.results.write_text(json.dumps(results_json(results), indent=1))
+    args.results.write_text(json.dumps(results_json(results, seed=seed), indent=1))
     for r in results:
         print(f"{r.check.exercise}: {r.check.function}: {r.status} ({r.points}/{r.check.points})")
     for line in killed:

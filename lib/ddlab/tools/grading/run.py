@@ -7,6 +7,9 @@ later exercises are graded on what the student wrote. Cells after the last check
 cannot change a grade and are not run. Each grading run has its own IPython
 directory, so its clusters are its own; after each submission any of them still up
 is stopped, and a controller, engine or mpiexec that survives that is killed.
+
+With a seed, the kernel (and so its engines) gets it as DDLAB_GRADE_SEED: the checks then run
+the grader's draw of sizes, dtypes, ranks and data instead of the notebook's (ddlab.checks._draw).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import psutil
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
+from ...checks._draw import SEED_VARIABLE
 from ...runtime.cluster import cleanup_orphans
 from ..labgen import Check, checks
 from .submission import prepare
@@ -43,13 +47,14 @@ _EXCEPTION = re.compile(r"^(\w+): (.*)$")
 
 @dataclass
 class Result:
-    """One check of one submission: passed, failed, error or timed out, the points, and why."""
+    """One check of one submission: passed, failed, error or timed out, the points, and why; the draw's seed."""
 
     student: str
     check: Check
     status: str
     points: int
     message: str
+    seed: int | None = None
 
 
 def _text(cell: nbformat.NotebookNode) -> str:
@@ -154,19 +159,23 @@ def _outcome(
     return status, message
 
 
-def grade(lab: nbformat.NotebookNode, path: Path, student: str, timeout: float) -> list[Result]:
-    """Run the submission at `path` against the lab's checks; one Result per check, in the lab's order."""
+def grade(
+    lab: nbformat.NotebookNode, path: Path, student: str, timeout: float, seed: int | None = None
+) -> list[Result]:
+    """Run the submission at `path` against the lab's checks; one Result per check, in the lab's order.
+
+    `seed`: the grader's draw (the checks' cases drawn from it); None runs the notebook's own cases."""
     outcomes: dict[str, tuple[str, str]] = {}  # grade id -> (status, message)
     try:
         submitted = nbformat.read(path, as_version=4)
     except Exception as err:  # not JSON, or not a notebook: nothing to run
         problem = f"{path.name} is not a notebook that can be read ({type(err).__name__}: {err}); nothing ran"
     else:
-        problem = _run(*prepare(lab, submitted), path, timeout, outcomes)
+        problem = _run(*prepare(lab, submitted), path, timeout, outcomes, seed)
     results = []
     for check in checks(lab):
         status, message = outcomes.get(check.grade_id, ("error", problem))
-        results.append(Result(student, check, status, check.points if status == "passed" else 0, message))
+        results.append(Result(student, check, status, check.points if status == "passed" else 0, message, seed))
     return results
 
 
@@ -176,6 +185,7 @@ def _run(
     path: Path,
     timeout: float,
     outcomes: dict[str, tuple[str, str]],
+    seed: int | None = None,
 ) -> str:
     """Run the notebook up to its last check, filling in outcomes; return why the checks not reached were not."""
     client = NotebookClient(
@@ -188,8 +198,11 @@ def _run(
         resources={"metadata": {"path": str(path.resolve().parent)}},
     )
     kernel, replay = _Kernel(client), []
+    env = {key: value for key, value in os.environ.items() if key != SEED_VARIABLE}
+    if seed is not None:
+        env[SEED_VARIABLE] = str(seed)
     try:
-        with client.setup_kernel():
+        with client.setup_kernel(env=env):
             for index in range(max(placed, default=-1) + 1):
                 cell, check = notebook.cells[index], placed.get(index)
                 if cell.cell_type != "code":
