@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -544,7 +545,10 @@ def test_zero2_hooks_check_accepts(options) -> None:
     "options, message",
     [
         ({"free": False}, "full gradient is still held"),
-        ({"at_first": True}, "shard was not kept|keep was called"),
+        (
+            {"at_first": True},
+            "unit 2 was reduce-scattered 2 times in one backward, the first after 1 of its 2 gradients",
+        ),
         ({"fixed_dtype": torch.float64}, "shard is torch.float64, its gradients torch.float32"),
         ({"world": True}, "nothing went through the communicator"),
         ({"reuse": True}, "first's buffer, overwritten"),
@@ -677,7 +681,11 @@ def zero3_unit_with(
 
 @pytest.mark.parametrize("options", [{}, {"mpi": True}, {"backward_pre_hook": True}], ids=str)
 def test_zero3_unit_check_accepts(options) -> None:
-    check_zero3_unit(functools.partial(zero3_unit_with, **options))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_zero3_unit(functools.partial(zero3_unit_with, **options))
+    # a full backward pre-hook on the first unit is valid: torch's note about it stays out of the notebook
+    assert not [w for w in caught if "Full backward hook is firing" in str(w.message)]
 
 
 @pytest.mark.parametrize(

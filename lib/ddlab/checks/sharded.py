@@ -25,6 +25,7 @@ last shard, and a rank with an empty one, so an answer that assumes equal shards
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -319,16 +320,33 @@ def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, ti
             fn(unit, comm, lambda shard, index=index: kept[-1].append((index, shard)))
             params = list(unit.parameters())
             arrived: list[int] = []
+            early: list[int] = []  # how many of the unit's gradients had arrived when its first keep() came
 
-            def watch(param: torch.Tensor, index: int = index, params: list = params, arrived: list = arrived) -> None:
+            def watch(
+                param: torch.Tensor,
+                index: int = index,
+                params: list = params,
+                arrived: list = arrived,
+                early: list = early,
+            ) -> None:
                 arrived.append(1)
+                if not early and any(i == index for i, _ in kept[-1]):
+                    early.append(len(arrived))
                 if len(arrived) < len(params):
                     return
                 arrived.clear()
+                times, first = sum(i == index for i, _ in kept[-1]), early[:1]
+                early.clear()
                 if not problems and any(p.grad is not None for p in params):
                     problems.append(
                         f"unit {index}'s full gradient is still held once its backward is over: set each "
                         "parameter's .grad to None after the reduce-scatter (only the shard should stay)"
+                    )
+                if not problems and (times > 1 or (first and first[0] < len(params))):
+                    problems.append(
+                        f"unit {index} was reduce-scattered {times} time{'s' * (times != 1)} in one backward, the "
+                        f"first after {first[0]} of its {len(params)} gradients had arrived: reduce-scatter once, "
+                        "in the hook that sees the unit's last gradient (count the arrivals)"
                     )
                 if not problems and [i for i, _ in kept[-1]] != [i for i in range(index, len(units))][::-1]:
                     problems.append(
@@ -503,6 +521,9 @@ ZERO3_DTYPES = {torch.float64: 1e-10, torch.float32: 1e-5}
 ZERO3_STEPS = 2
 #: The check's own optimizer step on the shards (plain SGD: element-wise, so a shard steps as the whole would).
 ZERO3_LR = 0.1
+#: torch warns, on every rank, when a full backward (pre-)hook fires on a unit whose inputs need no
+#: gradient (the first unit): harmless for a valid answer that regathers there, so the check hides it.
+FULL_BACKWARD_HOOK_NOTE = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 
 def _zero3_model(dtype: torch.dtype) -> nn.Sequential:
@@ -693,7 +714,9 @@ def _zero3_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, ti
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 out = model(x[3 * rank : 3 * rank + 3])
             try:
-                (out - y[3 * rank : 3 * rank + 3]).square().mean().backward()
+                with warnings.catch_warnings():  # torch's note on a valid answer's full backward pre-hook
+                    warnings.filterwarnings("ignore", message=FULL_BACKWARD_HOOK_NOTE)
+                    (out - y[3 * rank : 3 * rank + 3]).square().mean().backward()
             except RuntimeError as err:
                 raise CheckFailed(
                     f"step {step}: backward failed ({err}): gather the unit again before its backward needs its "
