@@ -6,8 +6,14 @@ hung notebook), SIGKILLs a rank in it, and reads what the survivors returned. Ca
 notebook itself, not under %%px.
 
 - `check_detect(fn)`: fn(comm, source, timeout) -> "arrived" | "dead" | "slow".
-- `check_recover(fn)`: fn(comm, done) -> (survivors' communicator, the step all survivors completed).
-- `check_train_resilient(fn)`: fn(comm, problem, steps) -> mean losses, one process's, after a rank dies.
+- `check_recover(fn)`: fn(comm, done) -> (survivors' communicator, the step all survivors completed); run
+  once with one death, once with a second rank SIGKILLed as its Shrink returns (the retry is needed).
+- `check_train_resilient(fn)`: fn(comm, problem, steps) -> mean losses, one process's, after a rank dies;
+  two fixed failures (`TRAIN_SCENARIOS`): one in the gradient, one inside the Allreduce.
+
+The failures are the same on every run; those inside a collective or a Shrink are staged on the
+communicator handed to the answer (`_Watched`), which also counts Agree calls and raises Agree's own
+errors as `AgreeError`, so the message can name the call.
 - `check_rebuild_shards(fn)`: fn(comm, old_rank, old_size, mine, buddy, numel) -> the new shard.
 - `check_simulate_goodput(fn)`: fn(interval, cost, mtbf, restart, work, rng) -> goodput, the reference's draws.
 """
