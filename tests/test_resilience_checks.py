@@ -58,8 +58,13 @@ def recover_with_agree_loop(comm, done):
             ok = 1
         except MPI.Exception:
             steps, ok = [done], 0
+            new.Revoke()  # a survivor still waiting in the allgather fails too
         new.Ack_failed()
-        if new.Agree(ok):
+        try:  # raises, on every survivor alike, for a death not all had acknowledged: a no
+            ok = new.Agree(ok)
+        except MPI.Exception:
+            ok = 0
+        if ok:
             return new, min(steps)
         comm = new
 
@@ -184,6 +189,23 @@ def recover_retrying(comm, done):  # retries a collective on the broken communic
             time.sleep(0.01)
 
 
+def recover_once(comm, done):  # no Agree, no retry: a death during the recovery escapes
+    comm.Revoke()
+    new = comm.Shrink()
+    new.Set_errhandler(MPI.ERRORS_RETURN)
+    return new, new.allreduce(done, op=MPI.MIN)
+
+
+def recover_without_retry(comm, done):  # catches the failure, but keeps the communicator that holds the new dead
+    comm.Revoke()
+    new = comm.Shrink()
+    new.Set_errhandler(MPI.ERRORS_RETURN)
+    try:
+        return new, new.allreduce(done, op=MPI.MIN)
+    except MPI.Exception:
+        return new, done
+
+
 def train_fixed_split(comm, problem, steps):  # keeps the split of the first communicator: loses samples
     first = comm.Get_size()
     params, losses, step = problem.initial(), [], 0
@@ -235,6 +257,46 @@ def train_retrying_revoked(comm, problem, steps):  # after a failure, calls Allr
     return losses
 
 
+def train_without_agree(comm, problem, steps):  # commits a step when its own Allreduce returned: ranks may disagree
+    params, losses, step = problem.initial(), [], 0
+    while step < steps:
+        span = block_range(problem.batch, comm.Get_rank(), comm.Get_size())
+        ids = problem.batch_ids(step)[span.start : span.stop]
+        try:
+            total = _allreduce_step(comm, problem, params, ids)
+        except MPI.Exception:
+            comm.Revoke()
+            comm, step = resilience.recover(comm, step)
+            del losses[step:]
+            continue
+        params = params - problem.lr * total[1:] / problem.batch
+        losses.append(total[0] / problem.batch)
+        step += 1
+    return losses
+
+
+def train_agree_outside_try(comm, problem, steps):  # `ok = comm.Agree(ok)` as written, its error left to escape
+    params, losses, step = problem.initial(), [], 0
+    while step < steps:
+        span = block_range(problem.batch, comm.Get_rank(), comm.Get_size())
+        ids = problem.batch_ids(step)[span.start : span.stop]
+        ok, total = 1, None
+        try:
+            total = _allreduce_step(comm, problem, params, ids)
+        except MPI.Exception:
+            ok = 0
+            comm.Revoke()
+        comm.Ack_failed()
+        ok = comm.Agree(ok)
+        if not ok:
+            comm, step = resilience.recover(comm, step)
+            continue
+        params = params - problem.lr * total[1:] / problem.batch
+        losses.append(total[0] / problem.batch)
+        step += 1
+    return losses
+
+
 def _allreduce_step(comm, problem, params, ids):
     loss, grad = problem.loss_and_grad(params, ids)
     total = np.empty(1 + params.size)
@@ -272,9 +334,13 @@ WRONG = [
     ("recover", recover_own_step, "disagree on the step"),
     ("recover", recover_without_shrink, "return the one Shrink gave"),
     ("recover", recover_retrying, "did not finish within"),
+    ("recover", recover_once, "a rank died while you recovered"),
+    ("recover", recover_without_retry, "a rank died while you recovered"),
     ("train_resilient", train_fixed_split, "never used by the survivors"),
     ("train_resilient", train_dead_share_to_all, "counted twice"),
     ("train_resilient", train_retrying_revoked, "revoked"),
+    ("train_resilient", train_without_agree, "disagreed on whether step|called comm.Agree only"),
+    ("train_resilient", train_agree_outside_try, "comm.Agree raised"),
     ("rebuild_shards", rebuild_without_buddies, "buddy copy"),
     ("simulate_goodput", goodput_no_restart, "higher than it is"),
     ("simulate_goodput", goodput_keeps_work, "expected"),

@@ -6,8 +6,14 @@ hung notebook), SIGKILLs a rank in it, and reads what the survivors returned. Ca
 notebook itself, not under %%px.
 
 - `check_detect(fn)`: fn(comm, source, timeout) -> "arrived" | "dead" | "slow".
-- `check_recover(fn)`: fn(comm, done) -> (survivors' communicator, the step all survivors completed).
-- `check_train_resilient(fn)`: fn(comm, problem, steps) -> mean losses, one process's, after a rank dies.
+- `check_recover(fn)`: fn(comm, done) -> (survivors' communicator, the step all survivors completed); run
+  once with one death, once with a second rank SIGKILLed as its Shrink returns (the retry is needed).
+- `check_train_resilient(fn)`: fn(comm, problem, steps) -> mean losses, one process's, after a rank dies;
+  two fixed failures (`TRAIN_SCENARIOS`): one in the gradient, one inside the Allreduce.
+
+The failures are the same on every run; those inside a collective or a Shrink are staged on the
+communicator handed to the answer (`_Watched`), which also counts Agree calls and raises Agree's own
+errors as `AgreeError`, so the message can name the call.
 - `check_rebuild_shards(fn)`: fn(comm, old_rank, old_size, mine, buddy, numel) -> the new shard.
 - `check_simulate_goodput(fn)`: fn(interval, cost, mtbf, restart, work, rng) -> goodput, the reference's draws.
 """
@@ -16,8 +22,8 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -54,7 +60,9 @@ def _where(stack: str) -> str:
     return "(no Python frame)"
 
 
-def _job_problem(result: JobResult, exercise: str, seconds: float, stuck_hint: str) -> str | None:
+def _job_problem(
+    result: JobResult, exercise: str, seconds: float, stuck_hint: str, escaped: str | None = None
+) -> str | None:
     """What went wrong with the job as a whole (a hang, an error, the reference called), or None."""
     for outcome in result.outcomes.values():
         if outcome.error is None and isinstance(outcome.value, tuple) and len(outcome.value) == 2 and outcome.value[1]:
@@ -67,10 +75,19 @@ def _job_problem(result: JobResult, exercise: str, seconds: float, stuck_hint: s
         )
     for rank, outcome in sorted(result.outcomes.items()):
         if outcome.error is not None:
-            if outcome.error_class in _ERROR_NAMES:
+            if "AgreeError" in outcome.error:
                 return (
-                    f"rank {rank}: {_ERROR_NAMES[outcome.error_class]} escaped your {exercise}: catch MPI.Exception, "
-                    "and after a failure go on with the survivors' communicator (revoke, shrink), never the old one"
+                    f"rank {rank}: comm.Agree raised {_ERROR_NAMES.get(outcome.error_class or 0, 'an MPI error')} "
+                    f"and it escaped your {exercise}. ULFM's Agree raises MPI.ERR_PROC_FAILED, on every survivor "
+                    "alike, when a rank died that not every survivor had acknowledged (Ack_failed) before the call: "
+                    "a rank that had not seen the death yet had nothing to acknowledge. Call Agree inside a try and "
+                    "take the exception as a no (ok = 0): a rank failed, so the step did not complete on every rank"
+                )
+            if outcome.error_class in _ERROR_NAMES:
+                return f"rank {rank}: {_ERROR_NAMES[outcome.error_class]} escaped your {exercise}: " + (
+                    escaped
+                    or "catch MPI.Exception, and after a failure go on with the survivors' communicator (revoke, "
+                    "shrink), never the old one"
                 )
             if "ReferenceCalled" in outcome.error:
                 return outcome.error.splitlines()[0].split(": ", 1)[-1]
@@ -85,6 +102,59 @@ def _fail(problem: str | None, context: str) -> None:
 
 def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class AgreeError(MPI.Exception):
+    """An MPI error raised by Agree on a check's communicator (an MPI.Exception, so the answer may catch it)."""
+
+
+class _Watched(MPI.Intracomm):
+    """The communicator a check hands the answer: the job's, plus what the check must see or stage.
+
+    It counts Agree calls and raises an error of Agree as an AgreeError; Shrink returns one of its
+    kind sharing the same `ledger`; and the ledger may stage a failure on this rank: stall `stall_at`-th
+    Allreduce/allreduce by `stall` s before entering it, or SIGKILL this rank `kill_delay` s into its
+    `kill_at`-th one (its peers are then inside it too, waiting for a stalled rank), or right after
+    its `kill_after_shrink`-th Shrink returns."""
+
+    ledger: dict[str, float]
+
+    @classmethod
+    def wrap(cls, comm: MPI.Comm, ledger: dict[str, float]) -> _Watched:
+        watched = cls(comm)
+        watched.ledger = ledger
+        return watched
+
+    def Agree(self, flag: int) -> int:  # noqa: N802 (MPI's name)
+        self.ledger["agree"] = self.ledger.get("agree", 0) + 1
+        try:
+            return super().Agree(flag)
+        except MPI.Exception as err:
+            raise AgreeError(err.Get_error_code()) from None
+
+    def Shrink(self) -> _Watched:  # noqa: N802
+        new = _Watched.wrap(super().Shrink(), self.ledger)
+        self.ledger["shrink"] = self.ledger.get("shrink", 0) + 1
+        if self.ledger["shrink"] == self.ledger.get("kill_after_shrink"):
+            _kill_self()
+        return new
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:  # noqa: N802
+        self._collective()
+        super().Allreduce(sendbuf, recvbuf, op)
+
+    def allreduce(self, sendobj: Any, op: Any = MPI.SUM) -> Any:
+        self._collective()
+        return super().allreduce(sendobj, op)
+
+    def _collective(self) -> None:
+        count = self.ledger["collectives"] = self.ledger.get("collectives", 0) + 1
+        if count == self.ledger.get("stall_at"):
+            time.sleep(self.ledger["stall"])
+        if count == self.ledger.get("kill_at"):
+            timer = threading.Timer(self.ledger["kill_delay"], _kill_self)
+            timer.daemon = True
+            timer.start()
 
 
 # ---------------------------------------------------------------- exercise 19.1: detect
@@ -137,7 +207,7 @@ def check_detect(fn: Callable[[Any, int, float], str], timeout: float = 60.0) ->
             "A receive without a deadline (Recv, or Wait on the request) waits for a slow peer forever: poll with "
             "Test until the timeout",
         ),
-        "detect, on 4 ranks: rank 1 sends, rank 2 is SIGKILLed, rank 3 sends only after the timeout",
+        "detect, on 4 ranks: rank 1 sends at once, rank 2 is SIGKILLed, rank 3 sends only once rank 0 has asked about it (after its timeout)",
     )
     if 0 not in result.outcomes:
         _fail(f"rank 0 left no result: it died (did your code exit or kill it?)\n{result.output[-1500:]}", "detect")
@@ -170,9 +240,13 @@ def check_detect(fn: Callable[[Any, int, float], str], timeout: float = 60.0) ->
 # ---------------------------------------------------------------- exercise 19.2: recover
 
 RECOVER_DONE = {0: 5, 1: 7, 2: 6, 3: 7}  # the step each old rank completed; the survivors must agree on 6
+RETRY_HINT = (
+    "a rank died while you recovered, after Shrink: the minimum over the new communicator raises on some ranks, so "
+    "let Agree decide (in a try) whether every survivor got it, and if not, revoke, shrink and agree again"
+)
 
 
-def _recover_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int) -> Any:
+def _recover_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int, second: int | None) -> Any:
     old = comm.Get_rank()
     if old == victim:
         _kill_self()
@@ -180,7 +254,8 @@ def _recover_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int) -> An
         comm.Barrier()  # the failure shows here (on some ranks, as ERR_PROC_FAILED)
     except MPI.Exception:
         pass
-    (survivors, step), called = _answer("recover", fn, comm, RECOVER_DONE[old])
+    watched = _Watched.wrap(comm, {"kill_after_shrink": 1} if old == second else {})
+    (survivors, step), called = _answer("recover", fn, watched, RECOVER_DONE[old])
     survivors.Set_errhandler(MPI.ERRORS_RETURN)
     try:
         total = survivors.allreduce(old)
@@ -192,11 +267,15 @@ def _recover_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int) -> An
 
 def check_recover(fn: Callable[[Any, int], tuple[Any, int]], timeout: float = 60.0) -> None:
     """fn(comm, done) -> (survivors, step): revoke, shrink, agree on the smallest `done`, every survivor alike."""
-    for victim, ranks in ((0, 4),):  # the first rank dies: the new rank 0 is old rank 1
+    ranks = 4
+    # the first rank dies (the new rank 0 is old rank 1); then, again, and old rank 2 dies as its Shrink returns
+    for victim, second in ((0, None), (0, 2)):
         context = f"recover on {ranks} ranks, rank {victim} SIGKILLed, `done` = " + ", ".join(
             f"{RECOVER_DONE[r]} on rank {r}" for r in range(ranks) if r != victim
         )
-        result = run_job(functools.partial(_recover_scenario, fn=fn, victim=victim), ranks, timeout)
+        if second is not None:
+            context += f"; then rank {second} SIGKILLed during the recovery, as soon as its Shrink returned"
+        result = run_job(functools.partial(_recover_scenario, fn=fn, victim=victim, second=second), ranks, timeout)
         _fail(
             _job_problem(
                 result,
@@ -204,22 +283,25 @@ def check_recover(fn: Callable[[Any, int], tuple[Any, int]], timeout: float = 60
                 timeout,
                 "A collective on the old communicator waits for the dead rank (or for a survivor that gave up): "
                 "revoke it, then shrink it",
+                escaped=RETRY_HINT if second is not None else None,
             ),
             context,
         )
-        alive = [r for r in range(ranks) if r != victim]
+        alive = [r for r in range(ranks) if r not in (victim, second)]
+        retry = f" ({RETRY_HINT})" if second is not None else ""
         want_step = min(RECOVER_DONE[r] for r in alive)
         got = {r: result.outcomes[r].value[0] for r in alive if r in result.outcomes}
         problem = None
         if missing := [r for r in alive if r not in got]:
             problem = f"ranks {missing} returned nothing"
         elif broken := [r for r, v in got.items() if v[0] == "broken"]:
-            problem = (
-                f"rank {broken[0]}: the communicator you returned fails ({_ERROR_NAMES.get(got[broken[0]][1], 'error')}): "
-                "return the one Shrink gave, not the revoked one"
-            )
+            error = _ERROR_NAMES.get(got[broken[0]][1], f"MPI error class {got[broken[0]][1]}")
+            fix = RETRY_HINT if second is not None else "return the one Shrink gave, not the revoked one"
+            problem = f"rank {broken[0]}: the communicator you returned fails ({error}): {fix}"
         elif any(v[0] != len(alive) for v in got.values()):
-            problem = f"the communicator you returned has {got[alive[0]][0]} ranks, not the {len(alive)} survivors"
+            problem = (
+                f"the communicator you returned has {got[alive[0]][0]} ranks, not the {len(alive)} survivors{retry}"
+            )
         elif len({v[2] for v in got.values()}) > 1:
             steps = ", ".join(f"rank {r} from step {v[2]}" for r, v in got.items())
             problem = f"the survivors disagree on the step to resume from ({steps}): agree on one, the smallest"
@@ -231,7 +313,10 @@ def check_recover(fn: Callable[[Any, int], tuple[Any, int]], timeout: float = 60
         elif any(v[4] != alive for v in got.values()):
             problem = f"the new communicator orders the old ranks {got[alive[0]][4]}, not {alive} (Shrink keeps it)"
         _fail(problem, context)
-    passed(MPI.COMM_WORLD, "recover revokes, shrinks and agrees on the smallest step, every survivor alike")
+    passed(
+        MPI.COMM_WORLD,
+        "recover revokes, shrinks and agrees on the smallest step, every survivor alike, and again if a rank dies meanwhile",
+    )
 
 
 # ---------------------------------------------------------------- exercise 19.3: train_resilient
@@ -240,8 +325,25 @@ TRAIN_PROBLEM = Regression(samples=240, features=6, batch=12)  # 20 steps per ep
 TRAIN_STEPS = 12
 
 
-def _train_scenario(comm: MPI.Comm, fn: Callable[..., Any], failures: list[Failure]) -> Any:
-    return _answer("train_resilient", fn, comm, probe(TRAIN_PROBLEM, failures), TRAIN_STEPS)
+#: The check's fixed failures, in the order run: (where the kill lands, the probe's Failures, the staging per rank).
+#: A death inside the Allreduce is staged on the communicator: rank 0 enters its 5th collective 0.3 s late,
+#: so rank 2, SIGKILLed 0.05 s into its own 5th, dies while the others wait in it; the result then depends on
+#: how far the collective got on each rank, which only Agree turns into one decision.
+TRAIN_SCENARIOS: tuple[tuple[str, list[Failure], dict[int, dict[str, float]]], ...] = (
+    ("SIGKILLed in its gradient (its 3rd call)", [Failure(1, 3)], {}),
+    (
+        "SIGKILLed inside its 5th Allreduce (while rank 0 enters it 0.3 s late)",
+        [],
+        {2: {"kill_at": 5, "kill_delay": 0.05}, 0: {"stall_at": 5, "stall": 0.3}},
+    ),
+)
+
+
+def _train_scenario(comm: MPI.Comm, fn: Callable[..., Any], failures: list[Failure], stage: Any) -> Any:
+    ledger = dict(stage.get(comm.Get_rank(), {}))
+    watched = _Watched.wrap(comm, ledger)
+    value, called = _answer("train_resilient", fn, watched, probe(TRAIN_PROBLEM, failures), TRAIN_STEPS)
+    return (value, int(ledger.get("agree", 0))), called
 
 
 def _step_of(ids: list[int]) -> int | None:
@@ -279,17 +381,62 @@ def _samples_problem(result: JobResult, ranks: int, survivors: list[int]) -> str
     return None
 
 
-def check_train_resilient(fn: Callable[[Any, Any, int], list[float]], timeout: float = 90.0) -> None:
-    """fn(comm, problem, steps) -> mean losses, equal to one process's although a rank is SIGKILLed mid-step."""
-    want, _ = TRAIN_PROBLEM.one_process(TRAIN_STEPS)
-    rng = random.Random()
-    for ranks in (4,):
-        failure = Failure(rng.randrange(ranks), rng.randrange(2, 8), rng.uniform(0.0, 0.002))
-        context = (
-            f"train_resilient on {ranks} ranks, {TRAIN_STEPS} steps, rank {failure.rank} SIGKILLed at its "
-            f"gradient call {failure.call} (+{failure.delay * 1e3:.1f} ms)"
+def _commit_problem(result: JobResult, survivors: list[int], agrees: dict[int, int]) -> str | None:
+    """A survivor that went on past a step another redid, or committed steps without Agree; or None."""
+    for rank in survivors:
+        steps = [_step_of(ids) for ids in result.calls.get(rank, [])]
+        for before, after in zip(steps, steps[1:]):
+            if before is not None and after is not None and after < before:
+                return (
+                    f"rank {rank} went on to step {before} and then came back to redo step {after}: the ranks "
+                    f"disagreed on whether step {after} completed (the Allreduce finished on some ranks and failed "
+                    "on others). Commit each step with ok = comm.Agree(ok), the one decision every survivor shares"
+                )
+    for rank in survivors:
+        if agrees.get(rank, 0) < TRAIN_STEPS:
+            return (
+                f"rank {rank} called comm.Agree only {agrees.get(rank, 0)} time(s) for {TRAIN_STEPS} steps: a step committed "
+                "without Agree lets the ranks disagree on whether it completed (a death inside the Allreduce can "
+                "leave some ranks with the sum and others with an error). Commit each step with ok = comm.Agree(ok)"
+            )
+    return None
+
+
+def _losses_problem(result: JobResult, survivors: list[int], want: list[float]) -> str | None:
+    curves = {r: result.outcomes[r].value[0][0] for r in survivors}
+    first = survivors[0]
+    for rank in survivors:
+        got = curves[rank]
+        if not isinstance(got, list) or len(got) != TRAIN_STEPS:
+            size = len(got) if hasattr(got, "__len__") else "?"
+            return f"rank {rank} returned {type(got).__name__} of {size} items, not a list of {TRAIN_STEPS} losses"
+        if list(got) != list(curves[first]):
+            return (
+                f"ranks {first} and {rank} return different losses: did they resume from different steps? "
+                "Agree on the step every survivor completed"
+            )
+        problem = array_problem(
+            np.asarray(got, dtype=np.float64), np.asarray(want), "the loss list", rtol=1e-10, atol=0
         )
-        result = run_job(functools.partial(_train_scenario, fn=fn, failures=[failure]), ranks, timeout)
+        if problem:
+            return (
+                f"rank {rank}: {problem} (one process's over the same batches); a step counted twice, "
+                "or an update kept from a step that did not complete?"
+            )
+    return None
+
+
+def check_train_resilient(fn: Callable[[Any, Any, int], list[float]], timeout: float = 90.0) -> None:
+    """fn(comm, problem, steps) -> mean losses, equal to one process's although a rank is SIGKILLed mid-step.
+
+    Two fixed failures on 4 ranks, the same on every run: a rank dies in its gradient, and one dies inside the
+    Allreduce (`TRAIN_SCENARIOS`); `timeout` is each job's deadline."""
+    want, _ = TRAIN_PROBLEM.one_process(TRAIN_STEPS)
+    ranks = 4
+    for where, failures, stage in TRAIN_SCENARIOS:
+        dead = {f.rank for f in failures} | {r for r, plan in stage.items() if "kill_at" in plan}
+        context = f"train_resilient on {ranks} ranks, {TRAIN_STEPS} steps, rank {min(dead)} {where}"
+        result = run_job(functools.partial(_train_scenario, fn=fn, failures=failures, stage=stage), ranks, timeout)
         _fail(
             _job_problem(
                 result,
@@ -300,37 +447,22 @@ def check_train_resilient(fn: Callable[[Any, Any, int], list[float]], timeout: f
             ),
             context,
         )
-        survivors = [r for r in range(ranks) if r != failure.rank]
+        survivors = [r for r in range(ranks) if r not in dead]
         problem = None
         if missing := [r for r in survivors if r not in result.outcomes]:
             problem = f"ranks {missing} returned nothing (did your code kill or exit them?)"
         else:
-            problem = _samples_problem(result, ranks, survivors)
-        if problem is None:
-            curves = {r: result.outcomes[r].value[0] for r in survivors}
-            first = survivors[0]
-            for rank in survivors:
-                got = curves[rank]
-                if not isinstance(got, list) or len(got) != TRAIN_STEPS:
-                    problem = f"rank {rank} returned {type(got).__name__} of {len(got) if hasattr(got, '__len__') else '?'} items, not a list of {TRAIN_STEPS} losses (one per step)"
-                elif list(got) != list(curves[first]):
-                    problem = (
-                        f"ranks {first} and {rank} return different losses: did they resume from different steps? "
-                        "Agree on the step every survivor completed"
-                    )
-                else:
-                    problem = array_problem(
-                        np.asarray(got, dtype=np.float64), np.asarray(want), "the losses", rtol=1e-10, atol=0
-                    )
-                    if problem:
-                        problem = (
-                            f"rank {rank}: {problem} (one process's over the same batches); a step counted twice, "
-                            "or an update kept from a step that did not complete?"
-                        )
-                if problem:
-                    break
+            agrees = {r: result.outcomes[r].value[0][1] for r in survivors}
+            problem = (
+                _commit_problem(result, survivors, agrees)
+                or _samples_problem(result, ranks, survivors)
+                or _losses_problem(result, survivors, want)
+            )
         _fail(problem, context)
-    passed(MPI.COMM_WORLD, "train_resilient survives a rank SIGKILLed mid-step on 4 ranks with one process's losses")
+    passed(
+        MPI.COMM_WORLD,
+        "train_resilient survives a rank SIGKILLed in its gradient and one inside the Allreduce, with one process's losses",
+    )
 
 
 # ---------------------------------------------------------------- exercise 19.4: rebuild_shards

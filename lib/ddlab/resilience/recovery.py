@@ -41,8 +41,9 @@ def recover(comm: MPI.Comm, done: int) -> tuple[MPI.Comm, int]:
             if not is_failure(err):
                 raise
             ok = 0
+            survivors.Revoke()  # a survivor may still wait in the allreduce for us: it fails too, and comes to Agree
         survivors.Ack_failed()  # failures known now are acknowledged: Agree answers instead of raising for them
-        try:
+        try:  # a death not every survivor acknowledged makes Agree raise, on every survivor alike: a no
             ok = survivors.Agree(ok)
         except MPI.Exception as err:
             if not is_failure(err):
