@@ -184,8 +184,8 @@ def test_a_cross_entropy_written_differently_passes():
 
 class _CrossEntropyWith(torch.autograd.Function):
     """The reference's forward with one thing changed: no maximum subtracted, each rank's own maximum subtracted
-    instead of all the ranks', the incoming gradient ignored, the logits shifted in place, or the target logits
-    gathered into a float64 buffer whatever the logits' dtype."""
+    instead of all the ranks', the incoming gradient ignored, the target's -1 in backward placed from rank x width,
+    the logits shifted in place, or the target logits gathered into a float64 buffer whatever the logits' dtype."""
 
     @staticmethod
     def forward(ctx, logits, targets, comm, start, wrong):
@@ -204,6 +204,9 @@ class _CrossEntropyWith(torch.autograd.Function):
         target = torch.zeros(n, dtype=torch.float64 if wrong == "float64-buffer" else logits.dtype)
         target[held] = shifted[held, targets[held] - start]
         sums = allreduce(comm, torch.stack([exp.sum(dim=1), target]))
+        if wrong == "backward-from-rank-x-width":  # the -1 placed as if this rank started at rank x its width
+            start = comm.Get_rank() * width
+            held = torch.nonzero((targets >= start) & (targets < start + width)).squeeze(1)
         ctx.save_for_backward(exp / sums[0].unsqueeze(1), held, targets[held] - start)
         ctx.wrong = wrong
         return (sums[0].log() - sums[1]).mean()
@@ -227,12 +230,13 @@ def _cross_entropy_with(wrong):
         ("no-max", "the loss differs.*not finite: subtract the largest logit"),
         ("own-max", "the loss differs.*m the largest logit of all the ranks"),
         ("ignores-grad", "gradient of this rank's logits differs.*incoming gradient"),
+        ("backward-from-rank-x-width", "gradient of this rank's logits differs.*is the target found with `start`"),
         ("in-place", "were changed"),
     ],
 )
 def test_wrong_cross_entropies_fail(wrong, message):
-    if MPI.COMM_WORLD.Get_size() < 2 and wrong == "own-max":
-        pytest.skip("one rank's own maximum is all the ranks'")
+    if MPI.COMM_WORLD.Get_size() < 2 and wrong in ("own-max", "backward-from-rank-x-width"):
+        pytest.skip("on one rank the own maximum is all the ranks', and start is 0")
     with pytest.raises(CheckFailed, match=message):
         check_vocab_parallel_cross_entropy(_cross_entropy_with(wrong))
 

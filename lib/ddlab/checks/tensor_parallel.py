@@ -226,10 +226,7 @@ def _cross_entropy_problem(sub: MPI.Comm, fn: Callable[..., Any], dtype: torch.d
         return f"the loss {problem}: {_loss_hint(loss, dtype, logits.detach(), targets, size, float(want.detach()))}"
     problem = _error(grad, logits.grad[:, vocab.start : vocab.stop].to(dtype))
     if problem:
-        return (
-            f"the gradient of this rank's logits {problem}: the check back-propagates 3 x the loss: multiply by the "
-            "incoming gradient"
-        )
+        return f"the gradient of this rank's logits {problem}: {_grad_hint(grad, dtype, logits.detach(), targets, sub)}"
     limit = 4 * (size - 1) * N * torch.tensor([], dtype=dtype).element_size()
     sent = traffic[sub.Get_rank()].bytes_sent
     if sent > limit:
@@ -297,6 +294,38 @@ def _loss_hint(
         "per position the loss is log sum_v e^(z_v - m) - (z_target - m), with m the largest logit of all the ranks "
         "(the same m on every rank, in the sums and in the target's term), the sums of e^(z - m) over every rank's "
         "columns, and z_target from the one rank whose columns start .. start + V_r - 1 hold the target"
+    )
+
+
+def _grad_hint(grad: Any, dtype: torch.dtype, logits: torch.Tensor, targets: torch.Tensor, sub: MPI.Comm) -> str:
+    """Why the gradient of this rank's logits (`grad`, from `dtype` logits; the check back-propagated 3 x the loss)
+    may differ from one process's: the incoming gradient ignored, the target's -1 put in the wrong column (a first
+    column of `_assumed_starts`), or else the formula."""
+    rank, size = sub.Get_rank(), sub.Get_size()
+    vocab = block_range(VOCAB, rank, size)
+    softmax = torch.softmax(logits.double(), dim=1)[:, vocab.start : vocab.stop]
+
+    def near(want: torch.Tensor) -> bool:
+        return isinstance(grad, torch.Tensor) and grad.shape == want.shape and _error(grad, want.to(dtype)) is None
+
+    right = softmax.clone()
+    held = (targets >= vocab.start) & (targets < vocab.stop)
+    right[held.nonzero().squeeze(1), targets[held] - vocab.start] -= 1
+    if near(right / N):
+        return "it is the gradient of the loss alone: the check back-propagates 3 x the loss: multiply by the incoming gradient"
+    for assumed in _assumed_starts(rank, size, len(vocab)):
+        misplaced = softmax.clone()
+        held = (targets >= assumed) & (targets < assumed + len(vocab))
+        misplaced[held.nonzero().squeeze(1), targets[held] - assumed] -= 1
+        if assumed != vocab.start and near(3 * misplaced / N):
+            return (
+                "its -1 at the target is in the wrong column: is the target found with `start`, not rank x V/t? This "
+                "rank's columns are the vocabulary entries start .. start + V_r - 1"
+            )
+    return (
+        "for this rank's columns v it is G/N (softmax(z)_v - [v = target]), G the gradient arriving at the loss (the "
+        "check back-propagates 3 x the loss), the softmax over all the ranks' columns, the -1 only on the rank that "
+        "holds the target, in column target - start"
     )
 
 
