@@ -183,7 +183,8 @@ def test_a_cross_entropy_written_differently_passes():
 
 
 class _CrossEntropyWith(torch.autograd.Function):
-    """The reference's forward with one thing changed: no maximum subtracted, the incoming gradient ignored,
+    """The reference's forward with one thing changed: no maximum subtracted, each rank's own maximum subtracted
+    instead of all the ranks', the incoming gradient ignored, the target's -1 in backward placed from rank x width,
     the logits shifted in place, or the target logits gathered into a float64 buffer whatever the logits' dtype."""
 
     @staticmethod
@@ -192,6 +193,8 @@ class _CrossEntropyWith(torch.autograd.Function):
         largest = allgather(comm, logits.detach().max(dim=1).values.unsqueeze(0), 0, comm.Get_size()).max(0).values
         if wrong == "no-max":
             largest = torch.zeros_like(largest)
+        if wrong == "own-max":
+            largest = logits.detach().max(dim=1).values
         if wrong == "in-place":
             shifted = logits.detach().sub_(largest.unsqueeze(1))
         else:
@@ -201,6 +204,9 @@ class _CrossEntropyWith(torch.autograd.Function):
         target = torch.zeros(n, dtype=torch.float64 if wrong == "float64-buffer" else logits.dtype)
         target[held] = shifted[held, targets[held] - start]
         sums = allreduce(comm, torch.stack([exp.sum(dim=1), target]))
+        if wrong == "backward-from-rank-x-width":  # the -1 placed as if this rank started at rank x its width
+            start = comm.Get_rank() * width
+            held = torch.nonzero((targets >= start) & (targets < start + width)).squeeze(1)
         ctx.save_for_backward(exp / sums[0].unsqueeze(1), held, targets[held] - start)
         ctx.wrong = wrong
         return (sums[0].log() - sums[1]).mean()
@@ -221,12 +227,16 @@ def _cross_entropy_with(wrong):
 @pytest.mark.parametrize(
     "wrong, message",
     [
-        ("no-max", "the loss differs.*subtract the largest logit"),
+        ("no-max", "the loss differs.*not finite: subtract the largest logit"),
+        ("own-max", "the loss differs.*m the largest logit of all the ranks"),
         ("ignores-grad", "gradient of this rank's logits differs.*incoming gradient"),
+        ("backward-from-rank-x-width", "gradient of this rank's logits differs.*is the target found with `start`"),
         ("in-place", "were changed"),
     ],
 )
 def test_wrong_cross_entropies_fail(wrong, message):
+    if MPI.COMM_WORLD.Get_size() < 2 and wrong in ("own-max", "backward-from-rank-x-width"):
+        pytest.skip("on one rank the own maximum is all the ranks', and start is 0")
     with pytest.raises(CheckFailed, match=message):
         check_vocab_parallel_cross_entropy(_cross_entropy_with(wrong))
 
@@ -250,11 +260,21 @@ def start_from_the_rank(logits, targets, comm, start):
     return vocab_parallel_cross_entropy(logits, targets, comm, comm.Get_rank() * logits.shape[1])
 
 
-def test_a_cross_entropy_that_ignores_start_fails():
+def start_from_zero(logits, targets, comm, start):
+    """Wrong: ignores start, as if every rank's columns were the vocabulary's first."""
+    return vocab_parallel_cross_entropy(logits, targets, comm, 0)
+
+
+@pytest.mark.parametrize("fn", [start_from_the_rank, start_from_zero], ids=["rank-times-width", "zero"])
+def test_a_cross_entropy_that_ignores_start_fails_naming_start(fn):
+    """It subtracts the largest logit: the message must not say it does not, but where the target is looked for."""
     if MPI.COMM_WORLD.Get_size() < 2:
         pytest.skip("one rank's start is 0 whatever it computes")
-    with pytest.raises(CheckFailed, match="the loss differs|gradient of this rank's logits differs"):
-        check_vocab_parallel_cross_entropy(start_from_the_rank)
+    with pytest.raises(
+        CheckFailed, match=r"the loss differs.*is the target found with `start`, not rank x V/t\?"
+    ) as err:
+        check_vocab_parallel_cross_entropy(fn)
+    assert "subtract the largest logit" not in str(err.value)
 
 
 def cross_entropy_stub(logits, targets, comm, start):
@@ -477,7 +497,10 @@ def test_a_parallelize_written_differently_passes():
         (_parallelize_with(features=_qkv_as_one_block), "the output differs|raised an error"),
         (_parallelize_with(copy_block=False), "the block passed in was changed"),
         (_parallelize_with(check=False), "should raise ValueError"),
-        (_parallelize_with(set_heads=False), "RuntimeError|ValueError|differs"),
+        (
+            _parallelize_with(set_heads=False),
+            r"(?s)attention was split but attn.heads still names all 4 heads: set it to head_range\(n_head, comm\)",
+        ),
         (keeps_the_whole_block_too, "keep only the shards"),
         (_parallelize_with(world=True), "global communicator"),
         (checks_attention_pairs_only, r"\(the MLP's first layer alone\) should raise ValueError"),
@@ -489,7 +512,8 @@ def test_a_parallelize_written_differently_passes():
         ),
         (
             _parallelize_with(set_heads="always"),
-            r"(?s)the plan \{'mlp.fc': 'column', 'mlp.proj': 'row'\}.*set attn.heads only when the attention is split",
+            r"(?s)the plan \{'mlp.fc': 'column', 'mlp.proj': 'row'\}.*the attention stays whole here but attn.heads "
+            r"was set to range\(.*set attn.heads only when the attention is split",
         ),
     ],
     ids=[

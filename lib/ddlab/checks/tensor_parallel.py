@@ -221,18 +221,12 @@ def _cross_entropy_problem(sub: MPI.Comm, fn: Callable[..., Any], dtype: torch.d
     (want * 3).backward()
     assert logits.grad is not None
     vocab = block_range(VOCAB, sub.Get_rank(), size)
-    for label, got, expected, hint in (
-        ("the loss", loss, want.detach(), "subtract the largest logit before exp (logits here reach ~1000)"),
-        (
-            "the gradient of this rank's logits",
-            grad,
-            logits.grad[:, vocab.start : vocab.stop],
-            "the check back-propagates 3 x the loss: multiply by the incoming gradient",
-        ),
-    ):
-        problem = _error(got, expected.to(dtype))
-        if problem:
-            return f"{label} {problem}: {hint}"
+    problem = _error(loss, want.detach().to(dtype))
+    if problem:
+        return f"the loss {problem}: {_loss_hint(loss, dtype, logits.detach(), targets, size, float(want.detach()))}"
+    problem = _error(grad, logits.grad[:, vocab.start : vocab.stop].to(dtype))
+    if problem:
+        return f"the gradient of this rank's logits {problem}: {_grad_hint(grad, dtype, logits.detach(), targets, sub)}"
     limit = 4 * (size - 1) * N * torch.tensor([], dtype=dtype).element_size()
     sent = traffic[sub.Get_rank()].bytes_sent
     if sent > limit:
@@ -244,6 +238,95 @@ def _cross_entropy_problem(sub: MPI.Comm, fn: Callable[..., Any], dtype: torch.d
     if size > 1 and sent == 0:
         return "sent nothing, but the ranks must combine their maxima and sums." + GLOBAL_COMM
     return None
+
+
+def _assumed_starts(rank: int, size: int, width: int) -> tuple[int, ...]:
+    """Where an answer may take rank `rank` of `size`, holding `width` columns, to start instead of `start`
+    (block_range's start, which the prime vocabulary makes differ on some rank): rank x its own width, rank x V // t,
+    rank x ceil(V / t), or 0 (`start` ignored)."""
+    return (rank * width, rank * (VOCAB // size), rank * -(-VOCAB // size), 0)
+
+
+def _misplaced_target_losses(logits: torch.Tensor, targets: torch.Tensor, size: int) -> list[float]:
+    """The mean losses of answers right in everything but where each rank looks for the target's logit: from a
+    first column of `_assumed_starts` instead of `start` (a target that no rank thinks it holds adds nothing to the
+    picked logits, one that two ranks think they hold adds twice). Computed from the whole logits, in float64."""
+    whole = logits.double()
+    largest = whole.max(dim=1).values
+    sums = torch.logsumexp(whole - largest.unsqueeze(1), dim=1)
+    losses = []
+    for which in range(len(_assumed_starts(0, size, 1))):
+        picked = torch.zeros(N, dtype=torch.float64)
+        for rank in range(size):
+            vocab = block_range(VOCAB, rank, size)
+            assumed = _assumed_starts(rank, size, len(vocab))[which]
+            held = (targets >= assumed) & (targets < assumed + len(vocab))
+            columns = vocab.start + (targets - assumed).clamp(0, len(vocab) - 1)
+            taken = whole.gather(1, columns.unsqueeze(1)).squeeze(1) - largest
+            picked += torch.where(held, taken, torch.zeros_like(taken))
+        losses.append(float((sums - picked).mean()))
+    return losses
+
+
+def _loss_hint(
+    loss: torch.Tensor, dtype: torch.dtype, logits: torch.Tensor, targets: torch.Tensor, size: int, want: float
+) -> str:
+    """Why an answer's loss (a 0-dim tensor that differs from one process's `want`, from `dtype` logits) may be
+    wrong: another dtype; an overflow when it is not finite; a target's logit looked for from the wrong first column when it equals such a loss; else the
+    formula, with what each rank must share."""
+    if loss.dtype != dtype:
+        return "return the loss in the logits' dtype (make every buffer in it)"
+    value = float(loss)
+    if value != value or abs(value) == float("inf"):
+        return (
+            "it is not finite: subtract the largest logit before exp (logits here reach ~1000; e^z overflows past "
+            "about 710 in float64, 89 in float32)"
+        )
+    limit = TOLERANCE[dtype] * max(1.0, abs(want))
+    if size > 1 and any(abs(value - other) < limit for other in _misplaced_target_losses(logits, targets, size)):
+        return (
+            "it is the loss of the right maxima and sums with each target's logit looked for in the wrong columns: is "
+            f"the target found with `start`, not rank x V/t? This rank's columns are the vocabulary entries start .. "
+            f"start + V_r - 1, and block_range's blocks of the {VOCAB} entries here are uneven: rank x V_r is not "
+            "every rank's start"
+        )
+    return (
+        "per position the loss is log sum_v e^(z_v - m) - (z_target - m), with m the largest logit of all the ranks "
+        "(the same m on every rank, in the sums and in the target's term), the sums of e^(z - m) over every rank's "
+        "columns, and z_target from the one rank whose columns start .. start + V_r - 1 hold the target"
+    )
+
+
+def _grad_hint(grad: Any, dtype: torch.dtype, logits: torch.Tensor, targets: torch.Tensor, sub: MPI.Comm) -> str:
+    """Why the gradient of this rank's logits (`grad`, from `dtype` logits; the check back-propagated 3 x the loss)
+    may differ from one process's: the incoming gradient ignored, the target's -1 put in the wrong column (a first
+    column of `_assumed_starts`), or else the formula."""
+    rank, size = sub.Get_rank(), sub.Get_size()
+    vocab = block_range(VOCAB, rank, size)
+    softmax = torch.softmax(logits.double(), dim=1)[:, vocab.start : vocab.stop]
+
+    def near(want: torch.Tensor) -> bool:
+        return isinstance(grad, torch.Tensor) and grad.shape == want.shape and _error(grad, want.to(dtype)) is None
+
+    right = softmax.clone()
+    held = (targets >= vocab.start) & (targets < vocab.stop)
+    right[held.nonzero().squeeze(1), targets[held] - vocab.start] -= 1
+    if near(right / N):
+        return "it is the gradient of the loss alone: the check back-propagates 3 x the loss: multiply by the incoming gradient"
+    for assumed in _assumed_starts(rank, size, len(vocab)):
+        misplaced = softmax.clone()
+        held = (targets >= assumed) & (targets < assumed + len(vocab))
+        misplaced[held.nonzero().squeeze(1), targets[held] - assumed] -= 1
+        if assumed != vocab.start and near(3 * misplaced / N):
+            return (
+                "its -1 at the target is in the wrong column: is the target found with `start`, not rank x V/t? This "
+                "rank's columns are the vocabulary entries start .. start + V_r - 1"
+            )
+    return (
+        "for this rank's columns v it is G/N (softmax(z)_v - [v = target]), G the gradient arriving at the loss (the "
+        "check back-propagates 3 x the loss), the softmax over all the ranks' columns, the -1 only on the rank that "
+        "holds the target, in column target - start"
+    )
 
 
 #: The MLP of the linear-layer check: (batch, sequence, width) in, `HIDDEN` features split over the ranks.
@@ -436,10 +519,10 @@ def _parallelize_case(
     mine = x.clone().requires_grad_()
     try:
         y = split(mine, SEED)
-    except Exception as err:  # the answer's block failed: say with which plan
+    except Exception as err:  # the answer's block failed: say with which plan, and what attn.heads says
         raise RuntimeError(
-            f"the split block's forward failed with the plan {plan} ({type(err).__name__}: {err}): replace only the "
-            "layers the plan names, and set attn.heads only when the attention is split"
+            f"the split block's forward failed with the plan {plan} ({type(err).__name__}: {err}): "
+            + _heads_advice(split, block, plan, counting.Get_size())
         ) from None
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"the split block must return a tensor, got {type(y).__name__}")
@@ -460,6 +543,27 @@ def _parallelize_case(
             continue
         refused.append((plan, why, "returned a block"))
     return y.detach(), mine.grad, grads, held, untouched, refused, forward, counting.traffic.bytes_sent - forward
+
+
+def _heads_advice(split: torch.nn.Module, block: Block, plan: dict[str, str], size: int) -> str:
+    """What to do about a split block whose forward failed, from its attention's `heads` against the whole block's:
+    left naming all heads though attn.qkv is split, set though the attention stays whole, or else the general rule."""
+    heads = getattr(getattr(split, "attn", None), "heads", None)
+    every = block.attn.heads
+    if "attn.qkv" in plan and size > 1 and heads == every:
+        return (
+            f"the attention was split but attn.heads still names all {len(every)} heads: set it to "
+            "head_range(n_head, comm), this rank's heads, when attn.qkv is split"
+        )
+    if "attn.qkv" not in plan and heads != every:
+        return (
+            f"the attention stays whole here but attn.heads was set to {heads}: set attn.heads only when the "
+            "attention is split (attn.qkv in the plan), and replace only the layers the plan names"
+        )
+    return (
+        "replace only the layers the plan names, and set attn.heads to head_range(n_head, comm) exactly when "
+        "attn.qkv is split"
+    )
 
 
 #: The parameters of a Block, by name, in the order `_parallelize_case` returns their gradients.
@@ -661,8 +765,9 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
     """fn(x, parts, comm, seed, length) -> this rank's rows of a Block's output, as
     ddlab.tensor_parallel.sequence_parallel_block (parts a ddlab.tensor_parallel.BlockParts, dropout on).
     Bytes, summed over the ranks: forward two allgathers and two reduce-scatters of the (B, T, n_embd)
-    activations; backward the same four halves, the column layers' inputs allgathered again, and an
-    allreduce of the six whole parameters' gradients. What autograd keeps (the lab's Ledger) at most 2% over
+    activations; backward the same four halves, the column layers' inputs allgathered again, and the six whole
+    parameters' gradients summed by allreduce (one per parameter, as MyCopy does, or one of them all: the same
+    bytes). What autograd keeps (the lab's Ledger) at most 2% over
     Korthikanti et al.'s count for this rank's share (rows, heads, hidden features), plus the LayerNorms' weights
     and biases (a copy of them, saved by F.layer_norm, when MyCopy returns one)."""
     world = MPI.COMM_WORLD
@@ -735,8 +840,8 @@ def check_sequence_parallel_block(fn: Callable[[torch.Tensor, BlockParts, Comm, 
                 f"the ranks sent {sent[0]:.0f} bytes forward and {sent[1]:.0f} backward in all; expected "
                 f"{want_sent[0]:.0f} (two allgathers and two reduce-scatters of the (B, T, n_embd) activations: "
                 f"{half:.0f} bytes each) and {want_sent[1]:.0f} (the same four halves, the two column layers' "
-                f"inputs allgathered again, and one allreduce of the "
-                f"{params} values of the whole parameters' gradients); an allreduce in place of a reduce-scatter "
+                f"inputs allgathered again, and the whole parameters' gradients, {params} values, summed by "
+                f"allreduce: one per parameter or one of them all); an allreduce in place of a reduce-scatter "
                 f"sends twice the bytes" + _fewer(sent, want_sent)
             )
         return None

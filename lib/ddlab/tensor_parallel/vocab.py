@@ -7,8 +7,8 @@ al., 2019, section 3; with tied embeddings the same rows are the output layer's)
   ranks (`Reduce`, or with sequence parallelism `ReduceScatter`) is the whole embedding.
 - Output layer: column-parallel over the vocabulary: each rank computes the logits of its
   tokens, (B, T, V/t). The logits are never gathered: that allgather would send b x s x v
-  values; Shoeybi et al. fuse the loss with the output layer so that only b x s scalars per
-  combination are communicated.
+  values; Shoeybi et al. fuse the loss with the output layer so that only a few b x s scalars
+  are communicated (each rank's largest logits, then the sums and the target's logits).
 - Cross-entropy on split logits, per position n: loss = log sum_v exp(z_v - m) - (z_target - m),
   with m the largest logit. Each rank finds its largest logit; the ranks' largest are
   allgathered (t numbers per position) and m is their maximum; then each rank's sum of
