@@ -8,9 +8,12 @@ none sends: it must fail at the check's deadline, not hang); a ring that sends t
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from ddlab.checks import CheckFailed, check_ring_attention, check_ring_attention_backward, check_ulysses, check_zigzag
+from ddlab.checks import context_parallel as context_parallel_checks
 from ddlab.context_parallel import (
     attend_block,
     attend_block_backward,
@@ -176,6 +179,50 @@ def test_zigzag_check_on_ranks(comm, capsys):
     assert ("passed" in capsys.readouterr().out) == (comm.Get_rank() == 0)
     with pytest.raises(CheckFailed, match="unsplit"):
         check_zigzag(split_reference, unsplit_in_rank_order)
+
+
+def split_by_index(x, size, rank):
+    """Valid: np.pad to the padded length, then index arrays with leading axes, which return a non-contiguous
+    array (the check must hand the ring contiguous copies, not fail in MPI)."""
+    length = x.shape[-2]
+    chunk = -(-length // (2 * size))
+    pad = [(0, 0)] * x.ndim
+    pad[-2] = (0, 2 * size * chunk - length)
+    late = 2 * size - 1 - rank
+    rows = np.r_[rank * chunk : (rank + 1) * chunk, late * chunk : (late + 1) * chunk]
+    return np.pad(x, pad)[..., rows, :]
+
+
+def test_zigzag_check_accepts_a_non_contiguous_split(comm, deadline):
+    assert not split_by_index(np.ones((2, 13, 3)), 2, 1).flags.c_contiguous  # what the test is about
+    with deadline(120):  # it once failed in MPI on two ranks while the others waited for them forever
+        check_zigzag(split_by_index, unsplit_reference)
+
+
+def split_failing_on_the_upper_ranks(x, size, rank):
+    """Wrong: raises on the upper half of the world's ranks only (the others would go on to the ring)."""
+    if MPI.COMM_WORLD.Get_rank() >= max(1, MPI.COMM_WORLD.Get_size() // 2):
+        raise RuntimeError("this rank's split broke")
+    return split_reference(x, size, rank)
+
+
+def split_stuck_on_the_last_rank(x, size, rank):
+    """Wrong: never returns on the world's last rank."""
+    while MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1 and MPI.COMM_WORLD.Get_size() > 1:
+        time.sleep(0.01)
+    return split_reference(x, size, rank)
+
+
+def test_zigzag_check_fails_a_split_that_breaks_on_some_ranks_on_every_rank(comm, deadline, monkeypatch):
+    monkeypatch.setattr(context_parallel_checks, "CALL_DEADLINE", 1.0)
+    if comm.Get_size() == 1:
+        pytest.skip("needs ranks that differ")
+    for answer, says in ((split_failing_on_the_upper_ranks, "RuntimeError"), (split_stuck_on_the_last_rank, "1 s")):
+        start = time.monotonic()
+        with deadline(60), pytest.raises(CheckFailed, match=says):
+            check_zigzag(answer, unsplit_reference)
+        assert time.monotonic() - start < 30  # the check's deadline, not the test's, ended it
+        comm.Barrier()  # every rank got here: none is left waiting in the check's collectives
 
 
 # --- the backward ring (exercise 15.3) and Ulysses (exercise 15.5) ---------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 from ddlab.checks import CheckFailed, check_combine, check_dispatch, check_route
 from ddlab.experts import Routing, combine, dispatch, route
 from ddlab.runtime.reference import unguarded
+from mpi4py import MPI
 
 # The library's own answers without their mark: the checks refuse them to an answer (see
 # test_the_checks_refuse_the_library_s_own_answer), and these tests use them as valid answers and as
@@ -291,6 +293,25 @@ def test_route_check_accepts_the_library_and_a_running_count(comm):
     check_route(route)
     check_route(router_with())
     check_route(route_softmax_of_the_top_two)
+
+
+def route_stuck_on_the_last_rank(logits, k, capacity_factor):
+    """Wrong: never returns on the world's last rank (the others have answered)."""
+    world = MPI.COMM_WORLD
+    while world.Get_size() > 1 and world.Get_rank() == world.Get_size() - 1:
+        time.sleep(0.01)
+    return route(logits, k, capacity_factor)
+
+
+def test_route_check_fails_a_router_stuck_on_one_rank_on_every_rank(comm, monkeypatch):
+    from ddlab.checks import experts as experts_checks
+
+    monkeypatch.setattr(experts_checks, "ROUTE_DEADLINE", 1.0)
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match="did not return within 1 s"):
+        check_route(route_stuck_on_the_last_rank)
+    assert time.monotonic() - start < 30
+    comm.Barrier()  # every rank is out of the check
 
 
 @pytest.mark.parametrize(

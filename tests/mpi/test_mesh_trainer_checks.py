@@ -322,6 +322,31 @@ def test_wrong_interleaved_schedules_fail(comm) -> None:
     expect_schedule_failure(refuses_any_m_not_a_multiple, "v = 1", "m must be a multiple")
 
 
+def test_a_schedule_wrong_alike_on_every_rank_is_told_once(comm) -> None:
+    """Every engine replays the same lists, so a wrong one is said once, not once per rank."""
+    with pytest.raises(CheckFailed) as info:
+        check_interleaved(refuses_any_m_not_a_multiple, timeout=5.0)
+    message = str(info.value)
+    assert message.count("m must be a multiple") == 1 and "rank 1:" not in message, message
+    if comm.Get_size() > 1:
+        assert "on every rank" in message, message
+
+
+def wrong_on_the_last_rank_only(p, m, rank, v):
+    """Wrong on the world's last rank only (it refuses v = 1 with p not dividing m): the ranks differ."""
+    world = MPI.COMM_WORLD
+    if world.Get_size() > 1 and world.Get_rank() == world.Get_size() - 1:
+        return refuses_any_m_not_a_multiple(p, m, rank, v)
+    return interleaved_1f1b(p, m, rank, v)
+
+
+def test_a_schedule_wrong_on_some_ranks_names_them(comm) -> None:
+    if comm.Get_size() == 1:
+        pytest.skip("needs ranks that differ")
+    last = comm.Get_size() - 1
+    expect_schedule_failure(wrong_on_the_last_rank_only, f"rank {last}:", "m must be a multiple")
+
+
 def forward_count_never_advances(p, m, rank, v):
     """A steady-state loop whose forward count never moves (only the backwards do): it never returns."""
     forwards, backwards = 0, 0

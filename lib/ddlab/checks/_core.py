@@ -56,6 +56,15 @@ def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str =
     _raise_found(comm.allgather(problem), context, hint)
 
 
+def fail_together_once(comm: MPI.Comm, problem: str | None, context: str, hint: str = "") -> None:
+    """fail_together for a problem every rank finds alike (one process's work, run on each): said once
+    ("on every rank") when all ranks found the same text, one line per rank as fail_together when they differ."""
+    problems = comm.allgather(problem)
+    if problems and all(problems) and len(set(problems)) == 1:
+        raise CheckFailed(f"{context} (on every rank):\n  {problems[0]}" + (f"\n{hint}" if hint else ""))
+    _raise_found(problems, context, hint)
+
+
 def each_size(
     comm: MPI.Comm,
     body: Callable[[MPI.Comm], str | None],

@@ -39,7 +39,7 @@ from ..context_parallel import (
     take_rows,
 )
 from ..runtime.counting import COLLECTIVE_TAG, Traffic
-from ._core import array_problem, each_size, fail_together, passed, run_counted
+from ._core import array_problem, deadline, each_size, fail_together, fail_together_once, passed, run_counted
 from .errors import CheckFailed
 
 #: Tolerance of every comparison with one process (float64).
@@ -73,6 +73,19 @@ def _call(fn: Callable[..., Any], *args: Any, what: str) -> tuple[Any, str | Non
         return None, f"{what} raised {type(err).__name__}: {err}"
 
 
+#: Seconds one call of a one-process answer (merge, split, unsplit) may take: a correct one takes milliseconds.
+CALL_DEADLINE = 10.0
+
+
+def _timed_call(fn: Callable[..., Any], *args: Any, what: str) -> tuple[Any, str | None]:
+    """_call within CALL_DEADLINE: a call that never returns becomes this rank's problem, not a hang."""
+    try:
+        with deadline(CALL_DEADLINE, what):
+            return _call(fn, *args, what=what)
+    except CheckFailed as err:
+        return None, str(err)
+
+
 def _merge_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q, k, v of 8 positions in 2 heads; the later keys score higher, so their block's maximum is larger."""
     rng = np.random.default_rng(15)
@@ -103,7 +116,7 @@ def check_merge_partials(fn: Callable[..., tuple[np.ndarray, np.ndarray, np.ndar
     problem = None
     for description, first, second in _merge_cases():
         given = tuple(a.copy() for a in (*first, *second))
-        got, problem = _call(fn, *given, what="merge")
+        got, problem = _timed_call(fn, *given, what="merge")
         want = merge_partials(first, second)
         if problem:
             problem = f"{description}: {problem}"
@@ -120,14 +133,17 @@ def check_merge_partials(fn: Callable[..., tuple[np.ndarray, np.ndarray, np.ndar
             break
     if problem is None:  # the merged partial, finished, is softmax attention over both blocks
         _, first, second = _merge_cases()[0]
-        merged, _, total = fn(*(a.copy() for a in (*first, *second)))
-        if not np.allclose(merged / total[..., None], reference_attention(*_merge_inputs())[0], rtol=0, atol=TOLERANCE):
+        got, problem = _timed_call(fn, *(a.copy() for a in (*first, *second)), what="merge")
+        attention = reference_attention(*_merge_inputs())[0]
+        if problem is None and not np.allclose(got[0] / got[2][..., None], attention, rtol=0, atol=TOLERANCE):
             problem = "the merged result, divided by l, is not the causal attention over both blocks"
-    if problem:
-        raise CheckFailed(
-            f"merge_partials: {problem}\n(rescale each partial's o and l by exp(its m - the new m), the new m "
-            "being the larger; a row where both m are -inf has seen nothing: keep it 0, -inf, 0)"
-        )
+    fail_together_once(  # every rank ran the same cases: one verdict, said once unless the ranks differ
+        comm,
+        problem,
+        "merge_partials",
+        "(rescale each partial's o and l by exp(its m - the new m), the new m being the larger; a row where both "
+        "m are -inf has seen nothing: keep it 0, -inf, 0)",
+    )
     passed(comm, "merge_partials: two partial attention results merge exactly, empty rows included")
 
 
@@ -389,7 +405,7 @@ def _zigzag_problem(
     parts = []
     for rank in range(size):
         given_x = x.copy()
-        got, problem = _call(split, given_x, size, rank, what=f"split(x, {size}, {rank})")
+        got, problem = _timed_call(split, given_x, size, rank, what=f"split(x, {size}, {rank})")
         problem = problem or _close_problem(got, take_rows(x, positions[rank]), f"rank {rank}'s split")
         if problem is None and np.shares_memory(got, given_x):
             problem = f"rank {rank}'s split shares memory with x: return a new array"
@@ -397,19 +413,17 @@ def _zigzag_problem(
             return f"{context}: {problem}"
         parts.append(got)
     given = [p.copy() for p in parts]
-    back, problem = _call(unsplit, given, length, what="unsplit")
+    back, problem = _timed_call(unsplit, given, length, what="unsplit")
     problem = problem or _close_problem(back, x, "unsplit")
     if problem is None and any(np.shares_memory(back, p) for p in given):
         problem = "unsplit shares memory with a part: return a new array"
     return problem and f"{context}: {problem}"
 
 
-def check_zigzag(
+def _zigzag_one_process(
     split: Callable[[np.ndarray, int, int], np.ndarray], unsplit: Callable[[list[np.ndarray], int], np.ndarray]
-) -> None:
-    """split(x, size, rank) -> rank's rows; unsplit(parts, length) -> x: one process, then ring attention on P ranks."""
-    comm = MPI.COMM_WORLD
-    problem = None
+) -> str | None:
+    """The first problem of split and unsplit on one process, for 1 to 4 ranks' worth of sequences, or None."""
     for size in (1, 2, 3, 4):
         for shape, dtype in (
             ((8 * size, 2), "float64"),
@@ -420,23 +434,38 @@ def check_zigzag(
         ):
             problem = _zigzag_problem(split, unsplit, size, shape, dtype)
             if problem:
-                raise CheckFailed(f"zig-zag: {problem}\n{ZIGZAG_HINT}")
+                return problem
+    return None
+
+
+def check_zigzag(
+    split: Callable[[np.ndarray, int, int], np.ndarray], unsplit: Callable[[list[np.ndarray], int], np.ndarray]
+) -> None:
+    """split(x, size, rank) -> rank's rows; unsplit(parts, length) -> x: one process, then ring attention on P ranks.
+
+    Any array of the right shape, dtype and values is a valid split, contiguous or not (index arrays with
+    leading axes give a non-contiguous one): the check hands the ring C-contiguous copies. Every rank agrees
+    on the one-process verdict before the ring's collectives, and each call has a deadline."""
+    comm = MPI.COMM_WORLD
+    problem = _zigzag_one_process(split, unsplit)
+    fail_together_once(comm, problem, "zig-zag on one process", ZIGZAG_HINT)
 
     def body(sub: MPI.Comm) -> str | None:  # the split and unsplit around ring attention on P ranks
         rank, size = sub.Get_rank(), sub.Get_size()
         length = 6 * size + 1
         q, k, v = (np.random.default_rng([length, i]).standard_normal((2, length, 3)) for i in range(3))
         positions = all_positions(length, size)
+        context = f"zig-zag split of {length} positions on {size} ranks"
         mine, problem = [], None
         for a in (q, k, v):
-            got, problem = _call(split, a.copy(), size, rank, what=f"split(x, {size}, {rank})")
+            got, problem = _timed_call(split, a.copy(), size, rank, what=f"split(x, {size}, {rank})")
             problem = problem or _close_problem(got, take_rows(a, positions[rank]), f"rank {rank}'s split")
             if problem:
                 break
-            mine.append(got)
-        fail_together(sub, problem, f"zig-zag split of {length} positions")  # before the ring, which needs all ranks
-        out, _ = ring_attention(sub, mine[0], mine[1], mine[2], positions)
-        back, problem = _call(unsplit, sub.allgather(out), length, what="unsplit")
+            mine.append(np.ascontiguousarray(got).copy())  # the ring's buffers: any valid layout will do
+        fail_together(sub, problem, context, ZIGZAG_HINT)  # before the ring, which needs all ranks
+        (out, _), _ = run_counted(sub, ring_attention, (*mine, positions), f"ring attention on your {context}")
+        back, problem = _timed_call(unsplit, sub.allgather(out), length, what="unsplit")
         return problem or _close_problem(back, reference_attention(q, k, v)[0], "unsplit of the ranks' outputs")
 
     each_size(comm, body, "zig-zag split around ring attention")

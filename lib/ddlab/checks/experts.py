@@ -27,7 +27,18 @@ from mpi4py import MPI
 
 from ..experts.router import Routing, route
 from ..runtime.counting import COLLECTIVE_TAG, Traffic
-from ._core import array_problem, count, each_size, fail_together, is_integer, passed, run_counted
+from ._core import (
+    array_problem,
+    count,
+    deadline,
+    each_size,
+    fail_together,
+    fail_together_once,
+    is_integer,
+    passed,
+    run_counted,
+)
+from .errors import CheckFailed
 
 #: (dtype, shape of one row after the first axis, experts per rank or None for 12 in all, skew, last rank empty):
 #: rank r holds 5 + 3 r rows (the last rank none, if so marked), routed with a skew towards the first experts.
@@ -192,6 +203,9 @@ def check_combine(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
     passed(world, "combine: one Alltoallv back, every result in its row's place")
 
 
+#: Seconds one call of the router may take (32 tokens: a correct one takes milliseconds).
+ROUTE_DEADLINE = 10.0
+
 #: (tokens, experts, k, capacity factor, dtype, seed) of check_route's cases: drops and none, k = 1 and 2.
 ROUTE_CASES = (
     (32, 8, 1, 1.0, torch.float64, 0),
@@ -255,9 +269,12 @@ def check_route(fn: Callable[..., Routing]) -> None:
         logits, given = base.clone().requires_grad_(), base.clone().requires_grad_()
         want = route(logits, k, factor)
         try:
-            got = fn(given, k, factor)
+            with deadline(ROUTE_DEADLINE, f"route({label})"):
+                got = fn(given, k, factor)
         except NotImplementedError:
             raise
+        except CheckFailed as err:  # past the deadline: this rank's problem, agreed on below
+            problem = str(err)
         except Exception as err:  # the student's router failed: say how
             problem = f"raised {type(err).__name__}: {err}"
         else:
@@ -267,7 +284,7 @@ def check_route(fn: Callable[..., Routing]) -> None:
         if problem:
             problem = f"{label}: {problem}"
             break
-    fail_together(
+    fail_together_once(
         world, problem, "route", "(see `ddlab.experts.router`'s docstring for the order tokens are served in)"
     )
     passed(world, "route: top-k, capacity, the dropped assignments, the load and the balancing loss with its gradient")

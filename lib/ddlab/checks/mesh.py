@@ -28,7 +28,7 @@ from ..pipeline.interleaved import (
 )
 from ..pipeline.schedules import bubble
 from ..runtime.counting import ALLOWABLE, CountingComm, MismatchedCollective, underlying
-from ._core import count, deadline, each_size, fail_together, passed, run_counted
+from ._core import count, deadline, each_size, fail_together, fail_together_once, passed, run_counted
 from .errors import CheckFailed
 
 TIMEOUT = 10.0
@@ -458,7 +458,7 @@ def check_interleaved(fn: Interleaved, timeout: float = TIMEOUT) -> None:
                 pass
     except CheckFailed as err:  # past the deadline
         problem = str(err)
-    fail_together(world, problem, "the interleaved schedule is wrong")
+    fail_together_once(world, problem, "the interleaved schedule is wrong")
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         _run_problem(world, fn, dtype, tolerance, timeout)
     passed(

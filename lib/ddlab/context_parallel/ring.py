@@ -99,7 +99,9 @@ def ring_attention(
     ring = Ring(comm)
     try:
         positions = _check(q, k, v, positions, ring.size)
-        held = np.stack([k, v])  # one message per step: this block's keys and values
+        # one message per step: this block's keys and values, C-contiguous whatever the inputs' strides
+        # (np.stack keeps their memory order, and MPI refuses a non-contiguous buffer)
+        held = np.ascontiguousarray(np.stack([k, v]))
         partial: Partial = empty_partial(q, v.shape[-1])
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
@@ -135,7 +137,7 @@ def ring_attention_backward(
     try:
         positions = _check(q, k, v, positions, ring.size)
         delta = np.sum(grad_out * out, axis=-1)
-        held = np.stack([k, v])
+        held = np.ascontiguousarray(np.stack([k, v]))  # as in the forward: MPI needs contiguous buffers
         grads = np.zeros_like(held)  # the gradients of the block held, as accumulated so far
         dq = np.zeros_like(q)
         for step in range(ring.size):
