@@ -326,7 +326,7 @@ def bubble_zb_h1(p: int, m: int, f: float, b: float, w: float) -> float:
 
 
 def bubble_zb_h2(p: int, m: int, f: float, b: float, w: float) -> float:
-    """ZB-H2: idle (p - 1) max(F, F + B - 2W) per rank, for m >= 2p - 1.
+    """ZB-H2: idle (p - 1) max(F, F + B - 2W) per rank, for m >= 2p (the replay of its op list agrees there).
 
     Qi et al. (section 2.2) give (p - 1)(F + B - 2W) counting the parallelogram their figure 3 draws;
     with every rank finishing the step together (the optimizer step here), the last stage cannot start
