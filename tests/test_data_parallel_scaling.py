@@ -169,8 +169,10 @@ def test_train_for_time_counts_one_allreduce_per_step_and_scores_as_it_goes():
     run = train_for_time(MPI.COMM_SELF, 0.5, 128, lr=0.01, n=512, test=128)
     assert run["times"][0] == 0.0 and run["times"][-1] >= 0.5 and len(run["scores"]) == len(run["times"])
     assert run["times"] == sorted(run["times"])
-    assert run["allreduces"] and set(run["allreduces"]) == {syncs_per_epoch(512, 128, 1)}
-    assert run["allreduces_total"] == run["steps"] >= 4 * len(run["allreduces"]) and run["epoch_time"] > 0
+    per_epoch = syncs_per_epoch(512, 128, 1)
+    # how many epochs the budget holds depends on the machine's speed; what is counted does not
+    assert run["allreduces_total"] == run["steps"] >= 1 and run["epoch_time"] > 0
+    assert run["allreduces"] == [per_epoch] * (run["steps"] // per_epoch), "one allreduce per step, epoch by epoch"
     assert time_to_score(run["times"], run["scores"], -1e9) == 0.0
     assert time_to_score(run["times"], run["scores"], 2.0) is None  # R^2 never passes 1
 

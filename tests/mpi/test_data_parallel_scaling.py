@@ -133,7 +133,10 @@ def test_train_for_time_stops_every_rank_together_and_counts_one_allreduce_per_b
     run = train_for_time(comm, 0.5, batch, lr=0.01, n=512, test=128)
     summary = (run["times"], run["scores"], run["steps"], run["allreduces"])
     assert comm.allgather(summary) == [summary] * comm.Get_size()
-    assert run["allreduces"] and set(run["allreduces"]) == {syncs_per_epoch(512, batch, comm.Get_size())}
+    per_epoch = syncs_per_epoch(512, batch, comm.Get_size())
+    # how many epochs 0.5 s holds depends on the machine's speed; what is counted does not
+    assert run["allreduces_total"] == run["steps"] >= 1
+    assert run["allreduces"] == [per_epoch] * (run["steps"] // per_epoch), "one allreduce per batch, epoch by epoch"
 
 
 def test_allreduce_vs_gloo_agrees_on_every_rank(comm):
