@@ -30,7 +30,7 @@ from mpi4py import MPI
 from ..data.sharding import epoch_permutation
 from ..runtime.blocks import block_bounds
 from ..runtime.counting import COLLECTIVE_TAG
-from ..shuffling.shuffler import exchange_plan
+from ..shuffling.shuffler import exchange_plan, exchanged_count
 from ._core import array_problem, count, each_size, fail_together, passed, run_counted
 from ._draw import Draw, grading_draw, named
 
@@ -46,7 +46,8 @@ def _counts(n: int, size: int) -> list[int]:
 def _plan_cases(size: int, draw: Draw | None = None) -> list[tuple[list[int], float, int, int]]:
     """(counts, q, epoch, seed): data sets of 1, 37 and 200 samples, then WIDE samples on every rank.
 
-    The grader's draw: 3 data set sizes up to 400, q of 0, 1 and one drawn, epochs and seeds."""
+    The grader's draw: 3 data set sizes up to 400, q of 0, 1 and one drawn, epochs and seeds; then a mixing case
+    (`_mixes`) of 40 to 100 samples a rank and q from 0.3 to 0.9."""
     wide = [([WIDE] * size, 0.1, 1, 4)]
     if draw is None:
         return [(_counts(n, size), q, epoch, seed) for n, q, epoch, seed in PLAN_CASES] + wide
@@ -55,7 +56,19 @@ def _plan_cases(size: int, draw: Draw | None = None) -> list[tuple[list[int], fl
         counts = _counts(n, size)
         for q in (0.0, draw.integer(1, 99, "q", size, i) / 100, 1.0):
             cases.append((counts, q, draw.integer(0, 99, "epoch", size, i), draw.integer(0, 10**6, "seed", size, i)))
-    return cases + wide
+    mixing = _counts(draw.integer(40 * size, 100 * size, "mixing n", size), size)
+    q = draw.integer(30, 90, "mixing q", size) / 100
+    return [
+        *cases,
+        (mixing, q, draw.integer(0, 99, "mixing epoch", size), draw.integer(0, 10**6, "mixing seed", size)),
+    ] + wide
+
+
+def _mixes(counts: list[int], q: float) -> bool:
+    """Whether a case is one where a right plan moves samples off every rank and changes from epoch to epoch:
+    12 or more exchanged on every rank of two or more (the notebook's 200 samples at q = 0.3, the drawn mixing
+    case); with fewer, a right plan may by chance deal a rank's samples back to itself."""
+    return len(counts) > 1 and 0 < q <= 1 and min(exchanged_count(m, q) for m in counts) >= 12
 
 
 def _plan_shape_problem(plan: Any, size: int, m: int) -> str | None:
@@ -131,7 +144,7 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
     def body(comm: MPI.Comm) -> str | None:
         rank, size = comm.Get_rank(), comm.Get_size()
         for counts, q, epoch, seed in _plan_cases(size, draw):
-            n, wide = sum(counts), counts[0] == WIDE
+            wide = counts[0] == WIDE
             case = f"counts={counts}, q={q}, epoch={epoch}, seed={seed}{named(draw)}"
             plan = fn(list(counts), rank, q, epoch, seed)
             problem = _plan_shape_problem(plan, size, counts[rank])
@@ -151,20 +164,21 @@ def check_exchange_plan(fn: Callable[..., tuple[list[np.ndarray], list[int]]]) -
             # Each rank judges the plans from its own side: stop together, or the ranks that found
             # nothing would wait in the next case for the ones that stopped.
             fail_together(comm, problem and f"{case}: {problem}", f"exchange_plan on {count(size, 'rank')}")
-            if n == 200 and q > 0 and size > 1:
+            if _mixes(counts, q):
                 moved = sum(len(positions) for d, positions in enumerate(plan[0]) if d != rank)
-                fail_together(
-                    comm,
-                    None
-                    if moved
-                    else f"{case}: sends all its {len(np.concatenate(plan[0]))} samples to itself: the exchange "
-                    "moves nothing and mixes nothing; draw each sample's destination among all ranks",
-                    f"exchange_plan on {count(size, 'rank')}",
-                )
-            if n == 200 and 0 < q < 1 and size > 1:
                 later = fn(list(counts), rank, q, epoch + 1, seed)
-                if all(np.array_equal(a, b) for a, b in zip(plan[0], later[0])):
-                    return f"{case}: the plan of epoch {epoch + 1} is the same as epoch {epoch}'s: draw it from the epoch too"
+                same = _plan_shape_problem(later, size, counts[rank]) is None and all(
+                    np.array_equal(a, b) for a, b in zip(plan[0], later[0])
+                )
+                problem = (
+                    f"{case}: sends all its {len(np.concatenate(plan[0]))} samples to itself: the exchange moves "
+                    "nothing and mixes nothing; draw each sample's destination among all ranks"
+                    if not moved
+                    else None
+                )
+                if problem is None and same:
+                    problem = f"{case}: the plan of epoch {epoch + 1} is the same as epoch {epoch}'s: draw it from the epoch too"
+                fail_together(comm, problem, f"exchange_plan on {count(size, 'rank')}")
         return None
 
     each_size(world, body, "exchange_plan", draw=draw)
