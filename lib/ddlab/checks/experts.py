@@ -15,6 +15,13 @@ computes from every rank's rows (each rank can make every rank's rows from its s
   weights and of the loss by the logits, against `ddlab.experts.route`, k = 1 and 2, float64 and float32.
 - `check_combine`: out[i] is the result for this rank's row i (the inverse
   permutation), carried by one Alltoallv of exactly the rows each rank gets back.
+
+Under the grader's seed (ddlab.checks._draw) each check draws its cases instead of the notebook's:
+dispatch and combine the ranks of every sub-communicator (any P of the world's, in any order), the
+rows' dtypes (two of the notebook's and one it never shows: the lab allows any), trailing shapes, experts
+per rank, rows per rank (a rank with none among them), the skew of the experts chosen and the data; the
+router its tokens, experts, k (1 or 2), capacity factor, dtype and logits. Every failure names the case
+and the seed.
 """
 
 from __future__ import annotations
@@ -38,11 +45,42 @@ from ._core import (
     passed,
     run_counted,
 )
+from ._draw import Draw, grading_draw, named
 from .errors import CheckFailed
 
 #: (dtype, shape of one row after the first axis, experts per rank or None for 12 in all, skew, last rank empty):
 #: rank r holds 5 + 3 r rows (the last rank none, if so marked), routed with a skew towards the first experts.
+#: A drawn case (the grader's) has a sixth item, its data seed: rank r then holds 0 to 12 rows, drawn from it.
 CASES = (("float64", (3,), None, 1.0, False), ("float32", (2, 2), 1, 0.0, False), ("int64", (), None, 2.0, True))
+#: The dtypes the grader draws rows of (the lab: any dtype): two of the notebook's and one of the others.
+DRAWN_DTYPES = ("float64", "float32", "int64", "int32", "int16")
+
+
+def drawn_cases(draw: Draw | None) -> tuple[tuple, ...]:
+    """CASES, or the grader's three: dtypes as DRAWN_DTYPES says (in a drawn order), up to 2 trailing axes of up
+    to 3, 1 to 3 experts per rank, a skew of 0 to 3, the last rank without rows in one case, a data seed each."""
+    if draw is None:
+        return CASES
+    shown = [d for d in DRAWN_DTYPES if any(case[0] == d for case in CASES)]
+    dtypes = draw.choose(shown, 2, "dtypes") + draw.choose([d for d in DRAWN_DTYPES if d not in shown], 1, "new")
+    order = draw.rng("order").permutation(3)
+    empty = draw.integer(0, 2, "empty")
+    cases = []
+    for index in range(3):
+        trailing = tuple(
+            draw.integer(1, 3, "trailing", index, axis) for axis in range(draw.integer(0, 2, "axes", index))
+        )
+        cases.append(
+            (
+                dtypes[int(order[index])],
+                trailing,
+                draw.integer(1, 3, "per rank", index),
+                draw.integer(0, 30, "skew", index) / 10,
+                index == empty,
+                draw.data_seed("rows", index),
+            )
+        )
+    return tuple(cases)
 
 
 def _experts(case: tuple, size: int) -> int:
@@ -50,13 +88,22 @@ def _experts(case: tuple, size: int) -> int:
     return 12 if per_rank is None else per_rank * size
 
 
+def _label(case: tuple, rows: int, experts: int, draw: Draw | None) -> str:
+    """A case's words in a message: its rows, shape and experts (and, drawn, its skew, data seed and the seed)."""
+    label = f"{count(rows, np.dtype(case[0]).name + ' row')} of shape {case[1]}, {count(experts, 'expert')}"
+    return label if draw is None else f"{label}, skew {case[3]}, data seed {case[5]}{named(draw)}"
+
+
 def _rows(case: tuple, rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """Rank's rows and their experts: row i of rank r reads 1000 r + i (+ an eighth per feature), so a mix-up shows."""
-    dtype, shape, _, skew, last_empty = case
-    n = 0 if last_empty and rank == size - 1 and size > 1 else 5 + 3 * rank
+    dtype, shape, _, skew, last_empty = case[:5]
+    seed = case[5] if len(case) > 5 else None
+    n = 5 + 3 * rank if seed is None else int(np.random.default_rng([seed, rank, size]).integers(0, 13))
+    if last_empty and rank == size - 1 and size > 1:
+        n = 0
     experts = _experts(case, size)
     weights = np.exp(-skew * np.arange(experts) / experts)
-    rng = np.random.default_rng([rank, size, experts])
+    rng = np.random.default_rng([rank, size, experts] if seed is None else [seed, rank, size, experts])
     expert = rng.choice(experts, n, p=weights / weights.sum()).astype(np.int64)
     base = (1000 * rank + np.arange(n)).reshape((n,) + (1,) * len(shape))
     features = np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape) / 8 if shape else 0
@@ -124,16 +171,19 @@ def _pair(result: Any, first: str, second: str) -> str | None:
 def check_dispatch(fn: Callable[..., tuple[np.ndarray, np.ndarray]], timeout: float = 20.0) -> None:
     """fn(comm, x, expert, n_experts) -> (rows, counts): one Alltoall of counts, then one Alltoallv of rows.
 
-    timeout: seconds a rank may wait for a collective the others never call."""
+    timeout: seconds a rank may wait for a collective the others never call.
+    The grader's draw: the ranks of every sub-communicator (any P of the world's, in any order) and the
+    cases of drawn_cases (dtypes, trailing shapes, experts per rank, rows per rank, skew, data)."""
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "dispatch")
 
     def body(comm: MPI.Comm) -> str | None:
         rank, size = comm.Get_rank(), comm.Get_size()
-        for case in CASES:
+        for case in drawn_cases(draw):
             experts = _experts(case, size)
             x, expert = _rows(case, rank, size)
             original, original_expert = x.copy(), expert.copy()
-            label = f"{count(len(x), np.dtype(case[0]).name + ' row')} of shape {case[1]}, {count(experts, 'expert')}"
+            label = _label(case, len(x), experts, draw)
             result, traffic = run_counted(
                 comm, fn, (x, expert, experts), f"dispatch with {label}", timeout, allow=("Alltoall", "Alltoallv")
             )
@@ -154,19 +204,24 @@ def check_dispatch(fn: Callable[..., tuple[np.ndarray, np.ndarray]], timeout: fl
             fail_together(comm, problem and f"{label}: {problem}", f"dispatch on {count(size, 'rank')}")
         return None
 
-    each_size(world, body, "dispatch", _sizes(world))
-    passed(world, "dispatch: counts by one Alltoall, then exactly the planned rows by one Alltoallv, in order")
+    each_size(world, body, "dispatch", _sizes(world), draw=draw)
+    passed(
+        world,
+        f"dispatch: counts by one Alltoall, then exactly the planned rows by one Alltoallv, in order{named(draw)}",
+    )
 
 
 def check_combine(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
     """fn(comm, y, counts, expert, n_experts) -> out: one Alltoallv back, then out[i] is row i's result.
 
-    timeout: seconds a rank may wait for a collective the others never call."""
+    timeout: seconds a rank may wait for a collective the others never call.
+    The grader's draw: as check_dispatch's (ranks, and the cases of drawn_cases)."""
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "combine")
 
     def body(comm: MPI.Comm) -> str | None:
         rank, size = comm.Get_rank(), comm.Get_size()
-        for case in CASES:
+        for case in drawn_cases(draw):
             experts = _experts(case, size)
             local = experts // size
             x, expert = _rows(case, rank, size)
@@ -175,7 +230,7 @@ def check_combine(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
             labels = np.concatenate([np.repeat(rank * local + np.arange(local), row) for row in counts])
             y = (rows + 10 * (labels + 1).reshape((-1,) + (1,) * (rows.ndim - 1))).astype(rows.dtype)
             original = y.copy()
-            label = f"{count(len(x), np.dtype(case[0]).name + ' row')} of shape {case[1]}, {count(experts, 'expert')}"
+            label = _label(case, len(x), experts, draw)
             out, traffic = run_counted(
                 comm,
                 fn,
@@ -199,8 +254,8 @@ def check_combine(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
             fail_together(comm, problem and f"{label}: {problem}", f"combine on {count(size, 'rank')}")
         return None
 
-    each_size(world, body, "combine", _sizes(world))
-    passed(world, "combine: one Alltoallv back, every result in its row's place")
+    each_size(world, body, "combine", _sizes(world), draw=draw)
+    passed(world, f"combine: one Alltoallv back, every result in its row's place{named(draw)}")
 
 
 #: Seconds one call of the router may take (32 tokens: a correct one takes milliseconds).
@@ -258,14 +313,36 @@ def _route_problem(got: Any, want: Routing, logits: torch.Tensor, got_logits: to
     return None
 
 
+def route_cases(draw: Draw | None) -> tuple[tuple[int, int, int, float, torch.dtype, int], ...]:
+    """ROUTE_CASES, or the grader's five: 1 to 48 tokens, 2 to 12 experts, k = 1 and 2 (both, in a drawn order,
+    then drawn), capacity factors of 0.25 to 3 in quarters, float64 and float32, a logits seed each."""
+    if draw is None:
+        return ROUTE_CASES
+    flip, types = draw.integer(0, 1, "k"), (torch.float64, torch.float32)
+    cases = []
+    for index in range(5):
+        k = 1 + (index + flip) % 2 if index < 2 else draw.integer(1, 2, "k", index)
+        experts, dtype = draw.integer(2, 12, "experts", index), types[draw.integer(0, 1, "dtype", index)]
+        factor = draw.integer(1, 12, "factor", index) / 4
+        cases.append((draw.integer(1, 48, "tokens", index), experts, k, factor, dtype, draw.data_seed("logits", index)))
+    return tuple(cases)
+
+
 def check_route(fn: Callable[..., Routing]) -> None:
-    """fn(logits, k, capacity_factor) -> Routing, as `ddlab.experts.route` gives: one process, on every rank."""
+    """fn(logits, k, capacity_factor) -> Routing, as `ddlab.experts.route` gives: one process, on every rank.
+
+    The grader's draw: the cases of route_cases (tokens, experts, k, capacity factor, dtype, logits' seed)
+    and the expert the logits crowd."""
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "route")
     problem = None
-    for tokens, experts, k, factor, dtype, seed in ROUTE_CASES:
+    for tokens, experts, k, factor, dtype, seed in route_cases(draw):
         label = f"{tokens} tokens, {experts} experts, k = {k}, capacity factor {factor}, {str(dtype)[6:]}"
+        crowded = 0 if draw is None else draw.integer(0, experts - 1, "crowded", seed)
+        if draw is not None:
+            label += f", logits of seed {seed} crowding expert {crowded}{named(draw)}"
         base = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-        base[:, 0] += 1.0  # a crowded first expert, so capacities bind
+        base[:, crowded] += 1.0  # a crowded expert, so capacities bind
         logits, given = base.clone().requires_grad_(), base.clone().requires_grad_()
         want = route(logits, k, factor)
         try:
@@ -287,4 +364,8 @@ def check_route(fn: Callable[..., Routing]) -> None:
     fail_together_once(
         world, problem, "route", "(see `ddlab.experts.router`'s docstring for the order tokens are served in)"
     )
-    passed(world, "route: top-k, capacity, the dropped assignments, the load and the balancing loss with its gradient")
+    passed(
+        world,
+        "route: top-k, capacity, the dropped assignments, the load and the balancing loss with its gradient"
+        + named(draw),
+    )
