@@ -61,14 +61,10 @@ HINTS = {
 def _flat(
     bandwidth: float,
     devices_per_node: int = 4,
-    contention: tuple[float, ...] = (
-        1.0,
-        1.4,
-        1.8,
-        2.5,
-    ),  # cores shared as on a laptop: compute slows with busy devices
+    contention: tuple[float, ...] = (1.0, 1.4, 1.8, 2.5),
     name: str = "flat",
 ) -> Platform:
+    """A platform of laptop-like devices: compute slows by `contention` as a node's devices get busy (shared cores)."""
     from ..allreduce.cost import Link
 
     link = Link(alpha=2e-5, beta=1 / bandwidth)
@@ -148,6 +144,10 @@ def _drawn_memory_cases(draw: Draw) -> list[tuple]:
     return cases
 
 
+#: The published runs exercise 16.5 is also checked on (plain 1F1B).
+PUBLISHED_TIMES = (TABLE1[0], TABLE1[6], TABLE1[9])
+
+
 def time_cases(draw: Draw | None = None) -> list[tuple[GPT, Layout, Platform]]:
     """The notebook's: a small GPT and one of 2024-26's shape on 7 and 2 layouts, each on the A100 and the flat
     platform, and three published runs.
@@ -200,10 +200,6 @@ def time_cases(draw: Draw | None = None) -> list[tuple[GPT, Layout, Platform]]:
     # the published layouts with plain 1F1B (exercise 16.5 has no interleaved chunks)
     cases += [(run.gpt, run.layout.with_(interleave=1), a100) for run in PUBLISHED_TIMES]
     return cases
-
-
-#: The published runs exercise 16.5 is also checked on (plain 1F1B).
-PUBLISHED_TIMES = (TABLE1[0], TABLE1[6], TABLE1[9])
 
 
 def _divisors(n: int, most: int) -> list[int]:
