@@ -368,7 +368,7 @@ def _time_problem(fn: Callable, cases: list[tuple[GPT, Layout, Platform]], draw:
     for gpt, layout, platform in cases:
         want = step_time(gpt, layout, platform)
         assert set(want) == set(TIME_PARTS)
-        where = f"{_described(gpt, draw)}, {layout.label}{'' if draw is None else f' batch {layout.batch}'}, {platform.name}"
+        where = f"{_described(gpt, draw)}, {layout.label}{'' if draw is None else f', batch {layout.batch}'}, {platform.name}"
         with deadline(DEADLINE, f"step_time({where})"):
             got = fn(gpt, layout, platform)
         found = _dict_problem("step_time", got, want, where)
@@ -381,7 +381,7 @@ def _search_problem(
     fn: Callable, cases: list[tuple[GPT, int, Layout, Platform, float]], draw: Draw | None
 ) -> str | None:
     for gpt, devices, template, platform, budget in cases:
-        shown = f"{template.label}{'' if draw is None else f' batch {template.batch}'}"
+        shown = f"{template.label}{'' if draw is None else f', batch {template.batch}'}"
         where = f"search({_described(gpt, draw)}, {devices} devices, {shown}, {platform.name}, budget {budget:.6g} B)"
         if draw is None:
             where = f"search({gpt.name}, {devices} devices, {template.label}, budget {budget:.3g} B)"
