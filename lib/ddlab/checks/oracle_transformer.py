@@ -8,6 +8,10 @@ shape (grouped-query attention, a SwiGLU MLP of width 688, not 4h: a step time t
 heads or a 4h GELU MLP fails on it), the A100 platform and a flat one, budgets that cut some layouts. The functions are pure, so every rank runs all
 cases; `each_size` gathers one verdict. Each call of the student's function has `DEADLINE` seconds:
 a loop that never ends fails the check, naming the case, instead of hanging it.
+
+Under the grader's seed (ddlab.checks._draw) each check draws its cases instead, from the domain the lab
+states for its exercise (see each check's "The grader's draw"); every failure then names the drawn case and
+the seed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import random
 import re
 from typing import Any, Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from ..oracle.platform import Platform
@@ -34,6 +39,7 @@ from ..oracle.transformer import (
 )
 from ..oracle.transformer_planner import search
 from ._core import deadline, each_size, is_number, passed
+from ._draw import Draw, grading_draw, named
 from .errors import CheckFailed
 
 DEADLINE = 30.0  # seconds for one case: closed forms and a search over a few hundred layouts
@@ -52,22 +58,45 @@ HINTS = {
 }
 
 
-def _flat(bandwidth: float) -> Platform:
+def _flat(
+    bandwidth: float,
+    devices_per_node: int = 4,
+    contention: tuple[float, ...] = (1.0, 1.4, 1.8, 2.5),
+    name: str = "flat",
+) -> Platform:
+    """A platform of laptop-like devices: compute slows by `contention` as a node's devices get busy (shared cores)."""
     from ..allreduce.cost import Link
 
     link = Link(alpha=2e-5, beta=1 / bandwidth)
     return Platform(
-        "flat",
-        devices_per_node=4,
+        name,
+        devices_per_node=devices_per_node,
         flops=2e12,
         memory=2 * 10**9,
         intra=link,
         inter=Link(5e-5, 4 / bandwidth),
-        contention=(1.0, 1.4, 1.8, 2.5),  # cores shared as on a laptop: compute slows with busy devices
+        contention=contention,
     )
 
 
-def memory_cases() -> list[tuple]:
+def _drawn_flat(draw: Draw, devices_per_node: int, *keys: object) -> Platform:
+    """A flat platform of `devices_per_node` devices, its bandwidth and its rising contention drawn (all in its name)."""
+    rng = draw.rng("platform", *keys)
+    rises = rng.uniform(0.05, 0.6, devices_per_node - 1)
+    contention = tuple(round(float(c), 3) for c in np.concatenate(([1.0], 1.0 + np.cumsum(rises))))
+    bandwidth = round(float(rng.uniform(1e9, 2e10)), -6)
+    name = f"flat: {devices_per_node} devices a node, contention {contention}, {bandwidth / 1e9:g} GB/s"
+    return _flat(bandwidth, devices_per_node, contention, name)
+
+
+def memory_cases(draw: Draw | None = None) -> list[tuple]:
+    """48 cases: every ZeRO stage x recomputation x sequence parallelism, 4 times.
+
+    The grader's draw: psi up to 1e10, s up to 4096 tokens, b up to 4, t up to 8 (dividing the heads and the
+    hidden size, any heads per rank and head size), layers up to 32, d up to 64, every stage and recomputation,
+    with and without sequence parallelism, each independently (the notebook's t goes with its ZeRO stage)."""
+    if draw is not None:
+        return _drawn_memory_cases(draw)
     rng = random.Random(16)
     cases = []
     for trial in range(48):
@@ -90,7 +119,47 @@ def memory_cases() -> list[tuple]:
     return cases
 
 
-def time_cases() -> list[tuple[GPT, Layout, Platform]]:
+def _drawn_memory_cases(draw: Draw) -> list[tuple]:
+    rng = draw.rng("memory")
+    cases = []
+    for trial in range(48):
+        t = int(rng.integers(1, 9))
+        a = t * int(rng.integers(1, 5))
+        h = a * int(rng.choice([16, 32, 64, 128]))
+        cases.append(
+            (
+                float(rng.integers(10**5, 10**10)),
+                int(rng.integers(16, 4097)),
+                int(rng.integers(1, 5)),
+                h,
+                a,
+                int(rng.integers(1, 33)),
+                t,
+                int(rng.integers(1, 65)),
+                trial % 4,
+                RECOMPUTE[trial // 4 % 3],
+                bool(trial // 12 % 2),
+            )
+        )
+    return cases
+
+
+#: The published runs exercise 16.5 is also checked on (plain 1F1B).
+PUBLISHED_TIMES = (TABLE1[0], TABLE1[6], TABLE1[9])
+
+
+def time_cases(draw: Draw | None = None) -> list[tuple[GPT, Layout, Platform]]:
+    """The notebook's: a small GPT and one of 2024-26's shape on 7 and 2 layouts, each on the A100 and the flat
+    platform, and three published runs.
+
+    The grader's draw: 12 GPTs of up to 16 layers, 12 heads of 16 to 64 and sequences up to 1024 (every other
+    one grouped-query with a SwiGLU MLP of any width, without context parallelism, whose keys and values the
+    lab counts as 2bsh/t), each on a layout of up to 8 ranks per dimension that runs it (any micro-batch, batch,
+    ZeRO stage and recomputation), on the A100 or on a flat platform of 2 to 8 devices a node whose bandwidth and
+    contention are drawn (the first with fewer ranks than its node's devices); the three published runs."""
+    if draw is not None:
+        cases = [_drawn_time_case(draw, i) for i in range(12)]
+        return cases + [(run.gpt, run.layout.with_(interleave=1), a100_cluster()) for run in PUBLISHED_TIMES]
     small = GPT(layers=8, hidden=256, heads=8, seq=512, vocab=1000, name="small")
     a100, flat = a100_cluster(), _flat(5e9)
     layouts = [
@@ -129,11 +198,89 @@ def time_cases() -> list[tuple[GPT, Layout, Platform]]:
         for pf in (a100, flat)
     ]
     # the published layouts with plain 1F1B (exercise 16.5 has no interleaved chunks)
-    cases += [(run.gpt, run.layout.with_(interleave=1), a100) for run in (TABLE1[0], TABLE1[6], TABLE1[9])]
+    cases += [(run.gpt, run.layout.with_(interleave=1), a100) for run in PUBLISHED_TIMES]
     return cases
 
 
-def search_cases() -> list[tuple[GPT, int, Layout, Platform, float]]:
+def _divisors(n: int, most: int) -> list[int]:
+    return [k for k in range(1, min(n, most) + 1) if n % k == 0]
+
+
+def _drawn_gpt(rng: np.random.Generator, name: str, modern: bool, heads: list[int], layers: int, seq: int) -> GPT:
+    """A GPT of `layers` layers and a drawn number of `heads` (a modern one: grouped-query, SwiGLU of any width)."""
+    a = int(rng.choice(heads))
+    h = a * int(rng.choice([8, 16, 32, 64]))
+    vocab = int(rng.integers(100, 5001))
+    if not modern:
+        return GPT(layers=layers, hidden=h, heads=a, seq=seq, vocab=vocab, name=name)
+    kv = int(rng.choice(_divisors(a, a)))
+    return GPT(
+        layers=layers,
+        hidden=h,
+        heads=a,
+        seq=seq,
+        vocab=vocab,
+        name=name,
+        kv_heads=kv,
+        ffn=int(rng.integers(h, 4 * h + 1)),
+        gated=True,
+        norm="rmsnorm",
+        rotary=True,
+        tied=False,
+        bias=False,
+        dropout=False,
+    )
+
+
+def _drawn_time_case(draw: Draw, i: int) -> tuple[GPT, Layout, Platform]:
+    """Case i of the grader's step_time cases: a GPT, a layout that runs it, a platform."""
+    rng = draw.rng("time", i)
+    modern = i % 2 == 1
+    gpt = _drawn_gpt(
+        rng,
+        f"drawn GPT {i + 1}",
+        modern,
+        [2, 3, 4, 6, 8, 12],
+        int(rng.integers(1, 17)),
+        int(rng.choice([64, 128, 256, 512, 1024])),
+    )
+    t = int(
+        rng.choice(
+            [k for k in _divisors(gpt.heads, 8) if gpt.hidden % k == 0 and problem(gpt, Layout(tensor=k)) is None]
+        )
+    )
+    p = int(rng.choice(_divisors(gpt.layers, 8)))
+    c = 1 if modern else int(rng.choice([k for k in (1, 2, 4, 8) if gpt.seq % (2 * k) == 0]))
+    d, b, m = (int(rng.integers(1, 9)), int(rng.integers(1, 4)), int(rng.integers(1, 9)))
+    if i == 0:  # a few ranks, fewer than the node's devices (below)
+        d = p = c = 1
+    layout = Layout(
+        data=d,
+        tensor=t,
+        pipeline=p,
+        context=c,
+        micro_batch=b,
+        batch=d * b * m,
+        zero=int(rng.integers(0, 4)),
+        recompute=RECOMPUTE[int(rng.integers(0, 3))],
+        sequence_parallel=bool(rng.integers(0, 2)) and t > 1,
+    )
+    if i == 0:  # fewer ranks than the node's devices: the slowdown of those computing at once, not of a full node
+        return gpt, layout, _drawn_flat(draw, layout.devices + int(rng.integers(1, 5)), i)
+    if i % 3 == 2:
+        return gpt, layout, a100_cluster()
+    return gpt, layout, _drawn_flat(draw, int(rng.integers(2, 9)), i)
+
+
+def search_cases(draw: Draw | None = None) -> list[tuple[GPT, int, Layout, Platform, float]]:
+    """The notebook's: a small GPT on 4 to 12 devices (a budget cuts half the layouts of one), a published one on 64.
+
+    The grader's draw: 4 small GPTs (up to 12 layers, 6 heads) on 2 to 16 devices (primes too), a template of any
+    batch, micro-batch, ZeRO stage, recomputation and sequence parallelism, on a flat platform of drawn
+    bandwidth and contention, and a budget between two layouts' peaks that cuts some of them (the first
+    case keeps every layout that runs)."""
+    if draw is not None:
+        return [_drawn_search_case(draw, i) for i in range(4)]
     small = GPT(layers=6, hidden=96, heads=6, seq=64, vocab=500, name="small")
     flat = _flat(5e9)
     return [
@@ -144,6 +291,33 @@ def search_cases() -> list[tuple[GPT, int, Layout, Platform, float]]:
         (small, 8, Layout(batch=16), flat, 7.0e6),  # a budget that cuts: half the layouts out of memory
         (TABLE1[4].gpt, 64, Layout(batch=128, recompute="full"), a100_cluster(), 80e9),
     ]
+
+
+def _drawn_search_case(draw: Draw, i: int) -> tuple[GPT, int, Layout, Platform, float]:
+    rng = draw.rng("search", i)
+    gpt = _drawn_gpt(
+        rng,
+        f"drawn small GPT {i + 1}",
+        i % 2 == 1,
+        [2, 3, 4, 6],
+        int(rng.integers(2, 13)),
+        int(rng.choice([16, 32, 64])),
+    )
+    devices = int(rng.integers(2, 17))
+    b = int(rng.integers(1, 3))
+    template = Layout(
+        batch=b * devices * int(rng.integers(1, 3)),
+        micro_batch=b,
+        zero=int(rng.integers(0, 4)),
+        recompute=RECOMPUTE[int(rng.integers(0, 3))],
+        sequence_parallel=bool(rng.integers(0, 2)),
+    )
+    platform = _drawn_flat(draw, int(rng.integers(2, 9)), "search", i)
+    peaks = sorted({p.peak for p in search(gpt, devices, template, platform, math.inf)[0]})
+    if i == 0 or len(peaks) < 2:
+        return gpt, devices, template, platform, 2 * peaks[-1] if peaks else 1e9
+    cut = int(rng.integers(1, len(peaks)))  # between two peaks: layouts above it out of memory
+    return gpt, devices, template, platform, math.sqrt(peaks[cut - 1] * peaks[cut])
 
 
 def _close(got: Any, want: float) -> bool:
@@ -167,8 +341,18 @@ def _dict_problem(name: str, got: Any, want: dict[str, float], case: str) -> str
     return None
 
 
-def _memory_problem(fn: Callable) -> str | None:
-    for case in memory_cases():
+def _described(gpt: GPT, draw: Draw | None) -> str:
+    """The GPT's name, and under the grader's draw its shape too (the student never saw it)."""
+    if draw is None:
+        return gpt.name
+    shape = f"{gpt.layers} layers, hidden {gpt.hidden}, {gpt.heads} heads, seq {gpt.seq}, vocab {gpt.vocab}"
+    if gpt.gated:
+        shape += f", {gpt.kv_heads_} key/value heads, SwiGLU of width {gpt.ffn}"
+    return f"{gpt.name} ({shape})"
+
+
+def _memory_problem(fn: Callable, cases: list[tuple]) -> str | None:
+    for case in cases:
         want = memory_per_rank(*case)
         assert set(want) == set(MEMORY_PARTS)
         where = ", ".join(map(repr, case))
@@ -180,11 +364,11 @@ def _memory_problem(fn: Callable) -> str | None:
     return None
 
 
-def _time_problem(fn: Callable) -> str | None:
-    for gpt, layout, platform in time_cases():
+def _time_problem(fn: Callable, cases: list[tuple[GPT, Layout, Platform]], draw: Draw | None) -> str | None:
+    for gpt, layout, platform in cases:
         want = step_time(gpt, layout, platform)
         assert set(want) == set(TIME_PARTS)
-        where = f"{gpt.name}, {layout.label}, {platform.name}"
+        where = f"{_described(gpt, draw)}, {layout.label}{'' if draw is None else f', batch {layout.batch}'}, {platform.name}"
         with deadline(DEADLINE, f"step_time({where})"):
             got = fn(gpt, layout, platform)
         found = _dict_problem("step_time", got, want, where)
@@ -193,9 +377,14 @@ def _time_problem(fn: Callable) -> str | None:
     return None
 
 
-def _search_problem(fn: Callable) -> str | None:
-    for gpt, devices, template, platform, budget in search_cases():
-        where = f"search({gpt.name}, {devices} devices, {template.label}, budget {budget:.3g} B)"
+def _search_problem(
+    fn: Callable, cases: list[tuple[GPT, int, Layout, Platform, float]], draw: Draw | None
+) -> str | None:
+    for gpt, devices, template, platform, budget in cases:
+        shown = f"{template.label}{'' if draw is None else f', batch {template.batch}'}"
+        where = f"search({_described(gpt, draw)}, {devices} devices, {shown}, {platform.name}, budget {budget:.6g} B)"
+        if draw is None:
+            where = f"search({gpt.name}, {devices} devices, {template.label}, budget {budget:.3g} B)"
         ranked, rejected = search(gpt, devices, template, platform, budget)
         with deadline(DEADLINE, where):
             out = fn(gpt, devices, template, platform, budget)
@@ -254,12 +443,20 @@ def _states_amount(reason: str, amounts: tuple[float, ...]) -> bool:
     return False
 
 
-def _check(name: str, body: Callable[[], str | None], count: int, comm: MPI.Comm | None) -> None:
+def _check(
+    name: str,
+    body: Callable[[Any, Draw | None], str | None],
+    cases: Callable[[Draw | None], list],
+    comm: MPI.Comm | None,
+) -> None:
+    """body(cases, draw) on every rank: the notebook's cases, or under a seed the grader's (the same on every rank)."""
     comm = comm or MPI.COMM_WORLD
+    draw = grading_draw(comm, name)
+    chosen = cases(draw)
 
     def guarded(sub: MPI.Comm) -> str | None:
         try:
-            return body()
+            return body(chosen, draw)
         except NotImplementedError:
             raise
         except CheckFailed as err:  # a case ran past its deadline
@@ -267,20 +464,27 @@ def _check(name: str, body: Callable[[], str | None], count: int, comm: MPI.Comm
         except Exception as err:  # the student's function failed on a case: say how
             return f"{name} raised {type(err).__name__}: {err}"
 
-    each_size(comm, guarded, f"{name} differs from the reference", sizes=[comm.Get_size()])
-    passed(comm, f"{name} agrees with the reference on {count} generated cases")
+    each_size(comm, guarded, f"{name} differs from the reference{named(draw)}", sizes=[comm.Get_size()])
+    passed(comm, f"{name} agrees with the reference on {len(chosen)} generated cases{named(draw)}")
 
 
 def check_memory_per_rank(fn: Callable, comm: MPI.Comm | None = None) -> None:
-    """fn(psi, s, b, h, a, layers, t, d, zero, recompute, sequence_parallel) -> four parts (Exercise 16.4)."""
-    _check("memory_per_rank", lambda: _memory_problem(fn), len(memory_cases()), comm)
+    """fn(psi, s, b, h, a, layers, t, d, zero, recompute, sequence_parallel) -> four parts (Exercise 16.4).
+
+    The grader's draw: 48 cases of drawn sizes, tensor ranks and shards, every stage and recomputation
+    (see memory_cases)."""
+    _check("memory_per_rank", lambda cases, draw: _memory_problem(fn, cases), memory_cases, comm)
 
 
 def check_step_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
-    """fn(gpt, layout, platform) -> seconds by part (Exercise 16.5)."""
-    _check("step_time", lambda: _time_problem(fn), len(time_cases()), comm)
+    """fn(gpt, layout, platform) -> seconds by part (Exercise 16.5).
+
+    The grader's draw: 12 drawn GPTs, layouts and platforms, and the three published runs (see time_cases)."""
+    _check("step_time", lambda cases, draw: _time_problem(fn, cases, draw), time_cases, comm)
 
 
 def check_layout_search(fn: Callable, comm: MPI.Comm | None = None) -> None:
-    """fn(gpt, devices, template, platform, budget) -> (ranked, rejected) (Exercise 16.6)."""
-    _check("search", lambda: _search_problem(fn), len(search_cases()), comm)
+    """fn(gpt, devices, template, platform, budget) -> (ranked, rejected) (Exercise 16.6).
+
+    The grader's draw: 4 drawn small GPTs, device counts, templates, platforms and budgets (see search_cases)."""
+    _check("search", lambda cases, draw: _search_problem(fn, cases, draw), search_cases, comm)
