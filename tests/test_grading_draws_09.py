@@ -86,6 +86,32 @@ def refuses_twice_a_node(compute, halo_bytes, gradient_bytes, d, s, intra, inter
     return unguarded(formulas.hybrid_time)(compute, halo_bytes, gradient_bytes, d, s, intra, inter, max(s, per_node))
 
 
+def four_convolutions(halo_bytes):
+    """The halos of the notebook's networks, which have 1 to 4 convolutions: the first four, padded with 0."""
+    first, second, third, fourth = [*halo_bytes, 0.0, 0.0, 0.0][:4]
+    return first, second, third, fourth
+
+
+def spatial_time_of_four_convolutions(compute, halo_bytes, gradient_bytes, p, alpha, beta):
+    """9.3 written out for at most the 4 convolutions the notebook's cases have."""
+    h0, h1, h2, h3 = four_convolutions(halo_bytes)
+    halos = 0.0 if p == 1 else alpha + h0 * beta + sum(2 * (alpha + h * beta) for h in (h1, h2, h3) if h)
+    ring = 0.0 if p == 1 else 2 * (p - 1) * alpha + 2 * (p - 1) / p * gradient_bytes * beta
+    return {"compute": compute / p, "communication": halos + ring}
+
+
+def spatial_memory_of_four_convolutions(parameter_bytes, activation_bytes, halo_bytes, p, rank, optimizer_copies):
+    """9.4 with the halo rows of at most the 4 convolutions the notebook's cases have."""
+    memory = unguarded(formulas.data_parallel_memory)(parameter_bytes, activation_bytes, p, optimizer_copies)
+    return {**memory, "buffers": ((rank > 0) + (rank < p - 1)) * sum(four_convolutions(halo_bytes))}
+
+
+def more_than_four_convolutions(name: str):
+    return lambda draw: any(
+        len(case[{"spatial_time": 1, "spatial_memory": 2}[name]]) > 4 for case in _cases(name, draw)
+    )
+
+
 def between_one_and_two_nodes(draw: Draw) -> bool:
     return any(per_node < s < 2 * per_node for *_, s, _, _, per_node in _cases("hybrid_time", draw))
 
@@ -96,6 +122,18 @@ FITTED = [  # (check, the fitted answer, what the seed must draw, words the fail
         ring_factors_of_the_notebook,
         lambda draw: max(_cases("data_parallel_time", draw), key=lambda c: c[2])[2] > 9,
         ["data_parallel_time(", "raised KeyError"],
+    ),
+    (
+        check_spatial_time,
+        spatial_time_of_four_convolutions,
+        more_than_four_convolutions("spatial_time"),
+        ["spatial_time(", "expected"],
+    ),
+    (
+        check_spatial_memory,
+        spatial_memory_of_four_convolutions,
+        more_than_four_convolutions("spatial_memory"),
+        ["spatial_memory(", "['buffers']", "expected"],
     ),
     (
         check_hybrid_time,
