@@ -8,6 +8,7 @@ same up to rounding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -20,9 +21,9 @@ from ..data.curves import StressStrainCurves
 from ..data_parallel import DataParallel, plan_buckets, squared_error, train
 from ..models.mlp import make_mlp
 from ..runtime.comm import Comm
-from ._core import each_size, fail_together, is_number, passed, run_counted
+from ._core import count, each_size, fail_together, is_number, passed, run_counted
 from ._draw import Draw, grading_draw, named
-from .allreduce import DTYPES, value_problem
+from .allreduce import DTYPES, _drawn_dtypes, _inputs, value_problem
 from .errors import CheckFailed
 
 TOLERANCE = 1e-10
@@ -304,16 +305,67 @@ def check_average_gradients(fn: Callable[..., None], timeout: float = TIMEOUT) -
 
 
 # Exercise 4.4 ---------------------------------------------------------------------
+OVERLAP_CAP_MB = 0.1  # the lab MLP's gradients in 3 buckets (in float32; in float64, 4)
+STEPS = {2: "two", 3: "three", 4: "four"}
 
 
-def _global_batches(steps: int, per_rank: int, size: int) -> list[np.ndarray]:
-    order = np.random.default_rng(11).permutation(steps * per_rank * size)
+@dataclass(frozen=True)
+class Training:
+    """What checks 4.4 and 4.5 train: the batch per rank, the steps, SGD's rate, the seeds of the data,
+    of the model's start and of the batches' order; 4.5's bucket cap. The defaults are the notebook's."""
+
+    per_rank: int = 8
+    steps: int = 3
+    lr: float = 0.1
+    data_seed: int = 3
+    model_seed: int = 5
+    order_seed: int = 11
+    cap_mb: float = OVERLAP_CAP_MB
+
+    def __str__(self) -> str:
+        return (
+            f"batch {self.per_rank} per rank, {self.steps} steps, lr {self.lr:g}, data seed {self.data_seed}, "
+            f"model seed {self.model_seed}, order seed {self.order_seed}"
+        )
+
+
+def drawn_training(draw: Draw | None) -> Training:
+    """The notebook's training, or the grader's: a batch of 1 to 16 per rank, 2 to 4 steps, a rate in
+    [0.01, 0.2], seeds for the data, the model and the order, and a bucket cap (`_drawn_cap`)."""
+    if draw is None:
+        return Training()
+    return Training(
+        per_rank=draw.integer(1, 16, "per_rank"),
+        steps=draw.integer(2, 4, "steps"),
+        lr=round(float(draw.rng("lr").uniform(0.01, 0.2)), 3),
+        data_seed=draw.data_seed("data"),
+        model_seed=draw.data_seed("model"),
+        order_seed=draw.data_seed("order"),
+        cap_mb=_drawn_cap(draw),
+    )
+
+
+def _drawn_cap(draw: Draw) -> float:
+    """A bucket cap in MB, log-uniform from 0.0003 to 1.26: from one bucket per tensor of the lab MLP's
+    float64 gradients (1.13 MB in 8 tensors) to a single bucket."""
+    return round(10 ** float(draw.rng("cap").uniform(-3.5, 0.1)), 4)
+
+
+def _drawn_sizes(size: int, draw: Draw | None) -> list[int]:
+    """3 ranks and all (the notebook's), and under the grader's draw one more count from 1 to all."""
+    return sorted({*_small_and_all(size), *([] if draw is None else [draw.integer(1, size, "ranks")])})
+
+
+def _global_batches(steps: int, per_rank: int, size: int, seed: int = 11) -> list[np.ndarray]:
+    order = np.random.default_rng(seed).permutation(steps * per_rank * size)
     return [order[k * per_rank * size : (k + 1) * per_rank * size] for k in range(steps)]
 
 
-def _one_process(batches: list[np.ndarray], data: StressStrainCurves, lr: float) -> list[torch.Tensor]:
+def _one_process(
+    batches: list[np.ndarray], data: StressStrainCurves, lr: float, model_seed: int = 5
+) -> list[torch.Tensor]:
     """Parameters after one process takes SGD steps on `batches` (float64)."""
-    model = make_mlp(seed=5, dtype=torch.float64)
+    model = make_mlp(seed=model_seed, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for batch in batches:
         x, y = data[batch]
@@ -324,35 +376,37 @@ def _one_process(batches: list[np.ndarray], data: StressStrainCurves, lr: float)
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _train_step_problem(comm: MPI.Comm, fn: Callable[..., float], timeout: float) -> str | None:
+def _train_step_problem(
+    comm: MPI.Comm, fn: Callable[..., float], timeout: float, case: Training, drawn: str = ""
+) -> str | None:
     """What is wrong on this rank after a few fn(model, optimizer, x, y, comm) steps, or None."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    per_rank, steps, lr = 8, 3, 0.1
-    data = StressStrainCurves(n=steps * per_rank * size, seed=3, dtype=torch.float64)
-    batches = _global_batches(steps, per_rank, size)
-    model = make_mlp(seed=5, dtype=torch.float64)
+    per_rank, steps, lr = case.per_rank, case.steps, case.lr
+    data = StressStrainCurves(n=steps * per_rank * size, seed=case.data_seed, dtype=torch.float64)
+    batches = _global_batches(steps, per_rank, size, case.order_seed)
+    model = make_mlp(seed=case.model_seed, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
     def step_on(x: torch.Tensor, y: torch.Tensor) -> Callable[[Any], Any]:
         return lambda counting: fn(model, optimizer, x, y, counting)
 
     losses = [
-        _call(comm, step_on(*data[batch[rank::size]]), f"train_step (step {step})", ("Allreduce",), timeout)
+        _call(comm, step_on(*data[batch[rank::size]]), f"train_step (step {step}{drawn})", ("Allreduce",), timeout)
         for step, batch in enumerate(batches)
     ]
     if not all(is_number(loss) for loss in losses):
         kind = next(type(loss).__name__ for loss in losses if not is_number(loss))
         return f"train_step should return the loss as a float (loss.item()), got {kind}"
     got = [p.detach() for p in model.parameters()]
-    worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr)))
+    worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr, case.model_seed)))
     if worst <= TOLERANCE:
         return None
     problem = (
         f"after {steps} steps the parameters differ from one process with batch {size}x{per_rank} "
         f"by up to {worst:.2e} (relative; at most {TOLERANCE:g} expected)"
     )
-    summed = _one_process(batches, data, lr * size)
-    local = _one_process([b[rank::size] for b in batches], data, lr)
+    summed = _one_process(batches, data, lr * size, case.model_seed)
+    local = _one_process([b[rank::size] for b in batches], data, lr, case.model_seed)
     if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE:
         return problem + ": they match the SUM of the gradients; average them (divide by the number of ranks)"
     if size > 1 and max(_relative(g, w) for g, w in zip(got, local)) <= TOLERANCE:
@@ -365,19 +419,26 @@ def _train_step_problem(comm: MPI.Comm, fn: Callable[..., float], timeout: float
 
 def check_train_step(fn: Callable[..., float], timeout: float = TIMEOUT) -> None:
     """fn(model, optimizer, x, y, comm) on P ranks with batch b = one process with batch P*b;
-    on 3 ranks (not a power of two) and on all."""
+    on 3 ranks (not a power of two) and on all.
+
+    The grader's draw: the ranks (any of them, in any order) and one more rank count, the batch per
+    rank (1 to 16), the steps (2 to 4), SGD's rate and the seeds of the data, the model and the order."""
     world = MPI.COMM_WORLD
-    sizes = _small_and_all(world.Get_size())
-    each_size(world, lambda sub: _train_step_problem(sub, fn, timeout), "train_step", sizes)
+    draw = grading_draw(world, "train_step")
+    case = drawn_training(draw)
+    sizes = _drawn_sizes(world.Get_size(), draw)
+    drawn = "" if draw is None else f", {case}"
+    each_size(
+        world, lambda sub: _train_step_problem(sub, fn, timeout, case, drawn), f"train_step{drawn}", sizes, draw=draw
+    )
     passed(
         world,
-        f"train_step on {' and '.join(map(str, sizes))} ranks x batch 8 = one process with the "
-        f"global batch (relative difference at most {TOLERANCE:g})",
+        f"train_step on {' and '.join(map(str, sizes))} ranks x batch {case.per_rank} = one process with the "
+        f"global batch (relative difference at most {TOLERANCE:g}){named(draw)}",
     )
 
 
 # Exercise 4.5 ---------------------------------------------------------------------
-OVERLAP_CAP_MB = 0.1  # the lab MLP's gradients in 3 buckets
 NEXT_STEP_HINT = (
     "what the hooks and finish() count per step (gradients ready, the next bucket to start, the "
     "requests) must start again from zero for the next step"
@@ -405,12 +466,14 @@ class _Recorder:
         return getattr(self.counting, name)
 
 
-def _overlap_problem(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout: float) -> str | None:
-    """What is wrong on this rank, or None: fn's hooks train three steps with the buckets as plan_buckets
+def _overlap_problem(
+    comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout: float, case: Training, drawn: str = ""
+) -> str | None:
+    """What is wrong on this rank, or None: fn's hooks train a few steps with the buckets as plan_buckets
     makes them (last layer first, so they complete in bucket order), then with the same buckets handed
     first layer first, so that bucket 0 completes last and starting buckets as they complete breaks the order."""
     for reverse in (False, True):
-        problem = _overlap_run(comm, fn, timeout, reverse)
+        problem = _overlap_run(comm, fn, timeout, reverse, case, drawn)
         if problem is not None:
             return (
                 problem
@@ -420,14 +483,21 @@ def _overlap_problem(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], time
     return None
 
 
-def _overlap_run(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout: float, reverse: bool) -> str | None:
-    """What is wrong on this rank after three SGD steps averaged by fn's hooks, or None."""
+def _overlap_run(
+    comm: MPI.Comm,
+    fn: Callable[..., Callable[[], None]],
+    timeout: float,
+    reverse: bool,
+    case: Training,
+    drawn: str = "",
+) -> str | None:
+    """What is wrong on this rank after the case's SGD steps averaged by fn's hooks, or None."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    per_rank, steps, lr = 8, 3, 0.1
-    data = StressStrainCurves(n=steps * per_rank * size, seed=3, dtype=torch.float64)
-    batches = _global_batches(steps, per_rank, size)
-    model = make_mlp(seed=5, dtype=torch.float64)
-    groups = plan_buckets(list(model.parameters()), OVERLAP_CAP_MB)[:: -1 if reverse else 1]
+    per_rank, steps, lr = case.per_rank, case.steps, case.lr
+    data = StressStrainCurves(n=steps * per_rank * size, seed=case.data_seed, dtype=torch.float64)
+    batches = _global_batches(steps, per_rank, size, case.order_seed)
+    model = make_mlp(seed=case.model_seed, dtype=torch.float64)
+    groups = plan_buckets(list(model.parameters()), case.cap_mb)[:: -1 if reverse else 1]
     lengths = [sum(p.numel() for p in group) for group in groups]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -467,7 +537,12 @@ def _overlap_run(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout:
 
     try:
         per_step, _ = run_counted(
-            comm, train_steps, (), "three training steps with overlapped_averaging", timeout, allow=("Iallreduce",)
+            comm,
+            train_steps,
+            (),
+            f"{STEPS.get(steps, str(steps))} training steps with overlapped_averaging{drawn}",
+            timeout,
+            allow=("Iallreduce",),
         )
     except CheckFailed as err:
         if "NoneType" in str(err) and NEXT_STEP_HINT not in str(err):
@@ -487,9 +562,9 @@ def _overlap_run(comm: MPI.Comm, fn: Callable[..., Callable[[], None]], timeout:
                 "each bucket from the hook of its last gradient, while backward goes on (that is the overlap)"
             )
     got = [p.detach() for p in model.parameters()]
-    worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr)))
+    worst = max(_relative(g, w) for g, w in zip(got, _one_process(batches, data, lr, case.model_seed)))
     if worst > TOLERANCE:
-        summed = _one_process(batches, data, lr * size)
+        summed = _one_process(batches, data, lr * size, case.model_seed)
         hint = (
             ": they match the SUM of the gradients (divide by the number of ranks)"
             if size > 1 and max(_relative(g, w) for g, w in zip(got, summed)) <= TOLERANCE
@@ -506,53 +581,126 @@ def check_overlapped_averaging(fn: Callable[..., Callable[[], None]], timeout: f
     """fn(model, comm, groups) -> finish: gradients averaged by one Iallreduce per group, each started
     during backward in group order (also when the groups are handed first layer first, so they complete
     in reverse), waited for by finish(); as one process with the global batch, on 3 ranks (not a power
-    of two) and on all."""
+    of two) and on all.
+
+    The grader's draw: the buckets (plan_buckets with a cap from 0.0003 to 1.26 MB: from one bucket per
+    tensor to a single one), the ranks (any, in any order) and one more rank count, the batch per rank
+    (1 to 16), the steps (2 to 4), SGD's rate and the seeds of the data, the model and the order."""
     world = MPI.COMM_WORLD
-    sizes = _small_and_all(world.Get_size())
-    each_size(world, lambda sub: _overlap_problem(sub, fn, timeout), "overlapped_averaging", sizes)
+    draw = grading_draw(world, "overlapped_averaging")
+    case = drawn_training(draw)
+    sizes = _drawn_sizes(world.Get_size(), draw)
+    drawn = ""
+    if draw is not None:
+        buckets = len(plan_buckets(list(make_mlp(dtype=torch.float64).parameters()), case.cap_mb))
+        drawn = f", {count(buckets, 'bucket')} (cap {case.cap_mb:g} MB), {case}"
+    each_size(
+        world,
+        lambda sub: _overlap_problem(sub, fn, timeout, case, drawn),
+        f"overlapped_averaging{drawn}",
+        sizes,
+        draw=draw,
+    )
     passed(
         world,
         f"overlapped_averaging starts each bucket's Iallreduce during backward, in bucket order whatever "
         "order they complete in, and "
-        f"trains as one process does, on {' and '.join(map(str, sizes))} ranks",
+        f"trains as one process does, on {' and '.join(map(str, sizes))} ranks{named(draw)}",
     )
 
 
 # Exercise 4.6 ---------------------------------------------------------------------
 
 
-def _allreduce_value_problem(comm: MPI.Comm, allreduce: Callable, dtype: type) -> str | None:
-    """allreduce(comm, x) on a 1001-element vector of small integers in `dtype`, held to lab 03's contract.
+def _allreduce_value_problem(
+    comm: MPI.Comm, allreduce: Callable, dtype: type, n: int = 1001, seed: int | None = None, drawn: str = ""
+) -> str | None:
+    """allreduce(comm, x) on an n-element vector of small integers in `dtype`, held to lab 03's contract
+    (the notebook's: 1001 elements of arange % 97 times rank + 1; the grader's: lab 03's drawn inputs of `seed`).
 
     Through the counting communicator, so an allreduce that deadlocks fails within its timeout."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    x: np.ndarray = (np.arange(1001) % 97 * (rank + 1)).astype(dtype)
+    if seed is None:
+        x: np.ndarray = (np.arange(n) % 97 * (rank + 1)).astype(dtype)
+        want: np.ndarray = (np.arange(n) % 97 * size * (size + 1) // 2).astype(dtype)
+    else:
+        inputs = _inputs(n, dtype, size, seed)
+        x, want = inputs[rank], sum(inputs[1:], inputs[0].copy())
     before = x.copy()
-    total, _ = run_counted(comm, allreduce, (x,), f"allreduce(comm, x) on {size} ranks, {np.dtype(dtype).name}")
-    want: np.ndarray = (np.arange(1001) % 97 * size * (size + 1) // 2).astype(dtype)
+    context = f"allreduce(comm, x) on {size} ranks, {np.dtype(dtype).name}{drawn}"
+    total, _ = run_counted(comm, allreduce, (x,), context)
     return value_problem(total, x, before, want, rank)
+
+
+@dataclass(frozen=True)
+class AllreduceTraining:
+    """What check 4.6 runs: lab 03's contract on vectors, then training with the allreduce in buckets.
+    The defaults are the notebook's; `seed` None: the notebook's vector, else the grader's data seed."""
+
+    dtypes: tuple[type, ...] = DTYPES
+    lengths: tuple[int, ...] = (1001,)
+    seed: int | None = None
+    cap_mb: float = OVERLAP_CAP_MB
+    batch_size: int = 16
+    data_seed: int = 4
+    model_seed: int = 6
+
+    def __str__(self) -> str:
+        return (
+            f"vectors of {', '.join(map(str, self.lengths))} elements in "
+            f"{', '.join(np.dtype(d).name for d in self.dtypes)} (data seed {self.seed}), then training with "
+            f"buckets of at most {self.cap_mb:g} MB, batch {self.batch_size} per rank, data seed {self.data_seed}, "
+            f"model seed {self.model_seed}"
+        )
+
+
+def drawn_allreduce_training(draw: Draw | None) -> AllreduceTraining:
+    """The notebook's case, or the grader's: lab 03's contract on three dtypes (two of the notebook's and
+    one it never shows, as lab 03's checks draw them) and two lengths from 0 to 2000 with drawn data, then
+    training with a bucket cap as `_drawn_cap`, a batch of 1 to 16 per rank and drawn seeds."""
+    if draw is None:
+        return AllreduceTraining()
+    return AllreduceTraining(
+        dtypes=_drawn_dtypes(draw),
+        lengths=tuple(draw.lengths(2, 0, 2000, "lengths")),
+        seed=draw.data_seed("vectors"),
+        cap_mb=_drawn_cap(draw),
+        batch_size=draw.integer(1, 16, "batch"),
+        data_seed=draw.data_seed("data"),
+        model_seed=draw.data_seed("model"),
+    )
 
 
 def check_trains_with_allreduce(allreduce: Allreduce) -> None:
     """On 3 ranks and on all: lab 03's contract (every dtype, a new array), and DataParallel with this
-    allreduce (3 buckets) ends where it ends with MPI's Allreduce."""
+    allreduce (3 buckets) ends where it ends with MPI's Allreduce.
+
+    The grader's draw: the ranks (any, in any order) and one more rank count; three dtypes (one the
+    notebook never shows), two vector lengths from 0 to 2000 and their data; the bucket cap (0.0003 to
+    1.26 MB), the batch per rank (1 to 16) and the seeds of the data and the model."""
     world = MPI.COMM_WORLD
     size = world.Get_size()
+    draw = grading_draw(world, "trains_with_allreduce")
+    case = drawn_allreduce_training(draw)
+    drawn = "" if draw is None else f", {case}{named(draw)}"
 
     def trains(comm: MPI.Comm) -> str | None:
-        for dtype in DTYPES:
-            fail_together(
-                comm,
-                _allreduce_value_problem(comm, allreduce, dtype),
-                f"your allreduce on {comm.Get_size()} ranks, a 1001-element vector",
-            )
-        data = StressStrainCurves(n=comm.Get_size() * 16 * 3, seed=4, dtype=torch.float64)
+        for dtype in case.dtypes:
+            for n in case.lengths:
+                fail_together(
+                    comm,
+                    _allreduce_value_problem(comm, allreduce, dtype, n, case.seed, drawn),
+                    f"your allreduce on {comm.Get_size()} ranks, a {n}-element vector"
+                    + ("" if draw is None else f" of {np.dtype(dtype).name}, data seed {case.seed}{named(draw)}"),
+                )
+        per_rank = case.batch_size
+        data = StressStrainCurves(n=comm.Get_size() * per_rank * 3, seed=case.data_seed, dtype=torch.float64)
         finals = []
         for choice in (allreduce, None):
-            model = make_mlp(seed=6, dtype=torch.float64)
-            wrapped = DataParallel(model, comm, allreduce=choice, bucket_cap_mb=0.1)
+            model = make_mlp(seed=case.model_seed, dtype=torch.float64)
+            wrapped = DataParallel(model, comm, allreduce=choice, bucket_cap_mb=case.cap_mb)
             optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
-            train(wrapped, optimizer, data, comm, epochs=1, batch_size=16, progress=False)
+            train(wrapped, optimizer, data, comm, epochs=1, batch_size=per_rank, progress=False)
             finals.append([p.detach().clone() for p in model.parameters()])
         worst = max(_relative(a, b) for a, b in zip(*finals))
         return (
@@ -561,10 +709,11 @@ def check_trains_with_allreduce(allreduce: Allreduce) -> None:
             else (f"training with your allreduce ends {worst:.2e} (relative) away from training with MPI's Allreduce")
         )
 
-    sizes = _small_and_all(size)
-    each_size(world, trains, "training with your allreduce", sizes)
+    sizes = _drawn_sizes(size, draw)
+    each_size(world, trains, f"training with your allreduce{drawn}", sizes, draw=draw)
+    names = ", ".join(np.dtype(d).name for d in case.dtypes[:-1]) + f" and {np.dtype(case.dtypes[-1]).name}"
     passed(
         world,
-        f"your allreduce sums float64, float32 and int64 into a new array and trains the model to the "
-        f"same parameters as MPI_Allreduce, on {' and '.join(map(str, sizes))} ranks",
+        f"your allreduce sums {names} into a new array and trains the model to the "
+        f"same parameters as MPI_Allreduce, on {' and '.join(map(str, sizes))} ranks{named(draw)}",
     )

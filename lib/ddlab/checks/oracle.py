@@ -9,7 +9,9 @@ all three, and may return NumPy numbers (integers too); memory may be rounded to
 The functions are pure: every rank runs all cases, `each_size` gathers one verdict. A formula
 must leave its inputs unchanged and answer within `DEADLINE` seconds a case. A failure names
 the first case that differs and, for 9.3 and 9.5, the kinds of case where the answer differs
-and those where it agrees (not the formula).
+and those where it agrees (not the formula). Under the grader's seed (`ddlab.checks._draw`) the
+cases come from the same recipe on drawn values: P up to 1024, other byte counts, halos, nodes
+and groups, so a formula fitted to the notebook's cases fails, naming the case and the seed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..oracle import formulas
+from ..runtime.reference import ReferenceCalled
 from ._core import deadline, each_size, is_number, passed
+from ._draw import Draw, grading_draw, named
 from .errors import CheckFailed
 
 DEADLINE = 10.0  # seconds for one case: these are closed forms, a loop that never ends fails
@@ -68,29 +72,51 @@ def _numpy_flavour(case: tuple, trial: int) -> tuple:
     )
 
 
-def _cases(name: str) -> list[tuple]:
-    rng = random.Random(9)
+def _ranks(draw: Draw | None) -> list[int]:
+    """The rank counts P of the cases: the notebook's 1 to 9, or 1, 2 and five drawn from 3 to 1024."""
+    return [1, 2, 3, 4, 5, 8, 9] if draw is None else [1, 2, *draw.lengths(5, 3, 1024, "p")]
+
+
+def _cases(name: str, draw: Draw | None = None) -> list[tuple]:
+    """The notebook's 40 cases (random.Random(9)), or the grader's 40 from the same recipe on drawn values:
+    P as `_ranks`; byte counts 0 and four from 1 to 10^9; halos of three drawn sizes up to 1 MiB, 1 to 6
+    convolutions; whole-batch activations of two drawn sizes up to 1 GiB; 0 to 4 optimizer copies; nodes of
+    three drawn sizes from 2 to 16 devices; 1, 2 and three drawn data groups up to 256; slabs from 1 to a
+    node, and in every 13th case more than a node holds (up to three nodes' worth), where 9.5 must raise;
+    9.4 on every rank of P up to 9, else on the two edge ranks and three drawn inner ones."""
+    rng = random.Random(9 if draw is None else draw.data_seed("cases"))
+    ranks = _ranks(draw)
+    byte_counts = [0, 4, 4096, 2**20, 10**8 + 4] if draw is None else [0, *draw.lengths(4, 1, 10**9, "bytes")]
+    halo_sizes = [64, 4096, 2**16] if draw is None else draw.lengths(3, 1, 2**20, "halos")
+    activations = [1000, 2**24] if draw is None else draw.lengths(2, 1, 2**30, "activations")
+    nodes = [2, 4, 8] if draw is None else draw.lengths(3, 2, 16, "per_node")
+    groups = [1, 2, 3, 4, 8] if draw is None else [1, 2, *draw.lengths(3, 3, 256, "d")]
+    copies, convolutions = (3, 4) if draw is None else (5, 6)
     cases: list[tuple] = []
     for trial in range(40):
-        p = [1, 2, 3, 4, 5, 8, 9][trial % 7]
+        p = ranks[trial % len(ranks)]
         alpha, beta = 10 ** rng.uniform(-6, -4), 10 ** rng.uniform(-11, -8)
-        compute, nbytes = rng.uniform(1e-3, 1.0), rng.choice([0, 4, 4096, 2**20, 10**8 + 4])
-        halos = [float(rng.choice([64, 4096, 2**16])) for _ in range(1 + trial % 4)]
+        compute, nbytes = rng.uniform(1e-3, 1.0), rng.choice(byte_counts)
+        halos = [float(rng.choice(halo_sizes)) for _ in range(1 + trial % convolutions)]
         if name == "data_parallel_time":
             case: tuple = (compute, nbytes, p, alpha, beta)
         elif name == "data_parallel_memory":
-            case = (nbytes, rng.choice([1000, 2**24]), p, trial % 3)
+            case = (nbytes, rng.choice(activations), p, trial % copies)
         elif name == "spatial_time":
             case = (compute, halos, nbytes, p, alpha, beta)
         elif name == "hybrid_time":
-            per_node = [2, 4, 8][trial % 3]
-            s = rng.choice([s for s in (1, 2, 3, 4) if s <= per_node]) if trial % 13 != 12 else 2 * per_node
-            d = [1, 2, 3, 4, 8][trial % 5]
+            per_node = nodes[trial % len(nodes)]
+            if draw is None:
+                s = rng.choice([s for s in (1, 2, 3, 4) if s <= per_node]) if trial % 13 != 12 else 2 * per_node
+            else:
+                s = rng.randint(1, per_node) if trial % 13 != 12 else per_node + rng.randint(1, 2 * per_node)
+            d = groups[trial % len(groups)]
             inter = (alpha * rng.uniform(1, 10), beta * rng.uniform(1, 10))
             case = (compute, halos, nbytes, d, s, (alpha, beta), inter, per_node)
         else:
-            for rank in range(p):
-                cases.append(_numpy_flavour((nbytes, 2**20, halos, p, rank, trial % 3), trial + rank))
+            every = range(p) if p <= 9 else sorted({0, p - 1, *(rng.randrange(1, p - 1) for _ in range(3))})
+            for rank in every:
+                cases.append(_numpy_flavour((nbytes, 2**20, halos, p, rank, trial % copies), trial + rank))
             continue
         cases.append(_numpy_flavour(case, trial))
     return cases
@@ -145,6 +171,10 @@ def _problem(name: str, fn: Callable, case: tuple) -> str | None:
         if refused:
             return None
         return f"{name}{case} raised ValueError({err}), but the text asks for an answer to this case"
+    except (NotImplementedError, CheckFailed, ReferenceCalled):  # the stub, the deadline, the refusal
+        raise
+    except Exception as err:  # noqa: BLE001 - the answer's error, told with the case that raised it
+        return f"{name}{case} raised {type(err).__name__}: {err}"
     if refused:
         return f"{name}{case} returned {got!r}, but the text asks for a ValueError here: {refused}"
     if not _same(given, case):
@@ -190,13 +220,17 @@ def _located(name: str, cases: list[tuple], wrong: list[bool]) -> str:
 
 def _check(name: str, fn: Callable, comm: MPI.Comm | None) -> None:
     comm = comm or MPI.COMM_WORLD
-    cases = _cases(name)
+    draw = grading_draw(comm, name)
+    cases = _cases(name, draw)
 
     def body(sub: MPI.Comm) -> None:
         first, wrong = None, []
         for case in cases:
             if first is None:
-                problem = _problem(name, fn, case)
+                try:
+                    problem = _problem(name, fn, case)
+                except CheckFailed as err:  # out of time: on which case, and whose draw
+                    raise CheckFailed(f"{err}{named(draw)}") from None
                 first = problem
             else:  # after the first difference, only to say where the others are
                 try:
@@ -210,33 +244,53 @@ def _check(name: str, fn: Callable, comm: MPI.Comm | None) -> None:
         if first is not None:
             hint = f" Hint: {HINTS[name]}" if "expected" in first else ""
             raise CheckFailed(
-                f"{name} differs from the reference: {first}\n{_located(name, cases[: len(wrong)], wrong)}{hint}"
+                f"{name} differs from the reference{named(draw)}: {first}\n"
+                f"{_located(name, cases[: len(wrong)], wrong)}{hint}"
             )
 
-    each_size(comm, body, f"{name} differs from the reference", sizes=[comm.Get_size()])
-    passed(comm, f"{name} agrees with the reference on {len(cases)} generated cases (P from 1 to 9)")
+    each_size(comm, body, f"{name} differs from the reference{named(draw)}", sizes=[comm.Get_size()])
+    passed(
+        comm,
+        f"{name} agrees with the reference on {len(cases)} generated cases "
+        f"(P from 1 to {max(_ranks(draw))}){named(draw)}",
+    )
 
 
 def check_data_parallel_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
-    """fn(compute, gradient_bytes, p, alpha, beta) -> {"compute", "communication"} (Exercise 9.1)."""
+    """fn(compute, gradient_bytes, p, alpha, beta) -> {"compute", "communication"} (Exercise 9.1).
+
+    The grader's draw: the 40 cases on drawn values (P up to 1024, gradient bytes up to 10^9,
+    the links; see `_cases`)."""
     _check("data_parallel_time", fn, comm)
 
 
 def check_data_parallel_memory(fn: Callable, comm: MPI.Comm | None = None) -> None:
-    """fn(parameter_bytes, activation_bytes, p, optimizer_copies) -> the four parts (Exercise 9.2)."""
+    """fn(parameter_bytes, activation_bytes, p, optimizer_copies) -> the four parts (Exercise 9.2).
+
+    The grader's draw: the 40 cases on drawn values (P up to 1024, bytes up to 1 GiB,
+    0 to 4 optimizer copies; see `_cases`)."""
     _check("data_parallel_memory", fn, comm)
 
 
 def check_spatial_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
-    """fn(compute, halo_bytes, gradient_bytes, p, alpha, beta) -> {"compute", "communication"} (Exercise 9.3)."""
+    """fn(compute, halo_bytes, gradient_bytes, p, alpha, beta) -> {"compute", "communication"} (Exercise 9.3).
+
+    The grader's draw: the 40 cases on drawn values (P up to 1024, 1 to 6 halos up to 1 MiB, gradient bytes,
+    the links; see `_cases`)."""
     _check("spatial_time", fn, comm)
 
 
 def check_spatial_memory(fn: Callable, comm: MPI.Comm | None = None) -> None:
-    """fn(parameter_bytes, activation_bytes, halo_bytes, p, rank, optimizer_copies) -> five parts (Exercise 9.4)."""
+    """fn(parameter_bytes, activation_bytes, halo_bytes, p, rank, optimizer_copies) -> five parts (Exercise 9.4).
+
+    The grader's draw: the 40 cases on drawn values (P up to 1024 and its edge and inner ranks, 1 to 6 halos,
+    0 to 4 optimizer copies; see `_cases`)."""
     _check("spatial_memory", fn, comm)
 
 
 def check_hybrid_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
-    """fn(compute, halo_bytes, gradient_bytes, d, s, intra, inter, per_node) -> the two parts (Exercise 9.5)."""
+    """fn(compute, halo_bytes, gradient_bytes, d, s, intra, inter, per_node) -> the two parts (Exercise 9.5).
+
+    The grader's draw: the 40 cases on drawn values (nodes of 2 to 16 devices, up to 256 groups,
+    slabs up to three nodes' worth, halos, links; see `_cases`)."""
     _check("hybrid_time", fn, comm)
