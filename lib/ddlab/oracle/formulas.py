@@ -46,6 +46,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..allreduce.cost import Link, terms
+from ..runtime.reference import reference
 
 
 def ring_allreduce_seconds(nbytes: float, p: int, alpha: float, beta: float) -> float:
@@ -58,10 +59,12 @@ def neighbours(rank: int, p: int) -> int:
     return int(rank > 0) + int(rank < p - 1)
 
 
+@reference("data_parallel_time")
 def data_parallel_time(compute: float, gradient_bytes: float, p: int, alpha: float, beta: float) -> dict[str, float]:
     return {"compute": compute / p, "communication": ring_allreduce_seconds(gradient_bytes, p, alpha, beta)}
 
 
+@reference("data_parallel_memory")
 def data_parallel_memory(
     parameter_bytes: float, activation_bytes: float, p: int, optimizer_copies: int
 ) -> dict[str, float]:
@@ -81,6 +84,7 @@ def halo_seconds(halo_bytes: Sequence[float], p: int, alpha: float, beta: float,
     return sum((1 if i == 0 else 2) * messages * (alpha + n * beta) for i, n in enumerate(halo_bytes))
 
 
+@reference("spatial_time")
 def spatial_time(
     compute: float,
     halo_bytes: Sequence[float],
@@ -94,6 +98,7 @@ def spatial_time(
     return {"compute": compute / p, "communication": halos + ring_allreduce_seconds(gradient_bytes, p, alpha, beta)}
 
 
+@reference("hybrid_time")
 def hybrid_time(
     compute: float,
     halo_bytes: Sequence[float],
@@ -114,6 +119,7 @@ def hybrid_time(
     return {"compute": compute / (d * s), "communication": halos + inside + across}
 
 
+@reference("spatial_memory")
 def spatial_memory(
     parameter_bytes: float,
     activation_bytes: float,
