@@ -11,6 +11,10 @@ in, and the sequence-parallel block in float16 too (within 5%), the dtype the la
 an answer that makes a buffer or a result in a fixed dtype fails one of them.
 The world's size runs first: an answer on the notebook's global communicator completes there and
 fails with a message naming it, where a smaller communicator would wait forever.
+
+Under the grader's seed (ddlab.checks._draw) each check draws its ranks (any of the world's, in any order), its
+sizes and its seeds within what the lab states (each check's "The grader's draw" line), names the drawn case and
+the seed in every failure, and the seed in its pass line; without one it runs the notebook's cases.
 """
 
 from __future__ import annotations
