@@ -297,6 +297,26 @@ def test_an_answer_fitted_to_the_notebook_passes_its_check_and_fails_the_grader_
         assert word in message, message
 
 
+class HaloWorldBackward(unguarded(HaloExchange)):
+    """Lab 08's halo exchange whose backward sends on the notebook's world: a drawn order of ranks shows it."""
+
+    @staticmethod
+    def backward(ctx, grad_above, grad_below):
+        world, halo = MPI.COMM_WORLD, ctx.halo
+        from_above, from_below = swap_by_world_rank(world, grad_above, grad_below)
+        grad = grad_above.new_zeros(grad_above.shape[0], grad_above.shape[1], ctx.rows, grad_above.shape[3])
+        grad[:, :, :halo] += from_above
+        grad[:, :, -halo:] += from_below
+        return grad, None, None
+
+
+def test_a_backward_on_the_world_fails_the_draw_naming_the_communicator(comm, seed):
+    """Its gradients go to the world's neighbours, not the drawn order's: the values fail, and the count says why."""
+    seed(SEEDS[0])  # draws the whole world in another order
+    with pytest.raises(CheckFailed, match=r"(?s)seed 11\)\) the slab's gradient .*half of .*notebook's `comm`"):
+        check_halo_exchange(HaloWorldBackward, timeout=SHORT)
+
+
 # The drawn domains keep the labs' promises -----------------------------------------------
 
 

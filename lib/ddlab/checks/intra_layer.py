@@ -142,6 +142,18 @@ class HaloCase:
 # (3 rows) are thinner than their two 2-row halos together. Both dtypes: a receive buffer made in float64
 # fails the float32 case, one in float32 the float64 case.
 HALO_CASES = (HaloCase(3, 10, torch.float64), HaloCase(5, None, torch.float32))
+
+
+def _elsewhere(sent: Counter, owed: Counter) -> str:
+    """What the halo check says when half of a rank's messages did not go through the communicator it gave."""
+    return (
+        f"sent {_describe(sent)} through the communicator passed to apply, half of {_describe(owed)}: one "
+        "direction's halos went another way. Does backward use the notebook's `comm` (MPI.COMM_WORLD) instead "
+        "of the one forward was given? Keep forward's `comm` in ctx and send on it: on a sub-communicator a "
+        "global one waits for ranks that are not there"
+    )
+
+
 #: The kernels the grader draws (halos of 1 to 3 rows).
 DRAWN_KERNELS = (3, 5, 7)
 
@@ -229,20 +241,16 @@ def _halo_case(sub: MPI.Comm, fn: Any, case: HaloCase, timeout: float = TIMEOUT)
             )
         )
     problem = next((p for p in problems if p), None)
-    if problem:
-        return f"({where}) {problem}"
     halo, itemsize = kernel // 2, x.element_size()
     nbytes = halo * images.w * images.c * images.n * itemsize
     owed = Counter({(peer, nbytes): 2 for peer in (rank - 1, rank + 1) if 0 <= peer < size})
     sent = Counter((e.peer, e.nbytes) for e in traffic[rank].sends if e.peer != MPI.PROC_NULL)
+    half = bool(sent) and sent.keys() == owed.keys() and all(2 * n == owed[key] for key, n in sent.items())
+    if problem:  # a global communicator in backward sends to the world's neighbours: on drawn ranks, other ones
+        return f"({where}) {problem}" + (f". It {_elsewhere(sent, owed)}" if half else "")
     if sent != owed:
-        if sent and all(2 * n == owed[key] for key, n in sent.items()) and sent.keys() == owed.keys():
-            return (
-                f"({where}) sent {_describe(sent)} through the communicator passed to apply, half of "
-                f"{_describe(owed)}: one direction's halos went another way. Does backward use the notebook's "
-                "`comm` (MPI.COMM_WORLD) instead of the one forward was given? Keep forward's `comm` in ctx "
-                "and send on it: on a sub-communicator a global one waits for ranks that are not there"
-            )
+        if half:
+            return f"({where}) {_elsewhere(sent, owed)}"
         return (
             f"({where}) sent {_describe(sent)}; a halo of {halo} rows x {images.w} columns x {images.c} channels x "
             f"{images.n} images x {itemsize} B is {nbytes} B, one to each neighbour forward and one backward: "
