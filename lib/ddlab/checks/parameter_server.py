@@ -28,6 +28,12 @@ fails within the timeout.
 with the average of each rank's parameters and its left neighbour's, the input
 left unchanged, and exactly one message of the parameters' bytes to the right
 (on one rank: none, or one to itself).
+
+Under the grader's draw (`ddlab.checks._draw`, `ddlab grade --seed S`) every check runs drawn
+ranks in a drawn order instead of the first P, and drawn cases within what the lab's text promises
+(clock tables and bounds, parameter counts, step counts, which worker stops early, learning rates,
+the straggler's delays, data); each check's docstring says what it draws. A failure names the drawn
+case and the seed.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import math
 import pickle
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -48,22 +55,33 @@ from ..runtime.comm import Comm, drain
 from ..runtime.counting import CountingComm
 from ..runtime.waiting import PeerFailed, Stalled, Watch
 from ._core import array_problem, each_size, passed, run_counted
+from ._draw import Draw, grading_draw, named
 from .errors import CheckFailed
 
 BOUNDS = (0, 1, 2, 3, math.inf)
 STEPS = 6
 
 
-def _tables() -> list[np.ndarray]:
-    """The clock tables the gate is tried on: 40 random ones of 1 to 4 workers, then the empty one (no one left)."""
-    rng = np.random.default_rng(10)
-    return [rng.integers(0, 6, rng.integers(1, 5)) for _ in range(40)] + [np.zeros(0, dtype=np.int64)]
+def _tables(draw: Draw | None = None) -> list[np.ndarray]:
+    """The clock tables the gate is tried on: 40 random ones of 1 to 4 workers, then the empty one (no one left).
+
+    The grader's draw: 40 of 1 to 8 workers, clocks from 0 to a drawn 6-40, from its own seed."""
+    if draw is None:
+        rng, workers, most = np.random.default_rng(10), 4, 6
+    else:
+        rng, workers, most = np.random.default_rng(draw.data_seed("tables")), 8, draw.integer(6, 40, "clocks")
+    return [rng.integers(0, most, rng.integers(1, workers + 1)) for _ in range(40)] + [np.zeros(0, dtype=np.int64)]
 
 
-def _table_problem(gate: Callable[[np.ndarray, int, float], bool]) -> str | None:
+def _bounds(draw: Draw | None) -> tuple[float, ...]:
+    """The bounds s the tables are tried with: 0 to 3 and inf, or 0, three drawn of 1 to 10, and inf."""
+    return BOUNDS if draw is None else (0, *draw.lengths(3, 1, 10, "bounds"), math.inf)
+
+
+def _table_problem(gate: Callable[[np.ndarray, int, float], bool], draw: Draw | None = None) -> str | None:
     """The first clock table where the gate disagrees with the rule, described; or None."""
-    for clocks in _tables():
-        for bound in BOUNDS:
+    for clocks in _tables(draw):
+        for bound in _bounds(draw):
             for step in range(int(clocks.min(initial=0)), int(clocks.max(initial=0)) + 5):
                 given = clocks.copy()
                 try:
@@ -93,29 +111,45 @@ def _table_problem(gate: Callable[[np.ndarray, int, float], bool]) -> str | None
 
 
 def check_ssp_gate(gate: Callable[[np.ndarray, int, float], bool]) -> None:
-    """Exercise 10.1: gate(clocks, step, bound) -> may a worker start step? On tables, then on a real server."""
+    """Exercise 10.1: gate(clocks, step, bound) -> may a worker start step? On tables, then on a real server.
+
+    The grader's draw: the clock tables (40 of 1 to 8 workers, clocks up to a drawn 6-40, and the empty
+    one), three bounds of 1 to 10 beside 0 and inf; on the real server, the ranks (each set in a drawn
+    order), a bound of 1 to 3 beside 0, 4 to 8 steps, the straggler and the data."""
     comm = MPI.COMM_WORLD
-    found = [p for p in comm.allgather(_table_problem(gate)) if p]  # the same tables on every rank: say it once
+    draw = grading_draw(comm, "ssp_gate")
+    found = [p for p in comm.allgather(_table_problem(gate, draw)) if p]  # the same tables on every rank: say it once
     if found:
-        raise CheckFailed(f"check_ssp_gate on clock tables: {found[0]}")
-    problem = LeastSquares(n=6, samples=64, batch=4)
+        raise CheckFailed(f"check_ssp_gate on clock tables: {found[0]}{named(draw)}")
+    if draw is None:
+        problem, bounds, steps, seed = LeastSquares(n=6, samples=64, batch=4), (0, 2), STEPS, 0
+    else:
+        problem = LeastSquares(n=6, samples=64, batch=4, seed=draw.data_seed("problem"))
+        bounds, steps, seed = (0, draw.integer(1, 3, "bound")), draw.integer(4, 8, "steps"), draw.data_seed("slow")
+    case = "" if draw is None else f", {steps} steps, straggler seed {seed}, data seed {problem.seed}{named(draw)}"
 
     def body(sub: MPI.Comm) -> str | None:
-        for bound in (0, 2):
-            record = train(sub, f"ssp{bound}", problem, STEPS, gate=gate, compute=0.002, straggler=3.0, timeout=10.0)
+        for bound in bounds:
+            record = train(
+                sub, f"ssp{bound}", problem, steps, gate=gate, compute=0.002, straggler=3.0, seed=seed, timeout=10.0
+            )
             log = record.servers[0]
             if log.problem:
-                return f"with s = {bound} the server stopped: {log.problem}"
+                return f"with s = {bound}{case} the server stopped: {log.problem}"
             ahead = [(w, step, slow) for w, step, slow in log.releases if step - slow > bound]
             if ahead:
                 w, step, slow = ahead[0]
-                return f"with s = {bound}, rank {w} was let start step {step} while the slowest had finished {slow}"
-            if any(count != 1 for count in log.applied.values()) or len(log.applied) != (sub.size - 1) * STEPS:
-                return f"with s = {bound}, not every gradient was applied exactly once"
+                return (
+                    f"with s = {bound}{case}, rank {w} was let start step {step} while the slowest had finished {slow}"
+                )
+            if any(count != 1 for count in log.applied.values()) or len(log.applied) != (sub.size - 1) * steps:
+                return f"with s = {bound}{case}, not every gradient was applied exactly once"
         return None
 
-    each_size(comm, body, "check_ssp_gate on a real server", sizes=range(2, comm.Get_size() + 1))
-    passed(comm, "the gate keeps every worker within s steps of the slowest, and never blocks for nothing")
+    each_size(comm, body, "check_ssp_gate on a real server", sizes=range(2, comm.Get_size() + 1), draw=draw)
+    passed(
+        comm, f"the gate keeps every worker within s steps of the slowest, and never blocks for nothing{named(draw)}"
+    )
 
 
 Worker = Callable[[Comm, int, Callable[[np.ndarray, int], np.ndarray], int], None]
@@ -139,8 +173,10 @@ class _RecordingServer(Server):
     It tells the workers in `halt` to stop (go = 0) instead of sending the parameters of
     step halt[worker], and takes nothing more from them."""
 
-    def __init__(self, comm: CountingComm, params: np.ndarray, workers: list[int], halt: dict[int, int]):
-        super().__init__(comm, params, workers, STEPS, 0.05, Consistency.parse("async"), comm.watch)
+    def __init__(
+        self, comm: CountingComm, params: np.ndarray, workers: list[int], halt: dict[int, int], steps: int = STEPS
+    ):
+        super().__init__(comm, params, workers, steps, 0.05, Consistency.parse("async"), comm.watch)
         self.halt = halt
         self.sent: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)  # worker -> (version, params)
         self.got: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (worker, step) -> (version, gradient)
@@ -207,19 +243,41 @@ def _worker_problem(
     return None
 
 
-def check_async_worker(async_worker: Worker) -> None:
-    """Exercise 10.2: async_worker(comm, n, gradient, steps) against an asynchronous server on rank 0."""
-    comm = MPI.COMM_WORLD
-    problem = LeastSquares(n=5, samples=64, batch=4)
+def _async_case(size: int, draw: Draw | None) -> tuple[LeastSquares, int, dict[int, int], str]:
+    """(problem, steps, halt, its description) on `size` ranks: the notebook's (5 parameters, STEPS steps, the last
+    worker told to stop two steps early on 3 ranks or more), or drawn: 1 to 12 parameters, 2 to 8 steps, the
+    data, and on 3 ranks or more a drawn worker told to stop before a drawn step (0 to steps - 1)."""
+    if draw is None:
+        return LeastSquares(n=5, samples=64, batch=4), STEPS, {size - 1: STEPS - 2} if size > 2 else {}, ""
+    problem = LeastSquares(n=draw.integer(1, 12, "n", size), samples=64, batch=4, seed=draw.data_seed("data", size))
+    steps = draw.integer(2, 8, "steps", size)
+    halt = {draw.integer(1, size - 1, "halted", size): draw.integer(0, steps - 1, "halt", size)} if size > 2 else {}
+    stops = "".join(f", rank {w} told to stop before its step {t}" for w, t in halt.items())
+    return (
+        problem,
+        steps,
+        halt,
+        f" ({problem.n} parameters, {steps} steps{stops}, data seed {problem.seed}{named(draw)})",
+    )
 
-    def roles(counting: CountingComm) -> _RecordingServer | None:
+
+def check_async_worker(async_worker: Worker) -> None:
+    """Exercise 10.2: async_worker(comm, n, gradient, steps) against an asynchronous server on rank 0.
+
+    The grader's draw: the ranks (each set in a drawn order, its first the server), and per size 1 to 12
+    parameters, 2 to 8 steps, the data, and on 3 ranks or more which worker the server tells to stop
+    (go = 0) and before which of its steps."""
+    comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "async_worker")
+
+    def roles(
+        counting: CountingComm, problem: LeastSquares, steps: int, halt: dict[int, int]
+    ) -> _RecordingServer | None:
         """Rank 0 serves, the others run the student's loop (a stub's notice stops the server at once,
         and run_counted reports the stub on every rank)."""
         rank, size = counting.Get_rank(), counting.Get_size()
         if rank == 0:
-            server = _RecordingServer(
-                counting, problem.start(), list(range(1, size)), {size - 1: STEPS - 2} if size > 2 else {}
-            )
+            server = _RecordingServer(counting, problem.start(), list(range(1, size)), halt, steps)
             server.serve()
             if server.log.problem:
                 raise RuntimeError(f"the server on rank 0 stopped: {server.log.problem}")
@@ -231,7 +289,7 @@ def check_async_worker(async_worker: Worker) -> None:
             return grad
 
         try:
-            async_worker(counting, problem.n, gradient, STEPS)
+            async_worker(counting, problem.n, gradient, steps)
         except pickle.UnpicklingError as err:
             raise RuntimeError(
                 f"rank {rank} could not unpickle the server's parameters ({err}): the server sends float64 "
@@ -242,8 +300,9 @@ def check_async_worker(async_worker: Worker) -> None:
 
     def body(sub: MPI.Comm) -> str | None:
         calls.clear()
+        problem, steps, halt, case = _async_case(sub.Get_size(), draw)
         try:
-            server, traffic = run_counted(sub, roles, (), "async_worker", timeout=5.0)
+            server, traffic = run_counted(sub, roles, (problem, steps, halt), f"async_worker{case}", timeout=5.0)
         except CheckFailed as err:
             raise _explained(
                 err,
@@ -251,17 +310,19 @@ def check_async_worker(async_worker: Worker) -> None:
                 "gradient with more = 1 the server waits for another one.",
             ) from None
         leftover = traffic[sub.Get_rank()].unreceived
-        problem = _worker_problem(server, calls, sub, STEPS)  # a collective: every rank calls it
+        problem_found = _worker_problem(server, calls, sub, steps)  # a collective: every rank calls it
         if leftover:
             return (
-                f"messages (source, tag) {leftover} were never received: every parameter message the server "
+                f"messages (source, tag) {leftover} were never received{case}: every parameter message the server "
                 "sends must be received, every gradient sent once"
             )
-        return problem
+        return problem_found and problem_found + case
 
     calls: list[tuple[int, np.ndarray, np.ndarray]] = []
-    each_size(comm, body, "check_async_worker", sizes=range(2, comm.Get_size() + 1))
-    passed(comm, "every step pulled, computed at the parameters pulled, pushed once; the loop ends cleanly")
+    each_size(comm, body, "check_async_worker", sizes=range(2, comm.Get_size() + 1), draw=draw)
+    passed(
+        comm, f"every step pulled, computed at the parameters pulled, pushed once; the loop ends cleanly{named(draw)}"
+    )
 
 
 Serve = Callable[[Comm, np.ndarray, int, float, float], np.ndarray]
@@ -357,7 +418,13 @@ def _release_problem(
 
 
 def _ssp_problem(
-    model: Model, given: np.ndarray, result: object, got: list, sends: list[tuple[int, int, int]], bound: float
+    model: Model,
+    given: np.ndarray,
+    result: object,
+    got: list,
+    sends: list[tuple[int, int, int]],
+    bound: float,
+    steps: int = SSP_STEPS,
 ) -> str | None:
     """Rank 0's verdict on one run: releases, parameters sent, messages, the final parameters."""
     order, released, history = model
@@ -369,7 +436,7 @@ def _ssp_problem(
     )
     for version, rank, step, _ in records:  # the earliest wrong release first: later parameters follow from it
         if version != released[rank - 1, step]:
-            return _release_problem(rank, step, version, released[rank - 1, step], order, SSP_STEPS, bound)
+            return _release_problem(rank, step, version, released[rank - 1, step], order, steps, bound)
     for version, rank, step, params in records:
         if not np.allclose(params, history[int(version)], rtol=1e-10, atol=1e-12):
             return (
@@ -385,6 +452,49 @@ def _ssp_problem(
     return array_problem(result, history[-1], "the parameters it returned", rtol=1e-10, atol=1e-12)
 
 
+@dataclass(frozen=True)
+class SspCase:
+    """What check_ssp_server runs: the problem, steps per worker, learning rate, bounds, the delays' seed (None:
+    the notebook's, by workers and bound), and the grader's draw that made it (None: the notebook's case)."""
+
+    problem: LeastSquares
+    steps: int = SSP_STEPS
+    lr: float = SSP_LR
+    bounds: tuple[float, ...] = SSP_BOUNDS
+    seed: int | None = None
+    draw: Draw | None = None
+
+    def delays_seed(self, workers: int, bound: float) -> int:
+        """The seed of the compute delays of a run with `workers` workers and bound s."""
+        if self.seed is None:
+            return 10 * workers + int(min(bound, 9))
+        return self.seed + 10 * workers + int(min(bound, 9))
+
+    def __str__(self) -> str:
+        if self.draw is None:
+            return ""
+        return (
+            f" ({self.problem.n} parameters, {self.steps} steps, lr {self.lr}, delays of seed {self.seed}, "
+            f"data seed {self.problem.seed}{named(self.draw)})"
+        )
+
+
+def _ssp_case(draw: Draw | None) -> SspCase:
+    """The notebook's case, or the grader's: 1 to 12 parameters, 3 to 6 steps, a learning rate of 0.01 to 0.1,
+    bounds 0, one of 1 to 3 and inf, the delays (so the order the workers push in) and the data."""
+    if draw is None:
+        return SspCase(LeastSquares(n=5, samples=64, batch=4))
+    problem = LeastSquares(n=draw.integer(1, 12, "n"), samples=64, batch=4, seed=draw.data_seed("data"))
+    return SspCase(
+        problem,
+        draw.integer(3, 6, "steps"),
+        draw.integer(1, 10, "lr") / 100,
+        (0, draw.integer(1, 3, "bound"), math.inf),
+        draw.data_seed("delays") % 10**6,
+        draw,
+    )
+
+
 def check_ssp_server(ssp_server: Serve, timeout: float = 5.0) -> None:
     """Exercise 10.3: ssp_server(comm, params, steps, bound, lr) on rank 0 against workers on the other ranks.
 
@@ -396,24 +506,30 @@ def check_ssp_server(ssp_server: Serve, timeout: float = 5.0) -> None:
     the gate allows), the version and parameters it got, one parameter message of
     2 + n float64 per step and worker, the final parameters, and the input unchanged.
     A server that never ends or leaves a worker waiting fails within `timeout` seconds.
+
+    The grader's draw: the ranks (all of them, and a drawn 2 to P - 1 of them, each set in a drawn order,
+    its first the server), 1 to 12 parameters, 3 to 6 steps, a learning rate of 0.01 to 0.1, the bounds
+    0, one of 1 to 3 and inf, the delays (so the order of the pushes) and the data.
     """
     comm = MPI.COMM_WORLD
-    problem = LeastSquares(n=5, samples=64, batch=4)
+    draw = grading_draw(comm, "ssp_server")
+    case = _ssp_case(draw)
+    problem, steps, lr = case.problem, case.steps, case.lr
 
     def one_run(sub: MPI.Comm, bound: float) -> str | None:
         workers = sub.Get_size() - 1
-        model = ssp_model(problem, workers, SSP_STEPS, bound, SSP_LR, seed=10 * workers + int(min(bound, 9)))
+        model = ssp_model(problem, workers, steps, bound, lr, seed=case.delays_seed(workers, bound))
         side = sub.Dup()
 
         def roles(counting: CountingComm) -> object:
             """Rank 0 runs the student's server, the others the check's workers (a stub: see run_counted)."""
             if counting.Get_rank() == 0:
                 given = problem.start()
-                return given, ssp_server(counting, given, SSP_STEPS, bound, SSP_LR)
-            return _sequenced_worker(counting, side, model[0], problem, SSP_STEPS)
+                return given, ssp_server(counting, given, steps, bound, lr)
+            return _sequenced_worker(counting, side, model[0], problem, steps)
 
         try:
-            result, traffic = run_counted(sub, roles, (), f"ssp_server with s = {bound}", timeout=timeout)
+            result, traffic = run_counted(sub, roles, (), f"ssp_server with s = {bound}{case}", timeout=timeout)
         except CheckFailed as err:  # a failed run may leave a go-ahead unreceived: take it, lest a later Dup meet it
             drain(side, timeout)
             raise _explained(
@@ -433,55 +549,69 @@ def check_ssp_server(ssp_server: Serve, timeout: float = 5.0) -> None:
         if got is not None:  # rank 0
             given, returned = result
             sends = [(e.peer, e.tag, e.nbytes) for e in traffic[0].sends]
-            problem_found = _ssp_problem(model, given, returned, got, sends, bound)
+            problem_found = _ssp_problem(model, given, returned, got, sends, bound, steps)
         if leftover:
             problem_found = (
                 f"messages (source, tag) {leftover} reached rank {sub.Get_rank()} and were never received: "
                 "send parameters only to a worker that will pull them (not after its last gradient)"
             )
         found = sub.allgather(problem_found)
-        return next((f"with s = {bound}: {p}" for p in found if p), None)
+        return next((f"with s = {bound}{case}: {p}" for p in found if p), None)
 
     def body(sub: MPI.Comm) -> str | None:
-        for bound in SSP_BOUNDS:
+        for bound in case.bounds:
             found = one_run(sub, bound)
             if found:
                 return found if sub.Get_rank() == 0 else None
         return None
 
-    each_size(comm, body, "check_ssp_server", sizes=sorted({min(3, comm.Get_size()), comm.Get_size()}))
-    passed(comm, "the server releases each worker exactly when the bound allows and applies every gradient once")
+    size = comm.Get_size()
+    sizes = sorted({min(3, size), size} if draw is None else {draw.integer(2, max(2, size - 1), "size"), size})
+    each_size(comm, body, "check_ssp_server", sizes=sizes, draw=draw)
+    passed(
+        comm,
+        f"the server releases each worker exactly when the bound allows and applies every gradient once{named(draw)}",
+    )
 
 
 def check_gossip_step(gossip_step: Callable[[MPI.Comm, np.ndarray], np.ndarray]) -> None:
-    """Exercise 10.4: gossip_step(comm, params) -> mean of params and the left neighbour's, one message sent."""
+    """Exercise 10.4: gossip_step(comm, params) -> mean of params and the left neighbour's, one message sent.
+
+    The grader's draw: the ranks (each set in a drawn order), and per size the parameters' length (1 to 64
+    float64) and values."""
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "gossip_step")
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        params = np.random.default_rng([3, rank]).standard_normal(7)
+        if draw is None:
+            n, seed, case = 7, 3, ""
+        else:
+            n, seed = draw.integer(1, 64, "n", size), draw.data_seed("params", size)
+            case = f" ({n} float64 parameters, data seed {seed}{named(draw)})"
+        params = np.random.default_rng([seed, rank]).standard_normal(n)
         given = params.copy()
-        result, traffic = run_counted(sub, gossip_step, (params,), "gossip_step", timeout=5.0)
+        result, traffic = run_counted(sub, gossip_step, (params,), f"gossip_step{case}", timeout=5.0)
         left = sub.allgather(given)[(rank - 1) % size]
         problem = array_problem(result, (given + left) / 2, "the result")
         if problem:
-            return problem
+            return problem + case
         if not np.array_equal(params, given):
-            return "changed its input params: return a new array and leave params as it was"
+            return f"changed its input params{case}: return a new array and leave params as it was"
         if result is params or np.shares_memory(result, params):
-            return "returned (a view of) its input params: return a new array"
+            return f"returned (a view of) its input params{case}: return a new array"
         sends = traffic[rank].sends
         want = [((rank + 1) % size, params.nbytes)]
         if [(e.peer, e.nbytes) for e in sends] not in ([want, []] if size == 1 else [want]):
             return (
-                f"sent {[(e.peer, e.nbytes) for e in sends]} (rank, bytes), expected {want}: one message with the "
-                "parameters to the right neighbour, sent with the buffer API (Sendrecv, or Send/Isend and Recv); "
+                f"sent {[(e.peer, e.nbytes) for e in sends]} (rank, bytes){case}, expected {want}: one message with "
+                "the parameters to the right neighbour, sent with the buffer API (Sendrecv, or Send/Isend and Recv); "
                 "the object API (sendrecv, send) sends a pickle, counted with its own bytes"
             )
         return None
 
-    each_size(comm, body, "check_gossip_step")
-    passed(comm, "one gossip step averages with the left neighbour, one message per rank")
+    each_size(comm, body, "check_gossip_step", draw=draw)
+    passed(comm, f"one gossip step averages with the left neighbour, one message per rank{named(draw)}")
 
 
 __all__ = ["CheckFailed", "check_async_worker", "check_gossip_step", "check_ssp_gate", "check_ssp_server"]
