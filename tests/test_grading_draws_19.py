@@ -15,7 +15,7 @@ import pytest
 from ddlab import checks, resilience
 from ddlab.checks import CheckFailed
 from ddlab.checks._draw import SEED_VARIABLE, Draw
-from ddlab.checks.resilience import _goodput_cases, _rebuild_cases, _recover_cases, _train_cases
+from ddlab.checks.resilience import _detect_plan, _goodput_cases, _rebuild_cases, _recover_cases, _train_cases
 from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
 
@@ -119,7 +119,12 @@ def rebuild_after_rank_0(comm, old_rank, old_size, mine, buddy, numel):
 
 
 FITTED = [  # (exercise, the fitted answer, words the failure names beside the seed, what the seed must draw)
-    ("detect", detect_within_one_second, ["(slow): returned after", "with a timeout of"], None),
+    (  # a timeout of 1.5 s or more: the 1 s answer returns 0.35 s before the 0.9 T the check allows, even when late
+        "detect",
+        detect_within_one_second,
+        ["(slow): returned after", "with a timeout of"],
+        lambda draw: _detect_plan(draw).timeout >= 1.5,
+    ),
     ("rebuild_shards", rebuild_after_rank_0, ["the buddy copy", "values of seed"], lambda d: _rebuild_cases(d)[1] != 0),
 ]
 if EVERY_SEED:  # 3 jobs, about 18 s under load
