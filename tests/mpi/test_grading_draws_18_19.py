@@ -1,10 +1,13 @@
 """Lab 18's checks graded on the grader's draw (ddlab.checks._draw): the library's answers pass under every seed
-and without one; answers fitted to the notebook's cases pass its check and fail a drawn case, named with the seed.
+(and, with DDLAB_DRAWS=all, without one); answers fitted to the notebook's cases pass its check and fail a drawn
+case, named with the seed.
 
 Lab 19's checks run jobs of their own, so their draws are tested in one process: tests/test_grading_draws_19.py.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -21,6 +24,10 @@ from ddlab.precision import LossScale
 from ddlab.runtime.reference import unguarded
 
 SEEDS = (11, 2027, 90210)
+#: By default the library's answers are graded on the three seeds only: without a seed each check runs the notebook's
+#: cases, which the solution notebook and tests/mpi/test_precision_checks.py already run (a budget of test time);
+#: DDLAB_DRAWS=all runs those too.
+EVERY_RUN = os.environ.get("DDLAB_DRAWS") == "all"
 
 
 @pytest.fixture
@@ -43,15 +50,17 @@ RIGHT = [
 
 
 @pytest.mark.parametrize("check, right", RIGHT, ids=lambda v: getattr(v, "__name__", ""))
-def test_the_library_s_answer_passes_without_a_seed_and_under_every_seed(comm, seed, capsys, check, right):
-    check(right)
-    for value in SEEDS:
-        seed(value)
+def test_the_library_s_answer_passes_under_every_seed(comm, seed, capsys, check, right):
+    seeds = (None, *SEEDS) if EVERY_RUN else SEEDS
+    for value in seeds:
+        if value is not None:
+            seed(value)
         check(right)
     if comm.Get_rank() == 0:
         lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("passed:")]
-        assert len(lines) == 4 and "seed" not in lines[0], lines
-        assert [f"(the grader's draw, seed {value})" in line for line, value in zip(lines[1:], SEEDS)] == [True] * 3
+        assert len(lines) == len(seeds), lines
+        for line, value in zip(lines, seeds):
+            assert ("seed" not in line) if value is None else (f"(the grader's draw, seed {value})" in line), line
 
 
 # Answers fitted to the notebook's cases ------------------------------------------------
