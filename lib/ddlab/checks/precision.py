@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -30,6 +32,7 @@ from ..precision.reduction import UNIT_ROUNDOFF, WIRE
 from ..precision.scaling import LossScale
 from ..runtime.blocks import block_bounds
 from ._core import NOTHING_SENT, count, deadline, each_size, fail_together, passed, reordered_hint, run_counted
+from ._draw import Draw, grading_draw, named
 from .errors import CheckFailed
 
 #: Mantissa bits and smallest normal of each float8 format (the spacing of its values).
@@ -41,6 +44,16 @@ def _step(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     tiny = float(torch.finfo(dtype).smallest_normal)
     exponent = torch.floor(torch.log2(values.abs().clamp_min(tiny)))
     return torch.pow(2.0, exponent - _MANTISSA[dtype])
+
+
+def _sizes(comm: MPI.Comm, draw: Draw | None) -> list[int]:
+    """The rank counts a check runs on: the world's first (an answer on the notebook's `comm` shows there), then
+    every smaller one; under the grader's draw, the world's and one smaller drawn (drawn ranks, so a draw costs less
+    than the notebook's run)."""
+    size = comm.Get_size()
+    if draw is None or size == 1:
+        return [size, *range(1, size)]
+    return [size, draw.integer(1, size - 1, "ranks")]
 
 
 def _float8_problem(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> str | None:
@@ -73,6 +86,58 @@ _SCALER_CASES: list[tuple[str, str, LossScale]] = [
     ("all finite, scale 3 (not a power of two)", "none", LossScale(scale=3.0, interval=5, good_steps=1)),
 ]
 
+#: The notebook's gradients: three tensors of these shapes, the bad value at [2] of the second.
+_SHAPES: list[tuple[int, ...]] = [(3, 4), (4,), (5,)]
+
+
+@dataclass(frozen=True)
+class _ScalerCase:
+    """One case of 18.1's check: the state, the gradients' shapes and seed, and where a bad value sits."""
+
+    description: str
+    state: LossScale
+    shapes: list[tuple[int, ...]]
+    seed: int  # each rank's gradients are drawn from seed + rank
+    bad_rank: int | None = None  # the rank whose gradients hold an inf or a NaN (None: all finite)
+    bad: float = float("inf")
+    at: tuple[int, int] = (1, 2)  # which tensor, which item of it (flat)
+
+
+def _scaler_cases(size: int, draw: Draw | None) -> list[_ScalerCase]:
+    """The notebook's five cases, or five the grader draws (ddlab.checks._draw): an inf and a NaN on drawn ranks,
+    three finite (one the interval's last clean step); drawn scales, factors, intervals, counts, shapes and seeds."""
+    if draw is None:
+        bad_rank = {"last": size - 1, "first": 0, "none": None}
+        return [
+            _ScalerCase(d, state, _SHAPES, 100, bad_rank[where], float("nan") if where == "first" else float("inf"))
+            for d, where, state in _SCALER_CASES
+        ]
+    cases = []
+    for i, (what, bad) in enumerate(
+        (("an inf", float("inf")), ("a NaN", float("nan")), ("", 0.0), ("", 0.0), ("", 0.0))
+    ):
+        interval = draw.integer(1, 8, "interval", size, i)
+        good = interval - 1 if i == 3 else draw.integer(0, interval - 1, "good", size, i)
+        power = draw.integer(0, 24, "power", size, i)
+        scale = 2.0**power if i != 4 else draw.integer(3, 2**power + 3, "odd", size, i) + 0.5  # not a power of two
+        factor = (2.0, 4.0, 1.5, 3.0)[draw.integer(0, 3, "factor", size, i)]
+        state = LossScale(scale, factor, interval, good, draw.integer(0, 9, "skipped", size, i))
+        shapes = [
+            tuple(draw.integer(1, 6, "dim", size, i, t, d) for d in range(draw.integer(0, 2, "ndim", size, i, t)))
+            for t in range(draw.integer(1, 4, "tensors", size, i))
+        ]
+        seed = draw.data_seed("grads", size, i)
+        if bad:
+            tensor = draw.integer(0, len(shapes) - 1, "bad tensor", size, i)
+            item = draw.integer(0, math.prod(shapes[tensor]) - 1, "bad item", size, i)
+            rank = draw.integer(0, size - 1, "bad rank", size, i)
+            description = f"{what} on rank {rank} only, in tensor {tensor} at item {item}"
+            cases.append(_ScalerCase(description, state, shapes, seed, rank, bad, (tensor, item)))
+        else:
+            last = ", the interval's last clean step" if i == 3 else ""
+            cases.append(_ScalerCase(f"all finite{last}", state, shapes, seed))
+    return cases
+
 
 def _expected(state: LossScale, overflow: bool) -> LossScale:
     if overflow:
@@ -82,12 +147,12 @@ def _expected(state: LossScale, overflow: bool) -> LossScale:
     return LossScale(state.scale, state.factor, state.interval, state.good_steps + 1, state.skipped)
 
 
-def _grads(rank: int, size: int, where: str, dtype: torch.dtype) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + rank)
-    grads = [(torch.randn(shape, generator=generator) * 50).to(dtype) for shape in [(3, 4), (4,), (5,)]]
-    bad = {"last": size - 1, "first": 0}.get(where)
-    if bad == rank:
-        grads[1][2] = float("inf") if where == "last" else float("nan")
+def _grads(rank: int, case: _ScalerCase, dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(case.seed + rank)
+    grads = [(torch.randn(shape, generator=generator) * 50).to(dtype) for shape in case.shapes]
+    if case.bad_rank == rank:
+        tensor, item = case.at
+        grads[tensor].view(-1)[item] = case.bad
     return grads
 
 
@@ -127,15 +192,28 @@ def check_loss_scale_step(
     fn: Callable[[Any, list[torch.Tensor], LossScale], tuple[list[torch.Tensor] | None, LossScale]],
     timeout: float = 20.0,
 ) -> None:
-    """fn(comm, grads, state) -> (unscaled or None, new state), one decision agreed by every rank."""
+    """fn(comm, grads, state) -> (unscaled or None, new state), one decision agreed by every rank.
+
+    The grader's draw: the world's ranks and one smaller count of drawn ranks (_sizes), and five cases per count:
+    an inf and a NaN on a drawn rank (in a drawn tensor and item), three all finite (one the interval's last clean
+    step, one a scale not a power of two); drawn scales, factors (2, 4, 1.5, 3), intervals (1 to 8), clean steps,
+    skips, 1 to 4 gradients of drawn shapes (0 to 2 dimensions) and their seed; float32 and float16 gradients, as
+    the lab states."""
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "loss_scale_step")
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for description, where, state in _SCALER_CASES:
+        hint = reordered_hint(sub, comm) if draw is None else ""  # under a draw, each_size names the ranks
+        for case in _scaler_cases(size, draw):
+            state = case.state
             for dtype in (torch.float32, torch.float16):
-                context = f"loss_scale_step ({description}, {str(dtype).removeprefix('torch.')} gradients)"
-                grads = _grads(rank, size, where, dtype)
+                drawn = "" if draw is None else f", {state}, gradients of shapes {case.shapes}, seed {case.seed}"
+                context = (
+                    f"loss_scale_step ({case.description}, {str(dtype).removeprefix('torch.')} gradients{drawn})"
+                    f"{named(draw)}"
+                )
+                grads = _grads(rank, case, dtype)
                 before = [g.clone() for g in grads]
                 got, traffic = run_counted(sub, fn, (grads, state), context, timeout, allow=("Allreduce", "allreduce"))
                 decisions = sub.allgather(isinstance(got, tuple) and len(got) == 2 and got[0] is None)
@@ -148,53 +226,84 @@ def check_loss_scale_step(
                         f"{count(len(stepped), 'rank')} {stepped} stepped; agree with one small allreduce of "
                         "'my gradients are finite' (MPI.LAND, or a MIN of 0/1)",
                         "loss_scale_step",
-                        reordered_hint(sub, comm),
+                        hint,
                     )
-                problem = _scaler_problem(got, grads, before, state, where != "none")
+                problem = _scaler_problem(got, grads, before, state, case.bad_rank is not None)
                 if problem is None and size > 1 and not any(t.calls for t in traffic):
                     problem = NOTHING_SENT.replace("no message went", "no allreduce went")
-                fail_together(sub, problem and f"{context}: {problem}", "loss_scale_step", reordered_hint(sub, comm))
+                fail_together(sub, problem and f"{context}: {problem}", "loss_scale_step", hint)
         return None
 
-    each_size(comm, body, "loss_scale_step", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True)
-    passed(comm, "loss_scale_step: every rank skips and backs off together, unscales in float32, grows on time")
+    sizes = _sizes(comm, draw)
+    each_size(comm, body, "loss_scale_step", sizes=sizes, reordered=True, draw=draw)
+    passed(
+        comm,
+        f"loss_scale_step: every rank skips and backs off together, unscales in float32, grows on time{named(draw)}",
+    )
 
 
 # --- exercise 18.2 -------------------------------------------------------------------------------
 
 
-def _cast_cases() -> list[tuple[str, torch.Tensor, tuple[int, int], str]]:
-    """(description, x, block, amax kind: "own" or "delayed") of exercise 18.2's check."""
-    generator = torch.Generator().manual_seed(18)
-    wide = torch.randn(130, 260, generator=generator) * torch.logspace(-3, 2, 260)  # columns of very unlike size
-    wide[5, 7] = 3000.0  # an outlier
-    uneven = torch.randn(7, 11, generator=generator)
-    uneven[:3, :4] = 0.0  # a block of zeros: its scale is 1
+def _cast_cases(draw: Draw | None = None) -> list[tuple[str, torch.Tensor, tuple[int, int], float]]:
+    """(description, x, block, delayed: 0 for each block's own amax, else the divisor of its own that gives the
+    delayed one) of exercise 18.2's check: the notebook's, or the grader's draw (ddlab.checks._draw): a tensor of
+    drawn shape (up to 96 x 300) with columns of drawn magnitudes and an outlier, cast per tensor, in 1 x bn tiles,
+    in bm x bn blocks, delayed per tensor and per tile (drawn divisors from 1.5 to 8), and drawn blocks of a small
+    tensor (up to 12 x 16) with a block of zeros; sizes, blocks and data drawn."""
+    if draw is None:
+        generator = torch.Generator().manual_seed(18)
+        wide = torch.randn(130, 260, generator=generator) * torch.logspace(-3, 2, 260)  # columns of very unlike size
+        wide[5, 7] = 3000.0  # an outlier
+        uneven = torch.randn(7, 11, generator=generator)
+        uneven[:3, :4] = 0.0  # a block of zeros: its scale is 1
+        return [
+            ("per tensor", wide, (130, 260), 0.0),
+            ("1 x 128 tiles", wide, (1, 128), 0.0),
+            ("128 x 128 blocks (the last ones short)", wide, (128, 128), 0.0),
+            ("3 x 4 blocks of a 7 x 11 tensor with a block of zeros", uneven, (3, 4), 0.0),
+            ("per tensor, a delayed amax half the tensor's own (values saturate)", wide, (130, 260), 2.0),
+            ("1 x 128 tiles, delayed amaxes a quarter of their own", wide, (1, 128), 4.0),
+        ]
+    generator = torch.Generator().manual_seed(draw.data_seed("x"))
+    m, n = draw.integer(2, 96, "m"), draw.integer(2, 300, "n")
+    low, high = -draw.integer(0, 4, "low"), draw.integer(0, 3, "high")
+    wide = torch.randn(m, n, generator=generator) * torch.logspace(low, high, n)
+    wide[draw.integer(0, m - 1, "row"), draw.integer(0, n - 1, "column")] = float(draw.integer(500, 5000, "outlier"))
+    tile = (1, draw.integer(2, 160, "tile"))
+    square = (draw.integer(2, 128, "bm"), draw.integer(2, 128, "bn"))
+    um, un = draw.integer(1, 12, "um"), draw.integer(1, 16, "un")
+    uneven = torch.randn(um, un, generator=generator)
+    small = (draw.integer(1, um, "small bm"), draw.integer(1, un, "small bn"))
+    zero = (draw.integer(0, -(-um // small[0]) - 1, "zero row"), draw.integer(0, -(-un // small[1]) - 1, "zero col"))
+    uneven[zero[0] * small[0] : (zero[0] + 1) * small[0], zero[1] * small[1] : (zero[1] + 1) * small[1]] = 0.0
+    whole, per_tile = draw.integer(3, 8, "whole") / 2, draw.integer(4, 16, "per tile") / 2
+    shape = f"a {m} x {n} tensor, columns from 1e{low} to 1e{high}"
     return [
-        ("per tensor", wide, (130, 260), "own"),
-        ("1 x 128 tiles", wide, (1, 128), "own"),
-        ("128 x 128 blocks (the last ones short)", wide, (128, 128), "own"),
-        ("3 x 4 blocks of a 7 x 11 tensor with a block of zeros", uneven, (3, 4), "own"),
-        ("per tensor, a delayed amax half the tensor's own (values saturate)", wide, (130, 260), "delayed"),
-        ("1 x 128 tiles, delayed amaxes a quarter of their own", wide, (1, 128), "delayed"),
+        (f"per tensor, {shape}", wide, (m, n), 0.0),
+        (f"{tile[0]} x {tile[1]} tiles, {shape}", wide, tile, 0.0),
+        (f"{square[0]} x {square[1]} blocks, {shape}", wide, square, 0.0),
+        (f"{small[0]} x {small[1]} blocks of a {um} x {un} tensor, block {zero} all zeros", uneven, small, 0.0),
+        (f"per tensor, {shape}, a delayed amax 1/{whole:g} of the tensor's own", wide, (m, n), whole),
+        (f"{tile[0]} x {tile[1]} tiles, {shape}, delayed amaxes 1/{per_tile:g} of their own", wide, tile, per_tile),
     ]
 
 
-def _delayed(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """A delayed history's amax, smaller than the tensor's own: a quarter of it per tile, half per tensor."""
-    own = block_amax(x, block)
-    return own / (4.0 if block[0] == 1 else 2.0)
-
-
 def check_quantize_float8(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], timeout: float = 20.0) -> None:
-    """fn(x, dtype, block, amax=None) -> (q, scale): x cast to float8 with one scale per block."""
+    """fn(x, dtype, block, amax=None) -> (q, scale): x cast to float8 with one scale per block.
+
+    The grader's draw: the tensors' shapes, magnitudes and data, the tiles, blocks and delayed amaxes (see
+    _cast_cases), in both float8 formats, as the lab states; the same on every rank (each casts alone)."""
     comm = MPI.COMM_WORLD
-    problem = None
+    draw = grading_draw(comm, "quantize_float8")
+    problem, context = None, "quantize_float8"
     try:
-        for description, x, block, kind in _cast_cases():
+        for description, x, block, delayed in _cast_cases(draw):
             for dtype in FORMATS:
-                context = f"quantize_float8 ({description}, {str(dtype).removeprefix('torch.')}, block {block})"
-                amax = _delayed(x, block) if kind == "delayed" else None
+                context = (
+                    f"quantize_float8 ({description}, {str(dtype).removeprefix('torch.')}, block {block}){named(draw)}"
+                )
+                amax = block_amax(x, block) / delayed if delayed else None
                 want_q, want_scale = quantize_float8(x, dtype, block, None if amax is None else amax.clone())
                 before = x.clone()
                 args = (x, dtype, block) if amax is None else (x, dtype, block, amax.clone())
@@ -211,9 +320,12 @@ def check_quantize_float8(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], 
     except NotImplementedError:
         raise
     except Exception as err:  # the student's code failed
-        problem = f"quantize_float8 raised {type(err).__name__}: {err}"
+        problem = f"quantize_float8 raised {type(err).__name__}: {err}" + ("" if draw is None else f", in {context}")
     fail_together(comm, problem, "quantize_float8")
-    passed(comm, "quantize_float8: per tensor, per tile, per block and delayed, saturating, in both float8 formats")
+    passed(
+        comm,
+        f"quantize_float8: per tensor, per tile, per block and delayed, saturating, in both float8 formats{named(draw)}",
+    )
 
 
 def _cast_problem(
@@ -249,35 +361,64 @@ def _cast_problem(
 # --- exercise 18.3 -------------------------------------------------------------------------------
 
 
-def _gather_cases(size: int) -> list[tuple[str, list[int]]]:
-    equal = 40
-    uneven = [*block_bounds(37 * size - 5, size - 1), 37 * size - 5] if size > 1 else [0, 37]
+def _gather_cases(size: int, draw: Draw | None = None, what: str = "") -> list[tuple[str, list[int]]]:
+    """(description, bounds) of 18.3's and 18.4's checks: the notebook's equal and uneven shards, or the grader's
+    draw: equal shards of 1 to 60 items, and uneven ones of 0 to 60 with an empty one on a drawn rank."""
+    if draw is None:
+        equal = 40
+        uneven = [*block_bounds(37 * size - 5, size - 1), 37 * size - 5] if size > 1 else [0, 37]
+        return [
+            (f"shards of {equal}", [r * equal for r in range(size + 1)]),
+            (f"{uneven[-1]} items, uneven shards", uneven),
+        ]
+    equal = draw.integer(1, 60, what, "equal", size)
+    lengths = [draw.integer(0, 60, what, "uneven", size, r) for r in range(size)]
+    if size > 1:
+        lengths[draw.integer(0, size - 1, what, "empty", size)] = 0
+    if not any(lengths):
+        lengths[0] = draw.integer(1, 60, what, "first", size)
     return [
         (f"shards of {equal}", [r * equal for r in range(size + 1)]),
-        (f"{uneven[-1]} items, uneven shards", uneven),
+        (f"uneven shards of {lengths} items", [sum(lengths[:r]) for r in range(size + 1)]),
     ]
 
 
-def _shards(bounds: list[int], size: int) -> torch.Tensor:
-    """A flat buffer whose shards have very different magnitudes (each needs its own scale); the last rank's zero."""
-    full = torch.randn(bounds[-1], generator=torch.Generator().manual_seed(bounds[-1]))
+def _shards(bounds: list[int], size: int, draw: Draw | None = None) -> tuple[torch.Tensor, str]:
+    """A flat buffer whose shards have very different magnitudes (each needs its own scale), one of them zero;
+    and what the grader drew for it ("" without a draw: 10^(2 - r) on rank r, the last rank's zero)."""
+    if draw is None:
+        seed, exponents, zero = bounds[-1], [2 - r for r in range(size)], size - 1
+    else:
+        seed = draw.data_seed("shards", *bounds)
+        exponents = [draw.integer(-4, 4, "exponent", *bounds, r) for r in range(size)]
+        zero = draw.integer(0, size - 1, "zero", *bounds)
+    full = torch.randn(bounds[-1], generator=torch.Generator().manual_seed(seed))
     for r in range(size):
-        full[bounds[r] : bounds[r + 1]] *= 10.0 ** (2 - r)
+        full[bounds[r] : bounds[r + 1]] *= 10.0 ** exponents[r]
     if size > 2:
-        full[bounds[size - 1] : bounds[size]] = 0.0
-    return full
+        full[bounds[zero] : bounds[zero + 1]] = 0.0
+    if draw is None:
+        return full, ""
+    zeroed = f", rank {zero}'s all zero" if size > 2 else ""
+    return full, f", magnitudes 1e{exponents} by rank{zeroed}, data seed {seed}"
 
 
 def check_float8_allgather(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
-    """fn(comm, mine, bounds, dtype, allgather) -> a float32 array: the shards gathered as float8 with their scales."""
+    """fn(comm, mine, bounds, dtype, allgather) -> a float32 array: the shards gathered as float8 with their scales.
+
+    The grader's draw: the world's ranks and one smaller count of drawn ranks (_sizes), equal and uneven shard
+    lengths (an empty shard on a drawn rank), each rank's magnitude (1e-4 to 1e4), which rank's shard is all zero,
+    the data's seed; both float8 formats, as the lab states."""
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "float8_allgather")
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for description, bounds in _gather_cases(size):
+        hint = reordered_hint(sub, comm) if draw is None else ""  # under a draw, each_size names the ranks
+        for description, bounds in _gather_cases(size, draw, "gather"):
+            full, drawn = _shards(bounds, size, draw)
             for dtype in FORMATS:
-                context = f"float8_allgather ({description}, {str(dtype).removeprefix('torch.')})"
-                full = _shards(bounds, size)
+                context = f"float8_allgather ({description}, {str(dtype).removeprefix('torch.')}{drawn}){named(draw)}"
                 mine = full[bounds[rank] : bounds[rank + 1]].numpy().copy()
                 before = mine.copy()
                 got, traffic = run_counted(sub, fn, (mine, list(bounds), dtype, allgather_ring), context, timeout)
@@ -293,11 +434,14 @@ def check_float8_allgather(fn: Callable[..., np.ndarray], timeout: float = 20.0)
                         f"byte per item (half of bfloat16's, {half}) plus one float32 scale per rank ({limit} at most); "
                         "send q's bytes (q.view(torch.uint8)), not the float32 or bfloat16 shard"
                     )
-                fail_together(sub, problem and f"{context}: {problem}", "float8_allgather", reordered_hint(sub, comm))
+                fail_together(sub, problem and f"{context}: {problem}", "float8_allgather", hint)
         return None
 
-    each_size(comm, body, "float8_allgather", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True)
-    passed(comm, "float8_allgather: each shard cast with its own scale, one byte per item plus the scales")
+    sizes = _sizes(comm, draw)
+    each_size(comm, body, "float8_allgather", sizes=sizes, reordered=True, draw=draw)
+    passed(
+        comm, f"float8_allgather: each shard cast with its own scale, one byte per item plus the scales{named(draw)}"
+    )
 
 
 def _gathered_problem(
@@ -327,15 +471,25 @@ def _gathered_problem(
 
 
 def check_reduce_scatter_rounded(fn: Callable[..., np.ndarray], timeout: float = 20.0) -> None:
-    """fn(comm, x, bounds, dtype) -> rank r's chunk of the sum, each partial sum rounded to dtype and sent in it."""
+    """fn(comm, x, bounds, dtype) -> rank r's chunk of the sum, each partial sum rounded to dtype and sent in it.
+
+    The grader's draw: the world's ranks and one smaller count of drawn ranks (_sizes), equal and uneven chunk
+    lengths (an empty chunk on a drawn rank), the values' range (positive) and seed; bfloat16 and float32, as the
+    lab states."""
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "reduce_scatter_rounded")
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for description, bounds in _gather_cases(size):
+        hint = reordered_hint(sub, comm) if draw is None else ""  # under a draw, each_size names the ranks
+        for description, bounds in _gather_cases(size, draw, "reduce"):
+            seed, low, high = _summands(bounds, draw)
+            drawn = "" if draw is None else f", values in [{low:g}, {high:g}), data seed {seed}"
             for dtype in (torch.bfloat16, torch.float32):
-                context = f"reduce_scatter_rounded ({description}, {str(dtype).removeprefix('torch.')})"
-                x = np.random.default_rng([bounds[-1], rank]).uniform(0.5, 1.5, bounds[-1]).astype(np.float32)
+                context = (
+                    f"reduce_scatter_rounded ({description}, {str(dtype).removeprefix('torch.')}{drawn}){named(draw)}"
+                )
+                x = np.random.default_rng([seed, rank]).uniform(low, high, bounds[-1]).astype(np.float32)
                 before = x.copy()
                 got, traffic = run_counted(sub, fn, (x, list(bounds), dtype), context, timeout)
                 exact = np.empty(bounds[-1], dtype=np.float64)
@@ -350,15 +504,25 @@ def check_reduce_scatter_rounded(fn: Callable[..., np.ndarray], timeout: float =
                         f"the ranks sent {sent} bytes, the ring sends {ring} in {dtype}: send each partial sum "
                         "once, in dtype (bfloat16 as its int16 bits: t.view(torch.int16).numpy())"
                     )
-                fail_together(
-                    sub, problem and f"{context}: {problem}", "reduce_scatter_rounded", reordered_hint(sub, comm)
-                )
+                fail_together(sub, problem and f"{context}: {problem}", "reduce_scatter_rounded", hint)
         return None
 
-    each_size(comm, body, "reduce_scatter_rounded", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True)
+    sizes = _sizes(comm, draw)
+    each_size(comm, body, "reduce_scatter_rounded", sizes=sizes, reordered=True, draw=draw)
     passed(
-        comm, "reduce_scatter_rounded: sums rounded to bfloat16 or float32 at every hop, within the bound, in its bytes"
+        comm,
+        "reduce_scatter_rounded: sums rounded to bfloat16 or float32 at every hop, within the bound, in its bytes"
+        + named(draw),
     )
+
+
+def _summands(bounds: list[int], draw: Draw | None) -> tuple[int, float, float]:
+    """(data seed, low, high): each rank's x is uniform in [low, high) from (seed, rank); positive, so that the
+    bound's sum of |x_i| is the sum. The notebook's (the length, 0.5, 1.5), or drawn (low 0.01 to 2, high up to 50x)."""
+    if draw is None:
+        return bounds[-1], 0.5, 1.5
+    low = draw.integer(1, 200, "low", *bounds) / 100
+    return draw.data_seed("x", *bounds), low, low * draw.integer(2, 50, "spread", *bounds)
 
 
 def _rounded_problem(

@@ -11,9 +11,10 @@ notebook itself, not under %%px.
 - `check_train_resilient(fn)`: fn(comm, problem, steps) -> mean losses, one process's, after a rank dies;
   two fixed failures (`TRAIN_SCENARIOS`): one in the gradient, one inside the Allreduce.
 
-The failures are the same on every run; those inside a collective or a Shrink are staged on the
-communicator handed to the answer (`_Watched`), which also counts Agree calls and raises Agree's own
-errors as `AgreeError`, so the message can name the call.
+The failures are the same on every run (under the grader's draw, DDLAB_GRADE_SEED, the same for the same seed:
+which ranks die, when, and on what data are drawn, see each check's "The grader's draw"); those inside a collective
+or a Shrink are staged on the communicator handed to the answer (`_Watched`), which also counts Agree calls and
+raises Agree's own errors as `AgreeError`, so the message can name the call.
 - `check_rebuild_shards(fn)`: fn(comm, old_rank, old_size, mine, buddy, numel) -> the new shard.
 - `check_simulate_goodput(fn)`: fn(interval, cost, mtbf, restart, work, rng) -> goodput, the reference's draws.
 """
@@ -25,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -35,6 +37,7 @@ from ..resilience import reshard as reference_reshard
 from ..resilience import simulate_goodput as reference_goodput
 from ..runtime.reference import answering, refusal
 from ._core import array_problem, deadline, passed
+from ._draw import Draw, grading_draw, named
 from .errors import CheckFailed
 
 _ERROR_NAMES = {
@@ -163,30 +166,67 @@ DETECT_TIMEOUT = 1.0  # seconds given to the student's detect
 SLACK = 1.5  # seconds a loaded machine may add to a wait
 
 
-def _detect_scenario(comm: MPI.Comm, fn: Callable[..., str]) -> Any:
-    """Rank 1 sends at once, rank 2 dies, rank 3 sends only when rank 0 is done asking; rank 0 asks about each."""
+@dataclass(frozen=True)
+class _DetectPlan:
+    """Who does what in 19.1's job: `asker` calls detect on each of `order` (ranks sending at once, SIGKILLed, or
+    sending only once the asker is done asking) with `timeout`; messages of `items` float64 with `tag`."""
+
+    asker: int = 0
+    arrived: int = 1
+    dead: int = 2
+    slow: int = 3
+    order: tuple[int, ...] = (1, 2, 3)
+    timeout: float = DETECT_TIMEOUT
+    items: int = 3
+    tag: int = 7
+
+    def role(self, source: int) -> str:
+        return {self.arrived: "arrived", self.dead: "dead", self.slow: "slow"}[source]
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.arrived} sends at once, rank {self.dead} is SIGKILLed, rank {self.slow} sends only once rank "
+            f"{self.asker} has asked about it (after its timeout)"
+        )
+
+
+def _detect_plan(draw: Draw | None) -> _DetectPlan:
+    """The notebook's plan, or the grader's: every role on a drawn rank, asked in a drawn order, a timeout from 1.2
+    to 2 s, messages of 1 to 8 items (the lab's "at most 8"), any tag up to 99."""
+    if draw is None:
+        return _DetectPlan()
+    asker, arrived, dead, slow = (int(r) for r in draw.rng("roles").permutation(4))
+    order = tuple(int(r) for r in draw.rng("order").permutation([arrived, dead, slow]))
+    timeout, items, tag = draw.integer(12, 20, "timeout") / 10, draw.integer(1, 8, "items"), draw.integer(0, 98, "tag")
+    return _DetectPlan(asker, arrived, dead, slow, order, timeout, items, tag)
+
+
+def _detect_scenario(comm: MPI.Comm, fn: Callable[..., str], plan: _DetectPlan) -> Any:
+    """plan.arrived sends at once, plan.dead dies, plan.slow sends only when the asker is done asking; the asker
+    asks about each source of plan.order."""
     rank = comm.Get_rank()
-    if rank == 1:
-        comm.Send(np.full(3, 1.0), dest=0, tag=7)
+    message = np.full(plan.items, float(rank))
+    if rank == plan.arrived:
+        comm.Send(message, dest=plan.asker, tag=plan.tag)
         return None
-    if rank == 2:
+    if rank == plan.dead:
         _kill_self()
-    if rank == 3:
-        comm.Recv(np.empty(1), source=0, tag=99)  # go: rank 0 asked about us already
-        comm.Send(np.full(3, 3.0), dest=0, tag=7)
+    if rank == plan.slow:
+        comm.Recv(np.empty(1), source=plan.asker, tag=99)  # go: the asker asked about us already
+        comm.Send(message, dest=plan.asker, tag=plan.tag)
         return None
     verdicts, called, times = [], [], []
     try:
-        for source in (1, 2, 3):
+        for source in plan.order:
             start = time.monotonic()
-            verdict, refused = _answer("detect", fn, comm, source, DETECT_TIMEOUT)
+            verdict, refused = _answer("detect", fn, comm, source, plan.timeout)
             verdicts.append(verdict)
             called += refused
             times.append(time.monotonic() - start)
     finally:
-        comm.Send(np.zeros(1), dest=3, tag=99)
-    late = np.zeros(3)
-    request = comm.Irecv(late, source=3, tag=7)  # the late message must still be there for a new receive
+        comm.Send(np.zeros(1), dest=plan.slow, tag=99)
+    late = np.zeros(plan.items)
+    request = comm.Irecv(late, source=plan.slow, tag=plan.tag)  # the late message must still be there for a new receive
     end, arrived = time.monotonic() + 10.0, False
     try:  # a receive the answer left pending takes the message, and this one never completes (or fails)
         while not (arrived := request.Test()) and time.monotonic() < end:
@@ -197,8 +237,19 @@ def _detect_scenario(comm: MPI.Comm, fn: Callable[..., str]) -> Any:
 
 
 def check_detect(fn: Callable[[Any, int, float], str], timeout: float = 60.0) -> None:
-    """fn(comm, source, timeout) -> "arrived" (a message came), "dead" (MPI says source failed), "slow" (neither)."""
-    result = run_job(functools.partial(_detect_scenario, fn=fn), 4, timeout)
+    """fn(comm, source, timeout) -> "arrived" (a message came), "dead" (MPI says source failed), "slow" (neither).
+
+    The grader's draw: which of the 4 ranks asks, sends at once, dies and sends late, the order asked in, the
+    timeout (1.2 to 2 s), the messages' items (1 to 8) and tag."""
+    draw = grading_draw(None, "detect")
+    plan = _detect_plan(draw)
+    drawn = (
+        ""
+        if draw is None
+        else f"; rank {plan.asker} asks about {list(plan.order)} with a timeout of {plan.timeout} s, messages of "
+        f"{plan.items} items with tag {plan.tag}{named(draw)}"
+    )
+    result = run_job(functools.partial(_detect_scenario, fn=fn, plan=plan), 4, timeout)
     _fail(
         _job_problem(
             result,
@@ -207,14 +258,16 @@ def check_detect(fn: Callable[[Any, int, float], str], timeout: float = 60.0) ->
             "A receive without a deadline (Recv, or Wait on the request) waits for a slow peer forever: poll with "
             "Test until the timeout",
         ),
-        "detect, on 4 ranks: rank 1 sends at once, rank 2 is SIGKILLed, rank 3 sends only once rank 0 has asked about it (after its timeout)",
+        f"detect, on 4 ranks: {plan}{drawn}",
     )
-    if 0 not in result.outcomes:
-        _fail(f"rank 0 left no result: it died (did your code exit or kill it?)\n{result.output[-1500:]}", "detect")
-    (verdicts, times, late), _ = result.outcomes[0].value
-    want = ["arrived", "dead", "slow"]
-    for source, got, expected, took in zip((1, 2, 3), verdicts, want, times):
-        problem = None
+    if plan.asker not in result.outcomes:
+        _fail(
+            f"rank {plan.asker} left no result: it died (did your code exit or kill it?)\n{result.output[-1500:]}",
+            f"detect{drawn}",
+        )
+    (verdicts, times, late), _ = result.outcomes[plan.asker].value
+    for source, got, took in zip(plan.order, verdicts, times):
+        expected, problem = plan.role(source), None
         if got != expected:
             why = {
                 "arrived": "its message was waiting",
@@ -223,18 +276,21 @@ def check_detect(fn: Callable[[Any, int, float], str], timeout: float = 60.0) ->
                 "slow": "it is alive and sends only later: after the timeout, say 'slow'",
             }[expected]
             problem = f"source {source}: returned {got!r}, expected {expected!r} ({why})"
-        elif expected == "slow" and not DETECT_TIMEOUT * 0.9 <= took <= DETECT_TIMEOUT + SLACK:
-            problem = f"source 3 (slow): returned after {took:.2f} s; the timeout was {DETECT_TIMEOUT} s"
-        elif expected != "slow" and took > DETECT_TIMEOUT + SLACK:
-            problem = f"source {source}: took {took:.2f} s, longer than the timeout ({DETECT_TIMEOUT} s)"
-        _fail(problem, "detect, on 4 ranks, asked by rank 0")
+        elif expected == "slow" and not plan.timeout * 0.9 <= took <= plan.timeout + SLACK:
+            problem = f"source {source} (slow): returned after {took:.2f} s; the timeout was {plan.timeout} s"
+        elif expected != "slow" and took > plan.timeout + SLACK:
+            problem = f"source {source}: took {took:.2f} s, longer than the timeout ({plan.timeout} s)"
+        _fail(problem, f"detect, on 4 ranks, asked by rank {plan.asker}" + (f": {plan}{drawn}" if draw else ""))
     if late is None:
         _fail(
-            "rank 3's late message never reached a new receive: a receive you left pending took it; cancel it "
-            "(request.Cancel(), then request.Wait()) before returning 'slow'",
-            "detect, after 'slow'",
+            f"rank {plan.slow}'s late message never reached a new receive: a receive you left pending took it; cancel "
+            "it (request.Cancel(), then request.Wait()) before returning 'slow'",
+            f"detect, after 'slow'{drawn}",
         )
-    passed(MPI.COMM_WORLD, "detect tells a message that arrived, a dead peer (SIGKILLed) and a slow one, in time")
+    passed(
+        MPI.COMM_WORLD,
+        f"detect tells a message that arrived, a dead peer (SIGKILLed) and a slow one, in time{named(draw)}",
+    )
 
 
 # ---------------------------------------------------------------- exercise 19.2: recover
@@ -246,7 +302,9 @@ RETRY_HINT = (
 )
 
 
-def _recover_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int, second: int | None) -> Any:
+def _recover_scenario(
+    comm: MPI.Comm, fn: Callable[..., Any], victim: int, second: int | None, done: dict[int, int]
+) -> Any:
     old = comm.Get_rank()
     if old == victim:
         _kill_self()
@@ -255,7 +313,7 @@ def _recover_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int, secon
     except MPI.Exception:
         pass
     watched = _Watched.wrap(comm, {"kill_after_shrink": 1} if old == second else {})
-    (survivors, step), called = _answer("recover", fn, watched, RECOVER_DONE[old])
+    (survivors, step), called = _answer("recover", fn, watched, done[old])
     survivors.Set_errhandler(MPI.ERRORS_RETURN)
     try:
         total = survivors.allreduce(old)
@@ -265,17 +323,43 @@ def _recover_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int, secon
     return (survivors.Get_size(), survivors.Get_rank(), step, total, ranks), called
 
 
+def _recover_cases(ranks: int, draw: Draw | None) -> list[tuple[int, int | None, dict[int, int]]]:
+    """(victim, the rank SIGKILLed as its Shrink returns or None, each old rank's `done`) of 19.2's two runs: the
+    notebook's, or the grader's draw: any victim, any second rank, `done` drawn from 1 to 50, the second rank's the
+    smallest of the first survivors' (so the minimum before the retry is the wrong answer)."""
+    if draw is None:
+        return [(0, None, RECOVER_DONE), (0, 2, RECOVER_DONE)]
+    cases: list[tuple[int, int | None, dict[int, int]]] = []
+    for run in range(2):
+        victim = draw.integer(0, ranks - 1, "victim", run)
+        done = {r: draw.integer(1, 50, "done", run, r) for r in range(ranks)}
+        second = None
+        if run == 1:
+            others = [r for r in range(ranks) if r != victim]
+            second = others[draw.integer(0, len(others) - 1, "second")]
+            done[second] = min(done[r] for r in others) - 1
+        cases.append((victim, second, done))
+    return cases
+
+
 def check_recover(fn: Callable[[Any, int], tuple[Any, int]], timeout: float = 60.0) -> None:
-    """fn(comm, done) -> (survivors, step): revoke, shrink, agree on the smallest `done`, every survivor alike."""
+    """fn(comm, done) -> (survivors, step): revoke, shrink, agree on the smallest `done`, every survivor alike.
+
+    The grader's draw: in each of the two runs which rank dies, in the second which one dies as its Shrink returns,
+    and every rank's `done` (1 to 50; the second victim's the smallest, so only a retry finds the answer)."""
     ranks = 4
-    # the first rank dies (the new rank 0 is old rank 1); then, again, and old rank 2 dies as its Shrink returns
-    for victim, second in ((0, None), (0, 2)):
+    draw = grading_draw(None, "recover")
+    # the notebook's: the first rank dies (the new rank 0 is old rank 1); then again, and old rank 2 dies as its Shrink
+    # returns
+    for victim, second, done in _recover_cases(ranks, draw):
         context = f"recover on {ranks} ranks, rank {victim} SIGKILLed, `done` = " + ", ".join(
-            f"{RECOVER_DONE[r]} on rank {r}" for r in range(ranks) if r != victim
+            f"{done[r]} on rank {r}" for r in range(ranks) if r != victim
         )
         if second is not None:
             context += f"; then rank {second} SIGKILLed during the recovery, as soon as its Shrink returned"
-        result = run_job(functools.partial(_recover_scenario, fn=fn, victim=victim, second=second), ranks, timeout)
+        context += named(draw)
+        target = functools.partial(_recover_scenario, fn=fn, victim=victim, second=second, done=done)
+        result = run_job(target, ranks, timeout)
         _fail(
             _job_problem(
                 result,
@@ -289,7 +373,7 @@ def check_recover(fn: Callable[[Any, int], tuple[Any, int]], timeout: float = 60
         )
         alive = [r for r in range(ranks) if r not in (victim, second)]
         retry = f" ({RETRY_HINT})" if second is not None else ""
-        want_step = min(RECOVER_DONE[r] for r in alive)
+        want_step = min(done[r] for r in alive)
         got = {r: result.outcomes[r].value[0] for r in alive if r in result.outcomes}
         problem = None
         if missing := [r for r in alive if r not in got]:
@@ -315,7 +399,8 @@ def check_recover(fn: Callable[[Any, int], tuple[Any, int]], timeout: float = 60
         _fail(problem, context)
     passed(
         MPI.COMM_WORLD,
-        "recover revokes, shrinks and agrees on the smallest step, every survivor alike, and again if a rank dies meanwhile",
+        "recover revokes, shrinks and agrees on the smallest step, every survivor alike, and again if a rank dies "
+        f"meanwhile{named(draw)}",
     )
 
 
@@ -339,21 +424,77 @@ TRAIN_SCENARIOS: tuple[tuple[str, list[Failure], dict[int, dict[str, float]]], .
 )
 
 
-def _train_scenario(comm: MPI.Comm, fn: Callable[..., Any], failures: list[Failure], stage: Any) -> Any:
+def _train_scenario(
+    comm: MPI.Comm, fn: Callable[..., Any], failures: list[Failure], stage: Any, problem: Regression, steps: int
+) -> Any:
     ledger = dict(stage.get(comm.Get_rank(), {}))
     watched = _Watched.wrap(comm, ledger)
-    value, called = _answer("train_resilient", fn, watched, probe(TRAIN_PROBLEM, failures), TRAIN_STEPS)
+    value, called = _answer("train_resilient", fn, watched, probe(problem, failures), steps)
     return (value, int(ledger.get("agree", 0))), called
 
 
-def _step_of(ids: list[int]) -> int | None:
-    for step in range(TRAIN_STEPS):
-        if set(ids) <= set(TRAIN_PROBLEM.batch_ids(step).tolist()):
+@dataclass(frozen=True)
+class _TrainCase:
+    """One run of 19.3's check: the problem, the steps, where a rank dies (see TRAIN_SCENARIOS), what was drawn."""
+
+    problem: Regression
+    steps: int
+    where: str
+    failures: list[Failure] = field(default_factory=list)
+    stage: dict[int, dict[str, float]] = field(default_factory=dict)
+    drawn: str = ""
+
+    def dead(self) -> set[int]:
+        return {f.rank for f in self.failures} | {r for r, plan in self.stage.items() if "kill_at" in plan}
+
+
+def _train_cases(ranks: int, draw: Draw | None) -> list[_TrainCase]:
+    """The notebook's two runs (TRAIN_SCENARIOS), or the grader's draw: a problem of drawn features (2 to 8), data
+    seed and batch (8 to 20, not a multiple of 12, so a split by batch // P loses samples on 3 or 4 ranks), 8 to 14
+    steps; a drawn rank SIGKILLed in a drawn call of its gradient (2 to steps - 1), then one SIGKILLed inside a drawn
+    Allreduce (2 to steps - 2) while another drawn rank enters it 0.3 s late."""
+    if draw is None:
+        return [
+            _TrainCase(TRAIN_PROBLEM, TRAIN_STEPS, where, failures, stage) for where, failures, stage in TRAIN_SCENARIOS
+        ]
+    steps = draw.integer(8, 14, "steps")
+    batches = [b for b in range(8, 21) if b % 12]
+    batch = batches[draw.integer(0, len(batches) - 1, "batch")]
+    problem = Regression(
+        samples=batch
+        * draw.integer(steps, steps + 5, "epoch"),  # an epoch of at least `steps`: a step's samples tell it
+        features=draw.integer(2, 8, "features"),
+        batch=batch,
+        seed=draw.integer(0, 10**6, "data"),
+    )
+    drawn = (
+        f"; {problem.samples} samples of {problem.features} features, a batch of {batch}, data seed {problem.seed}"
+        f"{named(draw)}"
+    )
+    victim, call = draw.integer(0, ranks - 1, "victim"), draw.integer(2, steps - 1, "call")
+    killed, stalled = (int(r) for r in draw.rng("inside").permutation(ranks)[:2])
+    at = draw.integer(2, steps - 2, "collective")
+    return [
+        _TrainCase(problem, steps, f"SIGKILLed in its gradient (its call {call})", [Failure(victim, call)], {}, drawn),
+        _TrainCase(
+            problem,
+            steps,
+            f"SIGKILLed inside its Allreduce number {at} (while rank {stalled} enters it 0.3 s late)",
+            [],
+            {killed: {"kill_at": at, "kill_delay": 0.05}, stalled: {"stall_at": at, "stall": 0.3}},
+            drawn,
+        ),
+    ]
+
+
+def _step_of(ids: list[int], problem: Regression, steps: int) -> int | None:
+    for step in range(steps):
+        if set(ids) <= set(problem.batch_ids(step).tolist()):
             return step
     return None
 
 
-def _samples_problem(result: JobResult, ranks: int, survivors: list[int]) -> str | None:
+def _samples_problem(result: JobResult, ranks: int, survivors: list[int], case: _TrainCase) -> str | None:
     """Which samples the committed attempt at each step lost or counted twice, or None.
 
     A step's committed attempt is the survivors' last one; the dead rank's call belongs to it only when the
@@ -361,14 +502,14 @@ def _samples_problem(result: JobResult, ranks: int, survivors: list[int]) -> str
     attempts: dict[int, dict[int, list[list[int]]]] = {}  # step -> rank -> the samples of each attempt
     for rank in range(ranks):
         for ids in result.calls.get(rank, []):
-            step = _step_of(ids)
+            step = _step_of(ids, case.problem, case.steps)
             if step is not None:
                 attempts.setdefault(step, {}).setdefault(rank, []).append(ids)
-    for step in range(TRAIN_STEPS):
+    for step in range(case.steps):
         tries = attempts.get(step, {})
         final = max((len(tries[r]) for r in survivors if r in tries), default=0)
         used = sorted(i for r, each in tries.items() if r in survivors or len(each) >= final for i in each[-1])
-        batch = sorted(TRAIN_PROBLEM.batch_ids(step).tolist())
+        batch = sorted(case.problem.batch_ids(step).tolist())
         lost = sorted(set(batch) - set(used))
         twice = sorted({i for i in used if used.count(i) > 1})
         if lost:
@@ -381,10 +522,10 @@ def _samples_problem(result: JobResult, ranks: int, survivors: list[int]) -> str
     return None
 
 
-def _commit_problem(result: JobResult, survivors: list[int], agrees: dict[int, int]) -> str | None:
+def _commit_problem(result: JobResult, survivors: list[int], agrees: dict[int, int], case: _TrainCase) -> str | None:
     """A survivor that went on past a step another redid, or committed steps without Agree; or None."""
     for rank in survivors:
-        steps = [_step_of(ids) for ids in result.calls.get(rank, [])]
+        steps = [_step_of(ids, case.problem, case.steps) for ids in result.calls.get(rank, [])]
         for before, after in zip(steps, steps[1:]):
             if before is not None and after is not None and after < before:
                 return (
@@ -393,23 +534,23 @@ def _commit_problem(result: JobResult, survivors: list[int], agrees: dict[int, i
                     "on others). Commit each step with ok = comm.Agree(ok), the one decision every survivor shares"
                 )
     for rank in survivors:
-        if agrees.get(rank, 0) < TRAIN_STEPS:
+        if agrees.get(rank, 0) < case.steps:
             return (
-                f"rank {rank} called comm.Agree only {agrees.get(rank, 0)} time(s) for {TRAIN_STEPS} steps: a step committed "
-                "without Agree lets the ranks disagree on whether it completed (a death inside the Allreduce can "
-                "leave some ranks with the sum and others with an error). Commit each step with ok = comm.Agree(ok)"
+                f"rank {rank} called comm.Agree only {agrees.get(rank, 0)} time(s) for {case.steps} steps: a step "
+                "committed without Agree lets the ranks disagree on whether it completed (a death inside the Allreduce "
+                "can leave some ranks with the sum and others with an error). Commit each step with ok = comm.Agree(ok)"
             )
     return None
 
 
-def _losses_problem(result: JobResult, survivors: list[int], want: list[float]) -> str | None:
+def _losses_problem(result: JobResult, survivors: list[int], want: list[float], steps: int) -> str | None:
     curves = {r: result.outcomes[r].value[0][0] for r in survivors}
     first = survivors[0]
     for rank in survivors:
         got = curves[rank]
-        if not isinstance(got, list) or len(got) != TRAIN_STEPS:
+        if not isinstance(got, list) or len(got) != steps:
             size = len(got) if hasattr(got, "__len__") else "?"
-            return f"rank {rank} returned {type(got).__name__} of {size} items, not a list of {TRAIN_STEPS} losses"
+            return f"rank {rank} returned {type(got).__name__} of {size} items, not a list of {steps} losses"
         if list(got) != list(curves[first]):
             return (
                 f"ranks {first} and {rank} return different losses: did they resume from different steps? "
@@ -430,13 +571,19 @@ def check_train_resilient(fn: Callable[[Any, Any, int], list[float]], timeout: f
     """fn(comm, problem, steps) -> mean losses, equal to one process's although a rank is SIGKILLed mid-step.
 
     Two fixed failures on 4 ranks, the same on every run: a rank dies in its gradient, and one dies inside the
-    Allreduce (`TRAIN_SCENARIOS`); `timeout` is each job's deadline."""
-    want, _ = TRAIN_PROBLEM.one_process(TRAIN_STEPS)
+    Allreduce (`TRAIN_SCENARIOS`); `timeout` is each job's deadline.
+    The grader's draw: the problem (features, data, a batch that 3 or 4 ranks do not divide), the steps, which rank
+    dies in which call of its gradient, and which dies inside which Allreduce while which other is late (_train_cases)."""
     ranks = 4
-    for where, failures, stage in TRAIN_SCENARIOS:
-        dead = {f.rank for f in failures} | {r for r, plan in stage.items() if "kill_at" in plan}
-        context = f"train_resilient on {ranks} ranks, {TRAIN_STEPS} steps, rank {min(dead)} {where}"
-        result = run_job(functools.partial(_train_scenario, fn=fn, failures=failures, stage=stage), ranks, timeout)
+    draw = grading_draw(None, "train_resilient")
+    for case in _train_cases(ranks, draw):
+        want, _ = case.problem.one_process(case.steps)
+        dead = case.dead()
+        context = f"train_resilient on {ranks} ranks, {case.steps} steps, rank {min(dead)} {case.where}{case.drawn}"
+        target = functools.partial(
+            _train_scenario, fn=fn, failures=case.failures, stage=case.stage, problem=case.problem, steps=case.steps
+        )
+        result = run_job(target, ranks, timeout)
         _fail(
             _job_problem(
                 result,
@@ -454,14 +601,15 @@ def check_train_resilient(fn: Callable[[Any, Any, int], list[float]], timeout: f
         else:
             agrees = {r: result.outcomes[r].value[0][1] for r in survivors}
             problem = (
-                _commit_problem(result, survivors, agrees)
-                or _samples_problem(result, ranks, survivors)
-                or _losses_problem(result, survivors, want)
+                _commit_problem(result, survivors, agrees, case)
+                or _samples_problem(result, ranks, survivors, case)
+                or _losses_problem(result, survivors, want, case.steps)
             )
         _fail(problem, context)
     passed(
         MPI.COMM_WORLD,
-        "train_resilient survives a rank SIGKILLed in its gradient and one inside the Allreduce, with one process's losses",
+        "train_resilient survives a rank SIGKILLed in its gradient and one inside the Allreduce, with one process's "
+        f"losses{named(draw)}",
     )
 
 
@@ -470,15 +618,29 @@ def check_train_resilient(fn: Callable[[Any, Any, int], list[float]], timeout: f
 
 #: (items, dtype) of the flat buffers the check rebuilds, one after the other, in one job
 REBUILD_CASES = ((13, "float32"), (11, "float64"), (3, "float64"))
+#: The dtypes the grader draws flat buffers of (the lab: "in the shards' dtype", any).
+REBUILD_DTYPES = ("float32", "float64", "float16", "int32", "int64")
 
 
-def _rebuild_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int) -> Any:
+def _flat(numel: int, dtype: str, seed: int | None) -> np.ndarray:
+    """The flat buffer of a case: 1.5, 2.5, ... (the notebook's), or drawn values of the dtype from `seed`."""
+    if seed is None:
+        return (np.arange(numel) + 1.5).astype(dtype)
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-1000, 1000, numel).astype(dtype)
+    return (rng.standard_normal(numel) * 100).astype(dtype)
+
+
+def _rebuild_scenario(
+    comm: MPI.Comm, fn: Callable[..., Any], victim: int, cases: tuple[tuple[int, str], ...], seed: int | None
+) -> Any:
     old_rank, old_size = comm.Get_rank(), comm.Get_size()
-    cases = []
-    for numel, dtype in REBUILD_CASES:
-        flat = (np.arange(numel) + 1.5).astype(dtype)
+    buffers = []
+    for i, (numel, dtype) in enumerate(cases):
+        flat = _flat(numel, dtype, None if seed is None else seed + i)
         shards = [reference_reshard([flat], numel, old_size, q) for q in range(old_size)]
-        cases.append((numel, shards, shards[old_rank], shards[(old_rank + 1) % old_size]))
+        buffers.append((numel, shards, shards[old_rank], shards[(old_rank + 1) % old_size]))
     if old_rank == victim:
         _kill_self()
     try:
@@ -487,7 +649,7 @@ def _rebuild_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int) -> An
         pass
     survivors, _ = recover(comm, 0)
     results, refused = [], []
-    for numel, shards, mine, buddy in cases:
+    for numel, shards, mine, buddy in buffers:
         given_mine, given_buddy = mine.copy(), buddy.copy()
         got, called = _answer("rebuild_shards", fn, survivors, old_rank, old_size, given_mine, given_buddy, numel)
         refused += called
@@ -501,29 +663,54 @@ def _rebuild_scenario(comm: MPI.Comm, fn: Callable[..., Any], victim: int) -> An
     return results, refused
 
 
+def _rebuild_cases(draw: Draw | None) -> tuple[int, int, tuple[tuple[int, str], ...], int | None]:
+    """(ranks, victim, (items, dtype) of each flat buffer, data seed or None): the notebook's (4 ranks, rank 0 dies,
+    REBUILD_CASES, 1.5, 2.5, ...), or the grader's draw: 3 or 4 ranks, any victim, three buffers of 1 to 40 items of
+    drawn dtypes (REBUILD_DTYPES) and drawn values."""
+    if draw is None:
+        return 4, 0, REBUILD_CASES, None
+    ranks = draw.integer(3, 4, "ranks")
+    cases = tuple(
+        (draw.integer(1, 40, "items", i), REBUILD_DTYPES[draw.integer(0, len(REBUILD_DTYPES) - 1, "dtype", i)])
+        for i in range(3)
+    )
+    return ranks, draw.integer(0, ranks - 1, "victim"), cases, draw.data_seed("values")
+
+
 def check_rebuild_shards(fn: Callable[..., np.ndarray], timeout: float = 60.0) -> None:
-    """fn(comm, old_rank, old_size, mine, buddy, numel) -> this survivor's shard for comm's size, from the buddies."""
-    victim = 0  # old rank 0's shard survives only on old rank 3, across the wrap
-    result = run_job(functools.partial(_rebuild_scenario, fn=fn, victim=victim), 4, timeout)
-    context = f"rebuild_shards on 4 -> 3 ranks, rank {victim} SIGKILLed"
-    _fail(_job_problem(result, "rebuild_shards", timeout, "Exchange on the survivors' communicator only"), context)
-    if missing := [r for r in range(4) if r != victim and r not in result.outcomes]:
-        _fail(f"old ranks {missing} left no result: they died (did your code exit or kill them?)", context)
+    """fn(comm, old_rank, old_size, mine, buddy, numel) -> this survivor's shard for comm's size, from the buddies.
+
+    The grader's draw: 3 or 4 ranks, which one dies, the buffers' items (1 to 40), dtypes and values (_rebuild_cases)."""
+    draw = grading_draw(None, "rebuild_shards")
+    ranks, victim, cases, seed = _rebuild_cases(
+        draw
+    )  # the notebook's victim 0: its shard survives on rank 3, across the wrap
+    target = functools.partial(_rebuild_scenario, fn=fn, victim=victim, cases=cases, seed=seed)
+    result = run_job(target, ranks, timeout)
+    drawn = "" if seed is None else f", values of seed {seed}{named(draw)}"
+    context = f"rebuild_shards on {ranks} -> {ranks - 1} ranks, rank {victim} SIGKILLed"
+    _fail(
+        _job_problem(result, "rebuild_shards", timeout, "Exchange on the survivors' communicator only"), context + drawn
+    )
+    if missing := [r for r in range(ranks) if r != victim and r not in result.outcomes]:
+        _fail(f"old ranks {missing} left no result: they died (did your code exit or kill them?)", context + drawn)
     for rank in sorted(result.outcomes):
-        for (numel, dtype), (got, want, untouched, shares) in zip(REBUILD_CASES, result.outcomes[rank].value[0]):
+        for (numel, dtype), (got, want, untouched, shares) in zip(cases, result.outcomes[rank].value[0]):
             problem = array_problem(got, want, "the new shard", rtol=0, atol=0)
             if problem:
                 problem += (
                     f" (old rank {rank}); the dead rank's shard is the buddy copy its left neighbour "
-                    f"(old rank {(victim - 1) % 4}) holds; gather every old shard, then reshard"
+                    f"(old rank {(victim - 1) % ranks}) holds; gather every old shard, then reshard"
                 )
             elif shares:
                 problem = f"old rank {rank}: the new shard shares memory with `mine` or `buddy`: return a new array"
             elif not untouched:
                 problem = f"old rank {rank}: `mine` or `buddy` was changed: read them, do not write them"
-            _fail(problem, f"{context}, {numel} items of {dtype}")
+            _fail(problem, f"{context}, {numel} items of {dtype}{drawn}")
+    dtypes = "float32 and float64" if draw is None else " and ".join(sorted({d for _, d in cases}))
     passed(
-        MPI.COMM_WORLD, "rebuild_shards rebuilds every shard from the buddies and reshards 4 -> 3, float32 and float64"
+        MPI.COMM_WORLD,
+        f"rebuild_shards rebuilds every shard from the buddies and reshards {ranks} -> {ranks - 1}, {dtypes}{named(draw)}",
     )
 
 
@@ -537,11 +724,34 @@ GOODPUT_CASES = [  # interval, cost, mtbf, restart, work: no failures, some, man
 ]
 
 
+def _goodput_cases(draw: Draw | None) -> list[tuple[tuple[float, float, float, float, float], list[int]]]:
+    """(interval, cost, mtbf, restart, work) and the rng seeds of each case: the notebook's (seeds 0, 1, 2), or the
+    grader's draw: intervals 1 to 20, costs 0 to 4, restarts 0 to 10, works of 5 to 100 intervals, the last case's
+    not a multiple; no failures (mtbf 1e12), some (mtbf 5 to 20 segments) and many (2 to 4); three seeds each."""
+    if draw is None:
+        return [(case, [0, 1, 2]) for case in GOODPUT_CASES]
+    cases = []
+    for i, segments in enumerate(
+        (0, draw.integer(5, 20, "some"), draw.integer(2, 4, "many"), draw.integer(3, 20, "any"))
+    ):
+        interval, cost = float(draw.integer(1, 20, "interval", i)), draw.integer(0, 40, "cost", i) / 10
+        mtbf = 1e12 if segments == 0 else (interval + cost) * segments
+        work = interval * draw.integer(5, 100, "work", i) + (
+            draw.integer(1, 9, "rest", i) * interval / 10 if i == 3 else 0
+        )
+        seeds = [draw.integer(0, 10**6, "rng", i, k) for k in range(3)]
+        cases.append(((interval, cost, mtbf, float(draw.integer(0, 10, "restart", i)), work), seeds))
+    return cases
+
+
 def check_simulate_goodput(fn: Callable[..., float], timeout: float = 30.0) -> None:
-    """fn(interval, cost, mtbf, restart, work, rng) -> goodput, drawing failures from rng as the lab states."""
-    for interval, cost, mtbf, restart, work in GOODPUT_CASES:
+    """fn(interval, cost, mtbf, restart, work, rng) -> goodput, drawing failures from rng as the lab states.
+
+    The grader's draw: the four cases' interval, cost, mtbf, restart and work, and their rng seeds (_goodput_cases)."""
+    draw = grading_draw(None, "simulate_goodput")
+    for (interval, cost, mtbf, restart, work), seeds in _goodput_cases(draw):
         context = f"simulate_goodput(interval={interval}, cost={cost}, mtbf={mtbf}, restart={restart}, work={work})"
-        for seed in range(3):
+        for seed in seeds:
             with answering("simulate_goodput") as called, deadline(timeout, context, "a loop that never ends?"):
                 got = fn(interval, cost, mtbf, restart, work, np.random.default_rng(seed))
             if called:
@@ -554,5 +764,7 @@ def check_simulate_goodput(fn: Callable[..., float], timeout: float = 30.0) -> N
                         " (higher than it is: is a checkpoint's cost, the restart, or the work lost since the last "
                         "checkpoint left out?)"
                     )
-                raise CheckFailed(f"{context}, rng seed {seed}: returned {got!r}, expected {want!r}{hint}")
-    passed(MPI.COMM_WORLD, "simulate_goodput replays failures exactly as the reference draws them, 4 cases")
+                raise CheckFailed(f"{context}, rng seed {seed}{named(draw)}: returned {got!r}, expected {want!r}{hint}")
+    passed(
+        MPI.COMM_WORLD, f"simulate_goodput replays failures exactly as the reference draws them, 4 cases{named(draw)}"
+    )
