@@ -20,7 +20,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -52,6 +52,12 @@ class Running:
     reaper: subprocess.Popen  # stops the cluster if this process dies without stop()
     fault_tolerant: bool = False  # launched with ULFM: the survivors of a dead engine keep running
     reported_up: int = -1  # engine count at the last crash report, so each crash is told once
+    killed: set[int] = field(default_factory=set)  # engines kill_engine() killed on purpose, until restart()
+
+    def healthy(self) -> bool:
+        """Whether every engine is up but those killed on purpose (lab 19 goes on without them)."""
+        up = set(self.client.ids)
+        return len(up) == self.n - len(self.killed) and not up & self.killed
 
 
 _current: Running | None = None
@@ -340,6 +346,7 @@ def restart(timeout: float = 120.0) -> ipp.Client:
         stop()
         raise
     running.view = _activate(client, n, running.fault_tolerant)
+    running.killed.clear()
     return client
 
 
@@ -365,6 +372,7 @@ def kill_engine(engine: int, timeout: float = 30.0) -> None:
             )
         time.sleep(0.1)  # engine (un)registrations arrive on the client's IO thread
     _current.reported_up = len(client.ids)  # this death was asked for: the cell after it need not report it
+    _current.killed.add(engine)
 
 
 @contextlib.contextmanager

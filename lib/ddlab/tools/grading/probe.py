@@ -41,13 +41,14 @@ def reference_name(name: str | None) -> str | None:
 def report(name: str | None = None) -> None:
     """In the kernel: print {"healthy": all engines answered, "reference": what `name` is, if ddlab's}.
 
-    "healthy" is null when no cluster is running (before the notebook starts one, or after it stops it).
+    "healthy" is null when no cluster is running (before the notebook starts one, or after it stops it); an
+    engine the notebook killed on purpose (`cluster.kill_engine`, lab 19) is not missed.
     """
     from ...runtime import cluster
 
     running = cluster.current()
     verdict: dict[str, object] = {"healthy": None if running is None else False, "reference": None}
-    if running is not None and len(running.client.ids) == running.n:
+    if running is not None and running.healthy():
         try:
             answers = running.client[:].apply_async(reference_name, name).get(timeout=ANSWER_TIMEOUT)
             verdict = {"healthy": True, "reference": answers[0]}
