@@ -31,6 +31,10 @@ from ddlab.pipeline.zero_bubble import backward_input, backward_weight, forward_
 from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
 
+# Labs 16 and 17 run on 4 engines (their checks' cases are the 4 ranks'); tests/test_mpi_suites.py's job on 3
+# ranks is for the library's tests and the answers that must fold an odd rank count.
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 4, reason="labs 16 and 17's checks run on 4 ranks")
+
 SEEDS = (11, 2027, 90210)
 SHORT = 3.0  # seconds a fitted answer may wait for a message that never comes
 

@@ -293,7 +293,7 @@ class TrainerPlan:
         if self.draw is None:
             return ""
         order = ", ".join(map(str, self.order))
-        return f" (batches of {self.batch} samples of seed {self.seed}, the world's ranks in the order {order};{named(self.draw)[2:]}"
+        return f" (batches of {self.batch} samples of seed {self.seed}, the world's ranks in the order {order}; {self.draw})"
 
 
 def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS, timeout: float = TRAINER_TIMEOUT) -> None:
@@ -518,9 +518,10 @@ class _Interleaved:
             self.sizes, self.refused = INTERLEAVED_SIZES, (2, 2, 3)
             self.m, self.width, self.seed = 2 * world, 4, 0
             return
-        k = [draw.integer(1, 6, "groups", i) for i in range(12)]
-        self.sizes = [(draw.integer(1, 4, "p", i), draw.integer(1, 3, "v", i)) + (k[i],) for i in range(12)]
-        self.sizes = [(p, v, p * groups) for p, v, groups in self.sizes]
+        drawn = [
+            (draw.integer(1, 4, "p", i), draw.integer(1, 3, "v", i), draw.integer(1, 6, "m", i)) for i in range(12)
+        ]
+        self.sizes = [(p, v, p * groups) for p, v, groups in drawn]  # m a multiple of p
         ps = [draw.integer(2, 4, "p, v = 1", i) for i in range(3)]  # v = 1 takes any m
         self.sizes += [
             (p, 1, draw.choose([m for m in range(1, 5 * p) if m % p], 1, "m, v = 1", i)[0]) for i, p in enumerate(ps)
@@ -581,17 +582,15 @@ def check_interleaved(fn: Interleaved, timeout: float = TIMEOUT) -> None:
     except CheckFailed as err:  # past the deadline
         problem = str(err) + named(draw)
     fail_together_once(world, problem, "the interleaved schedule is wrong")
-    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        if draw is None:
-            _run_problem(world, fn, dtype, tolerance, timeout, cases)
-        else:  # on the world's ranks in a drawn order
-            each_size(
-                world,
-                lambda sub, dtype=dtype, tolerance=tolerance: _run_problem(sub, fn, dtype, tolerance, timeout, cases),
-                "the interleaved schedule",
-                sizes=[world.Get_size()],
-                draw=draw,
-            )
+
+    def run(sub: MPI.Comm) -> None:
+        for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+            _run_problem(sub, fn, dtype, tolerance, timeout, cases)
+
+    if draw is None:
+        run(world)
+    else:  # on the world's ranks in a drawn order
+        each_size(world, run, "the interleaved schedule", sizes=[world.Get_size()], draw=draw)
     passed(
         world,
         "the interleaved schedule runs every op once, keeps at most 1F1B's activations, has the bubble "

@@ -328,11 +328,11 @@ def _check_op_lists(
 
 
 def _op_list_sizes(draw: Draw | None, most_p: int, most_m: int) -> list[tuple[int, int]]:
-    """(p, m): every p up to most_p with every m up to most_m, or the grader's: (1, 1) and 13 drawn, p up to
+    """(p, m): every p up to most_p with every m up to most_m, or the grader's: (1, 1) and 11 drawn, p up to
     most_p + 2 and m up to most_m + 6 (each exercise takes any p and m: fewer micro-batches than stages among them)."""
     if draw is None:
         return [(p, m) for p in range(1, most_p + 1) for m in range(1, most_m + 1)]
-    drawn = [(draw.integer(2, most_p + 2, "p", i), draw.integer(1, most_m + 6, "m", i)) for i in range(12)]
+    drawn = [(draw.integer(2, most_p + 2, "p", i), draw.integer(1, most_m + 6, "m", i)) for i in range(10)]
     p = draw.integer(3, most_p + 2, "p", "few")
     return [(1, 1), *drawn, (p, draw.integer(1, p - 1, "m", "few"))]
 
@@ -340,11 +340,11 @@ def _op_list_sizes(draw: Draw | None, most_p: int, most_m: int) -> list[tuple[in
 def check_zb_h1(fn: Callable[[int, int, int], Any]) -> None:
     """fn(p, m, stage) -> ZB-H1's ops for that stage (any valid order as short and as lean as the reference's).
 
-    The grader's draw: 14 (p, m) instead of p = 1..5 with m = 1..10: p up to 7, m up to 16, one with m < p."""
+    The grader's draw: 12 (p, m) instead of p = 1..5 with m = 1..10: p up to 7, m up to 16, one with m < p."""
     draw = grading_draw(None, "zb_h1")
     sizes = _op_list_sizes(draw, 5, 10)
     _check_op_lists(fn, zb_h1, "chain", sizes, draw)
-    shown = "p = 1..5 and m = 1..10" if draw is None else "14 drawn (p, m) up to 7 and 16"
+    shown = "p = 1..5 and m = 1..10" if draw is None else "12 drawn (p, m) up to 7 and 16"
     passed(
         MPI.COMM_WORLD,
         f"zb_h1: every op once in a valid order for {shown}, at most p micro-batches alive, "
@@ -363,7 +363,7 @@ class _Run:
         if draw is None:
             self.micro, self.rows, self.width, self.seed = MICRO, ROWS, WIDTH, 7
         else:
-            self.micro, self.rows = draw.integer(2, 7, "micro-batches"), draw.integer(1, 4, "rows")
+            self.micro, self.rows = draw.integer(2, 6, "micro-batches"), draw.integer(1, 4, "rows")
             self.width, self.seed = draw.integer(1, 5, "width"), draw.data_seed("chain") % 10**6
 
     def __str__(self) -> str:
@@ -440,14 +440,14 @@ def _sizes(draw: Draw | None = None) -> list[int]:
     size = MPI.COMM_WORLD.Get_size()
     if draw is None:
         return [size] + [k for k in (3, 1) if k < size]
-    return [size] + draw.choose(range(size - 1, 0, -1), 2, "sizes")[::-1]
+    return [size] + draw.choose(range(size - 1, 0, -1), 2, "sizes")
 
 
 def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> None:
     """fn(comm, layers, ops, inputs, targets) runs this rank's stage through F, B and W ops; one process's gradients.
 
     timeout: seconds a rank may wait for a message before the answer fails as stalled.
-    The grader's draw: the world's ranks and two other counts, each in a drawn order; 2 to 7 micro-batches of
+    The grader's draw: the world's ranks and two other counts, each in a drawn order; 2 to 6 micro-batches of
     1 to 4 rows x 1 to 5 features (float64, the text's dtype); layers and data of a drawn seed."""
     draw = grading_draw(MPI.COMM_WORLD, "run_zero_bubble")
     run = _Run(draw)
@@ -519,8 +519,8 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
 def check_zb_v(fn: Callable[[int, int, int], Any]) -> None:
     """fn(p, m, rank) -> ZB-V's ops (kind, chunk, i) for that rank; checked as an op list, then run on real ranks.
 
-    The grader's draw: 14 (p, m) instead of p = 1..4 with m = 1..9 (p up to 6, m up to 15, one with m < p);
-    the run on the world's ranks and two other counts in drawn orders, with drawn micro-batches (2 to 7), their
+    The grader's draw: 12 (p, m) instead of p = 1..4 with m = 1..9 (p up to 6, m up to 15, one with m < p);
+    the run on the world's ranks and two other counts in drawn orders, with drawn micro-batches (2 to 6), their
     shape, and layers and data of a drawn seed."""
     draw = grading_draw(MPI.COMM_WORLD, "zb_v")
     run, sizes = _Run(draw), _sizes(draw)
@@ -545,7 +545,7 @@ def check_zb_v(fn: Callable[[int, int, int], Any]) -> None:
         return None
 
     each_size(MPI.COMM_WORLD, body, "zb_v", sizes=sizes, draw=draw)
-    shown = "p = 1..4 and m = 1..9" if draw is None else "14 drawn (p, m) up to 6 and 15"
+    shown = "p = 1..4 and m = 1..9" if draw is None else "12 drawn (p, m) up to 6 and 15"
     passed(
         MPI.COMM_WORLD,
         f"zb_v: valid V op lists for {shown}, at most 2p chunk activations a rank, as short as "
