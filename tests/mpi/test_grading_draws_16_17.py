@@ -10,6 +10,8 @@ library's trainer passes in test_mesh_trainer_checks.py; here it runs under the 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -123,10 +125,9 @@ def test_the_library_s_trainer_passes_under_every_seed(comm, seed, capsys):
 # Answers fitted to the notebook's cases --------------------------------------------------
 
 
-def split_mesh_by_the_world_s_rank(comm, sizes):
-    """16.1 with each coordinate read off the world's rank: right on the first P ranks, the notebook's."""
-    validate_sizes(sizes, comm.Get_size())
-    rank, coords = MPI.COMM_WORLD.Get_rank(), {}
+def split_by_rank(comm, sizes, rank):
+    """16.1's coordinates of `rank` and one Split per dimension (the notebook's solution, given the rank)."""
+    coords = {}
     for name in reversed(DIMS):
         rank, coords[name] = divmod(rank, sizes[name])
     comms = {}
@@ -137,6 +138,19 @@ def split_mesh_by_the_world_s_rank(comm, sizes):
                 colour = colour * sizes[other] + coords[other]
         comms[name] = comm.Split(colour, coords[name])
     return {name: coords[name] for name in DIMS}, comms
+
+
+def split_mesh_by_the_world_s_rank(comm, sizes):
+    """16.1 with each coordinate read off the world's rank: right on the first P ranks, the notebook's."""
+    validate_sizes(sizes, comm.Get_size())
+    return split_by_rank(comm, sizes, MPI.COMM_WORLD.Get_rank())
+
+
+def split_mesh_refusing_only_too_many_ranks(comm, sizes):
+    """16.1 refusing sizes whose product passes the ranks, as the notebook's one wrong case (P + 1) does."""
+    if math.prod(sizes.values()) > comm.Get_size():
+        raise ValueError(f"sizes {sizes} need more than the {comm.Get_size()} ranks")
+    return split_by_rank(comm, sizes, comm.Get_rank())
 
 
 #: 16.3's and 17.2's lists for the sizes the notebook's checks try, kept by a student who tabled them.
@@ -201,6 +215,7 @@ def run_zero_bubble_by_the_world_s_rank(comm, layers, ops, inputs, targets):
 
 FITTED = [  # (check, the fitted answer, words its failure under the draw names besides the seed)
     (check_split_mesh, (split_mesh_by_the_world_s_rank,), ["coords are", "of the check's communicator, in that order"]),
+    (check_split_mesh, (split_mesh_refusing_only_too_many_ranks,), ["accepted sizes", "raise ValueError"]),
     (check_interleaved, (interleaved_from_a_table,), ["KeyError", "micro-batches"]),
     (check_split_backward, (backward_input, weight_by_axis_1), ["3-D activations", "weights and data of seed"]),
     (check_zb_h1, (zb_h1_from_a_table,), ["KeyError", "zb_h1(p="]),
