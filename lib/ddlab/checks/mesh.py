@@ -10,6 +10,7 @@ check's deadline (a rank that never calls it fails the check instead of hanging 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, cast
 
 import torch
@@ -29,6 +30,7 @@ from ..pipeline.interleaved import (
 from ..pipeline.schedules import bubble
 from ..runtime.counting import ALLOWABLE, CountingComm, MismatchedCollective, underlying
 from ._core import count, deadline, each_size, fail_together, fail_together_once, passed, run_counted
+from ._draw import Draw, grading_draw, named
 from .errors import CheckFailed
 
 TIMEOUT = 10.0
@@ -139,37 +141,48 @@ def _layout_problem(sub: MPI.Comm, sizes: dict[str, int], result: Any, refused: 
     fail_together(sub, problem, f"split_mesh's communicators are wrong for {shown}")
 
 
+def _wrong_sizes(size: int, draw: Draw | None) -> dict[str, int]:
+    """Sizes whose product is not `size`: the notebook's size + 1 ranks of data, or the grader's, a layout of a
+    drawn other count from 1 to 2 size + 1 (fewer ranks than comm's, or more) over the four dimensions."""
+    if draw is None:
+        return {**dict.fromkeys(DIMS, 1), "data": size + 1}
+    other = draw.choose([n for n in range(1, 2 * size + 2) if n != size], 1, "wrong", size)[0]
+    return draw.choose(layouts(other, DIMS), 1, "wrong layout", size)[0]
+
+
 def check_split_mesh(fn: SplitMesh, timeout: float = TIMEOUT) -> None:
     """fn(comm, sizes) -> (coords, comms), as ddlab.mesh.split_mesh (exercise 16.1's signature).
 
-    timeout: seconds a rank waits for the others at each collective call before the check fails."""
+    timeout: seconds a rank waits for the others at each collective call before the check fails.
+    The grader's draw: the same rank counts and every layout of each, but the ranks of each count drawn from
+    the world's in a drawn order, and the sizes to refuse a layout of another drawn count (fewer or more ranks)."""
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "split_mesh")
 
     def body(sub: MPI.Comm) -> str | None:
         size = sub.Get_size()
         valid = layouts(size, DIMS)
-        wrong = {**dict.fromkeys(DIMS, 1), "data": size + 1}
+        wrong = _wrong_sizes(size, draw)
         results = _run(sub, fn, [*valid, wrong], timeout)
         try:
             for sizes, (result, refused) in zip(valid, results):
-                _layout_problem(sub, sizes, result, refused)
+                _layout_problem(sub, sizes, result, refused)  # each_size names the drawn ranks
         finally:
             for result, _ in results:
                 for raw in _communicators(result):
                     if raw != sub:
                         raw.Free()
         if results[-1][1] is None:
-            return (
-                f"accepted sizes {wrong} whose product {size + 1} is not the {size} ranks: raise ValueError saying so"
-            )
+            product = math.prod(wrong.values())
+            return f"accepted sizes {wrong} whose product {product} is not the {size} ranks: raise ValueError saying so"
         return None
 
     # The world's size first: an answer splitting MPI.COMM_WORLD completes there, and is seen to.
-    each_size(world, body, "split_mesh is wrong", sizes=[world.Get_size(), *range(1, world.Get_size())])
+    each_size(world, body, "split_mesh is wrong", sizes=[world.Get_size(), *range(1, world.Get_size())], draw=draw)
     passed(
         world,
         "split_mesh: every layout's coordinates and its four sub-communicators are right, and sizes "
-        "that do not multiply to the ranks are refused",
+        f"that do not multiply to the ranks are refused{named(draw)}",
     )
 
 
@@ -244,6 +257,45 @@ def _described(case: Case) -> str:
     )
 
 
+class TrainerPlan:
+    """What check_mesh_trainer runs: the world's ranks in some order, the layouts, the batch and its sampler's seed.
+
+    The notebook's: the world in its order, TRAINER_CASES (or `_trainer_cases`), 12 samples of seed 0. The grader's
+    (`draw`): the world's ranks in a drawn order, the notebook's layouts (each there for a class of mistake) with
+    drawn micro-batches (1 to 3; 2 or 3 where the notebook's are 2) and ZeRO stage (1 to 3 where the notebook's
+    uses ZeRO), a batch a drawn multiple (up to 16) of every case's data ranks x micro-batches, of a drawn seed."""
+
+    def __init__(self, size: int, draw: Draw | None = None) -> None:
+        self.draw = draw
+        self.split = _split_case(size)
+        self.order, self.cases, self.batch, self.seed = list(range(size)), _trainer_cases(size), 12, 0
+        if draw is None:
+            return
+        self.order = draw.ranks(size, size)
+        self.cases = [
+            (
+                data,
+                tensor,
+                pipeline,
+                context,
+                draw.integer(min(micro, 2), 3, "micro", i),
+                zero and draw.integer(1, 3, "zero", i),
+                sp,
+            )
+            for i, (data, tensor, pipeline, context, micro, zero, sp) in enumerate(self.cases)
+        ]
+        ways = math.lcm(*(case[0] * case[4] for case in self.cases), self.split[0] if self.split else 1)
+        self.batch = ways * draw.integer(1, max(1, 16 // ways), "batch")
+        self.seed = draw.data_seed("batches") % 10**6
+
+    def __str__(self) -> str:
+        """' (batches of B samples of seed S, the world's ranks in the order ...; the grader's draw, seed S)' or ''."""
+        if self.draw is None:
+            return ""
+        order = ", ".join(map(str, self.order))
+        return f" (batches of {self.batch} samples of seed {self.seed}, the world's ranks in the order {order}; {self.draw})"
+
+
 def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS, timeout: float = TRAINER_TIMEOUT) -> None:
     """fn(model, mesh, batch_at, steps, micro_batches, zero, sequence_parallel) -> the losses of `steps` steps.
 
@@ -255,7 +307,9 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS, timeout: float = TRA
     (`_split_case`), each training on batches of its own at the same time, where an answer that averages or
     broadcasts over MPI.COMM_WORLD instead of the mesh's communicators mixes the meshes. Every rank's
     losses must be one process's (on its mesh's batches) to 1e-8, every step's: with TRAINER_STEPS (3) steps,
-    gradients never zeroed show."""
+    gradients never zeroed show.
+    The grader's draw (TrainerPlan): the world's ranks in a drawn order (the meshes built on it, the split case's
+    too), the notebook's layouts with drawn micro-batches and ZeRO stage, the batch size and the batches' seed."""
     from ..data.text import BatchSampler, make_corpus
     from ..models.gpt import GPTConfig
 
@@ -263,21 +317,24 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS, timeout: float = TRA
     size, rank = world.Get_size(), world.Get_rank()
     block = 8 if 8 % size == 0 else 2 * size  # the rows split over the tensor ranks
     config = GPTConfig(vocab_size=256, block_size=block, n_layer=4, n_head=4, n_embd=16, tied=False)
-    sampler = BatchSampler(make_corpus().train, batch=12, block=config.block_size)
-    comm = world.Dup()
+    draw = grading_draw(world, "mesh_trainer")
+    plan = TrainerPlan(size, draw)
+    sampler = BatchSampler(make_corpus().train, batch=plan.batch, block=config.block_size, seed=plan.seed)
+    comm = world.Split(0, plan.order.index(rank))  # the world's ranks, in the plan's order
     try:
         want: list[float] | None = None  # one process's losses, computed once fn has returned (a stub fails first)
-        for case in _trainer_cases(size):
-            got = _run_trainer(comm, fn, config, sampler.batch_at, steps, case, timeout)
+        for case in plan.cases:
+            got = _run_trainer(comm, fn, config, sampler.batch_at, steps, case, timeout, plan)
             want = want if want is not None else _one_process(comm, config, sampler.batch_at, steps)
-            fail_together(comm, _losses_problem(got, want), f"the mesh trainer is wrong on {_described(case)}")
-        split = _split_case(size)
-        if split is not None:
-            ranks, case = split
-            mesh_index = rank // ranks
+            fail_together(comm, _losses_problem(got, want), f"the mesh trainer is wrong on {_described(case)}{plan}")
+        if plan.split is not None:
+            ranks, case = plan.split
+            mesh_index = comm.Get_rank() // ranks
             group = comm.Split(mesh_index, rank)
             try:
-                _check_split(comm, group, fn, config, _shifted(sampler.batch_at, mesh_index), steps, case, timeout)
+                _check_split(
+                    comm, group, fn, config, _shifted(sampler.batch_at, mesh_index), steps, case, timeout, plan
+                )
             finally:
                 group.Free()
     finally:
@@ -285,7 +342,7 @@ def check_mesh_trainer(fn: Any, steps: int = TRAINER_STEPS, timeout: float = TRA
     passed(
         world,
         f"the mesh trainer takes one process's steps (float64, 1e-8, {steps} steps) on every layout tried, "
-        "on the whole world and on meshes of part of it",
+        f"on the whole world and on meshes of part of it{named(draw)}",
     )
 
 
@@ -295,19 +352,36 @@ def _shifted(batch_at: Any, mesh_index: int) -> Any:
 
 
 def _check_split(
-    comm: MPI.Comm, group: MPI.Comm, fn: Any, config: Any, batch_at: Any, steps: int, case: Case, timeout: float
+    comm: MPI.Comm,
+    group: MPI.Comm,
+    fn: Any,
+    config: Any,
+    batch_at: Any,
+    steps: int,
+    case: Case,
+    timeout: float,
+    plan: TrainerPlan,
 ) -> None:
     """The split case: every mesh (group) trains at once; one verdict on every rank of comm, with SPLIT_HINT."""
     what = _described(case)
-    first, last = comm.Get_rank() - group.Get_rank(), comm.Get_rank() - group.Get_rank() + group.Get_size() - 1
-    ranks = f"world ranks {first} to {last}" if last > first else f"world rank {first} alone"
+    members = group.allgather(MPI.COMM_WORLD.Get_rank())
+    if plan.draw is not None:
+        ranks = (
+            f"world ranks {', '.join(map(str, members))}, in that order"
+            if len(members) > 1
+            else f"world rank {members[0]} alone"
+        )
+    elif len(members) > 1:
+        ranks = f"world ranks {members[0]} to {members[-1]}"
+    else:
+        ranks = f"world rank {members[0]} alone"
     hint = SPLIT_HINT.format(ranks=count(group.Get_size(), "rank"), world=comm.Get_size())
     problem = None
     try:
-        got = _run_trainer(group, fn, config, batch_at, steps, case, timeout)
+        got = _run_trainer(group, fn, config, batch_at, steps, case, timeout, plan)
         want = _one_process(group, config, batch_at, steps)
         found = _losses_problem(got, want)
-        problem = f"the mesh trainer is wrong on a mesh of {what} ({ranks}): {found}" if found else None
+        problem = f"the mesh trainer is wrong on a mesh of {what} ({ranks}){plan}: {found}" if found else None
     except (CheckFailed, NotImplementedError) as err:  # the same on every rank of the group; another may pass
         problem = str(err)
     problems = [p for p in comm.allgather(problem) if p]
@@ -315,9 +389,11 @@ def _check_split(
         raise CheckFailed(f"{problems[0]}\n{hint}")
 
 
-def _run_trainer(comm: MPI.Comm, fn: Any, config: Any, batch_at: Any, steps: int, case: Case, timeout: float) -> Any:
+def _run_trainer(
+    comm: MPI.Comm, fn: Any, config: Any, batch_at: Any, steps: int, case: Case, timeout: float, plan: TrainerPlan
+) -> Any:
     """fn's losses on the mesh of `case` over comm's ranks, run under the counting communicator's deadlines."""
-    what = _described(case)
+    what = f"{_described(case)}{plan}"
     try:
         got, _ = run_counted(
             comm,
@@ -393,6 +469,10 @@ def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
             ops = fn(p, m, rank, v)
         except ValueError as err:  # every size tried is valid: m a multiple of p, or v = 1
             return f"rank {rank}: raised ValueError on valid sizes (with v = 1 any m is valid): {err}"
+        except (NotImplementedError, CheckFailed):  # the stub, or past the deadline
+            raise
+        except Exception as err:  # the student's code failed: one verdict, naming the sizes
+            return f"rank {rank}: raised {type(err).__name__}: {err}"
         if not isinstance(ops, list) or not all(isinstance(op, tuple) and len(op) == 3 for op in ops):
             return f"rank {rank}: should return a list of (kind, chunk, micro-batch) tuples, got {ops!r}"
         ops = [(kind, int(j), int(i)) for kind, j, i in ops]
@@ -429,6 +509,43 @@ def _schedule_problem(fn: Interleaved, p: int, v: int, m: int) -> str | None:
     return None
 
 
+class _Interleaved:
+    """The cases of check_interleaved: the notebook's, or the grader's (`draw`)."""
+
+    def __init__(self, world: int, draw: Draw | None) -> None:
+        self.draw = draw
+        if draw is None:
+            self.sizes, self.refused = INTERLEAVED_SIZES, (2, 2, 3)
+            self.m, self.width, self.seed = 2 * world, 4, 0
+            return
+        drawn = [
+            (draw.integer(1, 4, "p", i), draw.integer(1, 3, "v", i), draw.integer(1, 6, "m", i)) for i in range(12)
+        ]
+        self.sizes = [(p, v, p * groups) for p, v, groups in drawn]  # m a multiple of p
+        ps = [draw.integer(2, 4, "p, v = 1", i) for i in range(3)]  # v = 1 takes any m
+        self.sizes += [
+            (p, 1, draw.choose([m for m in range(1, 5 * p) if m % p], 1, "m, v = 1", i)[0]) for i, p in enumerate(ps)
+        ]
+        p = draw.integer(2, 4, "refused p")
+        self.refused = (
+            p,
+            draw.integer(2, 3, "refused v"),
+            draw.choose([m for m in range(1, 6 * p) if m % p], 1, "refused m")[0],
+        )
+        self.m, self.width, self.seed = (
+            world * draw.integer(1, 3, "run m"),
+            draw.integer(2, 5, "width"),
+            draw.data_seed("run"),
+        )
+        self.sizes.append((world, 2, self.m))  # the lists run below are checked first
+
+    def run(self, world: int) -> str:
+        """The run on the ranks, for a message."""
+        if self.draw is None:
+            return ""
+        return f" (p = {world}, v = 2, m = {self.m}, width {self.width}, layers and data of seed {self.seed}{named(self.draw)})"
+
+
 def check_interleaved(fn: Interleaved, timeout: float = TIMEOUT) -> None:
     """fn(p, m, rank, v) -> rank's ops [(kind, chunk, micro-batch)], as ddlab.pipeline.interleaved_1f1b.
 
@@ -436,45 +553,61 @@ def check_interleaved(fn: Interleaved, timeout: float = TIMEOUT) -> None:
     1F1B's warm-up + 1 activations kept, exactly the warm-up's forwards before the first backward, no
     deadlock, the bubble (p - 1)/(v m + p - 1); with v = 1, m need not be a multiple of p); m not a multiple
     of p with v > 1 refused (ValueError); then run on the world's ranks, 2 chunks each of a chain of
-    linear layers, in float64 and float32: every gradient one process's."""
+    linear layers, in float64 and float32: every gradient one process's.
+    The grader's draw: 12 (p, v, m) with p 1 to 4, v 1 to 3 and m a multiple of p up to 6p, 3 with v = 1 and m
+    not a multiple of p, a drawn (p, v > 1, m not a multiple) to refuse; the run on the world's ranks in a drawn
+    order, m a drawn multiple of p up to 3p, layers of a drawn width and seed."""
     world = MPI.COMM_WORLD
+    draw = grading_draw(world, "interleaved")
+    cases = _Interleaved(world.Get_size(), draw)
     problem = None
     try:
-        for p, v, m in INTERLEAVED_SIZES:
+        for p, v, m in cases.sizes:
             with deadline(SCHEDULE_DEADLINE, f"the schedule for p = {p}, v = {v}, m = {m}", SCHEDULE_CAUSE):
                 problem = _schedule_problem(fn, p, v, m)
             if problem:
-                problem = f"p = {p} ranks, v = {v} chunks, m = {m} micro-batches: {problem}"
+                problem = f"p = {p} ranks, v = {v} chunks, m = {m} micro-batches{named(draw)}: {problem}"
                 break
         if problem is None:
+            p, v, m = cases.refused
             try:
-                with deadline(SCHEDULE_DEADLINE, "the schedule for p = 2, v = 2, m = 3", SCHEDULE_CAUSE):
-                    fn(2, 3, 0, 2)
+                with deadline(SCHEDULE_DEADLINE, f"the schedule for p = {p}, v = {v}, m = {m}", SCHEDULE_CAUSE):
+                    fn(p, m, 0, v)
                 problem = (
-                    "accepted m = 3 micro-batches on p = 2 ranks with v = 2: raise ValueError "
+                    f"accepted m = {m} micro-batches on p = {p} ranks with v = {v}{named(draw)}: raise ValueError "
                     "(m must be a multiple of p)"
                 )
             except ValueError:
                 pass
     except CheckFailed as err:  # past the deadline
-        problem = str(err)
+        problem = str(err) + named(draw)
     fail_together_once(world, problem, "the interleaved schedule is wrong")
-    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        _run_problem(world, fn, dtype, tolerance, timeout)
+
+    def run(sub: MPI.Comm) -> None:
+        for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+            _run_problem(sub, fn, dtype, tolerance, timeout, cases)
+
+    if draw is None:
+        run(world)
+    else:  # on the world's ranks in a drawn order
+        each_size(world, run, "the interleaved schedule", sizes=[world.Get_size()], draw=draw)
     passed(
         world,
         "the interleaved schedule runs every op once, keeps at most 1F1B's activations, has the bubble "
-        "(p - 1)/(v m + p - 1), and its gradients on the ranks are one process's (float64, float32)",
+        f"(p - 1)/(v m + p - 1), and its gradients on the ranks are one process's (float64, float32){named(draw)}",
     )
 
 
-def _run_problem(world: MPI.Comm, fn: Interleaved, dtype: torch.dtype, tolerance: float, timeout: float) -> None:
+def _run_problem(
+    world: MPI.Comm, fn: Interleaved, dtype: torch.dtype, tolerance: float, timeout: float, cases: _Interleaved
+) -> None:
     p, v = world.Get_size(), 2
-    m, width = 2 * p, 4
-    torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Sequential(nn.Linear(width, width, dtype=dtype), nn.Tanh()) for _ in range(v * p)]
-    inputs = list(torch.randn(m, 2, width, dtype=dtype).unbind())
-    targets = list(torch.randn(m, 2, width, dtype=dtype).unbind())
+    m, width = cases.m, cases.width
+    with torch.random.fork_rng():
+        torch.manual_seed(cases.seed)
+        layers: list[nn.Module] = [nn.Sequential(nn.Linear(width, width, dtype=dtype), nn.Tanh()) for _ in range(v * p)]
+        inputs = list(torch.randn(m, 2, width, dtype=dtype).unbind())
+        targets = list(torch.randn(m, 2, width, dtype=dtype).unbind())
 
     def loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return ((y - target) ** 2).sum()
@@ -486,7 +619,11 @@ def _run_problem(world: MPI.Comm, fn: Interleaved, dtype: torch.dtype, tolerance
     chunks = [copy.deepcopy(layers[virtual_stage(p, rank, j)]) for j in range(v)]
     ops = fn(p, m, rank, v)
     run_counted(
-        world, lambda comm: run_interleaved(comm, chunks, ops, inputs, targets, loss), (), "the schedule", timeout
+        world,
+        lambda comm: run_interleaved(comm, chunks, ops, inputs, targets, loss),
+        (),
+        f"the schedule{cases.run(p)}",
+        timeout,
     )
     problem = None
     for j, chunk in enumerate(chunks):
@@ -497,4 +634,4 @@ def _run_problem(world: MPI.Comm, fn: Interleaved, dtype: torch.dtype, tolerance
             if error > tolerance * max(1.0, float(want.grad.abs().max())):
                 problem = f"chunk {j} ({name}) in {dtype}: gradient differs from one process's by {error:.2e}"
                 break
-    fail_together(world, problem, "the interleaved schedule's gradients are wrong")
+    fail_together(world, problem, f"the interleaved schedule's gradients are wrong{cases.run(p)}")

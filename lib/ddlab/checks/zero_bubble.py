@@ -15,6 +15,10 @@
 - `check_run_zero_bubble(fn)`: the executor under ZB-H1, ZB-H2 and a valid mixed order on P, 3 and 1
   ranks: one process's gradients and losses, one message per micro-batch and direction; a rank that
   waits in vain fails within the deadline, naming its stage and the op it was running.
+
+Under the grader's draw (ddlab.checks._draw) each check draws its cases instead (its docstring says which),
+within what lab 17's text states: the sizes of the op lists, the stages' widths and rows, the micro-batches, the
+data's seed, and which ranks run, in which order.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..pipeline import micro_batch_loss
 from ..pipeline.zero_bubble import forward_recorded, replay_split, run_split, v_stage, zb_h1, zb_h2, zb_v
 from ..runtime.memory import Ledger
 from ._core import CheckFailed, count, deadline, each_size, fail_together, is_integer, is_number, passed, run_counted
+from ._draw import Draw, grading_draw, named
 
 TIMEOUT = 10.0
 WIDTH, ROWS, MICRO = 3, 2, 5
@@ -40,8 +45,11 @@ WIDTH, ROWS, MICRO = 3, 2, 5
 # Exercise 17.1: the split backward ---------------------------------------------------
 
 
-def _stage_cases() -> list[tuple[str, nn.Module, tuple[int, ...], bool, bool]]:
-    """(what, stage, input shape, input needs grad, last stage) in float64."""
+def _stage_cases(draw: Draw | None = None) -> list[tuple[str, nn.Module, tuple[int, ...], bool, bool]]:
+    """(what, stage, input shape, input needs grad, last stage) in float64: the notebook's five, or the grader's
+    five of the same kinds with drawn widths, rows and weights (3-D activations (b, s, w) with s unlike w)."""
+    if draw is not None:
+        return _drawn_stage_cases(draw)
     with torch.random.fork_rng():
         torch.manual_seed(11)
         mlp = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).double()
@@ -53,6 +61,56 @@ def _stage_cases() -> list[tuple[str, nn.Module, tuple[int, ...], bool, bool]]:
         ("the last stage (its output is the loss)", copy.deepcopy(mlp), (4, 3), True, True),
         ("a stage with a bias-free layer", no_bias, (3, 4), True, False),
         ("three linear layers on 3-D activations (2, 3, 3)", deep, (2, 3, 3), True, False),
+    ]
+
+
+def _drawn_stage_cases(draw: Draw) -> list[tuple[str, nn.Module, tuple[int, ...], bool, bool]]:
+    """The grader's five stages: the notebook's kinds, widths 1 to 7, 1 to 6 rows, weights of a drawn seed."""
+    w = [draw.integer(1, 7, "width", i) for i in range(6)]
+    rows = [draw.integer(1, 6, "rows", i) for i in range(4)]
+    batch = draw.integer(1, 3, "batch")
+    length = draw.choose([n for n in range(1, 7) if n != w[5]], 1, "length")[0]  # unlike the width: axes told apart
+    seed = draw.data_seed("weights")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        mlp = nn.Sequential(nn.Linear(w[0], w[1]), nn.Tanh(), nn.Linear(w[1], w[2])).double()
+        no_bias = nn.Sequential(nn.Linear(w[3], w[4], bias=False), nn.ReLU(), nn.Linear(w[4], w[0])).double()
+        deep = nn.Sequential(
+            nn.Linear(w[5], w[1]), nn.GELU(), nn.Linear(w[1], w[2]), nn.Tanh(), nn.Linear(w[2], w[5])
+        ).double()
+    about = f"weights and data of seed {seed} ({draw})"
+    layers = f"linear {w[0]}->{w[1]}, tanh, linear {w[1]}->{w[2]}"
+    return [  # the seed of the data (x, the gradients already there, grad_y): the weights' + 1
+        (f"a middle stage ({layers}) on {rows[0]} rows, {about}", mlp, (rows[0], w[0]), True, False),
+        (
+            f"the first stage ({layers}; its input needs no gradient) on {rows[1]} rows, {about}",
+            copy.deepcopy(mlp),
+            (rows[1], w[0]),
+            False,
+            False,
+        ),
+        (
+            f"the last stage ({layers}; its output is the loss) on {rows[2]} rows, {about}",
+            copy.deepcopy(mlp),
+            (rows[2], w[0]),
+            True,
+            True,
+        ),
+        (
+            f"a stage with a bias-free layer (linear {w[3]}->{w[4]} without bias, relu, linear {w[4]}->{w[0]}) on "
+            f"{rows[3]} rows, {about}",
+            no_bias,
+            (rows[3], w[3]),
+            True,
+            False,
+        ),
+        (
+            f"three linear layers ({w[5]}->{w[1]}->{w[2]}->{w[5]}) on 3-D activations {(batch, length, w[5])}, {about}",
+            deep,
+            (batch, length, w[5]),
+            True,
+            False,
+        ),
     ]
 
 
@@ -69,10 +127,12 @@ def _unique_bytes(obj: Any, seen: dict[int, int]) -> None:
             _unique_bytes(value, seen)
 
 
-def _split_problem(backward_input: Callable[..., Any], backward_weight: Callable[..., Any], case: tuple) -> str | None:
+def _split_problem(
+    backward_input: Callable[..., Any], backward_weight: Callable[..., Any], case: tuple, seed: int = 3
+) -> str | None:
     what, stage, shape, needs_grad, last = case
     whole, split = copy.deepcopy(stage), copy.deepcopy(stage)
-    generator = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, dtype=torch.float64, generator=generator)
     start = [torch.randn(q.shape, dtype=torch.float64, generator=generator) for q in stage.parameters()]
     for model in (whole, split):  # gradients already there: W must add to them
@@ -140,24 +200,32 @@ def _warm_up() -> None:
 
 
 def check_split_backward(backward_input: Callable[..., Any], backward_weight: Callable[..., Any]) -> None:
-    """backward_input(y, grad_y, x, records) -> (grad_x, pending) and backward_weight(pending): the split backward."""
+    """backward_input(y, grad_y, x, records) -> (grad_x, pending) and backward_weight(pending): the split backward.
+
+    The grader's draw: the same five kinds of stage (a middle one, the first, the last with a loss, one with a
+    bias-free layer, 3-D activations), in float64, with drawn widths (1 to 7), rows (1 to 6), a 3-D shape
+    (b, s, w) whose s is not its w, and weights and data of a drawn seed. Run in the kernel of every rank alike."""
     problem: str | None = None
+    draw = grading_draw(MPI.COMM_WORLD, "split_backward")
+    current = "the first stage tried"
+    seed = 3 if draw is None else draw.data_seed("weights") + 1
     _warm_up()
     try:
-        with deadline(3 * TIMEOUT, "backward_input or backward_weight"):
-            for case in _stage_cases():
-                problem = _split_problem(backward_input, backward_weight, case)
+        with deadline(3 * TIMEOUT, f"backward_input or backward_weight{named(draw)}"):
+            for case in _stage_cases(draw):
+                current = case[0]
+                problem = _split_problem(backward_input, backward_weight, case, seed)
                 if problem:
                     break
     except (NotImplementedError, CheckFailed):
         raise
     except Exception as err:  # the student's code failed: one verdict for every rank
-        problem = f"{type(err).__name__}: {err}"
+        problem = f"{type(err).__name__}: {err}" + (f" (on {current})" if draw is not None else "")
     fail_together(MPI.COMM_WORLD, problem, "the split backward")
     passed(
         MPI.COMM_WORLD,
         "B gives the input's gradient and W the weights' (equal to the whole backward, float64 1e-12); "
-        "W keeps only each linear layer's input and output gradient",
+        f"W keeps only each linear layer's input and output gradient{named(draw)}",
     )
 
 
@@ -209,11 +277,12 @@ def _check_op_lists(
     reference: Callable[[int, int, int], Any],
     shape: str,
     sizes: Sequence[tuple[int, int]],
+    draw: Draw | None = None,
 ) -> None:
     name, chunks = reference.__name__, 1 if shape == "chain" else 2
     unit = "stage" if shape == "chain" else "rank"
     for p, m in sizes:
-        context = f"{name}(p={p}, m={m}, ...)"
+        context = f"{name}(p={p}, m={m}, ...){named(draw)}"
         try:
             with deadline(TIMEOUT, context):
                 got = [fn(p, m, r) for r in range(p)]
@@ -258,30 +327,64 @@ def _check_op_lists(
             )
 
 
+def _op_list_sizes(draw: Draw | None, most_p: int, most_m: int) -> list[tuple[int, int]]:
+    """(p, m): every p up to most_p with every m up to most_m, or the grader's: (1, 1) and 11 drawn, p up to
+    most_p + 2 and m up to most_m + 6 (each exercise takes any p and m: fewer micro-batches than stages among them)."""
+    if draw is None:
+        return [(p, m) for p in range(1, most_p + 1) for m in range(1, most_m + 1)]
+    drawn = [(draw.integer(2, most_p + 2, "p", i), draw.integer(1, most_m + 6, "m", i)) for i in range(10)]
+    p = draw.integer(3, most_p + 2, "p", "few")
+    return [(1, 1), *drawn, (p, draw.integer(1, p - 1, "m", "few"))]
+
+
 def check_zb_h1(fn: Callable[[int, int, int], Any]) -> None:
-    """fn(p, m, stage) -> ZB-H1's ops for that stage (any valid order as short and as lean as the reference's)."""
-    sizes = [(p, m) for p in range(1, 6) for m in range(1, 11)]
-    _check_op_lists(fn, zb_h1, "chain", sizes)
+    """fn(p, m, stage) -> ZB-H1's ops for that stage (any valid order as short and as lean as the reference's).
+
+    The grader's draw: 12 (p, m) instead of p = 1..5 with m = 1..10: p up to 7, m up to 16, one with m < p."""
+    draw = grading_draw(None, "zb_h1")
+    sizes = _op_list_sizes(draw, 5, 10)
+    _check_op_lists(fn, zb_h1, "chain", sizes, draw)
+    shown = "p = 1..5 and m = 1..10" if draw is None else "12 drawn (p, m) up to 7 and 16"
     passed(
         MPI.COMM_WORLD,
-        "zb_h1: every op once in a valid order for p = 1..5 and m = 1..10, at most p micro-batches alive, "
-        "as short as ZB-H1 with F = B = W (m(F + B + W) + (p - 1)(F + B - W) for m >= p)",
+        f"zb_h1: every op once in a valid order for {shown}, at most p micro-batches alive, "
+        f"as short as ZB-H1 with F = B = W (m(F + B + W) + (p - 1)(F + B - W) for m >= p){named(draw)}",
     )
 
 
 # Running: the executor (17.3) and ZB-V on real ranks --------------------------------------
 
 
-def _chain(n: int) -> tuple[list[nn.Module], list[torch.Tensor], list[torch.Tensor]]:
-    generator = torch.Generator().manual_seed(7)
-    with torch.random.fork_rng():
-        torch.manual_seed(7)
-        stages: list[nn.Module] = [
-            nn.Sequential(nn.Linear(WIDTH, 4), nn.Tanh(), nn.Linear(4, WIDTH)).double() for _ in range(n)
-        ]
-    inputs = [torch.randn(ROWS, WIDTH, dtype=torch.float64, generator=generator) for _ in range(MICRO)]
-    targets = [torch.randn(ROWS, WIDTH, dtype=torch.float64, generator=generator) for _ in range(MICRO)]
-    return stages, inputs, targets
+class _Run:
+    """What a run on real ranks is given: micro-batches of rows x width in float64, from layers and data of a seed."""
+
+    def __init__(self, draw: Draw | None = None) -> None:
+        self.draw = draw
+        if draw is None:
+            self.micro, self.rows, self.width, self.seed = MICRO, ROWS, WIDTH, 7
+        else:
+            self.micro, self.rows = draw.integer(2, 6, "micro-batches"), draw.integer(1, 4, "rows")
+            self.width, self.seed = draw.integer(1, 5, "width"), draw.data_seed("chain") % 10**6
+
+    def __str__(self) -> str:
+        if self.draw is None:
+            return ""
+        return (
+            f", {self.micro} micro-batches of {self.rows} x {self.width} (float64), layers and data of seed "
+            f"{self.seed}{named(self.draw)}"
+        )
+
+    def chain(self, n: int) -> tuple[list[nn.Module], list[torch.Tensor], list[torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self.seed)
+        with torch.random.fork_rng():
+            torch.manual_seed(self.seed)
+            stages: list[nn.Module] = [
+                nn.Sequential(nn.Linear(self.width, 4), nn.Tanh(), nn.Linear(4, self.width)).double() for _ in range(n)
+            ]
+        shape = (self.rows, self.width)
+        inputs = [torch.randn(*shape, dtype=torch.float64, generator=generator) for _ in range(self.micro)]
+        targets = [torch.randn(*shape, dtype=torch.float64, generator=generator) for _ in range(self.micro)]
+        return stages, inputs, targets
 
 
 def _one_process(
@@ -290,7 +393,7 @@ def _one_process(
     chain = copy.deepcopy(nn.Sequential(*stages))
     out = chain(torch.cat(inputs))
     micro_batch_loss(out, torch.cat(targets)).backward()
-    losses = [micro_batch_loss(y, t).item() for y, t in zip(out.detach().chunk(MICRO), targets)]
+    losses = [micro_batch_loss(y, t).item() for y, t in zip(out.detach().chunk(len(inputs)), targets)]
     return [[q.grad for q in stage.parameters()] for stage in chain], losses
 
 
@@ -331,26 +434,33 @@ class _Watched(list):
         return item
 
 
-def _sizes() -> list[int]:
-    """The world's size first (an answer on the notebook's world completes there), then 3 and 1 ranks."""
+def _sizes(draw: Draw | None = None) -> list[int]:
+    """The world's size first (an answer on the notebook's world completes there), then 3 and 1 ranks; the
+    grader's: the world's size, then two other counts drawn (their ranks drawn by each_size)."""
     size = MPI.COMM_WORLD.Get_size()
-    return [size] + [k for k in (3, 1) if k < size]
+    if draw is None:
+        return [size] + [k for k in (3, 1) if k < size]
+    return [size] + draw.choose(range(size - 1, 0, -1), 2, "sizes")
 
 
 def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> None:
     """fn(comm, layers, ops, inputs, targets) runs this rank's stage through F, B and W ops; one process's gradients.
 
-    timeout: seconds a rank may wait for a message before the answer fails as stalled."""
+    timeout: seconds a rank may wait for a message before the answer fails as stalled.
+    The grader's draw: the world's ranks and two other counts, each in a drawn order; 2 to 6 micro-batches of
+    1 to 4 rows x 1 to 5 features (float64, the text's dtype); layers and data of a drawn seed."""
+    draw = grading_draw(MPI.COMM_WORLD, "run_zero_bubble")
+    run = _Run(draw)
 
     def body(sub: MPI.Comm) -> str | None:
         k, rank = sub.Get_size(), sub.Get_rank()
-        stages, inputs, targets = _chain(k)
+        stages, inputs, targets = run.chain(k)
         want, want_losses = _one_process(stages, inputs, targets)
         for schedule in (zb_h1, zb_h2, mixed_split):
             layers = copy.deepcopy(stages[rank])
-            ops = _Watched(tuple(op) for op in schedule(k, MICRO, rank))
+            ops = _Watched(tuple(op) for op in schedule(k, run.micro, rank))
             args = (layers, ops, [x.clone() for x in inputs], [t.clone() for t in targets])
-            context = f"run_zero_bubble under {schedule.__name__} on {count(k, 'rank')}"
+            context = f"run_zero_bubble under {schedule.__name__} on {count(k, 'rank')}{run}"
             try:
                 losses, traffic = run_counted(sub, fn, args, context, timeout=timeout)
             except CheckFailed as err:
@@ -363,7 +473,7 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
                 )
                 raise CheckFailed(f"{err}{extra}") from None
             sent = Counter(e.peer for e in traffic[rank].sends)
-            expected = Counter({peer: MICRO for peer in (rank - 1, rank + 1) if 0 <= peer < k})
+            expected = Counter({peer: run.micro for peer in (rank - 1, rank + 1) if 0 <= peer < k})
             problem = None if sent == expected else f"sent {dict(sent)} messages per rank; expected {dict(expected)}"
             fail_together(
                 sub,
@@ -384,8 +494,12 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
                     if isinstance(losses, (list, tuple)) and not losses
                     else f"returned {losses!r}; ranks before the last return []"
                 )
-            elif not isinstance(losses, (list, tuple)) or len(losses) != MICRO or not all(is_number(v) for v in losses):
-                problem = f"returned {losses!r}; the last rank returns the {MICRO} losses in micro-batch order"
+            elif (
+                not isinstance(losses, (list, tuple))
+                or len(losses) != run.micro
+                or not all(is_number(v) for v in losses)
+            ):
+                problem = f"returned {losses!r}; the last rank returns the {run.micro} losses in micro-batch order"
             elif not all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(losses, want_losses)):
                 problem = (
                     f"losses {[round(float(v), 6) for v in losses]}, expected {[round(v, 6) for v in want_losses]}"
@@ -393,39 +507,47 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
             fail_together(sub, problem, f"{context}: wrong losses")
         return None
 
-    each_size(MPI.COMM_WORLD, body, "run_zero_bubble", sizes=_sizes())
+    sizes = _sizes(draw)
+    each_size(MPI.COMM_WORLD, body, "run_zero_bubble", sizes=sizes, draw=draw)
     passed(
         MPI.COMM_WORLD,
         f"run_zero_bubble gives one process's gradients under ZB-H1, ZB-H2 and a mixed order on "
-        f"{', '.join(map(str, _sizes()))} stages",
+        f"{', '.join(map(str, sizes))} stages{named(draw)}",
     )
 
 
 def check_zb_v(fn: Callable[[int, int, int], Any]) -> None:
-    """fn(p, m, rank) -> ZB-V's ops (kind, chunk, i) for that rank; checked as an op list, then run on real ranks."""
-    sizes = [(p, m) for p in range(1, 5) for m in range(1, 10)]
-    _check_op_lists(fn, zb_v, "V", sizes)
+    """fn(p, m, rank) -> ZB-V's ops (kind, chunk, i) for that rank; checked as an op list, then run on real ranks.
+
+    The grader's draw: 12 (p, m) instead of p = 1..4 with m = 1..9 (p up to 6, m up to 15, one with m < p);
+    the run on the world's ranks and two other counts in drawn orders, with drawn micro-batches (2 to 6), their
+    shape, and layers and data of a drawn seed."""
+    draw = grading_draw(MPI.COMM_WORLD, "zb_v")
+    run, sizes = _Run(draw), _sizes(draw)
+    lists = _op_list_sizes(draw, 4, 9) + ([] if draw is None else [(k, run.micro) for k in sizes])  # those run too
+    _check_op_lists(fn, zb_v, "V", lists, draw)
 
     def body(sub: MPI.Comm) -> str | None:
         p, rank = sub.Get_size(), sub.Get_rank()
-        stages, inputs, targets = _chain(2 * p)
+        stages, inputs, targets = run.chain(2 * p)
         want, _ = _one_process(stages, inputs, targets)
         mine = [v_stage(p, rank, 0), v_stage(p, rank, 1)]
         chunks = [copy.deepcopy(stages[q]) for q in mine]
-        ops = [tuple(op) for op in fn(p, MICRO, rank)]
+        ops = [tuple(op) for op in fn(p, run.micro, rank)]
         run_counted(
             sub,
             lambda comm: run_split(comm, chunks, ops, inputs, targets, shape="V"),
             (),
-            "zb_v's ops run",
+            f"zb_v's ops run{run}",
             timeout=TIMEOUT,
         )
-        fail_together(sub, _grad_problem(chunks, [want[q] for q in mine]), f"zb_v's ops on {count(p, 'rank')}")
+        fail_together(sub, _grad_problem(chunks, [want[q] for q in mine]), f"zb_v's ops on {count(p, 'rank')}{run}")
         return None
 
-    each_size(MPI.COMM_WORLD, body, "zb_v", sizes=_sizes())
+    each_size(MPI.COMM_WORLD, body, "zb_v", sizes=sizes, draw=draw)
+    shown = "p = 1..4 and m = 1..9" if draw is None else "12 drawn (p, m) up to 6 and 15"
     passed(
         MPI.COMM_WORLD,
-        "zb_v: valid V op lists for p = 1..4 and m = 1..9, at most 2p chunk activations a rank, as short as "
-        "the reference's; run on real ranks they give one process's gradients",
+        f"zb_v: valid V op lists for {shown}, at most 2p chunk activations a rank, as short as "
+        f"the reference's; run on real ranks they give one process's gradients{named(draw)}",
     )
