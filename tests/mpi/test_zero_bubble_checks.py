@@ -49,6 +49,12 @@ def retaining_input(y, grad_y, x, records):
     ]
 
 
+def undetached_input(y, grad_y, x, records):
+    """Keeps each layer's input as the forward made it: with its grad_fn, so the graph behind it stays."""
+    grad_x, pending = own_input(y, grad_y, x, records)
+    return grad_x, {n: (layer, a, g) for n, ((layer, a, _), (_, _, g)) in enumerate(zip(records, pending.values()))}
+
+
 def autograd_weight(pending):
     for layer, z, g in pending:
         params = [q for q in (layer.weight, layer.bias) if q is not None]
@@ -92,13 +98,14 @@ def test_split_backward_passes_the_students_own_valid_answer():
     "b, w, words",
     [
         (retaining_input, autograd_weight, "stay alive for W"),
+        (undetached_input, own_weight, "stay alive for W .*grad_fn"),
         (whole_in_b, own_weight, "changed a parameter's .grad"),
         (own_input, weight_twice, "differs from the whole backward"),
         (own_input, drops_bias, "parameter 1"),
         (own_input, overwrites, "differs from the whole backward"),
         (delegates_b, own_weight, "the library's own answer"),
     ],
-    ids=["keeps-the-graph", "weights-in-b", "w-twice", "w-drops-bias", "w-overwrites", "library"],
+    ids=["keeps-the-graph", "keeps-a-with-its-grad-fn", "weights-in-b", "w-twice", "w-drops-bias", "w-overwrites", "library"],
 )
 def test_split_backward_fails(b, w, words):
     with pytest.raises(CheckFailed, match=words):

@@ -33,7 +33,16 @@ from mpi4py import MPI
 from torch import nn
 
 from ..pipeline import micro_batch_loss
-from ..pipeline.zero_bubble import forward_recorded, replay_split, run_split, v_stage, zb_h1, zb_h2, zb_v
+from ..pipeline.zero_bubble import (
+    forward_recorded,
+    replay_split,
+    run_split,
+    tensors_in,
+    v_stage,
+    zb_h1,
+    zb_h2,
+    zb_v,
+)
 from ..runtime.memory import Ledger
 from ._core import CheckFailed, count, deadline, each_size, fail_together, is_integer, is_number, passed, run_counted
 from ._draw import Draw, grading_draw, named
@@ -114,19 +123,6 @@ def _drawn_stage_cases(draw: Draw) -> list[tuple[str, nn.Module, tuple[int, ...]
     ]
 
 
-def _unique_bytes(obj: Any, seen: dict[int, int]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if not isinstance(obj, nn.Parameter):
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            _unique_bytes(value, seen)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _unique_bytes(value, seen)
-
-
 def _split_problem(
     backward_input: Callable[..., Any], backward_weight: Callable[..., Any], case: tuple, seed: int = 3
 ) -> str | None:
@@ -165,15 +161,15 @@ def _split_problem(
             return f"{what}: the input's gradient differs from the whole backward's by up to {worst:.2e}"
     elif grad_x is not None:
         return f"{what}: the input needs no gradient, so backward_input returns None as grad_x, got {type(grad_x).__name__}"
-    seen: dict[int, int] = {}
-    _unique_bytes(pending, seen)
-    kept, graph = sum(seen.values()), ledger.used["activations"]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors_in(pending)}
+    kept, graph = sum(storages.values()), ledger.used["activations"]
     need = sum(a.numel() * 8 + a.shape[:-1].numel() * layer.out_features * 8 for layer, a, _ in _records(stage, x))
     if kept + graph > need:
         return (
             f"{what}: after B, {kept + graph} bytes stay alive for W ({graph} of them saved tensors of a graph "
             f"still kept), but W needs only each linear layer's input and its output's gradient, {need} bytes: "
-            "free the graph in B (no retain_graph) and hand W only those tensors"
+            "free the graph in B (no retain_graph; a tensor that still has a grad_fn, such as an input a not "
+            "detached, keeps the graph behind it) and hand W only those tensors"
         )
     backward_weight(pending)
     for index, (got, want) in enumerate(zip(split.parameters(), whole.parameters())):
@@ -220,7 +216,7 @@ def check_split_backward(backward_input: Callable[..., Any], backward_weight: Ca
     except (NotImplementedError, CheckFailed):
         raise
     except Exception as err:  # the student's code failed: one verdict for every rank
-        problem = f"{type(err).__name__}: {err}" + (f" (on {current})" if draw is not None else "")
+        problem = f"{current}: {type(err).__name__}: {err}"
     fail_together(MPI.COMM_WORLD, problem, "the split backward")
     passed(
         MPI.COMM_WORLD,
@@ -321,10 +317,13 @@ def _check_op_lists(
             for _, _, end in ops
         )
         if took > best + 1e-9:
-            raise CheckFailed(
-                f"{context}: with F = B = W = 1 the step takes {took:g}; {name} takes {best:g}. "
+            advice = (
                 "Delay W's to fill the idle time (see the lab's text before the exercise)"
+                if shape == "chain"
+                else "at each step a free rank runs the B of the oldest micro-batch it can, else an F while fewer "
+                "than 2p chunk activations are alive (chunk 1 first), else its oldest W (see the lab's text)"
             )
+            raise CheckFailed(f"{context}: with F = B = W = 1 the step takes {took:g}; {name} takes {best:g}. {advice}")
 
 
 def _op_list_sizes(draw: Draw | None, most_p: int, most_m: int) -> list[tuple[int, int]]:
@@ -475,6 +474,8 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
             sent = Counter(e.peer for e in traffic[rank].sends)
             expected = Counter({peer: run.micro for peer in (rank - 1, rank + 1) if 0 <= peer < k})
             problem = None if sent == expected else f"sent {dict(sent)} messages per rank; expected {dict(expected)}"
+            if problem and not sent:
+                problem += " (none went through `comm`: sent on the notebook's MPI.COMM_WORLD instead?)"
             fail_together(
                 sub,
                 problem,
@@ -499,7 +500,10 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
                 or len(losses) != run.micro
                 or not all(is_number(v) for v in losses)
             ):
-                problem = f"returned {losses!r}; the last rank returns the {run.micro} losses in micro-batch order"
+                problem = (
+                    f"returned {losses!r}; the last rank returns the {run.micro} losses in micro-batch order, as "
+                    "floats (loss.item())"
+                )
             elif not all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(losses, want_losses)):
                 problem = (
                     f"losses {[round(float(v), 6) for v in losses]}, expected {[round(v, 6) for v in want_losses]}"

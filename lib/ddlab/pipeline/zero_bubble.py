@@ -337,14 +337,21 @@ def bubble_zb_h2(p: int, m: int, f: float, b: float, w: float) -> float:
 # Running on real ranks ---------------------------------------------------------------
 
 
-def hold_for_w(ledger: Ledger, pending: list[Pending]) -> None:
+def tensors_in(pending: object) -> list[torch.Tensor]:
+    """The tensors in what B hands W (any nesting of lists, tuples and dicts; parameters left out)."""
+    if isinstance(pending, torch.Tensor):
+        return [] if isinstance(pending, nn.Parameter) else [pending]
+    items = pending.values() if isinstance(pending, dict) else pending if isinstance(pending, (list, tuple)) else ()
+    return [tensor for item in items for tensor in tensors_in(item)]
+
+
+def hold_for_w(ledger: Ledger, pending: object) -> None:
     """Charge what W keeps alive (each layer's input a and output gradient g) until W drops it.
 
     A function, not a loop in the executor: a loop's variables would keep the last a and g alive
     after W ran (and the ledger would rightly count them)."""
-    for _, a, g in pending:
-        ledger.hold(a, "an input W keeps")
-        ledger.hold(g, "a gradient W keeps")
+    for tensor in tensors_in(pending):
+        ledger.hold(tensor, "a tensor W keeps")
 
 
 @reference("run_zero_bubble")
