@@ -6,7 +6,7 @@ prints the points, the seconds and every check that lost points with its status.
 cases; this is where every converted check meets drawn sizes, dtypes, ranks and data on the course's own answers.
 About 25 minutes a seed for all twenty labs on 2 cores (nothing else running).
 
-    .venv/bin/python bench/grade_solutions.py [--seeds 11 2027 90210] [labs ...]   # e.g. 03 13
+    .venv/bin/python bench/grade_solutions.py [--seeds 11,2027,90210] [labs ...]   # e.g. 03 13
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def grade(notebook: Path, seed: int, timeout: int) -> tuple[list[dict[str, str]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("labs", nargs="*", help="two-digit lab numbers (default: every solution)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[11, 2027, 90210])
+    parser.add_argument(
+        "--seeds", type=lambda text: [int(s) for s in text.split(",")], default=[11, 2027, 90210], help="e.g. 11,2027"
+    )
     parser.add_argument("--timeout", type=int, default=600, help="seconds a cell may run")
     args = parser.parse_args()
     notebooks = sorted(
@@ -55,7 +57,10 @@ def main() -> None:
             points = sum(float(r["points"]) for r in rows)
             most = sum(float(r["max_points"]) for r in rows)
             drawn = {r["seed"] for r in rows}
-            print(f"{notebook.stem:32} seed {seed:6d}: {points:g} of {most:g} points, {len(rows)} checks, {took:.0f} s", flush=True)
+            print(
+                f"{notebook.stem:32} seed {seed:6d}: {points:g} of {most:g} points, {len(rows)} checks, {took:.0f} s",
+                flush=True,
+            )
             if drawn != {str(seed)}:
                 lost.append(f"{notebook.stem} seed {seed}: the sheet records seeds {sorted(drawn)}")
             lost += [
