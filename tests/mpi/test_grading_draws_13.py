@@ -247,7 +247,7 @@ FITTED = [  # (check, the fitted answer, words the failure names, what the seed 
     (
         check_sharded_optimizer,
         ShardedOptimizerOf34,
-        ["parameters), ", "samples per rank", "data seed"],
+        ["parameters), ", " per rank, data seed"],
         not_34_parameters,
     ),
 ]

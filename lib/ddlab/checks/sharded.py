@@ -21,6 +21,11 @@
 
 Bounds come as the flat space of lab 13 cuts them (equal shards) and unevenly: a short
 last shard, and a rank with an empty one, so an answer that assumes equal shards fails.
+
+Graded (ddlab.checks._draw), each check runs cases drawn within what the lab states instead of the
+notebook's: any ranks in any order, shard layouts whose longest shard is not the first, units
+without a bias, other model widths, optimizers and hyper-parameters, rank-count chains; each
+check's docstring says what it draws.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ._core import (
     NOTHING_SENT,
     REORDERED,
     array_problem,
+    count,
     each_size,
     fail_together,
     passed,
@@ -259,7 +265,7 @@ class _OptimizerCase:
     def __str__(self) -> str:
         a, b, c = self.widths
         numel = a * b + b + b * c + c
-        return f"a {a} -> {b} -> {c} model ({numel} parameters), {self.samples} samples per rank, data seed {self.seed}"
+        return f"a {a} -> {b} -> {c} model ({numel} parameters), {count(self.samples, 'sample')} per rank, data seed {self.seed}"
 
 
 def _drawn_optimizers(draw: Draw) -> list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]]:
@@ -485,7 +491,7 @@ class _Units:
             f"Linear({self.widths[i]}, {self.widths[i + 1]}{'' if bias else ', bias=False'})"
             for i, bias in enumerate(self.biases)
         )
-        return f"units {units}, {self.samples} samples per rank, data seed {self.seed}"
+        return f"units {units}, {count(self.samples, 'sample')} per rank, data seed {self.seed}"
 
 
 def _units(size: int, draw: Draw | None) -> _Units:
