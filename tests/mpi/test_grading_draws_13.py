@@ -110,6 +110,20 @@ def zero2_hooks_of_two(unit, comm, keep):
     zero2_hooks(unit, comm, keep, gradients=2)
 
 
+def zero2_hooks_wrong_on_rank_0(unit, comm, keep):
+    """Wrong on the communicator's rank 0 only (twice its mean shard): as a drawn unit whose other ranks'
+    shards are all padding is wrong on one rank only, while the others are right."""
+    zero2_hooks(unit, comm, lambda shard: keep(shard * 2 if comm.Get_rank() == 0 else shard))
+
+
+def test_a_shard_wrong_on_one_rank_fails_every_rank_instead_of_hanging(comm, seed):
+    for value in (None, SEEDS[0]):
+        if value is not None:
+            seed(value)
+        with pytest.raises(CheckFailed, match=r"rank 0: float64.*step 0, unit 0's shard is wrong"):
+            check_zero2_hooks(zero2_hooks_wrong_on_rank_0, timeout=SHORT)
+
+
 def zero3_unit(unit, comm, gradients=None):
     """Exercise 13.5's answer; `gradients`: how many arrive per backward (None: counted, the right answer)."""
     params = list(unit.parameters())

@@ -578,6 +578,22 @@ def _zero2_problem(
         timeout=timeout,
         allow=("Reduce_scatter",),
     )
+    # one process's mean shards, before any verdict: every rank takes every Allreduce, whichever ranks'
+    # shards turn out wrong (a rank whose shard is all padding can be right where another is not)
+    reference = _zero2_model(dtype, case)
+    wants: list[list[np.ndarray]] = []
+    for x, y in batches:
+        reference.zero_grad()
+        (reference(x) - y).square().mean().backward()
+        wants.append([])
+        for unit in [reference[0], reference[2], reference[4]]:
+            flat = torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.grad is not None])
+            shard = -(-flat.numel() // size)
+            padded = torch.zeros(shard * size, dtype=dtype)
+            padded[: flat.numel()] = flat
+            total = padded.numpy().copy()
+            sub.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+            wants[-1].append(total[rank * shard : (rank + 1) * shard] / size)
     if problems:
         return problems[0]
     if size > 1 and _sent(traffic) == 0:
@@ -594,21 +610,11 @@ def _zero2_problem(
             for i in firsts
         ):
             return "the second backward's shard is the first's buffer, overwritten: keep a new tensor each time"
-    reference = _zero2_model(dtype, case)
-    for step, (x, y) in enumerate(batches):
-        reference.zero_grad()
-        (reference(x) - y).square().mean().backward()
+    for step in range(len(batches)):
         got = dict(kept[step])
         if len(kept[step]) != len(units) or set(got) != set(range(len(units))):
             return f"step {step}: keep was called for units {[i for i, _ in kept[step]]}: once per unit and backward"
-        for index, unit in enumerate([reference[0], reference[2], reference[4]]):
-            flat = torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.grad is not None])
-            shard = -(-flat.numel() // size)
-            padded = torch.zeros(shard * size, dtype=dtype)
-            padded[: flat.numel()] = flat
-            total = padded.numpy().copy()
-            sub.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-            want = total[rank * shard : (rank + 1) * shard] / size
+        for index, want in enumerate(wants[step]):
             shard_got = got[index]
             if not isinstance(shard_got, torch.Tensor):
                 return f"unit {index}: keep() got a {type(shard_got).__name__}, pass it a tensor"
