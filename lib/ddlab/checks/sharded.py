@@ -21,11 +21,17 @@
 
 Bounds come as the flat space of lab 13 cuts them (equal shards) and unevenly: a short
 last shard, and a rank with an empty one, so an answer that assumes equal shards fails.
+
+Graded (ddlab.checks._draw), each check runs cases drawn within what the lab states instead of the
+notebook's: any ranks in any order, shard layouts whose longest shard is not the first, units
+without a bias, other model widths, optimizers and hyper-parameters, rank-count chains; each
+check's docstring says what it draws.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -37,15 +43,32 @@ from ..allreduce import allgather_ring, reduce_scatter_ring
 from ..runtime.blocks import block_bounds
 from ..runtime.comm import Comm
 from ..runtime.counting import Traffic
-from ._core import NOTHING_SENT, array_problem, each_size, fail_together, passed, reordered_hint, run_counted
+from ._core import (
+    NOTHING_SENT,
+    REORDERED,
+    array_problem,
+    count,
+    each_size,
+    fail_together,
+    passed,
+    reordered_hint,
+    run_counted,
+)
+from ._draw import Draw, grading_draw, named
 from .errors import CheckFailed
 
 #: Slack over the ring's bytes (the ring is optimal up to message boundaries).
 BYTES_SLACK = 1.05
 
 
-def _cases(size: int) -> list[tuple[str, list[int]]]:
-    """(description, bounds) for a communicator of `size` ranks."""
+def _cases(size: int, draw: Draw | None = None) -> list[tuple[str, list[int]]]:
+    """(description, bounds) for a communicator of `size` ranks.
+
+    The notebook's layouts all put the longest shard first; the grader's draw (any bounds the lab allows:
+    shards of any length, the last short, some empty) has shards of up to 12 items: equal ones, a short
+    last one, the first one empty, and any lengths with one of them empty."""
+    if draw is not None:
+        return _drawn_cases(size, draw)
     equal = 3 * size
     uneven = [*block_bounds(3 * size - 2, size - 1), 3 * size - 2] if size > 1 else [0, 5]
     short_last = [min(4 * r, 4 * size - 3) for r in range(size)] + [4 * size - 3]
@@ -56,6 +79,50 @@ def _cases(size: int) -> list[tuple[str, list[int]]]:
         (f"{uneven[-1]} items, the last rank's shard empty", uneven),
         (f"{empty[-1]} items, some shards empty", empty),
     ]
+
+
+def _drawn_cases(size: int, draw: Draw) -> list[tuple[str, list[int]]]:
+    """The grader's four layouts for `size` ranks, each described by its bounds."""
+    equal = draw.integer(1, 12, "equal", size)
+    longest = draw.integer(2, 12, "short", size)
+    short_last = [*([longest] * (size - 1)), draw.integer(1, longest - 1, "last", size)]
+    first_empty = [0, *(draw.integer(1, 12, "first empty", size, r) for r in range(1, size))]
+    some_empty = [draw.integer(0, 12, "some empty", size, r) for r in range(size)]
+    some_empty[draw.integer(0, size - 1, "which empty", size)] = 0
+    layouts = [
+        ("equal shards", [equal] * size),
+        ("the last shard short", short_last),
+        ("the first shard empty", first_empty),
+        ("shards of any length, one empty", some_empty),
+    ]
+    cases = []
+    for description, lengths in layouts:
+        bounds = [0, *np.cumsum(lengths).tolist()]
+        cases.append((f"{bounds[-1]} items, {description}, bounds {bounds}", [int(b) for b in bounds]))
+    return cases
+
+
+def rank_hint(sub: MPI.Comm, comm: MPI.Comm, draw: Draw | None) -> str:
+    """reordered_hint, or under the grader's draw: the hint on the reordered run only (each_size names the
+    drawn ranks of the others). Every rank computes the same answer, without a message."""
+    if draw is None:
+        return reordered_hint(sub, comm)
+    size = comm.Get_size()
+    if sub.Get_size() != size or size == 1:
+        return ""
+    group, whole = sub.Get_group(), comm.Get_group()
+    members = MPI.Group.Translate_ranks(group, list(range(size)), whole)
+    group.Free()
+    whole.Free()
+    return f"(this run's ranks are{REORDERED})" if list(members) == [(q - 1) % size for q in range(size)] else ""
+
+
+def _data_seed(draw: Draw | None, *keys: object) -> tuple[list[int], str]:
+    """(keys to seed a case's data with, the words naming them): the notebook's none, or the grader's seed."""
+    if draw is None:
+        return [], ""
+    seed = draw.data_seed(*keys)
+    return [seed], f", data seed {seed}{named(draw)}"
 
 
 def _sent(traffic: list[Traffic]) -> int:
@@ -75,15 +142,22 @@ def _bytes_problem(traffic: list[Traffic], reference: list[Traffic]) -> str | No
 
 
 def check_reduce_scatter(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> None:
-    """fn(comm, x, bounds) -> new array: the sum over ranks of x[bounds[r]:bounds[r+1]] on rank r."""
+    """fn(comm, x, bounds) -> new array: the sum over ranks of x[bounds[r]:bounds[r+1]] on rank r.
+
+    The grader's draw: the ranks of each communicator (any of the world's, in any order), four layouts of
+    shards of up to 12 items (equal, the last short, the first empty, any lengths with one empty; see
+    _cases), and the data; float64 and float32 as the lab states."""
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "reduce_scatter")
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for description, bounds in _cases(size):
+        hint = rank_hint(sub, comm, draw)
+        for index, (description, bounds) in enumerate(_cases(size, draw)):
             for dtype in (np.float64, np.float32):
-                context = f"reduce_scatter ({description}, {np.dtype(dtype).name})"
-                x = np.random.default_rng([bounds[-1], rank]).integers(-9, 9, bounds[-1]).astype(dtype)
+                seed, seeded = _data_seed(draw, "reduce_scatter", size, index, np.dtype(dtype).name)
+                context = f"reduce_scatter ({description}, {np.dtype(dtype).name}{seeded})"
+                x = np.random.default_rng([*seed, bounds[-1], rank]).integers(-9, 9, bounds[-1]).astype(dtype)
                 before = x.copy()
                 got, traffic = run_counted(sub, fn, (x, list(bounds)), context)
                 _, reference = run_counted(sub, reduce_scatter_ring, (before.copy(), list(bounds)), "the reference")
@@ -95,11 +169,16 @@ def check_reduce_scatter(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray])
                 if problem is None and np.shares_memory(got, x):
                     problem = "the result shares memory with x: return a new array"
                 found = problem or _bytes_problem(traffic, reference)
-                fail_together(sub, found and f"{context}: {found}", "reduce_scatter", reordered_hint(sub, comm))
+                fail_together(sub, found and f"{context}: {found}", "reduce_scatter", hint)
         return None
 
-    each_size(comm, body, "reduce_scatter", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True)
-    passed(comm, "reduce_scatter: each rank gets the sums of its own shard, equal or uneven, in the ring's bytes")
+    each_size(
+        comm, body, "reduce_scatter", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True, draw=draw
+    )
+    passed(
+        comm,
+        f"reduce_scatter: each rank gets the sums of its own shard, equal or uneven, in the ring's bytes{named(draw)}",
+    )
 
 
 #: What the trainer hands allgather, case by case: float64 and float32 parameters, and bfloat16 ones
@@ -107,19 +186,37 @@ def check_reduce_scatter(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray])
 ALLGATHER_DTYPES = (np.float64, np.int16, np.float32, np.int16)
 
 
+def _allgather_dtypes(size: int, draw: Draw | None) -> tuple[type, ...]:
+    """The notebook's dtypes by layout, or the grader's: the three in a drawn order, and a fourth drawn."""
+    if draw is None:
+        return ALLGATHER_DTYPES
+    kinds = (np.float64, np.float32, np.int16)
+    order = draw.rng("dtypes", size).permutation(len(kinds))
+    return (*(kinds[i] for i in order), *draw.choose(kinds, 1, "fourth dtype", size))
+
+
 def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> None:
-    """fn(comm, mine, bounds) -> new array of bounds[-1] items, rank q's piece at bounds[q]:bounds[q+1]."""
+    """fn(comm, mine, bounds) -> new array of bounds[-1] items, rank q's piece at bounds[q]:bounds[q+1].
+
+    The grader's draw: the ranks of each communicator (any of the world's, in any order), the four layouts
+    of check_reduce_scatter's draw, which of the trainer's dtypes meets which layout (float64, float32 and
+    bfloat16 bits, each at least once), and the data."""
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "allgather")
 
     def body(sub: MPI.Comm) -> str | None:
         rank, size = sub.Get_rank(), sub.Get_size()
-        for (description, bounds), dtype in zip(_cases(size), ALLGATHER_DTYPES):
+        hint = rank_hint(sub, comm, draw)
+        for index, ((description, bounds), dtype) in enumerate(zip(_cases(size, draw), _allgather_dtypes(size, draw))):
+            seed, seeded = _data_seed(draw, "allgather", size, index)
             context = (
-                f"allgather ({description}, {np.dtype(dtype).name}{' = bfloat16 bits' if dtype == np.int16 else ''})"
+                f"allgather ({description}, {np.dtype(dtype).name}{' = bfloat16 bits' if dtype == np.int16 else ''}"
+                f"{seeded})"
             )
             results, wants = [], []
             for call in range(2):  # two calls: the first result must survive the second
-                full = (100 * np.random.default_rng([bounds[-1], call]).standard_normal(bounds[-1])).astype(dtype)
+                generator = np.random.default_rng([*seed, bounds[-1], call])
+                full: np.ndarray = (100 * generator.standard_normal(bounds[-1])).astype(dtype)
                 mine = full[bounds[rank] : bounds[rank + 1]].copy()
                 got, traffic = run_counted(sub, fn, (mine, list(bounds)), context)
                 _, reference = run_counted(sub, allgather_ring, (mine.copy(), list(bounds)), "the reference")
@@ -127,7 +224,7 @@ def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> N
                 if problem is None and np.shares_memory(got, mine):
                     problem = "the result shares memory with `mine`: return a new array"
                 found = problem or _bytes_problem(traffic, reference)
-                fail_together(sub, found and f"{context}: {found}", "allgather", reordered_hint(sub, comm))
+                fail_together(sub, found and f"{context}: {found}", "allgather", hint)
                 results.append(got)
                 wants.append(full)
             found = None
@@ -136,11 +233,14 @@ def check_allgather(fn: Callable[[Any, np.ndarray, list[int]], np.ndarray]) -> N
                     f"{context}: the second call changed the first call's result: each call must return a "
                     "new array (a buffer reused across calls overwrites the parameters a unit still uses)"
                 )
-            fail_together(sub, found, "allgather", reordered_hint(sub, comm))
+            fail_together(sub, found, "allgather", hint)
         return None
 
-    each_size(comm, body, "allgather", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True)
-    passed(comm, "allgather: every rank gets every shard, equal or uneven, in a new array, in the ring's bytes")
+    each_size(comm, body, "allgather", sizes=[comm.Get_size(), *range(1, comm.Get_size())], reordered=True, draw=draw)
+    passed(
+        comm,
+        f"allgather: every rank gets every shard, equal or uneven, in a new array, in the ring's bytes{named(draw)}",
+    )
 
 
 #: Exercise 13.3's inner optimizers: (name, class, keyword arguments).
@@ -153,24 +253,82 @@ OPTIMIZER_STEPS = 3
 OPTIMIZER_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
-def _optimizer_model(dtype: torch.dtype) -> nn.Sequential:
-    """5 -> 4 -> 2 with a tanh: 34 parameters, which 3 and 4 ranks cannot split evenly (the shards need padding)."""
-    generator = torch.Generator().manual_seed(133)
-    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+@dataclass(frozen=True)
+class _OptimizerCase:
+    """Exercise 13.3's model and data: Linear(widths[0], widths[1]), tanh, Linear(widths[1], widths[2]);
+    `samples` per rank and step; the seeds of the parameters and of the batches (None: the notebook's)."""
+
+    widths: tuple[int, int, int] = (5, 4, 2)
+    samples: int = 3
+    seed: int | None = None
+
+    def __str__(self) -> str:
+        a, b, c = self.widths
+        numel = a * b + b + b * c + c
+        return f"a {a} -> {b} -> {c} model ({numel} parameters), {count(self.samples, 'sample')} per rank, data seed {self.seed}"
+
+
+def _drawn_optimizers(draw: Draw) -> list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]]:
+    """Two of the element-wise torch.optim classes the lab allows, with drawn hyper-parameters."""
+    rng = draw.rng("optimizers")
+    momentum = float(rng.choice([0.0, 0.5, 0.9]))
+    domain: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+        (
+            torch.optim.SGD,
+            {
+                "lr": round(float(rng.uniform(0.01, 0.2)), 3),
+                "momentum": momentum,
+                "nesterov": momentum > 0 and bool(rng.integers(2)),
+                "weight_decay": float(rng.choice([0.0, 1e-3])),
+            },
+        ),
+        (
+            torch.optim.Adam,
+            {
+                "lr": round(float(rng.uniform(0.005, 0.1)), 3),
+                "weight_decay": float(rng.choice([0.0, 1e-3])),
+                "amsgrad": bool(rng.integers(2)),
+            },
+        ),
+        (torch.optim.AdamW, {"lr": round(float(rng.uniform(0.005, 0.1)), 3), "weight_decay": 1e-2}),
+        (
+            torch.optim.RMSprop,
+            {"lr": round(float(rng.uniform(0.001, 0.02)), 4), "momentum": float(rng.choice([0.0, 0.9]))},
+        ),
+        (torch.optim.Adagrad, {"lr": round(float(rng.uniform(0.01, 0.2)), 3)}),
+    ]
+    return [
+        (f"{cls.__name__}({', '.join(f'{k}={v}' for k, v in kwargs.items())})", cls, kwargs)
+        for cls, kwargs in draw.choose(domain, 2, "classes")
+    ]
+
+
+def _optimizer_case(size: int, draw: Draw | None) -> _OptimizerCase:
+    """The notebook's model and data, or the grader's: widths up to 6, 6 and 3, 1 to 4 samples, a data seed."""
+    if draw is None:
+        return _OptimizerCase()
+    widths = (draw.integer(1, 6, "in", size), draw.integer(1, 6, "hidden", size), draw.integer(1, 3, "out", size))
+    return _OptimizerCase(widths, draw.integer(1, 4, "samples", size), draw.data_seed("optimizer", size))
+
+
+def _optimizer_model(dtype: torch.dtype, case: _OptimizerCase) -> nn.Sequential:
+    """a -> b -> c with a tanh (the notebook's 5 -> 4 -> 2: 34 parameters, which 3 and 4 ranks cannot split
+    evenly: the shards need padding)."""
+    generator = torch.Generator().manual_seed(133 if case.seed is None else case.seed)
+    a, b, c = case.widths
+    model = nn.Sequential(nn.Linear(a, b), nn.Tanh(), nn.Linear(b, c)).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=generator, dtype=dtype))
     return model
 
 
-def _optimizer_batches(size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One global batch of 3 samples per rank for each step."""
-    generator = torch.Generator().manual_seed(size)
+def _optimizer_batches(size: int, dtype: torch.dtype, case: _OptimizerCase) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global batch of `case.samples` samples per rank for each step."""
+    generator = torch.Generator().manual_seed(size if case.seed is None else case.seed + size)
+    n, (a, _, c) = case.samples * size, case.widths
     return [
-        (
-            torch.randn(3 * size, 5, generator=generator, dtype=dtype),
-            torch.randn(3 * size, 2, generator=generator, dtype=dtype),
-        )
+        (torch.randn(n, a, generator=generator, dtype=dtype), torch.randn(n, c, generator=generator, dtype=dtype))
         for _ in range(OPTIMIZER_STEPS)
     ]
 
@@ -183,24 +341,28 @@ def _optimizer_problem(
     kwargs: dict[str, Any],
     dtype: torch.dtype,
     timeout: float,
+    case: _OptimizerCase,
+    drawn: str = "",
 ) -> str | None:
+    """What breaks exercise 13.3's contract for one optimizer and dtype, or None (drawn: the grader's case, named)."""
     rank, size = sub.Get_rank(), sub.Get_size()
-    batches = _optimizer_batches(size, dtype)
-    reference = _optimizer_model(dtype)
+    batches = _optimizer_batches(size, dtype, case)
+    reference = _optimizer_model(dtype, case)
     inner = optimizer_class(reference.parameters(), **kwargs)
     for x, y in batches:
         inner.zero_grad()
         (reference(x) - y).square().mean().backward()
         inner.step()
-    model = _optimizer_model(dtype)
+    model = _optimizer_model(dtype, case)
     params = list(model.parameters())
     changed: list[str] = []
+    mine = slice(case.samples * rank, case.samples * (rank + 1))
 
     def train(comm: Comm) -> Any:
         optimizer = fn(params, optimizer_class, comm, **kwargs)
         for x, y in batches:
             optimizer.zero_grad()
-            (model(x[3 * rank : 3 * rank + 3]) - y[3 * rank : 3 * rank + 3]).square().mean().backward()
+            (model(x[mine]) - y[mine]).square().mean().backward()
             grads = [p.grad.clone() for p in params if p.grad is not None]
             optimizer.step()
             if not changed and (
@@ -212,7 +374,7 @@ def _optimizer_problem(
                 )
         return optimizer
 
-    context = f"ShardedOptimizer with {name} in {str(dtype).removeprefix('torch.')}"
+    context = f"ShardedOptimizer with {name} in {str(dtype).removeprefix('torch.')}{drawn}"
     optimizer, traffic = run_counted(
         sub, train, (), context, timeout=timeout, allow=("Allgather", "Allgatherv", "Reduce_scatter")
     )
@@ -232,10 +394,10 @@ def _optimizer_problem(
         return (
             f"keep the inner optimizer as `self.optimizer`, an instance of the class given ({optimizer_class.__name__})"
         )
-    mine = [p for group in inner_optimizer.param_groups for p in group["params"]]
+    held_params = [p for group in inner_optimizer.param_groups for p in group["params"]]
     # the dtype before the values: a float32 flat buffer fails on values by rounding, which would mislead
-    if any(p.dtype != dtype for p in mine):
-        return f"the inner optimizer's shard is {mine[0].dtype}, the parameters {dtype}: make the flat buffers in the parameters' dtype"
+    if any(p.dtype != dtype for p in held_params):
+        return f"the inner optimizer's shard is {held_params[0].dtype}, the parameters {dtype}: make the flat buffers in the parameters' dtype"
     for p, (pname, want) in zip(params, reference.named_parameters()):
         if p.dtype != dtype:
             return f"parameter {pname} became {p.dtype}, the model's are {dtype}: copy the gathered values into the parameters"
@@ -246,7 +408,7 @@ def _optimizer_problem(
                 "step the inner optimizer on the mean of the ranks' gradients (the reduce-scatter's sum over P), "
                 "then allgather every shard into every rank's parameters"
             )
-    held = sum(p.numel() for p in mine)
+    held = sum(p.numel() for p in held_params)
     if held > shard:
         return (
             f"the inner optimizer holds {held} items of the {numel}, its state as much: build it over this "
@@ -272,45 +434,93 @@ def check_sharded_optimizer(fn: Callable[..., Any], timeout: float = 10.0) -> No
     parameters' dtype, messages on the communicator given (MPI's Reduce_scatter and
     Allgather(v) allowed, within one ring reduce-scatter and allgather per step), each run done within
     `timeout` seconds.
+
+    The grader's draw: the ranks of each communicator (any of the world's, in any order), two of the
+    element-wise optimizers SGD, Adam, AdamW, RMSprop and Adagrad with drawn hyper-parameters, the model's
+    widths (4 to 63 parameters), the samples per rank (1 to 4) and the data; float64 and float32.
     """
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "sharded_optimizer")
+    optimizers = OPTIMIZERS if draw is None else _drawn_optimizers(draw)
 
     def body(sub: MPI.Comm) -> str | None:
-        for name, optimizer_class, kwargs in OPTIMIZERS:
+        case = _optimizer_case(sub.Get_size(), draw)
+        for name, optimizer_class, kwargs in optimizers:
             for dtype in (torch.float64, torch.float32):
-                problem = _optimizer_problem(fn, sub, name, optimizer_class, kwargs, dtype, timeout)
-                fail_together(
-                    sub, problem and f"{name}, {str(dtype).removeprefix('torch.')}: {problem}", "ShardedOptimizer"
-                )
+                drawn = "" if draw is None else f", {case}{named(draw)}"
+                problem = _optimizer_problem(fn, sub, name, optimizer_class, kwargs, dtype, timeout, case, drawn)
+                where = f"{name}, {str(dtype).removeprefix('torch.')}{drawn}"
+                fail_together(sub, problem and f"{where}: {problem}", "ShardedOptimizer")
         return None
 
     size = comm.Get_size()
-    each_size(comm, body, "ShardedOptimizer", sizes=[size, *range(1, size)])
+    each_size(comm, body, "ShardedOptimizer", sizes=[size, *range(1, size)], draw=draw)
+    said = "SGD with momentum and Adam" if draw is None else " and ".join(name for name, _, _ in optimizers)
     passed(
         comm,
-        "ShardedOptimizer: SGD with momentum and Adam on 1/P of the state each reach one process's parameters, "
-        "float64 and float32",
+        f"ShardedOptimizer: {said} on 1/P of the state each reach one process's parameters, "
+        f"float64 and float32{named(draw)}",
     )
 
 
-def _zero2_model(dtype: torch.dtype) -> nn.Sequential:
-    """Three Linear units (5 -> 4 -> 4 -> 2) with tanh between: 24, 20 and 10 parameters."""
-    generator = torch.Generator().manual_seed(132)
-    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=dtype))
-    return model
+@dataclass(frozen=True)
+class _Units:
+    """Exercises 13.4 and 13.5's model: three Linear units, widths[i] -> widths[i + 1], unit i with a bias if
+    biases[i]; `samples` per rank and step; the grader's data seed (None: the notebook's fixed seeds)."""
+
+    widths: tuple[int, ...] = (5, 4, 4, 2)
+    biases: tuple[bool, ...] = (True, True, True)
+    samples: int = 3
+    seed: int | None = None
+
+    def model(self, between: type[nn.Module], dtype: torch.dtype, seed: int, draw_dtype: torch.dtype) -> nn.Sequential:
+        """The units with `between` after each but the last, their parameters drawn (in draw_dtype) from `seed`
+        (the notebook's) or the case's."""
+        layers: list[nn.Module] = []
+        for i, bias in enumerate(self.biases):
+            layers += [nn.Linear(self.widths[i], self.widths[i + 1], bias=bias), between()]
+        model = nn.Sequential(*layers[:-1]).to(dtype)
+        generator = torch.Generator().manual_seed(seed if self.seed is None else self.seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=draw_dtype))
+        return model
+
+    def __str__(self) -> str:
+        units = ", ".join(
+            f"Linear({self.widths[i]}, {self.widths[i + 1]}{'' if bias else ', bias=False'})"
+            for i, bias in enumerate(self.biases)
+        )
+        return f"units {units}, {count(self.samples, 'sample')} per rank, data seed {self.seed}"
 
 
-def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, timeout: float) -> str | None:
+def _units(size: int, draw: Draw | None) -> _Units:
+    """The notebook's units, or the grader's: widths 1 to 6, biases drawn, one unit always without one (a unit of
+    a single parameter tensor, which the notebook never shows), 1 to 4 samples per rank, a data seed."""
+    if draw is None:
+        return _Units()
+    widths = tuple(draw.integer(1, 6, "width", size, i) for i in range(4))
+    biases = [bool(draw.integer(0, 1, "bias", size, i)) for i in range(3)]
+    biases[draw.integer(0, 2, "no bias", size)] = False
+    return _Units(widths, tuple(biases), draw.integer(1, 4, "samples", size), draw.data_seed("units", size))
+
+
+def _zero2_model(dtype: torch.dtype, units: _Units) -> nn.Sequential:
+    """Three Linear units with tanh between (the notebook's 5 -> 4 -> 4 -> 2: 24, 20 and 10 parameters)."""
+    return units.model(nn.Tanh, dtype, 132, dtype)
+
+
+def _zero2_problem(
+    fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, timeout: float, case: _Units, context: str
+) -> str | None:
     rank, size = sub.Get_rank(), sub.Get_size()
-    generator = torch.Generator().manual_seed(1000 * size + rank)
+    generator = torch.Generator().manual_seed(1000 * size + rank + (0 if case.seed is None else case.seed))
+    n, a, b = case.samples, case.widths[0], case.widths[-1]
     batches = [
-        (torch.randn(3, 5, generator=generator, dtype=dtype), torch.randn(3, 2, generator=generator, dtype=dtype))
+        (torch.randn(n, a, generator=generator, dtype=dtype), torch.randn(n, b, generator=generator, dtype=dtype))
         for _ in range(2)
     ]
-    model = _zero2_model(dtype)
+    model = _zero2_model(dtype, case)
     units = [model[0], model[2], model[4]]
     kept: list[list[tuple[int, Any]]] = []
     problems: list[str] = []
@@ -364,10 +574,26 @@ def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, ti
         sub,
         train,
         (),
-        f"zero2_hooks in {str(dtype).removeprefix('torch.')}",
+        context,
         timeout=timeout,
         allow=("Reduce_scatter",),
     )
+    # one process's mean shards, before any verdict: every rank takes every Allreduce, whichever ranks'
+    # shards turn out wrong (a rank whose shard is all padding can be right where another is not)
+    reference = _zero2_model(dtype, case)
+    wants: list[list[np.ndarray]] = []
+    for x, y in batches:
+        reference.zero_grad()
+        (reference(x) - y).square().mean().backward()
+        wants.append([])
+        for unit in [reference[0], reference[2], reference[4]]:
+            flat = torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.grad is not None])
+            shard = -(-flat.numel() // size)
+            padded = torch.zeros(shard * size, dtype=dtype)
+            padded[: flat.numel()] = flat
+            total = padded.numpy().copy()
+            sub.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+            wants[-1].append(total[rank * shard : (rank + 1) * shard] / size)
     if problems:
         return problems[0]
     if size > 1 and _sent(traffic) == 0:
@@ -384,30 +610,21 @@ def _zero2_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, ti
             for i in firsts
         ):
             return "the second backward's shard is the first's buffer, overwritten: keep a new tensor each time"
-    reference = _zero2_model(dtype)
-    for step, (x, y) in enumerate(batches):
-        reference.zero_grad()
-        (reference(x) - y).square().mean().backward()
+    for step in range(len(batches)):
         got = dict(kept[step])
         if len(kept[step]) != len(units) or set(got) != set(range(len(units))):
             return f"step {step}: keep was called for units {[i for i, _ in kept[step]]}: once per unit and backward"
-        for index, unit in enumerate([reference[0], reference[2], reference[4]]):
-            flat = torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.grad is not None])
-            shard = -(-flat.numel() // size)
-            padded = torch.zeros(shard * size, dtype=dtype)
-            padded[: flat.numel()] = flat
-            total = padded.numpy().copy()
-            sub.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-            want = total[rank * shard : (rank + 1) * shard] / size
+        for index, want in enumerate(wants[step]):
             shard_got = got[index]
             if not isinstance(shard_got, torch.Tensor):
                 return f"unit {index}: keep() got a {type(shard_got).__name__}, pass it a tensor"
+            scale = max(1.0, float(np.abs(want).max(initial=0.0)))  # rounding grows with the largest terms
             problem = array_problem(
                 shard_got.detach().numpy(),
                 want.astype(shard_got.detach().numpy().dtype),
                 f"step {step}, unit {index}'s shard",
                 rtol=1e-10 if dtype == torch.float64 else 1e-5,
-                atol=1e-12 if dtype == torch.float64 else 1e-6,
+                atol=(1e-12 if dtype == torch.float64 else 1e-6) * scale,
             )
             if problem is None and shard_got.dtype != dtype:
                 problem = f"unit {index}'s shard is {shard_got.dtype}, its gradients {dtype}: make the flat buffer in the gradients' dtype"
@@ -424,18 +641,25 @@ def check_zero2_hooks(fn: Callable[..., Any], timeout: float = 10.0) -> None:
 
     Three Linear units, two backward passes, float64 and float32, on comm's size then 1, 2, ...;
     MPI's Reduce_scatter or point-to-point on the comm given; each run within `timeout` seconds.
+
+    The grader's draw: the ranks of each communicator (any of the world's, in any order), the units' widths
+    (1 to 6) and biases (one unit always without: one parameter tensor, where the notebook's have two), the
+    samples per rank (1 to 4) and the data; float64 and float32.
     """
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "zero2_hooks")
 
     def body(sub: MPI.Comm) -> str | None:
+        case = _units(sub.Get_size(), draw)
         for dtype in (torch.float64, torch.float32):
-            problem = _zero2_problem(fn, sub, dtype, timeout)
-            fail_together(sub, problem and f"{str(dtype).removeprefix('torch.')}: {problem}", "zero2_hooks")
+            where = str(dtype).removeprefix("torch.") + ("" if draw is None else f", {case}{named(draw)}")
+            problem = _zero2_problem(fn, sub, dtype, timeout, case, f"zero2_hooks in {where}")
+            fail_together(sub, problem and f"{where}: {problem}", "zero2_hooks")
         return None
 
     size = comm.Get_size()
-    each_size(comm, body, "zero2_hooks", sizes=[size, *range(1, size)])
-    passed(comm, "zero2_hooks: each unit's gradient is reduce-scattered as its backward ends, and freed")
+    each_size(comm, body, "zero2_hooks", sizes=[size, *range(1, size)], draw=draw)
+    passed(comm, f"zero2_hooks: each unit's gradient is reduce-scattered as its backward ends, and freed{named(draw)}")
 
 
 def _reference_shard(flat: np.ndarray, size: int, rank: int) -> np.ndarray:
@@ -448,21 +672,65 @@ def _reference_shard(flat: np.ndarray, size: int, rank: int) -> np.ndarray:
 #: What a checkpoint's shards hold, dtype by dtype: float64 and float32 masters and Adam's moments, and a
 #: bfloat16 model's shards as their int16 bits (NumPy has no bfloat16); with the value marking the old padding.
 RESHARD_DTYPES: dict[type, float] = {np.float64: 7e7, np.float32: 7e7, np.int16: 7777}
+#: The notebook's units (their items) and rank counts: each count's shards cut from the previous count's.
+RESHARD_NUMELS = (10, 12, 2, 7, 1)
+RESHARD_COUNTS = (4, 2, 3, 1, 4, 5)
+
+
+@dataclass(frozen=True)
+class _ReshardCase:
+    """Exercise 13.6's cases: units of `numels` items, resharded along `counts` ranks, the old padding holding
+    `markers[dtype]`; the grader's data seed (None: the notebook's)."""
+
+    numels: tuple[int, ...] = RESHARD_NUMELS
+    counts: tuple[int, ...] = RESHARD_COUNTS
+    markers: tuple[tuple[type, float], ...] = tuple(RESHARD_DTYPES.items())
+    seed: int | None = None
+
+    def __str__(self) -> str:
+        markers = ", ".join(f"{np.dtype(d).name} {m:g}" for d, m in self.markers)
+        chain = " -> ".join(map(str, self.counts))
+        return (
+            f"units of {list(self.numels)} items along {chain} ranks, padding marked {markers}, data seed {self.seed}"
+        )
+
+
+def _reshard_case(draw: Draw | None) -> _ReshardCase:
+    """The notebook's, or the grader's: 5 units of 1 to 40 items, 6 rank counts of 1 to 8, markers and data."""
+    if draw is None:
+        return _ReshardCase()
+    rng = draw.rng("markers")
+    markers = (
+        (np.float64, float(rng.uniform(1, 1e8)) * float(rng.choice([-1, 1]))),
+        (np.float32, float(np.float32(rng.uniform(1, 1e6))) * float(rng.choice([-1, 1]))),
+        (np.int16, float(rng.integers(1, 32767)) * float(rng.choice([-1, 1]))),
+    )
+    order = draw.rng("numels").permutation(5)
+    numels = draw.lengths(5, 1, 40, "numels")
+    return _ReshardCase(
+        tuple(numels[i] for i in order),
+        tuple(draw.integer(1, 8, "counts", i) for i in range(6)),
+        markers,
+        draw.data_seed("reshard"),
+    )
 
 
 def _dtype_name(dtype: type) -> str:
     return f"{np.dtype(dtype).name}{' = bfloat16 bits' if dtype == np.int16 else ''}"
 
 
-def _reshard_problem(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray], dtype: type) -> str | None:
-    """The first wrong shard along 4 -> 2 -> 3 -> 1 -> 4 -> 5 ranks for units of several lengths, or None."""
-    for numel in (10, 12, 2, 7, 1):
-        flat: np.ndarray = (100 * np.random.default_rng(numel).standard_normal(numel)).astype(dtype)
-        shards = [_reference_shard(flat, 4, q) for q in range(4)]
-        for size in (2, 3, 1, 4, 5):  # 4 -> 2 -> 3 -> 1 ..., each from the previous count's shards
+def _reshard_problem(
+    fn: Callable[[list[np.ndarray], int, int, int], np.ndarray], dtype: type, marker: float, case: _ReshardCase
+) -> str | None:
+    """The first wrong shard along the case's rank counts (4 -> 2 -> 3 -> 1 -> 4 -> 5) for its units, or None."""
+    for numel in case.numels:
+        generator = np.random.default_rng(numel if case.seed is None else [case.seed, numel])
+        flat: np.ndarray = (100 * generator.standard_normal(numel)).astype(dtype)
+        shards = [_reference_shard(flat, case.counts[0], q) for q in range(case.counts[0])]
+        for size in case.counts[1:]:  # each count from the previous count's shards
             old_shard = shards[0].size
             for q, shard in enumerate(shards):  # mark the old padding: it must not reach the new shards
-                shard[max(0, numel - q * old_shard) :] = RESHARD_DTYPES[dtype]
+                shard[max(0, numel - q * old_shard) :] = marker
             new = []
             for rank in range(size):
                 context = (
@@ -498,20 +766,29 @@ def check_reshard(fn: Callable[[list[np.ndarray], int, int, int], np.ndarray]) -
     zero here: it is nothing the new shard may copy), in every dtype a checkpoint holds:
     float64, float32, and bfloat16 as int16 bits. Each call must return a new array in the
     shards' dtype, leave the old shards alone, and stay unchanged by later calls.
+
+    The grader's draw: 5 units of 1 to 40 items, a chain of 6 rank counts of 1 to 8 (the first writes,
+    each next reads the previous one's shards), the values marking the old padding and the data; the three
+    dtypes. Every rank draws rank 0's (a collective on MPI.COMM_WORLD: the notebook runs it on every engine).
     """
-    for dtype in RESHARD_DTYPES:
-        problem = _reshard_problem(fn, dtype)
+    draw = grading_draw(MPI.COMM_WORLD, "reshard")
+    case = _reshard_case(draw)
+    for dtype, marker in case.markers:
+        problem = _reshard_problem(fn, dtype, marker, case)
         if problem:
             raise CheckFailed(
-                problem + "\n(new rank r holds items [r s, (r+1) s) of the flat buffer, "
+                problem
+                + ("" if draw is None else f" ({case}{named(draw)})")
+                + "\n(new rank r holds items [r s, (r+1) s) of the flat buffer, "
                 "s = ceil(numel / size), in the shards' dtype; copy the overlapping pieces of the old "
                 "shards, items past numel are zeros)"
             )
     # every rank ran the same cases, so all fail or pass alike; one line says so, from rank 0
+    chain = " -> ".join(map(str, case.counts))
     passed(
         MPI.COMM_WORLD,
-        "reshard cuts a checkpoint's shards for any rank count, 4 -> 2 -> 3 -> 1 -> 4 -> 5, padding zeros, "
-        "float64, float32 and bfloat16 bits",
+        f"reshard cuts a checkpoint's shards for any rank count, {chain}, padding zeros, "
+        f"float64, float32 and bfloat16 bits{named(draw)}",
     )
 
 
@@ -526,38 +803,37 @@ ZERO3_LR = 0.1
 FULL_BACKWARD_HOOK_NOTE = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 
-def _zero3_model(dtype: torch.dtype) -> nn.Sequential:
-    """Three Linear units (5 -> 4 -> 4 -> 2, ReLU between): 24, 20 and 10 parameters (3 ranks need padding)."""
-    generator = torch.Generator().manual_seed(13)
-    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64))
-    return model
+def _zero3_model(dtype: torch.dtype, units: _Units) -> nn.Sequential:
+    """Three Linear units with ReLU between (the notebook's 5 -> 4 -> 4 -> 2: 24, 20 and 10 parameters, which
+    3 ranks must pad)."""
+    return units.model(nn.ReLU, dtype, 13, torch.float64)
 
 
-def _zero3_batches(size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One global batch of 3 samples per rank for each step."""
-    generator = torch.Generator().manual_seed(130 + size)
+def _zero3_batches(size: int, dtype: torch.dtype, units: _Units) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global batch of `units.samples` samples per rank for each step."""
+    generator = torch.Generator().manual_seed(130 + size + (0 if units.seed is None else units.seed))
+    n, a, b = units.samples * size, units.widths[0], units.widths[-1]
     return [
         (
-            torch.randn(3 * size, 5, generator=generator, dtype=torch.float64).to(dtype),
-            torch.randn(3 * size, 2, generator=generator, dtype=torch.float64).to(dtype),
+            torch.randn(n, a, generator=generator, dtype=torch.float64).to(dtype),
+            torch.randn(n, b, generator=generator, dtype=torch.float64).to(dtype),
         )
         for _ in range(ZERO3_STEPS)
     ]
 
 
-def _zero3_reference(size: int, dtype: torch.dtype) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+def _zero3_reference(
+    size: int, dtype: torch.dtype, units: _Units
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """One process on the global batch: per step, each unit's flat parameters before it and flat mean gradient."""
-    model = _zero3_model(dtype)
-    units = [model[0], model[2], model[4]]
+    model = _zero3_model(dtype, units)
+    layers = [model[0], model[2], model[4]]
     steps = []
-    for x, y in _zero3_batches(size, dtype):
-        values = [torch.cat([p.detach().reshape(-1) for p in unit.parameters()]) for unit in units]
+    for x, y in _zero3_batches(size, dtype, units):
+        values = [torch.cat([p.detach().reshape(-1) for p in unit.parameters()]) for unit in layers]
         model.zero_grad()
         (model(x) - y).square().mean().backward()
-        grads = [torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.grad is not None]) for unit in units]
+        grads = [torch.cat([p.grad.reshape(-1) for p in unit.parameters() if p.grad is not None]) for unit in layers]
         with torch.no_grad():
             for p in model.parameters():
                 assert p.grad is not None
@@ -597,7 +873,9 @@ class _Zero3Watch:
             )
         got = torch.cat([p.detach().reshape(-1) for p in self.params])
         assert self.want is not None
-        if got.dtype != self.dtype or not torch.allclose(got, self.want, rtol=ZERO3_DTYPES[self.dtype], atol=0):
+        tolerance = ZERO3_DTYPES[self.dtype]
+        scale = max(1.0, float(self.want.abs().max())) if self.want.numel() else 1.0
+        if got.dtype != self.dtype or not torch.allclose(got, self.want, rtol=tolerance, atol=tolerance * scale):
             self.fail(
                 "the parameters its forward computed with are not the shards' current values: gather every "
                 "rank's shard (after the optimizer's step changed them) into the flat buffer the parameters view"
@@ -659,11 +937,14 @@ class _Zero3Watch:
             )
 
 
-def _zero3_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, timeout: float) -> str | None:
+def _zero3_problem(
+    fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, timeout: float, case: _Units, context: str
+) -> str | None:
     rank, size = sub.Get_rank(), sub.Get_size()
-    batches = _zero3_batches(size, dtype)
-    reference = _zero3_reference(size, dtype)
-    model = _zero3_model(dtype)
+    batches = _zero3_batches(size, dtype, case)
+    reference = _zero3_reference(size, dtype, case)
+    model = _zero3_model(dtype, case)
+    mine = slice(case.samples * rank, case.samples * (rank + 1))
     modules = [model[0], model[2], model[4]]
     numels = [sum(p.numel() for p in m.parameters()) for m in modules]
     shard_numels = [-(-n // size) for n in numels]
@@ -712,11 +993,11 @@ def _zero3_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, ti
                 return tensor
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                out = model(x[3 * rank : 3 * rank + 3])
+                out = model(x[mine])
             try:
                 with warnings.catch_warnings():  # torch's note on a valid answer's full backward pre-hook
                     warnings.filterwarnings("ignore", message=FULL_BACKWARD_HOOK_NOTE)
-                    (out - y[3 * rank : 3 * rank + 3]).square().mean().backward()
+                    (out - y[mine]).square().mean().backward()
             except RuntimeError as err:
                 raise CheckFailed(
                     f"step {step}: backward failed ({err}): gather the unit again before its backward needs its "
@@ -734,7 +1015,7 @@ def _zero3_problem(fn: Callable[..., Any], sub: MPI.Comm, dtype: torch.dtype, ti
         sub,
         train,
         (),
-        f"zero3_unit in {str(dtype).removeprefix('torch.')}",
+        context,
         timeout=timeout,
         allow=("Allgather", "Allgatherv", "Reduce_scatter"),
     )
@@ -772,19 +1053,31 @@ def check_zero3_unit(fn: Callable[..., Any], timeout: float = 10.0) -> None:
     with, the gradient shards against one process on the global batch, messages on the comm given
     (MPI's Allgather(v) and Reduce_scatter allowed) within two allgathers and one reduce-scatter
     per unit and step, each run within `timeout` seconds.
+
+    The grader's draw: the ranks of each smaller communicator (any of the world's, in any order; the whole
+    world runs first in its own order), the units' widths (1 to 6) and biases (one unit always without: one
+    parameter tensor, where the notebook's have two), the samples per rank (1 to 4) and the data; float64
+    and float32.
     """
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "zero3_unit")
 
     def body(sub: MPI.Comm) -> str | None:
+        case = _units(sub.Get_size(), draw)
         for dtype in ZERO3_DTYPES:
-            problem = _zero3_problem(fn, sub, dtype, timeout)
-            fail_together(sub, problem and f"{str(dtype).removeprefix('torch.')}: {problem}", "zero3_unit")
+            where = str(dtype).removeprefix("torch.") + ("" if draw is None else f", {case}{named(draw)}")
+            problem = _zero3_problem(fn, sub, dtype, timeout, case, f"zero3_unit in {where}")
+            fail_together(sub, problem and f"{where}: {problem}", "zero3_unit")
         return None
 
     size = comm.Get_size()
-    each_size(comm, body, "zero3_unit", sizes=[size, *range(1, size)])
+    # comm's own size first with its ranks in order, drawn or not: the check's hooks fail a unit on the ranks
+    # that see it wrong, mid-forward, so an answer on the notebook's MPI.COMM_WORLD must complete there (and fail
+    # for sending nothing on comm) before a drawn communicator would leave the other ranks in its world messages
+    each_size(comm, body, "zero3_unit", sizes=[size])
+    each_size(comm, body, "zero3_unit", sizes=range(1, size), draw=draw)
     passed(
         comm,
         "zero3_unit: each unit holds its parameters only while it computes (autograd's saved tensors too), "
-        "and its shard's gradient is the mean of the ranks', in float64 and float32",
+        f"and its shard's gradient is the mean of the ranks', in float64 and float32{named(draw)}",
     )

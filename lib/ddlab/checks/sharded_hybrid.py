@@ -8,7 +8,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.counting import Traffic
-from ._core import NOTHING_SENT, array_problem, each_size, fail_together, passed, reordered_hint, run_counted
+from ._core import NOTHING_SENT, array_problem, each_size, fail_together, passed, run_counted
+from ._draw import grading_draw, named
+from .sharded import rank_hint
 
 #: What the exercise may call besides point-to-point messages: the halves (MPI's, counted).
 ALLOWED = ("Reduce_scatter", "Allgatherv")
@@ -66,18 +68,28 @@ def check_hybrid_reduce_scatter(fn: Callable[[Any, np.ndarray, int], np.ndarray]
     Allgatherv (counted) and Split (each communicator freed); no more bytes between groups than the shard's allreduce
     across them, no more inside a group than one reduce-scatter. x is left alone. Each call is done
     within `timeout` seconds.
+
+    The grader's draw: the ranks of each communicator (any of the world's, in any order), two shard lengths
+    (1 to 12) for each group size and the data; every group size dividing the ranks, float64 and float32.
     """
     comm = MPI.COMM_WORLD
+    draw = grading_draw(comm, "hybrid_reduce_scatter")
 
     def body(sub: MPI.Comm) -> str | None:
         size = sub.Get_size()
-        hint = reordered_hint(sub, comm)  # each_size's last run: rank q is world rank q - 1
+        hint = rank_hint(sub, comm, draw)  # each_size's last run: rank q is world rank q - 1
         for g in [g for g in range(1, size + 1) if size % g == 0]:
-            for shard in (5, 1):
+            for shard in (5, 1) if draw is None else draw.lengths(2, 1, 12, "shards", size, g):
                 for dtype in (np.float64, np.float32):
                     n = g * shard
-                    context = f"hybrid_reduce_scatter (groups of {g}, {g} shards of {shard}, {np.dtype(dtype).name})"
-                    x = np.random.default_rng([n, sub.Get_rank(), g]).standard_normal(n).astype(dtype)
+                    context = f"hybrid_reduce_scatter (groups of {g}, {g} shards of {shard}, {np.dtype(dtype).name}"
+                    keys = [n, sub.Get_rank(), g]
+                    if draw is not None:
+                        seed = draw.data_seed(size, g, shard, np.dtype(dtype).name)
+                        context += f", data seed {seed}{named(draw)}"
+                        keys.append(seed)
+                    context += ")"
+                    x = np.random.default_rng(keys).standard_normal(n).astype(dtype)
                     kept = x.copy()
                     got, traffic = run_counted(sub, fn, (x, g), context, timeout=timeout, allow=ALLOWED)
                     want = _reference(sub, kept, g)
@@ -92,9 +104,9 @@ def check_hybrid_reduce_scatter(fn: Callable[[Any, np.ndarray, int], np.ndarray]
         return None
 
     size = comm.Get_size()
-    each_size(comm, body, "hybrid_reduce_scatter", sizes=[size, *range(1, size)], reordered=True)
+    each_size(comm, body, "hybrid_reduce_scatter", sizes=[size, *range(1, size)], reordered=True, draw=draw)
     passed(
         comm,
         "hybrid_reduce_scatter: every group size, float64 and float32, the sum over all ranks in a new array, "
-        "with no more bytes between groups than the shard's allreduce",
+        f"with no more bytes between groups than the shard's allreduce{named(draw)}",
     )
