@@ -105,7 +105,15 @@ def test_split_backward_passes_the_students_own_valid_answer():
         (own_input, overwrites, "differs from the whole backward"),
         (delegates_b, own_weight, "the library's own answer"),
     ],
-    ids=["keeps-the-graph", "keeps-a-with-its-grad-fn", "weights-in-b", "w-twice", "w-drops-bias", "w-overwrites", "library"],
+    ids=[
+        "keeps-the-graph",
+        "keeps-a-with-its-grad-fn",
+        "weights-in-b",
+        "w-twice",
+        "w-drops-bias",
+        "w-overwrites",
+        "library",
+    ],
 )
 def test_split_backward_fails(b, w, words):
     with pytest.raises(CheckFailed, match=words):
