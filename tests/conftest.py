@@ -100,6 +100,19 @@ def _calling(reference):
 
 
 @pytest.fixture
+def seed(monkeypatch):
+    """seed(S) grades on the draw of seed S: DDLAB_GRADE_SEED in this process's environment (on every rank of a
+    multi-rank test), as `ddlab grade --seed S` sets it in the kernel and its engines; unset until called."""
+    from ddlab.checks._draw import SEED_VARIABLE
+
+    def grading(value: int | str) -> None:
+        monkeypatch.setenv(SEED_VARIABLE, str(value))
+
+    monkeypatch.delenv(SEED_VARIABLE, raising=False)
+    return grading
+
+
+@pytest.fixture
 def refuses_the_reference():
     """refuses(exercise, "module.name", *others): check_<exercise>(answer, *others) fails with the refusal when the
     answer is the library's own (as it is, an alias) and when it only calls it, on every rank at its first call."""

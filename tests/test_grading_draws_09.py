@@ -16,7 +16,7 @@ from ddlab.checks import (
     check_spatial_memory,
     check_spatial_time,
 )
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.oracle import _cases
 from ddlab.oracle import formulas
 from ddlab.runtime.reference import unguarded
@@ -30,17 +30,6 @@ CHECKS = [
     (check_spatial_memory, unguarded(formulas.spatial_memory)),
     (check_hybrid_time, unguarded(formulas.hybrid_time)),
 ]
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S (this process's environment, as the kernel's)."""
-
-    def grading(value: int) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 def seed_with(draws_it, check_name: str) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from ddlab.checks import CheckFailed, check_layout_search, check_memory_per_rank, check_step_time
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.oracle_transformer import memory_cases, search_cases, time_cases
 from ddlab.oracle.transformer import iteration_flops, memory_per_rank, problem, stage_parameters, step_time
 from ddlab.oracle.transformer_planner import search
@@ -19,17 +19,6 @@ RIGHT = [
     (check_step_time, unguarded(step_time)),
     (check_layout_search, unguarded(search)),
 ]
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S (the kernel's environment, as `ddlab grade --seed S` sets it)."""
-
-    def grading(value: int | str) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 @pytest.mark.parametrize("check, right", RIGHT, ids=lambda v: getattr(v, "__name__", ""))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from ddlab import checks, resilience
 from ddlab.checks import CheckFailed
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.resilience import _detect_plan, _goodput_cases, _rebuild_cases, _recover_cases, _train_cases
 from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
@@ -34,17 +34,6 @@ def seeds_of(exercise: str) -> tuple[int | None, ...]:
     if EVERY_SEED or exercise == "simulate_goodput":  # no job: every seed costs milliseconds
         return (None, *SEEDS)
     return (SEEDS[EXERCISES.index(exercise) % len(SEEDS)],)
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S (this process's environment, as the notebook's kernel's)."""
-
-    def grading(value: int) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 @pytest.mark.parametrize("exercise", EXERCISES)

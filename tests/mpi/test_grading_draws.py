@@ -46,17 +46,6 @@ SEEDS = (11, 2027, 90210)
 SHORT = 3.0  # seconds a fitted answer may wait for a message that never comes
 
 
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int | str) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
-
-
 def test_every_rank_draws_the_same_cases_and_each_seed_its_own(comm, seed):
     assert grading_draw(comm, "allreduce_ring") is None, "no seed: the notebook's cases"
     drawn = {}

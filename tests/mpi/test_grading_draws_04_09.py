@@ -15,7 +15,7 @@ import torch
 from ddlab import data_parallel as dp
 from ddlab.allreduce import allreduce_ring
 from ddlab.checks import CheckFailed, check_overlapped_averaging, check_train_step, check_trains_with_allreduce
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.data_parallel import drawn_training
 from ddlab.models.mlp import make_mlp
 from ddlab.runtime.reference import unguarded
@@ -32,17 +32,6 @@ SHORT = 3.0  # seconds a fitted answer may wait for a message that never comes
 
 average_gradients = unguarded(dp.average_gradients)
 ring = unguarded(allreduce_ring)
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 def seed_with(draws_it, check_name: str) -> int:

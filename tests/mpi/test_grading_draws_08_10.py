@@ -24,7 +24,7 @@ from ddlab.checks import (
     check_ssp_gate,
     check_ssp_server,
 )
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.intra_layer import _pool_cases, _pool_height, pool_bounds
 from ddlab.checks.parameter_server import _bounds, _tables
 from ddlab.intra_layer import FilterParallelConv, HaloExchange, SpatialMaxPool, slab_bounds
@@ -46,17 +46,6 @@ SEEDS = (11, 2027, 90210)
 SHORT = 5.0  # seconds a fitted answer may wait for a message that never comes
 
 may_start = unguarded(may_start)
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 def seed_with(draws_it, check_name: str) -> int:

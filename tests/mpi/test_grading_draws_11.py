@@ -18,7 +18,7 @@ from ddlab.checks import (
     check_sparse_allreduce,
     check_top_k_with_feedback,
 )
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.compression import NARROW, _hierarchical_cases, _sparse_cases
 from ddlab.compression import held_blocks, hierarchical_allreduce, node_of, qsgd, sparse_allreduce, top_k_with_feedback
 from ddlab.compression.compressors import unqsgd
@@ -40,17 +40,6 @@ RIGHT = [
     (check_hierarchical_allreduce, (unguarded(hierarchical_allreduce),)),
     (check_qsgd, (qsgd, unqsgd)),
 ]
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int | str) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 @pytest.mark.parametrize("check, right", RIGHT, ids=lambda v: getattr(v, "__name__", ""))

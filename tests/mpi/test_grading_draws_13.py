@@ -23,7 +23,7 @@ from ddlab.checks import (
     check_zero2_hooks,
     check_zero3_unit,
 )
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.sharded import _optimizer_case
 from ddlab.resilience.buddy import reshard
 from ddlab.runtime.reference import unguarded
@@ -40,17 +40,6 @@ TAG = 13
 # The library's own answers without their mark: the right answers here, and the bases of the fitted ones.
 reduce_scatter_ring = unguarded(reduce_scatter_ring)
 allgather_ring = unguarded(allgather_ring)
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int | str) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 # Right answers: the library's, or the lab's on the library's halves -------------------------------

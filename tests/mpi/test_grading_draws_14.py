@@ -20,7 +20,7 @@ from ddlab.checks import (
     check_sequence_parallel_block,
     check_vocab_parallel_cross_entropy,
 )
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.tensor_parallel import (
     BLOCK_LENGTH,
     HEADS,
@@ -62,17 +62,6 @@ RowParallelLinear = unguarded(RowParallelLinear)
 parallelize = unguarded(parallelize)
 sequence_parallel_block = unguarded(sequence_parallel_block)
 vocab_parallel_cross_entropy = unguarded(vocab_parallel_cross_entropy)
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int | str) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 def seed_with(draws_it, check_name: str) -> int:

@@ -28,7 +28,7 @@ from ddlab.checks import (
     check_ulysses,
     check_zigzag,
 )
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.checks.context_parallel import ulysses_cases
 from ddlab.checks.experts import drawn_cases, route_cases
 from ddlab.context_parallel import (
@@ -57,17 +57,6 @@ SEEDS = (11, 2027, 90210)
 SHORT = 3.0  # seconds a fitted answer may wait for a message that never comes
 
 positions_of = unguarded(zigzag_positions)
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 def merge(o1, m1, l1, o2, m2, l2):

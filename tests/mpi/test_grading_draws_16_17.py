@@ -26,7 +26,6 @@ from ddlab.checks import (
     check_zb_h1,
     check_zb_v,
 )
-from ddlab.checks._draw import SEED_VARIABLE
 from ddlab.checks.mesh import INTERLEAVED_SIZES
 from ddlab.mesh import DIMS, MeshTrainer, split_mesh, validate_sizes
 from ddlab.pipeline import interleaved_1f1b, micro_batch_loss
@@ -48,17 +47,6 @@ interleaved_1f1b = unguarded(interleaved_1f1b)
 backward_input, backward_weight = unguarded(backward_input), unguarded(backward_weight)
 zb_h1, zb_v, run_split = unguarded(zb_h1), unguarded(zb_v), unguarded(run_split)
 MeshTrainer = unguarded(MeshTrainer)
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int | str) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 # The right answers --------------------------------------------------------------------

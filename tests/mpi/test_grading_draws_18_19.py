@@ -19,7 +19,7 @@ from ddlab.checks import (
     check_quantize_float8,
     check_reduce_scatter_rounded,
 )
-from ddlab.checks._draw import SEED_VARIABLE, Draw
+from ddlab.checks._draw import Draw
 from ddlab.precision import LossScale
 from ddlab.runtime.reference import unguarded
 
@@ -28,17 +28,6 @@ SEEDS = (11, 2027, 90210)
 #: cases, which the solution notebook and tests/mpi/test_precision_checks.py already run (a budget of test time);
 #: DDLAB_DRAWS=all runs those too.
 EVERY_RUN = os.environ.get("DDLAB_DRAWS") == "all"
-
-
-@pytest.fixture
-def seed(monkeypatch):
-    """seed(S) grades on the draw of seed S on every rank (each rank's environment, as the engines')."""
-
-    def grading(value: int) -> None:
-        monkeypatch.setenv(SEED_VARIABLE, str(value))
-
-    monkeypatch.delenv(SEED_VARIABLE, raising=False)
-    return grading
 
 
 RIGHT = [

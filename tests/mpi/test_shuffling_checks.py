@@ -177,9 +177,9 @@ def test_wrong_plans_fail(comm, plan, message):
     "plan, message",
     [(plan_ignoring_epoch, "same as epoch"), (plan_keeping_everything, "moves nothing")],
 )
-def test_plans_that_do_not_mix_fail_on_the_grader_s_draw_too(comm, plan, message, monkeypatch):
+def test_plans_that_do_not_mix_fail_on_the_grader_s_draw_too(comm, plan, message, seed):
     """The mixing case is drawn as well (its size and q), not only the notebook's 200 samples."""
-    monkeypatch.setenv("DDLAB_GRADE_SEED", "2027")
+    seed(2027)
     with pytest.raises(CheckFailed, match=f"seed 2027\\): .*{message}"):
         check_exchange_plan(plan)
 
