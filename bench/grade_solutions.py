@@ -4,7 +4,7 @@ For each notebook of solutions/ (or the labs named) and each seed it runs `ddlab
 solution, as an instructor grades a submission (fresh engines, every check cell on the cases the seed draws), and
 prints the points, the seconds and every check that lost points with its status. The suite runs each lab's own
 cases; this is where every converted check meets drawn sizes, dtypes, ranks and data on the course's own answers.
-About 6 minutes a seed for all twenty labs on 2 cores (measured at a load average of 8).
+About 5 minutes a seed for all twenty labs on 2 cores (15 minutes for three seeds, nothing else running).
 
     .venv/bin/python bench/grade_solutions.py [--seeds 11,2027,90210] [labs ...]   # e.g. 03 13
 """
