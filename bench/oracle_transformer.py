@@ -111,13 +111,15 @@ def modern(efficiency: float | None) -> None:
     rows = validate_modern(EFFICIENCY if efficiency is None else efficiency)
     print(f"\nruns of 2024-26 at {EFFICIENCY if efficiency is None else efficiency:.0%} of the datasheets' peaks:")
     print(
-        f"{'model':12} {'seq':>6} {'GPUs':>5} {'hardware':10} {'layout':52} {'tok/s pub':>9} {'pred':>7} {'acc':>6}  memory"
+        f"{'model':12} {'seq':>6} {'GPUs':>5} {'hardware':10} {'layout':52} {'tok/s pub':>9} {'pred':>7} {'acc':>6}  "
+        "peak pred / HBM, memory published"
     )
     for run, pred, acc, mem in rows:
-        memory = "" if mem is None else f"{run.memory / 2**30:.1f} GiB pub, {pred.peak / 2**30:.1f} pred, acc {mem:.3f}"
+        memory = "" if mem is None else f", {run.memory / 2**30:.1f} GiB pub, acc {mem:.3f}"
         print(
             f"{run.gpt.name:12} {run.gpt.seq:6d} {run.layout.devices:5d} {run.hardware.name.split()[0]:10} "
-            f"{run.layout.label:52} {run.tokens_per_gpu:9.0f} {pred.tokens_per_device():7.0f} {acc:6.3f}  {memory}"
+            f"{run.layout.label:52} {run.tokens_per_gpu:9.0f} {pred.tokens_per_device():7.0f} {acc:6.3f}  "
+            f"{pred.peak / 2**30:5.1f} / {run.hardware.memory / 2**30:5.1f} GiB{memory}"
         )
     print(
         f"mean accuracy {statistics.mean(acc for _, _, acc, _ in rows):.3f} (tokens/s per GPU), worst "
@@ -132,6 +134,10 @@ def modern(efficiency: float | None) -> None:
     memory = [mem for *_, mem in rows if mem is not None]
     near = sum(mem >= 0.9 for mem in memory)
     print(f"verdict: memory within 10% on {near} of {len(memory)} published against all: {_met(near == len(memory))}")
+    fits = sum(pred.peak <= run.hardware.memory for run, pred, *_ in rows)
+    print(
+        f"verdict: every published layout ran, so fits its GPU; predicted to fit on {fits} of {len(rows)}: {_met(fits == len(rows))}"
+    )
 
 
 def _met(ok: bool) -> str:

@@ -77,6 +77,27 @@ class _Dropout(torch.autograd.Function):
         return grad * mask * ctx.scale, None
 
 
+class _FusedSwiGLU(torch.autograd.Function):
+    """SwiGLU as one kernel (the oracle's "fused"): keeps its input, gate and up, and recomputes silu(gate) in
+    its backward; its output is kept by the down projection that takes it."""
+
+    @staticmethod
+    def forward(ctx, gate, up):  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        return grad * up * sig * (1 + gate * (1 - sig)), grad * silu
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool) -> torch.Tensor:
+    return _FusedSwiGLU.apply(gate, up) if fused else F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, h: int):
         super().__init__()
@@ -91,17 +112,17 @@ def _norm(gpt: GPT) -> nn.Module:
 
 
 class MLP(nn.Module):
-    def __init__(self, gpt: GPT, width: int):
+    def __init__(self, gpt: GPT, width: int, fused: bool = False):
         super().__init__()
         h, bias = gpt.hidden, gpt.bias
-        self.gated = gpt.gated
+        self.gated, self.fused = gpt.gated, fused
         self.up = nn.Linear(h, width, bias=bias)
         self.gate = nn.Linear(h, width, bias=bias) if gpt.gated else None
         self.down = nn.Linear(width, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
+            return self.down(_swiglu(self.gate(x), self.up(x), self.fused))
         return self.down(F.gelu(self.up(x)))
 
 
@@ -109,10 +130,10 @@ class Experts(nn.Module):
     """Router, E routed experts (weights stacked), shared experts: top-k routing; each expert computes on its
     slots (with a capacity factor: capacity k T / E slots each, padded with a zero token or dropped)."""
 
-    def __init__(self, gpt: GPT):
+    def __init__(self, gpt: GPT, fused: bool = False):
         super().__init__()
         h, f, e = gpt.hidden, gpt.expert_ffn_, gpt.experts
-        self.gpt = gpt
+        self.gpt, self.fused = gpt, fused
         self.router = nn.Linear(h, e, bias=False)
         mats = 3 if gpt.gated else 2
         self.w = nn.ParameterList([nn.Parameter(torch.randn(e, h, f) / math.sqrt(h)) for _ in range(mats - 1)])
@@ -122,7 +143,7 @@ class Experts(nn.Module):
             if gpt.bias
             else []
         )
-        self.shared = nn.ModuleList([MLP(gpt, f) for _ in range(gpt.shared_experts)])
+        self.shared = nn.ModuleList([MLP(gpt, f, fused) for _ in range(gpt.shared_experts)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gpt, shape = self.gpt, x.shape
@@ -149,7 +170,7 @@ class Experts(nn.Module):
             part = sent[start : start + len(mine)]
             start += len(mine)
             hidden = [part @ w[expert] + (self.bias[i][expert] if self.bias else 0) for i, w in enumerate(self.w)]
-            act = F.silu(hidden[0]) * hidden[1] if gpt.gated else F.gelu(hidden[0])
+            act = _swiglu(hidden[0], hidden[1], self.fused) if gpt.gated else F.gelu(hidden[0])
             outputs.append(act @ self.wd[expert] + (self.bias[-1][expert] if self.bias else 0))
         scale = gates[torch.where(entries >= 0, entries, len(gates) - 1)]  # the gate's int64 index and value
         routed = torch.cat(outputs) * scale[:, None]
@@ -160,14 +181,14 @@ class Experts(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, gpt: GPT, moe: bool = False):
+    def __init__(self, gpt: GPT, moe: bool = False, fused: bool = False):
         super().__init__()
         h, kv, bias = gpt.hidden, gpt.kv_width, gpt.bias
         self.gpt = gpt
         self.norm1, self.norm2 = _norm(gpt), _norm(gpt)
         self.q, self.k, self.v = nn.Linear(h, h, bias=bias), nn.Linear(h, kv, bias=bias), nn.Linear(h, kv, bias=bias)
         self.proj = nn.Linear(h, h, bias=bias)
-        self.mlp = Experts(gpt) if moe else MLP(gpt, gpt.ffn_)
+        self.mlp = Experts(gpt, fused) if moe else MLP(gpt, gpt.ffn_, fused)
         s, d = gpt.seq, h // gpt.heads
         self.register_buffer("causal", torch.full((s, s), float("-inf")).triu(1))
         angle = torch.arange(s)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
@@ -204,13 +225,13 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, gpt: GPT):
+    def __init__(self, gpt: GPT, fused: bool = False):
         super().__init__()
         self.gpt = gpt
         self.wte = nn.Embedding(gpt.vocab, gpt.hidden)
         self.wpe = None if gpt.rotary else nn.Embedding(gpt.seq, gpt.hidden)
         moe = [gpt.experts > 0 and (i + 1) % gpt.moe_every == 0 for i in range(gpt.layers)]
-        self.blocks = nn.ModuleList([Block(gpt, m) for m in moe])
+        self.blocks = nn.ModuleList([Block(gpt, m, fused) for m in moe])
         self.norm = _norm(gpt)
         self.head = nn.Linear(gpt.hidden, gpt.vocab, bias=False)
         if gpt.tied:
@@ -244,9 +265,9 @@ OPTIONS = {
 }
 
 
-def _model(gpt: GPT) -> Model:
+def _model(gpt: GPT, fused: bool = False) -> Model:
     torch.manual_seed(0)
-    return Model(gpt)
+    return Model(gpt, fused)
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -282,6 +303,33 @@ def test_activation_bytes_of_a_block_are_the_ledgers_count(option):
         assert want == pytest.approx(ledger.used["activations"], rel=0.01), f"moe={moe}"
         y.sum().backward()  # and backward releases every byte the ledger counted
         assert ledger.used["activations"] == 0
+
+
+def _kept_by_blocks(model: Model, batch: int) -> list[int]:
+    """Bytes each block keeps for backward, by the ledger."""
+    kept = []
+    for block in model.blocks:
+        ledger = Ledger()
+        ledger.ignore(model)
+        x = torch.randn(batch, model.gpt.seq, model.gpt.hidden, requires_grad=True)
+        with ledger.activations():
+            y = block(x)
+        kept.append(ledger.used["activations"])
+        y.sum().backward()  # (the graph, and what it keeps, lives as long as y)
+    return kept
+
+
+@pytest.mark.parametrize("option", [name for name, gpt in OPTIONS.items() if gpt.gated or gpt.experts])
+def test_the_fused_kernel_keeps_what_the_ledger_counts_of_a_fused_swiglu(option):
+    """The "fused" kernel's count differs from "flash"'s by the MLP alone: a SwiGLU kernel that keeps its input
+    keeps one ffn per token (per slot) less than torch's eager SwiGLU, and a GELU MLP the same."""
+    gpt, batch = OPTIONS[option], 2
+    eager, fused = _kept_by_blocks(_model(gpt), batch), _kept_by_blocks(_model(gpt, fused=True), batch)
+    for i, block in enumerate(_model(gpt).blocks):
+        moe = isinstance(block.mlp, Experts)
+        counted = [layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, k) for k in ("flash", "fused")]
+        assert counted[0] - counted[1] == pytest.approx(eager[i] - fused[i], rel=0.01), f"block {i}, moe={moe}"
+        assert (eager[i] > fused[i]) == gpt.gated
 
 
 def test_gpt3s_defaults_keep_narayanans_and_korthikanis_counts():

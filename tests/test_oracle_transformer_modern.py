@@ -112,6 +112,7 @@ def test_the_published_rows_are_whole_layouts_predicted_without_a_factor_per_row
     for run, pred, acc, mem in rows:
         assert problem(run.gpt, run.layout) is None and pred.layout == run.layout
         assert acc <= 1 and (mem is None) == (run.memory is None)
+        assert pred.peak <= run.hardware.memory, f"{run.gpt.name} ran on {run.hardware.name}: its layout fits"
     # Megatron-Bridge's rows (cuDNN/TE attention, causal blocks skipped): within the 15%
     assert all(acc >= 0.85 for run, _, acc, _ in rows if run.source.startswith("Megatron-Bridge"))
     assert predict(LLAMA3_70B, MODERN[1].layout, gpu_platform(H100_SXM)).time == pytest.approx(

@@ -134,7 +134,12 @@ RECIPES = {
     "fp32": Precision(4, 4, 8, 4, 4, 4, "fp32"),
     "fp64": Precision(8, 8, 16, 8, 8, 8, "fp64"),
 }
-KERNELS = ("local", "flash")
+#: The kernels `Layout.kernel` takes: "local" (lab 14's attention, keeping its s x s softmax), "flash" (the
+#: attention keeps a log-sum-exp per row and head and skips the masked blocks), "fused" (flash attention and
+#: Megatron-Core's fused SwiGLU, which keeps only its input, gate and up, for its backward, and recomputes
+#: silu(gate) there: megatron/core/fusions/fused_bias_swiglu.py, `SwiGLUFunction`; the down projection keeps the
+#: product, so a gated MLP keeps 3 ffn values per token instead of eager torch's 4).
+KERNELS = ("local", "flash", "fused")
 #: The share of a causal model's score blocks a "flash" kernel computes: it skips the blocks above the diagonal,
 #: every key after every query (Dao, "FlashAttention-2", 2023, section 3.1: about half), so it does half the
 #: attention's 4 s^2 h; Megatron-Bridge's model FLOPs count halves that term too (its llama3_flops:
@@ -326,7 +331,9 @@ class Layout:
     # tensor parallelism inside a routed expert: 1, each expert whole on its rank (its weights not cut by t; a
     # memory estimate that divides them by t as well under-reports a MoE, NVIDIA-NeMo/Megatron-Bridge#3744), or t
     expert_tensor: int = 1
-    kernel: str = "local"  # attention: "local" keeps its s x s softmax, "flash" only a log-sum-exp per row
+    # `KERNELS`: "local" keeps the attention's s x s softmax, "flash" only a log-sum-exp per row, "fused" also
+    # runs a gated MLP's SwiGLU as one kernel that keeps its input only
+    kernel: str = "local"
     overlap: bool = False  # the data collectives run under the compute (ZeRO-3/FSDP: layer by layer)
     # the pipeline schedule (`schedules.SCHEDULES`): "1f1b" (with `interleave` v > 1 the interleaved 1F1B),
     # or a zero-bubble one, "zb-h1", "zb-h2", "zb-v" (lab 17's op lists, priced by `layout_time`)
@@ -545,8 +552,9 @@ def layer_activations(
     any block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms'
     inputs and the attention's and MLP's inputs (4h elements of e bytes) and the residual dropout masks
     (2h bytes); split over t: q (h), k and v (2 kv_width), the projection's input (h), the MLP's 2 ffn
-    (GELU: its input and output) or 4 ffn (SwiGLU: gate, up, silu(gate), their product), and the attention's
-    (2e + 1) a s (softmax, dropped probabilities, their mask; e a s without dropout; with the "flash" kernel,
+    (GELU: its input and output) or 4 ffn (SwiGLU: gate, up, silu(gate), their product; 3 with the "fused"
+    kernel, which recomputes silu(gate) in its backward), and the attention's
+    (2e + 1) a s (softmax, dropped probabilities, their mask; e a s without dropout; with the "flash" or "fused" kernel,
     and always under context parallelism's ring, only a float32 log-sum-exp per head, 4a bytes; none under
     selective recomputation). A MoE layer keeps, whole, its router's float32 probabilities and top-k choices
     (4E + 8k bytes per token) and per expert slot the token sent and the expert's output (2h elements) and the
@@ -555,7 +563,7 @@ def layer_activations(
     sequence parallelism; with it every rank routes its own s/t tokens). Norm statistics (a few floats per token) are not counted, as Korthikanti et al. do not.
     With GPT-3's defaults: sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`)."""
     h, a, kv = gpt.hidden, gpt.heads, gpt.kv_width
-    acts = 4 if gpt.gated else 2
+    acts = (3 if kernel == "fused" else 4) if gpt.gated else 2
     whole = 4 * e * h + (2 * h if gpt.dropout else 0)
     split = e * (2 * h + 2 * kv)
     routed = 0.0  # the routed experts' MLP activations, on this rank
@@ -568,7 +576,7 @@ def layer_activations(
         split += acts * e * gpt.ffn_
     if recompute == "selective":
         scores = 0.0
-    elif kernel == "flash":
+    elif kernel != "local":  # flash attention
         scores = 4.0 * a
     else:
         scores = ((2 * e + 1) if gpt.dropout else e) * a * s
@@ -603,7 +611,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
             (("parameters", prec.weights), ("gradients", prec.gradients), ("optimizer", prec.optimizer))
         )
     }
-    kernel = "flash" if lay.context > 1 else lay.kernel
+    kernel = "flash" if lay.context > 1 and lay.kernel == "local" else lay.kernel
     e = prec.activations
 
     def layer(moe: bool, recompute: str) -> float:
@@ -715,14 +723,14 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
       its own forward (gather) and backward (gather and reduce-scatter) compute; ZeRO 0-2 reduce the
       gradients in buckets under the backward (PyTorch DDP), all but the last layer's share hidden as far as
       the backward lasts;
-    - compute with the "flash" kernel: the attention's score blocks above the diagonal are skipped
+    - compute with the "flash" or "fused" kernel: the attention's score blocks above the diagonal are skipped
       (`CAUSAL_SHARE`), their FLOPs (at the 16-bit rate) taken off;
     - bubble and pipeline, for every schedule (`Layout.schedule`): the compute of a micro-batch on a
       stage split into F, B and W (`schedules.split_flops`, each part at its rate: the linear layers at the
       recipe's, the attention and the output layer at 16 bits), and the idle time of the schedule's op list
       (`schedules.idle_per_rank`); zb-v sends twice 1F1B's pipeline messages (two chunks per rank)."""
     parts = step_time(gpt, layout, platform)
-    if layout.kernel == "flash":  # the masked half of every score block is skipped, not computed
+    if layout.kernel != "local":  # flash attention: the masked half of every score block is skipped, not computed
         busy = min(layout.devices, platform.devices_per_node)
         skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute)
         parts["compute"] -= skipped / layout.devices / platform.flops * platform.slowdown(busy)
@@ -772,7 +780,7 @@ def stage_op_times(gpt: GPT, layout: Layout, platform: Platform, compute: float)
     prec = recipe(layout.precision)
     attention = gpt.layers * gpt.attention_score_flops()
     linear = gpt.forward_flops() - attention
-    attention *= CAUSAL_SHARE if layout.kernel == "flash" else 1.0
+    attention *= CAUSAL_SHARE if layout.kernel != "local" else 1.0
     output = 2.0 * gpt.seq * gpt.hidden * gpt.vocab
     fast = platform.rate(prec.compute) / platform.flops  # the linear layers' speed-up (float8), 1 in 16 bits
     parts = split_flops(linear / fast, attention, output, layout.recompute)
