@@ -22,6 +22,7 @@ from ddlab.oracle.transformer import (
     GPT,
     Layout,
     Precision,
+    busiest,
     iteration_flops,
     layer_activations,
     layout_time,
@@ -104,6 +105,23 @@ def test_under_context_parallelism_no_softmax_block_is_kept():
     assert want == pytest.approx(rows * (34 * 1024 + 4 * 16))  # Korthikanti's 34 sbh + a float32 lse per head
     logits = 4 * rows * gpt.vocab
     assert rank_memory(gpt, lay)["activations"] == pytest.approx(8 * want + logits)
+
+
+def test_uneven_stages_are_priced_as_the_busiest_stage():
+    gpt = GPT(layers=126, hidden=1024, heads=16, seq=2048, vocab=32000)
+    lay = Layout(data=2, tensor=2, pipeline=8, batch=64, interleave=8, sequence_parallel=True)
+    assert "pipeline 8 x 8 chunks does not divide the 126 layers (or set uneven)" in problem(gpt, lay)
+    assert "more chunks than the 126 layers" in problem(gpt, lay.with_(uneven=True, pipeline=16))
+    uneven, padded = lay.with_(uneven=True), GPT(layers=128, hidden=1024, heads=16, seq=2048, vocab=32000)
+    assert busiest(gpt, uneven) == padded and busiest(padded, uneven) == padded  # 2 layers in each of 64 chunks
+    pred, as_busiest = predict(gpt, uneven, _flat()), predict(padded, lay, _flat())
+    assert pred.seconds == as_busiest.seconds and pred.memory == as_busiest.memory
+    assert pred.tokens_per_device() == as_busiest.tokens_per_device()  # the same tokens, in the busiest's time
+    assert pred.model_flops_per_device() < as_busiest.model_flops_per_device()  # but 126 layers' FLOPs
+    even = Layout(data=2, tensor=2, pipeline=2, batch=64)  # 126 = 2 x 63: uneven changes nothing
+    assert predict(gpt, even.with_(uneven=True), _flat()).seconds == predict(gpt, even, _flat()).seconds
+    zbv = Layout(pipeline=4, batch=16, schedule="zb-v", uneven=True)  # two chunks a rank: 8 chunks of 16 layers
+    assert busiest(gpt, zbv).layers == 128 and "uneven" in zbv.label
 
 
 def test_the_published_rows_are_whole_layouts_predicted_without_a_factor_per_row(capsys):

@@ -246,7 +246,9 @@ class ModernRun:
     source: str
 
 
-_BRIDGE = "Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, pre-training"
+_BRIDGE = (
+    "Megatron-Bridge docs/performance-summary.md (v0.2.1; later in its archive), 25.11 NeMo container, pre-training"
+)
 _TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 2 (FSDP + CP + torch.compile + Float8)"
 #: torchtitan's H100s: 96 GB HBM2e at 500 W, a peak "between SXM and NVL" (their note): the SXM's peaks taken.
 H100_96GB = Hardware(
@@ -261,16 +263,21 @@ H100_96GB = Hardware(
 )
 
 
-def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, fsdp: int) -> Layout:
+def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, fsdp: int, c: int = 1) -> Layout:
     """A Megatron-Bridge recipe: FP8 (current scaling), the "fused" kernels (flash attention, causal:
     `transformer.CAUSAL_SHARE`; the fused SwiGLU its Llama models set, `bias_activation_fusion=True` in
     src/megatron/bridge/models/llama/llama_bridge.py), sequence parallelism with TP, the data collectives overlapped, no recomputation (none listed); FSDP = 1 is
     ZeRO-3, FSDP = 0 the distributed optimizer, ZeRO-1 (its Llama 3 recipes, src/megatron/bridge/recipes/llama/
-    llama3.py: `ddp.use_distributed_optimizer = True`, `overlap_grad_reduce` and `overlap_param_gather` on)."""
+    llama3.py: `ddp.use_distributed_optimizer = True`, `overlap_grad_reduce` and `overlap_param_gather` on); c
+    context ranks; stages as even as whole layers allow where p v does not divide the layers (its 405B recipe
+    counts the embedding and the loss as a layer each, `account_for_embedding_in_pipeline_split` and
+    `account_for_loss_in_pipeline_split`: 126 + 2 = 128 units, 2 in each of 64 chunks, the busiest rank 16 layers)."""
     return Layout(
-        data=gpus // (t * p),
+        data=gpus // (t * p * c),
         tensor=t,
         pipeline=p,
+        context=c,
+        uneven=gpt.layers % (p * v) != 0,
         batch=batch,
         micro_batch=micro,
         interleave=v,
@@ -298,16 +305,18 @@ def _titan(seq: int, fsdp: int, cp: int) -> Layout:
 
 LLAMA3_8B = _llama(32, 4096, 32, 14336, 8192, "Llama 3 8B")
 LLAMA3_70B = _llama(80, 8192, 64, 28672, 8192, "Llama 3 70B")
+LLAMA31_405B = _llama(126, 16384, 128, 53248, 8192, "Llama 3.1 405B")
 #: A mixture of experts of Mixtral 8x22B's shape (Mistral AI's released configuration: 56 layers of width 6144, 48
 #: heads sharing 8 key/value heads, 8 SwiGLU experts of width 16,384 on every layer, each token routed to 2, a
 #: vocabulary of 32,768; RMSNorm, rotary positions, no biases, untied output layer), on sequences of 4096 tokens:
 #: lab 16's search on 256 H100s, its test and `bench/oracle_transformer.py`.
 MIXTRAL_8X22B = replace(_llama(56, 6144, 48, 16384, 4096, "Mixtral-8x22B-like"), vocab=32768, experts=8, top_k=2)
 
-#: The validation rows: never used to set a figure of the oracle or its platforms. Left out: the 405B rows (126
-#: layers do not split evenly into their pipeline stages, which Megatron and torchtitan balance by hand),
-#: models whose heads are not h / heads wide or whose attention is not the oracle's (GPT-OSS, Qwen3, DeepSeek-V3),
-#: GB200/GB300 (NVL72 domains), and torchtitan's rows that do not state their sequence length. What the summary's
+#: The validation rows: never used to set a figure of the oracle or its platforms. Every DGX-H100 and DGX-B200 row of
+#: Megatron-Bridge's 25.11 summary whose model the oracle states (Llama 3 8B and 70B, Llama 3.1 405B: Dubey et al.,
+#: 2024, Table 3, 126 layers of width 16,384, FFN 53,248, 128 heads, 8 key/value heads), and torchtitan's four rows
+#: that state their sequence length. Left out: models whose heads are not h / heads wide or whose attention is not the oracle's (GPT-OSS, Qwen3, DeepSeek-V3),
+#: GB200/GB300 (NVL72 domains). What the summary's
 #: columns do not say, the recipes of the same release say (Megatron-Bridge v0.2.1, scripts/performance/configs/
 #: llama3/workload_base_configs.py): the 8B H100 row recomputes 5 of its 32 layers (`recompute_num_layers=5`), which
 #: a `Layout` cannot state (all layers or none), so its prediction leaves out about 5% of its compute.
@@ -315,6 +324,12 @@ MODERN = (
     ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"),
     ModernRun(LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, 1602, None, _BRIDGE + ", DGX-H100"),
     ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 2, 1, 1, 1, 0), B200, 30624, None, _BRIDGE + ", DGX-B200"),
+    ModernRun(
+        LLAMA31_405B, _megatron(LLAMA31_405B, 1024, 512, 1, 8, 8, 8, 0, 2), H100_SXM, 292, None, _BRIDGE + ", DGX-H100"
+    ),
+    ModernRun(
+        LLAMA31_405B, _megatron(LLAMA31_405B, 128, 64, 1, 4, 8, 8, 0, 2), B200, 661, None, _BRIDGE + ", DGX-B200"
+    ),
     *(
         ModernRun(replace(LLAMA3_8B, seq=seq), _titan(seq, fsdp, cp), H100_96GB, tps, gib * 2**30, _TITAN)
         for seq, fsdp, cp, tps, gib in (

@@ -338,6 +338,9 @@ class Layout:
     # the pipeline schedule (`schedules.SCHEDULES`): "1f1b" (with `interleave` v > 1 the interleaved 1F1B),
     # or a zero-bubble one, "zb-h1", "zb-h2", "zb-v" (lab 17's op lists, priced by `layout_time`)
     schedule: str = "1f1b"
+    # stages as even as whole layers allow when p (x chunks) does not divide the layers, as Megatron splits them
+    # (for example counting the embedding and the loss as a layer each); every rank is priced as the busiest
+    uneven: bool = False
 
     @property
     def devices(self) -> int:
@@ -360,6 +363,7 @@ class Layout:
         extras += [] if self.kernel == "local" else [self.kernel]
         extras += ["overlap"] if self.overlap else []
         extras += [] if self.schedule == "1f1b" else [self.schedule]
+        extras += ["uneven"] if self.uneven else []
         return f"d{self.data} t{self.tensor} p{self.pipeline} c{self.context} b{self.micro_batch}" + (
             " " + ", ".join(extras) if extras else ""
         )
@@ -426,11 +430,14 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
         return f"schedule {lay.schedule!r}: choose one of {', '.join(SCHEDULES)}"
     if lay.schedule != "1f1b" and lay.interleave > 1:
         return f"schedule {lay.schedule} has its own chunks (zb-v two in a V, the others one): use interleave 1"
-    if lay.schedule == "zb-v" and gpt.layers % (2 * lay.pipeline):
-        return f"pipeline {lay.pipeline} x 2 chunks of zb-v's V does not divide the {gpt.layers} layers"
-    if gpt.layers % (lay.pipeline * lay.interleave):
-        chunks = f" x {lay.interleave} chunks" if lay.interleave > 1 else ""
-        return f"pipeline {lay.pipeline}{chunks} does not divide the {gpt.layers} layers"
+    chunks = lay.pipeline * chunks_per_rank(lay)
+    if lay.uneven and gpt.layers < chunks:
+        return f"pipeline {lay.pipeline} x {chunks // lay.pipeline} chunks: more chunks than the {gpt.layers} layers"
+    if not lay.uneven and lay.schedule == "zb-v" and gpt.layers % chunks:
+        return f"pipeline {lay.pipeline} x 2 chunks of zb-v's V does not divide the {gpt.layers} layers (or set uneven)"
+    if not lay.uneven and gpt.layers % chunks:
+        of = f" x {lay.interleave} chunks" if lay.interleave > 1 else ""
+        return f"pipeline {lay.pipeline}{of} does not divide the {gpt.layers} layers (or set uneven)"
     if gpt.seq % (2 * lay.context if lay.context > 1 else 1):
         return f"context {lay.context} does not divide the sequence of {gpt.seq} into 2c zig-zag blocks"
     if lay.batch % (lay.data * lay.micro_batch):
@@ -455,6 +462,20 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
             "(data x context x tensor / expert_tensor) it is carved from"
         )
     return None
+
+
+def chunks_per_rank(layout: Layout) -> int:
+    """Model chunks a pipeline rank holds: zb-v's two (a V), else the interleaved schedule's v."""
+    return 2 if layout.schedule == "zb-v" else layout.interleave
+
+
+def busiest(gpt: GPT, layout: Layout) -> GPT:
+    """The GPT every rank is priced as: `gpt` itself, or with `uneven` stages one whose every chunk holds as many
+    layers as the busiest, ceil(l / (p k)) for k chunks a rank (the step waits for the slowest stage)."""
+    chunks = layout.pipeline * chunks_per_rank(layout)
+    if not layout.uneven or gpt.layers % chunks == 0:
+        return gpt
+    return replace(gpt, layers=-(-gpt.layers // chunks) * chunks)
 
 
 def iteration_flops(gpt: GPT, batch: int, recompute: str) -> float:
@@ -794,7 +815,8 @@ def predict(gpt: GPT, layout: Layout, platform: Platform) -> TransformerPredicti
     reason = problem(gpt, layout)
     if reason:
         raise ValueError(f"{layout.label} cannot run {gpt.name or 'this GPT'}: {reason}")
-    return TransformerPrediction(gpt, layout, layout_time(gpt, layout, platform), rank_memory(gpt, layout))
+    priced = busiest(gpt, layout)
+    return TransformerPrediction(gpt, layout, layout_time(priced, layout, platform), rank_memory(priced, layout))
 
 
 def predict_step(layout: Layout, model: GPT, platform: Platform) -> tuple[float, float]:
