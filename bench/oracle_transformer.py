@@ -111,14 +111,14 @@ def modern(efficiency: float | None) -> None:
     rows = validate_modern(EFFICIENCY if efficiency is None else efficiency)
     print(f"\nruns of 2024-26 at {EFFICIENCY if efficiency is None else efficiency:.0%} of the datasheets' peaks:")
     print(
-        f"{'model':14} {'seq':>6} {'GPUs':>5} {'hardware':10} {'layout':60} {'tok/s pub':>9} {'pred':>7} {'acc':>6}  "
+        f"{'model':14} {'seq':>6} {'GPUs':>5} {'hardware':10} {'layout':72} {'tok/s pub':>9} {'pred':>7} {'acc':>6}  "
         "peak pred / HBM, memory published"
     )
     for run, pred, acc, mem in rows:
         memory = "" if mem is None else f", {run.memory / 2**30:.1f} GiB pub, acc {mem:.3f}"
         print(
             f"{run.gpt.name:14} {run.gpt.seq:6d} {run.layout.devices:5d} {run.hardware.name.split()[0]:10} "
-            f"{run.layout.label:60} {run.tokens_per_gpu:9.0f} {pred.tokens_per_device():7.0f} {acc:6.3f}  "
+            f"{run.layout.label:72} {run.tokens_per_gpu:9.0f} {pred.tokens_per_device():7.0f} {acc:6.3f}  "
             f"{pred.peak / 2**30:5.1f} / {run.hardware.memory / 2**30:5.1f} GiB{memory}"
         )
     print(

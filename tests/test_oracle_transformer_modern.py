@@ -107,6 +107,24 @@ def test_under_context_parallelism_no_softmax_block_is_kept():
     assert rank_memory(gpt, lay)["activations"] == pytest.approx(8 * want + logits)
 
 
+def test_tensor_overlap_shows_one_piece_of_t_or_what_outlasts_the_linear_layers():
+    gpt = GPT(layers=4, hidden=1024, heads=16, seq=2048, vocab=32000)
+    lay = Layout(tensor=4, batch=8, sequence_parallel=True)
+    fast_link = Link(alpha=1e-6, beta=1 / 1e12)
+    fast = Platform("fast", 8, 1e14, 10**12, fast_link, fast_link, contention=(1.0,) * 8)
+    exposed = layout_time(gpt, lay, fast)["tensor"]
+    assert exposed > 0 and "tp-overlap" in lay.with_(tensor_overlap=True).label
+    assert layout_time(gpt, lay.with_(tensor_overlap=True), fast)["tensor"] == pytest.approx(exposed / 4)
+    slow_link = Link(alpha=1e-5, beta=1 / 1e7)
+    slow = Platform("slow", 8, 1e14, 10**12, slow_link, slow_link, contention=(1.0,) * 8)
+    linear = (iteration_flops(gpt, 8, "none") - sixteen_bit_flops(gpt, 8, "none")) / 1e14 / 4
+    exposed = layout_time(gpt, lay, slow)["tensor"]
+    assert exposed > linear  # the collectives outlast the linear layers: all but their compute shows
+    assert layout_time(gpt, lay.with_(tensor_overlap=True), slow)["tensor"] == pytest.approx(exposed - linear)
+    one = Layout(batch=8, tensor_overlap=True)  # no tensor ranks: nothing to hide
+    assert layout_time(gpt, one, fast)["tensor"] == 0.0
+
+
 def test_uneven_stages_are_priced_as_the_busiest_stage():
     gpt = GPT(layers=126, hidden=1024, heads=16, seq=2048, vocab=32000)
     lay = Layout(data=2, tensor=2, pipeline=8, batch=64, interleave=8, sequence_parallel=True)

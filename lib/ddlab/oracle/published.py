@@ -264,14 +264,20 @@ H100_96GB = Hardware(
 
 
 def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, fsdp: int, c: int = 1) -> Layout:
-    """A Megatron-Bridge recipe: FP8 (current scaling), the "fused" kernels (flash attention, causal:
-    `transformer.CAUSAL_SHARE`; the fused SwiGLU its Llama models set, `bias_activation_fusion=True` in
-    src/megatron/bridge/models/llama/llama_bridge.py), sequence parallelism with TP, the data collectives overlapped, no recomputation (none listed); FSDP = 1 is
-    ZeRO-3, FSDP = 0 the distributed optimizer, ZeRO-1 (its Llama 3 recipes, src/megatron/bridge/recipes/llama/
-    llama3.py: `ddp.use_distributed_optimizer = True`, `overlap_grad_reduce` and `overlap_param_gather` on); c
-    context ranks; stages as even as whole layers allow where p v does not divide the layers (its 405B recipe
-    counts the embedding and the loss as a layer each, `account_for_embedding_in_pipeline_split` and
-    `account_for_loss_in_pipeline_split`: 126 + 2 = 128 units, 2 in each of 64 chunks, the busiest rank 16 layers)."""
+    """A Megatron-Bridge recipe (its Llama recipes, src/megatron/bridge/recipes/llama/llama3.py, and its models,
+    src/megatron/bridge/models/llama/llama_bridge.py):
+
+    - FP8 (current scaling) and the "fused" kernels: flash attention (causal, `transformer.CAUSAL_SHARE`) and the
+      fused SwiGLU its Llama models set (`bias_activation_fusion=True`);
+    - sequence parallelism with TP, and the tensor-parallel collectives overlapped with the linear layers (the 70B
+      and 405B recipes: `CommOverlapConfig(tp_comm_overlap=True)`, Transformer Engine's userbuffers);
+    - the data collectives overlapped; FSDP = 1 is ZeRO-3, FSDP = 0 the distributed optimizer, ZeRO-1
+      (`ddp.use_distributed_optimizer = True`, `overlap_grad_reduce` and `overlap_param_gather` on);
+    - no recomputation (none listed); c context ranks;
+    - stages as even as whole layers allow where p v does not divide the layers (the 405B recipe counts the
+      embedding and the loss as a layer each, `account_for_embedding_in_pipeline_split` and
+      `account_for_loss_in_pipeline_split`: 126 + 2 = 128 units, 2 in each of 64 chunks, the busiest rank 16
+      layers)."""
     return Layout(
         data=gpus // (t * p * c),
         tensor=t,
@@ -286,6 +292,7 @@ def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: in
         kernel="fused",
         sequence_parallel=t > 1,
         overlap=True,
+        tensor_overlap=t > 1,
     )
 
 

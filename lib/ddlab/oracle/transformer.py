@@ -335,6 +335,9 @@ class Layout:
     # runs a gated MLP's SwiGLU as one kernel that keeps its input only
     kernel: str = "local"
     overlap: bool = False  # the data collectives run under the compute (ZeRO-3/FSDP: layer by layer)
+    # the tensor-parallel collectives split into t pieces, each sent while the matrix multiplication it feeds (or
+    # follows) computes on the one before (Megatron-Bridge's `tp_comm_overlap`)
+    tensor_overlap: bool = False
     # the pipeline schedule (`schedules.SCHEDULES`): "1f1b" (with `interleave` v > 1 the interleaved 1F1B),
     # or a zero-bubble one, "zb-h1", "zb-h2", "zb-v" (lab 17's op lists, priced by `layout_time`)
     schedule: str = "1f1b"
@@ -362,6 +365,7 @@ class Layout:
         extras += [f"etp{self.expert_tensor}"] if self.expert_tensor > 1 else []
         extras += [] if self.kernel == "local" else [self.kernel]
         extras += ["overlap"] if self.overlap else []
+        extras += ["tp-overlap"] if self.tensor_overlap else []
         extras += [] if self.schedule == "1f1b" else [self.schedule]
         extras += ["uneven"] if self.uneven else []
         return f"d{self.data} t{self.tensor} p{self.pipeline} c{self.context} b{self.micro_batch}" + (
@@ -749,7 +753,12 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
     - bubble and pipeline, for every schedule (`Layout.schedule`): the compute of a micro-batch on a
       stage split into F, B and W (`schedules.split_flops`, each part at its rate: the linear layers at the
       recipe's, the attention and the output layer at 16 bits), and the idle time of the schedule's op list
-      (`schedules.idle_per_rank`); zb-v sends twice 1F1B's pipeline messages (two chunks per rank)."""
+      (`schedules.idle_per_rank`); zb-v sends twice 1F1B's pipeline messages (two chunks per rank);
+    - tensor with `tensor_overlap`: each all-gather (reduce-scatter) of the tensor ranks is cut into t pieces, each
+      sent while the matrix multiplication computes on the piece before (Wang et al., "Overlap Communication with
+      Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS 2023: what Transformer
+      Engine's userbuffers run for Megatron): one piece of t shows, or what the collectives take beyond the
+      linear layers' compute if they outlast it."""
     parts = step_time(gpt, layout, platform)
     if layout.kernel != "local":  # flash attention: the masked half of every score block is skipped, not computed
         busy = min(layout.devices, platform.devices_per_node)
@@ -761,6 +770,11 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
         parts["bubble"] = idle_per_rank(layout.schedule, p, m, f, b, w, v)
         parts["pipeline"] *= 2 if layout.schedule == "zb-v" else 1
     lay, prec = layout, recipe(layout.precision)
+    if lay.tensor_overlap and lay.tensor > 1:
+        busy = min(lay.devices, platform.devices_per_node)
+        linear = iteration_flops(gpt, lay.batch, lay.recompute) - sixteen_bit_flops(gpt, lay.batch, lay.recompute)
+        under = linear / platform.rate(prec.compute) / lay.devices * platform.slowdown(busy)
+        parts["tensor"] = max(parts["tensor"] / lay.tensor, parts["tensor"] - under)
     m = lay.micro_batches
     stage_layers = gpt.layers // lay.pipeline
     moe_layers = stage_layers * gpt.moe_layers / gpt.layers
