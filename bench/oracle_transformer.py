@@ -11,7 +11,8 @@ compare) and why it is faster, and the fastest mesh with the paper's own options
 one assumed figure (the message latency alpha) set to 0. Then the runs of 2024-26 (`ddlab.oracle.published.MODERN`:
 Llama 3 models on H100 and B200 nodes, each row's source cited) predicted on the platforms of their datasheets at
 the default efficiency, never fitted to them: published and predicted tokens per second per GPU, and memory where
-published, with the accuracies and their mean; lab 16's two searches (every mesh, ZeRO stage, recomputation and
+published, with the accuracies and their mean; torchtitan's rows again on their own machine, its efficiencies set
+from the same file's Table 1; lab 16's two searches (every mesh, ZeRO stage, recomputation and
 pipeline schedule), timed. One process; no MPI. Each target ends in a line "verdict: ..." with the figure beside
 it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet), 5-15 minutes with the planner.
 
@@ -57,6 +58,7 @@ def main() -> None:
     ]
     print(f"with alpha = 0 instead of 5 us, accuracy moves by at most {max(moved):.4f}")
     modern(args.efficiency)
+    titan_calibrated()
     lab_searches()
 
     if args.no_plan:
@@ -138,6 +140,27 @@ def modern(efficiency: float | None) -> None:
     print(
         f"verdict: every published layout ran, so fits its GPU; predicted to fit on {fits} of {len(rows)}: {_met(fits == len(rows))}"
     )
+
+
+def titan_calibrated() -> None:
+    """torchtitan's rows on their own machine: its two efficiencies set from the same file's Table 1 (not a
+    validation row), then its Table 2 predicted: what a datasheet cannot say, and what calibration does not fix."""
+    from ddlab.oracle.published import H100_96GB, MODERN, accuracy, calibrate_titan, gpu_platform
+    from ddlab.oracle.transformer import predict
+
+    bf16, fp8 = calibrate_titan()
+    platform = gpu_platform(H100_96GB, bf16, fp8_efficiency=fp8)
+    print(
+        f"\ntorchtitan's machine (500 W H100s, no datasheet) set by its own Table 1 (8K tokens, bf16 and float8): "
+        f"{bf16:.1%} of the SXM's bfloat16 peak, {fp8:.1%} of its float8 peak; its Table 2 then predicted:"
+    )
+    for run in (run for run in MODERN if run.hardware is H100_96GB):
+        pred = predict(run.gpt, run.layout, platform)
+        print(
+            f"  {run.gpt.seq:6d} tokens, {run.layout.label:60} published {run.tokens_per_gpu:5.0f}, predicted "
+            f"{pred.tokens_per_device():5.0f} tokens/s per GPU ({pred.tokens_per_device() / run.tokens_per_gpu:.2f}x), "
+            f"accuracy {accuracy(pred.tokens_per_device(), run.tokens_per_gpu):.3f}"
+        )
 
 
 def _met(ok: bool) -> str:

@@ -9,13 +9,18 @@ from ddlab.oracle.platform import Platform
 from ddlab.oracle.published import (
     B200,
     EFFICIENCY,
+    H100_96GB,
     H100_SXM,
     H200_SXM,
+    LLAMA3_8B,
     LLAMA3_70B,
     MIXTRAL_8X22B,
     MODERN,
+    TITAN_TABLE1,
     a100_cluster,
+    calibrate_titan,
     gpu_platform,
+    titan_table1_layout,
     validate_modern,
 )
 from ddlab.oracle.transformer import (
@@ -51,6 +56,19 @@ def test_platforms_are_the_datasheets_at_the_efficiency_the_user_sets():
         gpu_platform(H100_SXM, efficiency=1.5)
     a100 = a100_cluster()  # unchanged
     assert a100.flops == 0.570 * 312e12 and a100.rates == {} and a100.memory == 80 * 10**9
+
+
+def test_a_machine_without_a_datasheet_is_set_by_its_own_measurement():
+    h100 = gpu_platform(H100_SXM, 0.4, fp8_efficiency=0.25)
+    assert h100.flops == 0.4 * 989.5e12 and h100.rate("fp8") == 0.25 * 1979e12 and "fp8 25%" in h100.name
+    with pytest.raises(ValueError, match="share of the dense peak"):
+        gpu_platform(H100_SXM, fp8_efficiency=0.0)
+    bf16, fp8 = calibrate_titan()
+    assert 0 < fp8 < bf16 < 1  # torchao's float8 gained less than its peak's doubling on that machine
+    platform = gpu_platform(H100_96GB, bf16, fp8_efficiency=fp8)
+    for precision, tokens in TITAN_TABLE1:
+        layout = titan_table1_layout(precision)
+        assert predict(LLAMA3_8B, layout, platform).tokens_per_device() == pytest.approx(tokens, rel=1e-4)
 
 
 def test_float8_runs_the_linear_layers_at_its_rate_and_gathers_one_byte():
