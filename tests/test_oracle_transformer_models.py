@@ -1,6 +1,6 @@
 """The transformer oracle's model options against real torch models of the same shape.
 
-For each option (grouped- and multi-query attention, SwiGLU of any width, RMSNorm, rotary positions, untied
+For each option (grouped- and multi-query attention, heads wider than h / heads, SwiGLU of any width, RMSNorm, rotary positions, untied
 embeddings, no biases, no dropout, mixtures of experts with top-k routing, shared experts, a capacity factor or
 none, every n-th layer) a small torch GPT is built to that shape, and its parameters (counted by torch), the
 FLOPs of a training step (torch's `FlopCounterMode`, forward and backward) and the bytes one block saves for
@@ -183,13 +183,13 @@ class Experts(nn.Module):
 class Block(nn.Module):
     def __init__(self, gpt: GPT, moe: bool = False, fused: bool = False):
         super().__init__()
-        h, kv, bias = gpt.hidden, gpt.kv_width, gpt.bias
+        h, q, kv, bias = gpt.hidden, gpt.q_width, gpt.kv_width, gpt.bias
         self.gpt = gpt
         self.norm1, self.norm2 = _norm(gpt), _norm(gpt)
-        self.q, self.k, self.v = nn.Linear(h, h, bias=bias), nn.Linear(h, kv, bias=bias), nn.Linear(h, kv, bias=bias)
-        self.proj = nn.Linear(h, h, bias=bias)
+        self.q, self.k, self.v = nn.Linear(h, q, bias=bias), nn.Linear(h, kv, bias=bias), nn.Linear(h, kv, bias=bias)
+        self.proj = nn.Linear(q, h, bias=bias)
         self.mlp = Experts(gpt, fused) if moe else MLP(gpt, gpt.ffn_, fused)
-        s, d = gpt.seq, h // gpt.heads
+        s, d = gpt.seq, gpt.head_dim_
         self.register_buffer("causal", torch.full((s, s), float("-inf")).triu(1))
         angle = torch.arange(s)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
         # constant tables, shared by the layers in a real model: frozen, so the ledger does not count them
@@ -205,8 +205,8 @@ class Block(nn.Module):
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         gpt = self.gpt
-        b, s, h = x.shape
-        kv, d = gpt.kv_heads_, h // gpt.heads
+        b, s, _ = x.shape
+        kv, d = gpt.kv_heads_, gpt.head_dim_
         group = gpt.heads // kv
         q = self.q(x).view(b, s, gpt.heads, d)
         k = self.k(x).view(b, s, kv, d)
@@ -217,7 +217,7 @@ class Block(nn.Module):
         scores = (q @ k.permute(0, 2, 3, 1)).view(b, kv, group, s, s) + self.causal
         probs = self._dropout(torch.softmax(scores, dim=-1)).view(b, kv, group * s, s)
         out = probs @ self.v(x).view(b, s, kv, d).transpose(1, 2)
-        return self.proj(out.view(b, kv, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h))
+        return self.proj(out.view(b, kv, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, gpt.q_width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._dropout(self.attention(self.norm1(x)))
@@ -257,6 +257,7 @@ OPTIONS = {
     "swiglu": replace(BASE, gated=True, ffn=344),
     "rmsnorm rotary untied": replace(BASE, norm="rmsnorm", rotary=True, tied=False),
     "llama": LLAMA,
+    "heads wider than h / heads": replace(LLAMA, head_dim=48),
     "moe top-2 dropless": replace(LLAMA, experts=4, top_k=2, expert_ffn=64),
     "moe capacity shared every 2nd": replace(
         LLAMA, experts=8, top_k=2, expert_ffn=48, shared_experts=1, capacity=1.25, moe_every=2
@@ -330,6 +331,16 @@ def test_the_fused_kernel_keeps_what_the_ledger_counts_of_a_fused_swiglu(option)
         counted = [layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, k) for k in ("flash", "fused")]
         assert counted[0] - counted[1] == pytest.approx(eager[i] - fused[i], rel=0.01), f"block {i}, moe={moe}"
         assert (eager[i] > fused[i]) == gpt.gated
+
+
+def test_heads_of_any_width_are_stated_with_head_dim():
+    with pytest.raises(ValueError, match="or give head_dim"):
+        GPT(layers=2, hidden=100, heads=3)
+    gpt = GPT(layers=2, hidden=100, heads=3, head_dim=32, kv_heads=1)
+    assert (gpt.q_width, gpt.kv_width) == (
+        96,
+        32,
+    ) and gpt.attention_parameters() == 2 * 100 * 96 + 2 * 100 * 32 + 96 + 100 + 64
 
 
 def test_gpt3s_defaults_keep_narayanans_and_korthikanis_counts():

@@ -367,14 +367,46 @@ LLAMA31_405B = _llama(126, 16384, 128, 53248, 8192, "Llama 3.1 405B")
 #: lab 16's search on 256 H100s, its test and `bench/oracle_transformer.py`.
 MIXTRAL_8X22B = replace(_llama(56, 6144, 48, 16384, 4096, "Mixtral-8x22B-like"), vocab=32768, experts=8, top_k=2)
 
+
+def _qwen3(layers: int, hidden: int, heads: int, expert_ffn: int, name: str) -> GPT:
+    """A Qwen3 mixture of experts (Yang et al., "Qwen3 Technical Report", 2025, Table 2: layers, query heads, 4
+    key/value heads, 128 experts of which 8 a token; and its released configuration: heads 128 wide, whatever the
+    width h, every layer's MLP a mixture of SwiGLU experts of `expert_ffn`, vocabulary 151,936, untied), on
+    sequences of 4096 tokens. Its RMSNorm of each head's queries and keys (2 x 128 parameters a layer) is not
+    stated."""
+    return replace(
+        _llama(layers, hidden, heads, expert_ffn, 4096, name),
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        experts=128,
+        top_k=8,
+    )
+
+
+QWEN3_30B_A3B = _qwen3(48, 2048, 32, 768, "Qwen3-30B-A3B")
+QWEN3_235B_A22B = _qwen3(94, 4096, 64, 1536, "Qwen3-235B-A22B")
+
+
+def _megatron_moe(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, ep: int) -> Layout:
+    """Megatron-Bridge's Qwen3 recipes (v0.2.1, scripts/performance/configs/qwen3/qwen3_llm_pretrain.py): as
+    `_megatron` (FP8, the "fused" kernels, the distributed optimizer, the data collectives overlapped, no
+    recomputation), the routed experts whole on their rank (`expert_tensor_parallel_size=1`) over ep ranks, the
+    routing forced to balance (`moe_router_force_load_balancing`: every expert gets its k T / E tokens, as the
+    oracle assumes), the tensor-parallel collectives not overlapped (`tp_comm_overlap=False` on H100)."""
+    return replace(_megatron(gpt, gpus, batch, micro, t, p, v, 0), expert=ep, tensor_overlap=False)
+
+
 #: The validation rows: never used to set a figure of the oracle or its platforms. Every DGX-H100 and DGX-B200 row of
-#: Megatron-Bridge's 25.11 summary whose model the oracle states (Llama 3 8B and 70B, Llama 3.1 405B: Dubey et al.,
-#: 2024, Table 3, 126 layers of width 16,384, FFN 53,248, 128 heads, 8 key/value heads), and torchtitan's four rows
-#: that state their sequence length. Left out: models whose heads are not h / heads wide or whose attention is not the oracle's (GPT-OSS, Qwen3, DeepSeek-V3),
-#: GB200/GB300 (NVL72 domains). What the summary's
-#: columns do not say, the recipes of the same release say (Megatron-Bridge v0.2.1, scripts/performance/configs/
-#: llama3/workload_base_configs.py): the 8B H100 row recomputes 5 of its 32 layers (`recompute_num_layers=5`), which
-#: a `Layout` cannot state (all layers or none), so its prediction leaves out about 5% of its compute.
+#: Megatron-Bridge's 25.11 summary whose model the oracle states (Llama 3 8B and 70B; Llama 3.1 405B: Dubey et al.,
+#: 2024, Table 3, 126 layers of width 16,384, FFN 53,248, 128 heads, 8 key/value heads; the Qwen3 mixtures of
+#: experts), and torchtitan's four rows that state their sequence length. Left out: models whose attention or
+#: blocks the oracle cannot state (GPT-OSS's sliding windows and sinks, DeepSeek-V3's latent attention),
+#: GB200/GB300 (NVL72 domains). What the summary's columns do not say, the recipes of the same release say
+#: (Megatron-Bridge v0.2.1, scripts/performance/configs/): the 8B H100 row recomputes 5 of its 32 layers
+#: (`recompute_num_layers=5`), which a `Layout` cannot state (all layers or none), so its prediction leaves out about
+#: 5% of its compute; for two Qwen3 rows the recipes' virtual stages differ from the summary's (30B on H100s: 12,
+#: not 24; 235B on B200s: 4, not 2): the summary's are taken.
 MODERN = (
     ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"),
     ModernRun(LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, 1602, None, _BRIDGE + ", DGX-H100"),
@@ -384,6 +416,15 @@ MODERN = (
     ),
     ModernRun(
         LLAMA31_405B, _megatron(LLAMA31_405B, 128, 64, 1, 4, 8, 8, 0, 2), B200, 661, None, _BRIDGE + ", DGX-B200"
+    ),
+    *(
+        ModernRun(gpt, _megatron_moe(gpt, *layout), hardware, tokens, None, _BRIDGE + f", DGX-{hardware.name[:4]}")
+        for gpt, layout, hardware, tokens in (
+            (QWEN3_30B_A3B, (16, 512, 2, 1, 2, 24, 8), H100_SXM, 5275),
+            (QWEN3_235B_A22B, (256, 2048, 1, 2, 8, 4, 32), H100_SXM, 1575),
+            (QWEN3_30B_A3B, (8, 512, 1, 1, 1, 1, 8), B200, 9299),
+            (QWEN3_235B_A22B, (64, 1024, 1, 1, 8, 2, 8), B200, 3269),
+        )
     ),
     *(
         ModernRun(replace(LLAMA3_8B, seq=seq), _titan(seq, fsdp, cp), H100_96GB, tps, gib * 2**30, _TITAN)

@@ -158,6 +158,8 @@ class GPT:
     the models of 2024-26; the defaults are GPT-3's block, so `GPT(layers, hidden, heads)` is Narayanan et al.'s.
 
     - `kv_heads`: heads of keys and values (0: as many as `heads`; 1: multi-query; between: grouped-query);
+      `head_dim`: a head's width (0: hidden / heads; Qwen3's and Gemma's are wider, so q is heads x head_dim
+      wide, not h);
     - `ffn`: the MLP's width (0: 4h); `gated`: a gated MLP (SwiGLU: gate and up projections of width `ffn`,
       their product into the down projection) instead of GELU's two layers;
     - `norm`: "layernorm" (a scale and a shift) or "rmsnorm" (a scale); `rotary`: rotary position embedding,
@@ -177,6 +179,7 @@ class GPT:
     vocab: int = 51200
     name: str = ""
     kv_heads: int = 0
+    head_dim: int = 0
     ffn: int = 0
     gated: bool = False
     norm: str = "layernorm"
@@ -196,10 +199,10 @@ class GPT:
             raise ValueError(f"norm {self.norm!r}: choose one of {', '.join(NORMS)}")
         if min(self.layers, self.hidden, self.heads, self.seq, self.vocab) < 1:
             raise ValueError(f"layers, hidden, heads, seq and vocab must be at least 1: {self}")
-        if self.hidden % self.heads or self.heads % self.kv_heads_:
+        if self.head_dim < 0 or (not self.head_dim and self.hidden % self.heads) or self.heads % self.kv_heads_:
             raise ValueError(
-                f"{self.heads} heads must divide the hidden size {self.hidden}, and {self.kv_heads_} key/value "
-                "heads the heads: choose kv_heads among the divisors of heads"
+                f"{self.heads} heads must divide the hidden size {self.hidden} (or give head_dim), and "
+                f"{self.kv_heads_} key/value heads the heads: choose kv_heads among the divisors of heads"
             )
         if self.experts and not (1 <= self.top_k <= self.experts and 1 <= self.moe_every <= self.layers):
             raise ValueError(
@@ -226,9 +229,18 @@ class GPT:
         return self.kv_heads or self.heads
 
     @property
+    def head_dim_(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the queries (and of the attention's output): heads times the head size (h unless head_dim)."""
+        return self.heads * self.head_dim_
+
+    @property
     def kv_width(self) -> int:
         """Width of the keys (and of the values): key/value heads times the head size."""
-        return self.kv_heads_ * (self.hidden // self.heads)
+        return self.kv_heads_ * self.head_dim_
 
     @property
     def ffn_(self) -> int:
@@ -249,9 +261,9 @@ class GPT:
         return self.top_k * (self.capacity or 1.0)
 
     def attention_parameters(self) -> int:
-        """q and the output projection h x h each, k and v h x kv_width each, and their biases."""
-        h, kv = self.hidden, self.kv_width
-        return 2 * h * h + 2 * h * kv + self.bias * (2 * h + 2 * kv)
+        """q and the output projection h x q_width each, k and v h x kv_width each, and their biases."""
+        h, q, kv = self.hidden, self.q_width, self.kv_width
+        return 2 * h * q + 2 * h * kv + self.bias * (q + h + 2 * kv)
 
     def mlp_parameters(self, width: int) -> int:
         """An MLP of `width`: 2 (GELU) or 3 (SwiGLU) matrices of h x width, and their biases."""
@@ -286,12 +298,12 @@ class GPT:
         )
 
     def layer_flops(self, moe: bool = False) -> float:
-        """Forward FLOPs of a block per sequence: 2 per multiply-add of its matrices (q, k, v, projection: 2 s h (2h +
-        2 kv_width)), the attention's scores and weighted values (4 s^2 h, every query against every key as
-        Narayanan et al. count them), and its MLP (2 s h ffn times 2 or 3 matrices; a MoE layer: the router's
-        2 s h E and the slots' and shared experts' MLPs). With GPT-3's defaults 24 s h^2 + 4 s^2 h."""
+        """Forward FLOPs of a block per sequence: 2 per multiply-add of its matrices (q, k, v, projection: 2 s h (2
+        q_width + 2 kv_width)), the attention's scores and weighted values (4 s^2 q_width, every query against
+        every key as Narayanan et al. count them), and its MLP (2 s h ffn times 2 or 3 matrices; a MoE layer: the
+        router's 2 s h E and the slots' and shared experts' MLPs). With GPT-3's defaults 24 s h^2 + 4 s^2 h."""
         s, h = self.seq, self.hidden
-        attention = 2 * s * (2 * h * h + 2 * h * self.kv_width) + 4 * s * s * h
+        attention = 2 * s * (2 * h * self.q_width + 2 * h * self.kv_width) + self.attention_score_flops()
         matrices = 3 if self.gated else 2
         if moe:
             mlp = (
@@ -307,8 +319,9 @@ class GPT:
         return (self.layers - moe) * self.layer_flops() + moe * self.layer_flops(True)
 
     def attention_score_flops(self) -> float:
-        """The attention's 4 s^2 h forward FLOPs per layer and sequence (what selective recomputation reruns)."""
-        return 4.0 * self.seq**2 * self.hidden
+        """The attention's 4 s^2 q_width forward FLOPs per layer and sequence (what selective recomputation
+        reruns; 4 s^2 h unless head_dim)."""
+        return 4.0 * self.seq**2 * self.q_width
 
 
 @dataclass(frozen=True)
@@ -576,7 +589,8 @@ def layer_activations(
     """Bytes one block keeps for backward per micro-batch on a rank, Korthikanti et al.'s terms (section 4) for
     any block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms'
     inputs and the attention's and MLP's inputs (4h elements of e bytes) and the residual dropout masks
-    (2h bytes); split over t: q (h), k and v (2 kv_width), the projection's input (h), the MLP's 2 ffn
+    (2h bytes); split over t: q and the projection's input (q_width each: h unless head_dim), k and v
+    (2 kv_width), the MLP's 2 ffn
     (GELU: its input and output) or 4 ffn (SwiGLU: gate, up, silu(gate), their product; 3 with the "fused"
     kernel, which recomputes silu(gate) in its backward), and the attention's
     (2e + 1) a s (softmax, dropped probabilities, their mask; e a s without dropout; with the "flash" or "fused" kernel,
@@ -590,7 +604,7 @@ def layer_activations(
     h, a, kv = gpt.hidden, gpt.heads, gpt.kv_width
     acts = (3 if kernel == "fused" else 4) if gpt.gated else 2
     whole = 4 * e * h + (2 * h if gpt.dropout else 0)
-    split = e * (2 * h + 2 * kv)
+    split = e * (2 * gpt.q_width + 2 * kv)
     routed = 0.0  # the routed experts' MLP activations, on this rank
     if moe:
         whole += 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * (2 * e * h + 20)
