@@ -112,6 +112,61 @@ def seed(monkeypatch):
     return grading
 
 
+#: The seeds the tests of the grader's draw (tests/test_grading_draws*.py, tests/mpi/test_grading_draws*.py) grade on.
+GRADING_SEEDS = (11, 2027, 90210)
+
+
+@pytest.fixture
+def grading_seeds() -> tuple[int, ...]:
+    """The seeds the tests of the grader's draw grade on, in order."""
+    return GRADING_SEEDS
+
+
+@pytest.fixture
+def passes_on_every_seed(seed, capsys, monkeypatch):
+    """passes(run, *, without, seeds, comm, ending, nothing_else) -> the "passed:" lines of a right answer's runs.
+
+    Calls run() (a check given a right answer) with no seed set if `without`, then under each of `seeds`, and asserts
+    one "passed:" line a run: the unseeded one naming no seed, each other ending with "(the grader's draw, seed S)"
+    and its seed S (holding it anywhere if not `ending`). With `comm` (a multi-rank test), the lines are printed and
+    asserted on its rank 0 only; the other ranks get []. With `nothing_else`, the captured output must hold nothing
+    but those lines."""
+    from ddlab.checks._draw import SEED_VARIABLE
+
+    def passes(run, *, without=True, seeds=GRADING_SEEDS, comm=None, ending=True, nothing_else=False) -> list[str]:
+        if without:
+            monkeypatch.delenv(SEED_VARIABLE, raising=False)
+            run()
+        for value in seeds:
+            seed(value)
+            run()
+        if comm is not None and comm.Get_rank() != 0:
+            return []
+        said = capsys.readouterr().out.splitlines()
+        lines = [line for line in said if line.startswith("passed:")]
+        assert len(lines) == without + len(seeds), said
+        assert not nothing_else or lines == said, said
+        assert not without or "seed" not in lines[0], lines
+        for line, value in zip(lines[without:], seeds):
+            named = f"(the grader's draw, seed {value})"
+            assert line.endswith(named) if ending else named in line, lines
+        return lines
+
+    return passes
+
+
+@pytest.fixture
+def seed_with():
+    """first(draws_it, check_name, among=the grading seeds): the first seed of `among` whose draw for check_name meets
+    draws_it (where an answer fitted to the notebook's cases shows its gap); draws_it None: any draw does."""
+    from ddlab.checks._draw import Draw
+
+    def first(draws_it, check_name: str, *, among=GRADING_SEEDS) -> int:
+        return next(s for s in among if draws_it is None or draws_it(Draw(s, check_name)))
+
+    return first
+
+
 @pytest.fixture
 def refuses_the_reference():
     """refuses(exercise, "module.name", *others): check_<exercise>(answer, *others) fails with the refusal when the

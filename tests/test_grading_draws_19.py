@@ -20,36 +20,26 @@ from ddlab.checks.resilience import _detect_plan, _goodput_cases, _rebuild_cases
 from ddlab.runtime.reference import unguarded
 from mpi4py import MPI
 
-SEEDS = (11, 2027, 90210)
 EXERCISES = ("detect", "recover", "train_resilient", "rebuild_shards", "simulate_goodput")
 #: Every job costs seconds (4 ranks started, one SIGKILLed): by default each check that runs jobs is graded on one of
-#: SEEDS (a different one each), the notebook's cases are left to the notebook and tests/test_resilience_checks.py,
+#: the grading seeds (a different one each), the notebook's cases are left to the notebook and tests/test_resilience_checks.py,
 #: and one fitted answer is tried; DDLAB_DRAWS=all runs every check without a seed and on all three, and the three
 #: fitted answers (2:27, 137 s of calls, under a load average of about 30 on 2 cores).
 EVERY_SEED = os.environ.get("DDLAB_DRAWS") == "all"
 
 
-def seeds_of(exercise: str) -> tuple[int | None, ...]:
-    """The seeds the library's answer to `exercise` is graded on (None: the notebook's cases)."""
+def seeds_of(exercise: str, seeds: tuple[int, ...]) -> tuple[bool, tuple[int, ...]]:
+    """Whether the library's answer to `exercise` is graded on the notebook's cases too, and on which of `seeds`."""
     if EVERY_SEED or exercise == "simulate_goodput":  # no job: every seed costs milliseconds
-        return (None, *SEEDS)
-    return (SEEDS[EXERCISES.index(exercise) % len(SEEDS)],)
+        return True, seeds
+    return False, (seeds[EXERCISES.index(exercise) % len(seeds)],)
 
 
 @pytest.mark.parametrize("exercise", EXERCISES)
-def test_the_library_s_answer_passes_under_the_grader_s_draws(seed, capsys, exercise):
+def test_the_library_s_answer_passes_under_the_grader_s_draws(passes_on_every_seed, grading_seeds, exercise):
     check, right = getattr(checks, f"check_{exercise}"), unguarded(getattr(resilience, exercise))
-    seeds = seeds_of(exercise)
-    for value in seeds:
-        if value is not None:
-            seed(value)
-        check(right)
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("passed:")]
-    want = [
-        "seed" not in line if value is None else f"(the grader's draw, seed {value})" in line
-        for line, value in zip(lines, seeds)
-    ]
-    assert len(lines) == len(seeds) and all(want), lines
+    without, seeds = seeds_of(exercise, grading_seeds)
+    passes_on_every_seed(lambda: check(right), without=without, seeds=seeds)
 
 
 # Answers fitted to the notebook's cases ------------------------------------------------
@@ -126,11 +116,11 @@ if EVERY_SEED:  # 5 jobs, about 33 s
 
 @pytest.mark.parametrize("exercise, fitted, words, needs", FITTED, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_an_answer_fitted_to_the_notebook_passes_its_check_and_fails_the_grader_s_draw(
-    seed, exercise, fitted, words, needs
+    seed, seed_with, exercise, fitted, words, needs
 ):
     check = getattr(checks, f"check_{exercise}")
     check(fitted)  # the notebook's own cases: it passes
-    value = next(s for s in SEEDS if needs is None or needs(Draw(s, exercise)))
+    value = seed_with(needs, exercise)
     seed(value)
     with pytest.raises(CheckFailed) as failed:
         check(fitted)
@@ -139,11 +129,11 @@ def test_an_answer_fitted_to_the_notebook_passes_its_check_and_fails_the_grader_
         assert word in message, message
 
 
-def test_the_drawn_cases_stay_in_the_lab_s_domain():
+def test_the_drawn_cases_stay_in_the_lab_s_domain(grading_seeds):
     """The draw keeps what 19.2-19.5's texts and the checks' bookkeeping need: the second victim's `done` the
     smallest (only a retry finds the answer), an epoch of at least the steps, kills inside the run, a goodput
     case without failures and one whose work is not a multiple of the interval."""
-    for value in SEEDS:
+    for value in grading_seeds:
         for _, second, done in _recover_cases(4, Draw(value, "recover"))[1:]:
             assert second is not None and done[second] < min(d for r, d in done.items() if r != second)
         for case in _train_cases(4, Draw(value, "train_resilient")):

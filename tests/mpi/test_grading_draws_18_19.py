@@ -23,7 +23,6 @@ from ddlab.checks._draw import Draw
 from ddlab.precision import LossScale
 from ddlab.runtime.reference import unguarded
 
-SEEDS = (11, 2027, 90210)
 #: By default the library's answers are graded on the three seeds only: without a seed each check runs the notebook's
 #: cases, which the solution notebook and tests/mpi/test_precision_checks.py already run (a budget of test time);
 #: DDLAB_DRAWS=all runs those too.
@@ -39,17 +38,8 @@ RIGHT = [
 
 
 @pytest.mark.parametrize("check, right", RIGHT, ids=lambda v: getattr(v, "__name__", ""))
-def test_the_library_s_answer_passes_under_every_seed(comm, seed, capsys, check, right):
-    seeds = (None, *SEEDS) if EVERY_RUN else SEEDS
-    for value in seeds:
-        if value is not None:
-            seed(value)
-        check(right)
-    if comm.Get_rank() == 0:
-        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("passed:")]
-        assert len(lines) == len(seeds), lines
-        for line, value in zip(lines, seeds):
-            assert ("seed" not in line) if value is None else (f"(the grader's draw, seed {value})" in line), line
+def test_the_library_s_answer_passes_under_every_seed(comm, passes_on_every_seed, check, right):
+    passes_on_every_seed(lambda: check(right), without=EVERY_RUN, comm=comm)
 
 
 # Answers fitted to the notebook's cases ------------------------------------------------
@@ -89,14 +79,9 @@ FITTED = [  # (check, the fitted answer, words the failure names beside the seed
 ]
 
 
-def seed_with(draws_it, check_name: str) -> int:
-    """The first of SEEDS whose draw for check_name meets draws_it (where the fitted answer's gap shows)."""
-    return next(s for s in SEEDS if draws_it is None or draws_it(Draw(s, check_name)))
-
-
 @pytest.mark.parametrize("check, fitted, words, needs", FITTED, ids=lambda v: getattr(v, "__name__", ""))
 def test_an_answer_fitted_to_the_notebook_passes_its_check_and_fails_the_grader_s_draw(
-    comm, seed, check, fitted, words, needs
+    comm, seed, seed_with, check, fitted, words, needs
 ):
     check(fitted, timeout=5.0)  # the notebook's own cases: it passes
     value = seed_with(needs, check.__name__.removeprefix("check_"))
@@ -108,12 +93,12 @@ def test_an_answer_fitted_to_the_notebook_passes_its_check_and_fails_the_grader_
         assert word in message, message
 
 
-def test_the_drawn_cases_stay_in_the_lab_s_domain():
+def test_the_drawn_cases_stay_in_the_lab_s_domain(grading_seeds):
     """The draw keeps what 18.1-18.4's texts promise: float32/float16 gradients as dtypes, positive summands,
     a tile of one row, a block of zeros in the small tensor, and an empty shard on one rank of several."""
     from ddlab.checks.precision import _cast_cases, _gather_cases, _scaler_cases, _summands
 
-    for value in SEEDS:
+    for value in grading_seeds:
         draw = Draw(value, "any")
         for size in (1, 2, 4):
             cases = _scaler_cases(size, draw)
