@@ -3,6 +3,8 @@ ring attention's memory, and the published runs it is validated against (never f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from ddlab.allreduce.cost import Link
 from ddlab.oracle.platform import Platform
@@ -133,14 +135,29 @@ def test_tensor_overlap_shows_one_piece_of_t_or_what_outlasts_the_linear_layers(
     exposed = layout_time(gpt, lay, fast)["tensor"]
     assert exposed > 0 and "tp-overlap" in lay.with_(tensor_overlap=True).label
     assert layout_time(gpt, lay.with_(tensor_overlap=True), fast)["tensor"] == pytest.approx(exposed / 4)
+    # a slow link, float8 and full recomputation (its rerun forward's collectives and linear layers too), and
+    # contention: what the pipeline of 4 pieces cannot hide, T - U (t - 1) / t
     slow_link = Link(alpha=1e-5, beta=1 / 1e7)
-    slow = Platform("slow", 8, 1e14, 10**12, slow_link, slow_link, contention=(1.0,) * 8)
-    linear = (iteration_flops(gpt, 8, "none") - sixteen_bit_flops(gpt, 8, "none")) / 1e14 / 4
-    exposed = layout_time(gpt, lay, slow)["tensor"]
-    assert exposed > linear  # the collectives outlast the linear layers: all but their compute shows
-    assert layout_time(gpt, lay.with_(tensor_overlap=True), slow)["tensor"] == pytest.approx(exposed - linear)
+    slow = Platform(
+        "slow", 8, 1e14, 10**12, slow_link, slow_link, contention=(1.0, 1.0, 1.0, 1.25), rates={"fp8": 3e14}
+    )
+    full = lay.with_(recompute="full", precision="fp8")
+    linear = (iteration_flops(gpt, 8, "full") - sixteen_bit_flops(gpt, 8, "full")) / 3e14 / 4 * 1.25
+    exposed = layout_time(gpt, full, slow)["tensor"]
+    assert exposed > linear  # the collectives outlast the linear layers
+    hidden = layout_time(gpt, full.with_(tensor_overlap=True), slow)["tensor"]
+    assert hidden == pytest.approx(exposed - linear * 3 / 4)
     one = Layout(batch=8, tensor_overlap=True)  # no tensor ranks: nothing to hide
     assert layout_time(gpt, one, fast)["tensor"] == 0.0
+    assert "set sequence_parallel too" in problem(gpt, lay.with_(sequence_parallel=False, tensor_overlap=True))
+
+
+def test_the_fused_kernel_times_as_flash_attention():
+    gpt = GPT(layers=8, hidden=1024, heads=16, seq=2048, vocab=32000, gated=True, ffn=2816)
+    lay = Layout(pipeline=4, batch=16, kernel="flash", precision="fp8")
+    flash, fused = (layout_time(gpt, lay.with_(kernel=k), _flat()) for k in ("flash", "fused"))
+    assert flash == fused and flash != layout_time(gpt, lay.with_(kernel="local"), _flat())
+    assert rank_memory(gpt, lay.with_(kernel="fused"))["activations"] < rank_memory(gpt, lay)["activations"]
 
 
 def test_uneven_stages_are_priced_as_the_busiest_stage():
@@ -152,12 +169,18 @@ def test_uneven_stages_are_priced_as_the_busiest_stage():
     assert busiest(gpt, uneven) == padded and busiest(padded, uneven) == padded  # 2 layers in each of 64 chunks
     pred, as_busiest = predict(gpt, uneven, _flat()), predict(padded, lay, _flat())
     assert pred.seconds == as_busiest.seconds and pred.memory == as_busiest.memory
+    # each part prices the busiest itself, called alone as predict calls it
+    assert rank_memory(gpt, uneven) == pred.memory and layout_time(gpt, uneven, _flat()) == pred.seconds
+    assert stage_split(gpt, uneven) == stage_split(padded, lay)
     assert pred.tokens_per_device() == as_busiest.tokens_per_device()  # the same tokens, in the busiest's time
     assert pred.model_flops_per_device() < as_busiest.model_flops_per_device()  # but 126 layers' FLOPs
     even = Layout(data=2, tensor=2, pipeline=2, batch=64)  # 126 = 2 x 63: uneven changes nothing
     assert predict(gpt, even.with_(uneven=True), _flat()).seconds == predict(gpt, even, _flat()).seconds
-    zbv = Layout(pipeline=4, batch=16, schedule="zb-v", uneven=True)  # two chunks a rank: 8 chunks of 16 layers
-    assert busiest(gpt, zbv).layers == 128 and "uneven" in zbv.label
+    ten = GPT(layers=10, hidden=1024, heads=16, seq=2048, vocab=32000)
+    zbv = Layout(pipeline=2, batch=16, schedule="zb-v", uneven=True)  # a V of two chunks a rank: 4 chunks of 3
+    assert busiest(ten, zbv).layers == 12 and busiest(ten, zbv.with_(schedule="1f1b")).layers == 10
+    # the chunks priced alike: an upper bound where l / (p v) is small (65 in 64 chunks: 128, a rank needing 9)
+    assert busiest(replace(ten, layers=65), uneven).layers == 128 and "uneven" in zbv.label
 
 
 def test_the_published_rows_are_whole_layouts_predicted_without_a_factor_per_row(capsys):

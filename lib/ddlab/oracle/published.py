@@ -282,7 +282,7 @@ def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: in
       and 405B recipes: `CommOverlapConfig(tp_comm_overlap=True)`, Transformer Engine's userbuffers);
     - the data collectives overlapped; FSDP = 1 is ZeRO-3, FSDP = 0 the distributed optimizer, ZeRO-1
       (`ddp.use_distributed_optimizer = True`, `overlap_grad_reduce` and `overlap_param_gather` on);
-    - no recomputation (none listed); c context ranks;
+    - no recomputation (none listed; the 8B H100 row's 5 recomputed layers aside, see `MODERN`); c context ranks;
     - stages as even as whole layers allow where p v does not divide the layers (the 405B recipe counts the
       embedding and the loss as a layer each, `account_for_embedding_in_pipeline_split` and
       `account_for_loss_in_pipeline_split`: 126 + 2 = 128 units, 2 in each of 64 chunks, the busiest rank 16
@@ -322,8 +322,11 @@ def _titan(seq: int, fsdp: int, cp: int) -> Layout:
 LLAMA3_8B = _llama(32, 4096, 32, 14336, 8192, "Llama 3 8B")
 
 #: torchtitan's own measurement of its machine, not a validation row (the same benchmark file, Table 1: Llama 3.1 8B
-#: at 8,192 tokens on 8 GPUs, FSDP, local batch 2, selective recomputation, torch.compile): tokens/s per GPU in
-#: bfloat16 and with float8 linear layers. `calibrate_titan` sets that machine's two efficiencies from them.
+#: on 8 GPUs, FSDP, local batch 2, selective recomputation, torch.compile): tokens/s per GPU in bfloat16 and with
+#: float8 linear layers. `calibrate_titan` sets that machine's two efficiencies from them. The table states no
+#: sequence length: the 8,192 of torchtitan's train_configs/llama3_8b.toml at its commit 9dec370 is assumed; its
+#: selective checkpointing ("op": some matrix multiplications rerun, not the attention) is priced as the oracle's
+#: selective recomputation, and the calibration takes up the difference.
 TITAN_TABLE1 = (("bf16", 6667.0), ("fp8", 8532.0))
 
 

@@ -439,6 +439,8 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
         return f"precision {lay.precision!r}: choose one of {', '.join(RECIPES)}, or give a Precision"
     if lay.kernel not in KERNELS:
         return f"kernel {lay.kernel!r}: choose one of {', '.join(KERNELS)}"
+    if lay.tensor_overlap and lay.tensor > 1 and not lay.sequence_parallel:
+        return "tensor_overlap cuts sequence parallelism's all-gathers and reduce-scatters: set sequence_parallel too"
     if gpt.heads % lay.tensor or gpt.hidden % lay.tensor:
         return f"tensor {lay.tensor} does not divide the {gpt.heads} heads and the hidden size {gpt.hidden}"
     if gpt.kv_heads_ % lay.tensor and lay.tensor % gpt.kv_heads_:
@@ -488,7 +490,11 @@ def chunks_per_rank(layout: Layout) -> int:
 
 def busiest(gpt: GPT, layout: Layout) -> GPT:
     """The GPT every rank is priced as: `gpt` itself, or with `uneven` stages one whose every chunk holds as many
-    layers as the busiest, ceil(l / (p k)) for k chunks a rank (the step waits for the slowest stage)."""
+    layers as the busiest, ceil(l / (p k)) for k chunks a rank (the step waits for the slowest stage). Exact for
+    splits that give every chunk the same count once the embedding and the loss count as layers (Megatron's
+    `account_for_*_in_pipeline_split`, the 405B's 126 + 2 in 64 chunks); an upper bound where l / (p k) is small
+    and the chunks could differ by one (65 layers in 8 x 8 chunks are priced as 128, where a rank needs 9).
+    `stage_split`, `rank_memory`, `step_time` and `layout_time` price this GPT themselves."""
     chunks = layout.pipeline * chunks_per_rank(layout)
     if not layout.uneven or gpt.layers % chunks == 0:
         return gpt
@@ -519,6 +525,7 @@ def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str) -> float:
 def stage_split(gpt: GPT, layout: Layout) -> tuple[float, float]:
     """(dense, expert) parameters a rank of the busiest stage holds: its l/p layers (the MoE layers' share of them
     at their average) and the embeddings, / t; the routed experts / (expert ranks x expert_tensor) instead."""
+    gpt = busiest(gpt, layout)
     h, layers = gpt.hidden, gpt.layers // layout.pipeline
     share = gpt.moe_layers / gpt.layers
     routed = gpt.experts * gpt.mlp_parameters(gpt.expert_ffn_)
@@ -634,7 +641,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     the d c t / (expert x expert_tensor) ranks that hold the same experts); activations as `layer_activations`
     counts them, the MoE layers at their share of a stage's layers. Under context parallelism the rank's s/c rows keep no (s/c) x (s/c) softmax block: ring
     attention (lab 15) keeps its output and a log-sum-exp per row and head, as the "flash" kernel does."""
-    lay = layout
+    lay, gpt = layout, busiest(gpt, layout)
     prec = recipe(lay.precision)
     s_local = gpt.seq // lay.context
     v = lay.interleave
@@ -697,7 +704,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
 @reference("step_time")
 def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     """Seconds of one iteration by part (Exercise 16.5): compute, bubble, tensor, context, pipeline, data."""
-    lay = layout
+    lay, gpt = layout, busiest(gpt, layout)
     prec = recipe(lay.precision)
     e = prec.activations
     m, b, h, s = lay.micro_batches, lay.micro_batch, gpt.hidden, gpt.seq
@@ -768,11 +775,14 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
       stage split into F, B and W (`schedules.split_flops`, each part at its rate: the linear layers at the
       recipe's, the attention and the output layer at 16 bits), and the idle time of the schedule's op list
       (`schedules.idle_per_rank`); zb-v sends twice 1F1B's pipeline messages (two chunks per rank);
-    - tensor with `tensor_overlap`: each all-gather (reduce-scatter) of the tensor ranks is cut into t pieces, each
-      sent while the matrix multiplication computes on the piece before (Wang et al., "Overlap Communication with
-      Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS 2023: what Transformer
-      Engine's userbuffers run for Megatron): one piece of t shows, or what the collectives take beyond the
-      linear layers' compute if they outlast it."""
+    - tensor with `tensor_overlap` (sequence parallelism's collectives): each all-gather (reduce-scatter) of the
+      t tensor ranks is cut into t pieces, each sent while the matrix multiplication computes on another (Wang
+      et al., "Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
+      Models", ASPLOS 2023; Megatron's `tp_comm_overlap` runs such pipelines, Transformer Engine's userbuffers,
+      with splits and a bulk overlap of its own choosing): of T seconds of collectives beside U of the linear
+      layers' compute, max(T / t, T - U (t - 1) / t) show (the first piece, or what the pipeline cannot hide).
+      The streaming multiprocessors the collectives take from the matrix multiplications are not priced."""
+    gpt = busiest(gpt, layout)
     parts = step_time(gpt, layout, platform)
     if layout.kernel != "local":  # flash attention: the masked half of every score block is skipped, not computed
         busy = min(layout.devices, platform.devices_per_node)
@@ -788,7 +798,8 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
         busy = min(lay.devices, platform.devices_per_node)
         linear = iteration_flops(gpt, lay.batch, lay.recompute) - sixteen_bit_flops(gpt, lay.batch, lay.recompute)
         under = linear / platform.rate(prec.compute) / lay.devices * platform.slowdown(busy)
-        parts["tensor"] = max(parts["tensor"] / lay.tensor, parts["tensor"] - under)
+        t = lay.tensor
+        parts["tensor"] = max(parts["tensor"] / t, parts["tensor"] - under * (t - 1) / t)
     m = lay.micro_batches
     stage_layers = gpt.layers // lay.pipeline
     moe_layers = stage_layers * gpt.moe_layers / gpt.layers
@@ -843,8 +854,7 @@ def predict(gpt: GPT, layout: Layout, platform: Platform) -> TransformerPredicti
     reason = problem(gpt, layout)
     if reason:
         raise ValueError(f"{layout.label} cannot run {gpt.name or 'this GPT'}: {reason}")
-    priced = busiest(gpt, layout)
-    return TransformerPrediction(gpt, layout, layout_time(priced, layout, platform), rank_memory(priced, layout))
+    return TransformerPrediction(gpt, layout, layout_time(gpt, layout, platform), rank_memory(gpt, layout))
 
 
 def predict_step(layout: Layout, model: GPT, platform: Platform) -> tuple[float, float]:

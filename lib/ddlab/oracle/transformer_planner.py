@@ -106,6 +106,8 @@ class TransformerPlan:
                 kind = "out of memory"
             elif "does not divide" in reason:
                 kind = reason.split(" ")[0] + " does not divide"
+            elif "more chunks than" in reason:
+                kind = "more chunks than layers"
             else:
                 kind = reason.split(":")[0]
             counts[kind] = counts.get(kind, 0) + 1
@@ -190,6 +192,11 @@ def explain(chosen: TransformerPrediction, other: TransformerPrediction) -> str:
             "sequence_parallel",
             "schedule",
             "interleave",
+            "precision",
+            "kernel",
+            "overlap",
+            "tensor_overlap",
+            "uneven",
         )
         if getattr(other.layout, name) != getattr(chosen.layout, name)
     ]
