@@ -36,6 +36,7 @@ from ddlab.oracle.transformer import (
     predict,
     problem,
     rank_memory,
+    rerun_share,
     sixteen_bit_flops,
     stage_split,
     step_time,
@@ -150,6 +151,24 @@ def test_tensor_overlap_shows_one_piece_of_t_or_what_outlasts_the_linear_layers(
     one = Layout(batch=8, tensor_overlap=True)  # no tensor ranks: nothing to hide
     assert layout_time(gpt, one, fast)["tensor"] == 0.0
     assert "set sequence_parallel too" in problem(gpt, lay.with_(sequence_parallel=False, tensor_overlap=True))
+
+
+def test_recomputing_some_layers_of_a_chunk_is_between_none_and_all():
+    gpt = GPT(layers=8, hidden=1024, heads=16, seq=2048, vocab=32000, gated=True, ffn=2816)
+    lay = Layout(pipeline=2, batch=8, recompute="full", precision="fp8", kernel="fused", sequence_parallel=False)
+    some, every, none = lay.with_(recompute_layers=1), lay, lay.with_(recompute="none")
+    assert [rerun_share(gpt, x) for x in (some, every, none)] == [0.25, 1.0, 0.0]  # 1 of a chunk's 4 layers
+    assert rerun_share(gpt, lay.with_(recompute_layers=9)) == 1.0 and "1 a chunk" in some.label
+    flops = [iteration_flops(gpt, 8, "full", share) for share in (0.0, 0.25, 1.0)]
+    assert flops[1] == pytest.approx(0.75 * flops[0] + 0.25 * flops[2])
+    assert iteration_flops(gpt, 8, "none") == flops[0]
+    times = [predict(gpt, x, _flat()).seconds["compute"] for x in (none, some, every)]
+    assert times[0] < times[1] < times[2]
+    assert times[1] == pytest.approx(0.75 * times[0] + 0.25 * times[2])  # the compute is linear in the reruns
+    acts = [rank_memory(gpt, x)["activations"] for x in (none, some, every)]
+    assert acts[2] < acts[1] < acts[0]
+    assert rank_memory(gpt, lay.with_(recompute_layers=4)) == rank_memory(gpt, every)  # a whole chunk: all
+    assert "recompute_layers = -1" in problem(gpt, lay.with_(recompute_layers=-1))
 
 
 def test_the_fused_kernel_times_as_flash_attention():

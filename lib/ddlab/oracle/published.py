@@ -272,7 +272,9 @@ H100_96GB = Hardware(
 )
 
 
-def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, fsdp: int, c: int = 1) -> Layout:
+def _megatron(
+    gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: int, fsdp: int, c: int = 1, rerun: int = 0
+) -> Layout:
     """A Megatron-Bridge recipe (its Llama recipes, src/megatron/bridge/recipes/llama/llama3.py, and its models,
     src/megatron/bridge/models/llama/llama_bridge.py):
 
@@ -282,7 +284,8 @@ def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: in
       and 405B recipes: `CommOverlapConfig(tp_comm_overlap=True)`, Transformer Engine's userbuffers);
     - the data collectives overlapped; FSDP = 1 is ZeRO-3, FSDP = 0 the distributed optimizer, ZeRO-1
       (`ddp.use_distributed_optimizer = True`, `overlap_grad_reduce` and `overlap_param_gather` on);
-    - no recomputation (none listed; the 8B H100 row's 5 recomputed layers aside, see `MODERN`); c context ranks;
+    - no recomputation (none listed), or full recomputation of the first `rerun` layers of each chunk (the
+      summary does not list it; the 8B H100 recipe's `recompute_num_layers=5`, "block"); c context ranks;
     - stages as even as whole layers allow where p v does not divide the layers (the 405B recipe counts the
       embedding and the loss as a layer each, `account_for_embedding_in_pipeline_split` and
       `account_for_loss_in_pipeline_split`: 126 + 2 = 128 units, 2 in each of 64 chunks, the busiest rank 16
@@ -302,6 +305,8 @@ def _megatron(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v: in
         sequence_parallel=t > 1,
         overlap=True,
         tensor_overlap=t > 1,
+        recompute="full" if rerun else "none",
+        recompute_layers=rerun,
     )
 
 
@@ -406,12 +411,13 @@ def _megatron_moe(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v
 #: experts), and torchtitan's four rows that state their sequence length. Left out: models whose attention or
 #: blocks the oracle cannot state (GPT-OSS's sliding windows and sinks, DeepSeek-V3's latent attention),
 #: GB200/GB300 (NVL72 domains). What the summary's columns do not say, the recipes of the same release say
-#: (Megatron-Bridge v0.2.1, scripts/performance/configs/): the 8B H100 row recomputes 5 of its 32 layers
-#: (`recompute_num_layers=5`), which a `Layout` cannot state (all layers or none), so its prediction leaves out about
-#: 5% of its compute; for two Qwen3 rows the recipes' virtual stages differ from the summary's (30B on H100s: 12,
+#: (Megatron-Bridge v0.2.1, scripts/performance/configs/): the 8B H100 row recomputes the first 5 of its 32 layers
+#: (`recompute_num_layers=5`, the "block" method: `Layout.recompute_layers`); for two Qwen3 rows the recipes' virtual stages differ from the summary's (30B on H100s: 12,
 #: not 24; 235B on B200s: 4, not 2): the summary's are taken.
 MODERN = (
-    ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"),
+    ModernRun(
+        LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, rerun=5), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"
+    ),
     ModernRun(LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, 1602, None, _BRIDGE + ", DGX-H100"),
     ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 2, 1, 1, 1, 0), B200, 30624, None, _BRIDGE + ", DGX-B200"),
     ModernRun(

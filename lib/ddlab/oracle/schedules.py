@@ -114,9 +114,11 @@ def in_flight(schedule: str, p: int, m: int, stage: int) -> int:
     return split_peak(op_lists(schedule, p, m)[stage])
 
 
-def split_flops(linear: float, attention: float, output: float, recompute: str) -> tuple[float, float, float]:
+def split_flops(
+    linear: float, attention: float, output: float, recompute: str, share: float = 1.0
+) -> tuple[float, float, float]:
     """(F, B, W) FLOPs from a forward's linear-layer FLOPs, attention FLOPs (scores and weighted values) and
     output-layer FLOPs: F = linear + attention + output; B = linear + 2 attention + output plus the rerun (full:
-    all of F; selective: the attention's); W = linear + output."""
-    rerun = {"none": 0.0, "selective": attention, "full": linear + attention}[recompute]
+    the layers' F, of the `share` of the layers it reruns; selective: the attention's); W = linear + output."""
+    rerun = {"none": 0.0, "selective": attention, "full": share * (linear + attention)}[recompute]
     return linear + attention + output, linear + 2 * attention + output + rerun, linear + output

@@ -337,6 +337,9 @@ class Layout:
     micro_batch: int = 1
     batch: int = 1  # the global batch, in sequences
     recompute: str = "none"
+    # with recompute="full": how many layers of each chunk rerun (the first ones, Megatron's "block" method with
+    # `recompute_num_layers`; the others keep their activations); 0: every layer
+    recompute_layers: int = 0
     precision: str | Precision = "mixed"  # a name of RECIPES, or a Precision
     sequence_parallel: bool = False
     interleave: int = 1  # v: model chunks per pipeline rank (the interleaved 1F1B schedule; 1: plain 1F1B)
@@ -371,6 +374,7 @@ class Layout:
     def label(self) -> str:
         extras = [f"ZeRO-{self.zero}"] if self.zero else []
         extras += [] if self.recompute == "none" else [f"{self.recompute} recompute"]
+        extras += [f"{self.recompute_layers} a chunk"] if self.recompute == "full" and self.recompute_layers else []
         extras += ["SP"] if self.sequence_parallel else []
         extras += [f"v{self.interleave}"] if self.interleave > 1 else []
         extras += [] if self.precision == "mixed" else [str(self.precision)]
@@ -435,6 +439,8 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
         return f"ZeRO stage {lay.zero} does not exist: choose 0, 1, 2 or 3"
     if lay.recompute not in RECOMPUTE:
         return f"recompute {lay.recompute!r}: choose one of {', '.join(RECOMPUTE)}"
+    if lay.recompute_layers < 0:
+        return f"recompute_layers = {lay.recompute_layers}: how many layers of a chunk rerun, 0 (all) or more"
     if not isinstance(lay.precision, Precision) and lay.precision not in RECIPES:
         return f"precision {lay.precision!r}: choose one of {', '.join(RECIPES)}, or give a Precision"
     if lay.kernel not in KERNELS:
@@ -501,25 +507,41 @@ def busiest(gpt: GPT, layout: Layout) -> GPT:
     return replace(gpt, layers=-(-gpt.layers // chunks) * chunks)
 
 
-def iteration_flops(gpt: GPT, batch: int, recompute: str) -> float:
-    """FLOPs of one iteration of `batch` sequences (full recomputation: Narayanan et al.'s 96 B s l h^2 (...))."""
+def rerun_share(gpt: GPT, layout: Layout) -> float:
+    """The share of the layers whose forward full recomputation reruns: 1, or `recompute_layers` of a chunk's
+    l / (p k) (at most all); 0 without full recomputation."""
+    if layout.recompute != "full":
+        return 0.0
+    if not layout.recompute_layers:
+        return 1.0
+    chunk = busiest(gpt, layout).layers / (layout.pipeline * chunks_per_rank(layout))
+    return min(1.0, layout.recompute_layers / chunk)
+
+
+def iteration_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
+    """FLOPs of one iteration of `batch` sequences (full recomputation: Narayanan et al.'s 96 B s l h^2 (...));
+    `share`: of the layers full recomputation reruns (`rerun_share`)."""
     forward = gpt.forward_flops()
-    rerun = {"none": 0.0, "selective": gpt.layers * gpt.attention_score_flops(), "full": forward}[recompute]
+    rerun = {"none": 0.0, "selective": gpt.layers * gpt.attention_score_flops(), "full": share * forward}[recompute]
     return batch * (3 * forward + rerun + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
 
 
-def attention_flops(gpt: GPT, batch: int, recompute: str) -> float:
+def _score_reruns(recompute: str, share: float) -> float:
+    return {"none": 0.0, "selective": 1.0, "full": share}[recompute]
+
+
+def attention_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
     """The attention's scores and weighted values in an iteration of `batch` sequences: 4 s^2 h per layer and
-    sequence forward, twice that backward, once more when recomputation reruns them (full or selective)."""
-    reruns = 0 if recompute == "none" else 1
-    return batch * gpt.layers * (3 + reruns) * gpt.attention_score_flops()
+    sequence forward, twice that backward, once more when recomputation reruns them (selective, or full on the
+    `share` of the layers it reruns)."""
+    return batch * gpt.layers * (3 + _score_reruns(recompute, share)) * gpt.attention_score_flops()
 
 
-def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str) -> float:
+def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
     """The part of `iteration_flops` that stays in 16 bits under a float8 recipe: the attention's scores and
     weighted values (with their rerun under recomputation) and the output layer."""
-    reruns = 0 if recompute == "none" else 1
-    return batch * (gpt.layers * (3 + reruns) * gpt.attention_score_flops() + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
+    output = 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab
+    return batch * (gpt.layers * (3 + _score_reruns(recompute, share)) * gpt.attention_score_flops() + output)
 
 
 def stage_split(gpt: GPT, layout: Layout) -> tuple[float, float]:
@@ -676,7 +698,10 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
 
     share = gpt.moe_layers / gpt.layers
     if lay.recompute == "full":
+        rerun = rerun_share(gpt, lay)
         kept = s_local * lay.micro_batch * gpt.hidden * e / (lay.tensor if lay.sequence_parallel else 1)
+        whole = layer(False, "none") * (1 - share) + (layer(True, "none") * share if share else 0.0)
+        kept = rerun * kept + (1 - rerun) * whole  # the layers not rerun keep everything
         working = max(layer(False, "none"), layer(True, "none") if share else 0.0)
     else:
         kept = layer(False, lay.recompute) * (1 - share) + (layer(True, lay.recompute) * share if share else 0.0)
@@ -709,14 +734,14 @@ def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     e = prec.activations
     m, b, h, s = lay.micro_batches, lay.micro_batch, gpt.hidden, gpt.seq
     stage_layers = gpt.layers // lay.pipeline
-    reruns = 1 if lay.recompute == "full" else 0
+    reruns = rerun_share(gpt, lay)
     busy = min(lay.devices, platform.devices_per_node)
-    flops = iteration_flops(gpt, lay.batch, lay.recompute)
+    flops = iteration_flops(gpt, lay.batch, lay.recompute, reruns)
     rate = platform.rate(prec.compute)
     if rate == platform.flops:
         seconds = flops / lay.devices / platform.flops
     else:  # the linear layers at the recipe's rate, the attention's scores and the output layer in 16 bits
-        wide = sixteen_bit_flops(gpt, lay.batch, lay.recompute)
+        wide = sixteen_bit_flops(gpt, lay.batch, lay.recompute, reruns)
         seconds = ((flops - wide) / rate + wide / platform.flops) / lay.devices
     compute = seconds * platform.slowdown(busy)
     bubble = (lay.pipeline - 1) / (lay.interleave * m) * compute  # (p-1)/(v m) of the compute
@@ -786,7 +811,7 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
     parts = step_time(gpt, layout, platform)
     if layout.kernel != "local":  # flash attention: the masked half of every score block is skipped, not computed
         busy = min(layout.devices, platform.devices_per_node)
-        skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute)
+        skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute, rerun_share(gpt, layout))
         parts["compute"] -= skipped / layout.devices / platform.flops * platform.slowdown(busy)
     if layout.pipeline > 1:
         f, b, w = stage_op_times(gpt, layout, platform, parts["compute"])
@@ -796,7 +821,10 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
     lay, prec = layout, recipe(layout.precision)
     if lay.tensor_overlap and lay.tensor > 1:
         busy = min(lay.devices, platform.devices_per_node)
-        linear = iteration_flops(gpt, lay.batch, lay.recompute) - sixteen_bit_flops(gpt, lay.batch, lay.recompute)
+        rerun = rerun_share(gpt, lay)
+        linear = iteration_flops(gpt, lay.batch, lay.recompute, rerun) - sixteen_bit_flops(
+            gpt, lay.batch, lay.recompute, rerun
+        )
         under = linear / platform.rate(prec.compute) / lay.devices * platform.slowdown(busy)
         t = lay.tensor
         parts["tensor"] = max(parts["tensor"] / t, parts["tensor"] - under * (t - 1) / t)
@@ -804,7 +832,7 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
     stage_layers = gpt.layers // lay.pipeline
     moe_layers = stage_layers * gpt.moe_layers / gpt.layers
     tokens = lay.micro_batch * (gpt.seq // lay.context) / (lay.tensor if lay.sequence_parallel else 1)
-    trips = 4 + (2 if lay.recompute == "full" else 0)
+    trips = 4 + 2 * rerun_share(gpt, lay)
     send = tokens * gpt.slots * gpt.hidden * prec.activations
     parts["expert"] = m * moe_layers * trips * platform.comm("alltoall", send, lay.expert, lay.expert_tensor)
     replicas, stride = lay.data * lay.context, lay.tensor
@@ -817,7 +845,7 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
             lay.expert * lay.expert_tensor,
         )
     if lay.overlap:
-        forward = parts["compute"] / (3 + (1 if lay.recompute == "full" else 0)) / (m * stage_layers)
+        forward = parts["compute"] / (3 + rerun_share(gpt, lay)) / (m * stage_layers)
         backward = parts["compute"] / (m * stage_layers) - forward
         if lay.zero == 3:
             units = stage_layers + 1  # the layers and the embeddings
@@ -843,7 +871,7 @@ def stage_op_times(gpt: GPT, layout: Layout, platform: Platform, compute: float)
     attention *= CAUSAL_SHARE if layout.kernel != "local" else 1.0
     output = 2.0 * gpt.seq * gpt.hidden * gpt.vocab
     fast = platform.rate(prec.compute) / platform.flops  # the linear layers' speed-up (float8), 1 in 16 bits
-    parts = split_flops(linear / fast, attention, output, layout.recompute)
+    parts = split_flops(linear / fast, attention, output, layout.recompute, rerun_share(gpt, layout))
     total, per_micro = sum(parts), compute / layout.micro_batches
     f, b, w = (per_micro * part / total for part in parts)
     return f, b, w
