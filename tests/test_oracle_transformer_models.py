@@ -334,8 +334,12 @@ def test_the_fused_kernel_keeps_what_the_ledger_counts_of_a_fused_swiglu(option)
 
 
 def test_heads_of_any_width_are_stated_with_head_dim():
-    with pytest.raises(ValueError, match="or give head_dim"):
+    with pytest.raises(ValueError, match="give head_dim"):
         GPT(layers=2, hidden=100, heads=3)
+    with pytest.raises(ValueError, match="key/value heads do not divide the 3 heads"):
+        GPT(layers=2, hidden=96, heads=3, kv_heads=2)
+    with pytest.raises(ValueError, match="0 \\(the default\\) or more"):
+        GPT(layers=2, hidden=96, heads=3, head_dim=-1)
     gpt = GPT(layers=2, hidden=100, heads=3, head_dim=32, kv_heads=1)
     assert (gpt.q_width, gpt.kv_width) == (
         96,

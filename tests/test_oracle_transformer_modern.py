@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 from ddlab.allreduce.cost import Link
+from ddlab.oracle import plan_transformer
 from ddlab.oracle.platform import Platform
 from ddlab.oracle.published import (
     B200,
@@ -169,6 +170,18 @@ def test_recomputing_some_layers_of_a_chunk_is_between_none_and_all():
     assert acts[2] < acts[1] < acts[0]
     assert rank_memory(gpt, lay.with_(recompute_layers=4)) == rank_memory(gpt, every)  # a whole chunk: all
     assert "recompute_layers = -1" in problem(gpt, lay.with_(recompute_layers=-1))
+
+
+def test_layouts_a_model_cannot_take_and_plans_the_search_need_not_report():
+    dense = GPT(layers=8, hidden=1024, heads=16, seq=2048, vocab=32000)
+    assert "this GPT has none" in problem(dense, Layout(data=4, batch=8, expert=2))
+    assert "pipeline 1 there is none to interleave" in problem(dense, Layout(batch=8, interleave=2))
+    with pytest.raises(ValueError, match="for 80 GB pass 80e9"):
+        plan_transformer(dense, 8, 8, _flat(), budget=80)
+    recipe = Layout(tensor_overlap=True)
+    plan = plan_transformer(dense, 8, 8, _flat(), base=recipe, zero_stages=(1,), micro_batches=(1,))
+    assert all(p.layout.sequence_parallel or p.layout.tensor == 1 for p in plan.ranked)
+    assert not any("tensor_overlap" in why for _, why in plan.rejected)  # not reported as rejected either
 
 
 def test_the_fused_kernel_times_as_flash_attention():

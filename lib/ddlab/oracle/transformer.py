@@ -199,10 +199,15 @@ class GPT:
             raise ValueError(f"norm {self.norm!r}: choose one of {', '.join(NORMS)}")
         if min(self.layers, self.hidden, self.heads, self.seq, self.vocab) < 1:
             raise ValueError(f"layers, hidden, heads, seq and vocab must be at least 1: {self}")
-        if self.head_dim < 0 or (not self.head_dim and self.hidden % self.heads) or self.heads % self.kv_heads_:
+        if min(self.kv_heads, self.head_dim, self.ffn, self.expert_ffn) < 0:
+            raise ValueError(f"kv_heads, head_dim, ffn and expert_ffn are 0 (the default) or more: {self}")
+        if not self.head_dim and self.hidden % self.heads:
             raise ValueError(
-                f"{self.heads} heads must divide the hidden size {self.hidden} (or give head_dim), and "
-                f"{self.kv_heads_} key/value heads the heads: choose kv_heads among the divisors of heads"
+                f"{self.heads} heads do not divide the hidden size {self.hidden}: give head_dim, a head's width"
+            )
+        if self.heads % self.kv_heads_:
+            raise ValueError(
+                f"{self.kv_heads_} key/value heads do not divide the {self.heads} heads: choose kv_heads among its divisors"
             )
         if self.experts and not (1 <= self.top_k <= self.experts and 1 <= self.moe_every <= self.layers):
             raise ValueError(
@@ -478,6 +483,10 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
         reason = check_schedule(lay.schedule, lay.pipeline, lay.micro_batches)
         if reason:
             return reason
+    if (lay.expert > 1 or lay.expert_tensor > 1) and not gpt.experts:
+        return "expert parallelism splits a mixture of experts: this GPT has none (experts = 0)"
+    if lay.interleave > 1 and lay.pipeline == 1:
+        return f"interleave {lay.interleave} chunks a pipeline: with pipeline 1 there is none to interleave"
     if lay.expert_tensor not in (1, lay.tensor):
         return f"expert_tensor {lay.expert_tensor}: an expert is cut by the tensor ranks ({lay.tensor}) or not (1)"
     holders = lay.data * lay.context * lay.tensor // lay.expert_tensor  # ranks that could hold an expert whole

@@ -142,6 +142,8 @@ def plan_transformer(
     `base` gives the choices it keeps fixed (kernel, overlap; its precision unless `precision` is given
     otherwise; its interleave for the interleaved schedule, when above 1). A layout without a pipeline (p = 1)
     is kept under "1f1b" only, as one without tensor parallelism is kept without SP: the same layout."""
+    if budget is not None and budget < 2**20:
+        raise ValueError(f"budget is bytes per device, not {budget!r}: for 80 GB pass 80e9")
     plan = TransformerPlan(gpt, devices)
     base = base or Layout()
     precision = base.precision if precision == "mixed" else precision
@@ -172,8 +174,11 @@ def plan_transformer(
 
 
 def _distinct(layout: Layout, sp: bool) -> bool:
-    """False for a layout another template gives too: SP on t = 1."""
-    return layout.tensor > 1 or not sp
+    """False for a layout the search need not report: SP on t = 1 (the template without SP gives it too), and
+    without SP on t > 1 when the recipe overlaps the tensor collectives (sequence parallelism's, which it needs)."""
+    if layout.tensor == 1:
+        return not sp
+    return sp or not layout.tensor_overlap
 
 
 def explain(chosen: TransformerPrediction, other: TransformerPrediction) -> str:
@@ -205,8 +210,9 @@ def explain(chosen: TransformerPrediction, other: TransformerPrediction) -> str:
     if not changes:
         return "the same layout"
     saving = other.time - chosen.time
+    pace = "faster" if saving >= 0 else "slower"
     return (
-        f"{', '.join(changes)}: {saving:+.2f} s per iteration ({saving / other.time:+.1%})"
-        + (f"; {', '.join(parts)}" if parts else "; no part differs by 0.5% (same time, less memory)")
+        f"{', '.join(changes)}: {abs(saving):.2f} s {pace} per iteration ({abs(saving) / other.time:.1%} of its time)"
+        + (f"; by part, this minus that: {', '.join(parts)}" if parts else "; no part differs by 0.5% (same time)")
         + f"; memory {other.peak / GIB:.1f} -> {chosen.peak / GIB:.1f} GiB"
     )
