@@ -67,6 +67,8 @@ def test_a_machine_without_a_datasheet_is_set_by_its_own_measurement():
     assert h100.flops == 0.4 * 989.5e12 and h100.rate("fp8") == 0.25 * 1979e12 and "fp8 25%" in h100.name
     with pytest.raises(ValueError, match="share of the dense peak"):
         gpu_platform(H100_SXM, fp8_efficiency=0.0)
+    with pytest.raises(ValueError, match="the GPUs of a node"):
+        gpu_platform(H100_SXM, nodes_of=0)
     bf16, fp8 = calibrate_titan()
     assert 0 < fp8 < bf16 < 1  # torchao's float8 gained less than its peak's doubling on that machine
     platform = gpu_platform(H100_96GB, bf16, fp8_efficiency=fp8)

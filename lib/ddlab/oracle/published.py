@@ -178,6 +178,8 @@ def gpu_platform(
     `rates["fp8"]` (at `fp8_efficiency` of its peak if given: a float8 recipe's casts and scales cost some
     stacks more than others); NVLink inside a node, one network adapter per GPU between nodes, alpha 5 us
     (assumed)."""
+    if nodes_of < 1:
+        raise ValueError(f"nodes_of is the GPUs of a node, 1 or more (8 in DGX and HGX nodes): got {nodes_of}")
     fp8 = efficiency if fp8_efficiency is None else fp8_efficiency
     if not (0 < efficiency <= 1 and 0 < fp8 <= 1):
         raise ValueError(

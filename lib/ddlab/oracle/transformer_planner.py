@@ -114,11 +114,15 @@ class TransformerPlan:
         return counts
 
     def table(self, top: int = 5) -> str:
+        """The `top` fastest layouts (step time, tokens/s and TFLOP/s per device as Narayanan et al. count them,
+        peak memory) and how many layouts each reason rejected."""
         lines = [f"{self.gpt.name or 'GPT'} on {self.devices} devices: {len(self.ranked)} layouts fit"]
-        for pred in self.ranked[:top]:
+        shown = self.ranked[:top]
+        width = max([44, *(len(pred.layout.label) for pred in shown)])
+        for pred in shown:
             lines.append(
-                f"  {pred.layout.label:44} {pred.time:8.2f} s  {pred.model_flops_per_device() / 1e12:6.1f} TFLOP/s  "
-                f"{pred.peak / GIB:6.1f} GiB"
+                f"  {pred.layout.label:{width}} {pred.time:8.2f} s  {pred.tokens_per_device():8.0f} tokens/s  "
+                f"{pred.model_flops_per_device() / 1e12:6.1f} TFLOP/s  {pred.peak / GIB:6.1f} GiB"
             )
         lines += [f"  rejected, {kind}: {n}" for kind, n in sorted(self.reasons().items())]
         return "\n".join(lines)
