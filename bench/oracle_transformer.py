@@ -138,7 +138,8 @@ def modern(efficiency: float | None) -> None:
     print(f"verdict: memory within 10% on {near} of {len(memory)} published against all: {_met(near == len(memory))}")
     fits = sum(pred.peak <= run.hardware.memory for run, pred, *_ in rows)
     print(
-        f"verdict: every published layout ran, so fits its GPU; predicted to fit on {fits} of {len(rows)}: {_met(fits == len(rows))}"
+        f"verdict: every published layout ran, so fits its GPU; predicted to fit on {fits} of {len(rows)}: "
+        f"{_met(fits == len(rows))}"
     )
 
 

@@ -1,10 +1,10 @@
 """The transformer oracle's model options against real torch models of the same shape.
 
-For each option (grouped- and multi-query attention, heads wider than h / heads, SwiGLU of any width, RMSNorm, rotary positions, untied
-embeddings, no biases, no dropout, mixtures of experts with top-k routing, shared experts, a capacity factor or
-none, every n-th layer) a small torch GPT is built to that shape, and its parameters (counted by torch), the
-FLOPs of a training step (torch's `FlopCounterMode`, forward and backward) and the bytes one block saves for
-backward (`ddlab.runtime.memory.Ledger`) must equal the oracle's `GPT.parameters`, `iteration_flops` and
+For each option (grouped- and multi-query attention, heads wider than h / heads, SwiGLU of any width, RMSNorm,
+rotary positions, untied embeddings, no biases, no dropout, mixtures of experts with top-k routing, shared experts,
+a capacity factor or none, every n-th layer) a small torch GPT is built to that shape, and its parameters (counted
+by torch), the FLOPs of a training step (torch's `FlopCounterMode`, forward and backward) and the bytes one block
+saves for backward (`ddlab.runtime.memory.Ledger`) must equal the oracle's `GPT.parameters`, `iteration_flops` and
 `layer_activations` to within 1%. The torch models use the kernels the oracle assumes: a fused RMSNorm that keeps
 its input and statistics, rotary embedding by multiplying with constant tables, grouped-query attention that
 multiplies each key/value head with its group of query heads without copying it, dense expert buffers of the

@@ -414,8 +414,9 @@ def _megatron_moe(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v
 #: blocks the oracle cannot state (GPT-OSS's sliding windows and sinks, DeepSeek-V3's latent attention),
 #: GB200/GB300 (NVL72 domains). What the summary's columns do not say, the recipes of the same release say
 #: (Megatron-Bridge v0.2.1, scripts/performance/configs/): the 8B H100 row recomputes the first 5 of its 32 layers
-#: (`recompute_num_layers=5`, the "block" method: `Layout.recompute_layers`); for two Qwen3 rows the recipes' virtual stages differ from the summary's (30B on H100s: 12,
-#: not 24; 235B on B200s: 4, not 2): the summary's are taken.
+#: (`recompute_num_layers=5`, the "block" method: `Layout.recompute_layers`); for two Qwen3 rows the recipes'
+#: virtual stages differ from the summary's (30B on H100s: 12, not 24; 235B on B200s: 4, not 2): the summary's
+#: are taken.
 MODERN = (
     ModernRun(
         LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, rerun=5), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"

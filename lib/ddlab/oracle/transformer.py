@@ -207,7 +207,8 @@ class GPT:
             )
         if self.heads % self.kv_heads_:
             raise ValueError(
-                f"{self.kv_heads_} key/value heads do not divide the {self.heads} heads: choose kv_heads among its divisors"
+                f"{self.kv_heads_} key/value heads do not divide the {self.heads} heads: "
+                "choose kv_heads among its divisors"
             )
         if self.experts and not (1 <= self.top_k <= self.experts and 1 <= self.moe_every <= self.layers):
             raise ValueError(
@@ -535,22 +536,18 @@ def iteration_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) ->
     return batch * (3 * forward + rerun + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
 
 
-def _score_reruns(recompute: str, share: float) -> float:
-    return {"none": 0.0, "selective": 1.0, "full": share}[recompute]
-
-
 def attention_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
     """The attention's scores and weighted values in an iteration of `batch` sequences: 4 s^2 h per layer and
     sequence forward, twice that backward, once more when recomputation reruns them (selective, or full on the
     `share` of the layers it reruns)."""
-    return batch * gpt.layers * (3 + _score_reruns(recompute, share)) * gpt.attention_score_flops()
+    reruns = {"none": 0.0, "selective": 1.0, "full": share}[recompute]
+    return batch * gpt.layers * (3 + reruns) * gpt.attention_score_flops()
 
 
 def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
     """The part of `iteration_flops` that stays in 16 bits under a float8 recipe: the attention's scores and
     weighted values (with their rerun under recomputation) and the output layer."""
-    output = 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab
-    return batch * (gpt.layers * (3 + _score_reruns(recompute, share)) * gpt.attention_score_flops() + output)
+    return attention_flops(gpt, batch, recompute, share) + batch * 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab
 
 
 def stage_split(gpt: GPT, layout: Layout) -> tuple[float, float]:
@@ -624,21 +621,20 @@ def layer_activations(
     kernel: str,
     expert_tensor: int | None = None,
 ) -> float:
-    """Bytes one block keeps for backward per micro-batch on a rank, Korthikanti et al.'s terms (section 4) for
-    any block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms'
-    inputs and the attention's and MLP's inputs (4h elements of e bytes) and the residual dropout masks
-    (2h bytes); split over t: q and the projection's input (q_width each: h unless head_dim), k and v
-    (2 kv_width), the MLP's 2 ffn
-    (GELU: its input and output) or 4 ffn (SwiGLU: gate, up, silu(gate), their product; 3 with the "fused"
-    kernel, which recomputes silu(gate) in its backward), and the attention's
-    (2e + 1) a s (softmax, dropped probabilities, their mask; e a s without dropout; with the "flash" or "fused" kernel,
-    and always under context parallelism's ring, only a float32 log-sum-exp per head, 4a bytes; none under
-    selective recomputation). A MoE layer keeps, whole, its router's float32 probabilities and top-k choices
-    (4E + 8k bytes per token) and per expert slot the token sent and the expert's output (2h elements) and the
-    routing's bookkeeping (the token's and its gate's int64 indices, the float32 gate: 20 bytes), and split
-    each slot's and shared expert's MLP (the routed experts' over `expert_tensor` ranks, t if None, without
-    sequence parallelism; with it every rank routes its own s/t tokens). Norm statistics (a few floats per token) are not counted, as Korthikanti et al. do not.
-    With GPT-3's defaults: sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`)."""
+    """Bytes one block keeps for backward per micro-batch on a rank, Korthikanti et al.'s terms (section 4) for any
+    block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms' inputs and the
+    attention's and MLP's inputs (4h elements of e bytes) and the residual dropout masks (2h bytes); split over t: q
+    and the projection's input (q_width each: h unless head_dim), k and v (2 kv_width), the MLP's 2 ffn (GELU: its
+    input and output) or 4 ffn (SwiGLU: gate, up, silu(gate), their product; 3 with the "fused" kernel, which
+    recomputes silu(gate) in its backward), and the attention's (2e + 1) a s (softmax, dropped probabilities, their
+    mask; e a s without dropout; with the "flash" or "fused" kernel, and always under context parallelism's ring,
+    only a float32 log-sum-exp per head, 4a bytes; none under selective recomputation). A MoE layer keeps, whole,
+    its router's float32 probabilities and top-k choices (4E + 8k bytes per token) and per expert slot the token
+    sent and the expert's output (2h elements) and the routing's bookkeeping (the token's and its gate's int64
+    indices, the float32 gate: 20 bytes), and split each slot's and shared expert's MLP (the routed experts' over
+    `expert_tensor` ranks, t if None, without sequence parallelism; with it every rank routes its own s/t tokens).
+    Norm statistics (a few floats per token) are not counted, as Korthikanti et al. do not. With GPT-3's defaults:
+    sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`)."""
     h, a, kv = gpt.hidden, gpt.heads, gpt.kv_width
     acts = (3 if kernel == "fused" else 4) if gpt.gated else 2
     whole = 4 * e * h + (2 * h if gpt.dropout else 0)
@@ -706,14 +702,17 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
         )
 
     share = gpt.moe_layers / gpt.layers
+
+    def average(recompute: str) -> float:  # a layer's, the MoE layers at their share
+        return layer(False, recompute) * (1 - share) + (layer(True, recompute) * share if share else 0.0)
+
     if lay.recompute == "full":
         rerun = rerun_share(gpt, lay)
-        kept = s_local * lay.micro_batch * gpt.hidden * e / (lay.tensor if lay.sequence_parallel else 1)
-        whole = layer(False, "none") * (1 - share) + (layer(True, "none") * share if share else 0.0)
-        kept = rerun * kept + (1 - rerun) * whole  # the layers not rerun keep everything
+        inputs = s_local * lay.micro_batch * gpt.hidden * e / (lay.tensor if lay.sequence_parallel else 1)
+        kept = rerun * inputs + (1 - rerun) * average("none")  # the layers not rerun keep everything
         working = max(layer(False, "none"), layer(True, "none") if share else 0.0)
     else:
-        kept = layer(False, lay.recompute) * (1 - share) + (layer(True, lay.recompute) * share if share else 0.0)
+        kept = average(lay.recompute)
         working = 0.0
 
     def held(layers: float) -> dict[str, float]:
@@ -735,6 +734,16 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     return max(first, last, key=lambda m: sum(m.values()))
 
 
+def compute_seconds(gpt: GPT, layout: Layout, platform: Platform) -> tuple[float, float]:
+    """A rank's seconds of compute in one iteration, its node's contention included: (the linear layers, at the
+    recipe's rate; the attention's scores and the output layer, in 16 bits)."""
+    share = rerun_share(gpt, layout)
+    flops = iteration_flops(gpt, layout.batch, layout.recompute, share)
+    wide = sixteen_bit_flops(gpt, layout.batch, layout.recompute, share)
+    per_rank = platform.slowdown(min(layout.devices, platform.devices_per_node)) / layout.devices
+    return (flops - wide) / platform.rate(recipe(layout.precision).compute) * per_rank, wide / platform.flops * per_rank
+
+
 @reference("step_time")
 def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     """Seconds of one iteration by part (Exercise 16.5): compute, bubble, tensor, context, pipeline, data."""
@@ -744,15 +753,7 @@ def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     m, b, h, s = lay.micro_batches, lay.micro_batch, gpt.hidden, gpt.seq
     stage_layers = gpt.layers // lay.pipeline
     reruns = rerun_share(gpt, lay)
-    busy = min(lay.devices, platform.devices_per_node)
-    flops = iteration_flops(gpt, lay.batch, lay.recompute, reruns)
-    rate = platform.rate(prec.compute)
-    if rate == platform.flops:
-        seconds = flops / lay.devices / platform.flops
-    else:  # the linear layers at the recipe's rate, the attention's scores and the output layer in 16 bits
-        wide = sixteen_bit_flops(gpt, lay.batch, lay.recompute, reruns)
-        seconds = ((flops - wide) / rate + wide / platform.flops) / lay.devices
-    compute = seconds * platform.slowdown(busy)
+    compute = sum(compute_seconds(gpt, lay, platform))
     bubble = (lay.pipeline - 1) / (lay.interleave * m) * compute  # (p-1)/(v m) of the compute
     tokens = b * (s // lay.context) * h  # elements of one micro-batch's activation on a rank
     tensor = m * stage_layers * (4 + 2 * reruns) * platform.comm("allreduce", tokens * e, lay.tensor)
@@ -818,9 +819,10 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
       The streaming multiprocessors the collectives take from the matrix multiplications are not priced."""
     gpt = busiest(gpt, layout)
     parts = step_time(gpt, layout, platform)
+    rerun = rerun_share(gpt, layout)
     if layout.kernel != "local":  # flash attention: the masked half of every score block is skipped, not computed
         busy = min(layout.devices, platform.devices_per_node)
-        skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute, rerun_share(gpt, layout))
+        skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute, rerun)
         parts["compute"] -= skipped / layout.devices / platform.flops * platform.slowdown(busy)
     if layout.pipeline > 1:
         f, b, w = stage_op_times(gpt, layout, platform, parts["compute"])
@@ -829,19 +831,14 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
         parts["pipeline"] *= 2 if layout.schedule == "zb-v" else 1
     lay, prec = layout, recipe(layout.precision)
     if lay.tensor_overlap and lay.tensor > 1:
-        busy = min(lay.devices, platform.devices_per_node)
-        rerun = rerun_share(gpt, lay)
-        linear = iteration_flops(gpt, lay.batch, lay.recompute, rerun) - sixteen_bit_flops(
-            gpt, lay.batch, lay.recompute, rerun
-        )
-        under = linear / platform.rate(prec.compute) / lay.devices * platform.slowdown(busy)
+        under, _ = compute_seconds(gpt, lay, platform)  # the linear layers'
         t = lay.tensor
         parts["tensor"] = max(parts["tensor"] / t, parts["tensor"] - under * (t - 1) / t)
     m = lay.micro_batches
     stage_layers = gpt.layers // lay.pipeline
     moe_layers = stage_layers * gpt.moe_layers / gpt.layers
     tokens = lay.micro_batch * (gpt.seq // lay.context) / (lay.tensor if lay.sequence_parallel else 1)
-    trips = 4 + 2 * rerun_share(gpt, lay)
+    trips = 4 + 2 * rerun
     send = tokens * gpt.slots * gpt.hidden * prec.activations
     parts["expert"] = m * moe_layers * trips * platform.comm("alltoall", send, lay.expert, lay.expert_tensor)
     replicas, stride = lay.data * lay.context, lay.tensor
@@ -854,7 +851,7 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
             lay.expert * lay.expert_tensor,
         )
     if lay.overlap:
-        forward = parts["compute"] / (3 + rerun_share(gpt, lay)) / (m * stage_layers)
+        forward = parts["compute"] / (3 + rerun) / (m * stage_layers)
         backward = parts["compute"] / (m * stage_layers) - forward
         if lay.zero == 3:
             units = stage_layers + 1  # the layers and the embeddings
