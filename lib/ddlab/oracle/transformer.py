@@ -734,7 +734,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     return max(first, last, key=lambda m: sum(m.values()))
 
 
-def compute_seconds(gpt: GPT, layout: Layout, platform: Platform) -> tuple[float, float]:
+def _compute_seconds(gpt: GPT, layout: Layout, platform: Platform) -> tuple[float, float]:
     """A rank's seconds of compute in one iteration, its node's contention included: (the linear layers, at the
     recipe's rate; the attention's scores and the output layer, in 16 bits)."""
     share = rerun_share(gpt, layout)
@@ -753,7 +753,7 @@ def step_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float]:
     m, b, h, s = lay.micro_batches, lay.micro_batch, gpt.hidden, gpt.seq
     stage_layers = gpt.layers // lay.pipeline
     reruns = rerun_share(gpt, lay)
-    compute = sum(compute_seconds(gpt, lay, platform))
+    compute = sum(_compute_seconds(gpt, lay, platform))
     bubble = (lay.pipeline - 1) / (lay.interleave * m) * compute  # (p-1)/(v m) of the compute
     tokens = b * (s // lay.context) * h  # elements of one micro-batch's activation on a rank
     tensor = m * stage_layers * (4 + 2 * reruns) * platform.comm("allreduce", tokens * e, lay.tensor)
@@ -831,7 +831,7 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
         parts["pipeline"] *= 2 if layout.schedule == "zb-v" else 1
     lay, prec = layout, recipe(layout.precision)
     if lay.tensor_overlap and lay.tensor > 1:
-        under, _ = compute_seconds(gpt, lay, platform)  # the linear layers'
+        under, _ = _compute_seconds(gpt, lay, platform)  # the linear layers'
         t = lay.tensor
         parts["tensor"] = max(parts["tensor"] / t, parts["tensor"] - under * (t - 1) / t)
     m = lay.micro_batches
