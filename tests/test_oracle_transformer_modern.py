@@ -3,9 +3,12 @@ ring attention's memory, and the published runs it is validated against (never f
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import pytest
+import torch
+import torch.nn.functional as F
 from ddlab.allreduce.cost import Link
 from ddlab.oracle import plan_transformer
 from ddlab.oracle.platform import Platform
@@ -28,6 +31,7 @@ from ddlab.oracle.published import (
 )
 from ddlab.oracle.transformer import (
     GPT,
+    LOSSES,
     Layout,
     Precision,
     busiest,
@@ -42,6 +46,7 @@ from ddlab.oracle.transformer import (
     stage_split,
     step_time,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _flat() -> Platform:
@@ -172,6 +177,57 @@ def test_recomputing_some_layers_of_a_chunk_is_between_none_and_all():
     assert acts[2] < acts[1] < acts[0]
     assert rank_memory(gpt, lay.with_(recompute_layers=4)) == rank_memory(gpt, every)  # a whole chunk: all
     assert "recompute_layers = -1" in problem(gpt, lay.with_(recompute_layers=-1))
+
+
+class _LivePeak(TorchDispatchMode):
+    """The peak bytes of the storages ops create while it is on, each counted until torch frees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in self.live:
+                storage = tensor.untyped_storage()
+                self.live[storage.data_ptr()] = storage.nbytes()
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self._free, storage.data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torchs_eager_loss_holds_three_float32_copies_of_the_logits(dtype):
+    s, h, vocab = 512, 4, 4096  # h small: the weights' gradient (V h) is 1% of a copy (s V)
+    x = torch.randn(s, h, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, h, dtype=dtype, requires_grad=True)
+    labels = torch.randint(vocab, (s,))
+    with _LivePeak() as live:
+        pred = x @ w.t()
+        loss = F.cross_entropy(pred.float(), labels)  # torchtitan's loss_fn, then its `del pred`
+        del pred
+        loss.backward()
+    assert live.peak / (4 * s * vocab) == pytest.approx(LOSSES["eager"], rel=0.02)
+    gpt = GPT(layers=4, hidden=h, heads=1, seq=s, vocab=vocab)
+    fused, eager = (rank_memory(gpt, Layout(loss=x))["activations"] for x in ("fused", "eager"))
+    assert eager - fused == pytest.approx(2 * 4 * s * vocab)  # two more float32 copies
+    assert "choose one of fused, eager" in problem(gpt, Layout(loss="chunked"))
+
+
+def test_the_loss_is_never_beside_a_rerun_layer():
+    lay = Layout(batch=1, recompute="full", kernel="flash")
+    for vocab in (1000, 200_000):  # a layer's activations larger than the loss's, then smaller
+        gpt = GPT(layers=4, hidden=1024, heads=16, seq=2048, vocab=vocab, gated=True, ffn=2816)
+        working = layer_activations(gpt, 2048, 1, 1, False, 2, "none", False, "flash")
+        loss = 4 * 2048 * vocab
+        inputs = 4 * 2 * 2048 * 1024
+        assert rank_memory(gpt, lay)["activations"] == pytest.approx(inputs + max(working, loss))
 
 
 def test_layouts_a_model_cannot_take_and_plans_the_search_need_not_report():

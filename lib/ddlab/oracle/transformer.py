@@ -56,7 +56,8 @@ Memory of the busiest rank (the first or the last stage):
   term 5as/(ht); full recomputation keeps only each layer's input, 2sbh (/t with sequence
   parallelism), plus one layer's whole activations while it is recomputed; under 1F1B the
   first stage holds min(p, m) micro-batches of its l/p layers; the last stage also keeps
-  the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes.
+  the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes (three such copies at the backward of
+  torch's eager cross entropy, `LOSSES`), at a moment when no layer reruns.
 
 The models of 2024-26 (`GPT`'s options, GPT-3's block by default): grouped- and multi-query attention,
 gated MLPs of any width, RMSNorm, rotary positions, untied embeddings, mixtures of experts; their
@@ -140,6 +141,13 @@ RECIPES = {
 #: silu(gate) there: megatron/core/fusions/fused_bias_swiglu.py, `SwiGLUFunction`; the down projection keeps the
 #: product, so a gated MLP keeps 3 ffn values per token instead of eager torch's 4).
 KERNELS = ("local", "flash", "fused")
+#: How the loss is computed (`Layout.loss`), as float32 (or wider) copies of the rank's b (s/c) V / t logits alive at
+#: its peak, the backward of the softmax: "fused", a cross entropy that keeps its softmax and forms the gradient in
+#: place (Megatron-Core's vocabulary-parallel one), one copy; "eager", torch's `cross_entropy` on a float32 copy of
+#: the logits, the logits dropped before the backward (torchtitan's train.py at 9dec370: `del pred`): its
+#: log-softmax's saved output, the gradient coming in and the one going out, three (tests/test_oracle_transformer_
+#: modern.py measures it on a small model).
+LOSSES = {"fused": 1, "eager": 3}
 #: The share of a causal model's score blocks a "flash" kernel computes: it skips the blocks above the diagonal,
 #: every key after every query (Dao, "FlashAttention-2", 2023, section 3.1: about half), so it does half the
 #: attention's 4 s^2 h; Megatron-Bridge's model FLOPs count halves that term too (its llama3_flops:
@@ -366,6 +374,7 @@ class Layout:
     # stages as even as whole layers allow when p (x chunks) does not divide the layers, as Megatron splits them
     # (for example counting the embedding and the loss as a layer each); every rank is priced as the busiest
     uneven: bool = False
+    loss: str = "fused"  # a name of `LOSSES`: how many float32 copies of the logits the loss holds at its peak
 
     @property
     def devices(self) -> int:
@@ -391,6 +400,7 @@ class Layout:
         extras += ["tp-overlap"] if self.tensor_overlap else []
         extras += [] if self.schedule == "1f1b" else [self.schedule]
         extras += ["uneven"] if self.uneven else []
+        extras += [] if self.loss == "fused" else [f"{self.loss} loss"]
         return f"d{self.data} t{self.tensor} p{self.pipeline} c{self.context} b{self.micro_batch}" + (
             " " + ", ".join(extras) if extras else ""
         )
@@ -451,6 +461,8 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
         return f"precision {lay.precision!r}: choose one of {', '.join(RECIPES)}, or give a Precision"
     if lay.kernel not in KERNELS:
         return f"kernel {lay.kernel!r}: choose one of {', '.join(KERNELS)}"
+    if lay.loss not in LOSSES:
+        return f"loss {lay.loss!r}: choose one of {', '.join(LOSSES)}"
     if lay.tensor_overlap and lay.tensor > 1 and not lay.sequence_parallel:
         return "tensor_overlap cuts sequence parallelism's all-gathers and reduce-scatters: set sequence_parallel too"
     if gpt.heads % lay.tensor or gpt.hidden % lay.tensor:
@@ -660,14 +672,16 @@ def layer_activations(
 
 def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     """Bytes of the busiest rank: the first stage (min(p, m) micro-batches in flight under 1F1B; with v chunks,
-    min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (the logits). A zero-bubble schedule
-    keeps what its op list keeps alive (`schedules.in_flight`: F done, W not yet) on the first and the last
-    stage; under zb-v rank 0 holds the V's first and last chunk (l/(2p) layers each), and the logits.
+    min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (its layers and the loss: `LOSSES`' copies
+    of the logits, never beside a rerun layer's activations, as the loss's backward comes before any layer's). A
+    zero-bubble schedule keeps what its op list keeps alive (`schedules.in_flight`: F done, W not yet) on the first
+    and the last stage; under zb-v rank 0 holds the V's first and last chunk (l/(2p) layers each), and the loss.
 
-    The state is split as ZeRO splits it over the d c ranks of the same weights (the routed experts over
-    the d c t / (expert x expert_tensor) ranks that hold the same experts); activations as `layer_activations`
-    counts them, the MoE layers at their share of a stage's layers. Under context parallelism the rank's s/c rows keep no (s/c) x (s/c) softmax block: ring
-    attention (lab 15) keeps its output and a log-sum-exp per row and head, as the "flash" kernel does."""
+    The state is split as ZeRO splits it over the d c ranks of the same weights (the routed experts over the d c t /
+    (expert x expert_tensor) ranks that hold the same experts); activations as `layer_activations` counts them, the
+    MoE layers at their share of a stage's layers. Under context parallelism the rank's s/c rows keep no (s/c) x
+    (s/c) softmax block: ring attention (lab 15) keeps its output and a log-sum-exp per row and head, as the "flash"
+    kernel does."""
     lay, gpt = layout, busiest(gpt, layout)
     prec = recipe(lay.precision)
     s_local = gpt.seq // lay.context
@@ -715,22 +729,21 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
         kept = average(lay.recompute)
         working = 0.0
 
-    def held(layers: float) -> dict[str, float]:
-        return {**state, "activations": layers * kept + working}
+    # the loss's peak, its copies of the logits in float32 at least: before any layer reruns, so not beside `working`
+    loss = LOSSES[lay.loss] * max(4, e) * lay.micro_batch * s_local * gpt.vocab / lay.tensor
+
+    def held(layers: float, last: bool = False) -> dict[str, float]:
+        return {**state, "activations": layers * kept + max(working, loss if last else 0.0)}
 
     p, m = lay.pipeline, lay.micro_batches
-    logits = max(4, e) * lay.micro_batch * s_local * gpt.vocab / lay.tensor  # the loss's, in float32 at least
     if lay.schedule == "zb-v" and p > 1:
-        only = held(gpt.layers // (2 * p) * in_flight("zb-v", p, m, 0))
-        only["activations"] += logits
-        return only
+        return held(gpt.layers // (2 * p) * in_flight("zb-v", p, m, 0), last=True)
     if lay.schedule != "1f1b" and p > 1:
         first = held(gpt.layers // p * in_flight(lay.schedule, p, m, 0))
-        last = held(gpt.layers // p * in_flight(lay.schedule, p, m, p - 1))
+        last = held(gpt.layers // p * in_flight(lay.schedule, p, m, p - 1), last=True)
     else:
         first = held(gpt.layers // (p * v) * chunks)
-        last = held(gpt.layers // p)
-    last["activations"] += logits
+        last = held(gpt.layers // p, last=True)
     return max(first, last, key=lambda m: sum(m.values()))
 
 
