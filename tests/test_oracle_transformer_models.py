@@ -94,6 +94,34 @@ class _FusedSwiGLU(torch.autograd.Function):
         return grad * up * sig * (1 + gate * (1 - sig)), grad * silu
 
 
+class _Float8Linear(torch.autograd.Function):
+    """A linear layer as Transformer Engine's float8 kernels run it: for the weight's gradient it keeps the float8
+    copy of its input (`float8`, one byte an element, made once for the layers that share the input), not the input.
+    The product itself is computed at the input's precision: only what is kept matters here."""
+
+    @staticmethod
+    def forward(ctx, x, float8, weight, bias):  # type: ignore[override]
+        ctx.save_for_backward(float8, weight)
+        ctx.bias = bias is not None
+        out = x @ weight.t()
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        float8, weight = ctx.saved_tensors
+        rows, x = grad.reshape(-1, grad.shape[-1]), float8.to(grad.dtype).reshape(-1, float8.shape[-1])
+        return grad @ weight, None, rows.t() @ x, rows.sum(0) if ctx.bias else None
+
+
+def _float8(x: torch.Tensor, on: bool) -> torch.Tensor | None:
+    """The float8 copy of a linear layer's input that its layers keep (None: they keep x itself)."""
+    return x.detach().to(torch.float8_e4m3fn) if on else None
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor, float8: torch.Tensor | None) -> torch.Tensor:
+    return layer(x) if float8 is None else _Float8Linear.apply(x, float8, layer.weight, layer.bias)
+
+
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool) -> torch.Tensor:
     return _FusedSwiGLU.apply(gate, up) if fused else F.silu(gate) * up
 
@@ -112,28 +140,31 @@ def _norm(gpt: GPT) -> nn.Module:
 
 
 class MLP(nn.Module):
-    def __init__(self, gpt: GPT, width: int, fused: bool = False):
+    def __init__(self, gpt: GPT, width: int, fused: bool = False, float8: bool = False):
         super().__init__()
         h, bias = gpt.hidden, gpt.bias
-        self.gated, self.fused = gpt.gated, fused
+        self.gated, self.fused, self.float8 = gpt.gated, fused, float8
         self.up = nn.Linear(h, width, bias=bias)
         self.gate = nn.Linear(h, width, bias=bias) if gpt.gated else None
         self.down = nn.Linear(width, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x8 = _float8(x, self.float8)
         if self.gate is not None:
-            return self.down(_swiglu(self.gate(x), self.up(x), self.fused))
-        return self.down(F.gelu(self.up(x)))
+            act = _swiglu(_linear(self.gate, x, x8), _linear(self.up, x, x8), self.fused)
+        else:
+            act = F.gelu(_linear(self.up, x, x8))
+        return _linear(self.down, act, _float8(act, self.float8))
 
 
 class Experts(nn.Module):
     """Router, E routed experts (weights stacked), shared experts: top-k routing; each expert computes on its
     slots (with a capacity factor: capacity k T / E slots each, padded with a zero token or dropped)."""
 
-    def __init__(self, gpt: GPT, fused: bool = False):
+    def __init__(self, gpt: GPT, fused: bool = False, float8: bool = False):
         super().__init__()
         h, f, e = gpt.hidden, gpt.expert_ffn_, gpt.experts
-        self.gpt, self.fused = gpt, fused
+        self.gpt, self.fused, self.float8 = gpt, fused, float8
         self.router = nn.Linear(h, e, bias=False)
         mats = 3 if gpt.gated else 2
         self.w = nn.ParameterList([nn.Parameter(torch.randn(e, h, f) / math.sqrt(h)) for _ in range(mats - 1)])
@@ -143,7 +174,7 @@ class Experts(nn.Module):
             if gpt.bias
             else []
         )
-        self.shared = nn.ModuleList([MLP(gpt, f, fused) for _ in range(gpt.shared_experts)])
+        self.shared = nn.ModuleList([MLP(gpt, f, fused, float8) for _ in range(gpt.shared_experts)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gpt, shape = self.gpt, x.shape
@@ -165,13 +196,27 @@ class Experts(nn.Module):
         entries = torch.cat(slots)
         token = torch.where(entries >= 0, entries // gpt.top_k, tokens)  # one int64 index per slot
         sent = padded[token]  # every slot's token, expert by expert
+        sent8 = _float8(sent, self.float8)
         outputs, start = [], 0
+
+        def matmul(x: torch.Tensor, x8: torch.Tensor | None, w: torch.Tensor, bias: torch.Tensor | None):
+            if x8 is None:
+                return x @ w + (0 if bias is None else bias)
+            return _Float8Linear.apply(x, x8, w.t(), bias)
+
         for expert, mine in enumerate(slots):
-            part = sent[start : start + len(mine)]
+            part, rows = sent[start : start + len(mine)], slice(start, start + len(mine))
             start += len(mine)
-            hidden = [part @ w[expert] + (self.bias[i][expert] if self.bias else 0) for i, w in enumerate(self.w)]
+            hidden = [
+                matmul(
+                    part, None if sent8 is None else sent8[rows], w[expert], self.bias[i][expert] if self.bias else None
+                )
+                for i, w in enumerate(self.w)
+            ]
             act = _swiglu(hidden[0], hidden[1], self.fused) if gpt.gated else F.gelu(hidden[0])
-            outputs.append(act @ self.wd[expert] + (self.bias[-1][expert] if self.bias else 0))
+            outputs.append(
+                matmul(act, _float8(act, self.float8), self.wd[expert], self.bias[-1][expert] if self.bias else None)
+            )
         scale = gates[torch.where(entries >= 0, entries, len(gates) - 1)]  # the gate's int64 index and value
         routed = torch.cat(outputs) * scale[:, None]
         out = padded.new_zeros(padded.shape).index_put((token,), routed, accumulate=True)[:tokens].reshape(shape)
@@ -181,14 +226,14 @@ class Experts(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, gpt: GPT, moe: bool = False, fused: bool = False):
+    def __init__(self, gpt: GPT, moe: bool = False, fused: bool = False, float8: bool = False):
         super().__init__()
         h, q, kv, bias = gpt.hidden, gpt.q_width, gpt.kv_width, gpt.bias
-        self.gpt = gpt
+        self.gpt, self.float8 = gpt, float8
         self.norm1, self.norm2 = _norm(gpt), _norm(gpt)
         self.q, self.k, self.v = nn.Linear(h, q, bias=bias), nn.Linear(h, kv, bias=bias), nn.Linear(h, kv, bias=bias)
         self.proj = nn.Linear(q, h, bias=bias)
-        self.mlp = Experts(gpt, fused) if moe else MLP(gpt, gpt.ffn_, fused)
+        self.mlp = Experts(gpt, fused, float8) if moe else MLP(gpt, gpt.ffn_, fused, float8)
         s, d = gpt.seq, gpt.head_dim_
         self.register_buffer("causal", torch.full((s, s), float("-inf")).triu(1))
         angle = torch.arange(s)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
@@ -208,16 +253,18 @@ class Block(nn.Module):
         b, s, _ = x.shape
         kv, d = gpt.kv_heads_, gpt.head_dim_
         group = gpt.heads // kv
-        q = self.q(x).view(b, s, gpt.heads, d)
-        k = self.k(x).view(b, s, kv, d)
+        x8 = _float8(x, self.float8)  # one copy for q, k and v
+        q = _linear(self.q, x, x8).view(b, s, gpt.heads, d)
+        k = _linear(self.k, x, x8).view(b, s, kv, d)
         if gpt.rotary:
             q, k = self._rotate(q), self._rotate(k)
         # each key/value head meets its group of query heads, stacked along the rows: no copy of k or v
         q = (q / math.sqrt(d)).view(b, s, kv, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv, group * s, d)
         scores = (q @ k.permute(0, 2, 3, 1)).view(b, kv, group, s, s) + self.causal
         probs = self._dropout(torch.softmax(scores, dim=-1)).view(b, kv, group * s, s)
-        out = probs @ self.v(x).view(b, s, kv, d).transpose(1, 2)
-        return self.proj(out.view(b, kv, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, gpt.q_width))
+        out = probs @ _linear(self.v, x, x8).view(b, s, kv, d).transpose(1, 2)
+        out = out.view(b, kv, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, gpt.q_width)
+        return _linear(self.proj, out, _float8(out, self.float8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._dropout(self.attention(self.norm1(x)))
@@ -225,13 +272,13 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, gpt: GPT, fused: bool = False):
+    def __init__(self, gpt: GPT, fused: bool = False, float8: bool = False):
         super().__init__()
         self.gpt = gpt
         self.wte = nn.Embedding(gpt.vocab, gpt.hidden)
         self.wpe = None if gpt.rotary else nn.Embedding(gpt.seq, gpt.hidden)
         moe = [gpt.experts > 0 and (i + 1) % gpt.moe_every == 0 for i in range(gpt.layers)]
-        self.blocks = nn.ModuleList([Block(gpt, m, fused) for m in moe])
+        self.blocks = nn.ModuleList([Block(gpt, m, fused, float8) for m in moe])
         self.norm = _norm(gpt)
         self.head = nn.Linear(gpt.hidden, gpt.vocab, bias=False)
         if gpt.tied:
@@ -266,9 +313,9 @@ OPTIONS = {
 }
 
 
-def _model(gpt: GPT, fused: bool = False) -> Model:
+def _model(gpt: GPT, fused: bool = False, float8: bool = False) -> Model:
     torch.manual_seed(0)
-    return Model(gpt, fused)
+    return Model(gpt, fused, float8)
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -331,6 +378,24 @@ def test_the_fused_kernel_keeps_what_the_ledger_counts_of_a_fused_swiglu(option)
         counted = [layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, k) for k in ("flash", "fused")]
         assert counted[0] - counted[1] == pytest.approx(eager[i] - fused[i], rel=0.01), f"block {i}, moe={moe}"
         assert (eager[i] > fused[i]) == gpt.gated
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_float8_linear_layers_keep_a_byte_of_each_input_as_the_ledger_counts(option, fused):
+    """Transformer Engine's float8 linear layers keep their inputs' float8 copies (`linear_input=1`): every
+    option's blocks, in float32 (e = 4), against the ledger's count of a model whose linear layers do the same."""
+    gpt, batch = OPTIONS[option], 2
+    kept = _kept_by_blocks(_model(gpt, fused, float8=True), batch)
+    kernel = "fused" if fused else "flash"
+    for i, block in enumerate(_model(gpt).blocks):
+        moe = isinstance(block.mlp, Experts)
+        want = layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, "local", linear_input=1)
+        if fused:  # the fused SwiGLU keeps one ffn (a slot's) less, as without float8
+            want -= layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, "flash") - layer_activations(
+                gpt, gpt.seq, batch, 1, False, 4, "none", moe, kernel
+            )
+        assert want == pytest.approx(kept[i], rel=0.01), f"block {i}, moe={moe}"
 
 
 def test_heads_of_any_width_are_stated_with_head_dim():

@@ -250,6 +250,21 @@ def test_the_fused_kernel_times_as_flash_attention():
     assert rank_memory(gpt, lay.with_(kernel="fused"))["activations"] < rank_memory(gpt, lay)["activations"]
 
 
+def test_the_fused_kernels_keep_float8_inputs_of_their_float8_linear_layers():
+    gpt = GPT(layers=4, hidden=1024, heads=16, seq=2048, vocab=32000, gated=True, ffn=2816)
+    lay = Layout(batch=1, kernel="fused", precision="fp8")
+    per_layer = layer_activations(gpt, 2048, 1, 1, False, 2, "none", False, "fused", linear_input=1)
+    assert rank_memory(gpt, lay)["activations"] == pytest.approx(4 * per_layer + 4 * 2048 * 32000)
+    acts = {
+        (k, p): rank_memory(gpt, lay.with_(kernel=k, precision=p))["activations"]
+        for k in ("flash", "fused")
+        for p in ("bf16", "fp8")
+    }
+    assert acts["flash", "fp8"] == acts["flash", "bf16"]  # torchao's keep 16-bit inputs (matmul_with_hp_or_float8_args)
+    saved = 4 * 2048 * (1024 + 1024 + 1024 + 2816)  # a byte of the attention's, projection's, MLP's, down's inputs
+    assert acts["fused", "bf16"] - acts["fused", "fp8"] == pytest.approx(saved)
+
+
 def test_uneven_stages_are_priced_as_the_busiest_stage():
     gpt = GPT(layers=126, hidden=1024, heads=16, seq=2048, vocab=32000)
     lay = Layout(data=2, tensor=2, pipeline=8, batch=64, interleave=8, sequence_parallel=True)

@@ -126,7 +126,8 @@ class Precision:
 
 #: The named recipes `Layout.precision` takes (or a `Precision` of your own): "mixed" and "bf16" are
 #: bfloat16 mixed precision with float32 Adam state (Rajbhandari et al.'s 2 + 2 + 12 bytes); "fp8" the same
-#: state with float8 matrix multiplications and float8 all-gathers (activations kept in 16 bits);
+#: state with float8 matrix multiplications and float8 all-gathers (activations kept in 16 bits; with the "fused"
+#: kernels the linear layers' inputs in float8, `KERNELS`);
 #: "fp32" and "fp64" everything in that type, 8 and 16 bytes of Adam state.
 RECIPES = {
     "mixed": Precision(),
@@ -139,7 +140,10 @@ RECIPES = {
 #: attention keeps a log-sum-exp per row and head and skips the masked blocks), "fused" (flash attention and
 #: Megatron-Core's fused SwiGLU, which keeps only its input, gate and up, for its backward, and recomputes
 #: silu(gate) there: megatron/core/fusions/fused_bias_swiglu.py, `SwiGLUFunction`; the down projection keeps the
-#: product, so a gated MLP keeps 3 ffn values per token instead of eager torch's 4).
+#: product, so a gated MLP keeps 3 ffn values per token instead of eager torch's 4; and, under a float8 recipe,
+#: Transformer Engine's linear layers, each keeping for its weight's gradient the float8 copy of its input it
+#: multiplied, one byte an element, "row-wise data" discarded: transformer_engine/pytorch/module/linear.py,
+#: `_Linear.forward`; `layer_activations`' `linear_input`).
 KERNELS = ("local", "flash", "fused")
 #: How the loss is computed (`Layout.loss`), as float32 (or wider) copies of the rank's b (s/c) V / t logits alive at
 #: its peak, the backward of the softmax: "fused", a cross entropy that keeps its softmax and forms the gradient in
@@ -632,6 +636,7 @@ def layer_activations(
     moe: bool,
     kernel: str,
     expert_tensor: int | None = None,
+    linear_input: float | None = None,
 ) -> float:
     """Bytes one block keeps for backward per micro-batch on a rank, Korthikanti et al.'s terms (section 4) for any
     block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms' inputs and the
@@ -646,19 +651,28 @@ def layer_activations(
     indices, the float32 gate: 20 bytes), and split each slot's and shared expert's MLP (the routed experts' over
     `expert_tensor` ranks, t if None, without sequence parallelism; with it every rank routes its own s/t tokens).
     Norm statistics (a few floats per token) are not counted, as Korthikanti et al. do not. With GPT-3's defaults:
-    sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`)."""
+    sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`).
+
+    `linear_input`: bytes per element a linear layer keeps of its input for its weight's gradient, its own copy (a
+    float8 kernel's: 1), where None keeps the input itself at e bytes. It prices the attention's input (one copy for
+    q, k and v), the projection's, the MLP's (the gate and up share one) and its down projection's, and each
+    expert slot's token; a MoE layer's router keeps the MLP's input at e bytes, and each shared expert its copy."""
     h, a, kv = gpt.hidden, gpt.heads, gpt.kv_width
     acts = (3 if kernel == "fused" else 4) if gpt.gated else 2
-    whole = 4 * e * h + (2 * h if gpt.dropout else 0)
-    split = e * (2 * gpt.q_width + 2 * kv)
+    f = e if linear_input is None else linear_input
+    mlp = (acts - 1) * e + f  # an MLP's bytes per ffn value: the last one it keeps is the down projection's input
+    whole = (2 * e + f) * h + (2 * h if gpt.dropout else 0)  # the norms' inputs, the attention's input
+    split = (e + f) * gpt.q_width + 2 * e * kv  # q (the attention's), the projection's input, k and v
     routed = 0.0  # the routed experts' MLP activations, on this rank
     if moe:
-        whole += 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * (2 * e * h + 20)
-        split += gpt.shared_experts * acts * e * gpt.expert_ffn_
+        shared_inputs = 0.0 if linear_input is None else gpt.shared_experts * f * h
+        whole += e * h + shared_inputs + 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * ((e + f) * h + 20)
+        split += gpt.shared_experts * mlp * gpt.expert_ffn_
         cut = t if sequence_parallel or expert_tensor is None else expert_tensor
-        routed = s * b * gpt.slots * acts * e * gpt.expert_ffn_ / cut
+        routed = s * b * gpt.slots * mlp * gpt.expert_ffn_ / cut
     else:
-        split += acts * e * gpt.ffn_
+        whole += f * h
+        split += mlp * gpt.ffn_
     if recompute == "selective":
         scores = 0.0
     elif kernel != "local":  # flash attention
@@ -700,6 +714,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     }
     kernel = "flash" if lay.context > 1 and lay.kernel == "local" else lay.kernel
     e = prec.activations
+    float8_inputs = 1.0 if kernel == "fused" and prec.compute == "fp8" else None  # Transformer Engine's linear layers
 
     def layer(moe: bool, recompute: str) -> float:
         return layer_activations(
@@ -713,6 +728,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
             moe,
             kernel,
             lay.expert_tensor,
+            float8_inputs,
         )
 
     share = gpt.moe_layers / gpt.layers
