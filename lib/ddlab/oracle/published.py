@@ -413,9 +413,11 @@ def _megatron_moe(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v
 #: The validation rows: never used to set a figure of the oracle or its platforms. Every DGX-H100 and DGX-B200 row of
 #: Megatron-Bridge's 25.11 summary whose model the oracle states (Llama 3 8B and 70B; Llama 3.1 405B: Dubey et al.,
 #: 2024, Table 3, 126 layers of width 16,384, FFN 53,248, 128 heads, 8 key/value heads; the Qwen3 mixtures of
-#: experts), and torchtitan's four rows that state their sequence length. Left out: models whose attention or
+#: experts), and torchtitan's four rows of its Table 2 (the 8B, FSDP x CP). Left out: models whose attention or
 #: blocks the oracle cannot state (GPT-OSS's sliding windows and sinks, DeepSeek-V3's latent attention),
-#: GB200/GB300 (NVL72 domains). What the summary's columns do not say, the recipes of the same release say
+#: GB200/GB300 (NVL72 domains), the summary's "tokendrop" rows (a capacity the summary does not state), and
+#: torchtitan's tables that state no sequence length (3-5) or not how a pipeline cuts its local batch into
+#: micro-batches (6). What the summary's columns do not say, the recipes of the same release say
 #: (Megatron-Bridge v0.2.1, scripts/performance/configs/): the 8B H100 row recomputes the first 5 of its 32 layers
 #: (`recompute_num_layers=5`, the "block" method: `Layout.recompute_layers`); for two Qwen3 rows the recipes'
 #: virtual stages differ from the summary's (30B on H100s: 12, not 24; 235B on B200s: 4, not 2): the summary's
