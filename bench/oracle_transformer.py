@@ -11,7 +11,8 @@ compare) and why it is faster, and the fastest mesh with the paper's own options
 one assumed figure (the message latency alpha) set to 0. Then the runs of 2024-26 (`ddlab.oracle.published.MODERN`:
 Llama 3 models on H100 and B200 nodes, each row's source cited) predicted on the platforms of their datasheets at
 the default efficiency, never fitted to them: published and predicted tokens per second per GPU, and memory where
-published, with the accuracies and their mean; torchtitan's rows again on their own machine, its efficiencies set
+published, with the accuracies and their mean; each row's FLOPs per token beside the count its source publishes;
+torchtitan's rows again on their own machine, its efficiencies set
 from the same file's Table 1; lab 16's two searches (every mesh, ZeRO stage, recomputation and
 pipeline schedule), timed. One process; no MPI. Each target ends in a line "verdict: ..." with the figure beside
 it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet), 5-15 minutes with the planner.
@@ -58,6 +59,7 @@ def main() -> None:
     ]
     print(f"with alpha = 0 instead of 5 us, accuracy moves by at most {max(moved):.4f}")
     modern(args.efficiency)
+    model_flops()
     titan_calibrated()
     lab_searches()
 
@@ -140,6 +142,29 @@ def modern(efficiency: float | None) -> None:
     print(
         f"verdict: every published layout ran, so fits its GPU; predicted to fit on {fits} of {len(rows)}: "
         f"{_met(fits == len(rows))}"
+    )
+
+
+def model_flops() -> None:
+    """The oracle's FLOPs per token beside the count each source publishes (its model FLOP/s over its tokens/s):
+    whether the model is stated right, apart from the rate the machine reached."""
+    from ddlab.oracle.published import MODERN, model_flops_per_token
+
+    rows = [run for run in MODERN if run.tflops is not None]
+    print("\nFLOPs per token, the oracle's count (causal attention) beside the published model FLOP/s / tokens/s:")
+    worst = 1.0
+    for run in rows:
+        ours, published = model_flops_per_token(run.gpt), run.published_flops_per_token()
+        assert published is not None
+        worst = min(worst, 1 - abs(ours - published) / published)
+        print(
+            f"  {run.gpt.name:16} {run.hardware.name.split()[0]:5} {ours / 1e9:8.2f} {published / 1e9:8.2f} GFLOP "
+            f"({ours / published:.4f}); it ran at {run.tflops / 1e12:5.0f} TFLOP/s, "
+            f"{run.tflops / run.hardware.fp8:.1%} of the float8 peak"
+        )
+    print(
+        f"verdict: FLOPs per token within 1% of the published count on every row (worst {worst:.4f}): "
+        f"{_met(worst >= 0.99)}"
     )
 
 

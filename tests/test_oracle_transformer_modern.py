@@ -26,6 +26,7 @@ from ddlab.oracle.published import (
     a100_cluster,
     calibrate_titan,
     gpu_platform,
+    model_flops_per_token,
     titan_table1_layout,
     validate_modern,
 )
@@ -307,6 +308,16 @@ def test_the_published_rows_are_whole_layouts_predicted_without_a_factor_per_row
     assert predict(LLAMA3_70B, MODERN[1].layout, gpu_platform(H100_SXM)).time == pytest.approx(
         MODERN[1].layout.batch * LLAMA3_70B.seq / 64 / rows[1][1].tokens_per_device()
     )
+
+
+def test_the_models_flops_per_token_are_the_published_count():
+    """Megatron-Bridge publishes each row's model FLOP/s beside its tokens/s: the oracle's model of Llama 3 and
+    Qwen3 (attention at its causal share) costs a token what the source counts, within 1%, MoE rows included."""
+    rows = [run for run in MODERN if run.tflops is not None]
+    assert len(rows) == 9 and {run.gpt.name for run in rows} >= {"Qwen3-30B-A3B", "Llama 3.1 405B"}
+    for run in rows:
+        assert model_flops_per_token(run.gpt) == pytest.approx(run.published_flops_per_token(), rel=0.01), run
+    assert model_flops_per_token(LLAMA3_8B) < iteration_flops(LLAMA3_8B, 1, "none") / LLAMA3_8B.seq  # causal half
 
 
 def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256():

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from ..allreduce.cost import Link
 from .platform import Platform
-from .transformer import GPT, Layout, TransformerPrediction, predict
+from .transformer import CAUSAL_SHARE, GPT, Layout, TransformerPrediction, attention_flops, iteration_flops, predict
 
 A100_PEAK = 312e12  # FLOP/s, dense BF16/FP16 on the tensor cores (NVIDIA A100 datasheet)
 ACHIEVED = 0.570  # Korthikanti et al., MLSys 2023: hardware FLOPs utilisation of the 1 T GPT, data-parallel size 1
@@ -247,7 +247,8 @@ def _llama(layers: int, hidden: int, heads: int, ffn: int, seq: int, name: str) 
 @dataclass(frozen=True)
 class ModernRun:
     """A published run of 2024-26 that states its whole layout: tokens per second per GPU, and the peak memory per
-    GPU when published (bytes), on `hardware`, with the row's source."""
+    GPU when published (bytes), on `hardware`, with the row's source; `tflops`, the model FLOP/s per GPU the source
+    publishes beside (Megatron-Bridge's "Model TFLOP / sec / GPU"), in FLOP/s."""
 
     gpt: GPT
     layout: Layout
@@ -255,6 +256,18 @@ class ModernRun:
     tokens_per_gpu: float
     memory: float | None
     source: str
+    tflops: float | None = None
+
+    def published_flops_per_token(self) -> float | None:
+        """The FLOPs a token costs by the source's own count: its model FLOP/s over its tokens/s."""
+        return None if self.tflops is None else self.tflops / self.tokens_per_gpu
+
+
+def model_flops_per_token(gpt: GPT) -> float:
+    """FLOPs of one token's training step as Megatron-Bridge counts model FLOPs: forward and backward, no
+    recomputation, the attention's score blocks at their causal share (`CAUSAL_SHARE`)."""
+    skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, 1, "none")
+    return (iteration_flops(gpt, 1, "none") - skipped) / gpt.seq
 
 
 _BRIDGE = (
@@ -423,24 +436,18 @@ def _megatron_moe(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v
 #: virtual stages differ from the summary's (30B on H100s: 12, not 24; 235B on B200s: 4, not 2): the summary's
 #: are taken.
 MODERN = (
-    ModernRun(
-        LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, rerun=5), H100_SXM, 14451, None, _BRIDGE + ", DGX-H100"
-    ),
-    ModernRun(LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, 1602, None, _BRIDGE + ", DGX-H100"),
-    ModernRun(LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 2, 1, 1, 1, 0), B200, 30624, None, _BRIDGE + ", DGX-B200"),
-    ModernRun(
-        LLAMA31_405B, _megatron(LLAMA31_405B, 1024, 512, 1, 8, 8, 8, 0, 2), H100_SXM, 292, None, _BRIDGE + ", DGX-H100"
-    ),
-    ModernRun(
-        LLAMA31_405B, _megatron(LLAMA31_405B, 128, 64, 1, 4, 8, 8, 0, 2), B200, 661, None, _BRIDGE + ", DGX-B200"
-    ),
     *(
-        ModernRun(gpt, _megatron_moe(gpt, *layout), hardware, tokens, None, _BRIDGE + f", DGX-{hardware.name[:4]}")
-        for gpt, layout, hardware, tokens in (
-            (QWEN3_30B_A3B, (16, 512, 2, 1, 2, 24, 8), H100_SXM, 5275),
-            (QWEN3_235B_A22B, (256, 2048, 1, 2, 8, 4, 32), H100_SXM, 1575),
-            (QWEN3_30B_A3B, (8, 512, 1, 1, 1, 1, 8), B200, 9299),
-            (QWEN3_235B_A22B, (64, 1024, 1, 1, 8, 2, 8), B200, 3269),
+        ModernRun(gpt, layout, hardware, tokens, None, _BRIDGE + f", DGX-{hardware.name[:4]}", tflops * 1e12)
+        for gpt, layout, hardware, tokens, tflops in (
+            (LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, rerun=5), H100_SXM, 14451, 744),
+            (LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, 1602, 719),
+            (LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 2, 1, 1, 1, 0), B200, 30624, 1576),
+            (LLAMA31_405B, _megatron(LLAMA31_405B, 1024, 512, 1, 8, 8, 8, 0, 2), H100_SXM, 292, 737),
+            (LLAMA31_405B, _megatron(LLAMA31_405B, 128, 64, 1, 4, 8, 8, 0, 2), B200, 661, 1667),
+            (QWEN3_30B_A3B, _megatron_moe(QWEN3_30B_A3B, 16, 512, 2, 1, 2, 24, 8), H100_SXM, 5275, 121),
+            (QWEN3_235B_A22B, _megatron_moe(QWEN3_235B_A22B, 256, 2048, 1, 2, 8, 4, 32), H100_SXM, 1575, 233),
+            (QWEN3_30B_A3B, _megatron_moe(QWEN3_30B_A3B, 8, 512, 1, 1, 1, 1, 8), B200, 9299, 214),
+            (QWEN3_235B_A22B, _megatron_moe(QWEN3_235B_A22B, 64, 1024, 1, 1, 8, 2, 8), B200, 3269, 484),
         )
     ),
     *(
