@@ -71,7 +71,7 @@ def test_the_first_stage_holds_p_micro_batches_the_last_the_logits():
     g = GPT(layers=8, hidden=64, heads=4, seq=32, vocab=1000)
     lay = Layout(pipeline=4, batch=16)
     first = memory_per_rank(0, 32, 1, 64, 4, 2 * 4, 1, 1, 0, "none")["activations"]
-    last = memory_per_rank(0, 32, 1, 64, 4, 2, 1, 1, 0, "none")["activations"] + 4 * 32 * 1000
+    last = memory_per_rank(0, 32, 1, 64, 4, 2, 1, 1, 0, "none")["activations"] + (4 + 2) * 32 * 1000  # the loss
     assert rank_memory(g, lay)["activations"] == max(first, last)
     assert rank_memory(g, lay.with_(batch=2))["activations"] == max(
         memory_per_rank(0, 32, 1, 64, 4, 2 * 2, 1, 1, 0, "none")["activations"], last

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from ddlab.oracle.transformer import (
     GPT,
+    KERNELS,
     Layout,
     iteration_flops,
     layer_activations,
@@ -120,6 +121,38 @@ def _float8(x: torch.Tensor, on: bool) -> torch.Tensor | None:
 
 def _linear(layer: nn.Linear, x: torch.Tensor, float8: torch.Tensor | None) -> torch.Tensor:
     return layer(x) if float8 is None else _Float8Linear.apply(x, float8, layer.weight, layer.bias)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Attention as flash kernels run it: keeps q, k, v, its output (in the layout the projection takes) and a
+    float32 log-sum-exp per row and head, and recomputes the probabilities in its backward. q is (b, kv, g s, d),
+    each key/value head's g query heads stacked along the rows; k and v are (b, kv, s, d); mask is (g s, s)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):  # type: ignore[override]
+        b, kv, rows, d = q.shape
+        s = k.shape[2]
+        scores = q @ k.transpose(-1, -2) + mask
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        out = torch.exp(scores - lse) @ v
+        out = out.view(b, kv, rows // s, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, kv * rows // s * d)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask = mask  # a constant, not an activation
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        b, kv, rows, d = q.shape
+        s = k.shape[2]
+
+        def stacked(x: torch.Tensor) -> torch.Tensor:  # (b, s, q_width) to (b, kv, g s, d)
+            return x.reshape(b, s, kv, rows // s, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rows, d)
+
+        g = stacked(grad)
+        probs = torch.exp(q @ k.transpose(-1, -2) + ctx.mask - lse)
+        scores_grad = probs * (g @ v.transpose(-1, -2) - (g * stacked(out)).sum(-1, keepdim=True))
+        return scores_grad @ k, scores_grad.transpose(-1, -2) @ q, probs.transpose(-1, -2) @ g, None
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -226,10 +259,14 @@ class Experts(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, gpt: GPT, moe: bool = False, fused: bool = False, float8: bool = False):
+    """A block with the oracle's `kernel`: "local" (softmax kept), "flash" (`_FlashAttention`), "fused" (flash
+    attention and the fused SwiGLU)."""
+
+    def __init__(self, gpt: GPT, moe: bool = False, kernel: str = "local", float8: bool = False):
         super().__init__()
         h, q, kv, bias = gpt.hidden, gpt.q_width, gpt.kv_width, gpt.bias
-        self.gpt, self.float8 = gpt, float8
+        self.gpt, self.float8, self.flash = gpt, float8, kernel != "local"
+        fused = kernel == "fused"
         self.norm1, self.norm2 = _norm(gpt), _norm(gpt)
         self.q, self.k, self.v = nn.Linear(h, q, bias=bias), nn.Linear(h, kv, bias=bias), nn.Linear(h, kv, bias=bias)
         self.proj = nn.Linear(q, h, bias=bias)
@@ -260,6 +297,10 @@ class Block(nn.Module):
             q, k = self._rotate(q), self._rotate(k)
         # each key/value head meets its group of query heads, stacked along the rows: no copy of k or v
         q = (q / math.sqrt(d)).view(b, s, kv, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv, group * s, d)
+        if self.flash:
+            values = _linear(self.v, x, x8).view(b, s, kv, d).transpose(1, 2)
+            out = _FlashAttention.apply(q, k.transpose(1, 2), values, self.causal.repeat(group, 1))
+            return _linear(self.proj, out, _float8(out, self.float8))
         scores = (q @ k.permute(0, 2, 3, 1)).view(b, kv, group, s, s) + self.causal
         probs = self._dropout(torch.softmax(scores, dim=-1)).view(b, kv, group * s, s)
         out = probs @ _linear(self.v, x, x8).view(b, s, kv, d).transpose(1, 2)
@@ -272,13 +313,13 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, gpt: GPT, fused: bool = False, float8: bool = False):
+    def __init__(self, gpt: GPT, kernel: str = "local", float8: bool = False):
         super().__init__()
         self.gpt = gpt
         self.wte = nn.Embedding(gpt.vocab, gpt.hidden)
         self.wpe = None if gpt.rotary else nn.Embedding(gpt.seq, gpt.hidden)
         moe = [gpt.experts > 0 and (i + 1) % gpt.moe_every == 0 for i in range(gpt.layers)]
-        self.blocks = nn.ModuleList([Block(gpt, m, fused, float8) for m in moe])
+        self.blocks = nn.ModuleList([Block(gpt, m, kernel, float8) for m in moe])
         self.norm = _norm(gpt)
         self.head = nn.Linear(gpt.hidden, gpt.vocab, bias=False)
         if gpt.tied:
@@ -313,9 +354,9 @@ OPTIONS = {
 }
 
 
-def _model(gpt: GPT, fused: bool = False, float8: bool = False) -> Model:
+def _model(gpt: GPT, kernel: str = "local", float8: bool = False) -> Model:
     torch.manual_seed(0)
-    return Model(gpt, fused, float8)
+    return Model(gpt, kernel, float8)
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -336,10 +377,11 @@ def test_flops_of_a_step_are_torchs_count(option):
     assert iteration_flops(gpt, batch, "none") == pytest.approx(counter.get_total_flops(), rel=0.01)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("option", OPTIONS)
-def test_activation_bytes_of_a_block_are_the_ledgers_count(option):
+def test_activation_bytes_of_a_block_are_the_ledgers_count(option, kernel):
     gpt, batch = OPTIONS[option], 2
-    model = _model(gpt)
+    model = _model(gpt, kernel)
     for block in model.blocks:
         ledger = Ledger()
         ledger.ignore(model)
@@ -347,7 +389,7 @@ def test_activation_bytes_of_a_block_are_the_ledgers_count(option):
         with ledger.activations():
             y = block(x)
         moe = isinstance(block.mlp, Experts)
-        want = layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, "local")
+        want = layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, kernel)
         assert want == pytest.approx(ledger.used["activations"], rel=0.01), f"moe={moe}"
         y.sum().backward()  # and backward releases every byte the ledger counted
         assert ledger.used["activations"] == 0
@@ -372,7 +414,7 @@ def test_the_fused_kernel_keeps_what_the_ledger_counts_of_a_fused_swiglu(option)
     """The "fused" kernel's count differs from "flash"'s by the MLP alone: a SwiGLU kernel that keeps its input
     keeps one ffn per token (per slot) less than torch's eager SwiGLU, and a GELU MLP the same."""
     gpt, batch = OPTIONS[option], 2
-    eager, fused = _kept_by_blocks(_model(gpt), batch), _kept_by_blocks(_model(gpt, fused=True), batch)
+    eager, fused = _kept_by_blocks(_model(gpt, "flash"), batch), _kept_by_blocks(_model(gpt, "fused"), batch)
     for i, block in enumerate(_model(gpt).blocks):
         moe = isinstance(block.mlp, Experts)
         counted = [layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, k) for k in ("flash", "fused")]
@@ -380,21 +422,16 @@ def test_the_fused_kernel_keeps_what_the_ledger_counts_of_a_fused_swiglu(option)
         assert (eager[i] > fused[i]) == gpt.gated
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("option", OPTIONS)
-def test_float8_linear_layers_keep_a_byte_of_each_input_as_the_ledger_counts(option, fused):
+def test_float8_linear_layers_keep_a_byte_of_each_input_as_the_ledger_counts(option, kernel):
     """Transformer Engine's float8 linear layers keep their inputs' float8 copies (`linear_input=1`): every
     option's blocks, in float32 (e = 4), against the ledger's count of a model whose linear layers do the same."""
     gpt, batch = OPTIONS[option], 2
-    kept = _kept_by_blocks(_model(gpt, fused, float8=True), batch)
-    kernel = "fused" if fused else "flash"
+    kept = _kept_by_blocks(_model(gpt, kernel, float8=True), batch)
     for i, block in enumerate(_model(gpt).blocks):
         moe = isinstance(block.mlp, Experts)
-        want = layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, "local", linear_input=1)
-        if fused:  # the fused SwiGLU keeps one ffn (a slot's) less, as without float8
-            want -= layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, "flash") - layer_activations(
-                gpt, gpt.seq, batch, 1, False, 4, "none", moe, kernel
-            )
+        want = layer_activations(gpt, gpt.seq, batch, 1, False, 4, "none", moe, kernel, linear_input=1)
         assert want == pytest.approx(kept[i], rel=0.01), f"block {i}, moe={moe}"
 
 

@@ -78,7 +78,8 @@ def test_each_recipes_bytes_are_the_oracles_and_the_gaps_are_what_lab_18_says():
     apart); per token of a block the oracle's bytes plus the LayerNorms' statistics (4 elements), and for emulated
     float8 the float32 casts of the linear layers' weights (12 h^2 per block); the whole forward also the token
     ids, positions and targets (int64), the final LayerNorm's input, statistics and output, the loss, and the
-    logits' softmax in the compute type where the oracle keeps it in float32 (or wider)."""
+    logits' softmax in the compute type where the oracle counts the loss's peak, a float32 (or wider) copy of the
+    logits beside the 16-bit ones."""
     torch.set_num_threads(1)
     config = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16)
     x, y = BatchSampler(make_corpus(seed=0).train, 4, config.block_size, seed=1).batch_at(0)
@@ -97,7 +98,8 @@ def test_each_recipes_bytes_are_the_oracles_and_the_gaps_are_what_lab_18_says():
         assert got["block"] == want["block"] + 4 * e + casts / tokens, recipe
         assert got["per element"] == got["block"] * tokens / footprint.block_elements(config, len(x)), recipe
         assert want["per element"] == e
-        outside = tokens * (16 + (2 * h + 2) * e + (e - max(4, e)) * vocab) + 8 * s + e
+        loss = max(4, e) + (e if e < 4 else 0)  # the oracle's loss: a float32 copy beside 16-bit logits (LOSSES)
+        outside = tokens * (16 + (2 * h + 2) * e + (e - loss) * vocab) + 8 * s + e
         assert got["activations"] == want["activations"] + layers * (4 * e * tokens + casts) + outside, recipe
     fp8 = footprint.predicted_bytes(oracle.RECIPES["fp8"], config, len(x))
     assert [fp8[p] for p in footprint.PARTS] == [2, 2, 4, 8]

@@ -56,8 +56,9 @@ Memory of the busiest rank (the first or the last stage):
   term 5as/(ht); full recomputation keeps only each layer's input, 2sbh (/t with sequence
   parallelism), plus one layer's whole activations while it is recomputed; under 1F1B the
   first stage holds min(p, m) micro-batches of its l/p layers; the last stage also keeps
-  the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes (three such copies at the backward of
-  torch's eager cross entropy, `LOSSES`), at a moment when no layer reruns.
+  the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes, beside the 16-bit logits it copied them
+  from (`LOSSES`; three float32 copies at the backward of torch's eager cross entropy), at a moment when no layer
+  reruns.
 
 The models of 2024-26 (`GPT`'s options, GPT-3's block by default): grouped- and multi-query attention,
 gated MLPs of any width, RMSNorm, rotary positions, untied embeddings, mixtures of experts; their
@@ -145,13 +146,15 @@ RECIPES = {
 #: multiplied, one byte an element, "row-wise data" discarded: transformer_engine/pytorch/module/linear.py,
 #: `_Linear.forward`; `layer_activations`' `linear_input`).
 KERNELS = ("local", "flash", "fused")
-#: How the loss is computed (`Layout.loss`), as float32 (or wider) copies of the rank's b (s/c) V / t logits alive at
-#: its peak, the backward of the softmax: "fused", a cross entropy that keeps its softmax and forms the gradient in
-#: place (Megatron-Core's vocabulary-parallel one), one copy; "eager", torch's `cross_entropy` on a float32 copy of
-#: the logits, the logits dropped before the backward (torchtitan's train.py at 9dec370: `del pred`): its
-#: log-softmax's saved output, the gradient coming in and the one going out, three (tests/test_oracle_transformer_
-#: modern.py measures it on a small model).
-LOSSES = {"fused": 1, "eager": 3}
+#: How the loss is computed (`Layout.loss`): the copies of the rank's b (s/c) V / t logits alive at its peak, as
+#: (float32 or wider ones, ones at the activations' width beside them when that is narrower). "fused": a cross
+#: entropy that keeps its float32 softmax and forms the gradient in place, beside the 16-bit logits it copied
+#: (Megatron-Core's vocabulary-parallel one, megatron/core/tensor_parallel/cross_entropy.py: `.float()` in
+#: `calculate_logits_max`, its gradient cast back to 16 bits): (1, 1). "eager": torch's `cross_entropy` on a float32
+#: copy of the logits, the logits dropped before the backward (torchtitan's train.py at 9dec370: `del pred`): its
+#: log-softmax's saved output, the gradient coming in and the one going out, (3, 0). tests/test_oracle_transformer_
+#: modern.py measures both on a small model.
+LOSSES = {"fused": (1, 1), "eager": (3, 0)}
 #: The share of a causal model's score blocks a "flash" kernel computes: it skips the blocks above the diagonal,
 #: every key after every query (Dao, "FlashAttention-2", 2023, section 3.1: about half), so it does half the
 #: attention's 4 s^2 h; Megatron-Bridge's model FLOPs count halves that term too (its llama3_flops:
@@ -378,7 +381,7 @@ class Layout:
     # stages as even as whole layers allow when p (x chunks) does not divide the layers, as Megatron splits them
     # (for example counting the embedding and the loss as a layer each); every rank is priced as the busiest
     uneven: bool = False
-    loss: str = "fused"  # a name of `LOSSES`: how many float32 copies of the logits the loss holds at its peak
+    loss: str = "fused"  # a name of `LOSSES`: the copies of the logits the loss holds at its peak
 
     @property
     def devices(self) -> int:
@@ -655,14 +658,18 @@ def layer_activations(
 
     `linear_input`: bytes per element a linear layer keeps of its input for its weight's gradient, its own copy (a
     float8 kernel's: 1), where None keeps the input itself at e bytes. It prices the attention's input (one copy for
-    q, k and v), the projection's, the MLP's (the gate and up share one) and its down projection's, and each
-    expert slot's token; a MoE layer's router keeps the MLP's input at e bytes, and each shared expert its copy."""
+    q, k and v), the projection's (a flash kernel keeps its output, that input, at e bytes beside), the MLP's (the
+    gate and up share one) and its down projection's, and each expert slot's token; a MoE layer's router keeps the
+    MLP's input at e bytes, and each shared expert its copy."""
     h, a, kv = gpt.hidden, gpt.heads, gpt.kv_width
     acts = (3 if kernel == "fused" else 4) if gpt.gated else 2
     f = e if linear_input is None else linear_input
     mlp = (acts - 1) * e + f  # an MLP's bytes per ffn value: the last one it keeps is the down projection's input
     whole = (2 * e + f) * h + (2 * h if gpt.dropout else 0)  # the norms' inputs, the attention's input
-    split = (e + f) * gpt.q_width + 2 * e * kv  # q (the attention's), the projection's input, k and v
+    # q and the attention's output (a flash kernel keeps it; lab 14's keeps its probabilities instead), the
+    # projection's input (that output, or its own copy), k and v
+    output = e if kernel != "local" and linear_input is not None else 0.0
+    split = (e + f + output) * gpt.q_width + 2 * e * kv
     routed = 0.0  # the routed experts' MLP activations, on this rank
     if moe:
         shared_inputs = 0.0 if linear_input is None else gpt.shared_experts * f * h
@@ -687,9 +694,11 @@ def layer_activations(
 def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     """Bytes of the busiest rank: the first stage (min(p, m) micro-batches in flight under 1F1B; with v chunks,
     min(2(p-1) + (v-1)p + 1, v m) chunks of l/(p v) layers) or the last (its layers and the loss: `LOSSES`' copies
-    of the logits, never beside a rerun layer's activations, as the loss's backward comes before any layer's). A
-    zero-bubble schedule keeps what its op list keeps alive (`schedules.in_flight`: F done, W not yet) on the first
-    and the last stage; under zb-v rank 0 holds the V's first and last chunk (l/(2p) layers each), and the loss.
+    of the logits, never beside a rerun layer's activations, as the loss's backward comes before any layer's; with v
+    chunks the last rank holds (v-1)p + 1 of them then). A zero-bubble schedule keeps what its op list keeps alive
+    (`schedules.in_flight`: F done, W not yet) on the first and the last stage; under zb-v rank 0 holds the V's
+    first and last chunk (l/(2p) layers each), and the loss. Not counted: the logits' gradient that a zero-bubble
+    schedule deferring the output layer's weight gradient would keep until its W.
 
     The state is split as ZeRO splits it over the d c ranks of the same weights (the routed experts over the d c t /
     (expert x expert_tensor) ranks that hold the same experts); activations as `layer_activations` counts them, the
@@ -745,21 +754,23 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
         kept = average(lay.recompute)
         working = 0.0
 
-    # the loss's peak, its copies of the logits in float32 at least: before any layer reruns, so not beside `working`
-    loss = LOSSES[lay.loss] * max(4, e) * lay.micro_batch * s_local * gpt.vocab / lay.tensor
+    # the loss's peak: before any layer reruns, so never beside `working`
+    wide, narrow = LOSSES[lay.loss]
+    per_logit = wide * max(4, e) + (narrow * e if e < 4 else 0)
+    loss = per_logit * lay.micro_batch * s_local * gpt.vocab / lay.tensor
 
-    def held(layers: float, last: bool = False) -> dict[str, float]:
-        return {**state, "activations": layers * kept + max(working, loss if last else 0.0)}
+    def held(layers: float, loss: float = 0.0) -> dict[str, float]:
+        return {**state, "activations": layers * kept + max(working, loss)}
 
     p, m = lay.pipeline, lay.micro_batches
     if lay.schedule == "zb-v" and p > 1:
-        return held(gpt.layers // (2 * p) * in_flight("zb-v", p, m, 0), last=True)
+        return held(gpt.layers // (2 * p) * in_flight("zb-v", p, m, 0), loss)
     if lay.schedule != "1f1b" and p > 1:
         first = held(gpt.layers // p * in_flight(lay.schedule, p, m, 0))
-        last = held(gpt.layers // p * in_flight(lay.schedule, p, m, p - 1), last=True)
-    else:
+        last = held(gpt.layers // p * in_flight(lay.schedule, p, m, p - 1), loss)
+    else:  # 1F1B, interleaved or not: the last rank's warm-up forwards, and the one whose backward starts at the loss
         first = held(gpt.layers // (p * v) * chunks)
-        last = held(gpt.layers // p, last=True)
+        last = held(gpt.layers // (p * v) * min(warmup_forwards(p, m, p - 1, v) + 1, v * m), loss)
     return max(first, last, key=lambda m: sum(m.values()))
 
 

@@ -19,7 +19,7 @@ recipe, the recipe given as a `Precision` (`PRECISIONS`): per parameter its weig
 bytes (Adam's two float32 moments, 8 bytes, are the states; the rest of the optimizer's bytes the masters:
 Rajbhandari et al., "ZeRO", SC 2020, section 3.1, K = 12 = 4 + 4 + 4), per token and block Korthikanti et al.'s
 terms (`layer_activations`, MLSys 2023, section 4, no dropout here), and for the whole forward `rank_memory`'s
-activations (the blocks' and the loss's logits, kept in float32 or wider).
+activations (the blocks' and the loss's copies of the logits).
 
 What the two leave apart, and why (`tests/test_precision.py` holds each to it):
 - every block also saves its two LayerNorms' mean and reciprocal deviation, in the compute type (4 elements per
@@ -28,7 +28,8 @@ What the two leave apart, and why (`tests/test_precision.py` holds each to it):
   as the oracle's float32 activations predict) and also the float32 cast of its weight (4 bytes per weight of
   every linear layer, a copy the oracle does not know of);
 - the whole forward also keeps the token ids and targets (int64), the final LayerNorm's input and output and
-  statistics; the bfloat16 and float16 GPTs take their loss in 16 bits, not in float32 as the oracle's logits.
+  statistics; the bfloat16 and float16 GPTs keep their loss's softmax in 16 bits, where the oracle counts the
+  loss's peak, a float32 copy of the logits beside the 16-bit ones (`oracle.transformer.LOSSES`).
 """
 
 from __future__ import annotations
