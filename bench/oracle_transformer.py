@@ -148,7 +148,7 @@ def modern(efficiency: float | None) -> None:
 def model_flops() -> None:
     """The oracle's FLOPs per token beside the count each source publishes (its model FLOP/s over its tokens/s):
     whether the model is stated right, apart from the rate the machine reached."""
-    from ddlab.oracle.published import MODERN, model_flops_per_token
+    from ddlab.oracle.published import MODERN, accuracy, model_flops_per_token
 
     rows = [run for run in MODERN if run.tflops is not None]
     print("\nFLOPs per token, the oracle's count (causal attention) beside the published model FLOP/s / tokens/s:")
@@ -156,7 +156,7 @@ def model_flops() -> None:
     for run in rows:
         ours, published = model_flops_per_token(run.gpt), run.published_flops_per_token()
         assert published is not None
-        worst = min(worst, 1 - abs(ours - published) / published)
+        worst = min(worst, accuracy(ours, published))
         print(
             f"  {run.gpt.name:16} {run.hardware.name.split()[0]:5} {ours / 1e9:8.2f} {published / 1e9:8.2f} GFLOP "
             f"({ours / published:.4f}); it ran at {run.tflops / 1e12:5.0f} TFLOP/s, "

@@ -119,8 +119,15 @@ def _float8(x: torch.Tensor, on: bool) -> torch.Tensor | None:
     return x.detach().to(torch.float8_e4m3fn) if on else None
 
 
-def _linear(layer: nn.Linear, x: torch.Tensor, float8: torch.Tensor | None) -> torch.Tensor:
-    return layer(x) if float8 is None else _Float8Linear.apply(x, float8, layer.weight, layer.bias)
+def _linear(
+    x: torch.Tensor, float8: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T + bias, keeping x for the weight's gradient, or its float8 copy when given one."""
+    return F.linear(x, weight, bias) if float8 is None else _Float8Linear.apply(x, float8, weight, bias)
+
+
+def _layer(layer: nn.Linear, x: torch.Tensor, float8: torch.Tensor | None) -> torch.Tensor:
+    return _linear(x, float8, layer.weight, layer.bias)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -184,10 +191,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x8 = _float8(x, self.float8)
         if self.gate is not None:
-            act = _swiglu(_linear(self.gate, x, x8), _linear(self.up, x, x8), self.fused)
+            act = _swiglu(_layer(self.gate, x, x8), _layer(self.up, x, x8), self.fused)
         else:
-            act = F.gelu(_linear(self.up, x, x8))
-        return _linear(self.down, act, _float8(act, self.float8))
+            act = F.gelu(_layer(self.up, x, x8))
+        return _layer(self.down, act, _float8(act, self.float8))
 
 
 class Experts(nn.Module):
@@ -232,23 +239,23 @@ class Experts(nn.Module):
         sent8 = _float8(sent, self.float8)
         outputs, start = [], 0
 
-        def matmul(x: torch.Tensor, x8: torch.Tensor | None, w: torch.Tensor, bias: torch.Tensor | None):
-            if x8 is None:
-                return x @ w + (0 if bias is None else bias)
-            return _Float8Linear.apply(x, x8, w.t(), bias)
-
         for expert, mine in enumerate(slots):
             part, rows = sent[start : start + len(mine)], slice(start, start + len(mine))
             start += len(mine)
             hidden = [
-                matmul(
-                    part, None if sent8 is None else sent8[rows], w[expert], self.bias[i][expert] if self.bias else None
+                _linear(
+                    part,
+                    None if sent8 is None else sent8[rows],
+                    w[expert].t(),
+                    self.bias[i][expert] if self.bias else None,
                 )
                 for i, w in enumerate(self.w)
             ]
             act = _swiglu(hidden[0], hidden[1], self.fused) if gpt.gated else F.gelu(hidden[0])
             outputs.append(
-                matmul(act, _float8(act, self.float8), self.wd[expert], self.bias[-1][expert] if self.bias else None)
+                _linear(
+                    act, _float8(act, self.float8), self.wd[expert].t(), self.bias[-1][expert] if self.bias else None
+                )
             )
         scale = gates[torch.where(entries >= 0, entries, len(gates) - 1)]  # the gate's int64 index and value
         routed = torch.cat(outputs) * scale[:, None]
@@ -291,21 +298,21 @@ class Block(nn.Module):
         kv, d = gpt.kv_heads_, gpt.head_dim_
         group = gpt.heads // kv
         x8 = _float8(x, self.float8)  # one copy for q, k and v
-        q = _linear(self.q, x, x8).view(b, s, gpt.heads, d)
-        k = _linear(self.k, x, x8).view(b, s, kv, d)
+        q = _layer(self.q, x, x8).view(b, s, gpt.heads, d)
+        k = _layer(self.k, x, x8).view(b, s, kv, d)
         if gpt.rotary:
             q, k = self._rotate(q), self._rotate(k)
         # each key/value head meets its group of query heads, stacked along the rows: no copy of k or v
         q = (q / math.sqrt(d)).view(b, s, kv, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv, group * s, d)
         if self.flash:
-            values = _linear(self.v, x, x8).view(b, s, kv, d).transpose(1, 2)
+            values = _layer(self.v, x, x8).view(b, s, kv, d).transpose(1, 2)
             out = _FlashAttention.apply(q, k.transpose(1, 2), values, self.causal.repeat(group, 1))
-            return _linear(self.proj, out, _float8(out, self.float8))
+            return _layer(self.proj, out, _float8(out, self.float8))
         scores = (q @ k.permute(0, 2, 3, 1)).view(b, kv, group, s, s) + self.causal
         probs = self._dropout(torch.softmax(scores, dim=-1)).view(b, kv, group * s, s)
-        out = probs @ _linear(self.v, x, x8).view(b, s, kv, d).transpose(1, 2)
+        out = probs @ _layer(self.v, x, x8).view(b, s, kv, d).transpose(1, 2)
         out = out.view(b, kv, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, gpt.q_width)
-        return _linear(self.proj, out, _float8(out, self.float8))
+        return _layer(self.proj, out, _float8(out, self.float8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._dropout(self.attention(self.norm1(x)))
