@@ -2,8 +2,9 @@
 
 Loads FOLDER/target.pkl (cloudpickle), runs target(comm) on a duplicate of the world whose errors are
 returned (MPI.ERRORS_RETURN), and writes the outcome (value, or error and MPI error class) to
-FOLDER/result.RANK.pkl, then leaves once every live rank has (an Agree among the survivors). Kept out of the
-package's imports so that `python -m` runs it cleanly.
+FOLDER/result.RANK.pkl; a rank whose target returned leaves once every live rank is done (an Agree among the
+survivors), one whose target raised at once. Kept out of the package's imports so that `python -m` runs it
+cleanly.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ def main(folder: Path) -> None:
     part.write_bytes(cloudpickle.dumps(outcome))
     part.rename(folder / f"result.{rank}.pkl")
     faulthandler.cancel_dump_traceback_later()
-    # Leave only when every live rank is done: a rank that exits is a failed peer to the others (ULFM), so leaving
-    # early could fail a rank that still has to receive what this one sent. Agree completes among the survivors.
-    try:
-        MPI.COMM_WORLD.Agree(1)
-    except MPI.Exception:
-        pass  # some rank failed: the survivors agreed all the same
+    # A rank whose part completed leaves only when every live rank is done: a rank that exits is a failed peer to
+    # the others (ULFM), so leaving early could fail a rank that still has to receive what this one sent. Agree
+    # completes among the survivors. A rank whose part raised leaves at once, so its peers fail fast, not at the
+    # job's deadline.
+    if outcome.error is None:
+        try:
+            MPI.COMM_WORLD.Agree(1)
+        except MPI.Exception:
+            pass  # some rank failed: the survivors agreed all the same
     # Leave without MPI_Finalize: after a failure, finalizing can wait on the dead; the outcome is written.
     sys.stdout.flush()
     sys.stderr.flush()
