@@ -304,7 +304,9 @@ def _megatron(
     - stages as even as whole layers allow where p v does not divide the layers (the 405B recipe counts the
       embedding and the loss as a layer each, `account_for_embedding_in_pipeline_split` and
       `account_for_loss_in_pipeline_split`: 126 + 2 = 128 units, 2 in each of 64 chunks, the busiest rank 16
-      layers)."""
+      layers);
+    - Transformer Engine's cross entropy, writing the gradient over the logits (`cross_entropy_fusion_impl="te"`,
+      set for every run by scripts/performance/utils/helpers.py: the "in-place" loss, `transformer.LOSSES`)."""
     return Layout(
         data=gpus // (t * p * c),
         tensor=t,
@@ -322,6 +324,7 @@ def _megatron(
         tensor_overlap=t > 1,
         recompute="full" if rerun else "none",
         recompute_layers=rerun,
+        loss="in-place",
     )
 
 

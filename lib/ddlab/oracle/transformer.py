@@ -57,8 +57,8 @@ Memory of the busiest rank (the first or the last stage):
   parallelism), plus one layer's whole activations while it is recomputed; under 1F1B the
   first stage holds min(p, m) micro-batches of its l/p layers; the last stage also keeps
   the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes, beside the 16-bit logits it copied them
-  from (`LOSSES`; three float32 copies at the backward of torch's eager cross entropy), at a moment when no layer
-  reruns.
+  from (`LOSSES`; three float32 copies at the backward of torch's eager cross entropy, only the 16-bit logits under
+  a kernel that writes the gradient over them), at a moment when no layer reruns.
 
 The models of 2024-26 (`GPT`'s options, GPT-3's block by default): grouped- and multi-query attention,
 gated MLPs of any width, RMSNorm, rotary positions, untied embeddings, mixtures of experts; their
@@ -152,9 +152,13 @@ KERNELS = ("local", "flash", "fused")
 #: (Megatron-Core's vocabulary-parallel one, megatron/core/tensor_parallel/cross_entropy.py: `.float()` in
 #: `calculate_logits_max`, its gradient cast back to 16 bits): (1, 1). "eager": torch's `cross_entropy` on a float32
 #: copy of the logits, the logits dropped before the backward (torchtitan's train.py at 9dec370: `del pred`): its
-#: log-softmax's saved output, the gradient coming in and the one going out, (3, 0). tests/test_oracle_transformer_
-#: modern.py measures both on a small model.
-LOSSES = {"fused": (1, 1), "eager": (3, 0)}
+#: log-softmax's saved output, the gradient coming in and the one going out, (3, 0). "in-place": Transformer
+#: Engine's `parallel_cross_entropy` (transformer_engine/pytorch/cross_entropy.py; Megatron-Core's
+#: `cross_entropy_fusion_impl="te"`, which Megatron-Bridge's performance scripts set for every run,
+#: scripts/performance/utils/helpers.py, `set_common_perf_overrides`): it keeps the logits it was given and three
+#: float32 numbers a token, and its kernel writes the gradient over those logits a row at a time, (0, 1).
+#: tests/test_oracle_transformer_modern.py measures each on a small model.
+LOSSES = {"fused": (1, 1), "eager": (3, 0), "in-place": (0, 1)}
 #: The share of a causal model's score blocks a "flash" kernel computes: it skips the blocks above the diagonal,
 #: every key after every query (Dao, "FlashAttention-2", 2023, section 3.1: about half), so it does half the
 #: attention's 4 s^2 h; Megatron-Bridge's model FLOPs count halves that term too (its llama3_flops:
@@ -756,7 +760,7 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
 
     # the loss's peak: before any layer reruns, so never beside `working`
     wide, narrow = LOSSES[lay.loss]
-    per_logit = wide * max(4, e) + (narrow * e if e < 4 else 0)
+    per_logit = wide * 4 + narrow * e if e < 4 else max(wide, narrow) * e  # float32 logits are their own copy
     loss = per_logit * lay.micro_batch * s_local * gpt.vocab / lay.tensor
 
     def held(layers: float, loss: float = 0.0) -> dict[str, float]:
