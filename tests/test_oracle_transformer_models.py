@@ -175,8 +175,9 @@ class RMSNorm(nn.Module):
         return _FusedRMSNorm.apply(x, self.weight, 1e-6)
 
 
-def _norm(gpt: GPT) -> nn.Module:
-    return nn.LayerNorm(gpt.hidden) if gpt.norm == "layernorm" else RMSNorm(gpt.hidden)
+def _norm(gpt: GPT, width: int = 0) -> nn.Module:
+    width = width or gpt.hidden
+    return nn.LayerNorm(width) if gpt.norm == "layernorm" else RMSNorm(width)
 
 
 class MLP(nn.Module):
@@ -275,6 +276,9 @@ class Block(nn.Module):
         self.gpt, self.float8, self.flash = gpt, float8, kernel != "local"
         fused = kernel == "fused"
         self.norm1, self.norm2 = _norm(gpt), _norm(gpt)
+        self.q_norm, self.k_norm = (
+            (_norm(gpt, gpt.head_dim_), _norm(gpt, gpt.head_dim_)) if gpt.qk_norm else (None, None)
+        )
         self.q, self.k, self.v = nn.Linear(h, q, bias=bias), nn.Linear(h, kv, bias=bias), nn.Linear(h, kv, bias=bias)
         self.proj = nn.Linear(q, h, bias=bias)
         self.mlp = Experts(gpt, fused, float8) if moe else MLP(gpt, gpt.ffn_, fused, float8)
@@ -300,6 +304,8 @@ class Block(nn.Module):
         x8 = _float8(x, self.float8)  # one copy for q, k and v
         q = _layer(self.q, x, x8).view(b, s, gpt.heads, d)
         k = _layer(self.k, x, x8).view(b, s, kv, d)
+        if self.q_norm is not None and self.k_norm is not None:  # over each head's d values
+            q, k = self.q_norm(q), self.k_norm(k)
         if gpt.rotary:
             q, k = self._rotate(q), self._rotate(k)
         # each key/value head meets its group of query heads, stacked along the rows: no copy of k or v
@@ -353,6 +359,8 @@ OPTIONS = {
     "rmsnorm rotary untied": replace(BASE, norm="rmsnorm", rotary=True, tied=False),
     "llama": LLAMA,
     "heads wider than h / heads": replace(LLAMA, head_dim=48),
+    "qk norm, wide heads (Qwen3)": replace(LLAMA, head_dim=48, qk_norm=True),
+    "qk layernorm": replace(BASE, qk_norm=True),
     "moe top-2 dropless": replace(LLAMA, experts=4, top_k=2, expert_ffn=64),
     "moe capacity shared every 2nd": replace(
         LLAMA, experts=8, top_k=2, expert_ffn=48, shared_experts=1, capacity=1.25, moe_every=2

@@ -400,11 +400,11 @@ MIXTRAL_8X22B = replace(_llama(56, 6144, 48, 16384, 4096, "Mixtral-8x22B-like"),
 def _qwen3(layers: int, hidden: int, heads: int, expert_ffn: int, name: str) -> GPT:
     """A Qwen3 mixture of experts (Yang et al., "Qwen3 Technical Report", 2025, Table 2: layers, query heads, 4
     key/value heads, 128 experts of which 8 a token; and its released configuration: heads 128 wide, whatever the
-    width h, every layer's MLP a mixture of SwiGLU experts of `expert_ffn`, vocabulary 151,936, untied), on
-    sequences of 4096 tokens. Its RMSNorm of each head's queries and keys (2 x 128 parameters a layer) is not
-    stated."""
+    width h, every layer's MLP a mixture of SwiGLU experts of `expert_ffn`, vocabulary 151,936, untied; section 2:
+    QK-Norm, an RMSNorm of each head's queries and keys), on sequences of 4096 tokens."""
     return replace(
         _llama(layers, hidden, heads, expert_ffn, 4096, name),
+        qk_norm=True,
         kv_heads=4,
         head_dim=128,
         vocab=151936,

@@ -181,7 +181,9 @@ class GPT:
       wide, not h);
     - `ffn`: the MLP's width (0: 4h); `gated`: a gated MLP (SwiGLU: gate and up projections of width `ffn`,
       their product into the down projection) instead of GELU's two layers;
-    - `norm`: "layernorm" (a scale and a shift) or "rmsnorm" (a scale); `rotary`: rotary position embedding,
+    - `norm`: "layernorm" (a scale and a shift) or "rmsnorm" (a scale); `qk_norm`: a norm of that kind over each
+      head's queries and keys before the rotary embedding, one of head_dim for the queries and one for the keys
+      (Qwen3's: Yang et al., "Qwen3 Technical Report", 2025, section 2); `rotary`: rotary position embedding,
       no position parameters (else learned positions, s h of them); `tied`: the output layer is the word
       embedding (else a second V h matrix); `bias`: the linear layers have biases; `dropout`: dropout after
       the attention's softmax and on both residual branches (its masks kept for backward);
@@ -202,6 +204,7 @@ class GPT:
     ffn: int = 0
     gated: bool = False
     norm: str = "layernorm"
+    qk_norm: bool = False
     rotary: bool = False
     tied: bool = True
     bias: bool = True
@@ -295,17 +298,20 @@ class GPT:
         h = self.hidden
         return (3 if self.gated else 2) * h * width + self.bias * ((2 if self.gated else 1) * width + h)
 
-    def norm_parameters(self) -> int:
-        return (2 if self.norm == "layernorm" else 1) * self.hidden
+    def norm_parameters(self, width: int = 0) -> int:
+        """A norm's parameters over `width` values (0: the hidden size)."""
+        return (2 if self.norm == "layernorm" else 1) * (width or self.hidden)
 
     def layer_parameters(self, moe: bool = False) -> int:
-        """A block's parameters: attention, 2 norms, and its MLP (dense, or router, E routed and the shared experts)."""
+        """A block's parameters: attention, 2 norms (and the queries' and keys' with `qk_norm`), and its MLP (dense,
+        or router, E routed and the shared experts)."""
         mlp = self.mlp_parameters(self.ffn_)
         if moe:
             mlp = self.hidden * self.experts + (self.experts + self.shared_experts) * self.mlp_parameters(
                 self.expert_ffn_
             )
-        return self.attention_parameters() + 2 * self.norm_parameters() + mlp
+        heads = 2 * self.norm_parameters(self.head_dim_) if self.qk_norm else 0
+        return self.attention_parameters() + 2 * self.norm_parameters() + heads + mlp
 
     def embedding_parameters(self) -> int:
         """Word embedding, learned positions (none with rotary), the untied output layer, the final norm."""
@@ -648,16 +654,17 @@ def layer_activations(
     """Bytes one block keeps for backward per micro-batch on a rank, Korthikanti et al.'s terms (section 4) for any
     block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms' inputs and the
     attention's and MLP's inputs (4h elements of e bytes) and the residual dropout masks (2h bytes); split over t: q
-    and the projection's input (q_width each: h unless head_dim), k and v (2 kv_width), the MLP's 2 ffn (GELU: its
-    input and output) or 4 ffn (SwiGLU: gate, up, silu(gate), their product; 3 with the "fused" kernel, which
-    recomputes silu(gate) in its backward), and the attention's (2e + 1) a s (softmax, dropped probabilities, their
+    and the projection's input (q_width each: h unless head_dim), k and v (2 kv_width; with `qk_norm` q and k
+    once more, the norms' inputs, and a float32 mean and reciprocal root mean square a head, or the latter only), the MLP's 2 ffn (GELU: its input and output) or 4 ffn (SwiGLU: gate, up,
+    silu(gate), their product; 3 with the "fused" kernel, which recomputes silu(gate) in its backward), and the
+    attention's (2e + 1) a s (softmax, dropped probabilities, their
     mask; e a s without dropout; with the "flash" or "fused" kernel, and always under context parallelism's ring,
     only a float32 log-sum-exp per head, 4a bytes; none under selective recomputation). A MoE layer keeps, whole,
     its router's float32 probabilities and top-k choices (4E + 8k bytes per token) and per expert slot the token
     sent and the expert's output (2h elements) and the routing's bookkeeping (the token's and its gate's int64
     indices, the float32 gate: 20 bytes), and split each slot's and shared expert's MLP (the routed experts' over
     `expert_tensor` ranks, t if None, without sequence parallelism; with it every rank routes its own s/t tokens).
-    Norm statistics (a few floats per token) are not counted, as Korthikanti et al. do not. With GPT-3's defaults:
+    The hidden-size norms' statistics (a few floats per token) are not counted, as Korthikanti et al. do not. With GPT-3's defaults:
     sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`).
 
     `linear_input`: bytes per element a linear layer keeps of its input for its weight's gradient, its own copy (a
@@ -674,6 +681,8 @@ def layer_activations(
     # projection's input (that output, or its own copy), k and v
     output = e if kernel != "local" and linear_input is not None else 0.0
     split = (e + f + output) * gpt.q_width + 2 * e * kv
+    if gpt.qk_norm:  # the queries' and keys' norms keep their inputs and, per head, float32 statistics
+        split += e * (gpt.q_width + kv) + (8 if gpt.norm == "layernorm" else 4) * (gpt.heads + gpt.kv_heads_)
     routed = 0.0  # the routed experts' MLP activations, on this rank
     if moe:
         shared_inputs = 0.0 if linear_input is None else gpt.shared_experts * f * h
