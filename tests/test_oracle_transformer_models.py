@@ -89,10 +89,28 @@ class _FusedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        return grad * up * sig * (1 + gate * (1 - sig)), grad * silu
+        return _swiglu_backward(*ctx.saved_tensors, grad)
+
+
+def _swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of silu(gate) * up for the gradient `grad` of its output, silu(gate) recomputed."""
+    sig = torch.sigmoid(gate)
+    return grad * up * sig * (1 + gate * (1 - sig)), grad * gate * sig
+
+
+class _FusedWeightedSwiGLU(torch.autograd.Function):
+    """The fused SwiGLU of gated experts (the oracle's "fused"): each slot's activation times its gate, in one kernel
+    that keeps gate, up and the gate's weight; the expert's output is then not needed for the gate's gradient."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight):  # type: ignore[override]
+        ctx.save_for_backward(gate, up, weight)
+        return F.silu(gate) * up * weight[:, None]
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        gate, up, weight = ctx.saved_tensors
+        return *_swiglu_backward(gate, up, grad * weight[:, None]), (grad * F.silu(gate) * up).sum(-1)
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -238,6 +256,8 @@ class Experts(nn.Module):
         token = torch.where(entries >= 0, entries // gpt.top_k, tokens)  # one int64 index per slot
         sent = padded[token]  # every slot's token, expert by expert
         sent8 = _float8(sent, self.float8)
+        scale = gates[torch.where(entries >= 0, entries, len(gates) - 1)]  # the gate's int64 index and value
+        weighted = self.fused and gpt.gated  # the gate inside the fused SwiGLU, not on the expert's output
         outputs, start = [], 0
 
         for expert, mine in enumerate(slots):
@@ -252,14 +272,16 @@ class Experts(nn.Module):
                 )
                 for i, w in enumerate(self.w)
             ]
-            act = _swiglu(hidden[0], hidden[1], self.fused) if gpt.gated else F.gelu(hidden[0])
+            if weighted:
+                act = _FusedWeightedSwiGLU.apply(hidden[0], hidden[1], scale[rows])
+            else:
+                act = _swiglu(hidden[0], hidden[1], self.fused) if gpt.gated else F.gelu(hidden[0])
             outputs.append(
                 _linear(
                     act, _float8(act, self.float8), self.wd[expert].t(), self.bias[-1][expert] if self.bias else None
                 )
             )
-        scale = gates[torch.where(entries >= 0, entries, len(gates) - 1)]  # the gate's int64 index and value
-        routed = torch.cat(outputs) * scale[:, None]
+        routed = torch.cat(outputs) if weighted else torch.cat(outputs) * scale[:, None]
         out = padded.new_zeros(padded.shape).index_put((token,), routed, accumulate=True)[:tokens].reshape(shape)
         for mlp in self.shared:
             out = out + mlp(x)
@@ -422,6 +444,15 @@ def _kept_by_blocks(model: Model, batch: int) -> list[int]:
         kept.append(ledger.used["activations"])
         y.sum().backward()  # (the graph, and what it keeps, lives as long as y)
     return kept
+
+
+def test_the_fused_swiglus_are_swiglu():
+    gate, up, weight = (
+        torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((6, 5),) * 2 + ((6,),)
+    )
+    assert torch.autograd.gradcheck(_FusedSwiGLU.apply, (gate, up))
+    assert torch.autograd.gradcheck(_FusedWeightedSwiGLU.apply, (gate, up, weight))
+    assert torch.allclose(_FusedWeightedSwiGLU.apply(gate, up, weight), F.silu(gate) * up * weight[:, None])
 
 
 @pytest.mark.parametrize("option", [name for name, gpt in OPTIONS.items() if gpt.gated or gpt.experts])

@@ -141,7 +141,8 @@ RECIPES = {
 #: attention keeps a log-sum-exp per row and head and skips the masked blocks), "fused" (flash attention and
 #: Megatron-Core's fused SwiGLU, which keeps only its input, gate and up, for its backward, and recomputes
 #: silu(gate) there: megatron/core/fusions/fused_bias_swiglu.py, `SwiGLUFunction`; the down projection keeps the
-#: product, so a gated MLP keeps 3 ffn values per token instead of eager torch's 4; and, under a float8 recipe,
+#: product, so a gated MLP keeps 3 ffn values per token instead of eager torch's 4, and a gated expert's is weighted
+#: by the token's gate inside it, so no expert's output is kept, `layer_activations`; and, under a float8 recipe,
 #: Transformer Engine's linear layers, each keeping for its weight's gradient the float8 copy of its input it
 #: multiplied, one byte an element, "row-wise data" discarded: transformer_engine/pytorch/module/linear.py,
 #: `_Linear.forward`; `layer_activations`' `linear_input`).
@@ -661,8 +662,11 @@ def layer_activations(
     mask; e a s without dropout; with the "flash" or "fused" kernel, and always under context parallelism's ring,
     only a float32 log-sum-exp per head, 4a bytes; none under selective recomputation). A MoE layer keeps, whole,
     its router's float32 probabilities and top-k choices (4E + 8k bytes per token) and per expert slot the token
-    sent and the expert's output (2h elements) and the routing's bookkeeping (the token's and its gate's int64
-    indices, the float32 gate: 20 bytes), and split each slot's and shared expert's MLP (the routed experts' over
+    sent and the expert's output (2h elements; the token only under the "fused" kernel with gated experts:
+    Megatron-Core's weighted SwiGLU multiplies the activation by the gate, megatron/core/fusions/fused_bias_swiglu.py,
+    `weighted_bias_swiglu_impl`, and its all-to-all dispatcher unpermutes without the gates,
+    megatron/core/transformer/moe/token_dispatcher.py, `combine_postprocess`) and the routing's bookkeeping (the
+    token's and its gate's int64 indices, the float32 gate: 20 bytes), and split each slot's and shared expert's MLP (the routed experts' over
     `expert_tensor` ranks, t if None, without sequence parallelism; with it every rank routes its own s/t tokens).
     The hidden-size norms' statistics (a few floats per token) are not counted, as Korthikanti et al. do not. With GPT-3's defaults:
     sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`).
@@ -686,7 +690,10 @@ def layer_activations(
     routed = 0.0  # the routed experts' MLP activations, on this rank
     if moe:
         shared_inputs = 0.0 if linear_input is None else gpt.shared_experts * f * h
-        whole += e * h + shared_inputs + 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * ((e + f) * h + 20)
+        # Megatron-Core's fused kernels weigh a gated expert's activation by its gate (a weighted SwiGLU), so no
+        # expert's output is kept for the gate's gradient
+        output = 0.0 if kernel == "fused" and gpt.gated else e
+        whole += e * h + shared_inputs + 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * ((output + f) * h + 20)
         split += gpt.shared_experts * mlp * gpt.expert_ffn_
         cut = t if sequence_parallel or expert_tensor is None else expert_tensor
         routed = s * b * gpt.slots * mlp * gpt.expert_ffn_ / cut
