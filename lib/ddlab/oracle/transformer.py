@@ -656,20 +656,20 @@ def layer_activations(
     block: per token, whole on every tensor rank (split too with sequence parallelism) the two norms' inputs and the
     attention's and MLP's inputs (4h elements of e bytes) and the residual dropout masks (2h bytes); split over t: q
     and the projection's input (q_width each: h unless head_dim), k and v (2 kv_width; with `qk_norm` q and k
-    once more, the norms' inputs, and a float32 mean and reciprocal root mean square a head, or the latter only), the MLP's 2 ffn (GELU: its input and output) or 4 ffn (SwiGLU: gate, up,
-    silu(gate), their product; 3 with the "fused" kernel, which recomputes silu(gate) in its backward), and the
-    attention's (2e + 1) a s (softmax, dropped probabilities, their
-    mask; e a s without dropout; with the "flash" or "fused" kernel, and always under context parallelism's ring,
-    only a float32 log-sum-exp per head, 4a bytes; none under selective recomputation). A MoE layer keeps, whole,
-    its router's float32 probabilities and top-k choices (4E + 8k bytes per token) and per expert slot the token
-    sent and the expert's output (2h elements; the token only under the "fused" kernel with gated experts:
-    Megatron-Core's weighted SwiGLU multiplies the activation by the gate, megatron/core/fusions/fused_bias_swiglu.py,
-    `weighted_bias_swiglu_impl`, and its all-to-all dispatcher unpermutes without the gates,
-    megatron/core/transformer/moe/token_dispatcher.py, `combine_postprocess`) and the routing's bookkeeping (the
-    token's and its gate's int64 indices, the float32 gate: 20 bytes), and split each slot's and shared expert's MLP (the routed experts' over
-    `expert_tensor` ranks, t if None, without sequence parallelism; with it every rank routes its own s/t tokens).
-    The hidden-size norms' statistics (a few floats per token) are not counted, as Korthikanti et al. do not. With GPT-3's defaults:
-    sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`).
+    once more, the norms' inputs, and a float32 mean and reciprocal root mean square a head, or the latter only),
+    the MLP's 2 ffn (GELU: its input and output) or 4 ffn (SwiGLU: gate, up, silu(gate), their product; 3 with the
+    "fused" kernel, which recomputes silu(gate) in its backward), and the attention's (2e + 1) a s (softmax,
+    dropped probabilities, their mask; e a s without dropout; with the "flash" or "fused" kernel, and always under
+    context parallelism's ring, only a float32 log-sum-exp per head, 4a bytes; none under selective
+    recomputation). A MoE layer keeps, whole, its router's float32 probabilities and top-k choices (4E + 8k bytes
+    per token) and per expert slot the token sent and the expert's output (2h elements; the token only under the
+    "fused" kernel with gated experts: Megatron-Core's weighted SwiGLU multiplies the activation by the gate,
+    megatron/core/fusions/fused_bias_swiglu.py, `weighted_bias_swiglu_impl`, and its all-to-all dispatcher
+    unpermutes without the gates, megatron/core/transformer/moe/token_dispatcher.py, `combine_postprocess`) and
+    the routing's bookkeeping (the token's and its gate's int64 indices, the float32 gate: 20 bytes), and split each
+    slot's and shared expert's MLP (the routed experts' over `expert_tensor` ranks, t if None, without sequence
+    parallelism; with it every rank routes its own s/t tokens). The hidden-size norms' statistics (a few floats per token) are not counted,
+    as Korthikanti et al. do not. With GPT-3's defaults: sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`).
 
     `linear_input`: bytes per element a linear layer keeps of its input for its weight's gradient, its own copy (a
     float8 kernel's: 1), where None keeps the input itself at e bytes. It prices the attention's input (one copy for
@@ -692,8 +692,8 @@ def layer_activations(
         shared_inputs = 0.0 if linear_input is None else gpt.shared_experts * f * h
         # Megatron-Core's fused kernels weigh a gated expert's activation by its gate (a weighted SwiGLU), so no
         # expert's output is kept for the gate's gradient
-        output = 0.0 if kernel == "fused" and gpt.gated else e
-        whole += e * h + shared_inputs + 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * ((output + f) * h + 20)
+        expert_output = 0.0 if kernel == "fused" and gpt.gated else e
+        whole += e * h + shared_inputs + 4 * gpt.experts + 8 * gpt.top_k + gpt.slots * ((expert_output + f) * h + 20)
         split += gpt.shared_experts * mlp * gpt.expert_ffn_
         cut = t if sequence_parallel or expert_tensor is None else expert_tensor
         routed = s * b * gpt.slots * mlp * gpt.expert_ffn_ / cut
