@@ -34,9 +34,9 @@ def recover(comm: MPI.Comm, done: int) -> tuple[MPI.Comm, int]:
         comm.Revoke()
         survivors = comm.Shrink()
         survivors.Set_errhandler(MPI.ERRORS_RETURN)
-        ok, step = 1, done
-        try:
-            step = survivors.allreduce(done, op=MPI.MIN)
+        ok, smallest = 1, np.array([done])
+        try:  # MPI's reduction: mpi4py's object allreduce adds a Comm_dup and a Bcast, whose error may be no failure class
+            survivors.Allreduce(MPI.IN_PLACE, smallest, op=MPI.MIN)
         except MPI.Exception as err:
             if not is_failure(err):
                 raise
@@ -50,7 +50,7 @@ def recover(comm: MPI.Comm, done: int) -> tuple[MPI.Comm, int]:
                 raise
             ok = 0
         if ok:
-            return survivors, step
+            return survivors, int(smallest[0])
         comm = survivors  # another rank died while we recovered: again, from the survivors
 
 
