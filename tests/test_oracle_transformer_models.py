@@ -469,6 +469,18 @@ def test_the_fused_kernel_keeps_what_the_ledger_counts_of_a_fused_swiglu(option)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("plain", ["heads wider than h / heads", "gpt3"])  # RMSNorm, LayerNorm
+def test_the_norms_of_queries_and_keys_keep_what_the_ledger_counts(plain, kernel):
+    """What `qk_norm` adds to a block, alone: q and k once more and each head's statistics (a float32 reciprocal
+    root mean square, and a mean under LayerNorm), to 1% of the difference the ledger measures."""
+    gpt, batch = OPTIONS[plain], 2
+    normed = replace(gpt, qk_norm=True)
+    measured = _kept_by_blocks(_model(normed, kernel), batch)[0] - _kept_by_blocks(_model(gpt, kernel), batch)[0]
+    counted = (layer_activations(g, gpt.seq, batch, 1, False, 4, "none", False, kernel) for g in (normed, gpt))
+    assert next(counted) - next(counted) == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("option", OPTIONS)
 def test_float8_linear_layers_keep_a_byte_of_each_input_as_the_ledger_counts(option, kernel):
     """Transformer Engine's float8 linear layers keep their inputs' float8 copies (`linear_input=1`): every

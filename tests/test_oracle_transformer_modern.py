@@ -223,24 +223,27 @@ class _VocabularyCrossEntropy(torch.autograd.Function):
 
 
 class _InPlaceCrossEntropy(torch.autograd.Function):
-    """A cross entropy as Transformer Engine's `parallel_cross_entropy` runs on one rank: it keeps the logits it was
-    given and a float32 log-sum-exp a row, and its backward writes the gradient over the logits, row by row (its
-    kernel: one program a row, in float32 registers)."""
+    """A cross entropy as Transformer Engine's `parallel_cross_entropy` runs on one rank: its forward writes the
+    gradient of the mean loss over the logits it was given, row by row (its kernel: one program a row, in float32
+    registers), and keeps them; the backward scales them by the gradient coming in."""
 
     @staticmethod
     def forward(ctx, logits, target):  # type: ignore[override]
-        lse = torch.stack([row.float().logsumexp(-1) for row in logits])
-        ctx.save_for_backward(logits, target, lse)
-        return (lse - logits.gather(-1, target[:, None])[:, 0].float()).mean()
+        losses = torch.empty(len(logits))
+        for i, row in enumerate(logits):
+            wide = row.float()
+            lse = wide.logsumexp(-1)
+            losses[i] = lse - wide[target[i]]
+            probs = wide.sub_(lse).exp_()  # in place: the row itself when the logits are float32
+            probs[target[i]] -= 1
+            row.copy_(probs / len(target))
+        ctx.save_for_backward(logits.detach())
+        return losses.mean()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        logits, target, lse = ctx.saved_tensors
-        for i, row in enumerate(logits):
-            probs = row.float().sub(lse[i]).exp_()
-            probs[target[i]] -= 1
-            row.copy_(probs.mul_(grad / len(target)))
-        return logits, None
+        (logits,) = ctx.saved_tensors
+        return logits.mul_(grad), None
 
 
 def _eager_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

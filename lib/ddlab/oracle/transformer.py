@@ -56,9 +56,9 @@ Memory of the busiest rank (the first or the last stage):
   term 5as/(ht); full recomputation keeps only each layer's input, 2sbh (/t with sequence
   parallelism), plus one layer's whole activations while it is recomputed; under 1F1B the
   first stage holds min(p, m) micro-batches of its l/p layers; the last stage also keeps
-  the logits in float32 (or wider) for the loss, 4 b (s/c) V / t bytes, beside the 16-bit logits it copied them
-  from (`LOSSES`; three float32 copies at the backward of torch's eager cross entropy, only the 16-bit logits under
-  a kernel that writes the gradient over them), at a moment when no layer reruns.
+  copies of its b (s/c) V / t logits for the loss (`LOSSES`: a float32 copy beside the 16-bit logits for
+  Megatron-Core's own fused loss, three float32 copies at the backward of torch's eager cross entropy, the 16-bit
+  logits alone under a kernel that writes the gradient over them), at a moment when no layer reruns.
 
 The models of 2024-26 (`GPT`'s options, GPT-3's block by default): grouped- and multi-query attention,
 gated MLPs of any width, RMSNorm, rotary positions, untied embeddings, mixtures of experts; their
@@ -141,14 +141,17 @@ RECIPES = {
 #: attention keeps a log-sum-exp per row and head and skips the masked blocks), "fused" (flash attention and
 #: Megatron-Core's fused SwiGLU, which keeps only its input, gate and up, for its backward, and recomputes
 #: silu(gate) there: megatron/core/fusions/fused_bias_swiglu.py, `SwiGLUFunction`; the down projection keeps the
-#: product, so a gated MLP keeps 3 ffn values per token instead of eager torch's 4, and a gated expert's is weighted
-#: by the token's gate inside it, so no expert's output is kept, `layer_activations`; and, under a float8 recipe,
+#: product, so a gated MLP keeps 3 ffn values per token instead of eager torch's 4; its experts' SwiGLU,
+#: `WeightedSwiGLUFunction`, also keeps the token's gate, by which it weighs the activation, so no expert's output is
+#: kept, as in Megatron-Core's experts on every path, where "local" and "flash" keep lab 15's layer, which weighs
+#: the experts' outputs: `layer_activations`; and, under a float8 recipe,
 #: Transformer Engine's linear layers, each keeping for its weight's gradient the float8 copy of its input it
 #: multiplied, one byte an element, "row-wise data" discarded: transformer_engine/pytorch/module/linear.py,
 #: `_Linear.forward`; `layer_activations`' `linear_input`).
 KERNELS = ("local", "flash", "fused")
 #: How the loss is computed (`Layout.loss`): the copies of the rank's b (s/c) V / t logits alive at its peak, as
-#: (float32 or wider ones, ones at the activations' width beside them when that is narrower). "fused": a cross
+#: (float32 or wider ones, ones at the activations' width beside them); with activations of 4 bytes or more the
+#: logits are their own float32 copy, so the larger count of the two, at the activations' width. "fused": a cross
 #: entropy that keeps its float32 softmax and forms the gradient in place, beside the 16-bit logits it copied
 #: (Megatron-Core's vocabulary-parallel one, megatron/core/tensor_parallel/cross_entropy.py: `.float()` in
 #: `calculate_logits_max`, its gradient cast back to 16 bits): (1, 1). "eager": torch's `cross_entropy` on a float32
@@ -156,8 +159,8 @@ KERNELS = ("local", "flash", "fused")
 #: log-softmax's saved output, the gradient coming in and the one going out, (3, 0). "in-place": Transformer
 #: Engine's `parallel_cross_entropy` (transformer_engine/pytorch/cross_entropy.py; Megatron-Core's
 #: `cross_entropy_fusion_impl="te"`, which Megatron-Bridge's performance scripts set for every run,
-#: scripts/performance/utils/helpers.py, `set_common_perf_overrides`): it keeps the logits it was given and three
-#: float32 numbers a token, and its kernel writes the gradient over those logits a row at a time, (0, 1).
+#: scripts/performance/utils/helpers.py, `set_common_perf_overrides`): its forward kernel writes the gradient over
+#: the logits it was given, a row at a time, and keeps them, with a float32 loss a token, (0, 1).
 #: tests/test_oracle_transformer_modern.py measures each on a small model.
 LOSSES = {"fused": (1, 1), "eager": (3, 0), "in-place": (0, 1)}
 #: The share of a causal model's score blocks a "flash" kernel computes: it skips the blocks above the diagonal,
@@ -668,8 +671,9 @@ def layer_activations(
     unpermutes without the gates, megatron/core/transformer/moe/token_dispatcher.py, `combine_postprocess`) and
     the routing's bookkeeping (the token's and its gate's int64 indices, the float32 gate: 20 bytes), and split each
     slot's and shared expert's MLP (the routed experts' over `expert_tensor` ranks, t if None, without sequence
-    parallelism; with it every rank routes its own s/t tokens). The hidden-size norms' statistics (a few floats per token) are not counted,
-    as Korthikanti et al. do not. With GPT-3's defaults: sbh (10 + 24/t + 5as/(ht)) at e = 2 (`memory_per_rank`).
+    parallelism; with it every rank routes its own s/t tokens). The hidden-size norms' statistics (a few floats
+    per token) are not counted, as Korthikanti et al. do not. With GPT-3's defaults: sbh (10 + 24/t + 5as/(ht)) at
+    e = 2 (`memory_per_rank`).
 
     `linear_input`: bytes per element a linear layer keeps of its input for its weight's gradient, its own copy (a
     float8 kernel's: 1), where None keeps the input itself at e bytes. It prices the attention's input (one copy for
