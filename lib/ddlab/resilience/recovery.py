@@ -34,8 +34,10 @@ def recover(comm: MPI.Comm, done: int) -> tuple[MPI.Comm, int]:
         comm.Revoke()
         survivors = comm.Shrink()
         survivors.Set_errhandler(MPI.ERRORS_RETURN)
+        # MPI's own reduction: mpi4py's object allreduce adds a Comm_dup and a Bcast, whose error after another death
+        # may be of a class is_failure does not count
         ok, smallest = 1, np.array([done])
-        try:  # MPI's reduction: mpi4py's object allreduce adds a Comm_dup and a Bcast, whose error may be no failure class
+        try:
             survivors.Allreduce(MPI.IN_PLACE, smallest, op=MPI.MIN)
         except MPI.Exception as err:
             if not is_failure(err):
