@@ -13,7 +13,7 @@ Llama 3 models on H100 and B200 nodes, each row's source cited) predicted on the
 the default efficiency, never fitted to them: published and predicted tokens per second per GPU, and memory where
 published, with the accuracies and their mean; each row's FLOPs per token beside the count its source publishes;
 torchtitan's rows again on their own machine, its efficiencies set
-from the same file's Table 1; lab 16's two searches (every mesh, ZeRO stage, recomputation and
+from the same file's Table 1, and that table's memory, which the calibration does not use; lab 16's two searches (every mesh, ZeRO stage, recomputation and
 pipeline schedule), timed. One process; no MPI. Each target ends in a line "verdict: ..." with the figure beside
 it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet), 5-15 minutes with the planner.
 
@@ -170,23 +170,41 @@ def model_flops() -> None:
 
 def titan_calibrated() -> None:
     """torchtitan's rows on their own machine: its two efficiencies set from the same file's Table 1 (not a
-    validation row), then its Table 2 predicted: what a datasheet cannot say, and what calibration does not fix."""
-    from ddlab.oracle.published import H100_96GB, MODERN, accuracy, calibrate_titan, gpu_platform
+    validation row), then its other tables predicted: what a datasheet cannot say, and what calibration does not fix;
+    and Table 1's memory, which the calibration did not use."""
+    from ddlab.oracle.published import (
+        H100_96GB,
+        LLAMA3_8B,
+        MODERN,
+        TITAN_TABLE1_MEMORY,
+        accuracy,
+        calibrate_titan,
+        gpu_platform,
+        titan_table1_layout,
+    )
     from ddlab.oracle.transformer import predict
 
     bf16, fp8 = calibrate_titan()
     platform = gpu_platform(H100_96GB, bf16, fp8_efficiency=fp8)
     print(
         f"\ntorchtitan's machine (500 W H100s, no datasheet) set by its own Table 1 (8K tokens, bf16 and float8): "
-        f"{bf16:.1%} of the SXM's bfloat16 peak, {fp8:.1%} of its float8 peak; its Table 2 then predicted:"
+        f"{bf16:.1%} of the SXM's bfloat16 peak, {fp8:.1%} of its float8 peak; its Tables 2-4 then predicted:"
     )
+    accuracies = []
     for run in (run for run in MODERN if run.hardware is H100_96GB):
         pred = predict(run.gpt, run.layout, platform)
+        accuracies.append(accuracy(pred.tokens_per_device(), run.tokens_per_gpu))
         print(
-            f"  {run.gpt.seq:6d} tokens, {run.layout.label:60} published {run.tokens_per_gpu:5.0f}, predicted "
-            f"{pred.tokens_per_device():5.0f} tokens/s per GPU ({pred.tokens_per_device() / run.tokens_per_gpu:.2f}x), "
-            f"accuracy {accuracy(pred.tokens_per_device(), run.tokens_per_gpu):.3f}"
+            f"  {run.gpt.name:11} {run.gpt.seq:6d} tokens, {run.layout.label:76} published {run.tokens_per_gpu:5.0f}, "
+            f"predicted {pred.tokens_per_device():5.0f} tokens/s per GPU ({pred.tokens_per_device() / run.tokens_per_gpu:.2f}x), "
+            f"accuracy {accuracies[-1]:.3f}"
         )
+    close = sum(acc >= 0.85 for acc in accuracies)
+    print(f"  within 15% on {close} of {len(accuracies)} on the machine its Table 1 sets")
+    print("  Table 1's peak memory, published beside the rates the calibration used (the memory was not used):")
+    for precision, gib in TITAN_TABLE1_MEMORY.items():
+        peak = predict(LLAMA3_8B, titan_table1_layout(precision), platform).peak / 2**30
+        print(f"    {precision}: predicted {peak:.1f} GiB, published {gib:.1f} GiB, accuracy {accuracy(peak, gib):.3f}")
 
 
 def _met(ok: bool) -> str:

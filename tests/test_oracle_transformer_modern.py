@@ -46,7 +46,10 @@ from ddlab.oracle.transformer import (
     stage_split,
     step_time,
 )
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import FlopCounterMode
 
 
 def _flat() -> Platform:
@@ -126,6 +129,24 @@ def test_fsdp_overlap_hides_the_gathers_under_the_layers():
     assert hidden == pytest.approx(first_and_last)  # one micro-batch: only the first gather and last scatter show
 
 
+def test_fsdp_holds_the_whole_parameters_of_the_unit_computing_and_of_the_next():
+    gpt = replace(LLAMA3_8B, layers=4)
+    lay = Layout(data=8, batch=8, zero=3, kernel="flash")
+    embeddings = 2 * gpt.vocab * gpt.hidden  # untied: word embedding and output layer, on the one stage
+    layer = gpt.layer_parameters()
+    assert rank_memory(gpt, lay)["gathered"] == pytest.approx(2 * (embeddings + layer))
+    fp8 = rank_memory(gpt, lay.with_(precision="fp8"))["gathered"]  # gathered as sent: a byte each under float8
+    assert fp8 == pytest.approx(embeddings + layer)
+    tensor = rank_memory(gpt, lay.with_(data=4, tensor=2))["gathered"]
+    assert tensor == pytest.approx((embeddings + layer) * 2 / 2)  # each tensor rank gathers its share
+    staged = Layout(data=4, pipeline=4, batch=16, zero=3, kernel="flash")  # the first or last stage: one embedding
+    assert rank_memory(replace(gpt, layers=8), staged)["gathered"] == pytest.approx(2 * (embeddings / 2 + layer))
+    small_vocabulary = replace(gpt, layers=8, vocab=1000)  # a layer larger than the embeddings: two layers
+    assert rank_memory(small_vocabulary, staged)["gathered"] == pytest.approx(2 * 2 * layer)
+    for other in (lay.with_(zero=1), lay.with_(data=1, batch=1)):  # sharded or whole: nothing gathered
+        assert rank_memory(gpt, other)["gathered"] == 0.0
+
+
 def test_under_context_parallelism_no_softmax_block_is_kept():
     gpt = GPT(layers=8, hidden=1024, heads=16, seq=4096, vocab=32000)
     lay = Layout(context=4, batch=1)
@@ -180,11 +201,12 @@ def test_recomputing_some_layers_of_a_chunk_is_between_none_and_all():
 
 
 class _LivePeak(TorchDispatchMode):
-    """The peak bytes of the storages ops create while it is on, each counted until torch frees it."""
+    """The peak bytes of the storages ops create while it is on, each counted until torch frees it; the storages of
+    `weights` (which a view such as a transpose shows to it) never."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: tuple[torch.Tensor, ...] = ()) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}
+        self.live: dict[int, int] = {w.untyped_storage().data_ptr(): 0 for w in weights}
         self.now = self.peak = 0
 
     def _free(self, key: int) -> None:
@@ -276,6 +298,128 @@ def test_the_loss_holds_the_copies_of_the_logits_torch_allocates(loss, dtype, pr
     wide = x.detach().float().requires_grad_()
     F.cross_entropy(wide @ w.detach().float().t(), labels).backward()
     assert torch.allclose(x.grad.float(), wide.grad, rtol=0.02, atol=1e-4)
+
+
+class _TitanBlock(nn.Module):
+    """A block as torchtitan's Llama runs it (torchtitan/models/llama/model.py at 9dec370): the norm in float32, q, k
+    and v projected one by one, rotary positions, the key/value heads repeated for torch's scaled dot-product
+    attention, the output projection, and w2(silu(w1 x) * w3 x), or a GELU MLP's two layers."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        h, d = gpt.hidden, gpt.head_dim_
+        self.gpt = gpt
+        self.norms = nn.ModuleList(nn.LayerNorm(h) if gpt.norm == "layernorm" else nn.RMSNorm(h) for _ in range(2))
+        self.qk_norms = nn.ModuleList(nn.RMSNorm(d) for _ in range(2 if gpt.qk_norm else 0))
+        self.wq, self.wk, self.wv = (
+            nn.Linear(h, width, bias=False) for width in (gpt.q_width, gpt.kv_width, gpt.kv_width)
+        )
+        self.wo = nn.Linear(gpt.q_width, h, bias=False)
+        self.mlp = nn.ModuleList(nn.Linear(*shape, bias=False) for shape in self._mlp_shapes())
+        angle = torch.arange(gpt.seq)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+        self.register_buffer("cos", torch.cos(angle).repeat(1, 2)[:, None, :])
+        self.register_buffer("sin", torch.sin(angle).repeat(1, 2)[:, None, :])
+
+    def _mlp_shapes(self) -> list[tuple[int, int]]:
+        h, f = self.gpt.hidden, self.gpt.ffn_
+        return [(h, f), (f, h), (h, f)] if self.gpt.gated else [(h, f), (f, h)]
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * self.cos.to(x.dtype) + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * self.sin.to(x.dtype)
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm.float()(x.float()).type_as(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gpt = self.gpt
+        b, s, _ = x.shape
+        y = self._norm(self.norms[0], x)
+        q, k, v = (proj(y).view(b, s, -1, gpt.head_dim_) for proj in (self.wq, self.wk, self.wv))
+        if gpt.qk_norm:
+            q, k = self._norm(self.qk_norms[0], q), self._norm(self.qk_norms[1], k)
+        group = gpt.heads // gpt.kv_heads_
+        k, v = (t.repeat_interleave(group, dim=2) for t in (self._rotate(k), v))
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (self._rotate(q), k, v)), is_causal=True)
+        x = x + self.wo(out.transpose(1, 2).reshape(b, s, gpt.q_width))
+        y = self._norm(self.norms[1], x)
+        first, down, *up = self.mlp
+        hidden = F.silu(first(y)) * up[0](y) if gpt.gated else F.gelu(first(y))
+        return x + down(hidden)
+
+
+def _op_policy():
+    """torchtitan's op-level policy, restated: every other `aten.mm` (the first, third, ...) of a block's forward, and
+    the attention kernel (on a CPU its flash kernel, `_scaled_dot_product_flash_attention_for_cpu`), are saved; the
+    rest reruns in the backward. Counted apart in the forward and in its rerun."""
+    counts = {True: 0, False: 0}
+    mm = torch.ops.aten.mm.default
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def policy(ctx, func, *args, **kwargs):
+        counts[ctx.is_recompute] += func == mm
+        saved = func == attention or (func == mm and counts[ctx.is_recompute] % 2 == 1)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+_TITAN_SMALL = replace(LLAMA3_8B, layers=1, seq=64, vocab=8)  # Llama 3's block (no biases, dropout), made small
+TITAN_SHAPES = {
+    "llama (gqa, swiglu)": replace(_TITAN_SMALL, hidden=128, heads=4, kv_heads=2, ffn=344),
+    "gelu, layernorm": GPT(layers=1, hidden=96, heads=3, seq=64, vocab=8, bias=False, dropout=False),
+    "qk norm, wide heads": replace(_TITAN_SMALL, hidden=64, heads=4, kv_heads=1, head_dim=48, ffn=160, qk_norm=True),
+}
+
+
+@pytest.mark.parametrize("dtype, e", [(torch.float32, 4), (torch.bfloat16, 2)])
+@pytest.mark.parametrize("shape", TITAN_SHAPES)
+def test_op_recomputation_keeps_what_torchtitans_policy_saves(shape, dtype, e):
+    gpt, batch = TITAN_SHAPES[shape], 2
+    torch.manual_seed(0)
+    block = _TitanBlock(gpt).to(dtype)
+    x = torch.randn(batch, gpt.seq, gpt.hidden, dtype=dtype, requires_grad=True)
+    with _LivePeak(tuple(block.parameters())) as live:
+        y = checkpoint(block, x, use_reentrant=False, context_fn=_op_policy)
+        kept = live.now - y.untyped_storage().nbytes()
+    want = layer_activations(gpt, gpt.seq, batch, 1, False, e, "op", False, "flash")
+    input_bytes = x.numel() * e  # the block's input, which the oracle counts and the caller allocated here
+    assert kept + input_bytes == pytest.approx(want, rel=0.01)
+    y.sum().backward()
+    reference = x.detach().clone().requires_grad_()
+    block(reference).sum().backward()
+    assert torch.allclose(x.grad, reference.grad)  # the rerun is the block's own backward
+
+
+@pytest.mark.parametrize("shape", TITAN_SHAPES)
+def test_op_recomputation_reruns_the_matrix_multiplications_it_did_not_save(shape):
+    gpt, batch = TITAN_SHAPES[shape], 2
+    block = _TitanBlock(gpt)
+    x = torch.randn(batch, gpt.seq, gpt.hidden, requires_grad=True)
+    counted = []
+    for run in (block, lambda x: checkpoint(block, x, use_reentrant=False, context_fn=_op_policy)):
+        with FlopCounterMode(display=False) as counter:  # (it does not count the CPU's attention kernel, saved)
+            run(x).sum().backward()
+        counted.append(counter.get_total_flops())
+    lay = Layout(batch=batch, recompute="op", kernel="flash")
+    reruns = iteration_flops(gpt, batch, "op", rerun_share(gpt, lay)) - iteration_flops(gpt, batch, "none")
+    assert reruns == pytest.approx(counted[1] - counted[0], rel=0.01)
+    assert reruns == batch * gpt.op_rerun_flops()
+
+
+def test_op_recomputation_is_priced_where_torchtitan_runs_it():
+    gpt = replace(TITAN_SHAPES["llama (gqa, swiglu)"], layers=4)
+    lay = Layout(batch=2, recompute="op", kernel="flash")
+    assert problem(gpt, lay) is None and "op recompute" in lay.label
+    assert "on tensor 1 and context 1 with a flash kernel" in problem(gpt, lay.with_(kernel="local"))
+    assert "tensor 1" in problem(replace(gpt, heads=4), lay.with_(tensor=2, data=1))
+    assert "without biases or dropout" in problem(replace(gpt, bias=True), lay)
+    assert "without biases or dropout" in problem(replace(gpt, experts=4, top_k=2), lay)
+    none, op = (rank_memory(gpt, lay.with_(recompute=r))["activations"] for r in ("none", "op"))
+    full = rank_memory(gpt, lay.with_(recompute="full"))["activations"]
+    assert full < op < none
+    times = [predict(gpt, lay.with_(recompute=r), _flat()).seconds["compute"] for r in ("none", "op", "full")]
+    assert times[0] < times[1] < times[2]
 
 
 def test_the_loss_is_never_beside_a_rerun_layer():
@@ -376,6 +520,9 @@ def test_the_published_rows_are_whole_layouts_predicted_without_a_factor_per_row
         sum(bool(run.gpt.experts) for run in MODERN) == 4
         and sum(run.gpt.name.startswith("Llama 3.1") for run in MODERN) == 2
     )
+    titan = [run for run in MODERN if run.hardware is H100_96GB]  # its Tables 2 (4 rows), 3 and 4 (2 each)
+    assert len(titan) == 8 and all(run.memory for run in titan)
+    assert [run.layout.recompute for run in titan].count("op") == 2  # Table 3 checkpoints as Table 1 does
     assert predict(LLAMA3_70B, MODERN[1].layout, gpu_platform(H100_SXM)).time == pytest.approx(
         MODERN[1].layout.batch * LLAMA3_70B.seq / 64 / rows[1][1].tokens_per_device()
     )

@@ -119,6 +119,7 @@ def split_flops(
 ) -> tuple[float, float, float]:
     """(F, B, W) FLOPs from a forward's linear-layer FLOPs, attention FLOPs (scores and weighted values) and
     output-layer FLOPs: F = linear + attention + output; B = linear + 2 attention + output plus the rerun (full:
-    the layers' F, of the `share` of the layers it reruns; selective: the attention's); W = linear + output."""
-    rerun = {"none": 0.0, "selective": attention, "full": share * (linear + attention)}[recompute]
+    the layers' F, of the `share` of the layers it reruns; selective: the attention's; op: the `share` of the linear
+    layers' it reruns); W = linear + output."""
+    rerun = {"none": 0.0, "selective": attention, "full": share * (linear + attention), "op": share * linear}[recompute]
     return linear + attention + output, linear + 2 * attention + output + rerun, linear + output

@@ -50,6 +50,8 @@ Memory of the busiest rank (the first or the last stage):
   Models", SC 2020): with mixed-precision Adam 2 + 2 + 12 = 16 bytes per parameter;
   stage 1 shards the optimizer (4 + 12/D), stage 2 the gradients too (2 + 14/D), stage 3
   everything (16/D), D = d c the ranks holding the same weights; float32: 4 + 4 + 8, float64 8 + 8 + 16;
+  stage 3 also holds whole the parameters of the unit it computes and of the one it gathers ahead ("gathered":
+  the embeddings' unit and a layer on a stage with embeddings, the output layer being the loss's; else two layers);
 - activations (Korthikanti et al., section 4, `ddlab.tensor_parallel.formulas`): a layer keeps
   sbh (10 + 24/t + 5as/(ht)) bytes at 2-byte activations, sbh (34/t + 5as/(ht)) with sequence
   parallelism, with s the rank's s/c tokens; selective recomputation drops the attention
@@ -58,7 +60,8 @@ Memory of the busiest rank (the first or the last stage):
   first stage holds min(p, m) micro-batches of its l/p layers; the last stage also keeps
   copies of its b (s/c) V / t logits for the loss (`LOSSES`: a float32 copy beside the 16-bit logits for
   Megatron-Core's own fused loss, three float32 copies at the backward of torch's eager cross entropy, the 16-bit
-  logits alone under a kernel that writes the gradient over them), at a moment when no layer reruns.
+  logits alone under a kernel that writes the gradient over them), at a moment when no layer reruns;
+  torchtitan's op-level checkpointing (`OP`) keeps each layer's input and what its policy saves.
 
 The models of 2024-26 (`GPT`'s options, GPT-3's block by default): grouped- and multi-query attention,
 gated MLPs of any width, RMSNorm, rotary positions, untied embeddings, mixtures of experts; their
@@ -98,6 +101,14 @@ from .platform import Platform
 from .schedules import SCHEDULES, check_schedule, idle_per_rank, in_flight, split_flops
 
 RECOMPUTE = ("none", "selective", "full")
+#: torchtitan's op-level selective checkpointing (`selective_ac_option = "op"`; its parallelize_llama.py at 9dec370,
+#: `_save_list` and `_custom_policy`), a fourth `Layout.recompute` beside `RECOMPUTE` (which lab 16's exercises and
+#: the layout search take): a block reruns its forward in the backward, keeping only its input and what the policy
+#: saves, the output of every other matrix multiplication (`aten.mm`: q, v, the MLP's gate or first layer, the down
+#: projection) and of the attention kernel (its output and a float32 log-sum-exp per row and head). Priced for
+#: torchtitan's Llama blocks as they run there: dense, without biases (a linear layer with a bias is an `addmm`,
+#: which the policy does not save) or dropout, on one tensor and one context rank, with a flash kernel.
+OP = "op"
 NORMS = ("layernorm", "rmsnorm")
 #: Bytes per parameter (weights, gradients, Adam's state); activations take the weights' size.
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}
@@ -353,6 +364,14 @@ class GPT:
         moe = self.moe_layers
         return (self.layers - moe) * self.layer_flops() + moe * self.layer_flops(True)
 
+    def op_rerun_flops(self) -> float:
+        """Forward FLOPs per sequence of a dense block's matrix multiplications that op recomputation (`OP`) reruns:
+        the even ones in the block's order (q, k, v, projection, then gate, up, down, or the MLP's two layers) whose
+        output the backward needs: k, the projection, and a SwiGLU's up (torch's checkpoint stops its rerun once it has
+        what the backward needs, so a GELU MLP's second layer never reruns)."""
+        s, h = self.seq, self.hidden
+        return float(2 * s * h * (self.kv_width + self.q_width + (self.ffn_ if self.gated else 0)))
+
     def attention_score_flops(self) -> float:
         """The attention's 4 s^2 q_width forward FLOPs per layer and sequence (what selective recomputation
         reruns; 4 s^2 h unless head_dim)."""
@@ -371,7 +390,7 @@ class Layout:
     zero: int = 0
     micro_batch: int = 1
     batch: int = 1  # the global batch, in sequences
-    recompute: str = "none"
+    recompute: str = "none"  # a name of `RECOMPUTE`, or `OP` (torchtitan's op-level checkpointing)
     # with recompute="full": how many layers of each chunk rerun (the first ones, Megatron's "block" method with
     # `recompute_num_layers`; the others keep their activations); 0: every layer
     recompute_layers: int = 0
@@ -474,8 +493,13 @@ def problem(gpt: GPT, layout: Layout) -> str | None:
             return f"{name} = {value}: every dimension needs at least 1"
     if lay.zero not in (0, 1, 2, 3):
         return f"ZeRO stage {lay.zero} does not exist: choose 0, 1, 2 or 3"
-    if lay.recompute not in RECOMPUTE:
-        return f"recompute {lay.recompute!r}: choose one of {', '.join(RECOMPUTE)}"
+    if lay.recompute not in (*RECOMPUTE, OP):
+        return f"recompute {lay.recompute!r}: choose one of {', '.join((*RECOMPUTE, OP))}"
+    if lay.recompute == OP:
+        if gpt.experts or gpt.bias or gpt.dropout:
+            return "op recomputation (torchtitan's policy) is priced for dense blocks without biases or dropout"
+        if lay.tensor > 1 or lay.context > 1 or lay.kernel == "local":
+            return "op recomputation (torchtitan's policy) is priced on tensor 1 and context 1 with a flash kernel"
     if lay.recompute_layers < 0:
         return f"recompute_layers = {lay.recompute_layers}: how many layers of a chunk rerun, 0 (all) or more"
     if not isinstance(lay.precision, Precision) and lay.precision not in RECIPES:
@@ -552,7 +576,9 @@ def busiest(gpt: GPT, layout: Layout) -> GPT:
 
 def rerun_share(gpt: GPT, layout: Layout) -> float:
     """The share of the layers whose forward full recomputation reruns: 1, or `recompute_layers` of a chunk's
-    l / (p k) (at most all); 0 without full recomputation."""
+    l / (p k) (at most all); under op recomputation the share of the layers' linear FLOPs it reruns; else 0."""
+    if layout.recompute == OP:
+        return gpt.op_rerun_flops() / (gpt.layer_flops() - gpt.attention_score_flops())
     if layout.recompute != "full":
         return 0.0
     if not layout.recompute_layers:
@@ -563,17 +589,19 @@ def rerun_share(gpt: GPT, layout: Layout) -> float:
 
 def iteration_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
     """FLOPs of one iteration of `batch` sequences (full recomputation: Narayanan et al.'s 96 B s l h^2 (...));
-    `share`: of the layers full recomputation reruns (`rerun_share`)."""
+    `share` (`rerun_share`): of the layers full recomputation reruns, of the linear layers' FLOPs op recomputation
+    reruns."""
     forward = gpt.forward_flops()
-    rerun = {"none": 0.0, "selective": gpt.layers * gpt.attention_score_flops(), "full": share * forward}[recompute]
+    scores = gpt.layers * gpt.attention_score_flops()
+    rerun = {"none": 0.0, "selective": scores, "full": share * forward, OP: share * (forward - scores)}[recompute]
     return batch * (3 * forward + rerun + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
 
 
 def attention_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
     """The attention's scores and weighted values in an iteration of `batch` sequences: 4 s^2 h per layer and
     sequence forward, twice that backward, once more when recomputation reruns them (selective, or full on the
-    `share` of the layers it reruns)."""
-    reruns = {"none": 0.0, "selective": 1.0, "full": share}[recompute]
+    `share` of the layers it reruns; op recomputation keeps the attention's output and reruns none)."""
+    reruns = {"none": 0.0, "selective": 1.0, "full": share, OP: 0.0}[recompute]
     return batch * gpt.layers * (3 + reruns) * gpt.attention_score_flops()
 
 
@@ -587,17 +615,23 @@ def stage_split(gpt: GPT, layout: Layout) -> tuple[float, float]:
     """(dense, expert) parameters a rank of the busiest stage holds: its l/p layers (the MoE layers' share of them
     at their average) and the embeddings, / t; the routed experts / (expert ranks x expert_tensor) instead."""
     gpt = busiest(gpt, layout)
-    h, layers = gpt.hidden, gpt.layers // layout.pipeline
+    layers = gpt.layers // layout.pipeline
     share = gpt.moe_layers / gpt.layers
     routed = gpt.experts * gpt.mlp_parameters(gpt.expert_ffn_)
     per_layer = gpt.layer_parameters() * (1 - share) + (gpt.layer_parameters(True) - routed) * share
-    # the first stage: word (and learned position) embedding; the last keeps its copy of the word embedding,
-    # or the untied output layer, both on one stage when p = 1
-    embedding = gpt.vocab * h + (0 if gpt.rotary else gpt.seq * h)
-    if (layout.pipeline == 1 or layout.schedule == "zb-v") and not gpt.tied:  # zb-v: rank 0 ends the V too
-        embedding += gpt.vocab * h
-    dense = (layers * per_layer + embedding) / layout.tensor
+    dense = (layers * per_layer + stage_embeddings(gpt, layout)) / layout.tensor
     return dense, layers * share * routed / (layout.expert_tensor * layout.expert)
+
+
+def stage_embeddings(gpt: GPT, layout: Layout) -> float:
+    """The embeddings' parameters the busiest stage holds, before the tensor split: the first stage's word (and
+    learned position) embedding; the last keeps its copy of the word embedding, or the untied output layer, both on
+    one stage when p = 1 (and under zb-v, whose rank 0 ends the V too)."""
+    h = gpt.hidden
+    embedding = gpt.vocab * h + (0 if gpt.rotary else gpt.seq * h)
+    if (layout.pipeline == 1 or layout.schedule == "zb-v") and not gpt.tied:
+        embedding += gpt.vocab * h
+    return float(embedding)
 
 
 def stage_parameters(gpt: GPT, layout: Layout) -> float:
@@ -679,8 +713,16 @@ def layer_activations(
     float8 kernel's: 1), where None keeps the input itself at e bytes. It prices the attention's input (one copy for
     q, k and v), the projection's (a flash kernel keeps its output, that input, at e bytes beside), the MLP's (the
     gate and up share one) and its down projection's, and each expert slot's token; a MoE layer's router keeps the
-    MLP's input at e bytes, and each shared expert its copy."""
+    MLP's input at e bytes, and each shared expert its copy.
+
+    Under op recomputation (`OP`) a block keeps its input and what the policy saves: q, v, the attention's output
+    and its float32 log-sum-exp per head, the MLP's gate (SwiGLU) or first layer's output, and a SwiGLU's down
+    projection's output (h); on one tensor rank, a dense block (`problem` says so of a layout)."""
     h, a, kv = gpt.hidden, gpt.heads, gpt.kv_width
+    if recompute == OP:
+        if moe or t > 1:
+            raise ValueError("op recomputation (torchtitan's policy) is priced for dense blocks on one tensor rank")
+        return s * b * (e * (h + 2 * gpt.q_width + kv + gpt.ffn_ + (h if gpt.gated else 0)) + 4.0 * a)
     acts = (3 if kernel == "fused" else 4) if gpt.gated else 2
     f = e if linear_input is None else linear_input
     mlp = (acts - 1) * e + f  # an MLP's bytes per ffn value: the last one it keeps is the down projection's input
@@ -728,7 +770,10 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     (expert x expert_tensor) ranks that hold the same experts); activations as `layer_activations` counts them, the
     MoE layers at their share of a stage's layers. Under context parallelism the rank's s/c rows keep no (s/c) x
     (s/c) softmax block: ring attention (lab 15) keeps its output and a log-sum-exp per row and head, as the "flash"
-    kernel does."""
+    kernel does. ZeRO-3 over more than one rank also holds, at the recipe's all-gather width, the whole parameters
+    of the unit it computes and of the one it gathers ahead (FSDP's prefetch): "gathered", the embeddings' unit and
+    a layer on a stage that holds embeddings (at the last stage's loss, the output layer its backward needs, and the
+    last layer), else two layers; 0 otherwise."""
     lay, gpt = layout, busiest(gpt, layout)
     prec = recipe(lay.precision)
     s_local = gpt.seq // lay.context
@@ -745,6 +790,13 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
             (("parameters", prec.weights), ("gradients", prec.gradients), ("optimizer", prec.optimizer))
         )
     }
+    # ZeRO-3 (FSDP) also holds the whole parameters of the unit computing and of the one it gathers ahead: at the
+    # last stage's loss, the embeddings' unit (with the output layer the loss's backward needs) and a layer
+    state["gathered"] = 0.0
+    if lay.zero == 3 and replicas > 1:
+        embeddings = stage_embeddings(gpt, lay) / lay.tensor
+        one_layer = (dense + expert - embeddings) / (gpt.layers // lay.pipeline)
+        state["gathered"] = prec.allgather * (max(embeddings, one_layer) + one_layer)
     kernel = "flash" if lay.context > 1 and lay.kernel == "local" else lay.kernel
     e = prec.activations
     float8_inputs = 1.0 if kernel == "fused" and prec.compute == "fp8" else None  # Transformer Engine's linear layers
@@ -774,6 +826,12 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
         inputs = s_local * lay.micro_batch * gpt.hidden * e / (lay.tensor if lay.sequence_parallel else 1)
         kept = rerun * inputs + (1 - rerun) * average("none")  # the layers not rerun keep everything
         working = max(layer(False, "none"), layer(True, "none") if share else 0.0)
+    elif lay.recompute == OP:
+        # what the policy saved; while a layer's backward reruns it, that layer holds what it keeps without
+        # recomputation and the down projection's output the policy saved beside (a SwiGLU's), no more
+        kept = layer(False, OP)
+        down = s_local * lay.micro_batch * gpt.hidden * e if gpt.gated else 0.0
+        working = layer(False, "none") + down - kept
     else:
         kept = average(lay.recompute)
         working = 0.0
