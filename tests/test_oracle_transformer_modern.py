@@ -131,15 +131,17 @@ def test_fsdp_overlap_hides_the_gathers_under_the_layers():
 
 def test_fsdp_holds_the_whole_parameters_of_the_unit_computing_and_of_the_next():
     gpt = replace(LLAMA3_8B, layers=4)
-    lay = Layout(data=8, batch=8, zero=3, kernel="flash")
+    lay = Layout(data=8, batch=8, zero=3, kernel="flash", overlap=True)
     embeddings = 2 * gpt.vocab * gpt.hidden  # untied: word embedding and output layer, on the one stage
     layer = gpt.layer_parameters()
     assert rank_memory(gpt, lay)["gathered"] == pytest.approx(2 * (embeddings + layer))
+    one_at_a_time = rank_memory(gpt, lay.with_(overlap=False))["gathered"]  # lab 13's engine: none gathered ahead
+    assert one_at_a_time == pytest.approx(2 * embeddings)
     fp8 = rank_memory(gpt, lay.with_(precision="fp8"))["gathered"]  # gathered as sent: a byte each under float8
     assert fp8 == pytest.approx(embeddings + layer)
     tensor = rank_memory(gpt, lay.with_(data=4, tensor=2))["gathered"]
     assert tensor == pytest.approx((embeddings + layer) * 2 / 2)  # each tensor rank gathers its share
-    staged = Layout(data=4, pipeline=4, batch=16, zero=3, kernel="flash")  # the first or last stage: one embedding
+    staged = lay.with_(data=4, pipeline=4, batch=16)  # the first or last stage: one embedding
     assert rank_memory(replace(gpt, layers=8), staged)["gathered"] == pytest.approx(2 * (embeddings / 2 + layer))
     small_vocabulary = replace(gpt, layers=8, vocab=1000)  # a layer larger than the embeddings: two layers
     assert rank_memory(small_vocabulary, staged)["gathered"] == pytest.approx(2 * 2 * layer)

@@ -50,8 +50,8 @@ Memory of the busiest rank (the first or the last stage):
   Models", SC 2020): with mixed-precision Adam 2 + 2 + 12 = 16 bytes per parameter;
   stage 1 shards the optimizer (4 + 12/D), stage 2 the gradients too (2 + 14/D), stage 3
   everything (16/D), D = d c the ranks holding the same weights; float32: 4 + 4 + 8, float64 8 + 8 + 16;
-  stage 3 also holds whole the parameters of the unit it computes and of the one it gathers ahead ("gathered":
-  the embeddings' unit and a layer on a stage with embeddings, the output layer being the loss's; else two layers);
+  stage 3 also holds whole the parameters of the unit it computes and, with `overlap`, of the one it gathers ahead
+  ("gathered": the embeddings' unit, the output layer being the loss's, or a layer; and a layer);
 - activations (Korthikanti et al., section 4, `ddlab.tensor_parallel.formulas`): a layer keeps
   sbh (10 + 24/t + 5as/(ht)) bytes at 2-byte activations, sbh (34/t + 5as/(ht)) with sequence
   parallelism, with s the rank's s/c tokens; selective recomputation drops the attention
@@ -771,9 +771,9 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
     MoE layers at their share of a stage's layers. Under context parallelism the rank's s/c rows keep no (s/c) x
     (s/c) softmax block: ring attention (lab 15) keeps its output and a log-sum-exp per row and head, as the "flash"
     kernel does. ZeRO-3 over more than one rank also holds, at the recipe's all-gather width, the whole parameters
-    of the unit it computes and of the one it gathers ahead (FSDP's prefetch): "gathered", the embeddings' unit and
-    a layer on a stage that holds embeddings (at the last stage's loss, the output layer its backward needs, and the
-    last layer), else two layers; 0 otherwise."""
+    of the unit it computes ("gathered": the embeddings' unit on a stage that holds embeddings, the output layer the
+    last stage's loss needs for its backward, else a layer) and, with `overlap`, of the one it gathers ahead (FSDP's
+    prefetch: a layer); 0 otherwise."""
     lay, gpt = layout, busiest(gpt, layout)
     prec = recipe(lay.precision)
     s_local = gpt.seq // lay.context
@@ -790,13 +790,13 @@ def rank_memory(gpt: GPT, layout: Layout) -> dict[str, float]:
             (("parameters", prec.weights), ("gradients", prec.gradients), ("optimizer", prec.optimizer))
         )
     }
-    # ZeRO-3 (FSDP) also holds the whole parameters of the unit computing and of the one it gathers ahead: at the
-    # last stage's loss, the embeddings' unit (with the output layer the loss's backward needs) and a layer
+    # ZeRO-3 (FSDP) also holds the whole parameters of the unit computing (at the last stage's loss, the embeddings'
+    # unit, with the output layer the loss's backward needs) and, overlapped, of the one it gathers ahead (a layer)
     state["gathered"] = 0.0
     if lay.zero == 3 and replicas > 1:
         embeddings = stage_embeddings(gpt, lay) / lay.tensor
         one_layer = (dense + expert - embeddings) / (gpt.layers // lay.pipeline)
-        state["gathered"] = prec.allgather * (max(embeddings, one_layer) + one_layer)
+        state["gathered"] = prec.allgather * (max(embeddings, one_layer) + (one_layer if lay.overlap else 0.0))
     kernel = "flash" if lay.context > 1 and lay.kernel == "local" else lay.kernel
     e = prec.activations
     float8_inputs = 1.0 if kernel == "fused" and prec.compute == "fp8" else None  # Transformer Engine's linear layers
