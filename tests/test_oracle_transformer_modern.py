@@ -3,6 +3,9 @@ ring attention's memory, and the published runs it is validated against (never f
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import weakref
 from dataclasses import replace
 
@@ -295,7 +298,7 @@ def test_the_loss_holds_the_copies_of_the_logits_torch_allocates(loss, dtype, pr
     e = 2 if precision == "bf16" else 4
     counted = rank_memory(gpt, lay)["activations"] - 2 * s * h * e
     assert counted == pytest.approx(live.peak, rel=0.02)
-    assert "choose one of fused, eager, in-place" in problem(gpt, Layout(loss="chunked"))
+    assert "choose one of fused, eager, in-place, parallel" in problem(gpt, Layout(loss="chunked"))
     # each stand-in is a cross entropy: its gradient is torch's
     wide = x.detach().float().requires_grad_()
     F.cross_entropy(wide @ w.detach().float().t(), labels).backward()
@@ -422,6 +425,68 @@ def test_op_recomputation_is_priced_where_torchtitan_runs_it():
     assert full < op < none
     times = [predict(gpt, lay.with_(recompute=r), _flat()).seconds["compute"] for r in ("none", "op", "full")]
     assert times[0] < times[1] < times[2]
+
+
+#: One step of torch's cross entropy on a float32 copy of bfloat16 logits, eager or under `loss_parallel` (a DTensor
+#: sharded over the vocabulary, on a mesh of one rank), whose work a dispatch mode does not see (it runs on the local
+#: tensors inside the DTensor's own dispatch). So the process's resident memory is measured instead: with every buffer
+#: above 64 KiB its own mapping (MALLOC_MMAP_THRESHOLD_), freed to the system when torch frees it, the peak resident
+#: size (VmHWM, reset through /proc/self/clear_refs) above the step's start is the peak of the buffers it allocated.
+_RESIDENT_PEAK = """
+import sys, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+def resident():
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return [int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")]
+
+s, h, vocab = 4096, 8, 8192
+torch.manual_seed(0)
+x = torch.randn(s, h, dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(vocab, h, dtype=torch.bfloat16, requires_grad=True)
+labels = torch.randint(vocab, (s,))
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+mesh = init_device_mesh("cpu", (1,))
+x_d, w_d = DTensor.from_local(x, mesh, [Replicate()]), distribute_tensor(w.detach(), mesh, [Shard(0)])
+w_d.requires_grad_()
+
+def step(parallel):
+    if parallel:
+        pred = x_d @ w_d.t()  # sharded over the vocabulary
+        with loss_parallel():
+            loss = F.cross_entropy(pred.float(), labels)
+            del pred  # as torchtitan's train step does
+            loss.backward()
+    else:
+        pred = x @ w.t()
+        loss = F.cross_entropy(pred.float(), labels)
+        del pred
+        loss.backward()
+
+for parallel in (False, True):
+    step(parallel)  # once first: the gradients' buffers and torch's own
+    base, _ = resident()
+    open("/proc/self/clear_refs", "w").write("5")
+    step(parallel)
+    print((resident()[1] - base) / (s * vocab))
+dist.destroy_process_group()
+"""
+
+
+def test_torchs_loss_parallel_holds_four_float32_copies_of_the_logits():
+    if sys.platform != "linux":
+        pytest.skip("measures the resident memory through Linux's /proc")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _RESIDENT_PEAK], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    eager, parallel = (float(line) for line in done.stdout.split())
+    gpt, s, vocab = GPT(layers=2, hidden=8, heads=1, seq=4096, vocab=8192), 4096, 8192
+    for loss, measured in (("eager", eager), ("parallel", parallel)):
+        lay = Layout(loss=loss, precision="bf16", recompute="full")  # every layer keeps its input only
+        counted = rank_memory(gpt, lay)["activations"] - 2 * s * 8 * 2
+        assert counted / (s * vocab) == pytest.approx(measured, rel=0.02), loss  # the eager loss: the method's check
 
 
 def test_the_loss_is_never_beside_a_rerun_layer():

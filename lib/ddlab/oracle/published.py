@@ -347,8 +347,8 @@ def _titan(seq: int, fsdp: int, cp: int) -> Layout:
 def _titan_2d(async_tp: bool) -> Layout:
     """torchtitan's Table 4: the 70B on 256 GPUs, FSDP 32 x TP 8 (sequence parallel: its TP plan shards the norms'
     tokens), local batch 16 in one micro-batch, full recomputation, float8, the loss on each rank's share of the
-    vocabulary (`loss_parallel`), with AsyncTP (the collectives cut into pieces under the matrix multiplications) or
-    without. Its sequence: the 8,192 of train_configs/llama3_70b.toml at 9dec370, as for Table 1."""
+    vocabulary (torch's `loss_parallel`, which torchtitan's train.py at 9dec370 enters under tensor parallelism: the
+    "parallel" loss), with AsyncTP (the collectives cut into pieces under the matrix multiplications) or without. Its sequence: the 8,192 of train_configs/llama3_70b.toml at 9dec370, as for Table 1."""
     return Layout(
         data=32,
         tensor=8,
@@ -361,7 +361,7 @@ def _titan_2d(async_tp: bool) -> Layout:
         sequence_parallel=True,
         overlap=True,
         tensor_overlap=async_tp,
-        loss="eager",
+        loss="parallel",
     )
 
 

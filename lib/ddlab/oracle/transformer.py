@@ -171,9 +171,12 @@ KERNELS = ("local", "flash", "fused")
 #: Engine's `parallel_cross_entropy` (transformer_engine/pytorch/cross_entropy.py; Megatron-Core's
 #: `cross_entropy_fusion_impl="te"`, which Megatron-Bridge's performance scripts set for every run,
 #: scripts/performance/utils/helpers.py, `set_common_perf_overrides`): its forward kernel writes the gradient over
-#: the logits it was given, a row at a time, and keeps them, with a float32 loss a token, (0, 1).
+#: the logits it was given, a row at a time, and keeps them, with a float32 loss a token, (0, 1). "parallel": torch's
+#: `loss_parallel` (torch/distributed/tensor/parallel/loss.py; torchtitan's loss under tensor parallelism), the eager
+#: loss on each rank's share of the vocabulary: its backward forms zeros, the exponent of the saved log-probabilities,
+#: their sum and the product with the gradient, beside those log-probabilities, (4, 0).
 #: tests/test_oracle_transformer_modern.py measures each on a small model.
-LOSSES = {"fused": (1, 1), "eager": (3, 0), "in-place": (0, 1)}
+LOSSES = {"fused": (1, 1), "eager": (3, 0), "in-place": (0, 1), "parallel": (4, 0)}
 #: The share of a causal model's score blocks a "flash" kernel computes: it skips the blocks above the diagonal,
 #: every key after every query (Dao, "FlashAttention-2", 2023, section 3.1: about half), so it does half the
 #: attention's 4 s^2 h; Megatron-Bridge's model FLOPs count halves that term too (its llama3_flops:
