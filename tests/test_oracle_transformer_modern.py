@@ -420,6 +420,8 @@ def test_op_recomputation_is_priced_where_torchtitan_runs_it():
     assert "tensor 1" in problem(replace(gpt, heads=4), lay.with_(tensor=2, data=1))
     assert "without biases or dropout" in problem(replace(gpt, bias=True), lay)
     assert "without biases or dropout" in problem(replace(gpt, experts=4, top_k=2), lay)
+    with pytest.raises(ValueError, match="dense blocks on one tensor rank"):
+        layer_activations(gpt, gpt.seq, 1, 2, False, 2, "op", False, "flash")
     none, op = (rank_memory(gpt, lay.with_(recompute=r))["activations"] for r in ("none", "op"))
     full = rank_memory(gpt, lay.with_(recompute="full"))["activations"]
     assert full < op < none

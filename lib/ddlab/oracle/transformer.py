@@ -50,7 +50,7 @@ Memory of the busiest rank (the first or the last stage):
   Models", SC 2020): with mixed-precision Adam 2 + 2 + 12 = 16 bytes per parameter;
   stage 1 shards the optimizer (4 + 12/D), stage 2 the gradients too (2 + 14/D), stage 3
   everything (16/D), D = d c the ranks holding the same weights; float32: 4 + 4 + 8, float64 8 + 8 + 16;
-  stage 3 also holds whole the parameters of the unit it computes and, with `overlap`, of the one it gathers ahead
+  stage 3 also holds the whole parameters of the unit it computes and, with `overlap`, of the one it gathers ahead
   ("gathered": the embeddings' unit, the output layer being the loss's, or a layer; and a layer);
 - activations (Korthikanti et al., section 4, `ddlab.tensor_parallel.formulas`): a layer keeps
   sbh (10 + 24/t + 5as/(ht)) bytes at 2-byte activations, sbh (34/t + 5as/(ht)) with sequence
@@ -104,8 +104,8 @@ RECOMPUTE = ("none", "selective", "full")
 #: torchtitan's op-level selective checkpointing (`selective_ac_option = "op"`; its parallelize_llama.py at 9dec370,
 #: `_save_list` and `_custom_policy`), a fourth `Layout.recompute` beside `RECOMPUTE` (which lab 16's exercises and
 #: the layout search take): a block reruns its forward in the backward, keeping only its input and what the policy
-#: saves, the output of every other matrix multiplication (`aten.mm`: q, v, the MLP's gate or first layer, the down
-#: projection) and of the attention kernel (its output and a float32 log-sum-exp per row and head). Priced for
+#: saves, the output of every other matrix multiplication (`aten.mm`: q, v, and a SwiGLU's gate and down projection
+#: or a GELU MLP's first layer) and of the attention kernel (its output and a float32 log-sum-exp per row and head). Priced for
 #: torchtitan's Llama blocks as they run there: dense, without biases (a linear layer with a bias is an `addmm`,
 #: which the policy does not save) or dropout, on one tensor and one context rank, with a flash kernel.
 OP = "op"
