@@ -158,3 +158,20 @@ def test_ranks_on_several_hosts_keep_tcp_on_the_chosen_interface(monkeypatch):
     monkeypatch.setenv(names[0], "eth1")
     assert mpi.network_env("ib0")[names[0]] == "eth1"
     assert mpi.network_env("") == {}  # the transports stay the site's: across hosts TCP or a fabric carries them
+
+
+def test_a_launcher_that_outlives_its_ranks_is_stopped_once_they_have_ended(monkeypatch):
+    """Under ULFM, after a rank's death, mpiexec may wait on when every rank has exited: `run_ranks` stops it
+    LAUNCHER_GRACE seconds after `ended` says so, not at the job's deadline; without `ended`, the deadline holds."""
+    stuck = [sys.executable, "-c", "import time; print('launched', flush=True); time.sleep(120)"]
+    monkeypatch.setattr(mpi, "mpiexec_command", lambda n, fault_tolerant=False: stuck)
+    monkeypatch.setattr(mpi, "LAUNCHER_GRACE", 0.5)
+    start = time.monotonic()
+    done = mpi.run_ranks(2, ["--"], timeout=60, ended=lambda: True)
+    assert time.monotonic() - start < 10 and "launched" in done.stdout
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        mpi.run_ranks(2, ["--"], timeout=2, ended=lambda: False)
+    with pytest.raises(subprocess.TimeoutExpired):
+        mpi.run_ranks(2, ["--"], timeout=2)
+    assert time.monotonic() - start < 20  # each at its deadline

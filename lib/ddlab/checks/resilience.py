@@ -72,6 +72,8 @@ def _job_problem(
             return refusal(outcome.value[1][0])
     if result.timed_out:
         stuck = [f"rank {r} at {_where(s)}" for r, s in sorted(result.stacks.items()) if r not in result.outcomes]
+        if unstarted := sorted(set(range(result.ranks)) - result.started):
+            stuck.append(f"ranks {unstarted} never got through MPI's start-up (the launcher's part, not your code)")
         return (
             f"{exercise} did not finish within {seconds:.0f} s (the job was killed); still running: "
             f"{'; '.join(stuck) or 'every survivor'}. {stuck_hint}"

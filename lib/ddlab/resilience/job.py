@@ -4,9 +4,11 @@
 starts `python -m ddlab.resilience.runner FOLDER` on n ranks with `mpiexec --with-ft ulfm`
 (`ddlab.runtime.mpi`, fault_tolerant=True), and on each rank calls `target(comm)`, comm a duplicate of
 the world whose errors are returned (MPI.ERRORS_RETURN), so a dead peer is an exception to handle.
-Each rank's outcome goes to a file; ranks that die leave none. At the deadline the whole job is killed
-(mpiexec and every rank of its session: no orphan), and the outcomes written so far are still read, with
-the stack of every rank still running shortly before it (`stacks`: where it waited).
+Each rank's outcome goes to a file; ranks that die leave none. Once every rank has exited, the launcher (which,
+under ULFM, may outlive a job with a dead rank) is stopped after `mpi.LAUNCHER_GRACE` s. At the deadline the whole
+job is killed (mpiexec and every rank of its session: no orphan), and the outcomes written so far are still read,
+with the stack of every rank still running shortly before it (`stacks`: where it waited) and which ranks got
+through MPI's start-up (`started`).
 
 `Failure(rank, call, delay)` is a death planned by `Probe`, the problem wrapper the job's ranks train
 on: world rank `rank` is SIGKILLed at its `call`-th `loss_and_grad`, at once (delay 0) or `delay`
@@ -16,6 +18,7 @@ also logs, per rank, which samples each call used, so a check can say which were
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -59,6 +62,8 @@ class JobResult:
     output: str
     calls: dict[int, list[list[int]]] = field(default_factory=dict)  # rank -> the sample ids of each call
     stacks: dict[int, str] = field(default_factory=dict)  # rank -> where it was near the deadline, if still running
+    started: set[int] = field(default_factory=set)  # the ranks that got through MPI's start-up
+    ranks: int = 0  # the job's size
 
     def survivors(self) -> list[int]:
         return sorted(self.outcomes)
@@ -108,6 +113,22 @@ def probe(problem: Regression, failures: list[Failure]) -> Probe:
     return Probe(problem, failures, rank, folder / f"calls.{rank}.jsonl")
 
 
+def _ranks_ended(folder: Path, n: int) -> bool:
+    """Whether every rank of the job in `folder` started (its pid file) and has exited (gone, or a zombie)."""
+    import psutil
+
+    files = [folder / f"pid.{rank}" for rank in range(n)]
+    if not all(file.exists() for file in files):
+        return False
+    for file in files:
+        try:
+            if psutil.Process(int(file.read_text())).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
 def run_job(target: Callable[[Any], Any], n: int, timeout: float) -> JobResult:
     """Run target(comm) on n ranks of a fault-tolerant job; kill it all after `timeout` seconds."""
     import cloudpickle  # type: ignore[import-untyped]
@@ -121,7 +142,8 @@ def run_job(target: Callable[[Any], Any], n: int, timeout: float) -> JobResult:
         command = [sys.executable, "-m", "ddlab.resilience.runner", str(folder)]
         timed_out = False
         try:
-            done = mpi.run_ranks(n, command, timeout=timeout, fault_tolerant=True)
+            ended = functools.partial(_ranks_ended, folder, n)
+            done = mpi.run_ranks(n, command, timeout=timeout, fault_tolerant=True, ended=ended)
             output = done.stdout or ""
         except subprocess.TimeoutExpired as err:
             timed_out, output = True, str(err.output or "")
@@ -138,4 +160,5 @@ def run_job(target: Callable[[Any], Any], n: int, timeout: float) -> JobResult:
             stack = folder / f"stack.{rank}.txt"
             if stack.exists() and stack.stat().st_size:
                 stacks[rank] = stack.read_text()
-        return JobResult(outcomes, timed_out, output, calls, stacks)
+        started = {rank for rank in range(n) if (folder / f"pid.{rank}").exists()}
+        return JobResult(outcomes, timed_out, output, calls, stacks, started, n)

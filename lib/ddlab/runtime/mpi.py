@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -259,12 +260,25 @@ def kill_session(proc: subprocess.Popen, grace: float = 5.0) -> None:
                 other.kill()
 
 
+#: Seconds the launcher has to exit on its own once every rank it started has exited (`run_ranks`' `ended`).
+LAUNCHER_GRACE = 5.0
+#: Seconds between two looks at whether the ranks have ended.
+POLL = 0.2
+
+
 def run_ranks(
-    n: int, command: list[str], timeout: float | None = None, fault_tolerant: bool = False, **kwargs: Any
+    n: int,
+    command: list[str],
+    timeout: float | None = None,
+    fault_tolerant: bool = False,
+    ended: Callable[[], bool] | None = None,
+    **kwargs: Any,
 ) -> subprocess.CompletedProcess:
     """Run `command` on n ranks; on timeout kill mpiexec and every rank it started.
 
     fault_tolerant: launch with ULFM (see launcher_args), so ranks survive another rank's death.
+    ended: whether every rank has exited; once it says so, mpiexec has LAUNCHER_GRACE seconds to exit before
+    it is stopped (under ULFM, after a rank's death, the launcher may outlive the ranks it waits for).
     Output is captured (text) unless `stdout`/`stderr` are given. Raises
     subprocess.TimeoutExpired, with whatever was printed, after killing the job.
     """
@@ -273,8 +287,24 @@ def run_ranks(
     proc = subprocess.Popen(
         mpiexec_command(n, fault_tolerant) + command, env=launch_env(n), text=True, start_new_session=True, **kwargs
     )
+    deadline = None if timeout is None else time.monotonic() + timeout
+    since: float | None = None  # when `ended` first said every rank had exited
     try:
-        out, err = proc.communicate(timeout=timeout)
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                out, err = proc.communicate(
+                    timeout=left if ended is None else min(POLL, POLL if left is None else left)
+                )
+                break
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                since = since or (time.monotonic() if ended is not None and ended() else None)
+                if since is not None and time.monotonic() - since > LAUNCHER_GRACE:
+                    kill_session(proc)
+                    out, err = proc.communicate()
+                    break
     except subprocess.TimeoutExpired:
         kill_session(proc)
         out, err = proc.communicate()
