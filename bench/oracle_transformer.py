@@ -7,15 +7,15 @@ the accuracy 1 - |pred - meas| / meas (ParaDL's measure, Kahira et al., HPDC 202
 planner's fastest layout under the 80 GB budget (every mesh d x t x p x c, ZeRO 0-3,
 micro-batches 1-8, the three recomputations, sequence parallelism or not), its predicted
 throughput (counted as Narayanan et al. count it, with the recomputation's FLOPs, so the two
-compare) and why it is faster, and the fastest mesh with the paper's own options; then the mean accuracy, and how much the table moves with the
-one assumed figure (the message latency alpha) set to 0. Then the runs of 2024-26 (`ddlab.oracle.published.MODERN`:
-Llama 3 models on H100 and B200 nodes, each row's source cited) predicted on the platforms of their datasheets at
-the default efficiency, never fitted to them: published and predicted tokens per second per GPU, and memory where
-published, with the accuracies and their mean; each row's FLOPs per token beside the count its source publishes;
-torchtitan's rows again on their own machine, its efficiencies set
-from the same file's Table 1, and that table's memory, which the calibration does not use; lab 16's two searches (every mesh, ZeRO stage, recomputation and
-pipeline schedule), timed. One process; no MPI. Each target ends in a line "verdict: ..." with the figure beside
-it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet), 5-15 minutes with the planner.
+compare) and why it is faster, and the fastest mesh with the paper's own options; then the mean accuracy, and how
+much the table moves with the one assumed figure (the message latency alpha) set to 0. Then the runs of 2024-26
+(`ddlab.oracle.published.MODERN`: Llama 3 models on H100 and B200 nodes, each row's source cited) predicted on the
+platforms of their datasheets at the default efficiency, never fitted to them: published and predicted tokens per
+second per GPU, and memory where published, with the accuracies and their mean; each row's FLOPs per token beside the
+count its source publishes; torchtitan's rows again on their own machine, its efficiencies set from the same file's
+Table 1, and that table's memory, which the calibration does not use; lab 16's two searches (every mesh, ZeRO stage,
+recomputation and pipeline schedule), timed. One process; no MPI. Each target ends in a line "verdict: ..." with the
+figure beside it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet), 5-15 minutes with the planner.
 
     .venv/bin/python bench/oracle_transformer.py [--rows 10] [--no-plan] [--efficiency 0.43]
 """
@@ -192,11 +192,11 @@ def titan_calibrated() -> None:
     )
     accuracies = []
     for run in (run for run in MODERN if run.hardware is H100_96GB):
-        pred = predict(run.gpt, run.layout, platform)
-        accuracies.append(accuracy(pred.tokens_per_device(), run.tokens_per_gpu))
+        tokens = predict(run.gpt, run.layout, platform).tokens_per_device()
+        accuracies.append(accuracy(tokens, run.tokens_per_gpu))
         print(
             f"  {run.gpt.name:11} {run.gpt.seq:6d} tokens, {run.layout.label:76} published {run.tokens_per_gpu:5.0f}, "
-            f"predicted {pred.tokens_per_device():5.0f} tokens/s per GPU ({pred.tokens_per_device() / run.tokens_per_gpu:.2f}x), "
+            f"predicted {tokens:5.0f} tokens/s per GPU ({tokens / run.tokens_per_gpu:.2f}x), "
             f"accuracy {accuracies[-1]:.3f}"
         )
     close = sum(acc >= 0.85 for acc in accuracies)

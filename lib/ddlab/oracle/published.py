@@ -348,7 +348,8 @@ def _titan_2d(async_tp: bool) -> Layout:
     """torchtitan's Table 4: the 70B on 256 GPUs, FSDP 32 x TP 8 (sequence parallel: its TP plan shards the norms'
     tokens), local batch 16 in one micro-batch, full recomputation, float8, the loss on each rank's share of the
     vocabulary (torch's `loss_parallel`, which torchtitan's train.py at 9dec370 enters under tensor parallelism: the
-    "parallel" loss), with AsyncTP (the collectives cut into pieces under the matrix multiplications) or without. Its sequence: the 8,192 of train_configs/llama3_70b.toml at 9dec370, as for Table 1."""
+    "parallel" loss), with AsyncTP (the collectives cut into pieces under the matrix multiplications) or without.
+    Its sequence: the 8,192 of train_configs/llama3_70b.toml at 9dec370, as for Table 1."""
     return Layout(
         data=32,
         tensor=8,
@@ -449,6 +450,12 @@ def _megatron_moe(gpt: GPT, gpus: int, batch: int, micro: int, t: int, p: int, v
     return replace(_megatron(gpt, gpus, batch, micro, t, p, v, 0), expert=ep, tensor_overlap=False)
 
 
+def _titan_run(gpt: GPT, layout: Layout, tokens: float, gib: float, table: str) -> ModernRun:
+    """A row of torchtitan's benchmark file: its tokens/s per GPU and peak memory (GiB), on its H100s; `table`, the
+    table's number and title."""
+    return ModernRun(gpt, layout, H100_96GB, tokens, gib * 2**30, f"{_TITAN}, Table {table}")
+
+
 #: The validation rows: never used to set a figure of the oracle or its platforms. Every DGX-H100 and DGX-B200 row of
 #: Megatron-Bridge's 25.11 summary whose model the oracle states (Llama 3 8B and 70B; Llama 3.1 405B: Dubey et al.,
 #: 2024, Table 3, 126 layers of width 16,384, FFN 53,248, 128 heads, 8 key/value heads; the Qwen3 mixtures of
@@ -479,13 +486,8 @@ MODERN = (
         )
     ),
     *(
-        ModernRun(
-            replace(LLAMA3_8B, seq=seq),
-            _titan(seq, fsdp, cp),
-            H100_96GB,
-            tps,
-            gib * 2**30,
-            _TITAN + ", Table 2 (FSDP + CP + torch.compile + Float8)",
+        _titan_run(
+            replace(LLAMA3_8B, seq=seq), _titan(seq, fsdp, cp), tps, gib, "2 (FSDP + CP + torch.compile + Float8)"
         )
         for seq, fsdp, cp, tps, gib in (
             (32768, 8, 1, 3890, 83.9),
@@ -495,24 +497,14 @@ MODERN = (
         )
     ),
     *(
-        ModernRun(
-            LLAMA3_8B,
-            titan_table1_layout(precision, 128),
-            H100_96GB,
-            tps,
-            gib * 2**30,
-            _TITAN + ", Table 3 (FSDP on 128 GPUs + torch.compile, + Float8)",
+        _titan_run(
+            LLAMA3_8B, titan_table1_layout(precision, 128), tps, gib, "3 (FSDP on 128 GPUs + torch.compile, + Float8)"
         )
         for precision, tps, gib in (("bf16", 6514, 62.0), ("fp8", 8380, 61.8))
     ),
     *(
-        ModernRun(
-            LLAMA3_70B,
-            _titan_2d(overlap),
-            H100_96GB,
-            tps,
-            gib * 2**30,
-            _TITAN + ", Table 4 (FSDP 32 x TP 8 + torch.compile + Float8, AsyncTP or not)",
+        _titan_run(
+            LLAMA3_70B, _titan_2d(overlap), tps, gib, "4 (FSDP 32 x TP 8 + torch.compile + Float8, AsyncTP or not)"
         )
         for overlap, tps, gib in ((False, 829, 71.9), (True, 876, 67.6))
     ),

@@ -105,9 +105,9 @@ RECOMPUTE = ("none", "selective", "full")
 #: `_save_list` and `_custom_policy`), a fourth `Layout.recompute` beside `RECOMPUTE` (which lab 16's exercises and
 #: the layout search take): a block reruns its forward in the backward, keeping only its input and what the policy
 #: saves, the output of every other matrix multiplication (`aten.mm`: q, v, and a SwiGLU's gate and down projection
-#: or a GELU MLP's first layer) and of the attention kernel (its output and a float32 log-sum-exp per row and head). Priced for
-#: torchtitan's Llama blocks as they run there: dense, without biases (a linear layer with a bias is an `addmm`,
-#: which the policy does not save) or dropout, on one tensor and one context rank, with a flash kernel.
+#: or a GELU MLP's first layer) and of the attention kernel (its output and a float32 log-sum-exp per row and head).
+#: Priced for torchtitan's Llama blocks as they run there: dense, without biases (a linear layer with a bias is an
+#: `addmm`, which the policy does not save) or dropout, on one tensor and one context rank, with a flash kernel.
 OP = "op"
 NORMS = ("layernorm", "rmsnorm")
 #: Bytes per parameter (weights, gradients, Adam's state); activations take the weights' size.

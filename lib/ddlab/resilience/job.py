@@ -113,11 +113,16 @@ def probe(problem: Regression, failures: list[Failure]) -> Probe:
     return Probe(problem, failures, rank, folder / f"calls.{rank}.jsonl")
 
 
+def pid_file(folder: Path, rank: int) -> Path:
+    """Where a rank of the job in `folder` writes its process id once through MPI's start-up (the runner)."""
+    return folder / f"pid.{rank}"
+
+
 def _ranks_ended(folder: Path, n: int) -> bool:
     """Whether every rank of the job in `folder` started (its pid file) and has exited (gone, or a zombie)."""
     import psutil
 
-    files = [folder / f"pid.{rank}" for rank in range(n)]
+    files = [pid_file(folder, rank) for rank in range(n)]
     if not all(file.exists() for file in files):
         return False
     for file in files:
@@ -160,5 +165,5 @@ def run_job(target: Callable[[Any], Any], n: int, timeout: float) -> JobResult:
             stack = folder / f"stack.{rank}.txt"
             if stack.exists() and stack.stat().st_size:
                 stacks[rank] = stack.read_text()
-        started = {rank for rank in range(n) if (folder / f"pid.{rank}").exists()}
+        started = {rank for rank in range(n) if pid_file(folder, rank).exists()}
         return JobResult(outcomes, timed_out, output, calls, stacks, started, n)

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from .job import Outcome
+from .job import Outcome, pid_file
 
 
 def main(folder: Path) -> None:
@@ -25,9 +25,10 @@ def main(folder: Path) -> None:
 
     os.environ["DDLAB_JOB_FOLDER"] = str(folder)
     rank = MPI.COMM_WORLD.Get_rank()
-    part = folder / f"pid.{rank}.part"  # run_job's sign that this rank started, and which process to look at
+    started = pid_file(folder, rank)  # run_job's sign that this rank started, and which process to look at
+    part = started.with_name(started.name + ".part")
     part.write_text(str(os.getpid()))
-    part.rename(folder / f"pid.{rank}")
+    part.rename(started)
     # Where a rank was stuck, if it still runs near the deadline: the check names the call it waited in.
     stack = (folder / f"stack.{rank}.txt").open("w")
     faulthandler.dump_traceback_later(float((folder / "dump_after").read_text()), file=stack)

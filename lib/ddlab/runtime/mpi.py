@@ -292,15 +292,16 @@ def run_ranks(
     try:
         while True:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if ended is not None:  # look at the ranks every POLL seconds
+                left = POLL if left is None else min(POLL, left)
             try:
-                out, err = proc.communicate(
-                    timeout=left if ended is None else min(POLL, POLL if left is None else left)
-                )
+                out, err = proc.communicate(timeout=left)
                 break
             except subprocess.TimeoutExpired:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
-                since = since or (time.monotonic() if ended is not None and ended() else None)
+                if since is None and ended is not None and ended():
+                    since = time.monotonic()
                 if since is not None and time.monotonic() - since > LAUNCHER_GRACE:
                     kill_session(proc)
                     out, err = proc.communicate()
