@@ -13,9 +13,11 @@ much the table moves with the one assumed figure (the message latency alpha) set
 platforms of their datasheets at the default efficiency, never fitted to them: published and predicted tokens per
 second per GPU, and memory where published, with the accuracies and their mean; each row's FLOPs per token beside the
 count its source publishes; torchtitan's rows again on their own machine, its efficiencies set from the same file's
-Table 1, and that table's memory, which the calibration does not use; lab 16's two searches (every mesh, ZeRO stage,
-recomputation and pipeline schedule), timed. One process; no MPI. Each target ends in a line "verdict: ..." with the
-figure beside it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet), 5-15 minutes with the planner.
+Table 1, and that table's memory, which the calibration does not use; what torchtitan's memory column measures (the
+caching allocator's reserved peak) beside what the oracle counts, its loss replayed; lab 16's two searches (every
+mesh, ZeRO stage, recomputation and pipeline schedule), timed. One process; no MPI. Each target ends in a line
+"verdict: ..." with the figure beside it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet),
+5-15 minutes with the planner.
 
     .venv/bin/python bench/oracle_transformer.py [--rows 10] [--no-plan] [--efficiency 0.43]
 """
@@ -61,6 +63,7 @@ def main() -> None:
     modern(args.efficiency)
     model_flops()
     titan_calibrated()
+    reserved_replayed()
     lab_searches()
 
     if args.no_plan:
@@ -116,7 +119,7 @@ def modern(efficiency: float | None) -> None:
     print(f"\nruns of 2024-26 at {EFFICIENCY if efficiency is None else efficiency:.0%} of the datasheets' peaks:")
     print(
         f"{'model':14} {'seq':>6} {'GPUs':>5} {'hardware':10} {'layout':72} {'tok/s pub':>9} {'pred':>7} {'acc':>6}  "
-        "peak pred / HBM, memory published"
+        "peak pred / HBM, memory published (reserved)"
     )
     for run, pred, acc, mem in rows:
         memory = "" if mem is None else f", {run.memory / 2**30:.1f} GiB pub, acc {mem:.3f}"
@@ -205,6 +208,51 @@ def titan_calibrated() -> None:
     for precision, gib in TITAN_TABLE1_MEMORY.items():
         peak = predict(LLAMA3_8B, titan_table1_layout(precision), platform).peak / 2**30
         print(f"    {precision}: predicted {peak:.1f} GiB, published {gib:.1f} GiB, accuracy {accuracy(peak, gib):.3f}")
+
+
+def reserved_replayed() -> None:
+    """What torchtitan's memory column measures: torch's `max_memory_reserved`, the segments its caching allocator
+    holds, where the oracle counts the tensors held at the peak (`max_memory_allocated`). torchtitan's loss (bfloat16
+    logits, their float32 copy, torch's cross entropy) traced on this CPU and replayed through the caching
+    allocator's rules (`ddlab.oracle.allocator`), bytes per logit."""
+    import torch
+    import torch.nn.functional as F
+    from ddlab.oracle.allocator import replay, trace
+    from ddlab.oracle.published import validate_modern
+    from ddlab.oracle.transformer import busiest
+
+    tokens, width, vocab = 2048, 8, 8192
+    x = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, width, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(vocab, (tokens,))
+
+    def step() -> None:
+        pred = x @ w.t()
+        loss = F.cross_entropy(pred.float(), labels)
+        del pred  # as torchtitan's train step does
+        loss.backward()
+
+    step()
+    allocator = replay(trace(step))
+    allocated, reserved = (peak / (tokens * vocab) for peak in (allocator.peak_allocated, allocator.peak_reserved))
+    print(
+        f"\ntorchtitan publishes the reserved peak; the oracle counts the allocated one. Its loss, replayed: "
+        f"{allocated:.2f} bytes per logit allocated at the peak, {reserved:.2f} reserved (the 16-bit logits' block, "
+        "freed before the backward asks for float32 blocks it cannot hold)."
+    )
+    for run, pred, _, _ in validate_modern():
+        if run.memory is None:
+            continue
+        lay, gpt = run.layout, busiest(run.gpt, run.layout)
+        logits = lay.micro_batch * gpt.seq // lay.context * gpt.vocab / lay.tensor
+        print(
+            f"  {gpt.name:11} {gpt.seq:6d} tokens on {lay.devices:3d} GPUs: the 16-bit logits {2 * logits / 2**30:4.1f} "
+            f"GiB; published reserved - predicted allocated {(run.memory - pred.peak) / 2**30:5.1f} GiB"
+        )
+    print(
+        "  a later step may place other tensors in that block, and what else the cache holds depends on the order of "
+        "every allocation: the oracle predicts the allocated peak only"
+    )
 
 
 def _met(ok: bool) -> str:

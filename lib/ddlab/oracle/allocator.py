@@ -1,0 +1,130 @@
+"""Why a GPU's reserved memory exceeds its allocated peak: PyTorch's CUDA caching allocator, replayed on a trace.
+
+torch on a GPU does not return a freed tensor's memory to the device: its caching allocator keeps the block and hands
+it to a later request it fits. A request that no cached block fits gets a new segment from the device, so the memory
+torch reserves (`torch.cuda.max_memory_reserved`, what torchtitan's benchmark tables publish) can exceed the peak of
+the memory its tensors hold at once (`max_memory_allocated`, what `transformer.rank_memory` counts).
+
+`trace` records, on this CPU process, every allocation and free a step makes (torch's profiler, which sees the
+allocator under every op, DTensor's included), and `replay` runs that sequence through the rules of the caching
+allocator (c10/cuda/CUDACachingAllocator.cpp, its defaults: no `max_split_size`, no expandable segments, one
+stream):
+
+- a request is rounded up to a multiple of 512 bytes; up to 1 MiB it is "small", larger "large", each pool apart;
+- it takes the smallest free block of its pool that fits (the lowest address among equals), split when the rest is
+  at least 512 bytes (small) or more than 1 MiB (large);
+- failing that, a new segment: 2 MiB for a small request, 20 MiB for a large one under 10 MiB, else the request
+  rounded up to 2 MiB;
+- a freed block merges with the free blocks beside it in its segment; segments are never given back (the allocator
+  does so only when the device runs out, which a replay does not model).
+
+`transformer.reserved_peak` states what the replay shows of a training step's loss.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+MIN_BLOCK = 512
+SMALL = 1 << 20  # the largest small request
+SMALL_SEGMENT = 2 << 20
+LARGE_SEGMENT = 20 << 20  # for large requests under MIN_LARGE
+MIN_LARGE = 10 << 20
+ROUND_LARGE = 2 << 20
+
+#: One event of a trace: (address, bytes), the bytes negative for a free.
+Event = tuple[int, int]
+
+
+def trace(step: Callable[[], object]) -> list[Event]:
+    """The allocations and frees `step` makes on this process's CPU allocator, in order (torch's profiler with
+    `profile_memory`)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    return [(ptr, size) for _, ptr, size in sorted(events)]
+
+
+def _rounded(size: int) -> int:
+    return max(MIN_BLOCK, -(-size // MIN_BLOCK) * MIN_BLOCK)
+
+
+def _segment(size: int) -> int:
+    if size <= SMALL:
+        return SMALL_SEGMENT
+    if size < MIN_LARGE:
+        return LARGE_SEGMENT
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass
+class CachingAllocator:
+    """The caching allocator's state: its segments' blocks, its free blocks by pool, and its peaks (bytes)."""
+
+    free: dict[bool, list[tuple[int, int, int]]] = field(default_factory=lambda: {True: [], False: []})
+    blocks: list[dict[int, int]] = field(default_factory=list)  # per segment: offset -> size
+    taken: dict[int, tuple[bool, int, int, int]] = field(default_factory=dict)  # address -> (small, segment, ...)
+    allocated: int = 0
+    reserved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+
+    def malloc(self, address: int, request: int) -> None:
+        size = _rounded(request)
+        small = size <= SMALL
+        pool = self.free[small]
+        i = bisect.bisect_left(pool, (size, -1, -1))  # the smallest free block that fits, lowest address first
+        if i < len(pool):
+            block, segment, offset = pool.pop(i)
+        else:
+            block, segment, offset = _segment(size), len(self.blocks), 0
+            self.blocks.append({0: block})
+            self.reserved += block
+        rest = block - size
+        if rest >= MIN_BLOCK if small else rest > SMALL:
+            self.blocks[segment][offset], self.blocks[segment][offset + size] = size, rest
+            bisect.insort(pool, (rest, segment, offset + size))
+        else:
+            size = block
+        self.taken[address] = (small, segment, offset, size)
+        self.allocated += size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def release(self, address: int) -> None:
+        small, segment, offset, size = self.taken.pop(address)
+        self.allocated -= size
+        pool, blocks = self.free[small], self.blocks[segment]
+        after = offset + size
+        if after in blocks and (blocks[after], segment, after) in pool:
+            pool.remove((blocks[after], segment, after))
+            size += blocks.pop(after)
+        before = max((o for o in blocks if o < offset), default=None)
+        if before is not None and before + blocks[before] == offset and (blocks[before], segment, before) in pool:
+            pool.remove((blocks[before], segment, before))
+            del blocks[offset]
+            offset, size = before, size + blocks[before]
+        blocks[offset] = size
+        bisect.insort(pool, (size, segment, offset))
+
+
+def replay(events: list[Event]) -> CachingAllocator:
+    """The caching allocator after `events` (frees of memory allocated before the trace began are skipped)."""
+    allocator = CachingAllocator()
+    for address, size in events:
+        if size > 0:
+            allocator.malloc(address, size)
+        elif address in allocator.taken:
+            allocator.release(address)
+    return allocator

@@ -1,0 +1,60 @@
+"""The caching allocator's replay (`ddlab.oracle.allocator`): its rules on hand-made traces, then a real loss's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ddlab.oracle.allocator import CachingAllocator, replay, trace
+from ddlab.oracle.transformer import LOSSES
+
+MiB = 1 << 20
+
+
+def test_a_request_without_a_free_block_that_fits_gets_a_segment_of_its_class():
+    allocator = replay([(1, 100), (2, 5 * MiB), (3, 11 * MiB + 1)])
+    assert allocator.reserved == 2 * MiB + 20 * MiB  # a small buffer; a large one, whose rest holds the 11 MiB
+    assert allocator.allocated == 512 + 5 * MiB + 11 * MiB + 512  # 512 bytes at least, and in steps of 512
+    allocator.malloc(4, 13 * MiB + 1)
+    assert allocator.reserved == 2 * MiB + 20 * MiB + 14 * MiB  # no free block fits: the request, to 2 MiB
+
+
+def test_a_freed_block_serves_the_smallest_request_it_fits_and_is_split():
+    allocator = replay([(1, 40 * MiB), (2, 30 * MiB), (1, -40 * MiB), (2, -30 * MiB), (3, 24 * MiB), (4, 16 * MiB)])
+    assert allocator.reserved == 70 * MiB  # no segment more: 24 MiB from the 30's block, 16 from the 40's
+    _, first, _, _ = allocator.taken[3]
+    _, second, _, _ = allocator.taken[4]
+    assert (first, second) == (1, 0)  # best fit: the 30 MiB segment for 24 MiB, then the 40 MiB one for 16
+    assert replay([(1, 40 * MiB), (1, -40 * MiB), (2, 64 * MiB)]).reserved == 104 * MiB  # too small: a new segment
+
+
+def test_freed_neighbours_merge_and_a_segment_is_never_given_back():
+    allocator = CachingAllocator()
+    for address, size in ((1, 20 * MiB), (1, -20 * MiB), (2, 8 * MiB), (3, 8 * MiB), (2, -8 * MiB), (3, -8 * MiB)):
+        allocator.malloc(address, size) if size > 0 else allocator.release(address)
+    assert allocator.free[False] == [(20 * MiB, 0, 0)]  # the two halves and the rest, one block again
+    assert (allocator.reserved, allocator.allocated) == (20 * MiB, 0)
+    allocator.malloc(4, 20 * MiB)
+    assert allocator.reserved == 20 * MiB
+
+
+def test_torchs_eager_loss_reserves_its_16_bit_logits_beside_its_peak():
+    """bfloat16 logits, their float32 copy and torch's cross entropy, as torchtitan's step runs them: the replay's
+    allocated peak is the oracle's count of the loss (`LOSSES`, three float32 copies), and the 16-bit logits' block,
+    freed before the backward asks for a float32 block it cannot hold, stays reserved beside it."""
+    s, h, vocab = 2048, 8, 8192
+    x = torch.randn(s, h, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, h, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(vocab, (s,))
+
+    def step() -> None:
+        pred = x @ w.t()
+        loss = F.cross_entropy(pred.float(), labels)
+        del pred
+        loss.backward()
+
+    step()  # the gradients of x and w exist before the trace, as after a first step
+    allocator = replay(trace(step))
+    wide, narrow = LOSSES["eager"]
+    assert allocator.peak_allocated / (s * vocab) == pytest.approx(4 * wide + 2 * narrow, rel=0.01)
+    assert allocator.peak_reserved / (s * vocab) == pytest.approx(4 * wide + 2 * narrow + 2, rel=0.01)
