@@ -24,7 +24,10 @@ stream):
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 MIN_BLOCK = 512
@@ -41,19 +44,43 @@ Event = tuple[int, int]
 def trace(step: Callable[[], object]) -> list[Event]:
     """The allocations and frees `step` makes on this process's CPU allocator, in order (torch's profiler with
     `profile_memory`)."""
-    from torch._C._profiler import _EventType
+    from torch._C._profiler import _ExtraFields_Allocation
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _silent_stderr():  # the profiler's own start and stop lines
+        prof.start()
+    try:
         step()
+    finally:
+        with _silent_stderr():
+            prof.stop()
     events: list[tuple[int, int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    results = None if prof.profiler is None else prof.profiler.kineto_results
+    if results is None:
+        raise RuntimeError("torch's profiler kept no events: is another profiler running?")
+    stack = list(results.experimental_event_tree())
     while stack:
         node = stack.pop()
         stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        fields = node.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation):
+            events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
     return [(ptr, size) for _, ptr, size in sorted(events)]
+
+
+@contextmanager
+def _silent_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null (the profiler's native logging writes there, not to `sys.stderr`)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _rounded(size: int) -> int:
