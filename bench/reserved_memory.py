@@ -1,0 +1,66 @@
+"""The caching allocator's reserve beyond the allocated peak, on small models of torchtitan's training step.
+
+torchtitan's benchmark tables publish torch's reserved peak (`max_memory_reserved`); lab 16's oracle counts the
+allocated one. Each configuration below runs three steps as torchtitan's train step does (float32 weights, bfloat16
+autocast, every block checkpointed, an untied output layer, torch's cross entropy on a float32 copy of the logits,
+AdamW), traced on this CPU and replayed through the CUDA caching allocator's rules (`ddlab.oracle.allocator`). It
+prints the allocated and reserved peaks, and the gap in units of the 16-bit logits, the block torchtitan's loss
+leaves cached (tests/test_oracle_allocator.py): whether the gap is that block and no more. One process; about 4
+minutes.
+
+    .venv/bin/python bench/reserved_memory.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from ddlab.models.gpt import GPTConfig, make_gpt
+from ddlab.oracle.allocator import replay, trace
+from torch.utils.checkpoint import checkpoint
+
+#: (sequences, tokens each, width, vocabulary, layers)
+SHAPES = ((4, 256, 128, 16384, 4), (4, 256, 256, 8192, 8), (8, 256, 128, 8192, 2), (2, 256, 512, 32768, 4))
+
+
+def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -> tuple[int, int]:
+    """(allocated peak, reserved peak) in bytes over three replayed steps."""
+    config = GPTConfig(vocab_size=vocab, block_size=tokens, n_layer=layers, n_head=2, n_embd=hidden, tied=False)
+    model = make_gpt(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(vocab, (sequences, tokens), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        with torch.autocast("cpu", torch.bfloat16):
+            x = model.wte(ids) + model.wpe(torch.arange(tokens))
+            for block in model.blocks:
+                x = checkpoint(block, x, None, use_reentrant=False)
+            pred = F.linear(model.ln_f(x), model.output_weight)
+        loss = F.cross_entropy(pred.flatten(0, 1).float(), ids.flatten())
+        del pred  # as torchtitan's train step does
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    allocator = replay(trace(lambda: [step() for _ in range(3)]))
+    return allocator.peak_allocated, allocator.peak_reserved
+
+
+def main() -> None:
+    gaps = []
+    for sequences, tokens, hidden, vocab, layers in SHAPES:
+        allocated, reserved = reserve(sequences, tokens, hidden, vocab, layers)
+        gaps.append((reserved - allocated) / (2 * sequences * tokens * vocab))
+        print(
+            f"{sequences} x {tokens} tokens, width {hidden:3d}, vocabulary {vocab:5d}, {layers} layers: allocated "
+            f"{allocated / 2**20:6.1f} MiB, reserved {reserved / 2**20:6.1f} MiB, the gap {gaps[-1]:.2f}x the 16-bit "
+            "logits"
+        )
+    print(
+        f"the reserve beyond the allocated peak is {min(gaps):.2f}-{max(gaps):.2f}x the 16-bit logits' block: not a "
+        "fixed share the oracle could add"
+    )
+
+
+if __name__ == "__main__":
+    main()
