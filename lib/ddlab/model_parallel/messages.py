@@ -22,6 +22,7 @@ from ..runtime.waiting import Watch
 from .timeline import Timeline
 
 _STAMP = np.dtype(np.float64).itemsize  # bytes of the busy-clock stamp ahead of the data
+_ALIGN = 64  # torch's CPU allocations start at a multiple of 64 bytes
 
 
 class Mailbox:
@@ -91,7 +92,9 @@ class Mailbox:
         """Receive a tensor of this shape and dtype from rank source (waits, with the timeout)."""
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         header = _STAMP if self.stamped else 0
-        buf = np.empty(header + nbytes, np.uint8)
+        # the data at a 64-byte boundary, stamped or not: the kernels a tensor meets may take another path (and round
+        # otherwise) for another alignment, so a message's values must not depend on the clock being on
+        buf = torch.empty(_ALIGN + nbytes, dtype=torch.uint8).numpy()[_ALIGN - header :]
         what = f"a {tuple(shape)} tensor from rank {source} (tag {tag})"
         self.clock.wait_begin()
         # Probe first: a receive posted for fewer bytes than the message can neither complete nor be
