@@ -215,26 +215,11 @@ def reserved_replayed() -> None:
     holds, where the oracle counts the tensors held at the peak (`max_memory_allocated`). torchtitan's loss (bfloat16
     logits, their float32 copy, torch's cross entropy) traced on this CPU and replayed through the caching
     allocator's rules (`ddlab.oracle.allocator`), bytes per logit."""
-    import torch
-    import torch.nn.functional as F
-    from ddlab.oracle.allocator import replay, trace
+    from ddlab.oracle.allocator import loss_peaks
     from ddlab.oracle.published import validate_modern
     from ddlab.oracle.transformer import busiest
 
-    tokens, width, vocab = 2048, 8, 8192
-    x = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(vocab, width, dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.randint(vocab, (tokens,))
-
-    def step() -> None:
-        pred = x @ w.t()
-        loss = F.cross_entropy(pred.float(), labels)
-        del pred  # as torchtitan's train step does
-        loss.backward()
-
-    step()
-    allocator = replay(trace(step))
-    allocated, reserved = (peak / (tokens * vocab) for peak in (allocator.peak_allocated, allocator.peak_reserved))
+    allocated, reserved = loss_peaks()
     print(
         f"\ntorchtitan publishes the reserved peak; the oracle counts the allocated one. Its loss, replayed: "
         f"{allocated:.2f} bytes per logit allocated at the peak, {reserved:.2f} reserved (the 16-bit logits' block, "

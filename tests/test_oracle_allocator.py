@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
-from ddlab.oracle.allocator import CachingAllocator, replay, trace
+from ddlab.oracle.allocator import CachingAllocator, loss_peaks, replay
 from ddlab.oracle.transformer import LOSSES
 
 MiB = 1 << 20
@@ -42,19 +40,12 @@ def test_torchs_eager_loss_reserves_its_16_bit_logits_beside_its_peak():
     """bfloat16 logits, their float32 copy and torch's cross entropy, as torchtitan's step runs them: the replay's
     allocated peak is the oracle's count of the loss (`LOSSES`, three float32 copies), and the 16-bit logits' block,
     freed before the backward asks for a float32 block it cannot hold, stays reserved beside it."""
-    s, h, vocab = 2048, 8, 8192
-    x = torch.randn(s, h, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(vocab, h, dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.randint(vocab, (s,))
-
-    def step() -> None:
-        pred = x @ w.t()
-        loss = F.cross_entropy(pred.float(), labels)
-        del pred
-        loss.backward()
-
-    step()  # the gradients of x and w exist before the trace, as after a first step
-    allocator = replay(trace(step))
+    allocated, reserved = loss_peaks()
     wide, narrow = LOSSES["eager"]
-    assert allocator.peak_allocated / (s * vocab) == pytest.approx(4 * wide + 2 * narrow, rel=0.01)
-    assert allocator.peak_reserved / (s * vocab) == pytest.approx(4 * wide + 2 * narrow + 2, rel=0.01)
+    assert allocated == pytest.approx(4 * wide + 2 * narrow, rel=0.01)
+    assert reserved == pytest.approx(4 * wide + 2 * narrow + 2, rel=0.01)
+
+
+def test_the_loss_replay_refuses_an_empty_shape():
+    with pytest.raises(ValueError, match="must be positive"):
+        loss_peaks(tokens=0)

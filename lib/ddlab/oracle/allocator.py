@@ -18,7 +18,7 @@ stream):
 - a freed block merges with the free blocks beside it in its segment; segments are never given back (the allocator
   does so only when the device runs out, which a replay does not model).
 
-`transformer.reserved_peak` states what the replay shows of a training step's loss.
+`loss_peaks` replays torchtitan's loss, the block where the two peaks part the most.
 """
 
 from __future__ import annotations
@@ -155,3 +155,28 @@ def replay(events: list[Event]) -> CachingAllocator:
         elif address in allocator.taken:
             allocator.release(address)
     return allocator
+
+
+def loss_peaks(tokens: int = 2048, width: int = 8, vocab: int = 8192) -> tuple[float, float]:
+    """Bytes per logit that torchtitan's loss (bfloat16 logits, their float32 copy, torch's cross entropy, the logits
+    deleted before the backward as its train step does) holds at its allocated peak and reserves, replayed.
+
+    A first step runs untraced, so the input's and the head's gradients exist before the trace, as after any step."""
+    import torch
+    import torch.nn.functional as F
+
+    if min(tokens, width, vocab) < 1:
+        raise ValueError(f"tokens, width and vocab must be positive, not {tokens}, {width}, {vocab}")
+    x = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, width, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(vocab, (tokens,))
+
+    def step() -> None:
+        pred = x @ w.t()
+        loss = F.cross_entropy(pred.float(), labels)
+        del pred
+        loss.backward()
+
+    step()
+    allocator = replay(trace(step))
+    return allocator.peak_allocated / (tokens * vocab), allocator.peak_reserved / (tokens * vocab)
