@@ -11,7 +11,7 @@ computed in 16 bits on the way (past 32,767 or 65,535) wrap and fail.
 `check_exchange_samples` hands the student's function a CountingComm that allows
 exactly one collective, Alltoallv, with each send[d] listed out of position order, and
 compares the rows received (in the order listed) with the reference
-(`ddlab.data.exchange_samples`), and the bytes sent to each rank with the rows planned.
+(`ddlab.shuffling.exchange_samples`), and the bytes sent to each rank with the rows planned.
 
 `check_redistribute` gives the student's function diagrams (which ids each rank holds,
 which it needs): unequal and empty holdings, ids not in order, a layout where nothing
