@@ -3,6 +3,7 @@ ring attention's memory, and the published runs it is validated against (never f
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from ddlab.oracle.transformer import (
     GPT,
     Layout,
     Precision,
+    attention_seconds,
     busiest,
     iteration_flops,
     layer_activations,
@@ -71,6 +73,40 @@ def test_platforms_are_the_datasheets_at_the_efficiency_the_user_sets():
         gpu_platform(H100_SXM, efficiency=1.5)
     a100 = a100_cluster()  # unchanged
     assert a100.flops == 0.570 * 312e12 and a100.rates == {} and a100.memory == 80 * 10**9
+
+
+def test_an_attention_kernel_measured_on_the_gpu_is_read_at_the_ranks_query_length():
+    h100 = gpu_platform(H100_SXM)
+    assert h100.attention_rates("flash", 128, 8192) == (333e12, 318e12)  # a row of the table
+    forward, backward = h100.attention_rates("fused", 128, 3000)  # between 2K and 4K, in log length
+    share = (math.log(3000) - math.log(2048)) / (math.log(4096) - math.log(2048))
+    assert forward == pytest.approx(484e12 + share * (518e12 - 484e12))
+    assert backward == pytest.approx(465e12 + share * (499e12 - 465e12))
+    assert h100.attention_rates("flash", 128, 2**20) == (335e12, 322e12)  # past the last row: the last row
+    assert h100.attention_rates("flash", 128, 100) == (191e12, 214e12)
+    for kernel, head in (("local", 128), ("flash", 64)):
+        assert h100.attention_rates(kernel, head, 8192) is None  # not measured: the 16-bit share of the peak
+    assert gpu_platform(B200).attention_rates("fused", 128, 8192) is None
+    assert a100_cluster().attention_rates("flash", 128, 2048) is None
+    assert gpu_platform(H100_SXM, 0.2).attention == h100.attention  # measured rates, whatever the efficiency
+
+
+def test_attention_runs_at_its_measured_rates_and_the_rest_at_the_share_of_the_peak():
+    """The rank's causal half of the score blocks, forward (rerun under full recomputation) over the forward rate,
+    backward counted as the benchmarks count it (2.5 forwards) over the backward rate; the rest unchanged."""
+    gpt = replace(LLAMA3_8B, seq=32768)
+    h100 = gpu_platform(H100_SXM)
+    lay = Layout(data=2, context=4, batch=2, zero=3, recompute="full", precision="fp8", kernel="flash")
+    forward, backward = h100.attention_rates("flash", 128, 32768 // 4)
+    score = 0.5 * 2 * gpt.layers * gpt.attention_score_flops()  # causal half, 2 sequences
+    nominal, kernel = attention_seconds(gpt, lay, h100)
+    assert nominal == pytest.approx(4 * score / h100.flops / 8)  # forward, its rerun, and a backward of 2
+    assert kernel == pytest.approx((2 * score / forward + 2.5 * score / backward) / 8)
+    unmeasured = replace(h100, attention={})
+    assert attention_seconds(gpt, lay, unmeasured) is None
+    with_kernel, without = (layout_time(gpt, lay, p)["compute"] for p in (h100, unmeasured))
+    assert with_kernel - without == pytest.approx(kernel - nominal)
+    assert attention_seconds(gpt, lay.with_(kernel="local"), h100) is None  # eager attention: the share
 
 
 def test_a_machine_without_a_datasheet_is_set_by_its_own_measurement():

@@ -64,6 +64,10 @@ class Curves:
         return float(np.exp(np.interp(np.log(nbytes), np.log(sizes), np.log(times))))
 
 
+#: A measured attention kernel: rows of (sequence length, forward FLOP/s, backward FLOP/s), lengths increasing.
+AttentionRows = tuple[tuple[int, float, float], ...]
+
+
 @dataclass
 class Platform:
     """Devices, their compute rate (FLOP/s, achieved on training), memory, links, curves, contention."""
@@ -81,6 +85,9 @@ class Platform:
     sources: dict[str, str] = field(default_factory=dict)
     crossings: int = 1  # times each of `sharing` flows crosses the node's shared path to the network
     rates: dict[str, float] = field(default_factory=dict)  # achieved FLOP/s by number format ("fp8"); else `flops`
+    # measured attention kernels: (kernel, head size) -> rows of (sequence length, forward FLOP/s, backward FLOP/s),
+    # the sequence lengths increasing; `attention_rates`
+    attention: dict[tuple[str, int], AttentionRows] = field(default_factory=dict)
 
     def link(self, ranks: int) -> Link:
         return self.intra if ranks <= self.devices_per_node else self.inter
@@ -112,6 +119,20 @@ class Platform:
         """Achieved FLOP/s of a device's matrix multiplications in number format `compute` ("bf16", "fp8", ...):
         `rates[compute]`, else `flops` (the 16-bit rate, or the only one measured)."""
         return self.rates.get(compute, self.flops)
+
+    def attention_rates(self, kernel: str, head_dim: int, seq: int) -> tuple[float, float] | None:
+        """(forward, backward) FLOP/s of attention kernel `kernel` with heads `head_dim` wide on queries of `seq`
+        tokens, as measured (`attention`: interpolated in log sequence length, the nearest row outside the rows'
+        range); None when none was measured for that kernel and head size."""
+        rows = self.attention.get((kernel, head_dim))
+        if not rows:
+            return None
+        where = np.log([row[0] for row in rows])
+        at = np.log(max(seq, 1))
+        return (
+            float(np.interp(at, where, [row[1] for row in rows])),
+            float(np.interp(at, where, [row[2] for row in rows])),
+        )
 
     def slowdown(self, busy: float) -> float:
         """Compute slowdown with `busy` devices of a node computing at once (fractions interpolate)."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..allreduce.cost import Link
-from .platform import Platform
+from .platform import AttentionRows, Platform
 from .transformer import CAUSAL_SHARE, GPT, Layout, TransformerPrediction, attention_flops, iteration_flops, predict
 
 A100_PEAK = 312e12  # FLOP/s, dense BF16/FP16 on the tensor cores (NVIDIA A100 datasheet)
@@ -117,7 +117,41 @@ class Hardware:
     nvlink: float  # bytes/s each way between two GPUs of a node (half the datasheet's bidirectional figure)
     network: float  # bytes/s each way per GPU across nodes (its own adapter)
     sources: tuple[tuple[str, str], ...]
+    # attention kernels measured on this GPU: (kernel of `Layout.kernel`, head size, rows); the others run at the
+    # platform's 16-bit share of the peak
+    attention: tuple[tuple[str, int, AttentionRows], ...] = ()
 
+
+def _tflops(*rows: tuple[int, float, float]) -> AttentionRows:
+    """Rows of (sequence length, forward, backward) given in TFLOP/s, in FLOP/s."""
+    return tuple((seq, forward * 1e12, backward * 1e12) for seq, forward, backward in rows)
+
+
+#: Attention kernels on an H100 SXM5 in bfloat16 with heads 128 wide, as Shah et al. measured them ("FlashAttention-3",
+#: 2024, Figure 5, forward with the causal mask, and Figure 6, backward; 16 heads, 16K tokens a batch): FLOP/s at 512
+#: to 16K tokens, counted as those benchmarks count them, the causal forward at half the 4 s^2 d of a head and the
+#: backward at 2.5 times the forward (five matrix multiplications to its two), so `transformer.attention_seconds`
+#: divides the same counts. "flash" is FlashAttention-2, which PyTorch's `scaled_dot_product_attention` runs on an
+#: H100 (its cuDNN backend has come last in the priority order since pytorch/pytorch#138522, 2024); "fused" is cuDNN's
+#: fused attention, which Transformer Engine gives Megatron on Hopper (its `get_attention_backend` disables
+#: FlashAttention "to give FusedAttention preference on Hopper+"). No other GPU here has such a measurement (the H200
+#: computes as an H100 but was not measured): their attention runs at the 16-bit share of the peak.
+H100_ATTENTION = (
+    (
+        "flash",
+        128,
+        _tflops(
+            (512, 191, 214), (1024, 260, 260), (2048, 298, 291), (4096, 319, 310), (8192, 333, 318), (16384, 335, 322)
+        ),
+    ),
+    (
+        "fused",
+        128,
+        _tflops(
+            (512, 315, 305), (1024, 410, 408), (2048, 484, 465), (4096, 518, 499), (8192, 529, 518), (16384, 539, 516)
+        ),
+    ),
+)
 
 #: The datasheets' tensor-core peaks are printed with 2:4 sparsity; dense is half (the datasheets' footnotes).
 H100_SXM = Hardware(
@@ -133,7 +167,9 @@ H100_SXM = Hardware(
         ("memory", "NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s"),
         ("intra", "NVIDIA H100 datasheet: NVLink 900 GB/s (both directions), every pair through NVSwitch (DGX H100)"),
         ("inter", "NVIDIA DGX H100 datasheet: 8 ConnectX-7 400 Gb/s adapters, one per GPU: 50 GB/s"),
+        ("attention", "Shah et al., FlashAttention-3, 2024, Figures 5-6: FlashAttention-2 and cuDNN on an H100 SXM5"),
     ),
+    attention=H100_ATTENTION,
 )
 H200_SXM = Hardware(
     "H200 SXM 141 GB",
@@ -176,7 +212,8 @@ def gpu_platform(
     """8-GPU nodes of `hardware` (`H100_SXM`, `H200_SXM`, `B200`): every format computes at `efficiency` of its
     dense peak (`EFFICIENCY` by default: set your own measured share), bfloat16 as `flops`, float8 as
     `rates["fp8"]` (at `fp8_efficiency` of its peak if given: a float8 recipe's casts and scales cost some
-    stacks more than others); NVLink inside a node, one network adapter per GPU between nodes, alpha 5 us
+    stacks more than others); the attention kernels measured on the GPU (`Hardware.attention`) at their measured
+    rates, whatever `efficiency`; NVLink inside a node, one network adapter per GPU between nodes, alpha 5 us
     (assumed)."""
     if nodes_of < 1:
         raise ValueError(f"nodes_of is the GPUs of a node, 1 or more (8 in DGX and HGX nodes): got {nodes_of}")
@@ -195,6 +232,7 @@ def gpu_platform(
         inter=Link(alpha=ALPHA, beta=1 / hardware.network),
         contention=(1.0,) * nodes_of,
         rates={"fp8": fp8 * hardware.fp8},
+        attention={(kernel, head): rows for kernel, head, rows in hardware.attention},
         sources={
             **dict(hardware.sources),
             "flops": (
@@ -283,7 +321,11 @@ H100_96GB = Hardware(
     hbm=2.4e12,
     nvlink=H100_SXM.nvlink,
     network=50e9,
-    sources=(("hardware", "torchtitan's benchmark file: 96 GB HBM2e, 2.4 TB/s, NVLink, 400 Gb/s per GPU"),),
+    sources=(
+        ("hardware", "torchtitan's benchmark file: 96 GB HBM2e, 2.4 TB/s, NVLink, 400 Gb/s per GPU"),
+        ("attention", "the H100 SXM5's kernels (`H100_ATTENTION`), measured at 700 W: at 500 W an upper bound"),
+    ),
+    attention=H100_ATTENTION,
 )
 
 

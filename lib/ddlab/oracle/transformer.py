@@ -600,12 +600,37 @@ def iteration_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) ->
     return batch * (3 * forward + rerun + 3 * 2 * gpt.seq * gpt.hidden * gpt.vocab)
 
 
+def attention_passes(recompute: str, share: float = 1.0) -> float:
+    """Forward passes of the attention in an iteration: 1, and once more where recomputation reruns it (selective,
+    or full on the `share` of the layers it reruns; op recomputation keeps the attention's output)."""
+    return 1.0 + {"none": 0.0, "selective": 1.0, "full": share, OP: 0.0}[recompute]
+
+
 def attention_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
     """The attention's scores and weighted values in an iteration of `batch` sequences: 4 s^2 h per layer and
-    sequence forward, twice that backward, once more when recomputation reruns them (selective, or full on the
-    `share` of the layers it reruns; op recomputation keeps the attention's output and reruns none)."""
-    reruns = {"none": 0.0, "selective": 1.0, "full": share, OP: 0.0}[recompute]
-    return batch * gpt.layers * (3 + reruns) * gpt.attention_score_flops()
+    sequence forward (`attention_passes` of them), twice that backward."""
+    return batch * gpt.layers * (attention_passes(recompute, share) + 2) * gpt.attention_score_flops()
+
+
+def attention_seconds(gpt: GPT, layout: Layout, platform: Platform) -> tuple[float, float] | None:
+    """(seconds at the platform's 16-bit rate, seconds at the kernel's measured rates) a rank spends in a step on
+    the attention's causal half of the score blocks, or None where the platform measured no such kernel
+    (`Platform.attention_rates`: `layout.kernel` with heads `head_dim` wide, on the s / c queries of a rank). The
+    measured rates count the backward as 2.5 forwards, five matrix multiplications to two, where the oracle's
+    FLOPs count it as 2."""
+    rates = (
+        None
+        if layout.kernel == "local"
+        else platform.attention_rates(layout.kernel, gpt.head_dim_, gpt.seq // layout.context)
+    )
+    if rates is None:
+        return None
+    forward, backward = rates
+    passes = attention_passes(layout.recompute, rerun_share(gpt, layout))
+    score = CAUSAL_SHARE * layout.batch * gpt.layers * gpt.attention_score_flops()
+    per_rank = platform.slowdown(min(layout.devices, platform.devices_per_node)) / layout.devices
+    nominal = (passes + 2) * score / platform.flops * per_rank
+    return nominal, (passes * score / forward + 2.5 * score / backward) * per_rank
 
 
 def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
@@ -930,7 +955,8 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
       gradients in buckets under the backward (PyTorch DDP), all but the last layer's share hidden as far as
       the backward lasts;
     - compute with the "flash" or "fused" kernel: the attention's score blocks above the diagonal are skipped
-      (`CAUSAL_SHARE`), their FLOPs (at the 16-bit rate) taken off;
+      (`CAUSAL_SHARE`), their FLOPs (at the 16-bit rate) taken off; where the platform measured the kernel
+      (`attention_seconds`), the rest runs at its measured rates instead of the 16-bit share of the peak;
     - bubble and pipeline, for every schedule (`Layout.schedule`): the compute of a micro-batch on a
       stage split into F, B and W (`schedules.split_flops`, each part at its rate: the linear layers at the
       recipe's, the attention and the output layer at 16 bits), and the idle time of the schedule's op list
@@ -949,6 +975,10 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
         busy = min(layout.devices, platform.devices_per_node)
         skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute, rerun)
         parts["compute"] -= skipped / layout.devices / platform.flops * platform.slowdown(busy)
+    measured = attention_seconds(gpt, layout, platform)
+    if measured is not None:  # the rest of the attention at its kernel's measured rates
+        nominal, kernel = measured
+        parts["compute"] += kernel - nominal
     if layout.pipeline > 1:
         f, b, w = stage_op_times(gpt, layout, platform, parts["compute"])
         p, m, v = layout.pipeline, layout.micro_batches, layout.interleave
@@ -1000,6 +1030,10 @@ def stage_op_times(gpt: GPT, layout: Layout, platform: Platform, compute: float)
     attention = gpt.layers * gpt.attention_score_flops()
     linear = gpt.forward_flops() - attention
     attention *= CAUSAL_SHARE if layout.kernel != "local" else 1.0
+    measured = attention_seconds(gpt, layout, platform)
+    if measured is not None:  # weighed by its time at the kernel's rates
+        nominal, kernel = measured
+        attention *= kernel / nominal
     output = 2.0 * gpt.seq * gpt.hidden * gpt.vocab
     fast = platform.rate(prec.compute) / platform.flops  # the linear layers' speed-up (float8), 1 in 16 bits
     parts = split_flops(linear / fast, attention, output, layout.recompute, rerun_share(gpt, layout))
