@@ -118,8 +118,9 @@ def modern(efficiency: float | None) -> None:
     rows = validate_modern(EFFICIENCY if efficiency is None else efficiency)
     share = EFFICIENCY if efficiency is None else efficiency
     print(
-        f"\nruns of 2024-26 at {share:.0%} of the datasheets' peaks, on H100s the attention at its kernel's measured "
-        "rates (Shah et al., FlashAttention-3, 2024, Figures 5-6):"
+        f"\nruns of 2024-26 at {share:.0%} of the datasheets' peaks, on H100s and B200s the attention at its kernel's "
+        "measured rates (H100: Shah et al., FlashAttention-3, 2024, Figures 5-6; B200: NVIDIA/cudnn-frontend's SDPA "
+        "benchmark):"
     )
     print(
         f"{'model':14} {'seq':>6} {'GPUs':>5} {'hardware':10} {'layout':72} {'tok/s pub':>9} {'pred':>7} {'acc':>6}  "

@@ -86,7 +86,8 @@ def test_an_attention_kernel_measured_on_the_gpu_is_read_at_the_ranks_query_leng
     assert h100.attention_rates("flash", 128, 100) == (191e12, 214e12)
     for kernel, head in (("local", 128), ("flash", 64)):
         assert h100.attention_rates(kernel, head, 8192) is None  # not measured: the 16-bit share of the peak
-    assert gpu_platform(B200).attention_rates("fused", 128, 8192) is None
+    assert gpu_platform(B200).attention_rates("fused", 128, 8192) == (1171.3e12, 942.5e12)  # measured on a B200 too
+    assert gpu_platform(H200_SXM).attention_rates("fused", 128, 8192) is None
     assert a100_cluster().attention_rates("flash", 128, 2048) is None
     assert gpu_platform(H100_SXM, 0.2).attention == h100.attention  # measured rates, whatever the efficiency
 

@@ -134,8 +134,8 @@ def _tflops(*rows: tuple[int, float, float]) -> AttentionRows:
 #: divides the same counts. "flash" is FlashAttention-2, which PyTorch's `scaled_dot_product_attention` runs on an
 #: H100 (its cuDNN backend has come last in the priority order since pytorch/pytorch#138522, 2024); "fused" is cuDNN's
 #: fused attention, which Transformer Engine gives Megatron on Hopper (its `get_attention_backend` disables
-#: FlashAttention "to give FusedAttention preference on Hopper+"). No other GPU here has such a measurement (the H200
-#: computes as an H100 but was not measured): their attention runs at the 16-bit share of the peak.
+#: FlashAttention "to give FusedAttention preference on Hopper+"). The B200's are `B200_ATTENTION`; the H200, which
+#: computes as an H100 but was not measured, and the A100 run their attention at the 16-bit share of the peak.
 H100_ATTENTION = (
     (
         "flash",
@@ -149,6 +149,43 @@ H100_ATTENTION = (
         128,
         _tflops(
             (512, 315, 305), (1024, 410, 408), (2048, 484, 465), (4096, 518, 499), (8192, 529, 518), (16384, 539, 516)
+        ),
+    ),
+)
+
+#: The same kernels on a B200, as NVIDIA measured them through PyTorch's `scaled_dot_product_attention` (NVIDIA/cudnn-frontend
+#: at bb37575, benchmark/sdpa_benchmark_training/artifacts/sdpa_bf16_benchmark_results_NVIDIA_B200.csv: PyTorch 2.9 of
+#: NGC 25.09, cuDNN 9.13; bfloat16, causal, one sequence of 128 query heads sharing 8 key/value heads 128 wide; its
+#: benchmark counts FLOPs as Shah et al.'s): "flash", its FlashAttention-2 backend; "fused", its cuDNN backend.
+B200_ATTENTION = (
+    (
+        "flash",
+        128,
+        _tflops(
+            (512, 74.6, 83.0),
+            (1024, 165.5, 107.7),
+            (2048, 242.4, 186.3),
+            (4096, 324.9, 256.4),
+            (8192, 373.4, 298.9),
+            (16384, 394.5, 320.0),
+            (32768, 403.7, 330.8),
+            (65536, 408.7, 335.4),
+            (131072, 411.0, 336.0),
+        ),
+    ),
+    (
+        "fused",
+        128,
+        _tflops(
+            (512, 84.0, 134.2),
+            (1024, 254.5, 308.5),
+            (2048, 478.9, 371.5),
+            (4096, 855.7, 701.3),
+            (8192, 1171.3, 942.5),
+            (16384, 1332.4, 1074.8),
+            (32768, 1419.0, 1108.7),
+            (65536, 1382.3, 1073.1),
+            (131072, 1355.4, 1047.8),
         ),
     ),
 )
@@ -202,7 +239,9 @@ B200 = Hardware(
         ("memory", "NVIDIA HGX B200 specifications, per GPU: 180 GB HBM3e, 7.7 TB/s"),
         ("intra", "NVIDIA HGX B200 specifications: fifth-generation NVLink 1.8 TB/s per GPU (both directions)"),
         ("inter", "NVIDIA DGX B200 datasheet: 8 ConnectX-7 400 Gb/s adapters for the compute fabric: 50 GB/s per GPU"),
+        ("attention", "NVIDIA/cudnn-frontend's SDPA training benchmark on a B200 (PyTorch 2.9, cuDNN 9.13)"),
     ),
+    attention=B200_ATTENTION,
 )
 
 
