@@ -127,7 +127,10 @@ class Platform:
         rows = self.attention.get((kernel, head_dim))
         if not rows:
             return None
-        where = np.log([row[0] for row in rows])
+        lengths = [row[0] for row in rows]
+        if any(a >= b for a, b in zip(lengths, lengths[1:])) or lengths[0] < 1:
+            raise ValueError(f"{kernel} attention, heads {head_dim} wide: its sequence lengths must increase from 1 up")
+        where = np.log(lengths)
         at = np.log(max(seq, 1))
         return (
             float(np.interp(at, where, [row[1] for row in rows])),

@@ -127,36 +127,57 @@ def _tflops(*rows: tuple[int, float, float]) -> AttentionRows:
     return tuple((seq, forward * 1e12, backward * 1e12) for seq, forward, backward in rows)
 
 
+def _causal_backward(*rows: tuple[int, float, float, float]) -> AttentionRows:
+    """Rows of (sequence length, forward with the causal mask, forward without it, backward without it) given in
+    TFLOP/s, as (sequence length, forward, backward) in FLOP/s with the backward's causal rate estimated: its rate
+    without the mask times the ratio the mask gives the forward at that length. (On a GB200, where NVIDIA measured
+    both masks both ways, the two ratios agree within 7% at 2K-16K tokens: NVIDIA/cudnn-frontend at 60e572b,
+    benchmark/sdpa_benchmark_training/results/llama3.1/gb200/llama3.1_20260424_100750.csv.)"""
+    return tuple((seq, causal * 1e12, backward * causal / full * 1e12) for seq, causal, full, backward in rows)
+
+
 #: Attention kernels on an H100 SXM5 in bfloat16 with heads 128 wide, as Shah et al. measured them ("FlashAttention-3",
-#: 2024, Figure 5, forward with the causal mask, and Figure 6, backward; 16 heads, 16K tokens a batch): FLOP/s at 512
-#: to 16K tokens, counted as those benchmarks count them, the causal forward at half the 4 s^2 d of a head and the
-#: backward at 2.5 times the forward (five matrix multiplications to its two), so `transformer.attention_seconds`
-#: divides the same counts. "flash" is FlashAttention-2, which PyTorch's `scaled_dot_product_attention` runs on an
-#: H100 (its cuDNN backend has come last in the priority order since pytorch/pytorch#138522, 2024); "fused" is cuDNN's
-#: fused attention, which Transformer Engine gives Megatron on Hopper (its `get_attention_backend` disables
-#: FlashAttention "to give FusedAttention preference on Hopper+"). The B200's are `B200_ATTENTION`; the H200, which
-#: computes as an H100 but was not measured, and the A100 run their attention at the 16-bit share of the peak.
+#: 2024, Figure 5, the forward with and without the causal mask, and Figure 6, the backward without it; 16 heads,
+#: 16K tokens a batch), at 512 to 16K tokens, FLOPs counted as those benchmarks count them: the causal forward at
+#: half the 4 s^2 d of a head, the backward at 2.5 times the forward (five matrix multiplications to its two); the
+#: causal backward estimated (`_causal_backward`). "flash" is FlashAttention-2, which PyTorch's
+#: `scaled_dot_product_attention` ran on an H100 in torchtitan's runs of December 2024 (its cuDNN backend came last
+#: in the priority order from pytorch/pytorch#138522, 2024); "fused" is cuDNN's fused attention, which Transformer
+#: Engine gives Megatron on Hopper (its `get_attention_backend` disables FlashAttention "to give FusedAttention
+#: preference on Hopper+"). The B200's are `B200_ATTENTION`; the H200, which computes as an H100 but was not
+#: measured, and the A100 run their attention at the 16-bit share of the peak.
 H100_ATTENTION = (
     (
         "flash",
         128,
-        _tflops(
-            (512, 191, 214), (1024, 260, 260), (2048, 298, 291), (4096, 319, 310), (8192, 333, 318), (16384, 335, 322)
+        _causal_backward(
+            (512, 191, 309, 214),
+            (1024, 260, 350, 260),
+            (2048, 298, 362, 291),
+            (4096, 319, 368, 310),
+            (8192, 333, 370, 318),
+            (16384, 335, 370, 322),
         ),
     ),
     (
         "fused",
         128,
-        _tflops(
-            (512, 315, 305), (1024, 410, 408), (2048, 484, 465), (4096, 518, 499), (8192, 529, 518), (16384, 539, 516)
+        _causal_backward(
+            (512, 315, 497, 305),
+            (1024, 410, 574, 408),
+            (2048, 484, 617, 465),
+            (4096, 518, 609, 499),
+            (8192, 529, 600, 518),
+            (16384, 539, 595, 516),
         ),
     ),
 )
 
-#: The same kernels on a B200, as NVIDIA measured them through PyTorch's `scaled_dot_product_attention` (NVIDIA/cudnn-frontend
-#: at bb37575, benchmark/sdpa_benchmark_training/artifacts/sdpa_bf16_benchmark_results_NVIDIA_B200.csv: PyTorch 2.9 of
-#: NGC 25.09, cuDNN 9.13; bfloat16, causal, one sequence of 128 query heads sharing 8 key/value heads 128 wide; its
-#: benchmark counts FLOPs as Shah et al.'s): "flash", its FlashAttention-2 backend; "fused", its cuDNN backend.
+#: The same kernels on a B200, as NVIDIA measured them through PyTorch's `scaled_dot_product_attention`
+#: (NVIDIA/cudnn-frontend at bb37575, benchmark/sdpa_benchmark_training/artifacts/
+#: sdpa_bf16_benchmark_results_NVIDIA_B200.csv: PyTorch 2.9 of NGC 25.09, cuDNN 9.13; bfloat16, causal, one sequence
+#: of 128 query heads sharing 8 key/value heads 128 wide; FLOPs counted as Shah et al. count them): "flash", its
+#: FlashAttention-2 backend; "fused", its cuDNN backend.
 B200_ATTENTION = (
     (
         "flash",
@@ -204,7 +225,11 @@ H100_SXM = Hardware(
         ("memory", "NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s"),
         ("intra", "NVIDIA H100 datasheet: NVLink 900 GB/s (both directions), every pair through NVSwitch (DGX H100)"),
         ("inter", "NVIDIA DGX H100 datasheet: 8 ConnectX-7 400 Gb/s adapters, one per GPU: 50 GB/s"),
-        ("attention", "Shah et al., FlashAttention-3, 2024, Figures 5-6: FlashAttention-2 and cuDNN on an H100 SXM5"),
+        (
+            "attention",
+            "Shah et al., FlashAttention-3, 2024, Figures 5-6: FlashAttention-2 and cuDNN on an H100 SXM5, the "
+            "causal backward estimated",
+        ),
     ),
     attention=H100_ATTENTION,
 )

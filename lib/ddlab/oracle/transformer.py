@@ -72,9 +72,10 @@ block: ring attention (lab 15) keeps its output and a float32 log-sum-exp per ro
 kernel does (`Layout.kernel`). Recipes (`Layout.precision`, a name of `RECIPES` or a `Precision`): bytes of
 weights, gradients, Adam's state, activations, all-gathered parameters and reduced gradients, and the
 format the linear layers compute in (`Platform.rate`: float8 at its own rate, the attention's scores and the
-output layer in 16 bits). `layout_time` adds to `step_time` what the exercise leaves out: expert
-parallelism (`Layout.expert`, carved from the d c ranks of the same weights) with its all-to-alls, and
-the data collectives overlapped with the compute (`Layout.overlap`: ZeRO-3/FSDP gathers layer by layer).
+output layer in 16 bits). `layout_time` adds to `step_time` what the exercise leaves out: the attention at its
+kernel's pace (`attention_pace`: a flash kernel's causal half, at the rates measured on the GPU where there are
+any), expert parallelism (`Layout.expert`, carved from the d c ranks of the same weights) with its all-to-alls,
+and the data collectives overlapped with the compute (`Layout.overlap`: ZeRO-3/FSDP gathers layer by layer).
 
 Signatures (lab 16's exercises):
 - Exercise 16.4 `memory_per_rank(psi, s, b, h, a, layers, t, d, zero, recompute,
@@ -612,25 +613,35 @@ def attention_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) ->
     return batch * gpt.layers * (attention_passes(recompute, share) + 2) * gpt.attention_score_flops()
 
 
-def attention_seconds(gpt: GPT, layout: Layout, platform: Platform) -> tuple[float, float] | None:
-    """(seconds at the platform's 16-bit rate, seconds at the kernel's measured rates) a rank spends in a step on
-    the attention's causal half of the score blocks, or None where the platform measured no such kernel
-    (`Platform.attention_rates`: `layout.kernel` with heads `head_dim` wide, on the s / c queries of a rank). The
-    measured rates count the backward as 2.5 forwards, five matrix multiplications to two, where the oracle's
-    FLOPs count it as 2."""
-    rates = (
-        None
-        if layout.kernel == "local"
-        else platform.attention_rates(layout.kernel, gpt.head_dim_, gpt.seq // layout.context)
-    )
+def _per_rank(layout: Layout, platform: Platform) -> float:
+    """What a rank's share of an iteration's FLOPs is divided by: its N devices, slowed by the contention of the
+    min(N, devices per node) devices of a node computing at once."""
+    return platform.slowdown(min(layout.devices, platform.devices_per_node)) / layout.devices
+
+
+def attention_pace(gpt: GPT, layout: Layout, platform: Platform) -> tuple[float, float]:
+    """Seconds per FLOP of the attention's forward count (4 s^2 h a layer and sequence: the whole score block) that
+    one forward pass and one backward pass take on a device: the "local" kernel computes the whole block at the
+    16-bit rate, forward, and twice that backward; a flash kernel computes its causal half (`CAUSAL_SHARE`), at the
+    rates the platform measured for it (`Platform.attention_rates`, with heads `head_dim` wide on the s / c
+    queries of a rank; those benchmarks count a backward as 2.5 forwards, five matrix multiplications to two),
+    else at the 16-bit rate."""
+    if layout.kernel == "local":
+        return 1 / platform.flops, 2 / platform.flops
+    rates = platform.attention_rates(layout.kernel, gpt.head_dim_, gpt.seq // layout.context)
     if rates is None:
-        return None
+        return CAUSAL_SHARE / platform.flops, 2 * CAUSAL_SHARE / platform.flops
     forward, backward = rates
-    passes = attention_passes(layout.recompute, rerun_share(gpt, layout))
-    score = CAUSAL_SHARE * layout.batch * gpt.layers * gpt.attention_score_flops()
-    per_rank = platform.slowdown(min(layout.devices, platform.devices_per_node)) / layout.devices
-    nominal = (passes + 2) * score / platform.flops * per_rank
-    return nominal, (passes * score / forward + 2.5 * score / backward) * per_rank
+    return CAUSAL_SHARE / forward, 2.5 * CAUSAL_SHARE / backward
+
+
+def attention_seconds(gpt: GPT, layout: Layout, platform: Platform) -> tuple[float, float]:
+    """(forward, backward) seconds a rank spends in the attention's kernels in an iteration of `gpt` (the GPT it
+    is priced as: `busiest`): `attention_passes` forwards (with recomputation's reruns) and one backward, at
+    `attention_pace`."""
+    forward, backward = attention_pace(gpt, layout, platform)
+    score = layout.batch * gpt.layers * gpt.attention_score_flops() * _per_rank(layout, platform)
+    return attention_passes(layout.recompute, rerun_share(gpt, layout)) * score * forward, score * backward
 
 
 def sixteen_bit_flops(gpt: GPT, batch: int, recompute: str, share: float = 1.0) -> float:
@@ -890,7 +901,7 @@ def _compute_seconds(gpt: GPT, layout: Layout, platform: Platform) -> tuple[floa
     share = rerun_share(gpt, layout)
     flops = iteration_flops(gpt, layout.batch, layout.recompute, share)
     wide = sixteen_bit_flops(gpt, layout.batch, layout.recompute, share)
-    per_rank = platform.slowdown(min(layout.devices, platform.devices_per_node)) / layout.devices
+    per_rank = _per_rank(layout, platform)
     return (flops - wide) / platform.rate(recipe(layout.precision).compute) * per_rank, wide / platform.flops * per_rank
 
 
@@ -954,12 +965,12 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
       its own forward (gather) and backward (gather and reduce-scatter) compute; ZeRO 0-2 reduce the
       gradients in buckets under the backward (PyTorch DDP), all but the last layer's share hidden as far as
       the backward lasts;
-    - compute with the "flash" or "fused" kernel: the attention's score blocks above the diagonal are skipped
-      (`CAUSAL_SHARE`), their FLOPs (at the 16-bit rate) taken off; where the platform measured the kernel
-      (`attention_seconds`), the rest runs at its measured rates instead of the 16-bit share of the peak;
+    - compute: the attention at its kernel's pace (`attention_seconds`) where `step_time` charged its whole score
+      blocks at the 16-bit rate: a "flash" or "fused" kernel skips the blocks above the diagonal (`CAUSAL_SHARE`)
+      and runs at the rates the platform measured for it, if any;
     - bubble and pipeline, for every schedule (`Layout.schedule`): the compute of a micro-batch on a
-      stage split into F, B and W (`schedules.split_flops`, each part at its rate: the linear layers at the
-      recipe's, the attention and the output layer at 16 bits), and the idle time of the schedule's op list
+      stage split into F, B and W (`stage_op_times`: the linear layers at the recipe's rate, the output layer at
+      16 bits, the attention at its kernel's pace), and the idle time of the schedule's op list
       (`schedules.idle_per_rank`); zb-v sends twice 1F1B's pipeline messages (two chunks per rank);
     - tensor with `tensor_overlap` (sequence parallelism's collectives): each all-gather (reduce-scatter) of the
       t tensor ranks is cut into t pieces, each sent while the matrix multiplication computes on another (Wang
@@ -971,14 +982,8 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
     gpt = busiest(gpt, layout)
     parts = step_time(gpt, layout, platform)
     rerun = rerun_share(gpt, layout)
-    if layout.kernel != "local":  # flash attention: the masked half of every score block is skipped, not computed
-        busy = min(layout.devices, platform.devices_per_node)
-        skipped = (1 - CAUSAL_SHARE) * attention_flops(gpt, layout.batch, layout.recompute, rerun)
-        parts["compute"] -= skipped / layout.devices / platform.flops * platform.slowdown(busy)
-    measured = attention_seconds(gpt, layout, platform)
-    if measured is not None:  # the rest of the attention at its kernel's measured rates
-        nominal, kernel = measured
-        parts["compute"] += kernel - nominal
+    charged = attention_flops(gpt, layout.batch, layout.recompute, rerun) / platform.flops * _per_rank(layout, platform)
+    parts["compute"] += sum(attention_seconds(gpt, layout, platform)) - charged  # the attention at its kernel's pace
     if layout.pipeline > 1:
         f, b, w = stage_op_times(gpt, layout, platform, parts["compute"])
         p, m, v = layout.pipeline, layout.micro_batches, layout.interleave
@@ -1024,19 +1029,18 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
 
 def stage_op_times(gpt: GPT, layout: Layout, platform: Platform, compute: float) -> tuple[float, float, float]:
     """(f, b, w): seconds of one micro-batch's F, B and W on a stage, `compute` (a rank's seconds of compute in a
-    step) split as their FLOPs split (`schedules.split_flops`), the linear layers at the recipe's rate and the
-    attention's scores and the output layer at the 16-bit rate."""
+    step) split as their times split: `schedules.split_flops` of the linear layers (at the recipe's rate) and the
+    output layer (at 16 bits), and the attention at its kernel's pace (`attention_pace`): its forward in F, its
+    backward and any rerun forward in B."""
     prec = recipe(layout.precision)
-    attention = gpt.layers * gpt.attention_score_flops()
-    linear = gpt.forward_flops() - attention
-    attention *= CAUSAL_SHARE if layout.kernel != "local" else 1.0
-    measured = attention_seconds(gpt, layout, platform)
-    if measured is not None:  # weighed by its time at the kernel's rates
-        nominal, kernel = measured
-        attention *= kernel / nominal
+    score = gpt.layers * gpt.attention_score_flops()
+    linear = gpt.forward_flops() - score
     output = 2.0 * gpt.seq * gpt.hidden * gpt.vocab
     fast = platform.rate(prec.compute) / platform.flops  # the linear layers' speed-up (float8), 1 in 16 bits
-    parts = split_flops(linear / fast, attention, output, layout.recompute, rerun_share(gpt, layout))
+    share = rerun_share(gpt, layout)
+    f, b, w = split_flops(linear / fast, 0.0, output, layout.recompute, share)  # in FLOPs at 16 bits
+    forward, backward = (pace * score * platform.flops for pace in attention_pace(gpt, layout, platform))
+    parts = f + forward, b + backward + (attention_passes(layout.recompute, share) - 1) * forward, w
     total, per_micro = sum(parts), compute / layout.micro_batches
     f, b, w = (per_micro * part / total for part in parts)
     return f, b, w
