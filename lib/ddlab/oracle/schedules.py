@@ -115,11 +115,18 @@ def in_flight(schedule: str, p: int, m: int, stage: int) -> int:
 
 
 def split_flops(
-    linear: float, attention: float, output: float, recompute: str, share: float = 1.0
+    linear: float,
+    attention: float,
+    output: float,
+    recompute: str,
+    share: float = 1.0,
+    attention_backward: float | None = None,
 ) -> tuple[float, float, float]:
     """(F, B, W) FLOPs from a forward's linear-layer FLOPs, attention FLOPs (scores and weighted values) and
     output-layer FLOPs: F = linear + attention + output; B = linear + 2 attention + output plus the rerun (full:
     the layers' F, of the `share` of the layers it reruns; selective: the attention's; op: the `share` of the linear
-    layers' it reruns); W = linear + output."""
+    layers' it reruns); W = linear + output. `attention_backward`, if given, stands for the 2 attention in B (a
+    kernel whose backward runs at another pace than its forward)."""
     rerun = {"none": 0.0, "selective": attention, "full": share * (linear + attention), "op": share * linear}[recompute]
-    return linear + attention + output, linear + 2 * attention + output + rerun, linear + output
+    backward = 2 * attention if attention_backward is None else attention_backward
+    return linear + attention + output, linear + backward + output + rerun, linear + output

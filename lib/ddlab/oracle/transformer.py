@@ -1029,18 +1029,16 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
 
 def stage_op_times(gpt: GPT, layout: Layout, platform: Platform, compute: float) -> tuple[float, float, float]:
     """(f, b, w): seconds of one micro-batch's F, B and W on a stage, `compute` (a rank's seconds of compute in a
-    step) split as their times split: `schedules.split_flops` of the linear layers (at the recipe's rate) and the
-    output layer (at 16 bits), and the attention at its kernel's pace (`attention_pace`): its forward in F, its
-    backward and any rerun forward in B."""
+    step) split as their times split (`schedules.split_flops`, in FLOPs at the 16-bit rate): the linear layers at
+    the recipe's rate, the output layer at 16 bits, the attention's forward and backward each at its kernel's pace
+    (`attention_pace`)."""
     prec = recipe(layout.precision)
     score = gpt.layers * gpt.attention_score_flops()
     linear = gpt.forward_flops() - score
     output = 2.0 * gpt.seq * gpt.hidden * gpt.vocab
     fast = platform.rate(prec.compute) / platform.flops  # the linear layers' speed-up (float8), 1 in 16 bits
-    share = rerun_share(gpt, layout)
-    f, b, w = split_flops(linear / fast, 0.0, output, layout.recompute, share)  # in FLOPs at 16 bits
     forward, backward = (pace * score * platform.flops for pace in attention_pace(gpt, layout, platform))
-    parts = f + forward, b + backward + (attention_passes(layout.recompute, share) - 1) * forward, w
+    parts = split_flops(linear / fast, forward, output, layout.recompute, rerun_share(gpt, layout), backward)
     total, per_micro = sum(parts), compute / layout.micro_batches
     f, b, w = (per_micro * part / total for part in parts)
     return f, b, w
