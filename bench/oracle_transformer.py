@@ -1,23 +1,23 @@
 """Lab 16's transformer oracle at scale: Narayanan et al.'s Table 1 predicted, and the planner's layouts.
 
-For each of the ten GPT runs of Narayanan et al. (SC 2021, Table 1: 1.7 B parameters on 32
-A100s to 1008 B on 3072) it prints the published layout, their measured teraFLOP/s per GPU,
-the oracle's prediction on the A100 platform of published figures (`ddlab.oracle.a100_cluster`),
-the accuracy 1 - |pred - meas| / meas (ParaDL's measure, Kahira et al., HPDC 2021), then the
-planner's fastest layout under the 80 GB budget (every mesh d x t x p x c, ZeRO 0-3,
-micro-batches 1-8, the three recomputations, sequence parallelism or not), its predicted
-throughput (counted as Narayanan et al. count it, with the recomputation's FLOPs, so the two
-compare) and why it is faster, and the fastest mesh with the paper's own options; then the mean accuracy, and how
-much the table moves with the one assumed figure (the message latency alpha) set to 0. Then the runs of 2024-26
-(`ddlab.oracle.published.MODERN`: Llama 3 models on H100 and B200 nodes, each row's source cited) predicted on the
-platforms of their datasheets at the default efficiency, never fitted to them: published and predicted tokens per
-second per GPU, and memory where published, with the accuracies and their mean; each row's FLOPs per token beside the
-count its source publishes; torchtitan's rows again on their own machine, its efficiencies set from the same file's
-Table 1, and that table's memory, which the calibration does not use; what torchtitan's memory column measures (the
-caching allocator's reserved peak) beside what the oracle counts, its loss replayed; lab 16's two searches (every
-mesh, ZeRO stage, recomputation and pipeline schedule), timed. One process; no MPI. Each target ends in a line
-"verdict: ..." with the figure beside it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet),
-5-15 minutes with the planner.
+For each of the ten GPT runs of Narayanan et al. (SC 2021, Table 1: 1.7 B parameters on 32 A100s to 1008 B on 3072) it
+prints the published layout, their measured teraFLOP/s per GPU, the oracle's prediction on the A100 platform of
+published figures (`ddlab.oracle.a100_cluster`), the accuracy 1 - |pred - meas| / meas (ParaDL's measure, Kahira et
+al., HPDC 2021), then the planner's fastest layout under the 80 GB budget (every mesh d x t x p x c, ZeRO 0-3,
+micro-batches 1-8, the three recomputations, sequence parallelism or not), its predicted throughput (counted as
+Narayanan et al. count it, with the recomputation's FLOPs, so the two compare) and why it is faster, and the fastest
+mesh with the paper's own options; then the mean accuracy, and how much the table moves with the one assumed figure
+(the message latency alpha) set to 0. Then the runs of 2024-26 (`ddlab.oracle.published.MODERN`: Llama 3 models on
+H100 and B200 nodes, each row's source cited) predicted on the platforms of their datasheets at the default
+efficiency, never fitted to them: published and predicted tokens per second per GPU, and memory where published, with
+the accuracies and their mean; each row's FLOPs per token beside the count its source publishes; the same layouts as
+each release of Megatron-Bridge's summary published them (25.09 to 26.08), beside the one figure the oracle predicts
+for each; torchtitan's rows again on their own machine, its efficiencies set from the same file's Table 1, and that
+table's memory, which the calibration does not use; what torchtitan's memory column measures (the caching allocator's
+reserved peak) beside what the oracle counts, its loss replayed; lab 16's two searches (every mesh, ZeRO stage,
+recomputation and pipeline schedule), timed. One process; no MPI. Each target ends in a line "verdict: ..." with the
+figure beside it; the searches' 10 s needs a quiet machine. About 15 s with --no-plan (quiet), 5-15 minutes with the
+planner.
 
     .venv/bin/python bench/oracle_transformer.py [--rows 10] [--no-plan] [--efficiency 0.43]
 """
@@ -62,6 +62,7 @@ def main() -> None:
     print(f"with alpha = 0 instead of 5 us, accuracy moves by at most {max(moved):.4f}")
     modern(args.efficiency)
     model_flops()
+    releases(args.efficiency)
     titan_calibrated()
     reserved_replayed()
     lab_searches()
@@ -173,6 +174,42 @@ def model_flops() -> None:
     print(
         f"verdict: FLOPs per token within 1% of the published count on every row (worst {worst:.4f}): "
         f"{_met(worst >= 0.99)}"
+    )
+
+
+def releases(efficiency: float | None) -> None:
+    """Each layout of Megatron-Bridge's summary as its releases published it (25.09 to 26.08; not validation rows),
+    beside the one figure the oracle predicts for it: how far the published rate of one layout moved."""
+    from ddlab.oracle.published import EFFICIENCY, RELEASES_SOURCE, accuracy, across_releases
+
+    rows = across_releases(EFFICIENCY if efficiency is None else efficiency)
+    print(f"\nthe same layouts in every release of the summary ({RELEASES_SOURCE}; not validation rows):")
+    print(
+        f"{'model':16} {'hardware':8} {'GPUs':>5} {'batch':>5} {'layout':56} {'pred':>6}  "
+        "published (accuracy), fastest / slowest"
+    )
+    for runs, pred in rows:
+        published = ", ".join(f"{release} {rate:.0f} ({accuracy(pred, rate):.2f})" for release, rate in runs.published)
+        print(
+            f"{runs.gpt.name:16} {runs.hardware.name.split()[0]:8} {runs.layout.devices:5d} {runs.layout.batch:5d} "
+            f"{runs.layout.label[:56]:56} "
+            f"{pred:6.0f}  {published}; {runs.spread():.2f}x"
+        )
+    # a figure within 15% of two rates needs 0.85 x the faster <= it <= 1.15 x the slower
+    apart = [runs for runs, _ in rows if runs.spread() > 1.15 / 0.85]
+    for kind, group in (
+        ("dense", [r for r in rows if not r[0].gpt.experts]),
+        ("MoE", [r for r in rows if r[0].gpt.experts]),
+    ):
+        accuracies = [accuracy(pred, rate) for runs, pred in group for _, rate in runs.published]
+        print(
+            f"  {kind} layouts: the releases' rates differ by up to {max(runs.spread() for runs, _ in group):.2f}x; "
+            f"the prediction within 15% of {sum(a >= 0.85 for a in accuracies)} of their {len(accuracies)} rates "
+            f"(worst accuracy {min(accuracies):.2f})"
+        )
+    print(
+        f"  layouts whose releases no one prediction can meet within 15% (fastest / slowest > 1.15 / 0.85): "
+        f"{len(apart)} of {len(rows)}, {sum(bool(r.gpt.experts) for r in apart)} of them mixtures of experts"
     )
 
 

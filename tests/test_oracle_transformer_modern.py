@@ -26,8 +26,12 @@ from ddlab.oracle.published import (
     LLAMA3_70B,
     MIXTRAL_8X22B,
     MODERN,
+    RELEASES,
     TITAN_TABLE1,
+    Releases,
     a100_cluster,
+    accuracy,
+    across_releases,
     calibrate_titan,
     gpu_platform,
     model_flops_per_token,
@@ -675,6 +679,23 @@ def test_the_models_flops_per_token_are_the_published_count():
     for run in rows:
         assert model_flops_per_token(run.gpt) == pytest.approx(run.published_flops_per_token(), rel=0.01), run
     assert model_flops_per_token(LLAMA3_8B) < iteration_flops(LLAMA3_8B, 1, "none") / LLAMA3_8B.seq  # causal half
+
+
+def test_every_release_of_a_bridge_row_is_its_layout_and_the_dense_ones_hold():
+    """`RELEASES`: each Megatron-Bridge row of `MODERN` is its own layout's 25.11 figure there (the same model, layout
+    and machine, so the two tables cannot drift apart); every layout ran, so is predicted to fit; the dense layouts'
+    rates, release after release, stay within 15% of the one prediction, and the spread is the fastest over the
+    slowest."""
+    rows = across_releases()
+    assert len(rows) == len(RELEASES) and all(len(runs.published) >= 2 for runs in RELEASES)
+    for run in (run for run in MODERN if run.source.startswith("Megatron-Bridge")):
+        same = [r for r in RELEASES if (r.gpt, r.layout, r.hardware) == (run.gpt, run.layout, run.hardware)]
+        assert len(same) == 1 and dict(same[0].published)["25.11"] == run.tokens_per_gpu, run.gpt.name
+    for runs, _ in rows:
+        assert predict(runs.gpt, runs.layout, gpu_platform(runs.hardware)).peak <= runs.hardware.memory
+    dense = [(runs, pred) for runs, pred in rows if not runs.gpt.experts]
+    assert len(dense) >= 7 and all(accuracy(pred, rate) >= 0.85 for runs, pred in dense for _, rate in runs.published)
+    assert Releases(LLAMA3_8B, Layout(), B200, (("a", 100.0), ("b", 150.0), ("c", 120.0))).spread() == 1.5
 
 
 def test_the_labs_searches_answer_a_70b_on_64_h100s_and_a_moe_on_256():
