@@ -195,21 +195,27 @@ def releases(efficiency: float | None) -> None:
             f"{runs.layout.label[:56]:56} "
             f"{pred:6.0f}  {published}; {runs.spread():.2f}x"
         )
-    # a figure within 15% of two rates needs 0.85 x the faster <= it <= 1.15 x the slower
-    apart = [runs for runs, _ in rows if runs.spread() > 1.15 / 0.85]
-    for kind, group in (
-        ("dense", [r for r in rows if not r[0].gpt.experts]),
-        ("MoE", [r for r in rows if r[0].gpt.experts]),
-    ):
-        accuracies = [accuracy(pred, rate) for runs, pred in group for _, rate in runs.published]
+    kinds = {"dense": [r for r in rows if not r[0].gpt.experts], "MoE": [r for r in rows if r[0].gpt.experts]}
+    accuracies = {
+        kind: [accuracy(pred, rate) for runs, pred in group for _, rate in runs.published]
+        for kind, group in kinds.items()
+    }
+    for kind, group in kinds.items():
         print(
             f"  {kind} layouts: the releases' rates differ by up to {max(runs.spread() for runs, _ in group):.2f}x; "
-            f"the prediction within 15% of {sum(a >= 0.85 for a in accuracies)} of their {len(accuracies)} rates "
-            f"(worst accuracy {min(accuracies):.2f})"
+            f"the prediction within 15% of {sum(a >= 0.85 for a in accuracies[kind])} of their "
+            f"{len(accuracies[kind])} rates (worst accuracy {min(accuracies[kind]):.2f})"
         )
+    # a figure within 15% of two rates needs 0.85 x the faster <= it <= 1.15 x the slower
+    apart = [runs for runs, _ in rows if runs.spread() > 1.15 / 0.85]
     print(
         f"  layouts whose releases no one prediction can meet within 15% (fastest / slowest > 1.15 / 0.85): "
         f"{len(apart)} of {len(rows)}, {sum(bool(r.gpt.experts) for r in apart)} of them mixtures of experts"
+    )
+    close = sum(a >= 0.85 for a in accuracies["dense"])
+    print(
+        f"verdict: the dense layouts within 15% of every release's rate, {close} of {len(accuracies['dense'])}: "
+        f"{_met(close == len(accuracies['dense']))}"
     )
 
 

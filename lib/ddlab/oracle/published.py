@@ -640,7 +640,9 @@ RELEASES_SOURCE = (
 #: Not validation rows: what the published figures of one layout moved by from release to release. Every pre-training
 #: row on DGX-H100 or DGX-B200 of a model `MODERN` states, from every release of Megatron-Bridge's summary (the 25.09 to
 #: 26.08 NeMo containers; none of 26.06.01's or 26.08's is on these systems), grouped by layout (GPUs, batch,
-#: micro-batch, t p c v ep), each as `_megatron` or `_megatron_moe` states it; the 25.11 figures are `MODERN`'s.
+#: micro-batch, t p c v ep), each as `_megatron` or `_megatron_moe` states it (the options of v0.2.1's recipes: the later
+#: releases' recipes are not read here); the 25.11 figures are `MODERN`'s. 25.09's table has no precision column: its
+#: first figure is taken (FP8 with current scaling; the one in parentheses is MXFP8 on B200s, blockwise on H100s).
 RELEASES = tuple(
     Releases(gpt, layout, hardware, published)
     for gpt, layout, hardware, published in (
