@@ -682,10 +682,9 @@ def test_the_models_flops_per_token_are_the_published_count():
 
 
 def test_every_release_of_a_bridge_row_is_its_layout_and_the_dense_ones_hold():
-    """`RELEASES`: each Megatron-Bridge row of `MODERN` is its own layout's 25.11 figure there (the same model, layout
-    and machine, so the two tables cannot drift apart); every layout ran, so is predicted to fit; the dense layouts'
-    rates, release after release, stay within 15% of the one prediction, and the spread is the fastest over the
-    slowest."""
+    """`RELEASES`: each Megatron-Bridge row of `MODERN` is one layout there (no later layout states it again), with its
+    25.11 figure; every layout ran, so is predicted to fit; the dense layouts' rates, release after release, stay
+    within 15% of the one prediction, and the spread is the fastest over the slowest."""
     rows = across_releases()
     assert len(rows) == len(RELEASES) and all(len(runs.published) >= 2 for runs in RELEASES)
     for run in (run for run in MODERN if run.source.startswith("Megatron-Bridge")):

@@ -637,97 +637,79 @@ class Releases:
 RELEASES_SOURCE = (
     "Megatron-Bridge docs/performance-summary.md and performance-summary-archive.md (067f987), 25.09 to 26.08"
 )
+#: The figures of the other releases beside each Megatron-Bridge row of `MODERN`, in its order: (before 25.11, after).
+_AROUND_MODERN: tuple[tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]], ...] = (
+    ((("25.09", 14079),), ()),  # Llama 3 8B, 8 H100s
+    ((("25.09", 1619),), ()),  # Llama 3 70B, 64 H100s
+    ((("25.09", 29994),), ()),  # Llama 3 8B, 8 B200s
+    ((("25.09", 302),), ()),  # Llama 3.1 405B, 1024 H100s
+    ((("25.09", 664),), ()),  # Llama 3.1 405B, 128 B200s
+    ((("25.09 dropping", 10494),), ()),  # Qwen3-30B-A3B, 16 H100s
+    ((("25.09 dropping", 1204),), ()),  # Qwen3-235B-A22B, 256 H100s
+    ((("25.09 dropping", 18066),), (("26.02", 9691),)),  # Qwen3-30B-A3B, 8 B200s
+    ((("25.09 dropping", 4104),), ()),  # Qwen3-235B-A22B, 64 B200s
+)
 #: Not validation rows: what the published figures of one layout moved by from release to release. Every pre-training
 #: row on DGX-H100 or DGX-B200 of a model `MODERN` states, from every release of Megatron-Bridge's summary (the 25.09 to
 #: 26.08 NeMo containers; none of 26.06.01's or 26.08's is on these systems), grouped by layout (GPUs, batch,
-#: micro-batch, t p c v ep), each as `_megatron` or `_megatron_moe` states it (the options of v0.2.1's recipes: the later
-#: releases' recipes are not read here); the 25.11 figures are `MODERN`'s. 25.09's table has no precision column: its
-#: first figure is taken (FP8 with current scaling; the one in parentheses is MXFP8 on B200s, blockwise on H100s).
-RELEASES = tuple(
-    Releases(gpt, layout, hardware, published)
-    for gpt, layout, hardware, published in (
-        (
-            LLAMA3_8B,
-            _megatron(LLAMA3_8B, 8, 128, 1, 1, 1, 1, 1, rerun=5),
-            H100_SXM,
-            (("25.09", 14079), ("25.11", 14451)),
-        ),
-        (LLAMA3_8B, _megatron(LLAMA3_8B, 8, 128, 2, 1, 1, 1, 0), B200, (("25.09", 29994), ("25.11", 30624))),
-        (LLAMA3_70B, _megatron(LLAMA3_70B, 64, 128, 1, 4, 8, 5, 0), H100_SXM, (("25.09", 1619), ("25.11", 1602))),
-        (
-            LLAMA3_70B,
-            _megatron(LLAMA3_70B, 64, 256, 1, 4, 8, 5, 0),
-            H100_SXM,
-            (("26.02", 1621), ("26.02.01", 1639), ("26.04", 1633), ("26.04.01", 1664)),
-        ),
-        (
-            LLAMA31_405B,
-            _megatron(LLAMA31_405B, 1024, 512, 1, 8, 8, 8, 0, 2),
-            H100_SXM,
-            (("25.09", 302), ("25.11", 292)),
-        ),
-        (
-            LLAMA31_405B,
-            _megatron(LLAMA31_405B, 1024, 1536, 1, 8, 8, 8, 0, 2),
-            H100_SXM,
-            (("26.02", 311), ("26.04.01", 328), ("26.06", 326)),
-        ),
-        (LLAMA31_405B, _megatron(LLAMA31_405B, 128, 64, 1, 4, 8, 8, 0, 2), B200, (("25.09", 664), ("25.11", 661))),
-        (
-            QWEN3_30B_A3B,
-            _megatron_moe(QWEN3_30B_A3B, 8, 512, 1, 1, 1, 1, 8),
-            B200,
-            (("25.09 dropping", 18066), ("25.11", 9299), ("26.02", 9691)),
-        ),
-        (
-            QWEN3_30B_A3B,
-            _megatron_moe(QWEN3_30B_A3B, 8, 512, 4, 1, 1, 1, 8),
-            B200,
-            (("26.02.01", 26695), ("26.04", 26859), ("26.04.01", 27136)),
-        ),
-        (
-            QWEN3_30B_A3B,
-            _megatron_moe(QWEN3_30B_A3B, 16, 512, 2, 1, 2, 24, 8),
-            H100_SXM,
-            (("25.09 dropping", 10494), ("25.11", 5275)),
-        ),
-        (
-            QWEN3_30B_A3B,
-            _megatron_moe(QWEN3_30B_A3B, 16, 1024, 1, 1, 2, 12, 8),
-            H100_SXM,
-            (("26.02", 5113), ("26.02.01", 9058)),
-        ),
-        (
-            QWEN3_30B_A3B,
-            _megatron_moe(QWEN3_30B_A3B, 16, 1024, 1, 1, 1, 1, 16),
-            H100_SXM,
-            (("26.04", 8901), ("26.04.01", 8960), ("26.06", 8826)),
-        ),
-        (
-            QWEN3_235B_A22B,
-            _megatron_moe(QWEN3_235B_A22B, 256, 2048, 1, 2, 8, 4, 32),
-            H100_SXM,
-            (("25.09 dropping", 1204), ("25.11", 1575)),
-        ),
-        (
-            QWEN3_235B_A22B,
-            _megatron_moe(QWEN3_235B_A22B, 256, 8192, 1, 2, 8, 4, 32),
-            H100_SXM,
-            (("26.02", 1633), ("26.02.01", 1611), ("26.04", 1686), ("26.04.01", 1712)),
-        ),
-        (
-            QWEN3_235B_A22B,
-            _megatron_moe(QWEN3_235B_A22B, 64, 1024, 1, 1, 8, 2, 8),
-            B200,
-            (("25.09 dropping", 4104), ("25.11", 3269)),
-        ),
-        (
-            QWEN3_235B_A22B,
-            _megatron_moe(QWEN3_235B_A22B, 256, 8192, 1, 1, 8, 1, 8),
-            B200,
-            (("26.02", 3805), ("26.04.01", 3776)),
-        ),
-    )
+#: micro-batch, t p c v ep): `MODERN`'s rows with their 25.11 figures, then the layouts of later releases, each as
+#: `_megatron` or `_megatron_moe` states it (the options of v0.2.1's recipes: the later releases' recipes are not read
+#: here). 25.09's table has no precision column: its first figure is taken (FP8 with current scaling; the one in
+#: parentheses is MXFP8 on B200s, blockwise on H100s).
+RELEASES = (
+    *(
+        Releases(run.gpt, run.layout, run.hardware, (*before, ("25.11", run.tokens_per_gpu), *after))
+        for run, (before, after) in zip(
+            (run for run in MODERN if run.source.startswith(_BRIDGE)), _AROUND_MODERN, strict=True
+        )
+    ),
+    *(
+        Releases(gpt, layout, hardware, published)
+        for gpt, layout, hardware, published in (
+            (
+                LLAMA3_70B,
+                _megatron(LLAMA3_70B, 64, 256, 1, 4, 8, 5, 0),
+                H100_SXM,
+                (("26.02", 1621), ("26.02.01", 1639), ("26.04", 1633), ("26.04.01", 1664)),
+            ),
+            (
+                LLAMA31_405B,
+                _megatron(LLAMA31_405B, 1024, 1536, 1, 8, 8, 8, 0, 2),
+                H100_SXM,
+                (("26.02", 311), ("26.04.01", 328), ("26.06", 326)),
+            ),
+            (
+                QWEN3_30B_A3B,
+                _megatron_moe(QWEN3_30B_A3B, 8, 512, 4, 1, 1, 1, 8),
+                B200,
+                (("26.02.01", 26695), ("26.04", 26859), ("26.04.01", 27136)),
+            ),
+            (
+                QWEN3_30B_A3B,
+                _megatron_moe(QWEN3_30B_A3B, 16, 1024, 1, 1, 2, 12, 8),
+                H100_SXM,
+                (("26.02", 5113), ("26.02.01", 9058)),
+            ),
+            (
+                QWEN3_30B_A3B,
+                _megatron_moe(QWEN3_30B_A3B, 16, 1024, 1, 1, 1, 1, 16),
+                H100_SXM,
+                (("26.04", 8901), ("26.04.01", 8960), ("26.06", 8826)),
+            ),
+            (
+                QWEN3_235B_A22B,
+                _megatron_moe(QWEN3_235B_A22B, 256, 8192, 1, 2, 8, 4, 32),
+                H100_SXM,
+                (("26.02", 1633), ("26.02.01", 1611), ("26.04", 1686), ("26.04.01", 1712)),
+            ),
+            (
+                QWEN3_235B_A22B,
+                _megatron_moe(QWEN3_235B_A22B, 256, 8192, 1, 1, 8, 1, 8),
+                B200,
+                (("26.02", 3805), ("26.04.01", 3776)),
+            ),
+        )
+    ),
 )
 
 
