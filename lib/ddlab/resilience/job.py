@@ -118,20 +118,25 @@ def pid_file(folder: Path, rank: int) -> Path:
     return folder / f"pid.{rank}"
 
 
-def _ranks_ended(folder: Path, n: int) -> bool:
-    """Whether every rank of the job in `folder` started (its pid file) and has exited (gone, or a zombie)."""
+def rank_alive(folder: Path, rank: int) -> bool:
+    """Whether rank `rank` of the job in `folder` has not exited: not yet through MPI's start-up (no pid file), or
+    its process running (not gone, not a zombie)."""
     import psutil
 
-    files = [pid_file(folder, rank) for rank in range(n)]
-    if not all(file.exists() for file in files):
+    file = pid_file(folder, rank)
+    if not file.exists():
+        return True
+    try:
+        return psutil.Process(int(file.read_text())).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    for file in files:
-        try:
-            if psutil.Process(int(file.read_text())).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            continue
-    return True
+
+
+def _ranks_ended(folder: Path, n: int) -> bool:
+    """Whether every rank of the job in `folder` started (its pid file) and has exited (gone, or a zombie)."""
+    if not all(pid_file(folder, rank).exists() for rank in range(n)):
+        return False
+    return not any(rank_alive(folder, rank) for rank in range(n))
 
 
 def run_job(target: Callable[[Any], Any], n: int, timeout: float) -> JobResult:

@@ -2,8 +2,8 @@
 
 Loads FOLDER/target.pkl (cloudpickle), runs target(comm) on a duplicate of the world whose errors are
 returned (MPI.ERRORS_RETURN), and writes the outcome (value, or error and MPI error class) to
-FOLDER/result.RANK.pkl; a rank whose target returned leaves once every live rank is done (an Agree among the
-survivors), one whose target raised at once. Kept out of the package's imports so that `python -m` runs it
+FOLDER/result.RANK.pkl; a rank whose target returned leaves once every other rank has written its outcome or
+exited, one whose target raised at once. Kept out of the package's imports so that `python -m` runs it
 cleanly.
 """
 
@@ -12,10 +12,11 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
-from .job import Outcome, pid_file
+from .job import Outcome, pid_file, rank_alive
 
 
 def main(folder: Path) -> None:
@@ -48,16 +49,16 @@ def main(folder: Path) -> None:
     part = folder / f"result.{rank}.part"
     part.write_bytes(cloudpickle.dumps(outcome))
     part.rename(folder / f"result.{rank}.pkl")
-    faulthandler.cancel_dump_traceback_later()
-    # A rank whose part completed leaves only when every live rank is done: a rank that exits is a failed peer to
-    # the others (ULFM), so leaving early could fail a rank that still has to receive what this one sent. Agree
-    # completes among the survivors. A rank whose part raised leaves at once, so its peers fail fast, not at the
-    # job's deadline.
+    # A rank whose part completed leaves only when every other rank is done (its outcome written) or gone: a rank
+    # that exits is a failed peer to the others (ULFM), so leaving early could fail a rank that still has to receive
+    # what this one sent. Watched from the job's folder, not agreed by MPI: a collective at the exit could wait past
+    # the job's deadline with every outcome written. A rank whose part raised leaves at once, so its peers fail
+    # fast, not at the job's deadline. (The traceback dump stays armed: a wait here is named too.)
     if outcome.error is None:
-        try:
-            MPI.COMM_WORLD.Agree(1)
-        except MPI.Exception:
-            pass  # some rank failed: the survivors agreed all the same
+        others = [r for r in range(MPI.COMM_WORLD.Get_size()) if r != rank]
+        while any(not (folder / f"result.{r}.pkl").exists() and rank_alive(folder, r) for r in others):
+            time.sleep(0.01)
+    faulthandler.cancel_dump_traceback_later()
     # Leave without MPI_Finalize: after a failure, finalizing can wait on the dead; the outcome is written.
     sys.stdout.flush()
     sys.stderr.flush()
