@@ -194,6 +194,25 @@ def test_expert_parallelism_splits_the_experts_and_prices_the_all_to_alls():
     assert state[0] < state[1]
 
 
+def test_an_all_to_all_across_nodes_sends_each_piece_on_its_own_path():
+    """Inside a node the alpha-beta price; across nodes the pieces for the rank's own node ride NVLink while the
+    others cross the network at once, so the network's share sets the time, not every piece at its rate."""
+    h100, n = gpu_platform(H100_SXM), 2.0**30
+    intra, inter = h100.intra, h100.inter
+    assert h100.comm("alltoall", n, 8) == pytest.approx(7 * intra.alpha + 7 / 8 * n * intra.beta)
+    across = h100.comm("alltoall", n, 32)  # 4 nodes of 8: 24 of the 32 pieces leave the node
+    assert across == pytest.approx(31 * inter.alpha + 24 / 32 * n * inter.beta)
+    assert across < 31 * inter.alpha + 31 / 32 * n * inter.beta  # what one link for every piece would charge
+    pairs = h100.comm("alltoall", n, 8, stride=4)  # 2 of the 8 ranks in each of 4 nodes
+    assert pairs == pytest.approx(7 * inter.alpha + 6 / 8 * n * inter.beta)
+    alone = h100.comm("alltoall", n, 4, stride=8)  # one rank a node: every piece crosses
+    assert alone == pytest.approx(3 * inter.alpha + 3 / 4 * n * inter.beta)
+    slow_inside = Platform("slow NVLink", 4, 1e14, 10**12, Link(0.0, 1e-9), Link(0.0, 1e-10))
+    assert slow_inside.comm("alltoall", n, 8) == pytest.approx(3 / 8 * n * 1e-9)  # then the node's share sets it
+    shared = h100.comm("alltoall", n, 32, sharing=2)
+    assert shared == pytest.approx(31 * inter.alpha + 24 / 32 * n * inter.beta * 2)
+
+
 def test_fsdp_overlap_hides_the_gathers_under_the_layers():
     gpt = GPT(layers=8, hidden=2048, heads=16, seq=4096, vocab=32000)
     slow = Platform("slow", 8, 1e12, 10**12, Link(1e-5, 1e-10), Link(1e-5, 1e-10), contention=(1.0,) * 8)
