@@ -180,9 +180,11 @@ def model_flops() -> None:
 def releases(efficiency: float | None) -> None:
     """Each layout of Megatron-Bridge's summary as its releases published it (25.09 to 26.08; not validation rows),
     beside the one figure the oracle predicts for it: how far the published rate of one layout moved."""
-    from ddlab.oracle.published import EFFICIENCY, RELEASES_SOURCE, accuracy, across_releases
+    from ddlab.oracle.published import EFFICIENCY, RELEASES_SOURCE, accuracy, across_releases, gpu_platform
+    from ddlab.oracle.transformer import busiest, predict
 
-    rows = across_releases(EFFICIENCY if efficiency is None else efficiency)
+    share = EFFICIENCY if efficiency is None else efficiency
+    rows = across_releases(share)
     print(f"\nthe same layouts in every release of the summary ({RELEASES_SOURCE}; not validation rows):")
     print(
         f"{'model':16} {'hardware':8} {'GPUs':>5} {'batch':>5} {'layout':56} {'pred':>6}  "
@@ -206,6 +208,21 @@ def releases(efficiency: float | None) -> None:
             f"the prediction within 15% of {sum(a >= 0.85 for a in accuracies[kind])} of their "
             f"{len(accuracies[kind])} rates (worst accuracy {min(accuracies[kind]):.2f})"
         )
+    print(
+        "  the published step minus the predicted one, in ms per MoE layer and micro-batch of the busiest rank "
+        "(in brackets: were the all-to-alls hidden under the compute as far as it lasts):"
+    )
+    for runs, _ in kinds["MoE"]:
+        lay, tokens = runs.layout, runs.layout.batch * runs.gpt.seq / runs.layout.devices
+        busy = busiest(runs.gpt, lay)
+        visits = lay.micro_batches * (busy.layers // lay.pipeline) * busy.moe_layers / busy.layers
+        parts = predict(runs.gpt, lay, gpu_platform(runs.hardware, share))
+        hidden = min(parts.seconds["expert"], parts.seconds["compute"])
+        gaps = ", ".join(
+            f"{release} {(gap := (tokens / rate - parts.time) / visits * 1e3):+.1f} ({gap + hidden / visits * 1e3:+.1f})"
+            for release, rate in runs.published
+        )
+        print(f"    {runs.gpt.name:16} {runs.hardware.name.split()[0]:5} {lay.label[:40]:40} {gaps}")
     # a figure within 15% of two rates needs 0.85 x the faster <= it <= 1.15 x the slower
     apart = [runs for runs, _ in rows if runs.spread() > 1.15 / 0.85]
     print(
