@@ -277,31 +277,34 @@ def titan_calibrated() -> None:
 
 def reserved_replayed() -> None:
     """What torchtitan's memory column measures: torch's `max_memory_reserved`, the segments its caching allocator
-    holds, where the oracle counts the tensors held at the peak (`max_memory_allocated`). torchtitan's loss (bfloat16
-    logits, their float32 copy, torch's cross entropy) traced on this CPU and replayed through the caching
-    allocator's rules (`ddlab.oracle.allocator`), bytes per logit."""
+    holds, where the oracle counts the tensors held at the peak (`max_memory_allocated`). torchtitan's two losses
+    (bfloat16 logits, their float32 copy, torch's cross entropy, under `loss_parallel` or not) traced on this CPU and
+    replayed through the caching allocator's rules (`ddlab.oracle.allocator`), bytes per logit."""
     from ddlab.oracle.allocator import loss_peaks
     from ddlab.oracle.published import validate_modern
     from ddlab.oracle.transformer import busiest
 
-    allocated, reserved = loss_peaks()
-    print(
-        f"\ntorchtitan publishes the reserved peak; the oracle counts the allocated one. Its loss, replayed: "
-        f"{allocated:.2f} bytes per logit allocated at the peak, {reserved:.2f} reserved (the 16-bit logits' block, "
-        "freed before the backward asks for float32 blocks it cannot hold)."
-    )
+    print("\ntorchtitan publishes the reserved peak; the oracle counts the allocated one. Its losses, replayed:")
+    for loss in ("eager", "parallel"):
+        allocated, reserved = loss_peaks(loss=loss)
+        print(
+            f"  {loss:8}: {allocated:5.2f} bytes per logit allocated at the peak, {reserved:5.2f} reserved (the 16-bit "
+            "logits' block, freed before the backward asks for float32 blocks it cannot hold)"
+        )
     for run, pred, _, _ in validate_modern():
         if run.memory is None:
             continue
         lay, gpt = run.layout, busiest(run.gpt, run.layout)
         logits = lay.micro_batch * gpt.seq // lay.context * gpt.vocab / lay.tensor
         print(
-            f"  {gpt.name:11} {gpt.seq:6d} tokens on {lay.devices:3d} GPUs: the 16-bit logits {2 * logits / 2**30:4.1f} "
-            f"GiB; published reserved - predicted allocated {(run.memory - pred.peak) / 2**30:5.1f} GiB"
+            f"  {gpt.name:11} {gpt.seq:6d} tokens on {lay.devices:3d} GPUs, {lay.loss:8} loss: the 16-bit logits "
+            f"{2 * logits / 2**30:4.1f} GiB; published reserved - predicted allocated "
+            f"{(run.memory - pred.peak) / 2**30:5.1f} GiB"
         )
     print(
-        "  a later step may place other tensors in that block, and what else the cache holds depends on the order of "
-        "every allocation: the oracle predicts the allocated peak only"
+        "  a later step may place other tensors in that block (the optimizer's state, made after the first loss), "
+        "and what else the cache holds depends on the order of every allocation (bench/reserved_memory.py replays "
+        "small models of the whole step): the oracle predicts the allocated peak only"
     )
 
 

@@ -5,7 +5,9 @@ allocated one. Each configuration below runs three steps as torchtitan's train s
 autocast, every block checkpointed, an untied output layer, torch's cross entropy on a float32 copy of the logits,
 AdamW), traced on this CPU and replayed through the CUDA caching allocator's rules (`ddlab.oracle.allocator`). It
 prints the allocated and reserved peaks, and the gap in units of the 16-bit logits, the block torchtitan's loss
-leaves cached (tests/test_oracle_allocator.py): whether the gap is that block and no more. One process; about 4
+leaves cached (tests/test_oracle_allocator.py): whether the gap is that block and no more. And step by step, the
+reserve beside the loss's most allocated moment: whether that block, cached in the first step, is still free beside
+the loss in the next ones, or the optimizer's state (made after the first loss) took it. One process; about 4
 minutes.
 
     .venv/bin/python bench/reserved_memory.py
@@ -16,15 +18,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ddlab.models.gpt import GPTConfig, make_gpt
-from ddlab.oracle.allocator import replay, trace
+from ddlab.oracle.allocator import CachingAllocator, trace
 from torch.utils.checkpoint import checkpoint
 
 #: (sequences, tokens each, width, vocabulary, layers)
 SHAPES = ((4, 256, 128, 16384, 4), (4, 256, 256, 8192, 8), (8, 256, 128, 8192, 2), (2, 256, 512, 32768, 4))
 
 
-def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -> tuple[int, int]:
-    """(allocated peak, reserved peak) in bytes over three replayed steps."""
+#: The size of a marker tensor each step allocates just before its loss and frees after its backward, so that the
+#: replay knows where the loss and the backward run (no other tensor of these models has that many bytes).
+MARK = 777 * 512 + 3
+
+
+def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -> tuple[int, int, list[float]]:
+    """(allocated peak, reserved peak) in bytes over three replayed steps, and per step the reserve beyond what is
+    allocated at the most allocated moment of its loss and backward, in 16-bit logits' blocks."""
     config = GPTConfig(vocab_size=vocab, block_size=tokens, n_layer=layers, n_head=2, n_embd=hidden, tied=False)
     model = make_gpt(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -36,25 +44,46 @@ def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -
             for block in model.blocks:
                 x = checkpoint(block, x, None, use_reentrant=False)
             pred = F.linear(model.ln_f(x), model.output_weight)
+        mark = torch.empty(MARK, dtype=torch.uint8)
         loss = F.cross_entropy(pred.flatten(0, 1).float(), ids.flatten())
         del pred  # as torchtitan's train step does
         loss.backward()
+        del mark
         optimizer.step()
         optimizer.zero_grad()
 
-    allocator = replay(trace(lambda: [step() for _ in range(3)]))
-    return allocator.peak_allocated, allocator.peak_reserved
+    allocator, block = CachingAllocator(), 2 * sequences * tokens * vocab
+    marker, busiest = None, (0, 0)  # the marker's address while a loss runs; (allocated, reserved) at its busiest
+    beside: list[float] = []
+
+    def steps() -> None:
+        for _ in range(3):
+            step()
+
+    for address, size in trace(steps):
+        if size > 0:
+            allocator.malloc(address, size)
+            if size == MARK:
+                marker, busiest = address, (0, 0)
+        elif address in allocator.taken:
+            allocator.release(address)
+            if address == marker:
+                beside.append((busiest[1] - busiest[0]) / block)
+                marker = None
+        if marker is not None and allocator.allocated > busiest[0]:
+            busiest = (allocator.allocated, allocator.reserved)
+    return allocator.peak_allocated, allocator.peak_reserved, beside
 
 
 def main() -> None:
     gaps = []
     for sequences, tokens, hidden, vocab, layers in SHAPES:
-        allocated, reserved = reserve(sequences, tokens, hidden, vocab, layers)
+        allocated, reserved, beside = reserve(sequences, tokens, hidden, vocab, layers)
         gaps.append((reserved - allocated) / (2 * sequences * tokens * vocab))
         print(
             f"{sequences} x {tokens} tokens, width {hidden:3d}, vocabulary {vocab:5d}, {layers} layers: allocated "
             f"{allocated / 2**20:6.1f} MiB, reserved {reserved / 2**20:6.1f} MiB, the gap {gaps[-1]:.2f}x the 16-bit "
-            "logits"
+            f"logits; beside the loss's peak, step by step: {', '.join(f'{b:.2f}' for b in beside)}x"
         )
     print(
         f"the reserve beyond the allocated peak is {min(gaps):.2f}-{max(gaps):.2f}x the 16-bit logits' block: not a "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 from ddlab.oracle.allocator import CachingAllocator, loss_peaks, replay
 from ddlab.oracle.transformer import LOSSES
+from ddlab.runtime.loopback import interface
 
 MiB = 1 << 20
 
@@ -36,16 +38,27 @@ def test_freed_neighbours_merge_and_a_segment_is_never_given_back():
     assert allocator.reserved == 20 * MiB
 
 
-def test_torchs_eager_loss_reserves_its_16_bit_logits_beside_its_peak():
-    """bfloat16 logits, their float32 copy and torch's cross entropy, as torchtitan's step runs them: the replay's
-    allocated peak is the oracle's count of the loss (`LOSSES`, three float32 copies), and the 16-bit logits' block,
-    freed before the backward asks for a float32 block it cannot hold, stays reserved beside it."""
-    allocated, reserved = loss_peaks()
-    wide, narrow = LOSSES["eager"]
+@pytest.mark.parametrize("loss", ["eager", "parallel"])
+def test_torchs_losses_reserve_their_16_bit_logits_beside_their_peak(loss):
+    """bfloat16 logits, their float32 copy and torch's cross entropy (under `loss_parallel` too, on logits sharded
+    over the vocabulary), as torchtitan's step runs them: the replay's allocated peak is the oracle's count of the
+    loss (`LOSSES`: three float32 copies, four under loss_parallel), and the 16-bit logits' block, freed before the
+    backward asks for a float32 block it cannot hold, stays reserved beside it."""
+    allocated, reserved = loss_peaks(loss=loss)
+    wide, narrow = LOSSES[loss]
     assert allocated == pytest.approx(4 * wide + 2 * narrow, rel=0.01)
     assert reserved == pytest.approx(4 * wide + 2 * narrow + 2, rel=0.01)
 
 
-def test_the_loss_replay_refuses_an_empty_shape():
+def test_the_loss_replay_refuses_an_empty_shape_an_unknown_loss_and_a_running_group(monkeypatch):
     with pytest.raises(ValueError, match="must be positive"):
         loss_peaks(tokens=0)
+    with pytest.raises(ValueError, match="choose eager"):
+        loss_peaks(loss="fused")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface())  # nothing listens beyond loopback
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="where none runs"):
+            loss_peaks(loss="parallel")
+    finally:
+        dist.destroy_process_group()

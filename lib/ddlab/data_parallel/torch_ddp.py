@@ -12,23 +12,13 @@ import datetime
 import os
 import socket
 
-import psutil
 import torch.distributed as dist
 from mpi4py import MPI
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..runtime.loopback import ADDRESS, interface
 from .buckets import DEFAULT_CAP_MB
-
-ADDRESS = "127.0.0.1"
-
-
-def _loopback_interface() -> str:
-    """The name of this machine's loopback interface (lo on Linux, lo0 on macOS)."""
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == ADDRESS for a in addresses):
-            return name
-    return "lo"
 
 
 def init_gloo(comm: MPI.Comm, timeout: float = 60.0) -> None:
@@ -54,7 +44,7 @@ def init_gloo(comm: MPI.Comm, timeout: float = 60.0) -> None:
         os.environ["MASTER_PORT"] = str(comm.bcast(free if rank == 0 else None, root=0))
         dist.init_process_group("gloo", rank=rank, world_size=size, timeout=wait)
         return
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface())
     listener = None
     if rank == 0:  # torch's own server would listen on every interface, whatever the address it is given
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -18,7 +18,9 @@ stream):
 - a freed block merges with the free blocks beside it in its segment; segments are never given back (the allocator
   does so only when the device runs out, which a replay does not model).
 
-`loss_peaks` replays torchtitan's loss, the block where the two peaks part the most.
+`loss_peaks` replays torchtitan's losses, the block where the two peaks part the most: torch frees the 16-bit
+logits before the backward asks for float32 blocks they cannot hold, so that block stays reserved beside the
+loss's peak (in a whole step, what else lands in it depends on every other allocation: bench/reserved_memory.py).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import bisect
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 MIN_BLOCK = 512
 SMALL = 1 << 20  # the largest small request
@@ -157,9 +160,11 @@ def replay(events: list[Event]) -> CachingAllocator:
     return allocator
 
 
-def loss_peaks(tokens: int = 2048, width: int = 8, vocab: int = 8192) -> tuple[float, float]:
-    """Bytes per logit that torchtitan's loss (bfloat16 logits, their float32 copy, torch's cross entropy, the logits
-    deleted before the backward as its train step does) holds at its allocated peak and reserves, replayed.
+def loss_peaks(tokens: int = 2048, width: int = 8, vocab: int = 8192, loss: str = "eager") -> tuple[float, float]:
+    """Bytes per logit that torchtitan's loss holds at its allocated peak and reserves, replayed: bfloat16 logits,
+    their float32 copy, torch's cross entropy, the logits deleted before the backward as its train step does.
+    `loss` "eager" is torch's cross entropy; "parallel" runs it under `loss_parallel` on logits sharded over the
+    vocabulary (a DTensor, as torchtitan's tensor-parallel output layer leaves them) on a one-rank mesh.
 
     A first step runs untraced, so the input's and the head's gradients exist before the trace, as after any step."""
     import torch
@@ -167,16 +172,54 @@ def loss_peaks(tokens: int = 2048, width: int = 8, vocab: int = 8192) -> tuple[f
 
     if min(tokens, width, vocab) < 1:
         raise ValueError(f"tokens, width and vocab must be positive, not {tokens}, {width}, {vocab}")
-    x = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(vocab, width, dtype=torch.bfloat16, requires_grad=True)
+    if loss not in ("eager", "parallel"):
+        raise ValueError(f"loss {loss!r}: choose eager (torch's cross entropy) or parallel (under loss_parallel)")
+    x = torch.randn(tokens, width, dtype=torch.bfloat16)
+    w = torch.randn(vocab, width, dtype=torch.bfloat16)
     labels = torch.randint(vocab, (tokens,))
+    with _one_rank_mesh() if loss == "parallel" else nullcontext() as mesh:
+        if mesh is not None:
+            from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    def step() -> None:
-        pred = x @ w.t()
-        loss = F.cross_entropy(pred.float(), labels)
-        del pred
-        loss.backward()
+            x, w = distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(w, mesh, [Shard(0)])
+            labels = distribute_tensor(labels, mesh, [Replicate()])
+        x.requires_grad_()
+        w.requires_grad_()
 
-    step()
-    allocator = replay(trace(step))
+        def step() -> None:
+            pred = x @ w.t()
+            with _loss_parallel() if mesh is not None else nullcontext():
+                value = F.cross_entropy(pred.float(), labels)
+                del pred
+                value.backward()
+
+        step()
+        allocator = replay(trace(step))
     return allocator.peak_allocated / (tokens * vocab), allocator.peak_reserved / (tokens * vocab)
+
+
+def _loss_parallel() -> AbstractContextManager[None]:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+@contextmanager
+def _one_rank_mesh() -> Iterator[Any]:
+    """A device mesh of this process alone: gloo over an in-memory store, on the loopback interface (nothing
+    listens on the network), stopped on the way out."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..runtime.loopback import interface
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the loss_parallel replay starts its own one-rank torch.distributed: call it where none runs"
+        )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
