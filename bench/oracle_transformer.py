@@ -180,17 +180,19 @@ def model_flops() -> None:
 def releases(efficiency: float | None) -> None:
     """Each layout of Megatron-Bridge's summary as its releases published it (25.09 to 26.08; not validation rows),
     beside the one figure the oracle predicts for it: how far the published rate of one layout moved."""
-    from ddlab.oracle.published import EFFICIENCY, RELEASES_SOURCE, accuracy, across_releases, gpu_platform
-    from ddlab.oracle.transformer import busiest, predict
+    from ddlab.oracle.published import EFFICIENCY, RELEASES_SOURCE, accuracy, across_releases
+    from ddlab.oracle.transformer import busiest
 
-    share = EFFICIENCY if efficiency is None else efficiency
-    rows = across_releases(share)
+    rows = [
+        (runs, pred.tokens_per_device(), pred)
+        for runs, pred in across_releases(EFFICIENCY if efficiency is None else efficiency)
+    ]
     print(f"\nthe same layouts in every release of the summary ({RELEASES_SOURCE}; not validation rows):")
     print(
         f"{'model':16} {'hardware':8} {'GPUs':>5} {'batch':>5} {'layout':56} {'pred':>6}  "
         "published (accuracy), fastest / slowest"
     )
-    for runs, pred in rows:
+    for runs, pred, _ in rows:
         published = ", ".join(f"{release} {rate:.0f} ({accuracy(pred, rate):.2f})" for release, rate in runs.published)
         print(
             f"{runs.gpt.name:16} {runs.hardware.name.split()[0]:8} {runs.layout.devices:5d} {runs.layout.batch:5d} "
@@ -199,12 +201,12 @@ def releases(efficiency: float | None) -> None:
         )
     kinds = {"dense": [r for r in rows if not r[0].gpt.experts], "MoE": [r for r in rows if r[0].gpt.experts]}
     accuracies = {
-        kind: [accuracy(pred, rate) for runs, pred in group for _, rate in runs.published]
+        kind: [accuracy(pred, rate) for runs, pred, _ in group for _, rate in runs.published]
         for kind, group in kinds.items()
     }
     for kind, group in kinds.items():
         print(
-            f"  {kind} layouts: the releases' rates differ by up to {max(runs.spread() for runs, _ in group):.2f}x; "
+            f"  {kind} layouts: the releases' rates differ by up to {max(runs.spread() for runs, *_ in group):.2f}x; "
             f"the prediction within 15% of {sum(a >= 0.85 for a in accuracies[kind])} of their "
             f"{len(accuracies[kind])} rates (worst accuracy {min(accuracies[kind]):.2f})"
         )
@@ -212,11 +214,10 @@ def releases(efficiency: float | None) -> None:
         "  the published step minus the predicted one, in ms per MoE layer and micro-batch of the busiest rank "
         "(in brackets: were the all-to-alls hidden under the compute as far as it lasts):"
     )
-    for runs, _ in kinds["MoE"]:
+    for runs, _, parts in kinds["MoE"]:
         lay, tokens = runs.layout, runs.layout.batch * runs.gpt.seq / runs.layout.devices
         busy = busiest(runs.gpt, lay)
         visits = lay.micro_batches * (busy.layers // lay.pipeline) * busy.moe_layers / busy.layers
-        parts = predict(runs.gpt, lay, gpu_platform(runs.hardware, share))
         hidden = min(parts.seconds["expert"], parts.seconds["compute"])
         gaps = ", ".join(
             f"{release} {(gap := (tokens / rate - parts.time) / visits * 1e3):+.1f} ({gap + hidden / visits * 1e3:+.1f})"
@@ -224,7 +225,7 @@ def releases(efficiency: float | None) -> None:
         )
         print(f"    {runs.gpt.name:16} {runs.hardware.name.split()[0]:5} {lay.label[:40]:40} {gaps}")
     # a figure within 15% of two rates needs 0.85 x the faster <= it <= 1.15 x the slower
-    apart = [runs for runs, _ in rows if runs.spread() > 1.15 / 0.85]
+    apart = [runs for runs, *_ in rows if runs.spread() > 1.15 / 0.85]
     print(
         f"  layouts whose releases no one prediction can meet within 15% (fastest / slowest > 1.15 / 0.85): "
         f"{len(apart)} of {len(rows)}, {sum(bool(r.gpt.experts) for r in apart)} of them mixtures of experts"

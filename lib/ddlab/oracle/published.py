@@ -713,12 +713,9 @@ RELEASES = (
 )
 
 
-def across_releases(efficiency: float = EFFICIENCY) -> list[tuple[Releases, float]]:
-    """(layout, predicted tokens per second per GPU) for each of `RELEASES`, its platform at `efficiency`."""
-    return [
-        (runs, predict(runs.gpt, runs.layout, gpu_platform(runs.hardware, efficiency)).tokens_per_device())
-        for runs in RELEASES
-    ]
+def across_releases(efficiency: float = EFFICIENCY) -> list[tuple[Releases, TransformerPrediction]]:
+    """(layout, the one prediction of it) for each of `RELEASES`, its platform at `efficiency`."""
+    return [(runs, predict(runs.gpt, runs.layout, gpu_platform(runs.hardware, efficiency))) for runs in RELEASES]
 
 
 def validate_modern(
