@@ -207,6 +207,12 @@ def test_an_all_to_all_across_nodes_sends_each_piece_on_its_own_path():
     assert pairs == pytest.approx(7 * inter.alpha + 6 / 8 * n * inter.beta)
     alone = h100.comm("alltoall", n, 4, stride=8)  # one rank a node: every piece crosses
     assert alone == pytest.approx(3 * inter.alpha + 3 / 4 * n * inter.beta)
+    apart = h100.comm("alltoall", n, 4, stride=16)  # one rank every other node
+    assert apart == pytest.approx(3 * inter.alpha + 3 / 4 * n * inter.beta)
+    ragged = h100.comm("alltoall", n, 12)  # 8 ranks in one node, 4 in the next: those 4 send 8 of 12 pieces out
+    assert ragged == pytest.approx(11 * inter.alpha + 8 / 12 * n * inter.beta)
+    halves = h100.comm("alltoall", n, 6, stride=2)  # 4 ranks in one node, 2 in the next
+    assert halves == pytest.approx(5 * inter.alpha + 4 / 6 * n * inter.beta)
     slow_inside = Platform("slow NVLink", 4, 1e14, 10**12, Link(0.0, 1e-9), Link(0.0, 1e-10))
     assert slow_inside.comm("alltoall", n, 8) == pytest.approx(3 / 8 * n * 1e-9)  # then the node's share sets it
     shared = h100.comm("alltoall", n, 32, sharing=2)

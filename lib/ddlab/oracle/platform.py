@@ -14,14 +14,18 @@ doubling; Thakur, Rabenseifner & Gropp, IJHPCA 2005), with L = ceil(log2 P) step
     alltoall        (P-1) alpha + (P-1)/P n beta   (pairwise; n: bytes a rank sends to all)
 
 A collective whose ranks all sit in one node uses the intra-node link, one that spans
-nodes the inter-node link (the slowest edge of the ring sets its pace). An all-to-all
-has no ring: each rank sends its pieces to every other rank at once, each on its own
-path, so across nodes the pieces for the k ranks of its own node ride the intra-node
-link while the other P-k cross the network, and the slower of the two sets the time:
+nodes the inter-node link (the slowest edge of the ring sets its pace). `sharing` is how
+many such collectives share one node's network link at once (hybrid strategies).
 
-    alltoall across nodes   (P-1) alpha + max((k-1)/P n beta_intra, (P-k)/P n beta_inter)
+An all-to-all has no ring: each rank sends its pieces to every other rank at once, each
+on its own path, so across nodes the pieces for the ranks of its own node ride the
+intra-node link while the others cross the network, and the slower of the two sets the
+time. With k_max ranks in the fullest node and k_min in the emptiest (the groups tiling
+the machine from rank 0), and each rank its own network adapter (as on DGX nodes; a node
+whose ranks share an adapter states it with `sharing`), the P-1 start-ups at the
+network's alpha:
 
-`sharing` is how many such flows share one node's network link at once (hybrid strategies).
+    alltoall across nodes   (P-1) alpha + max((k_max-1)/P n beta_intra, (P-k_min)/P n beta_inter)
 
 `contention[n-1]` is how much slower a device computes while n devices of a node
 compute at once (1 on a GPU; on a CPU the cores and memory bandwidth are shared; not
@@ -37,6 +41,7 @@ compute (slicing, padding, copies, small extra kernels): 0 where not measured.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -120,9 +125,10 @@ class Platform:
         if sharing > 1 and ranks * stride > self.devices_per_node:
             link = replace(link, beta=link.beta * sharing * self.crossings)
         if op == "alltoall" and ranks * stride > self.devices_per_node:
-            near = max(1, self.devices_per_node // stride)  # the ranks of the collective in one node
+            fullest = max(1, self.devices_per_node // stride)  # the collective's ranks in its fullest node
+            emptiest = max(1, math.gcd(ranks * stride, self.devices_per_node) // stride)  # and in its emptiest
             return (ranks - 1) * link.alpha + max(
-                (near - 1) / ranks * nbytes * self.intra.beta, (ranks - near) / ranks * nbytes * link.beta
+                (fullest - 1) / ranks * nbytes * self.intra.beta, (ranks - emptiest) / ranks * nbytes * link.beta
             )
         return float(collective_seconds(op, ranks, nbytes, link))
 
