@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 from ddlab.oracle.allocator import CachingAllocator, loss_peaks, replay
@@ -58,7 +60,19 @@ def test_the_loss_replay_refuses_an_empty_shape_an_unknown_loss_and_a_running_gr
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface())  # nothing listens beyond loopback
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(RuntimeError, match="where none runs"):
+        with pytest.raises(RuntimeError, match="already initialised.*destroy the running one first"):
             loss_peaks(loss="parallel")
     finally:
         dist.destroy_process_group()
+
+
+def test_the_parallel_replay_talks_over_loopback_whatever_gloo_was_told(monkeypatch):
+    """The one-rank group never needs another host: it runs on the loopback interface even where
+    GLOO_SOCKET_IFNAME names another (here one that does not exist, which gloo would refuse), and the variable is
+    as it was afterwards."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ddlab-no-such-interface")
+    assert loss_peaks(tokens=64, vocab=256, loss="parallel")[0] > 0
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ddlab-no-such-interface"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    loss_peaks(tokens=64, vocab=256, loss="parallel")
+    assert "GLOO_SOCKET_IFNAME" not in os.environ

@@ -31,7 +31,10 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MIN_BLOCK = 512
 SMALL = 1 << 20  # the largest small request
@@ -160,7 +163,9 @@ def replay(events: list[Event]) -> CachingAllocator:
     return allocator
 
 
-def loss_peaks(tokens: int = 2048, width: int = 8, vocab: int = 8192, loss: str = "eager") -> tuple[float, float]:
+def loss_peaks(
+    tokens: int = 2048, width: int = 8, vocab: int = 8192, loss: Literal["eager", "parallel"] = "eager"
+) -> tuple[float, float]:
     """Bytes per logit that torchtitan's loss holds at its allocated peak and reserves, replayed: bfloat16 logits,
     their float32 copy, torch's cross entropy, the logits deleted before the backward as its train step does.
     `loss` "eager" is torch's cross entropy; "parallel" runs it under `loss_parallel` on logits sharded over the
@@ -205,21 +210,23 @@ def _loss_parallel() -> AbstractContextManager[None]:
 
 
 @contextmanager
-def _one_rank_mesh() -> Iterator[Any]:
-    """A device mesh of this process alone: gloo over an in-memory store, on the loopback interface (nothing
-    listens on the network), stopped on the way out."""
+def _one_rank_mesh() -> Iterator[DeviceMesh]:
+    """A device mesh of this process alone: gloo over an in-memory store, its sockets on the loopback interface
+    whatever GLOO_SOCKET_IFNAME says (nothing listens on the network; gloo keeps its loopback listener after the
+    group is destroyed on the way out)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..runtime.loopback import interface
+    from ..runtime.loopback import gloo_on_loopback
 
     if dist.is_initialized():
         raise RuntimeError(
-            "the loss_parallel replay starts its own one-rank torch.distributed: call it where none runs"
+            "torch.distributed is already initialised in this process, and the loss_parallel replay starts its own "
+            "one-rank group: destroy the running one first (dist.destroy_process_group()), or replay loss='eager'"
         )
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface())
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    with gloo_on_loopback():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            yield init_device_mesh("cpu", (1,))
+        finally:
+            dist.destroy_process_group()

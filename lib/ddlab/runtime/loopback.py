@@ -3,7 +3,10 @@ so that nothing listens on the network."""
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 
@@ -16,3 +19,18 @@ def interface() -> str:
         if any(a.family == socket.AF_INET and a.address == ADDRESS for a in addresses):
             return name
     return "lo"
+
+
+@contextmanager
+def gloo_on_loopback() -> Iterator[None]:
+    """gloo's sockets on the loopback interface while inside, whatever GLOO_SOCKET_IFNAME says; its value is put
+    back on the way out. For a group that never needs another host."""
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = interface()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = before
