@@ -181,11 +181,11 @@ def releases(efficiency: float | None) -> None:
     """Each layout of Megatron-Bridge's summary as its releases published it (25.09 to 26.08; not validation rows),
     beside the one figure the oracle predicts for it: how far the published rate of one layout moved."""
     from ddlab.oracle.published import EFFICIENCY, RELEASES_SOURCE, accuracy, across_releases
-    from ddlab.oracle.transformer import busiest
+    from ddlab.oracle.transformer import moe_visits
 
     rows = [
-        (runs, pred.tokens_per_device(), pred)
-        for runs, pred in across_releases(EFFICIENCY if efficiency is None else efficiency)
+        (runs, prediction.tokens_per_device(), prediction)
+        for runs, prediction in across_releases(EFFICIENCY if efficiency is None else efficiency)
     ]
     print(f"\nthe same layouts in every release of the summary ({RELEASES_SOURCE}; not validation rows):")
     print(
@@ -214,16 +214,16 @@ def releases(efficiency: float | None) -> None:
         "  the published step minus the predicted one, in ms per MoE layer and micro-batch of the busiest rank "
         "(in brackets: were the all-to-alls hidden under the compute as far as it lasts):"
     )
-    for runs, _, parts in kinds["MoE"]:
+    for runs, _, prediction in kinds["MoE"]:
         lay, tokens = runs.layout, runs.layout.batch * runs.gpt.seq / runs.layout.devices
-        busy = busiest(runs.gpt, lay)
-        visits = lay.micro_batches * (busy.layers // lay.pipeline) * busy.moe_layers / busy.layers
-        hidden = min(parts.seconds["expert"], parts.seconds["compute"])
+        visits = moe_visits(runs.gpt, lay)
+        hidden = min(prediction.seconds["expert"], prediction.seconds["compute"])
         gaps = ", ".join(
-            f"{release} {(gap := (tokens / rate - parts.time) / visits * 1e3):+.1f} ({gap + hidden / visits * 1e3:+.1f})"
+            f"{release} {(gap := (tokens / rate - prediction.time) / visits * 1e3):+.1f} "
+            f"({gap + hidden / visits * 1e3:+.1f})"
             for release, rate in runs.published
         )
-        print(f"    {runs.gpt.name:16} {runs.hardware.name.split()[0]:5} {lay.label[:40]:40} {gaps}")
+        print(f"    {runs.gpt.name:16} {runs.hardware.name.split()[0]:5} {lay.label.split(', fused')[0]:44} {gaps}")
     # a figure within 15% of two rates needs 0.85 x the faster <= it <= 1.15 x the slower
     apart = [runs for runs, *_ in rows if runs.spread() > 1.15 / 0.85]
     print(

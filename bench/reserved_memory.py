@@ -72,6 +72,7 @@ def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -
                 marker = None
         if marker is not None and allocator.allocated > busiest[0]:
             busiest = (allocator.allocated, allocator.reserved)
+    assert len(beside) == 3, f"the marker of {MARK} bytes was seen {len(beside)} times, not once a step"
     return allocator.peak_allocated, allocator.peak_reserved, beside
 
 

@@ -578,6 +578,13 @@ def busiest(gpt: GPT, layout: Layout) -> GPT:
     return replace(gpt, layers=-(-gpt.layers // chunks) * chunks)
 
 
+def moe_visits(gpt: GPT, layout: Layout) -> float:
+    """How many times a step runs a MoE layer on a rank of the busiest stage: its micro-batches times its l / p
+    layers' MoE share (each visit sends its tokens to their experts and back)."""
+    gpt = busiest(gpt, layout)
+    return layout.micro_batches * (gpt.layers // layout.pipeline) * gpt.moe_layers / gpt.layers
+
+
 def rerun_share(gpt: GPT, layout: Layout) -> float:
     """The share of the layers whose forward full recomputation reruns: 1, or `recompute_layers` of a chunk's
     l / (p k) (at most all); under op recomputation the share of the layers' linear FLOPs it reruns; else 0."""
@@ -996,11 +1003,10 @@ def layout_time(gpt: GPT, layout: Layout, platform: Platform) -> dict[str, float
         parts["tensor"] = max(parts["tensor"] / t, parts["tensor"] - under * (t - 1) / t)
     m = lay.micro_batches
     stage_layers = gpt.layers // lay.pipeline
-    moe_layers = stage_layers * gpt.moe_layers / gpt.layers
     tokens = lay.micro_batch * (gpt.seq // lay.context) / (lay.tensor if lay.sequence_parallel else 1)
     trips = 4 + 2 * rerun
     send = tokens * gpt.slots * gpt.hidden * prec.activations
-    parts["expert"] = m * moe_layers * trips * platform.comm("alltoall", send, lay.expert, lay.expert_tensor)
+    parts["expert"] = moe_visits(gpt, lay) * trips * platform.comm("alltoall", send, lay.expert, lay.expert_tensor)
     replicas, stride = lay.data * lay.context, lay.tensor
     dense, expert = stage_split(gpt, lay)
     if lay.expert > 1 and lay.zero != 3:
