@@ -56,6 +56,7 @@ from ddlab.oracle.transformer import (
     stage_split,
     step_time,
 )
+from ddlab.runtime.loopback import interface
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -579,7 +580,7 @@ dist.destroy_process_group()
 def test_torchs_loss_parallel_holds_four_float32_copies_of_the_logits():
     if sys.platform != "linux":
         pytest.skip("measures the resident memory through Linux's /proc")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "GLOO_SOCKET_IFNAME": interface(), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", _RESIDENT_PEAK], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     eager, parallel = (float(line) for line in done.stdout.split())
