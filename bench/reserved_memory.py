@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ddlab.models.gpt import GPTConfig, make_gpt
-from ddlab.oracle.allocator import CachingAllocator, trace
+from ddlab.oracle.allocator import CachingAllocator, replay, trace
 from torch.utils.checkpoint import checkpoint
 
 #: (sequences, tokens each, width, vocabulary, layers)
@@ -52,7 +52,7 @@ def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -
         optimizer.step()
         optimizer.zero_grad()
 
-    allocator, block = CachingAllocator(), 2 * sequences * tokens * vocab
+    block = 2 * sequences * tokens * vocab
     marker, busiest = None, (0, 0)  # the marker's address while a loss runs; (allocated, reserved) at its busiest
     beside: list[float] = []
 
@@ -60,18 +60,17 @@ def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -
         for _ in range(3):
             step()
 
-    for address, size in trace(steps):
-        if size > 0:
-            allocator.malloc(address, size)
-            if size == MARK:
-                marker, busiest = address, (0, 0)
-        elif address in allocator.taken:
-            allocator.release(address)
-            if address == marker:
-                beside.append((busiest[1] - busiest[0]) / block)
-                marker = None
+    def watch(allocator: CachingAllocator, address: int, size: int) -> None:
+        nonlocal marker, busiest
+        if size == MARK:
+            marker, busiest = address, (0, 0)
+        elif size <= 0 and address == marker:
+            beside.append((busiest[1] - busiest[0]) / block)
+            marker = None
         if marker is not None and allocator.allocated > busiest[0]:
             busiest = (allocator.allocated, allocator.reserved)
+
+    allocator = replay(trace(steps), watch)
     assert len(beside) == 3, f"the marker of {MARK} bytes was seen {len(beside)} times, not once a step"
     return allocator.peak_allocated, allocator.peak_reserved, beside
 

@@ -30,6 +30,15 @@ def test_a_freed_block_serves_the_smallest_request_it_fits_and_is_split():
     assert replay([(1, 40 * MiB), (1, -40 * MiB), (2, 64 * MiB)]).reserved == 104 * MiB  # too small: a new segment
 
 
+def test_a_watcher_sees_the_allocator_after_each_event_it_applied():
+    seen = []
+    replay(
+        [(9, -MiB), (1, 4 * MiB), (2, MiB), (1, -4 * MiB)],  # 9 was allocated before the trace; 2 is a small block
+        lambda allocator, address, size: seen.append((address, size, allocator.allocated, allocator.reserved)),
+    )
+    assert seen == [(1, 4 * MiB, 4 * MiB, 20 * MiB), (2, MiB, 5 * MiB, 22 * MiB), (1, -4 * MiB, MiB, 22 * MiB)]
+
+
 def test_freed_neighbours_merge_and_a_segment_is_never_given_back():
     allocator = CachingAllocator()
     for address, size in ((1, 20 * MiB), (1, -20 * MiB), (2, 8 * MiB), (3, 8 * MiB), (2, -8 * MiB), (3, -8 * MiB)):

@@ -152,14 +152,19 @@ class CachingAllocator:
         bisect.insort(pool, (size, segment, offset))
 
 
-def replay(events: list[Event]) -> CachingAllocator:
-    """The caching allocator after `events` (frees of memory allocated before the trace began are skipped)."""
+def replay(events: list[Event], watch: Callable[[CachingAllocator, int, int], None] | None = None) -> CachingAllocator:
+    """The caching allocator after `events` (frees of memory allocated before the trace began are skipped);
+    `watch(allocator, address, size)` sees it after each event it applied."""
     allocator = CachingAllocator()
     for address, size in events:
         if size > 0:
             allocator.malloc(address, size)
         elif address in allocator.taken:
             allocator.release(address)
+        else:
+            continue
+        if watch is not None:
+            watch(allocator, address, size)
     return allocator
 
 
