@@ -30,9 +30,10 @@ SHAPES = ((4, 256, 128, 16384, 4), (4, 256, 256, 8192, 8), (8, 256, 128, 8192, 2
 MARK = 777 * 512 + 3
 
 
-def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -> tuple[int, int, list[float]]:
-    """(allocated peak, reserved peak) in bytes over three replayed steps, and per step the reserve beyond what is
-    allocated at the most allocated moment of its loss and backward, in 16-bit logits' blocks."""
+def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -> tuple[float, list[float], str]:
+    """Over three replayed steps: the reserved peak beyond the allocated one, and per step the reserve beyond what is
+    allocated at the most allocated moment of its loss and backward, both in 16-bit logits' blocks; and both peaks,
+    said in words."""
     config = GPTConfig(vocab_size=vocab, block_size=tokens, n_layer=layers, n_head=2, n_embd=hidden, tied=False)
     model = make_gpt(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -72,18 +73,21 @@ def reserve(sequences: int, tokens: int, hidden: int, vocab: int, layers: int) -
 
     allocator = replay(trace(steps), watch)
     assert len(beside) == 3, f"the marker of {MARK} bytes was seen {len(beside)} times, not once a step"
-    return allocator.peak_allocated, allocator.peak_reserved, beside
+    peaks = (
+        f"allocated {allocator.peak_allocated / 2**20:6.1f} MiB, reserved {allocator.peak_reserved / 2**20:6.1f} MiB"
+    )
+    return (allocator.peak_reserved - allocator.peak_allocated) / block, beside, peaks
 
 
 def main() -> None:
     gaps = []
     for sequences, tokens, hidden, vocab, layers in SHAPES:
-        allocated, reserved, beside = reserve(sequences, tokens, hidden, vocab, layers)
-        gaps.append((reserved - allocated) / (2 * sequences * tokens * vocab))
+        gap, beside, peaks = reserve(sequences, tokens, hidden, vocab, layers)
+        gaps.append(gap)
         print(
-            f"{sequences} x {tokens} tokens, width {hidden:3d}, vocabulary {vocab:5d}, {layers} layers: allocated "
-            f"{allocated / 2**20:6.1f} MiB, reserved {reserved / 2**20:6.1f} MiB, the gap {gaps[-1]:.2f}x the 16-bit "
-            f"logits; beside the loss's peak, step by step: {', '.join(f'{b:.2f}' for b in beside)}x"
+            f"{sequences} x {tokens} tokens, width {hidden:3d}, vocabulary {vocab:5d}, {layers} layers: {peaks}, the "
+            f"gap {gap:.2f}x the 16-bit logits; beside the loss's peak, step by step: "
+            f"{', '.join(f'{b:.2f}' for b in beside)}x"
         )
     print(
         f"the reserve beyond the allocated peak is {min(gaps):.2f}-{max(gaps):.2f}x the 16-bit logits' block: not a "

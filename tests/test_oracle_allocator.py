@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 from ddlab.oracle.allocator import CachingAllocator, loss_peaks, replay
 from ddlab.oracle.transformer import LOSSES
-from ddlab.runtime.loopback import interface
+from ddlab.runtime.loopback import gloo_on_loopback
 
 MiB = 1 << 20
 
@@ -61,18 +61,18 @@ def test_torchs_losses_reserve_their_16_bit_logits_beside_their_peak(loss):
     assert reserved == pytest.approx(4 * wide + 2 * narrow + 2, rel=0.01)
 
 
-def test_the_loss_replay_refuses_an_empty_shape_an_unknown_loss_and_a_running_group(monkeypatch):
+def test_the_loss_replay_refuses_an_empty_shape_an_unknown_loss_and_a_running_group():
     with pytest.raises(ValueError, match="must be positive"):
         loss_peaks(tokens=0)
     with pytest.raises(ValueError, match="choose eager"):
         loss_peaks(loss="fused")
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface())  # nothing listens beyond loopback
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with pytest.raises(RuntimeError, match="already initialised.*destroy the running one first"):
-            loss_peaks(loss="parallel")
-    finally:
-        dist.destroy_process_group()
+    with gloo_on_loopback():  # nothing listens beyond loopback
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            with pytest.raises(RuntimeError, match="already initialised.*destroy the running one first"):
+                loss_peaks(loss="parallel")
+        finally:
+            dist.destroy_process_group()
 
 
 def test_the_parallel_replay_talks_over_loopback_whatever_gloo_was_told(monkeypatch):
