@@ -29,26 +29,41 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
 
 
+class _Expired(BaseException):
+    """What `deadline` raises in the body: not an Exception, so that an answer's `except Exception` (around a
+    call that might fail, inside a loop) lets it through."""
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str, cause: str = "a loop that never ends?") -> Iterator[None]:
     """CheckFailed naming `what` and the likely `cause` if the body runs longer than `seconds`.
 
     The one time limit of the checks that call student code on one process (no communicator's timeout
-    covers it). It interrupts the main thread only (a signal); elsewhere nothing can, and there is no limit."""
+    covers it). It interrupts the main thread only (a signal); elsewhere nothing can, and there is no limit.
+    The interruption is not an Exception, and a body that caught it all the same (a bare `except:`) and then
+    returned or raised fails as if it had not; only a loop that catches everything forever is beyond it."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
+    expired = False
 
     def expire(signum: int, frame: Any) -> None:
-        raise CheckFailed(f"{what} did not return within {seconds:.0f} s: {cause}")
+        nonlocal expired
+        expired = True
+        raise _Expired
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
+    except BaseException:
+        if not expired:
+            raise
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    if expired:
+        raise CheckFailed(f"{what} did not return within {seconds:.0f} s: {cause}") from None
 
 
 def fail_together(comm: MPI.Comm, problem: str | None, context: str, hint: str = "") -> None:
