@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 
 import pytest
 from ddlab.checks import CheckFailed, check_layout_search, check_memory_per_rank, check_step_time
 from ddlab.oracle.transformer import iteration_flops, memory_per_rank, predict, problem, stage_parameters, step_time
-from ddlab.oracle.transformer_planner import search
+from ddlab.oracle.transformer_planner import _search, meshes, search
 from ddlab.runtime.reference import unguarded
 
 # ---- Exercise 16.4: memory_per_rank
@@ -99,7 +100,7 @@ def valid_time(gpt, layout, platform, flops_of=lambda gpt, lay: iteration_flops(
     activation = layout.micro_batch * s // c * h * 2
     full = layout.recompute == "full"
     per_layer = (6 if full else 4) * platform.comm("allreduce", activation, t)
-    kv = 2 * layout.micro_batch * s * h / t * 2
+    kv = 2 * layout.micro_batch * s * gpt.kv_width / t * 2
     ring = (3 if full else 2) * platform.comm("allgather", kv, c, t) + platform.comm("reduce_scatter", kv, c, t)
     grads = stage_parameters(gpt, layout) * 2
     if layout.zero == 3:
@@ -179,6 +180,12 @@ def no_context_term(gpt, layout, platform):  # leaves out ring attention's colle
     return {**valid_time(gpt, layout, platform), "context": 0.0}
 
 
+def context_of_every_head(gpt, layout, platform):  # keys and values counted as 2bsh/t: heads = key/value heads
+    out = valid_time(gpt, layout, platform)
+    out["context"] *= gpt.hidden / gpt.kv_width if layout.context > 1 else 1
+    return out
+
+
 def full_recompute_context_as_none(gpt, layout, platform):  # the recomputed forward's allgather forgotten
     out = valid_time(gpt, layout, platform)
     if layout.recompute == "full":
@@ -210,6 +217,21 @@ def valid_search(gpt, devices, template, platform, budget):
         else:
             ranked.append(pred)
     return sorted(ranked, key=lambda pred: pred.time), rejected
+
+
+def in_whole_bytes(*args):
+    """Bytes rounded down to whole ones: within a byte of the lab's count, it passes."""
+    return {part: float(int(amount)) for part, amount in valid_memory(*args).items()}
+
+
+def capitalised_with_thousands(gpt, devices, template, platform, budget):
+    """Reasons that start with a capital and group the amount's thousands ("Memory: 1,234,567 bytes over")."""
+    ranked, rejected = valid_search(gpt, devices, template, platform, budget)
+    over = [
+        (lay, f"Memory: {predict(gpt, lay, platform).peak - budget:,.0f} bytes over") if "memory" in why else (lay, why)
+        for lay, why in rejected
+    ]
+    return ranked, over
 
 
 def in_reversed_key_order(fn):
@@ -283,6 +305,7 @@ def listed_twice(*args):
         (check_step_time, zero3_reduces_once, "data"),
         (check_step_time, no_context_term, "context"),
         (check_step_time, full_recompute_context_as_none, "context"),
+        (check_step_time, context_of_every_head, "small GQA \\+ SwiGLU.*context"),
         (check_step_time, no_slowdown, "compute"),
         (check_step_time, lambda *a: 1 / 0, "ZeroDivisionError"),
         (check_layout_search, slowest_first, "fastest first"),
@@ -296,6 +319,7 @@ def listed_twice(*args):
         (check_step_time, lambda *a: step_time(*a), "the library's own answer"),
         (check_step_time, in_reversed_key_order(step_time), "the library's own answer"),
         (check_layout_search, lambda *a: search(*a), "the library's own answer"),
+        (check_layout_search, lambda g, n, *a: _search(g, meshes(n), *a), "the library's own answer"),
     ],
 )
 def test_wrong_answers_fail(check, wrong, words):
@@ -308,10 +332,12 @@ def test_wrong_answers_fail(check, wrong, words):
     [
         (check_memory_per_rank, valid_memory),
         (check_memory_per_rank, in_reversed_key_order(valid_memory)),
+        (check_memory_per_rank, in_whole_bytes),
         (check_step_time, valid_time),
         (check_step_time, in_reversed_key_order(valid_time)),
         (check_layout_search, valid_search),
         (check_layout_search, rejected_in_another_order),
+        (check_layout_search, capitalised_with_thousands),
     ],
 )
 def test_valid_answers_pass(check, valid, capsys):
@@ -355,14 +381,41 @@ def never_returns(*args):
     [(check_memory_per_rank, "memory_per_rank"), (check_step_time, "step_time"), (check_layout_search, "search")],
 )
 def test_a_loop_that_never_ends_fails_at_the_deadline(check, name, monkeypatch):
-    import time
-
     from ddlab.checks import oracle_transformer
 
     monkeypatch.setattr(oracle_transformer, "DEADLINE", 0.5)
     start = time.monotonic()
     with pytest.raises(CheckFailed, match=rf"{name}\(.*did not return within .*a loop that never ends"):
         check(never_returns)
+    assert time.monotonic() - start < 30
+
+
+def swallows_every_error(*args):
+    """A loop that retries whatever fails, as a student might around a call they are unsure of."""
+    while True:
+        try:
+            time.sleep(0.01)
+        except Exception:
+            pass
+
+
+def catches_everything_once(*args):
+    """A bare except that takes the deadline's interruption for its own failure, then returns a wrong kind."""
+    try:
+        while True:
+            pass
+    except:  # noqa: E722
+        return None
+
+
+@pytest.mark.parametrize("answer", [swallows_every_error, catches_everything_once])
+def test_an_answer_that_catches_the_interruption_still_fails_at_the_deadline(answer, monkeypatch):
+    from ddlab.checks import oracle_transformer
+
+    monkeypatch.setattr(oracle_transformer, "DEADLINE", 0.5)
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match=r"step_time\(.*did not return within"):
+        check_step_time(answer)
     assert time.monotonic() - start < 30
 
 

@@ -57,6 +57,7 @@ def search(
     return _search(gpt, meshes(devices), template, platform, budget)
 
 
+@reference("layout_search")  # lab 16's plan_transformer runs it too
 def _search(
     gpt: GPT, grid: list[tuple[int, int, int, int]], template: Layout, platform: Platform, budget: float | None
 ) -> tuple[list[TransformerPrediction], list[tuple[Layout, str]]]:
