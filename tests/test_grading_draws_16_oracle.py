@@ -5,10 +5,10 @@ drawn case and the seed. The checks run in one process (the lab's second sitting
 from __future__ import annotations
 
 import pytest
-from ddlab.checks import CheckFailed, check_layout_search, check_memory_per_rank, check_step_time
+from ddlab.checks import CheckFailed, check_block_counts, check_layout_search, check_memory_per_rank, check_step_time
 from ddlab.checks._draw import Draw
-from ddlab.checks.oracle_transformer import memory_cases, search_cases, time_cases
-from ddlab.oracle.transformer import iteration_flops, memory_per_rank, problem, stage_parameters, step_time
+from ddlab.checks.oracle_transformer import block_cases, memory_cases, search_cases, time_cases
+from ddlab.oracle.transformer import GPT, iteration_flops, memory_per_rank, problem, stage_parameters, step_time
 from ddlab.oracle.transformer_planner import search
 from ddlab.runtime.reference import unguarded
 
@@ -16,6 +16,10 @@ RIGHT = [
     (check_memory_per_rank, unguarded(memory_per_rank)),
     (check_step_time, unguarded(step_time)),
     (check_layout_search, unguarded(search)),
+    (
+        check_block_counts,
+        lambda gpt, moe: (unguarded(GPT.layer_parameters)(gpt, moe), unguarded(GPT.layer_flops)(gpt, moe)),
+    ),
 ]
 
 
@@ -42,6 +46,10 @@ def test_the_draws_stay_in_the_lab_s_domain_and_differ_by_seed(grading_seeds):
             ranked, rejected = search(gpt, devices, template, platform, budget)
             assert ranked, "some layout runs and fits"
     assert grouped_rings, "some grouped-query GPT is drawn under context parallelism"
+    blocks = [case for value in grading_seeds for case in block_cases(Draw(value, "block_counts"))]
+    assert all(not (gpt.bias or gpt.qk_norm or gpt.capacity) and gpt.norm == "rmsnorm" for gpt, _ in blocks)
+    assert all(gpt.experts for gpt, moe in blocks if moe) and any(gpt.experts and not moe for gpt, moe in blocks)
+    assert {gpt.kv_heads for gpt, _ in blocks} >= {0, 1} and {gpt.gated for gpt, _ in blocks} == {False, True}
     assert memory_cases(Draw(1, "memory_per_rank")) != memory_cases(Draw(2, "memory_per_rank"))
     cut = [
         sum("memory" in why for _, why in search(*case)[1])

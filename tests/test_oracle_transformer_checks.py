@@ -6,8 +6,15 @@ import itertools
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
-from ddlab.checks import CheckFailed, check_layout_search, check_memory_per_rank, check_step_time
+from ddlab.checks import (
+    CheckFailed,
+    check_block_counts,
+    check_layout_search,
+    check_memory_per_rank,
+    check_step_time,
+)
 from ddlab.oracle.transformer import iteration_flops, memory_per_rank, predict, problem, stage_parameters, step_time
 from ddlab.oracle.transformer_planner import _search, meshes, search
 from ddlab.runtime.reference import unguarded
@@ -193,6 +200,85 @@ def full_recompute_context_as_none(gpt, layout, platform):  # the recomputed for
     return out
 
 
+# ---- Exercise 16.7: block_counts
+
+
+def valid_block(gpt, moe):
+    """From the lab's statement, matrix by matrix."""
+    h, s, w = gpt.hidden, gpt.seq, (3 if gpt.gated else 2)
+    attention = 2 * h * gpt.heads * gpt.head_dim_ + 2 * h * gpt.kv_heads_ * gpt.head_dim_
+    if moe:
+        held = h * gpt.experts + (gpt.experts + gpt.shared_experts) * w * h * gpt.expert_ffn_
+        run = h * gpt.experts + (gpt.top_k + gpt.shared_experts) * w * h * gpt.expert_ffn_
+    else:
+        held = run = w * h * gpt.ffn_
+    return attention + 2 * h + held, 2 * s * (attention + run) + 4 * s * s * gpt.heads * gpt.head_dim_
+
+
+def block_per_token_summed(gpt, moe):
+    """The same counts another way: FLOPs per token summed over the tokens, in numpy integers and floats."""
+    params, _ = valid_block(gpt, moe)
+    active = params - 2 * gpt.hidden
+    if moe:
+        active -= (gpt.experts - gpt.top_k) * (3 if gpt.gated else 2) * gpt.hidden * gpt.expert_ffn_
+    per_token = [2.0 * active + 4 * gpt.seq * gpt.q_width] * gpt.seq
+    return np.int64(params), np.float64(sum(per_token))
+
+
+def _block_changed(change):
+    def wrong(gpt, moe):
+        return change(gpt, moe, *valid_block(gpt, moe))
+
+    return wrong
+
+
+def block_of_every_head(gpt, moe):  # k and v for all a heads
+    return valid_block(replace(gpt, kv_heads=0), moe)
+
+
+def block_of_4h(gpt, moe):
+    return valid_block(replace(gpt, ffn=0), moe)
+
+
+def block_gated_as_gelu(gpt, moe):  # two matrices whatever the MLP
+    return valid_block(replace(gpt, gated=False), moe)
+
+
+def block_heads_of_h_over_a(gpt, moe):
+    return valid_block(replace(gpt, head_dim=0), moe)
+
+
+def block_holds_top_k(gpt, moe):  # the layer's parameters counted as a token's
+    p, f = valid_block(gpt, moe)
+    if moe:
+        p -= (gpt.experts - gpt.top_k) * (3 if gpt.gated else 2) * gpt.hidden * gpt.expert_ffn_
+    return p, f
+
+
+def block_runs_every_expert(gpt, moe):
+    p, f = valid_block(gpt, moe)
+    if moe:
+        f += 2 * gpt.seq * (gpt.experts - gpt.top_k) * (3 if gpt.gated else 2) * gpt.hidden * gpt.expert_ffn_
+    return p, f
+
+
+block_without_router = _block_changed(lambda g, moe, p, f: (p - moe * g.hidden * g.experts, f))
+block_without_shared = _block_changed(
+    lambda g, moe, p, f: valid_block(replace(g, shared_experts=0), moe) if moe else (p, f)
+)
+block_without_norms = _block_changed(lambda g, moe, p, f: (p - 2 * g.hidden, f))
+block_scores_of_kv = _block_changed(lambda g, moe, p, f: (p, f - 4 * g.seq**2 * (g.q_width - g.kv_width)))
+
+
+def block_of_the_library(gpt, moe):
+    return gpt.layer_parameters(moe), gpt.layer_flops(moe)
+
+
+def block_of_its_parts(gpt, moe):  # the library's attention and MLP, its own sum
+    mlp = gpt.mlp_parameters(gpt.ffn_)
+    return gpt.attention_parameters() + 2 * gpt.hidden + mlp, 0.0
+
+
 # ---- Exercise 16.6: search
 
 
@@ -308,6 +394,20 @@ def listed_twice(*args):
         (check_step_time, context_of_every_head, "small GQA \\+ SwiGLU.*context"),
         (check_step_time, no_slowdown, "compute"),
         (check_step_time, lambda *a: 1 / 0, "ZeroDivisionError"),
+        (check_block_counts, block_of_every_head, "parameters.*you counted k and v for every head"),
+        (check_block_counts, block_of_4h, "parameters.*you counted an MLP of 4h"),
+        (check_block_counts, block_gated_as_gelu, "parameters.*you counted the other MLP"),
+        (check_block_counts, block_heads_of_h_over_a, "heads of 128.*you counted heads of h / a"),
+        (check_block_counts, block_holds_top_k, "moe=True\\): parameters.*the top-k experts' parameters"),
+        (check_block_counts, block_runs_every_expert, "moe=True\\): forward FLOPs.*every expert's FLOPs"),
+        (check_block_counts, block_without_router, "moe=True\\): parameters"),
+        (check_block_counts, block_without_shared, "moe=True\\): parameters.*no shared experts"),
+        (check_block_counts, block_without_norms, "parameters"),
+        (check_block_counts, block_scores_of_kv, "forward FLOPs"),
+        (check_block_counts, lambda g, moe: [1, 2], "two numbers"),
+        (check_block_counts, block_of_the_library, "the library's own answer"),
+        (check_block_counts, block_of_its_parts, "the library's own answer"),
+        (check_block_counts, lambda g, moe: (g.parameters() / g.layers, 0.0), "the library's own answer"),
         (check_layout_search, slowest_first, "fastest first"),
         (check_layout_search, ignores_the_budget, "should be rejected"),
         (check_layout_search, no_context, "not in ranked"),
@@ -333,6 +433,8 @@ def test_wrong_answers_fail(check, wrong, words):
         (check_memory_per_rank, valid_memory),
         (check_memory_per_rank, in_reversed_key_order(valid_memory)),
         (check_memory_per_rank, in_whole_bytes),
+        (check_block_counts, valid_block),
+        (check_block_counts, block_per_token_summed),
         (check_step_time, valid_time),
         (check_step_time, in_reversed_key_order(valid_time)),
         (check_layout_search, valid_search),
@@ -345,7 +447,7 @@ def test_valid_answers_pass(check, valid, capsys):
     assert capsys.readouterr().out.startswith("passed:")
 
 
-@pytest.mark.parametrize("check", [check_memory_per_rank, check_step_time, check_layout_search])
+@pytest.mark.parametrize("check", [check_memory_per_rank, check_step_time, check_layout_search, check_block_counts])
 def test_stub_error_passes_through(check):
     def stub(*args):
         raise NotImplementedError("Exercise 16: write it")
@@ -378,7 +480,12 @@ def never_returns(*args):
 
 @pytest.mark.parametrize(
     "check, name",
-    [(check_memory_per_rank, "memory_per_rank"), (check_step_time, "step_time"), (check_layout_search, "search")],
+    [
+        (check_memory_per_rank, "memory_per_rank"),
+        (check_step_time, "step_time"),
+        (check_layout_search, "search"),
+        (check_block_counts, "block_counts"),
+    ],
 )
 def test_a_loop_that_never_ends_fails_at_the_deadline(check, name, monkeypatch):
     from ddlab.checks import oracle_transformer

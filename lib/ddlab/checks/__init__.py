@@ -84,6 +84,7 @@ _WHERE = {
     "check_memory_per_rank": "oracle_transformer",
     "check_step_time": "oracle_transformer",
     "check_layout_search": "oracle_transformer",
+    "check_block_counts": "oracle_transformer",
     "check_merge_partials": "context_parallel",
     "check_ring_attention": "context_parallel",
     "check_ring_attention_backward": "context_parallel",

@@ -19,13 +19,14 @@ from __future__ import annotations
 import math
 import random
 import re
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
 from ..oracle.platform import Platform
-from ..oracle.published import TABLE1, a100_cluster
+from ..oracle.published import LLAMA3_70B, MIXTRAL_8X22B, TABLE1, a100_cluster
 from ..oracle.transformer import (
     GPT,
     MEMORY_PARTS,
@@ -53,6 +54,10 @@ HINTS = {
     "attention and any MLP width), slowed by platform.slowdown(devices of a node computing at once); count per micro-batch and per layer of a stage: 4 tensor allreduces (6 with full recomputation), "
     "2 context allgathers and a reduce-scatter (one allgather more with full recomputation); 2 pipeline messages "
     "per micro-batch; the bubble is (p-1)/m of the compute.",
+    "block_counts": "q and the projection h x a d_h each, k and v h x g d_h each (g key/value heads), two norms of h, "
+    "an MLP of 3 (gated) or 2 matrices h x f; a MoE layer: the router h x E and E + S experts' MLPs of f_e, a token "
+    "running through k + S of them; 2 FLOPs per multiply-add and token, plus 4 s^2 a d_h for the scores and the "
+    "weighted values.",
     "search": "try every (d, t, p, c) whose product is the device count; a layout that does not run or does not fit "
     "goes to the rejected list with its reason; sort the others by time.",
 }
@@ -322,6 +327,127 @@ def _drawn_search_case(draw: Draw, i: int) -> tuple[GPT, int, Layout, Platform, 
     return gpt, devices, template, platform, math.sqrt(peaks[cut - 1] * peaks[cut])
 
 
+def _block(name: str, hidden: int, heads: int, seq: int, **shape: Any) -> GPT:
+    """A block as exercise 16.7 states them: RMSNorm, no biases, rotary positions, no norm over the heads, every
+    token sent to its top_k experts (no capacity); `shape`, the other fields (kv_heads, head_dim, gated, ffn,
+    experts, top_k, shared_experts, expert_ffn)."""
+    return GPT(
+        layers=2, hidden=hidden, heads=heads, seq=seq, vocab=1000, name=name, norm="rmsnorm", rotary=True,
+        tied=False, bias=False, dropout=False, **shape,
+    )  # fmt: skip
+
+
+def block_cases(draw: Draw | None = None) -> list[tuple[GPT, bool]]:
+    """The notebook's: multi-head, grouped-query and multi-query attention, heads wider than h / a, gated and GELU MLPs of 4h
+    and of other widths, mixtures of experts with and without shared experts (their dense layer too), and two
+    published shapes (a Llama 3 70B block, a Mixtral 8x22B one).
+
+    The grader's draw: 8 blocks of 2 to 16 heads of 16 to 128 (h a multiple of the heads, not always a d_h), key/value
+    heads any divisor of the heads (or left to default to them), a gated or GELU MLP of width h to 4h (or the default 4h), sequences of 64 to 4096;
+    every other one a mixture of 4 to 64 experts, top-1 to top-8, 0 to 2 shared, of width h/8 to 2h, asked for its
+    MoE layer or its dense one."""
+    if draw is not None:
+        return [_drawn_block(draw, i) for i in range(8)]
+    small_moe = dict(kv_heads=4, gated=True, ffn=688, experts=16, top_k=2, shared_experts=1, expert_ffn=128)
+    return [
+        (_block("GQA + SwiGLU 688", 256, 8, 512, kv_heads=2, gated=True, ffn=688), False),
+        (_block("multi-head + GELU 4h", 256, 8, 128), False),
+        (_block("multi-query + GELU 4h", 256, 8, 128, kv_heads=1), False),
+        (_block("heads 128 wide + SwiGLU 512", 256, 4, 256, kv_heads=2, head_dim=128, gated=True, ffn=512), False),
+        (_block("MoE: 16 experts, top-2, 1 shared", 256, 8, 512, **small_moe), True),
+        (_block("MoE: 16 experts, top-2, 1 shared", 256, 8, 512, **small_moe), False),
+        (_block("MoE of GELU experts: 8, top-1", 128, 4, 64, kv_heads=2, experts=8, top_k=1), True),
+        (replace(LLAMA3_70B, layers=2), False),
+        (replace(MIXTRAL_8X22B, layers=2), True),
+    ]
+
+
+def _drawn_block(draw: Draw, i: int) -> tuple[GPT, bool]:
+    rng = draw.rng("block", i)
+    a = int(rng.choice([2, 3, 4, 6, 8, 12, 16]))
+    width = int(rng.choice([16, 32, 64, 128]))
+    h = a * int(rng.choice([16, 32, 64, 128]))
+    shape: dict[str, Any] = dict(
+        kv_heads=int(rng.choice([0, *_divisors(a, a)])),  # 0: as many as the heads
+        head_dim=width if rng.integers(0, 2) else 0,
+        gated=bool(rng.integers(0, 2)),
+        ffn=int(rng.integers(h, 4 * h + 1)) if rng.integers(0, 3) else 0,
+    )
+    moe = i % 2 == 1
+    if moe:
+        experts = int(rng.integers(4, 65))
+        shape.update(
+            experts=experts,
+            top_k=int(rng.integers(1, min(experts, 8) + 1)),
+            shared_experts=int(rng.integers(0, 3)),
+            expert_ffn=int(rng.integers(h // 8, 2 * h + 1)),
+        )
+    gpt = _block(f"drawn block {i + 1}", h, a, int(rng.choice([64, 256, 1024, 4096])), **shape)
+    return gpt, moe and bool(rng.integers(0, 4))
+
+
+def _block_shape(gpt: GPT, moe: bool) -> str:
+    """What exercise 16.7's student needs to know of a block: every field the count depends on."""
+    shape = (
+        f"h {gpt.hidden}, {gpt.heads} heads of {gpt.head_dim_} ({gpt.kv_heads_} key/value), "
+        f"{'gated' if gpt.gated else 'GELU'} MLP of {gpt.ffn_}, s {gpt.seq}"
+    )
+    if gpt.experts:
+        shape += f", {gpt.experts} experts of {gpt.expert_ffn_}, top-{gpt.top_k}, {gpt.shared_experts} shared"
+    return f"{gpt.name} ({shape}), moe={moe}"
+
+
+def _block_mistake(gpt: GPT, moe: bool, got: tuple[float, float]) -> str:
+    """The usual way to get `got` wrong for this block, if `got` is what it gives: what to count instead."""
+
+    def counts(wrong: GPT) -> tuple[float, float]:
+        return wrong.layer_parameters(moe), wrong.layer_flops(moe)
+
+    mistakes = [
+        (counts(replace(gpt, kv_heads=0)), f"k and v for every head: this block has {gpt.kv_heads_} key/value heads"),
+        (counts(replace(gpt, ffn=0)), f"an MLP of 4h: this block's is {gpt.ffn_} wide (gpt.ffn_)"),
+        (counts(replace(gpt, gated=not gpt.gated)), "the other MLP: a gated one (SwiGLU) has 3 matrices, GELU's 2"),
+        (counts(replace(gpt, head_dim=0)), f"heads of h / a: this block's are {gpt.head_dim_} wide (gpt.head_dim_)"),
+    ]
+    if gpt.experts and moe:
+        expert = gpt.mlp_parameters(gpt.expert_ffn_)
+        params, flops = counts(gpt)
+        mistakes += [
+            (counts(replace(gpt, expert_ffn=0)), f"experts as wide as the dense MLP: theirs are {gpt.expert_ffn_}"),
+            (counts(replace(gpt, shared_experts=0)), "no shared experts: every token runs through them too"),
+            ((params - (gpt.experts - gpt.top_k) * expert, flops), "the top-k experts' parameters: the layer holds all E"),
+            ((params, flops + 2 * gpt.seq * (gpt.experts - gpt.top_k) * expert), "every expert's FLOPs: a token runs through its top-k"),
+        ]  # fmt: skip
+    right = counts(gpt)
+
+    def matches(wrong: tuple[float, float]) -> list[bool]:  # per count: got it as the mistake does, not as right
+        return [
+            math.isclose(float(g), w, rel_tol=1e-9) and not math.isclose(w, r, rel_tol=1e-9)
+            for g, w, r in zip(got, wrong, right)
+        ]
+
+    both = [what for wrong, what in mistakes if all(matches(wrong))]
+    either = [what for wrong, what in mistakes if any(matches(wrong))]
+    return f" It looks like you counted {(both or either)[0]}." if both or either else ""
+
+
+def _block_problem(fn: Callable, cases: list[tuple[GPT, bool]], draw: Draw | None) -> str | None:
+    for gpt, moe in cases:
+        where = f"block_counts({_block_shape(gpt, moe)})"
+        want = (gpt.layer_parameters(moe), gpt.layer_flops(moe))
+        with deadline(DEADLINE, where):
+            got = fn(gpt, moe)
+        if not isinstance(got, tuple) or len(got) != 2 or not all(is_number(x) for x in got):
+            return f"{where} returned {got!r:.80}; return (parameters, flops), two numbers"
+        for what, g, w in zip(("parameters", "forward FLOPs"), got, want):
+            if not math.isclose(float(g), float(w), rel_tol=1e-9):
+                return (
+                    f"{where}: {what} {float(g):.10g}, expected {float(w):.10g} (ratio {float(g) / w:.6g})."
+                    f"{_block_mistake(gpt, moe, got)} Hint: {HINTS['block_counts']}"
+                )
+    return None
+
+
 #: How far an answer may be from the reference, besides its rounding (relative): bytes may be whole, to one byte.
 ABS_TOL = {"memory_per_rank": 1.0, "step_time": 1e-12}
 
@@ -488,6 +614,13 @@ def check_step_time(fn: Callable, comm: MPI.Comm | None = None) -> None:
 
     The grader's draw: 12 drawn GPTs, layouts and platforms, and the three published runs (see time_cases)."""
     _check("step_time", lambda cases, draw: _time_problem(fn, cases, draw), time_cases, comm)
+
+
+def check_block_counts(fn: Callable, comm: MPI.Comm | None = None) -> None:
+    """fn(gpt, moe) -> (parameters, forward FLOPs per sequence) of one block (Exercise 16.7).
+
+    The grader's draw: 8 drawn blocks, half of them mixtures of experts (see block_cases)."""
+    _check("block_counts", lambda cases, draw: _block_problem(fn, cases, draw), block_cases, comm)
 
 
 def check_layout_search(fn: Callable, comm: MPI.Comm | None = None) -> None:

@@ -307,20 +307,24 @@ class GPT:
         """Expert slots a token takes in a MoE layer: top_k (dropless), times the capacity factor if one is set."""
         return self.top_k * (self.capacity or 1.0)
 
+    @reference("block_counts")  # exercise 16.7
     def attention_parameters(self) -> int:
         """q and the output projection h x q_width each, k and v h x kv_width each, and their biases."""
         h, q, kv = self.hidden, self.q_width, self.kv_width
         return 2 * h * q + 2 * h * kv + self.bias * (q + h + 2 * kv)
 
+    @reference("block_counts")  # exercise 16.7
     def mlp_parameters(self, width: int) -> int:
         """An MLP of `width`: 2 (GELU) or 3 (SwiGLU) matrices of h x width, and their biases."""
         h = self.hidden
         return (3 if self.gated else 2) * h * width + self.bias * ((2 if self.gated else 1) * width + h)
 
+    @reference("block_counts")  # exercise 16.7
     def norm_parameters(self, width: int = 0) -> int:
         """A norm's parameters over `width` values (0: the hidden size)."""
         return (2 if self.norm == "layernorm" else 1) * (width or self.hidden)
 
+    @reference("block_counts")  # exercise 16.7
     def layer_parameters(self, moe: bool = False) -> int:
         """A block's parameters: attention, 2 norms (and the queries' and keys' with `qk_norm`), and its MLP (dense,
         or router, E routed and the shared experts)."""
@@ -347,6 +351,7 @@ class GPT:
             + self.embedding_parameters()
         )
 
+    @reference("block_counts")  # exercise 16.7
     def layer_flops(self, moe: bool = False) -> float:
         """Forward FLOPs of a block per sequence: 2 per multiply-add of its matrices (q, k, v, projection: 2 s h (2
         q_width + 2 kv_width)), the attention's scores and weighted values (4 s^2 q_width, every query against
@@ -376,6 +381,7 @@ class GPT:
         s, h = self.seq, self.hidden
         return float(2 * s * h * (self.kv_width + self.q_width + (self.ffn_ if self.gated else 0)))
 
+    @reference("block_counts")  # exercise 16.7
     def attention_score_flops(self) -> float:
         """The attention's 4 s^2 q_width forward FLOPs per layer and sequence (what selective recomputation
         reruns; 4 s^2 h unless head_dim)."""
