@@ -343,9 +343,10 @@ def block_cases(draw: Draw | None = None) -> list[tuple[GPT, bool]]:
     published shapes (a Llama 3 70B block, a Mixtral 8x22B one).
 
     The grader's draw: 8 blocks of 2 to 16 heads of 16 to 128 (h a multiple of the heads, not always a d_h), key/value
-    heads any divisor of the heads (or left to default to them), a gated or GELU MLP of width h to 4h (or the default 4h), sequences of 64 to 4096;
-    every other one a mixture of 4 to 64 experts, top-1 to top-8, 0 to 2 shared, of width h/8 to 2h, asked for its
-    MoE layer or its dense one."""
+    heads any divisor of the heads (or left to default to them), a gated or GELU MLP of width h to 4h (or the default
+    4h), sequences of 64 to 4096; four of them mixtures of 4 to 64 experts, top-1 to top-8 (fewer than all), 0 to 2
+    shared, of width h/8 to 2h (or the dense MLP's), asked for a MoE layer or a dense one; each with the features
+    `_BLOCK_FEATURES` gives it."""
     if draw is not None:
         return [_drawn_block(draw, i) for i in range(8)]
     small_moe = dict(kv_heads=4, gated=True, ffn=688, experts=16, top_k=2, shared_experts=1, expert_ffn=128)
@@ -362,28 +363,51 @@ def block_cases(draw: Draw | None = None) -> list[tuple[GPT, bool]]:
     ]
 
 
+#: What each of the grader's 8 blocks must have, whatever else is drawn: every field left to its default at least once
+#: (kv_heads, ffn, head_dim, expert_ffn: an answer using the field for its default fails), an MLP not 4h wide, heads
+#: not h / a wide,
+#: grouped and multi-query attention, gated and GELU MLPs, MoE layers with and without shared experts, a MoE model's
+#: dense layer.
+_BLOCK_FEATURES: tuple[dict[str, Any], ...] = (
+    dict(kv_heads=0, ffn=0, head_dim=0),
+    dict(experts=True, moe=True, expert_ffn=0, shared_experts=2, gated=True),
+    dict(kv_heads="grouped", wide_heads=True, gated=True, ffn="not 4h"),
+    dict(experts=True, moe=True, shared_experts=0, gated=False),
+    dict(kv_heads=1, gated=False),
+    dict(experts=True, moe=False, ffn=0),
+    {},
+    dict(experts=True),
+)
+
+
 def _drawn_block(draw: Draw, i: int) -> tuple[GPT, bool]:
-    rng = draw.rng("block", i)
-    a = int(rng.choice([2, 3, 4, 6, 8, 12, 16]))
-    width = int(rng.choice([16, 32, 64, 128]))
+    """Block i of the grader's: sizes drawn, with `_BLOCK_FEATURES[i]`."""
+    rng, want = draw.rng("block", i), _BLOCK_FEATURES[i]
+    a = int(rng.choice([2, 4, 6, 8, 12, 16]))
     h = a * int(rng.choice([16, 32, 64, 128]))
+    kv_choices = {"grouped": [k for k in _divisors(a, a) if 1 < k < a] or [1], 1: [1], 0: [0]}
     shape: dict[str, Any] = dict(
-        kv_heads=int(rng.choice([0, *_divisors(a, a)])),  # 0: as many as the heads
-        head_dim=width if rng.integers(0, 2) else 0,
-        gated=bool(rng.integers(0, 2)),
-        ffn=int(rng.integers(h, 4 * h + 1)) if rng.integers(0, 3) else 0,
+        kv_heads=int(rng.choice(kv_choices.get(want.get("kv_heads", -1), [0, *_divisors(a, a)]))),  # 0: a heads
+        head_dim=int(rng.choice([16, 32, 64, 128])) if rng.integers(0, 2) else 0,
+        gated=bool(want.get("gated", rng.integers(0, 2))),
+        ffn=int(rng.integers(h, 4 * h + 1)) if rng.integers(0, 3) or want.get("ffn") == "not 4h" else 0,
     )
-    moe = i % 2 == 1
+    if shape["ffn"] == 4 * h and want.get("ffn") == "not 4h":
+        shape["ffn"] -= h
+    if want.get("wide_heads"):  # heads not h / a wide
+        shape["head_dim"] = 2 * h // a
+    shape.update({key: want[key] for key in ("ffn", "head_dim") if want.get(key) == 0})
+    moe = bool(want.get("experts", i % 2))
     if moe:
         experts = int(rng.integers(4, 65))
         shape.update(
             experts=experts,
-            top_k=int(rng.integers(1, min(experts, 8) + 1)),
-            shared_experts=int(rng.integers(0, 3)),
-            expert_ffn=int(rng.integers(h // 8, 2 * h + 1)),
+            top_k=int(rng.integers(1, min(experts - 1, 8) + 1)),
+            shared_experts=int(want.get("shared_experts", rng.integers(0, 3))),
+            expert_ffn=int(want.get("expert_ffn", rng.integers(h // 8, 2 * h + 1))),
         )
     gpt = _block(f"drawn block {i + 1}", h, a, int(rng.choice([64, 256, 1024, 4096])), **shape)
-    return gpt, moe and bool(rng.integers(0, 4))
+    return gpt, moe and bool(want.get("moe", rng.integers(0, 4)))
 
 
 def _block_shape(gpt: GPT, moe: bool) -> str:
@@ -398,37 +422,53 @@ def _block_shape(gpt: GPT, moe: bool) -> str:
 
 
 def _block_mistake(gpt: GPT, moe: bool, got: tuple[float, float]) -> str:
-    """The usual way to get `got` wrong for this block, if `got` is what it gives: what to count instead."""
+    """The usual slip that gives both of `got`'s counts for this block, if one does: what to count instead."""
 
     def counts(wrong: GPT) -> tuple[float, float]:
         return wrong.layer_parameters(moe), wrong.layer_flops(moe)
 
+    (params, flops), h, s = counts(gpt), gpt.hidden, gpt.seq
+    mlp = gpt.mlp_parameters(gpt.expert_ffn_ if moe else gpt.ffn_)  # one (expert's) MLP
+    router = h * gpt.experts * moe
+    q, kv = gpt.q_width, gpt.kv_width
     mistakes = [
         (counts(replace(gpt, kv_heads=0)), f"k and v for every head: this block has {gpt.kv_heads_} key/value heads"),
         (counts(replace(gpt, ffn=0)), f"an MLP of 4h: this block's is {gpt.ffn_} wide (gpt.ffn_)"),
         (counts(replace(gpt, gated=not gpt.gated)), "the other MLP: a gated one (SwiGLU) has 3 matrices, GELU's 2"),
         (counts(replace(gpt, head_dim=0)), f"heads of h / a: this block's are {gpt.head_dim_} wide (gpt.head_dim_)"),
+        ((params - 2 * h, flops), "no norms: each of the two RMSNorms has h weights"),
+        ((params, flops - 4 * s * s * (q - h)), "the scores as 4 s^2 h: they are 4 s^2 a d_h (gpt.q_width)"),
+        (
+            (params, flops - 2 * s * s * q),
+            "half the scores, as a causal mask would: count every query against every key",
+        ),
     ]
-    if gpt.experts and moe:
-        expert = gpt.mlp_parameters(gpt.expert_ffn_)
-        params, flops = counts(gpt)
+    if not gpt.kv_heads:
+        raw_kv = (params - 2 * h * kv, flops - 4 * s * h * kv)
+        mistakes.append((raw_kv, "gpt.kv_heads, 0 when it defaults to the heads: use gpt.kv_heads_"))
+    if not gpt.head_dim:
+        raw_heads = (params - 2 * h * (q + kv), flops - 4 * s * (h + s) * q - 4 * s * h * kv)
+        mistakes.append((raw_heads, "gpt.head_dim, 0 when it defaults to h / a: use gpt.head_dim_"))
+    if moe:
+        run = gpt.top_k + gpt.shared_experts  # experts a token runs through
         mistakes += [
             (counts(replace(gpt, expert_ffn=0)), f"experts as wide as the dense MLP: theirs are {gpt.expert_ffn_}"),
             (counts(replace(gpt, shared_experts=0)), "no shared experts: every token runs through them too"),
-            ((params - (gpt.experts - gpt.top_k) * expert, flops), "the top-k experts' parameters: the layer holds all E"),
-            ((params, flops + 2 * gpt.seq * (gpt.experts - gpt.top_k) * expert), "every expert's FLOPs: a token runs through its top-k"),
+            ((params - (gpt.experts - gpt.top_k) * mlp, flops), "the top-k experts' parameters: the layer holds all E"),
+            ((params, flops + 2 * s * (gpt.experts - gpt.top_k) * mlp), "every expert's FLOPs: a token runs its top-k"),
+            ((params - router, flops - 2 * s * router), "no router: h x E, and every token runs through it"),
         ]  # fmt: skip
-    right = counts(gpt)
-
-    def matches(wrong: tuple[float, float]) -> list[bool]:  # per count: got it as the mistake does, not as right
-        return [
-            math.isclose(float(g), w, rel_tol=1e-9) and not math.isclose(w, r, rel_tol=1e-9)
-            for g, w, r in zip(got, wrong, right)
-        ]
-
-    both = [what for wrong, what in mistakes if all(matches(wrong))]
-    either = [what for wrong, what in mistakes if any(matches(wrong))]
-    return f" It looks like you counted {(both or either)[0]}." if both or either else ""
+        if not gpt.expert_ffn:
+            raw_experts = (params - (gpt.experts + gpt.shared_experts) * mlp, flops - 2 * s * run * mlp)
+            mistakes.append(
+                (raw_experts, "gpt.expert_ffn, 0 when it defaults to the dense MLP's width: use gpt.expert_ffn_")
+            )
+    elif not gpt.ffn:
+        mistakes.append(((params - mlp, flops - 2 * s * mlp), "gpt.ffn, 0 when it defaults to 4h: use gpt.ffn_"))
+    for wrong, what in mistakes:
+        if wrong != (params, flops) and all(math.isclose(float(g), w, rel_tol=1e-9) for g, w in zip(got, wrong)):
+            return f" It looks like you counted {what}."
+    return ""
 
 
 def _block_problem(fn: Callable, cases: list[tuple[GPT, bool]], draw: Draw | None) -> str | None:
@@ -438,7 +478,7 @@ def _block_problem(fn: Callable, cases: list[tuple[GPT, bool]], draw: Draw | Non
         with deadline(DEADLINE, where):
             got = fn(gpt, moe)
         if not isinstance(got, tuple) or len(got) != 2 or not all(is_number(x) for x in got):
-            return f"{where} returned {got!r:.80}; return (parameters, flops), two numbers"
+            return f"{where} returned {got!r:.80}; return a tuple of two numbers, (parameters, flops)"
         for what, g, w in zip(("parameters", "forward FLOPs"), got, want):
             if not math.isclose(float(g), float(w), rel_tol=1e-9):
                 return (
