@@ -4,7 +4,7 @@ while its exercise is checked."""
 from __future__ import annotations
 
 import pytest
-from ddlab.runtime.reference import ReferenceCalled, answering, reference, references_of
+from ddlab.runtime.reference import ReferenceCalled, answering, library_thread, reference, references_of
 
 
 @reference("double")
@@ -71,9 +71,17 @@ def test_a_thread_the_answer_starts_is_the_answer_s():
         target.join()
     assert len(called) == 2
     with answering("double") as called:
-        with ThreadPoolExecutor(1, thread_name_prefix="ddlab-test") as pool:  # a thread of the library's
+        with ThreadPoolExecutor(1, initializer=library_thread) as pool:  # a thread of the library's
             assert pool.submit(double, 4).result() == 8
+        helper = threading.Thread(target=double, args=(5,))
+        library_thread(helper)
+        helper.start()
+        helper.join()
     assert called == []
+    with answering("double") as called:  # named as the library names its threads, but not the library's
+        with ThreadPoolExecutor(1, thread_name_prefix="ddlab-allreduce") as pool, pytest.raises(ReferenceCalled):
+            pool.submit(double, 6).result()
+    assert len(called) == 1
 
 
 def test_torch_runs_backward_under_the_caller_s_frames():

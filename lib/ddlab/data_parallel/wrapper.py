@@ -36,7 +36,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..runtime.reference import reference
+from ..runtime.reference import library_thread, reference
 from ..runtime.trace import Tracer
 from .buckets import DEFAULT_CAP_MB, Bucket, InFlight, RequestInFlight, make_buckets
 from .sync import AllreduceChoice, broadcast_parameters, resolve_allreduce
@@ -79,7 +79,11 @@ class DataParallel(nn.Module):
         self.comm = comm
         self.size = comm.Get_size()
         self.overlap = overlap
-        self._helper = ThreadPoolExecutor(1, thread_name_prefix="ddlab-allreduce") if progress == "thread" else None
+        self._helper = (
+            ThreadPoolExecutor(1, thread_name_prefix="ddlab-allreduce", initializer=library_thread)
+            if progress == "thread"
+            else None
+        )
         self.tracer = tracer or Tracer(comm.Get_rank(), enabled=False)
         # None and "mpi" take the non-blocking path: Iallreduce, overlapped with backward.
         self._function = None if allreduce in (None, "mpi") else resolve_allreduce(allreduce)

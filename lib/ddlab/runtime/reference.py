@@ -12,8 +12,8 @@ for another exercise (a building block the lab allows, such as lab 03's allreduc
 Who reached it is read off the call stack: going outward from the reference, the first frame that
 belongs neither to the library (ddlab outside `ddlab.checks`, the standard library, installed
 packages) nor to a check is the student's code. A stack that ends before either (the reference is
-the target of a thread) belongs to whoever started the thread: the library names its threads
-"ddlab-...", any other thread is the answer's. An answer that *is* a reference (an alias, a
+the target of a thread) belongs to whoever started the thread: the library marks its threads
+(`library_thread`), any other thread is the answer's, whatever its name. An answer that *is* a reference (an alias, a
 subclass, an autograd Function whose forward or backward is one, a partial of one) is called by
 the check itself, so the checks also look at what they are given (`marked`). A refusal is
 remembered, so an answer that catches the error fails all the same.
@@ -26,6 +26,7 @@ import functools
 import sys
 import sysconfig
 import threading
+import weakref
 from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar, cast
@@ -41,8 +42,8 @@ _LIBRARIES = tuple(
     {str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib") if (p := sysconfig.get_path(key))}
 )
 
-#: How the library's own threads are named (runtime.waiting's helper, DataParallel's allreduce thread).
-LIBRARY_THREAD = "ddlab-"
+#: The library's own threads (runtime.waiting's helper, DataParallel's allreduce thread), marked by library_thread.
+_library_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 #: Where an answer that is a class keeps the code a check runs (autograd Functions, modules, callables).
 _RUN_BY_CHECKS = ("forward", "backward", "apply", "__call__", "__init__")
 
@@ -83,7 +84,13 @@ def _reached_by_student(frame: FrameType | None) -> bool:
             return True
         frame = frame.f_back
     thread = threading.current_thread()  # no frame decided: the bottom of a thread, started by whom?
-    return thread is not threading.main_thread() and not thread.name.startswith(LIBRARY_THREAD)
+    return thread is not threading.main_thread() and thread not in _library_threads
+
+
+def library_thread(thread: threading.Thread | None = None) -> None:
+    """Mark `thread` (default: the calling one) as the library's, so that a reference at its bottom is the library's
+    call, not the answer's: before a Thread's start, or as a ThreadPoolExecutor's initializer."""
+    _library_threads.add(thread or threading.current_thread())
 
 
 def _refuse(name: str, exercises: tuple[str, ...]) -> None:

@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
+from .reference import library_thread
+
 SPINS = 50  # tries without sleeping: a message about to arrive costs no sleep
 LONGEST_PAUSE = 2e-4  # seconds: the back-off stops here, so a waiting rank still reacts fast
 
@@ -198,6 +200,7 @@ class Watch:
             self._entries.append(entry)
         if self._helper is None:
             self._helper = threading.Thread(target=self._complete_requests, name="ddlab-watch", daemon=True)
+            library_thread(self._helper)
             self._helper.start()
         return request
 
