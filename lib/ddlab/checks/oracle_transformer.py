@@ -338,8 +338,8 @@ def _block(name: str, hidden: int, heads: int, seq: int, **shape: Any) -> GPT:
 
 
 def block_cases(draw: Draw | None = None) -> list[tuple[GPT, bool]]:
-    """The notebook's: multi-head, grouped-query and multi-query attention, heads wider than h / a, gated and GELU MLPs of 4h
-    and of other widths, mixtures of experts with and without shared experts (their dense layer too), and two
+    """The notebook's: multi-head, grouped-query and multi-query attention, heads wider than h / a, gated and GELU
+    MLPs of 4h and of other widths, mixtures of experts with and without shared experts (their dense layer too), and two
     published shapes (a Llama 3 70B block, a Mixtral 8x22B one).
 
     The grader's draw: 8 blocks of 2 to 16 heads of 16 to 128 (h a multiple of the heads, not always a d_h), key/value
@@ -365,9 +365,8 @@ def block_cases(draw: Draw | None = None) -> list[tuple[GPT, bool]]:
 
 #: What each of the grader's 8 blocks must have, whatever else is drawn: every field left to its default at least once
 #: (kv_heads, ffn, head_dim, expert_ffn: an answer using the field for its default fails), an MLP not 4h wide, heads
-#: not h / a wide,
-#: grouped and multi-query attention, gated and GELU MLPs, MoE layers with and without shared experts, a MoE model's
-#: dense layer.
+#: not h / a wide, grouped and multi-query attention, gated and GELU MLPs, MoE layers with and without shared
+#: experts, a MoE model's dense layer.
 _BLOCK_FEATURES: tuple[dict[str, Any], ...] = (
     dict(kv_heads=0, ffn=0, head_dim=0),
     dict(experts=True, moe=True, expert_ffn=0, shared_experts=2, gated=True),
@@ -421,15 +420,15 @@ def _block_shape(gpt: GPT, moe: bool) -> str:
     return f"{gpt.name} ({shape}), moe={moe}"
 
 
-def _block_mistake(gpt: GPT, moe: bool, got: tuple[float, float]) -> str:
-    """The usual slip that gives both of `got`'s counts for this block, if one does: what to count instead."""
+def _block_mistake(gpt: GPT, moe: bool, got: tuple[float, float], right: tuple[float, float]) -> str:
+    """The usual slip that gives both of `got`'s counts for this block (`right` its counts), if one does: what to
+    count instead."""
 
     def counts(wrong: GPT) -> tuple[float, float]:
         return wrong.layer_parameters(moe), wrong.layer_flops(moe)
 
-    (params, flops), h, s = counts(gpt), gpt.hidden, gpt.seq
+    (params, flops), h, s = right, gpt.hidden, gpt.seq
     mlp = gpt.mlp_parameters(gpt.expert_ffn_ if moe else gpt.ffn_)  # one (expert's) MLP
-    router = h * gpt.experts * moe
     q, kv = gpt.q_width, gpt.kv_width
     mistakes = [
         (counts(replace(gpt, kv_heads=0)), f"k and v for every head: this block has {gpt.kv_heads_} key/value heads"),
@@ -450,7 +449,7 @@ def _block_mistake(gpt: GPT, moe: bool, got: tuple[float, float]) -> str:
         raw_heads = (params - 2 * h * (q + kv), flops - 4 * s * (h + s) * q - 4 * s * h * kv)
         mistakes.append((raw_heads, "gpt.head_dim, 0 when it defaults to h / a: use gpt.head_dim_"))
     if moe:
-        run = gpt.top_k + gpt.shared_experts  # experts a token runs through
+        run, router = gpt.top_k + gpt.shared_experts, h * gpt.experts  # experts a token runs through; the router
         mistakes += [
             (counts(replace(gpt, expert_ffn=0)), f"experts as wide as the dense MLP: theirs are {gpt.expert_ffn_}"),
             (counts(replace(gpt, shared_experts=0)), "no shared experts: every token runs through them too"),
@@ -483,7 +482,7 @@ def _block_problem(fn: Callable, cases: list[tuple[GPT, bool]], draw: Draw | Non
             if not math.isclose(float(g), float(w), rel_tol=1e-9):
                 return (
                     f"{where}: {what} {float(g):.10g}, expected {float(w):.10g} (ratio {float(g) / w:.6g})."
-                    f"{_block_mistake(gpt, moe, got)} Hint: {HINTS['block_counts']}"
+                    f"{_block_mistake(gpt, moe, got, want)} Hint: {HINTS['block_counts']}"
                 )
     return None
 

@@ -33,8 +33,9 @@ per micro-batch and per layer of a stage unless said:
   recomputation reruns the forward (with sequence parallelism the same bytes as allgathers
   and reduce-scatters: priced as the allreduce);
 - context: the keys and values go round the ring: an allgather of 2 b s w / t elements
-  (w = kv_width, the key/value heads' width: h without grouped-query attention) forward, an allgather and a reduce-scatter (their gradients) backward, another allgather
-  when the forward is recomputed;
+  (w = kv_width, the key/value heads' width: h without grouped-query attention) forward, an
+  allgather and a reduce-scatter (their gradients) backward, another allgather when the
+  forward is recomputed;
 - pipeline: each micro-batch's activation b (s/c) h / t elements forward to the next stage
   and its gradient back (Narayanan et al.'s scatter/gather: 1/t of it per rank), 2 m
   messages per stage, 2 v m interleaved (no messages if p = 1);

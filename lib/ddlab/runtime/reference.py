@@ -13,10 +13,10 @@ Who reached it is read off the call stack: going outward from the reference, the
 belongs neither to the library (ddlab outside `ddlab.checks`, the standard library, installed
 packages) nor to a check is the student's code. A stack that ends before either (the reference is
 the target of a thread) belongs to whoever started the thread: the library marks its threads
-(`library_thread`), any other thread is the answer's, whatever its name. An answer that *is* a reference (an alias, a
-subclass, an autograd Function whose forward or backward is one, a partial of one) is called by
-the check itself, so the checks also look at what they are given (`marked`). A refusal is
-remembered, so an answer that catches the error fails all the same.
+(`library_thread`), any other thread is the answer's, whatever its name. An answer that *is* a
+reference (an alias, a subclass, an autograd Function whose forward or backward is one, a partial
+of one) is called by the check itself, so the checks also look at what they are given (`marked`).
+A refusal is remembered, so an answer that catches the error fails all the same.
 """
 
 from __future__ import annotations
