@@ -137,17 +137,53 @@ EXERCISES = (
 
 
 def test_checks_come_back_after_their_exercise_whatever_the_student_did():
-    notebook, placed = prepare(LAB, faked_checks())
-    assert [c.grade_id for c in placed.values()] == [c.grade_id for c in checks(LAB)]
+    notebook, placed, lost = prepare(LAB, faked_checks())
+    assert [c.grade_id for c in placed.values()] == [c.grade_id for c in checks(LAB)] and not lost
     for index, check in placed.items():
         assert notebook.cells[index].source == check.source
         assert f"# {check.exercise}: {check.function}" in notebook.cells[index - 1].source
     assert FAKED not in [c.source for c in notebook.cells]
     no_ring = copy.deepcopy(LAB)
     del no_ring.cells[exercise_cell(no_ring, "allreduce_ring")]
-    notebook, placed = prepare(LAB, no_ring)
+    notebook, placed, lost = prepare(LAB, no_ring)
     (ring,) = [i for i, c in placed.items() if c.function == "allreduce_ring"]
     assert "check_allreduce_recursive_doubling" in notebook.cells[ring - 1].source, "goes where the one before went"
+    assert lost == {placed[ring].grade_id}
+
+
+def ring_check_follows(submission: nbformat.NotebookNode) -> str:
+    """The source of the cell the ring's check was put after; the check must not be lost."""
+    notebook, placed, lost = prepare(LAB, submission)
+    (ring,) = [i for i, c in placed.items() if c.function == "allreduce_ring"]
+    assert not lost
+    return notebook.cells[ring - 1].source
+
+
+def test_a_check_finds_its_exercise_whose_first_line_the_student_broke():
+    body = SOLUTION.cells[exercise_cell(SOLUTION, "allreduce_ring")].source.replace(
+        "# Exercise 3.2: allreduce_ring", ""
+    )
+    broken = lab_with(allreduce_ring=body)  # the first line gone, nbgrader's id still on the cell
+    scratch = nbformat.v4.new_code_cell("%%px\nprint('trying things')")
+    broken.cells.insert(exercise_cell(LAB, "allreduce_ring") + 1, scratch)
+    assert ring_check_follows(broken) == body
+    moved = copy.deepcopy(broken)  # the body pasted into a new cell (no id) and the exercise's cell emptied
+    moved.cells[exercise_cell(LAB, "allreduce_ring")].source = ""
+    moved.cells[exercise_cell(LAB, "allreduce_ring")].metadata = {}
+    moved.cells.insert(exercise_cell(LAB, "allreduce_ring") + 2, nbformat.v4.new_code_cell(body))
+    assert ring_check_follows(moved) == body, "found by its def"
+
+
+def test_a_lost_check_says_which_line_to_put_back():
+    from ddlab.tools.grading.run import _outcome
+
+    (ring,) = [c for c in checks(LAB) if c.function == "allreduce_ring"]
+    error = nbformat.v4.new_output("error", ename="NameError", evalue="name 'allreduce_ring' is not defined")
+    cell = nbformat.v4.new_code_cell(ring.source, outputs=[error])
+    status, message = _outcome(ring, cell, True, {"healthy": True}, 40, lost=True)
+    assert status == "error" and message.startswith("NameError: name 'allreduce_ring' is not defined")
+    assert "'# Exercise 3.2: allreduce_ring'" in message and "Put that first line back" in message
+    assert "Put that" not in _outcome(ring, cell, True, {"healthy": True}, 40, lost=False)[1]
 
 
 def test_student_names():

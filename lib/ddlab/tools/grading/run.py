@@ -145,12 +145,20 @@ def _is_px(cell: nbformat.NotebookNode) -> bool:
 
 
 def _outcome(
-    check: Check, cell: nbformat.NotebookNode, finished: bool, state: dict[str, Any], timeout: float
+    check: Check, cell: nbformat.NotebookNode, finished: bool, state: dict[str, Any], timeout: float, lost: bool
 ) -> tuple[str, str]:
-    """(status, message) of a restored check cell: did it finish, and what did the probe after it say."""
+    """(status, message) of a restored check cell: did it finish, and what did the probe after it say.
+
+    `lost`: no cell of the submission was found to be the exercise's, so the check ran after the one before it."""
     if not finished:
         return "timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); the engines were restarted"
     status, message = verdict(check, cell, state.get("reference"))
+    if status != "passed" and lost:
+        message += (
+            f"\nNo cell of this notebook is {check.exercise}'s: none starts with '# {check.exercise}: "
+            f"{check.function}' or defines {check.function}, so the check ran where the check before it did. "
+            f"Put that first line back at the top of the exercise's cell, and name the function {check.function}."
+        )
     if status != "passed" and state.get("healthy") is False:
         return "error", (
             f"{message}\nThe engines died or stopped answering during this check "
@@ -182,6 +190,7 @@ def grade(
 def _run(
     notebook: nbformat.NotebookNode,
     placed: dict[int, Check],
+    lost: set[str],
     path: Path,
     timeout: float,
     outcomes: dict[str, tuple[str, str]],
@@ -212,7 +221,7 @@ def _run(
                     kernel.probe(check.function if check else None) if finished else {"healthy": False}
                 )
                 if check is not None:
-                    outcomes[check.grade_id] = _outcome(check, cell, finished, state, timeout)
+                    outcomes[check.grade_id] = _outcome(check, cell, finished, state, timeout, check.grade_id in lost)
                 elif finished and state.get("healthy") and _is_px(cell):
                     replay.append(cell)
                 if not finished or state.get("healthy") is False:

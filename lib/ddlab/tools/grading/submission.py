@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import nbformat
 
-from ..labgen import CHECK_TAG, EXERCISE_RE, Check, checks
+from ..labgen import CHECK_TAG, EXERCISE_RE, Check, checks, exercise_id
 
 
 def is_check(cell: nbformat.NotebookNode) -> bool:
@@ -20,31 +21,53 @@ def is_check(cell: nbformat.NotebookNode) -> bool:
     )
 
 
-def _exercise_cells(cells: list[nbformat.NotebookNode]) -> dict[str, int]:
-    """Exercise label ("Exercise 3.2") -> index of the last code cell that carries it."""
-    found = {}
-    for index, cell in enumerate(cells):
-        if cell.cell_type == "code":
-            for match in EXERCISE_RE.finditer(cell.source):
-                found[match.group(1)] = index
-    return found
+def _defines(function: str) -> re.Pattern[str]:
+    """A line that defines `function` (a def, async or not, or an assignment to its name)."""
+    return re.compile(
+        rf"^\s*(?:(?:async\s+)?def\s+{re.escape(function)}\s*\(|{re.escape(function)}\s*=[^=])", re.MULTILINE
+    )
+
+
+def _exercise_cell(cells: list[nbformat.NotebookNode], check: Check) -> int | None:
+    """Index of the last code cell of the check's exercise, or None if the submission has none.
+
+    The cell is found by its first line ("# Exercise 3.2: allreduce_ring"); if a student
+    changed that line, by the id nbgrader's metadata gave the cell, and then by the cell
+    that defines the exercise's function."""
+    own_id = exercise_id(check.exercise, check.function)
+    ways = (
+        lambda cell: any(match.group(1) == check.exercise for match in EXERCISE_RE.finditer(cell.source)),
+        lambda cell: (
+            re.fullmatch(rf"{own_id}(_\d+)?", cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", ""))
+            is not None
+        ),
+        lambda cell: _defines(check.function).search(cell.source) is not None,
+    )
+    for way in ways:
+        found = [index for index, cell in enumerate(cells) if cell.cell_type == "code" and way(cell)]
+        if found:
+            return found[-1]
+    return None
 
 
 def prepare(
     lab: nbformat.NotebookNode, submission: nbformat.NotebookNode
-) -> tuple[nbformat.NotebookNode, dict[int, Check]]:
-    """The notebook to grade and, by cell index in it, the check each restored check cell is.
+) -> tuple[nbformat.NotebookNode, dict[int, Check], set[str]]:
+    """The notebook to grade; by cell index in it, the check each restored check cell is; the lost checks.
 
     The submission's check cells (or edited or emptied ones) are dropped, and the lab's
     go back in right after the cell of the exercise they check. A check whose exercise
-    cell is gone goes where the check before it went (and runs on whatever is defined).
+    cell is gone goes where the check before it went (and runs on whatever is defined):
+    its grade id is in the set returned, so its result can say why.
     """
     kept = [copy.deepcopy(cell) for cell in submission.cells if not is_check(cell)]
-    anchors = _exercise_cells(kept)
     after: dict[int, list[Check]] = {}
-    previous = -1
+    previous, lost = -1, set()
     for check in checks(lab):
-        previous = anchors.get(check.exercise, previous)
+        anchor = _exercise_cell(kept, check)
+        if anchor is None:
+            lost.add(check.grade_id)
+        previous = previous if anchor is None else anchor
         after.setdefault(previous, []).append(check)
     notebook = copy.deepcopy(submission)
     notebook.cells, placed = [], {}
@@ -54,7 +77,7 @@ def prepare(
         for check in after.get(index, []):
             placed[len(notebook.cells)] = check
             notebook.cells.append(copy.deepcopy(lab.cells[check.index]))
-    return notebook, placed
+    return notebook, placed, lost
 
 
 def student_name(path: Path, lab_name: str) -> str:
