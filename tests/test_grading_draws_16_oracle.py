@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from ddlab.checks import CheckFailed, check_block_counts, check_layout_search, check_memory_per_rank, check_step_time
 from ddlab.checks._draw import Draw
-from ddlab.checks.oracle_transformer import _block_problem, block_cases, memory_cases, search_cases, time_cases
+from ddlab.checks.oracle_transformer import block_cases, memory_cases, search_cases, time_cases
 from ddlab.oracle.transformer import GPT, iteration_flops, memory_per_rank, problem, stage_parameters, step_time
 from ddlab.oracle.transformer_planner import search
 from ddlab.runtime.reference import unguarded
@@ -129,51 +129,3 @@ def test_an_answer_fitted_to_the_notebook_passes_its_check_and_fails_every_seed(
         message = str(failed.value)
         for word in [*words, f"(the grader's draw, seed {value})"]:
             assert word in message, message
-
-
-# Exercise 16.7's slips, each on every seed's draw: it fails, and the message names the slip -----------------------
-
-
-def counted(gpt, moe, kv=None, dh=None, ffn=None, expert_ffn=None, gated=None, shared=None, slip=""):
-    """A block's counts as exercise 16.7 states them, with one field read wrong or one `slip` made."""
-    h, s, a = gpt.hidden, gpt.seq, gpt.heads
-    dh = gpt.head_dim_ if dh is None else dh
-    kv = gpt.kv_heads_ if kv is None else kv
-    matrices = 3 if (gpt.gated if gated is None else gated) else 2
-    attention = 2 * h * a * dh + 2 * h * kv * dh
-    if moe:
-        width = gpt.expert_ffn_ if expert_ffn is None else expert_ffn
-        shared = gpt.shared_experts if shared is None else shared
-        router = 0 if slip == "router" else h * gpt.experts
-        held = (gpt.top_k if slip == "top-k held" else gpt.experts) + shared
-        run = (gpt.experts if slip == "all run" else gpt.top_k) + shared
-        held, run = router + held * matrices * h * width, router + run * matrices * h * width
-    else:
-        held = run = matrices * h * (gpt.ffn_ if ffn is None else ffn)
-    scores = 4 * s * s * (h if slip == "scores of h" else a * dh) / (2 if slip == "causal" else 1)
-    return attention + (0 if slip == "norms" else 2 * h) + held, 2 * s * (attention + run) + scores
-
-
-SLIPS = [  # (the slip, words its failure names)
-    (lambda g, moe: counted(g, moe, kv=g.kv_heads), "gpt.kv_heads, 0 when"),
-    (lambda g, moe: counted(g, moe, dh=g.head_dim), "gpt.head_dim, 0 when"),
-    (lambda g, moe: counted(g, moe, ffn=g.ffn), "gpt.ffn, 0 when"),
-    (lambda g, moe: counted(g, moe, expert_ffn=g.expert_ffn), "gpt.expert_ffn, 0 when"),
-    (lambda g, moe: counted(g, moe, kv=g.heads), "k and v for every head"),
-    (lambda g, moe: counted(g, moe, dh=g.hidden // g.heads), "heads of h / a"),
-    (lambda g, moe: counted(g, moe, ffn=4 * g.hidden), "an MLP of 4h"),
-    (lambda g, moe: counted(g, moe, gated=False), "the other MLP"),
-    (lambda g, moe: counted(g, moe, shared=0), "no shared experts"),
-    *((lambda g, moe, slip=slip: counted(g, moe, slip=slip), words) for slip, words in (
-        ("router", "no router"), ("top-k held", "the top-k experts' parameters"), ("all run", "every expert's FLOPs"),
-        ("scores of h", "the scores as 4 s^2 h"), ("causal", "half the scores"), ("norms", "no norms"),
-    )),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("slip, words", SLIPS)
-def test_every_slip_of_16_7_fails_every_seed_and_is_named(grading_seeds, slip, words):
-    assert _block_problem(lambda g, moe: counted(g, moe), block_cases(), None) is None
-    for value in grading_seeds:
-        found = _block_problem(slip, block_cases(Draw(value, "block_counts")), None)
-        assert found is not None and f"It looks like you counted {words}" in found, (value, found)

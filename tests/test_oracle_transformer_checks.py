@@ -1,4 +1,5 @@
-"""Lab 16's oracle checks fail wrong formulas and searches with a useful message and pass valid alternatives."""
+"""Lab 16's oracle checks fail wrong formulas and searches with a useful message and pass valid alternatives;
+16.7's slips fail the notebook's blocks and every grading seed's, each named."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from ddlab.checks import (
     check_memory_per_rank,
     check_step_time,
 )
+from ddlab.checks._draw import Draw
+from ddlab.checks.oracle_transformer import _block_problem, block_cases
 from ddlab.oracle.transformer import iteration_flops, memory_per_rank, predict, problem, stage_parameters, step_time
 from ddlab.oracle.transformer_planner import _search, meshes, search
 from ddlab.runtime.reference import unguarded
@@ -203,16 +206,29 @@ def full_recompute_context_as_none(gpt, layout, platform):  # the recomputed for
 # ---- Exercise 16.7: block_counts
 
 
-def valid_block(gpt, moe):
-    """From the lab's statement, matrix by matrix."""
-    h, s, w = gpt.hidden, gpt.seq, (3 if gpt.gated else 2)
-    attention = 2 * h * gpt.heads * gpt.head_dim_ + 2 * h * gpt.kv_heads_ * gpt.head_dim_
+def counted(gpt, moe, kv=None, dh=None, ffn=None, expert_ffn=None, gated=None, shared=None, slip=""):
+    """A block's counts from the lab's statement, matrix by matrix; with one field read wrong, or one `slip` made."""
+    h, s, a = gpt.hidden, gpt.seq, gpt.heads
+    dh = gpt.head_dim_ if dh is None else dh
+    kv = gpt.kv_heads_ if kv is None else kv
+    matrices = 3 if (gpt.gated if gated is None else gated) else 2
+    attention = 2 * h * a * dh + 2 * h * kv * dh
     if moe:
-        held = h * gpt.experts + (gpt.experts + gpt.shared_experts) * w * h * gpt.expert_ffn_
-        run = h * gpt.experts + (gpt.top_k + gpt.shared_experts) * w * h * gpt.expert_ffn_
+        width = gpt.expert_ffn_ if expert_ffn is None else expert_ffn
+        shared = gpt.shared_experts if shared is None else shared
+        router = 0 if slip == "router" else h * gpt.experts
+        held = (gpt.top_k if slip == "top-k held" else gpt.experts) + shared
+        run = (gpt.experts if slip == "all run" else gpt.top_k) + shared
+        held, run = router + held * matrices * h * width, router + run * matrices * h * width
     else:
-        held = run = w * h * gpt.ffn_
-    return attention + 2 * h + held, 2 * s * (attention + run) + 4 * s * s * gpt.heads * gpt.head_dim_
+        held = run = matrices * h * (gpt.ffn_ if ffn is None else ffn)
+    width = {"scores of h": h, "scores of kv": kv * dh}.get(slip, a * dh)
+    scores = 4 * s * s * width / (2 if slip == "causal" else 1)
+    return attention + (0 if slip == "norms" else 2 * h) + held, 2 * s * (attention + run) + scores
+
+
+def valid_block(gpt, moe):
+    return counted(gpt, moe)
 
 
 def block_per_token_summed(gpt, moe):
@@ -225,49 +241,31 @@ def block_per_token_summed(gpt, moe):
     return np.int64(params), np.float64(sum(per_token))
 
 
-def _block_changed(change):
-    def wrong(gpt, moe):
-        return change(gpt, moe, *valid_block(gpt, moe))
-
-    return wrong
-
-
-def block_of_every_head(gpt, moe):  # k and v for all a heads
-    return valid_block(replace(gpt, kv_heads=0), moe)
-
-
-def block_of_4h(gpt, moe):
-    return valid_block(replace(gpt, ffn=0), moe)
-
-
-def block_gated_as_gelu(gpt, moe):  # two matrices whatever the MLP
-    return valid_block(replace(gpt, gated=False), moe)
-
-
-def block_heads_of_h_over_a(gpt, moe):
-    return valid_block(replace(gpt, head_dim=0), moe)
+#: 16.7's slips: (name, the answer, words its failure names).
+SLIPS = [
+    ("raw kv_heads", lambda g, moe: counted(g, moe, kv=g.kv_heads), "gpt.kv_heads, 0 when"),
+    ("raw head_dim", lambda g, moe: counted(g, moe, dh=g.head_dim), "gpt.head_dim, 0 when"),
+    ("raw ffn", lambda g, moe: counted(g, moe, ffn=g.ffn), "gpt.ffn, 0 when"),
+    ("raw expert_ffn", lambda g, moe: counted(g, moe, expert_ffn=g.expert_ffn), "gpt.expert_ffn, 0 when"),
+    ("every head", lambda g, moe: counted(g, moe, kv=g.heads), "k and v for every head"),
+    ("h / a", lambda g, moe: counted(g, moe, dh=g.hidden // g.heads), "heads of h / a"),
+    ("4h", lambda g, moe: counted(g, moe, ffn=4 * g.hidden), "an MLP of 4h"),
+    ("gated", lambda g, moe: counted(g, moe, gated=not g.gated), "the other MLP"),
+    ("shared", lambda g, moe: counted(g, moe, shared=0), "no shared experts"),
+    *((slip, lambda g, moe, slip=slip: counted(g, moe, slip=slip), words) for slip, words in (
+        ("router", "no router"), ("top-k held", "the top-k experts' parameters"), ("all run", "every expert's FLOPs"),
+        ("scores of h", "the scores as 4 s^2 h"), ("causal", "half the scores"), ("norms", "no norms"),
+    )),
+]  # fmt: skip
+SLIP = {name: answer for name, answer, _ in SLIPS}
 
 
-def block_holds_top_k(gpt, moe):  # the layer's parameters counted as a token's
-    p, f = valid_block(gpt, moe)
-    if moe:
-        p -= (gpt.experts - gpt.top_k) * (3 if gpt.gated else 2) * gpt.hidden * gpt.expert_ffn_
-    return p, f
-
-
-def block_runs_every_expert(gpt, moe):
-    p, f = valid_block(gpt, moe)
-    if moe:
-        f += 2 * gpt.seq * (gpt.experts - gpt.top_k) * (3 if gpt.gated else 2) * gpt.hidden * gpt.expert_ffn_
-    return p, f
-
-
-block_without_router = _block_changed(lambda g, moe, p, f: (p - moe * g.hidden * g.experts, f))
-block_without_shared = _block_changed(
-    lambda g, moe, p, f: valid_block(replace(g, shared_experts=0), moe) if moe else (p, f)
-)
-block_without_norms = _block_changed(lambda g, moe, p, f: (p - 2 * g.hidden, f))
-block_scores_of_kv = _block_changed(lambda g, moe, p, f: (p, f - 4 * g.seq**2 * (g.q_width - g.kv_width)))
+@pytest.mark.parametrize("answer, words", [slip[1:] for slip in SLIPS], ids=[slip[0] for slip in SLIPS])
+def test_every_slip_of_16_7_fails_every_seed_and_is_named(grading_seeds, answer, words):
+    assert _block_problem(valid_block, block_cases(), None) is None
+    for value in grading_seeds:
+        found = _block_problem(answer, block_cases(Draw(value, "block_counts")), None)
+        assert found is not None and f"It looks like you counted {words}" in found, (value, found)
 
 
 def block_of_the_library(gpt, moe):
@@ -394,16 +392,16 @@ def listed_twice(*args):
         (check_step_time, context_of_every_head, "small GQA \\+ SwiGLU.*context"),
         (check_step_time, no_slowdown, "compute"),
         (check_step_time, lambda *a: 1 / 0, "ZeroDivisionError"),
-        (check_block_counts, block_of_every_head, "parameters.*you counted k and v for every head"),
-        (check_block_counts, block_of_4h, "parameters.*you counted an MLP of 4h"),
-        (check_block_counts, block_gated_as_gelu, "parameters.*you counted the other MLP"),
-        (check_block_counts, block_heads_of_h_over_a, "heads of 128.*you counted heads of h / a"),
-        (check_block_counts, block_holds_top_k, "moe=True\\): parameters.*the top-k experts' parameters"),
-        (check_block_counts, block_runs_every_expert, "moe=True\\): forward FLOPs.*every expert's FLOPs"),
-        (check_block_counts, block_without_router, "moe=True\\): parameters"),
-        (check_block_counts, block_without_shared, "moe=True\\): parameters.*no shared experts"),
-        (check_block_counts, block_without_norms, "parameters"),
-        (check_block_counts, block_scores_of_kv, "forward FLOPs"),
+        (check_block_counts, SLIP["every head"], "parameters.*you counted k and v for every head"),
+        (check_block_counts, SLIP["4h"], "parameters.*you counted an MLP of 4h"),
+        (check_block_counts, lambda g, moe: counted(g, moe, gated=False), "parameters.*you counted the other MLP"),
+        (check_block_counts, SLIP["h / a"], "heads of 128.*you counted heads of h / a"),
+        (check_block_counts, SLIP["top-k held"], "moe=True\\): parameters.*the top-k experts' parameters"),
+        (check_block_counts, SLIP["all run"], "moe=True\\): forward FLOPs.*every expert's FLOPs"),
+        (check_block_counts, SLIP["router"], "moe=True\\): parameters"),
+        (check_block_counts, SLIP["shared"], "moe=True\\): parameters.*no shared experts"),
+        (check_block_counts, SLIP["norms"], "parameters"),
+        (check_block_counts, lambda g, moe: counted(g, moe, slip="scores of kv"), "forward FLOPs"),
         (check_block_counts, lambda g, moe: [1, 2], "two numbers"),
         (check_block_counts, block_of_the_library, "the library's own answer"),
         (check_block_counts, block_of_its_parts, "the library's own answer"),
