@@ -90,13 +90,17 @@ def measure(path: Path) -> Lab:
 
 def run_seconds(path: Path, timeout: int = 600) -> float:
     """Seconds to run the notebook top to bottom in the course kernel; raise if a cell fails."""
-    from ddlab.tools.grading.run import KERNEL, clean_up, private_ipython_dir
+    from ddlab.tools.grading.run import KERNEL, clean_up, kernel_config, private_ipython_dir
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     with private_ipython_dir() as ipython_dir:
         client = NotebookClient(
-            nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": str(path.parent)}}
+            nb,
+            timeout=timeout,
+            kernel_name=KERNEL,
+            config=kernel_config(ipython_dir),
+            resources={"metadata": {"path": str(path.parent)}},
         )
         start = time.monotonic()
         try:

@@ -224,3 +224,24 @@ def test_cluster_profiles_listen_on_one_address(profile: str) -> None:
     address = slurm.controller_address(slurm.load_settings())
     assert config.Cluster.controller_ip == address
     assert address not in ("", "*", "0.0.0.0")
+
+
+def test_the_graders_kernel_channels_open_no_tcp_port(tmp_path: Path) -> None:
+    """`ddlab grade` and bench/lab_time.py talk to their kernel over Unix sockets (kernel_config). The one TCP
+    port left is ipykernel's own, on loopback: where forked children send their output (over TCP there are six)."""
+    from ddlab.tools.grading.run import KERNEL, kernel_config
+    from jupyter_client.manager import KernelManager
+
+    manager = KernelManager(kernel_name=KERNEL, config=kernel_config(str(tmp_path)))
+    manager.start_kernel()
+    try:
+        client = manager.client()
+        client.start_channels()
+        client.wait_for_ready(timeout=60)
+        client.stop_channels()
+        kernel = psutil.Process(manager.provisioner.pid)
+        listening = [conn.laddr for conn in kernel.net_connections(kind="inet") if conn.status == psutil.CONN_LISTEN]
+        assert len(listening) <= 1 and all(_is_loopback(address.ip) for address in listening), listening
+        assert len(list(tmp_path.glob("kernel-*"))) == 5, "its five channels are sockets in the folder given"
+    finally:
+        manager.shutdown_kernel(now=True)

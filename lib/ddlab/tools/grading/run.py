@@ -29,6 +29,7 @@ import nbformat
 import psutil
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
+from traitlets.config import Config
 
 from ...checks._draw import SEED_VARIABLE
 from ...runtime.cluster import cleanup_orphans
@@ -179,12 +180,19 @@ def grade(
     except Exception as err:  # not JSON, or not a notebook: nothing to run
         problem = f"{path.name} is not a notebook that can be read ({type(err).__name__}: {err}); nothing ran"
     else:
-        problem = _run(*prepare(lab, submitted), path, timeout, outcomes, seed)
+        with tempfile.TemporaryDirectory(prefix="ddlab-kernel-") as sockets:
+            problem = _run(*prepare(lab, submitted), path, timeout, outcomes, seed, sockets)
     results = []
     for check in checks(lab):
         status, message = outcomes.get(check.grade_id, ("error", problem))
         results.append(Result(student, check, status, check.points if status == "passed" else 0, message, seed))
     return results
+
+
+def kernel_config(folder: str) -> Config:
+    """The kernel's channels as Unix sockets in `folder`, not TCP ports: nothing listens on the network
+    (and ipykernel has no plain-text TCP to warn about at every start)."""
+    return Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(os.path.abspath(folder), "kernel")}})
 
 
 def _run(
@@ -194,13 +202,17 @@ def _run(
     path: Path,
     timeout: float,
     outcomes: dict[str, tuple[str, str]],
-    seed: int | None = None,
+    seed: int | None,
+    sockets: str,
 ) -> str:
-    """Run the notebook up to its last check, filling in outcomes; return why the checks not reached were not."""
+    """Run the notebook up to its last check, filling in outcomes; return why the checks not reached were not.
+
+    The kernel's sockets are made in the folder `sockets`."""
     client = NotebookClient(
         notebook,
         timeout=int(timeout),
         kernel_name=KERNEL,
+        config=kernel_config(sockets),
         allow_errors=True,
         interrupt_on_timeout=True,
         error_on_timeout={"ename": TIMED_OUT, "evalue": "", "traceback": []},
