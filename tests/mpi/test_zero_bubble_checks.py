@@ -86,6 +86,18 @@ def overwrites(pending):
             layer.bias.grad = g2.sum(0)
 
 
+def weights_by_autograd_in_b(y, grad_y, x, records):
+    """Differentiates to the weights in B too and hands W their gradients: W's work done in B."""
+    params = [q for layer, _, _ in records for q in layer.parameters()]
+    grads = torch.autograd.grad(y, ([x] if x.requires_grad else []) + params, grad_y)
+    return (grads[0] if x.requires_grad else None), list(zip(params, grads[len(grads) - len(params) :]))
+
+
+def adds_what_b_computed(pending):
+    for q, g in pending:
+        q.grad = g.clone() if q.grad is None else q.grad + g
+
+
 def delegates_b(y, grad_y, x, records):
     return zero_bubble.backward_input(y, grad_y, x, records)
 
@@ -100,6 +112,7 @@ def test_split_backward_passes_the_students_own_valid_answer():
         (retaining_input, autograd_weight, "stay alive for W"),
         (undetached_input, own_weight, "stay alive for W .*grad_fn"),
         (whole_in_b, own_weight, "changed a parameter's .grad"),
+        (weights_by_autograd_in_b, adds_what_b_computed, "differentiated to parameter 0 .*W's work"),
         (own_input, weight_twice, "differs from the whole backward"),
         (own_input, drops_bias, "parameter 1"),
         (own_input, overwrites, "differs from the whole backward"),
@@ -109,6 +122,7 @@ def test_split_backward_passes_the_students_own_valid_answer():
         "keeps-the-graph",
         "keeps-a-with-its-grad-fn",
         "weights-in-b",
+        "weight-gradients-in-b",
         "w-twice",
         "w-drops-bias",
         "w-overwrites",
@@ -184,7 +198,7 @@ def test_zb_h1_passes_valid_orders():
         (cross_deadlock, r"deadlock: stage 0 at \('B', 0\)"),
         (lambda p, m, s: own_zb_h1(p, m, s)[:-1], "is missing"),
         (lambda p, m, s: own_zb_h1(p, m, s) + [("W", 0)], "appears 2 times"),
-        (w_right_after_b, "the step takes"),
+        (w_right_after_b, "your step takes"),
         (zero_bubble.zb_h2, "activations alive"),
         (delegates_h1, "the library's own answer"),
     ],
@@ -225,9 +239,15 @@ def plain(comm, layers, ops, inputs, targets, bug=None):
         elif kind == "B":
             x, y, records = kept.pop(i)
             grad = None if rank == size - 1 else take(rank + 1, i)
-            grad_x, waiting[i] = backward_input(y, grad, x, records)
-            if bug == "w in b":
+            if bug == "whole backward in b":
+                y.backward(grad)
+                grad_x, waiting[i] = (x.grad if rank > 0 else None), []
+            else:
+                grad_x, waiting[i] = backward_input(y, grad, x, records)
+            if bug in ("w in b", "only w in b"):
                 backward_weight(waiting[i])
+            if bug == "only w in b":
+                waiting[i] = []
             if rank > 0:
                 post(grad_x, rank - 1, i)
         elif bug != "skips w":
@@ -248,6 +268,8 @@ def test_run_zero_bubble_passes_a_plain_executor():
         ("skips w", "has no gradient"),
         ("w twice", "2 means a W ran twice"),
         ("w in b", "2 means a W ran twice"),
+        ("only w in b", r"when B of micro-batch 0 sent .* the weights' gradients were computed in B"),
+        ("whole backward in b", r"when B of micro-batch 0 sent .* the weights' gradients were computed in B"),
         ("wrong tag", r"stage 0 was running op \('B', 0\)"),
     ],
 )
@@ -273,7 +295,7 @@ def test_run_zero_bubble_refuses_the_library():
 def test_zb_v_fails_wrong_lists_and_refuses_the_library():
     with pytest.raises(CheckFailed, match="is missing"):
         check_zb_v(lambda p, m, r: [op for op in zero_bubble._greedy_v(p, m)[r] if op != ("W", 1, m - 1)])
-    with pytest.raises(CheckFailed, match="the step takes"):
+    with pytest.raises(CheckFailed, match=r"your step takes .*\(the V\)"):
         check_zb_v(
             lambda p, m, r: [
                 o

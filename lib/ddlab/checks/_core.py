@@ -205,11 +205,13 @@ def run_counted(
     timeout: float = 20.0,
     allow: tuple[str, ...] = (),
     stagger: float = 0.0,
+    on_send: Callable[[int, int], None] | None = None,
 ) -> tuple[Any, list[Traffic]]:
     """Call fn(counting_comm, *args) on every rank of comm; return (result, all ranks' traffic).
 
     `allow` names MPI collectives the exercise may call (see CountingComm); others are refused.
     `stagger` > 0 makes messages to one receiver arrive in reverse rank order (see CountingComm).
+    `on_send(peer, tag)` is called as fn makes each send (see CountingComm).
 
     An exercise stub's NotImplementedError on any rank is raised on every rank (the
     others may have failed otherwise meanwhile, e.g. a server whose workers are stubs).
@@ -221,7 +223,7 @@ def run_counted(
     peer sent after this rank gave up its receive (a failure elsewhere, a deadline), or one
     nobody ever received; each rank's `Traffic.unreceived` lists them.
     """
-    counting = CountingComm(comm, timeout=timeout, allow=allow, stagger=stagger)
+    counting = CountingComm(comm, timeout=timeout, allow=allow, stagger=stagger, on_send=on_send)
     stub, problem, result = None, None, None
     try:
         result = fn(counting, *args)

@@ -3,7 +3,8 @@
 - `check_split_backward(backward_input, backward_weight)`: on stages of linear layers (with and
   without biases, 2-D and 3-D activations, the first stage whose input needs no gradient, the last
   whose output is a scalar loss), B's input gradient and W's weight gradients must equal the whole
-  backward's (float64, 1e-12); B must leave .grad alone and free the graph; W must add into .grad
+  backward's (float64, 1e-12); B must leave .grad alone, take no weight's gradient (hooks on the parameters),
+  and free the graph; W must add into .grad
   (not overwrite it); what B hands to W may hold no more bytes than each linear layer's input and
   output gradient (measured: unique storages, plus any saved tensor of the graph still alive in the
   ledger).
@@ -13,7 +14,8 @@
   stage; 2p chunks a rank in the V), and a replay with F = B = W = 1 no longer than the reference's.
   Any order meeting these passes. ZB-V's lists are then run on real ranks: one process's gradients.
 - `check_run_zero_bubble(fn)`: the executor under ZB-H1, ZB-H2 and a valid mixed order on P, 3 and 1
-  ranks: one process's gradients and losses, one message per micro-batch and direction; a rank that
+  ranks: one process's gradients and losses, one message per micro-batch and direction, and as each B sends
+  its gradient back, weight gradients from the W's before it only (no W's work in B); a rank that
   waits in vain fails within the deadline, naming its stage and the op it was running.
 
 Under the grader's draw (ddlab.checks._draw) each check draws its cases instead (its docstring says which),
@@ -26,7 +28,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from mpi4py import MPI
@@ -146,11 +148,25 @@ def _split_problem(
         y, records = forward_recorded(split, x_split)
     if last:
         y = y.square().sum()
-    grad_x, pending = backward_input(y, grad_y, x_split, records)
+    differentiated: list[int] = []  # the parameters autograd found a gradient of during B
+    hooks = [
+        q.register_hook(lambda g, index=index: differentiated.append(index))
+        for index, q in enumerate(split.parameters())
+    ]
+    try:
+        grad_x, pending = backward_input(y, grad_y, x_split, records)
+    finally:
+        for hook in hooks:
+            hook.remove()
     del y, records
     if any(not torch.equal(q.grad, g) for q, g in zip(split.parameters(), start)):
         return (
             f"{what}: backward_input changed a parameter's .grad; B computes the input's gradient only (W comes later)"
+        )
+    if differentiated:
+        return (
+            f"{what}: backward_input differentiated to parameter {min(differentiated)} (a weight's gradient is W's "
+            "work): take autograd.grad to x and to each layer's output z only"
         )
     if needs_grad:
         if not isinstance(grad_x, torch.Tensor) or grad_x.shape != x.shape or grad_x.dtype != x.dtype:
@@ -320,10 +336,13 @@ def _check_op_lists(
             advice = (
                 "Delay W's to fill the idle time (see the lab's text before the exercise)"
                 if shape == "chain"
-                else "at each step a free rank runs the B of the oldest micro-batch it can, else an F while fewer "
-                "than 2p chunk activations are alive (chunk 1 first), else its oldest W (see the lab's text)"
+                else "At each step a free rank runs the B of the oldest micro-batch it can, else an F while fewer "
+                "than 2p chunk activations are alive (chunk 1 first), else its oldest W (see the lab's text); "
+                "rank r's chunk 0 is stage r and its chunk 1 stage 2p - 1 - r (the V), the neighbours to plan with"
             )
-            raise CheckFailed(f"{context}: with F = B = W = 1 the step takes {took:g}; {name} takes {best:g}. {advice}")
+            raise CheckFailed(
+                f"{context}: with F = B = W = 1 your step takes {took:g}; {name}'s takes {best:g}. {advice}"
+            )
 
 
 def _op_list_sizes(draw: Draw | None, most_p: int, most_m: int) -> list[tuple[int, int]]:
@@ -396,6 +415,62 @@ def _one_process(
     return [[q.grad for q in stage.parameters()] for stage in chain], losses
 
 
+def _each_micro_batch(
+    stages: list[nn.Module], inputs: list[torch.Tensor], targets: list[torch.Tensor]
+) -> list[list[list[torch.Tensor]]]:
+    """Each micro-batch's own weight gradients, [micro-batch][stage][parameter]: what its W adds."""
+    found = []
+    for x, target in zip(inputs, targets):
+        chain = copy.deepcopy(nn.Sequential(*stages))
+        micro_batch_loss(chain(x), target).backward()
+        found.append([[cast(torch.Tensor, q.grad) for q in stage.parameters()] for stage in chain])
+    return found
+
+
+class _WeightsAtSends:
+    """Looks at a stage's weight gradients as each B sends its input's gradient back (the k-th send to the rank
+    before is the k-th B of the op list): only the W's before that B in the list may have added to them."""
+
+    def __init__(self, layers: nn.Module, ops: list[tuple], rank: int, each: list[list[torch.Tensor]]) -> None:
+        self.layers, self.rank, self.each = layers, rank, each
+        self.backs = [(index, op[1]) for index, op in enumerate(ops) if op[0] == "B"]
+        self.ops, self.sent = ops, 0
+        self.problem: str | None = None
+
+    def _sum(self, batches: list[int]) -> list[torch.Tensor | None]:
+        return [sum((self.each[i][n] for i in batches), torch.zeros_like(q)) if batches else None
+                for n, q in enumerate(self.layers.parameters())]  # fmt: skip
+
+    def _holds(self, batches: list[int]) -> bool:
+        for q, want in zip(self.layers.parameters(), self._sum(batches)):
+            got = q.grad
+            if want is None:
+                if got is not None and bool(got.any()):
+                    return False
+            elif got is None or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+                return False
+        return True
+
+    def sent_to(self, peer: int, tag: int) -> None:
+        if peer != self.rank - 1 or self.sent >= len(self.backs) or self.problem is not None:
+            return
+        position, i = self.backs[self.sent]
+        self.sent += 1
+        done = [op[1] for op in self.ops[:position] if op[0] == "W"]
+        if self._holds(done):
+            return
+        backs = [j for _, j in self.backs[: self.sent]]
+        self.problem = (
+            f"stage {self.rank}: when B of micro-batch {i} sent its input's gradient, the weights' .grad "
+            + (
+                "already held the gradients of every micro-batch whose B had run, its own too: the weights' "
+                "gradients were computed in B (call your 17.1 B there, and your W only at the W ops)"
+                if self._holds(backs)
+                else f"was not the sum of what the W's before it in the ops added (micro-batches {done or 'none'})"
+            )
+        )
+
+
 def _grad_problem(chunks: list[nn.Module], want: list[list[torch.Tensor]]) -> str | None:
     for c, (chunk, expected) in enumerate(zip(chunks, want)):
         for index, (q, w) in enumerate(zip(chunk.parameters(), expected)):
@@ -455,13 +530,15 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
         k, rank = sub.Get_size(), sub.Get_rank()
         stages, inputs, targets = run.chain(k)
         want, want_losses = _one_process(stages, inputs, targets)
+        each = [grads[rank] for grads in _each_micro_batch(stages, inputs, targets)]
         for schedule in (zb_h1, zb_h2, mixed_split):
             layers = copy.deepcopy(stages[rank])
             ops = _Watched(tuple(op) for op in schedule(k, run.micro, rank))
+            at_sends = _WeightsAtSends(layers, list(ops), rank, each)
             args = (layers, ops, [x.clone() for x in inputs], [t.clone() for t in targets])
             context = f"run_zero_bubble under {schedule.__name__} on {count(k, 'rank')}{run}"
             try:
-                losses, traffic = run_counted(sub, fn, args, context, timeout=timeout)
+                losses, traffic = run_counted(sub, fn, args, context, timeout=timeout, on_send=at_sends.sent_to)
             except CheckFailed as err:
                 where = sub.allgather(ops.current)
                 stalled = any(word in str(err) for word in ("Stalled", "never waited"))
@@ -487,8 +564,10 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
                 sub,
                 problem,
                 f"{context}: wrong gradients",
-                "B sends the input's gradient; each W adds its micro-batch's weight gradients once",
+                "B sends the input's gradient; each W adds its micro-batch's weight gradients once; a message taken "
+                "for another micro-batch's op gives wrong gradients too (receive with the micro-batch as tag)",
             )
+            fail_together(sub, at_sends.problem, f"{context}: the backward not split")
             if rank < k - 1:
                 problem = (
                     None

@@ -44,7 +44,7 @@ import functools
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -248,10 +248,12 @@ class CountingComm:
         allow: tuple[str, ...] = (),
         stagger: float = 0.0,
         parent: CountingComm | None = None,
+        on_send: Callable[[int, int], None] | None = None,
     ):
         """`stagger`: seconds a rank's first send waits per rank above it, so that messages
         to one receiver arrive in reverse rank order (a check's way to force the bad order).
-        `parent`: the counting communicator this one was split from (see Split)."""
+        `parent`: the counting communicator this one was split from (see Split).
+        `on_send(peer, tag)`: called as each send is made, before it (a check's look at the state then)."""
         unknown = set(allow) - set(ALLOWABLE)
         if unknown:
             raise ValueError(f"CountingComm can allow only {ALLOWABLE}, not {sorted(unknown)}")
@@ -260,6 +262,7 @@ class CountingComm:
         self.allow = tuple(allow)
         self._first_send_wait = stagger * (comm.Get_size() - 1 - comm.Get_rank())
         self._probing_since: float | None = None  # start of this rank's current run of Iprobe misses
+        self.on_send: Callable[[int, int], None] | None = parent.on_send if parent is not None else on_send
         if parent is None:
             self.traffic, self.watch, self.members = Traffic(comm.Get_rank()), Watch(comm, timeout), None
             self.requests: list[WatchedRequest] = []
@@ -583,6 +586,8 @@ class CountingComm:
         if self.members is not None and peer >= 0:
             peer = self.members[peer]
         self.traffic.events.append(Event(kind, int(peer), int(tag), int(nbytes)))
+        if kind == "send" and self.on_send is not None:
+            self.on_send(int(peer), int(tag))
 
     # Buffer API ---------------------------------------------------------------
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
