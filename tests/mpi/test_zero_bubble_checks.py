@@ -262,6 +262,37 @@ def test_run_zero_bubble_passes_a_plain_executor():
     check_run_zero_bubble(plain)
 
 
+def pickled(comm, layers, ops, inputs, targets):
+    """Another valid executor: pickled tensors (isend/recv), the ops taken by index, a Wait per request."""
+    rank, last = comm.Get_rank(), comm.Get_rank() == comm.Get_size() - 1
+    kept, waiting, losses, requests = {}, {}, [None] * len(inputs), []
+    for n in range(len(ops)):
+        kind, i = ops[n]
+        if kind == "F":
+            x = inputs[i] if rank == 0 else comm.recv(source=rank - 1, tag=i).requires_grad_()
+            y, records = forward_recorded(layers, x)
+            if last:
+                y = micro_batch_loss(y, targets[i])
+                losses[i] = float(y.detach())
+            else:
+                requests.append(comm.isend(y.detach(), rank + 1, i))
+            kept[i] = (x, y, records)
+        elif kind == "B":
+            x, y, records = kept.pop(i)
+            grad_x, waiting[i] = backward_input(y, None if last else comm.recv(source=rank + 1, tag=i), x, records)
+            if rank > 0:
+                requests.append(comm.isend(grad_x, rank - 1, i))
+        else:
+            backward_weight(waiting.pop(i))
+    for request in requests:
+        request.wait()
+    return losses if last else []
+
+
+def test_run_zero_bubble_passes_another_valid_executor():
+    check_run_zero_bubble(pickled)
+
+
 @pytest.mark.parametrize(
     "bug, words",
     [

@@ -437,17 +437,16 @@ class _WeightsAtSends:
         self.ops, self.sent = ops, 0
         self.problem: str | None = None
 
-    def _sum(self, batches: list[int]) -> list[torch.Tensor | None]:
-        return [sum((self.each[i][n] for i in batches), torch.zeros_like(q)) if batches else None
-                for n, q in enumerate(self.layers.parameters())]  # fmt: skip
-
     def _holds(self, batches: list[int]) -> bool:
-        for q, want in zip(self.layers.parameters(), self._sum(batches)):
+        """Whether each weight's .grad is the sum of those micro-batches' gradients (None or zero for none)."""
+        for n, q in enumerate(self.layers.parameters()):
             got = q.grad
-            if want is None:
+            if not batches:
                 if got is not None and bool(got.any()):
                     return False
-            elif got is None or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+                continue
+            want = torch.stack([self.each[i][n] for i in batches]).sum(0)
+            if got is None or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
                 return False
         return True
 
@@ -533,8 +532,8 @@ def check_run_zero_bubble(fn: Callable[..., Any], timeout: float = TIMEOUT) -> N
         each = [grads[rank] for grads in _each_micro_batch(stages, inputs, targets)]
         for schedule in (zb_h1, zb_h2, mixed_split):
             layers = copy.deepcopy(stages[rank])
-            ops = _Watched(tuple(op) for op in schedule(k, run.micro, rank))
-            at_sends = _WeightsAtSends(layers, list(ops), rank, each)
+            listed = [tuple(op) for op in schedule(k, run.micro, rank)]
+            ops, at_sends = _Watched(listed), _WeightsAtSends(layers, listed, rank, each)
             args = (layers, ops, [x.clone() for x in inputs], [t.clone() for t in targets])
             context = f"run_zero_bubble under {schedule.__name__} on {count(k, 'rank')}{run}"
             try:
