@@ -2,7 +2,7 @@
 
 The five: the solution; the lab's stub handing in the library's own ring; one that
 deadlocks in one exercise and kills its engine in the next (the engines are restarted
-after each, and grading goes on); one that does one exercise, fakes a check and deletes
+after each, the cells that set them up replayed, one printing in two pieces, and grading goes on); one that does one exercise, fakes a check and deletes
 another; one whose ring is fitted to the dtypes the notebook's check runs. Graded in one run
 of the console script on the grader's draw (`--seed`), as an instructor would, to exactly the
 expected sheet, in under 10 minutes, with nothing left running; the solution graded on another
@@ -98,6 +98,17 @@ def lab_with(done: tuple[str, ...] = (), **sources: str) -> nbformat.NotebookNod
     return nb
 
 
+def with_progress_prints(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A scratch %%px cell after the first one, printing in two pieces: replayed after a restart, its second
+    piece updates the output of the cell the grader runs it as (which must be a code cell)."""
+    first = next(i for i, c in enumerate(nb.cells) if c.source.startswith("%%px"))
+    progress = (
+        "%%px\nimport time\nprint('rank', rank, 'starting', flush=True)\ntime.sleep(1)\nprint('rank', rank, 'ready')"
+    )
+    nb.cells.insert(first + 1, nbformat.v4.new_code_cell(progress))
+    return nb
+
+
 def faked_checks() -> nbformat.NotebookNode:
     """Exercise 3.1 done; 3.2's check edited into a print of 'passed'; 3.3's check deleted."""
     nb = lab_with(("allreduce_recursive_doubling",))
@@ -109,8 +120,8 @@ def faked_checks() -> nbformat.NotebookNode:
 SUBMISSIONS = {
     "solution": lambda: copy.deepcopy(SOLUTION),
     "reference": lambda: lab_with(allreduce_ring=REFERENCE),
-    "deadlock_then_kill": lambda: lab_with(
-        ("allreduce_recursive_doubling",), allreduce_ring=DEADLOCK, allreduce_rabenseifner=KILL
+    "deadlock_then_kill": lambda: with_progress_prints(
+        lab_with(("allreduce_recursive_doubling",), allreduce_ring=DEADLOCK, allreduce_rabenseifner=KILL)
     ),
     "faked_checks": faked_checks,
     "fitted": lambda: lab_with(
@@ -174,22 +185,49 @@ def test_a_check_finds_its_exercise_whose_first_line_the_student_broke():
     assert ring_check_follows(moved) == body, "found by its def"
 
 
-def test_a_lost_check_says_which_line_to_put_back():
-    from ddlab.tools.grading.run import _outcome
+def test_an_answer_written_below_the_stub_is_the_one_checked():
+    body = SOLUTION.cells[exercise_cell(SOLUTION, "allreduce_ring")].source.replace(
+        "# Exercise 3.2: allreduce_ring", ""
+    )
+    below = copy.deepcopy(LAB)  # the stub left as it was, the answer in a new cell after it
+    below.cells.insert(exercise_cell(LAB, "allreduce_ring") + 1, nbformat.v4.new_code_cell(body))
+    assert ring_check_follows(below) == body
+
+
+@pytest.mark.parametrize("folder", ["labs", "solutions"])
+def test_every_check_of_every_lab_follows_its_exercise_s_last_cell(folder):
+    """The lab's (or solution's) own notebook as a submission: each check goes after the last cell whose first
+    line names its exercise, none moved by a cell further on that mentions the function."""
+    for path in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb")):
+        lab = nbformat.read(ROOT / "labs" / path.name, as_version=4)
+        notebook, placed, lost = prepare(lab, nbformat.read(path, as_version=4))
+        assert not lost, path.name
+        for index, check in placed.items():
+            previous = max(n for n, c in enumerate(notebook.cells[:index]) if c.cell_type == "code" and n not in placed)
+            assert f"# {check.exercise}:" in notebook.cells[previous].source, (path.name, check.exercise)
+
+
+def test_a_check_that_fails_says_why_its_exercise_may_have_failed():
+    from ddlab.tools.grading.run import _note, _outcome
 
     (ring,) = [c for c in checks(LAB) if c.function == "allreduce_ring"]
     error = nbformat.v4.new_output("error", ename="NameError", evalue="name 'allreduce_ring' is not defined")
     cell = nbformat.v4.new_code_cell(ring.source, outputs=[error])
-    status, message = _outcome(ring, cell, True, {"healthy": True}, 40, lost=True)
+    status, message = _outcome(ring, cell, True, {"healthy": True}, 40, _note(ring, True, None))
     assert status == "error" and message.startswith("NameError: name 'allreduce_ring' is not defined")
-    assert "'# Exercise 3.2: allreduce_ring'" in message and "Put that first line back" in message
-    assert "Put that" not in _outcome(ring, cell, True, {"healthy": True}, 40, lost=False)[1]
+    assert "'# Exercise 3.2: allreduce_ring'" in message and "keep its first line" in message
+    syntax = _note(ring, False, "SyntaxError: invalid syntax (<ipython-input>, line 7)")
+    assert _outcome(ring, cell, True, {"healthy": True}, 40, syntax)[1].endswith(
+        "The exercise's cell raised an error before the check ran: SyntaxError: invalid syntax (<ipython-input>, line 7)"
+    )
+    assert _note(ring, False, None) == ""
 
 
 def test_student_names():
     assert student_name(Path("in/alice.ipynb"), "03_allreduce.ipynb") == "alice"
     assert student_name(Path("submitted/bob/lab03/03_allreduce.ipynb"), "03_allreduce.ipynb") == "bob"
     assert student_name(Path("carol/03_allreduce.ipynb"), "03_allreduce.ipynb") == "carol"
+    assert student_name(Path("03_allreduce.ipynb"), "03_allreduce.ipynb") == Path.cwd().name != ""
 
 
 def test_a_file_that_is_no_notebook_is_an_error_for_every_check(tmp_path):

@@ -108,6 +108,10 @@ class _Kernel:
         self.client = client
         self.reply: dict[str, Any] = {}  # the content of the last cell's execute reply
         client.on_cell_executed = self._executed
+        # The grader's own cells run as this code cell at the notebook's end: nbclient writes an output that a
+        # display updates later (%%px streams them) into the cell at the index it was given, so it must be one.
+        self.own = len(client.nb.cells)
+        client.nb.cells.append(nbformat.v4.new_code_cell(""))
 
     def _executed(self, cell: nbformat.NotebookNode, cell_index: int, execute_reply: dict) -> None:
         self.reply = execute_reply.get("content", {})
@@ -119,8 +123,8 @@ class _Kernel:
 
     def run_code(self, code: str) -> nbformat.NotebookNode | None:
         """Run code of the grader's own; the cell with its outputs, or None if it timed out."""
-        cell = nbformat.v4.new_code_cell(code)
-        return cell if self.run(cell, 0) else None
+        cell = self.client.nb.cells[self.own] = nbformat.v4.new_code_cell(code)
+        return cell if self.run(cell, self.own) else None
 
     def probe(self, function: str | None) -> dict:
         """{"healthy": ..., "reference": ...} from probe.report (healthy None: no cluster is running)."""
@@ -135,8 +139,8 @@ class _Kernel:
         cell = self.run_code(RESTART)
         if cell is None or any(output.output_type == "error" for output in cell.outputs):
             return "the engines could not be restarted: " + (_text(cell) if cell is not None else "it timed out")
-        for number, done in enumerate(replay):
-            if not self.run(nbformat.v4.new_code_cell(done.source), number):
+        for done in replay:
+            if self.run_code(done.source) is None:
                 return "replaying the cells before it timed out after the engines were restarted"
         return None
 
@@ -146,26 +150,34 @@ def _is_px(cell: nbformat.NotebookNode) -> bool:
 
 
 def _outcome(
-    check: Check, cell: nbformat.NotebookNode, finished: bool, state: dict[str, Any], timeout: float, lost: bool
+    check: Check, cell: nbformat.NotebookNode, finished: bool, state: dict[str, Any], timeout: float, note: str = ""
 ) -> tuple[str, str]:
     """(status, message) of a restored check cell: did it finish, and what did the probe after it say.
 
-    `lost`: no cell of the submission was found to be the exercise's, so the check ran after the one before it."""
+    `note`: why it may have failed (its exercise's cell not found, or that cell's error), added unless it passed."""
     if not finished:
         return "timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); the engines were restarted"
     status, message = verdict(check, cell, state.get("reference"))
-    if status != "passed" and lost:
-        message += (
-            f"\nNo cell of this notebook is {check.exercise}'s: none starts with '# {check.exercise}: "
-            f"{check.function}' or defines {check.function}, so the check ran where the check before it did. "
-            f"Put that first line back at the top of the exercise's cell, and name the function {check.function}."
-        )
+    if status != "passed":
+        message += note
     if status != "passed" and state.get("healthy") is False:
         return "error", (
             f"{message}\nThe engines died or stopped answering during this check "
             f"({state.get('problem', 'MPI ended the job')}); they were restarted."
         )
     return status, message
+
+
+def _note(check: Check, lost: bool, raised: str | None) -> str:
+    """What the result of a check that did not pass adds: its exercise's cell lost, or the error that cell raised."""
+    if lost:
+        return (
+            f"\nNo cell of this notebook is {check.exercise}'s: none starts with '# {check.exercise}: "
+            f"{check.function}' or defines {check.function}, so the check ran where the check before it did. "
+            f"Copy the exercise's cell from the lab if it is gone, keep its first line, and name the function "
+            f"{check.function}."
+        )
+    return f"\nThe exercise's cell raised an error before the check ran: {raised}" if raised else ""
 
 
 def grade(
@@ -180,8 +192,13 @@ def grade(
     except Exception as err:  # not JSON, or not a notebook: nothing to run
         problem = f"{path.name} is not a notebook that can be read ({type(err).__name__}: {err}); nothing ran"
     else:
-        with tempfile.TemporaryDirectory(prefix="ddlab-kernel-") as sockets:
-            problem = _run(*prepare(lab, submitted), path, timeout, outcomes, seed, sockets)
+        try:
+            with tempfile.TemporaryDirectory(prefix="ddlab-kernel-") as sockets:
+                problem = _run(*prepare(lab, submitted), path, timeout, outcomes, seed, sockets)
+        except (
+            Exception
+        ) as err:  # the grader's own failure: this submission's checks not run are errors, the next one is graded
+            problem = f"the grader failed on this notebook ({type(err).__name__}: {err}); grade it by hand or report it"
     results = []
     for check in checks(lab):
         status, message = outcomes.get(check.grade_id, ("error", problem))
@@ -218,7 +235,7 @@ def _run(
         error_on_timeout={"ename": TIMED_OUT, "evalue": "", "traceback": []},
         resources={"metadata": {"path": str(path.resolve().parent)}},
     )
-    kernel, replay = _Kernel(client), []
+    kernel, replay, raised = _Kernel(client), [], None
     env = {key: value for key, value in os.environ.items() if key != SEED_VARIABLE}
     if seed is not None:
         env[SEED_VARIABLE] = str(seed)
@@ -233,9 +250,13 @@ def _run(
                     kernel.probe(check.function if check else None) if finished else {"healthy": False}
                 )
                 if check is not None:
-                    outcomes[check.grade_id] = _outcome(check, cell, finished, state, timeout, check.grade_id in lost)
-                elif finished and state.get("healthy") and _is_px(cell):
-                    replay.append(cell)
+                    note = _note(check, check.grade_id in lost, raised)
+                    outcomes[check.grade_id] = _outcome(check, cell, finished, state, timeout, note)
+                else:  # a checked exercise's cell is the last one of these before its check
+                    failed = any(output.output_type == "error" for output in cell.get("outputs", []))
+                    raised = ": ".join(_raised(_text(cell))).splitlines()[0] if failed else None
+                    if finished and state.get("healthy") and _is_px(cell):
+                        replay.append(cell)
                 if not finished or state.get("healthy") is False:
                     problem = kernel.recover(replay)
                     if problem is not None:

@@ -21,32 +21,34 @@ def is_check(cell: nbformat.NotebookNode) -> bool:
     )
 
 
-def _defines(function: str) -> re.Pattern[str]:
-    """A line that defines `function` (a def, async or not, or an assignment to its name)."""
-    return re.compile(
-        rf"^\s*(?:(?:async\s+)?def\s+{re.escape(function)}\s*\(|{re.escape(function)}\s*=[^=])", re.MULTILINE
-    )
+def _defines(function: str, assigned: bool = False) -> re.Pattern[str]:
+    """A line that defines `function`: a def (async or not), or with `assigned` an assignment to its name."""
+    name = re.escape(function)
+    return re.compile(rf"^\s*{name}\s*=[^=]" if assigned else rf"^\s*(?:async\s+)?def\s+{name}\s*\(", re.MULTILINE)
 
 
 def _exercise_cell(cells: list[nbformat.NotebookNode], check: Check) -> int | None:
-    """Index of the last code cell of the check's exercise, or None if the submission has none.
+    """Index of the cell after which the check goes, or None if the submission has no cell of its exercise.
 
-    The cell is found by its first line ("# Exercise 3.2: allreduce_ring"); if a student
-    changed that line, by the id nbgrader's metadata gave the cell, and then by the cell
-    that defines the exercise's function."""
-    own_id = exercise_id(check.exercise, check.function)
-    ways = (
-        lambda cell: any(match.group(1) == check.exercise for match in EXERCISE_RE.finditer(cell.source)),
-        lambda cell: (
-            re.fullmatch(rf"{own_id}(_\d+)?", cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", ""))
-            is not None
-        ),
-        lambda cell: _defines(check.function).search(cell.source) is not None,
-    )
-    for way in ways:
-        found = [index for index, cell in enumerate(cells) if cell.cell_type == "code" and way(cell)]
-        if found:
-            return found[-1]
+    The exercise's cells are found by their first line ("# Exercise 3.2: allreduce_ring") or, if a student
+    changed it, by the id nbgrader's metadata gave them; the cells that define the exercise's function count too
+    (an answer written in a new cell below the stub). The check goes after the last of these; with none, after
+    the last cell that assigns the function's name."""
+    own_id = re.compile(rf"{exercise_id(check.exercise, check.function)}(_\d+)?")
+
+    def is_own(cell: nbformat.NotebookNode) -> bool:
+        grade_id = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
+        headers = (match.group(1) for match in EXERCISE_RE.finditer(cell.source))
+        return (
+            check.exercise in headers
+            or own_id.fullmatch(grade_id) is not None
+            or bool(_defines(check.function).search(cell.source))
+        )
+
+    for found in (is_own, lambda cell: bool(_defines(check.function, assigned=True).search(cell.source))):
+        indices = [index for index, cell in enumerate(cells) if cell.cell_type == "code" and found(cell)]
+        if indices:
+            return indices[-1]
     return None
 
 
@@ -84,4 +86,5 @@ def student_name(path: Path, lab_name: str) -> str:
     """The file's name, or for nbgrader's layout (submitted/STUDENT/ASSIGNMENT/LAB.ipynb) the student's folder."""
     if path.name != lab_name:
         return path.stem
+    path = path.resolve()  # a file of the lab's own name given bare: its folder's name
     return path.parent.parent.name if path.parent.parent.parent.name == "submitted" else path.parent.name
