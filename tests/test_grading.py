@@ -295,7 +295,7 @@ def parse_canvas_import(text: str) -> tuple[dict[str, float], list[dict]]:
 
 
 def test_the_canvas_file_without_a_roster_names_students_by_login_and_refuses_unknown_ones(tmp_path):
-    from ddlab.tools.grading.canvas import read_roster, write_canvas
+    from ddlab.tools.grading.canvas import check_roster, read_roster, write_canvas
     from ddlab.tools.grading.run import Result
 
     lab_checks = checks(LAB)
@@ -307,8 +307,10 @@ def test_the_canvas_file_without_a_roster_names_students_by_login_and_refuses_un
     (tmp_path / "export.csv").write_text(CANVAS_EXPORT)
     roster = read_roster(tmp_path / "export.csv")
     assert [r["SIS Login ID"] for r in roster] == [login for _, _, login in ROSTER]
-    with pytest.raises(SystemExit, match="no student 'alice' in the roster"):
+    with pytest.raises(SystemExit, match="not in the roster: 'alice'"):
         write_canvas(results, "Lab 3", tmp_path / "again.csv", roster)
+    with pytest.raises(SystemExit, match="not in the roster: 'alice', 'bob' "):  # every one named at once
+        check_roster(["solution", "alice", "fitted", "bob"], roster)
     (tmp_path / "other.csv").write_text("name,score\nalice,3\n")
     with pytest.raises(SystemExit, match="is not a Canvas gradebook export"):
         read_roster(tmp_path / "other.csv")

@@ -40,18 +40,33 @@ def read_roster(path: Path) -> list[dict[str, str]]:
     return [r for r in rows if r["Student"].strip() != POINTS_POSSIBLE and r["Student"].strip() != "Student, Test"]
 
 
-def identity(student: str, roster: list[dict[str, str]] | None) -> dict[str, str]:
-    """The five student columns of a student, from the roster; SystemExit saying what to do if not in it."""
-    if roster is None:
-        return {"Student": student, "ID": "", "SIS User ID": "", "SIS Login ID": student, "Section": ""}
+def _row(student: str, roster: list[dict[str, str]]) -> dict[str, str] | None:
+    """The student's roster row, found by SIS Login ID, SIS User ID, ID or name; None if not there."""
     for key in ("SIS Login ID", "SIS User ID", "ID", "Student"):
         for row in roster:
             if row[key].strip() == student:
-                return {c: row[c] for c in STUDENT_COLUMNS}
-    raise SystemExit(
-        f"ddlab grade: no student {student!r} in the roster (looked in its SIS Login ID, SIS User ID, ID and "
-        "Student columns); name the submission after the student's login, or add them to the roster"
-    )
+                return row
+    return None
+
+
+def check_roster(students: list[str], roster: list[dict[str, str]]) -> None:
+    """SystemExit naming every student not in the roster, and what to do, before any grading."""
+    unknown = [student for student in students if _row(student, roster) is None]
+    if unknown:
+        raise SystemExit(
+            f"ddlab grade: not in the roster: {', '.join(map(repr, unknown))} (looked in its SIS Login ID, SIS User "
+            "ID, ID and Student columns); name each submission after the student's login, or add them to the roster"
+        )
+
+
+def identity(student: str, roster: list[dict[str, str]] | None) -> dict[str, str]:
+    """The five student columns of a student, from the roster (without one: the name as name and login)."""
+    if roster is None:
+        return {"Student": student, "ID": "", "SIS User ID": "", "SIS Login ID": student, "Section": ""}
+    check_roster([student], roster)
+    row = _row(student, roster)
+    assert row is not None
+    return {c: row[c] for c in STUDENT_COLUMNS}
 
 
 def write_canvas(results: list[Result], assignment: str, path: Path, roster: list[dict[str, str]] | None) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 
 from ...runtime.cluster import CLUSTERS_DIR
-from .canvas import identity, read_roster, write_canvas
+from .canvas import check_roster, read_roster, write_canvas
 from .gradescope import write_autograder
 from .report import feedback_html, write_sheet
 from .run import clean_up, grade, private_ipython_dir
@@ -88,8 +88,8 @@ def main(args: argparse.Namespace) -> int:
             "ddlab grade: give the submitted notebooks to grade, or --gradescope ZIP to export the autograder"
         )
     roster = read_roster(args.roster) if args.roster is not None else None
-    for path in args.submissions if args.canvas is not None else []:
-        identity(student_name(path, lab_path.name), roster)  # refuse an unknown student before grading
+    if args.canvas is not None and roster is not None:  # refuse unknown students before grading
+        check_roster([student_name(path, lab_path.name) for path in args.submissions], roster)
     lab = nbformat.read(lab_path, as_version=4)
     missing = [str(p) for p in args.submissions if not p.is_file()]
     if missing:
