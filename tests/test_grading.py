@@ -577,3 +577,19 @@ def test_the_gradescope_autograder_says_what_to_upload_when_no_notebook_came(tmp
     graded = json.loads(results.read_text())
     assert graded["score"] == 0 and [t["score"] for t in graded["tests"]] == [0, 0, 0]
     assert "upload exactly one notebook, 03_allreduce.ipynb" in graded["output"]
+
+
+def test_an_engines_error_is_named_not_ipyparallel_s_count_of_them():
+    from ddlab.tools.grading.run import _outcome, _raised
+
+    text = "AlreadyDisplayedError: 4 errors\n[2:execute]\nZeroDivisionError: division by zero"
+    assert _raised(text) == ("ZeroDivisionError", "division by zero")
+    assert _raised("AlreadyDisplayedError: 4 errors") == ("AlreadyDisplayedError", "4 errors")
+    (ring,) = [c for c in checks(LAB) if c.function == "allreduce_ring"]
+    summary = nbformat.v4.new_output("error", ename="AlreadyDisplayedError", evalue="4 errors", traceback=[])
+    cell = nbformat.v4.new_code_cell(ring.source, outputs=[summary])
+    status, message = _outcome(ring, cell, True, {"healthy": False, "problem": "rank 2 exited with code 9"}, 40)
+    assert (status, message) == (
+        "error",
+        "The engines died or stopped answering during this check (rank 2 exited with code 9); they were restarted.",
+    )

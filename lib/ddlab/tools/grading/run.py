@@ -44,6 +44,7 @@ TIMED_OUT = "CellTimeoutError"  # the error nbclient reports for a cell it inter
 VERDICTS = ("CheckFailed", "NotImplementedError")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _EXCEPTION = re.compile(r"^(\w+): (.*)$")
+_SUMMARIES = ("AlreadyDisplayedError", "CompositeError")  # ipyparallel's: "N errors", the engines' own above or below
 
 
 @dataclass
@@ -72,10 +73,19 @@ def _text(cell: nbformat.NotebookNode) -> str:
 
 
 def _raised(text: str) -> tuple[str, str]:
-    """The first exception reported in a cell's text, with its message's lines: (name, message)."""
+    """The first exception reported in a cell's text, with its message's lines: (name, message); ipyparallel's
+    summaries of the engines' errors ("AlreadyDisplayedError: 4 errors") only if the text names no other."""
     lines = text.splitlines()
     for number, line in enumerate(lines):
         match = _EXCEPTION.match(line)
+        if (
+            match
+            and match.group(1) in _SUMMARIES
+            and any(
+                (other := _EXCEPTION.match(later)) and other.group(1) not in _SUMMARIES for later in lines[number + 1 :]
+            )
+        ):
+            continue
         if match and (match.group(1).endswith(("Error", "Exception", "Interrupt")) or match.group(1) in VERDICTS):
             rest = []
             for more in lines[number + 1 :]:
@@ -156,15 +166,20 @@ def _outcome(
 
     `note`: why it may have failed (its exercise's cell not found, or that cell's error), added unless it passed."""
     if not finished:
-        return "timed out", f"the check did not finish within {timeout:.0f} s (a deadlock?); the engines were restarted"
+        return "timed out", (
+            f"the check did not finish within {timeout:.0f} s, so the engines were restarted: a loop that never ends, "
+            "or a deadlock (such as a call on the notebook's comm or MPI.COMM_WORLD instead of the communicator the "
+            "check passes, which the check's own deadline cannot interrupt)"
+        )
     status, message = verdict(check, cell, state.get("reference"))
     if status != "passed":
         message += note
     if status != "passed" and state.get("healthy") is False:
-        return "error", (
-            f"{message}\nThe engines died or stopped answering during this check "
-            f"({state.get('problem', 'MPI ended the job')}); they were restarted."
+        died = (
+            f"The engines died or stopped answering during this check ({state.get('problem', 'MPI ended the job')}); "
+            "they were restarted."
         )
+        return "error", died if message.startswith(_SUMMARIES) else f"{message}\n{died}"
     return status, message
 
 
