@@ -207,12 +207,11 @@ def grade(
     except Exception as err:  # not JSON, or not a notebook: nothing to run
         problem = f"{path.name} is not a notebook that can be read ({type(err).__name__}: {err}); nothing ran"
     else:
+        # The grader's own failure too is this submission's alone: its checks not run are errors, the next is graded.
         try:
             with tempfile.TemporaryDirectory(prefix="ddlab-kernel-") as sockets:
                 problem = _run(*prepare(lab, submitted), path, timeout, outcomes, seed, sockets)
-        except (
-            Exception
-        ) as err:  # the grader's own failure: this submission's checks not run are errors, the next one is graded
+        except Exception as err:
             problem = f"the grader failed on this notebook ({type(err).__name__}: {err}); grade it by hand or report it"
     results = []
     for check in checks(lab):
