@@ -362,15 +362,15 @@ def check_recover(fn: Callable[[Any, int], tuple[Any, int]], timeout: float = 60
         context += named(draw)
         target = functools.partial(_recover_scenario, fn=fn, victim=victim, second=second, done=done)
         result = run_job(target, ranks, timeout)
+        hang = (  # the run with one death went through: a hang in the second is the death during the recovery
+            "A collective on the old communicator waits for the dead rank (or for a survivor that gave up): "
+            "revoke it, then shrink it"
+            if second is None
+            else f"A collective on the new communicator waits for the rank that died (or for a survivor that gave "
+            f"up): {RETRY_HINT}"
+        )
         _fail(
-            _job_problem(
-                result,
-                "recover",
-                timeout,
-                "A collective on the old communicator waits for the dead rank (or for a survivor that gave up): "
-                "revoke it, then shrink it",
-                escaped=RETRY_HINT if second is not None else None,
-            ),
+            _job_problem(result, "recover", timeout, hang, escaped=RETRY_HINT if second is not None else None),
             context,
         )
         alive = [r for r in range(ranks) if r not in (victim, second)]
