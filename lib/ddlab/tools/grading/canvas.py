@@ -53,19 +53,24 @@ def check_roster(students: list[str], roster: list[dict[str, str]]) -> None:
     """SystemExit naming every student not in the roster, and what to do, before any grading."""
     unknown = [student for student in students if _row(student, roster) is None]
     if unknown:
-        raise SystemExit(
-            f"ddlab grade: not in the roster: {', '.join(map(repr, unknown))} (looked in its SIS Login ID, SIS User "
-            "ID, ID and Student columns); name each submission after the student's login, or add them to the roster"
-        )
+        raise SystemExit(_not_in_roster(unknown))
+
+
+def _not_in_roster(unknown: list[str]) -> str:
+    """What to say of students the roster lacks, and what to do."""
+    return (
+        f"ddlab grade: not in the roster: {', '.join(map(repr, unknown))} (looked in its SIS Login ID, SIS User "
+        "ID, ID and Student columns); name each submission after the student's login, or add them to the roster"
+    )
 
 
 def identity(student: str, roster: list[dict[str, str]] | None) -> dict[str, str]:
     """The five student columns of a student, from the roster (without one: the name as name and login)."""
     if roster is None:
         return {"Student": student, "ID": "", "SIS User ID": "", "SIS Login ID": student, "Section": ""}
-    check_roster([student], roster)
     row = _row(student, roster)
-    assert row is not None
+    if row is None:
+        raise SystemExit(_not_in_roster([student]))
     return {c: row[c] for c in STUDENT_COLUMNS}
 
 
